@@ -1,0 +1,120 @@
+"""Plain records of one step's batch: the scheduler-ordered global batch and a
+PCP rank's local batch. NumPy only; producers convert their tensors to these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["GlobalBatch", "LocalBatch"]
+
+
+@dataclass(frozen=True, eq=False)
+class GlobalBatch:
+    """The global batch as ``GPUModelRunner.prepare_inputs`` builds it (before PCP).
+
+    ``num_computed_tokens`` is the CPU cursor, an *upper bound* after a
+    speculative rejection; ``positions`` come from the GPU cursor, which is the
+    truth. The two agree unless drafts were rejected in the previous step.
+    """
+
+    req_ids: tuple[str, ...]  # R
+    idx_mapping: np.ndarray  # int64[R]: request-state slot (block-table row) of each row
+    num_scheduled_tokens: np.ndarray  # int64[R]
+    num_computed_tokens: np.ndarray  # int64[R]: CPU cursor (upper bound)
+    positions: np.ndarray  # int64[T]
+    input_ids: np.ndarray  # int64[T]
+    prefill_len: np.ndarray  # int64[R]: prompt length (tokens that count as prefill)
+    is_prefilling: np.ndarray  # bool[R]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.num_scheduled_tokens.sum())
+
+    @property
+    def query_start_loc(self) -> np.ndarray:  # int64[R+1]
+        qsl = np.zeros(self.num_reqs + 1, dtype=np.int64)
+        np.cumsum(self.num_scheduled_tokens, out=qsl[1:])
+        return qsl
+
+    @property
+    def seq_lens(self) -> np.ndarray:  # int64[R]: GPU view, last position + 1
+        qsl = self.query_start_loc
+        out = np.zeros(self.num_reqs, dtype=np.int64)
+        has = self.num_scheduled_tokens > 0
+        out[has] = self.positions[qsl[1:][has] - 1] + 1
+        out[~has] = self.num_computed_tokens[~has]
+        return out
+
+    @classmethod
+    def build(
+        cls,
+        num_scheduled_tokens: Sequence[int],
+        num_computed_tokens: Sequence[int],
+        *,
+        prefill_len: Sequence[int] | None = None,
+        is_prefilling: Sequence[bool] | None = None,
+        req_ids: Sequence[str] | None = None,
+        idx_mapping: Sequence[int] | None = None,
+        input_ids: Sequence[int] | None = None,
+        positions: Sequence[int] | None = None,
+    ) -> "GlobalBatch":
+        """A batch with defaults filled in: positions from the cursors, a row
+        prefilling iff ``num_computed < prefill_len``, ``idx_mapping = arange``,
+        and token ids equal to positions (handy for eyeballing layouts)."""
+        q = np.asarray(num_scheduled_tokens, dtype=np.int64)
+        nc = np.asarray(num_computed_tokens, dtype=np.int64)
+        r = q.shape[0]
+        if nc.shape != (r,):
+            raise ValueError(f"num_computed_tokens needs {r} entries, got {nc.shape}")
+        pl = nc + q if prefill_len is None else np.asarray(prefill_len, dtype=np.int64)
+        pf = nc < pl if is_prefilling is None else np.asarray(is_prefilling, dtype=np.bool_)
+        if positions is None:
+            pos = np.concatenate([np.arange(c, c + n) for c, n in zip(nc, q)] or [[]])
+        else:
+            pos = np.asarray(positions)
+        pos = pos.astype(np.int64)
+        ids = pos.copy() if input_ids is None else np.asarray(input_ids, dtype=np.int64)
+        if pos.shape != (int(q.sum()),) or ids.shape != pos.shape:
+            raise ValueError(f"positions/input_ids need {int(q.sum())} entries")
+        rid = tuple(req_ids) if req_ids is not None else tuple(f"r{i}" for i in range(r))
+        idx = np.arange(r, dtype=np.int64) if idx_mapping is None else np.asarray(idx_mapping, dtype=np.int64)
+        return cls(rid, idx, q, nc, pos, ids, pl, pf)
+
+
+@dataclass(frozen=True, eq=False)
+class LocalBatch:
+    """One PCP rank's local batch, as ``PCPManager.partition_batch`` returns it.
+
+    Rows are segments (a request may appear twice: head and tail chunk).
+    Arrays sized ``num_reqs_padded`` carry padding rows past ``num_reqs``.
+    """
+
+    rank: int
+    req_ids: tuple[str, ...]  # R_loc
+    global_req_idx: np.ndarray  # int64[R_loc]: global row of each local row
+    idx_mapping: np.ndarray  # int64[R_loc]: request-state slot, repeats allowed
+    num_scheduled_tokens: np.ndarray  # int32[R_loc]
+    num_tokens: int
+    num_tokens_padded: int  # P
+    num_reqs: int  # R_loc
+    num_reqs_padded: int
+    query_start_loc: np.ndarray  # int32[R_loc_pad+1]; padded tail = num_tokens
+    input_ids: np.ndarray  # int32[P]; padding 0
+    positions: np.ndarray  # int64[P]; padding 0
+    seq_lens: np.ndarray  # int32[R_loc_pad]: last local position + 1; padding 0
+    logits_indices: np.ndarray  # int64[R_loc_pad]: query_start_loc[1:] - 1 (never sampled)
+    is_prefilling: np.ndarray  # bool[R_loc_pad]
+    is_padding: np.ndarray  # bool[P]
+    num_computed_tokens: np.ndarray  # int32[R_loc]: CPU cursor + chunk offset
+    seq_lens_cpu_upper_bound: np.ndarray  # int32[R_loc_pad]
+    gather_idx: np.ndarray  # int64[P]: global token of each local row
+    global_query_lens: np.ndarray  # int32[R_loc]: the whole request's query length
+    is_placeholder: bool  # the rank had no rows; one empty row for global row 0
