@@ -1,0 +1,118 @@
+"""The ``pcpviz`` command line.
+
+    pcpviz layout --pcp 2 --batch p13,d1,d4          # DualChunkSwap rows, maps, write mask
+    pcpviz layout --pcp 4 --batch p40,d2@31 --decodes replicated --dcp 4 --pad 48
+    pcpviz layout --pcp 2 --batch p13,d1 --json      # the layout as JSON
+
+Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad input (one-line reason
+on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, Sequence
+
+__all__ = ["main", "UsageError"]
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _cmd_layout(args: argparse.Namespace) -> int:
+    from pcpviz.batchspec import parse_batch_spec
+    from pcpviz.diagram import render_layout
+    from pcpviz.layout import plan_layout
+
+    try:
+        spec = parse_batch_spec(args.batch)
+        shard = None if args.decodes == "auto" else args.decodes == "sharded"
+        layout = plan_layout(
+            spec.num_scheduled_tokens, spec.is_prefilling, args.pcp,
+            shard_decode_requests=shard, dcp_world_size=args.dcp, padded_num_tokens=args.pad,
+        )
+    except ValueError as e:
+        raise UsageError(f"pcpviz layout: --batch {args.batch!r}: {e}") from None
+    names = [f"{k}{i}" for i, k in enumerate(spec.kinds)]
+    if args.json:
+        doc = {
+            "pcp": layout.pcp_world_size,
+            "dcp": layout.dcp_world_size,
+            "shard_decode_requests": layout.shard_decode_requests,
+            "req_ids": names,
+            "segments_by_rank": [
+                [dict(global_req_idx=s.global_req_idx, global_start=s.global_start,
+                      global_stop=s.global_stop, local_start=s.local_start, local_stop=s.local_stop)
+                 for s in segs]
+                for segs in layout.segments_by_rank
+            ],
+            "per_rank_num_tokens": list(layout.per_rank_num_tokens),
+            "padded_num_tokens": layout.padded_num_tokens,
+            "padded_gather_idx": layout.padded_gather_idx.tolist(),
+            "hidden_restore_idx": layout.hidden_restore_idx.tolist(),
+            "kv_write_mask": layout.kv_write_mask.tolist(),
+        }
+        print(json.dumps(doc, indent=1))
+    else:
+        print(render_layout(layout, names))
+    return EXIT_OK
+
+
+def _add_layout(sub) -> None:
+    p = sub.add_parser("layout", help="draw the PCP layout of a batch", description=_cmd_layout.__doc__)
+    p.add_argument("--pcp", type=_positive_int, required=True, help="PCP world size N")
+    p.add_argument("--batch", required=True,
+                   help="rows like p13,p10@12,d4@20 (p=prefill, d=decode; @ = computed tokens)")
+    p.add_argument("--dcp", type=_positive_int, default=1, help="DCP world size (default 1)")
+    p.add_argument("--decodes", choices=["auto", "sharded", "replicated"], default="auto",
+                   help="decode placement; auto = vLLM's default (sharded iff DCP == 1)")
+    p.add_argument("--pad", type=int, default=None, help="CUDA-graph token count P")
+    p.add_argument("--json", action="store_true", help="print the layout as JSON")
+    p.set_defaults(func=_cmd_layout)
+
+
+# Each subcommand registers itself here: (adder, ...). Kept as a list so the
+# engine, checks and export commands plug in without touching the others.
+SUBCOMMANDS: list[Callable] = [_add_layout]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pcpviz", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args))
+    except UsageError as e:
+        print(str(e).splitlines()[0], file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
