@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["GlobalBatch", "LocalBatch"]
+__all__ = ["GlobalBatch", "LocalBatch", "scheduler_row_order"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,3 +118,14 @@ class LocalBatch:
     gather_idx: np.ndarray  # int64[P]: global token of each local row
     global_query_lens: np.ndarray  # int32[R_loc]: the whole request's query length
     is_placeholder: bool  # the rank had no rows; one empty row for global row 0
+
+
+def scheduler_row_order(
+    num_tokens: Sequence[int], has_drafts: Sequence[bool], decode_query_len: int
+) -> list[int]:
+    """The global row order vLLM 0.33.0 gives the scheduled requests
+    (``sort_batch_req_ids``): requests carrying drafts first, then those whose
+    query is exactly ``decode_query_len`` (1 + K), then by query length; stable.
+    Returns indices into the inputs."""
+    keys = [(not d, n != decode_query_len, n) for n, d in zip(num_tokens, has_drafts)]
+    return sorted(range(len(keys)), key=keys.__getitem__)
