@@ -1,0 +1,49 @@
+"""environment.yml's pip section must list exactly pyproject's dependencies
+(+ the test extra), with the same version specifiers, so conda users and pip
+users get the same packages."""
+
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _norm(req: str) -> str:
+    name, spec = re.match(r"^\s*([A-Za-z0-9_.\-\[\]]+)\s*(.*)$", req).groups()
+    return name.lower().replace("_", "-") + spec.replace(" ", "")
+
+
+def _pip_section(text: str) -> list[str]:
+    lines, inside = [], False
+    for line in text.splitlines():
+        if re.match(r"^\s*-\s*pip:\s*$", line):
+            inside = True
+            continue
+        if inside:
+            m = re.match(r"^\s{4,}-\s*(.+?)\s*$", line)
+            if not m:
+                break
+            if not m.group(1).startswith("-e"):
+                lines.append(m.group(1))
+    return lines
+
+
+def test_environment_pip_section_equals_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    expected = sorted(_norm(r) for r in project["dependencies"] + project["optional-dependencies"]["test"])
+    got = sorted(_norm(r) for r in _pip_section((ROOT / "environment.yml").read_text()))
+    assert got == expected, f"environment.yml pip section drifted from pyproject.toml: {set(got) ^ set(expected)}"
+
+
+def test_drift_is_detected(tmp_path):
+    text = (ROOT / "environment.yml").read_text().replace("plotly>=6.0", "plotly>=5.0")
+    assert "plotly>=5.0" in _pip_section(text)
+    assert sorted(_norm(r) for r in _pip_section(text)) != sorted(
+        _norm(r) for r in _pip_section((ROOT / "environment.yml").read_text())
+    )
+
+
+def test_cpu_constraints_pin_torch_and_triton():
+    text = (ROOT / "requirements" / "cpu-constraints.txt").read_text()
+    assert re.search(r"^torch==2\.13\.0$", text, re.M) and re.search(r"^triton==\d", text, re.M)
