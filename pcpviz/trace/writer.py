@@ -1,0 +1,259 @@
+"""Streaming per-rank trace writer and the run's meta file.
+
+Each rank process owns one ``TraceWriter``; nothing is shared between ranks except ``run.json``,
+which is replaced atomically. One ``write_step`` call is one engine step::
+
+    with TraceWriter(run_dir, rank, meta=meta if rank == 0 else None) as w:
+        for step in ...:
+            w.write_step(step, {
+                "target":  {"positions": pos, "segments": segs, ...},   # int64[T], SEGMENT_DTYPE[S]
+                "draft_0": {"view": "rank_local", ...},
+                "verify":  {"num_accepted": acc, ...},                  # int[R]
+            })
+
+Atomicity: the whole step is validated and encoded first (a bad view raises ``ValueError`` and
+writes nothing), then serialized into one IPC message and handed to the kernel with one
+``write`` loop. The file is unbuffered at the Python level, so a step that ``write_step``
+returned from survives the process being killed (``fsync=True`` additionally survives a machine
+crash, at a cost per step). A kill during the write leaves a partial trailing message, which the
+reader drops with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from numbers import Integral
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from . import schema as S
+
+__all__ = ["TraceWriter", "write_run_meta"]
+
+_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # Arrow IPC end-of-stream marker
+
+
+def _write_all(fd: int, data) -> None:
+    """Write every byte of ``data`` to ``fd`` (os.write may write less than asked)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        return obj.tolist()
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def _dump_meta(run_dir: Path, meta: Mapping[str, Any]) -> Path:
+    """run.json's text in a temporary file next to it (fsynced); returns its path."""
+    doc = S.run_meta_with_version(meta)
+    try:
+        text = json.dumps(doc, indent=2, sort_keys=False, default=_json_default, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{run_dir / S.RUN_META_FILE}: run meta is not JSON: {exc}") from None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".run.json.", suffix=".tmp", dir=run_dir)
+    try:
+        _write_all(fd, (text + "\n").encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return Path(tmp)
+
+
+def write_run_meta(run_dir: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
+    """Write ``run_dir/run.json`` atomically (temp file + ``os.replace``); returns its path.
+
+    ``pcpviz_trace_schema`` is added (first key). NumPy scalars/arrays are converted to JSON.
+    """
+    run_dir = Path(run_dir)
+    tmp = _dump_meta(run_dir, meta)
+    final = run_dir / S.RUN_META_FILE
+    os.replace(tmp, final)
+    return final
+
+
+def _ensure_run_meta(run_dir: Path) -> None:
+    """Create a minimal run.json if there is none, never clobbering one another rank wrote.
+
+    ``os.link`` fails if the target exists, so this cannot race with ``write_run_meta``.
+    """
+    final = run_dir / S.RUN_META_FILE
+    if final.exists():
+        return
+    tmp = _dump_meta(run_dir, {})
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+
+
+def _as_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, Integral):
+        raise ValueError(f"step must be an int, got {step!r}")
+    step = int(step)
+    if not -(2**63) <= step < 2**63:
+        raise ValueError(f"step {step} does not fit int64")
+    return step
+
+
+class TraceWriter:
+    """Appends one rank's steps to ``run_dir/rank{rank}.arrow``.
+
+    ``meta``: if given, written to run.json (usually by rank 0 only). Without it a minimal
+    run.json is created when none exists, so the run is readable even if no rank passes meta.
+    ``overwrite``: replace an existing rank file (its old inode stays valid for readers that
+    have it open); by default an existing file is an error, so a re-run never destroys a trace.
+    ``fsync``: fsync after every step (durable across a machine crash; slower).
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int, meta: Mapping[str, Any] | None = None,
+                 *, overwrite: bool = False, fsync: bool = False):
+        if isinstance(rank, bool) or not isinstance(rank, Integral) or rank < 0:
+            raise ValueError(f"rank must be an int >= 0, got {rank!r}")
+        self.run_dir = Path(run_dir)
+        self.rank = int(rank)
+        self.path = self.run_dir / S.rank_file_name(self.rank)
+        self.fsync = bool(fsync)
+        self.last_step: int | None = None
+        self._broken: str | None = None
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if meta is not None:
+            write_run_meta(self.run_dir, meta)
+        else:
+            _ensure_run_meta(self.run_dir)
+        if overwrite and self.path.exists():
+            self.path.unlink()
+        try:
+            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            raise FileExistsError(f"{self.path}: already exists; pass overwrite=True to replace it "
+                                  "or write to a new run directory") from None
+        self._write(S.arrow_schema(self.rank).serialize())
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def closed(self) -> bool:
+        return self._fd is None
+
+    def write_step(self, step: int, phases: Mapping[str, Mapping[str, Any]]) -> None:
+        """Append one complete engine step: ``{phase: {view: array-like}}``.
+
+        Raises ValueError (naming the step, phase and view) before writing anything if the step
+        does not increase, a phase or view name is invalid, or a value cannot be stored.
+        """
+        if self._fd is None:
+            raise ValueError(f"{self.path}: writer is closed")
+        if self._broken:
+            raise ValueError(f"{self.path}: an earlier write failed ({self._broken}); "
+                             "the file ends with a partial step and cannot be appended to")
+        step = _as_step(step)
+        if self.last_step is not None and step <= self.last_step:
+            raise ValueError(f"step {step}: steps must strictly increase on a rank "
+                             f"(last written: {self.last_step})")
+        batch = self._encode_step(step, phases)
+        self._write(batch.serialize())
+        self.last_step = step
+
+    def close(self) -> None:
+        """Write the end-of-stream marker and close. Idempotent."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            if not self._broken:
+                _write_all(fd, _EOS)
+                if self.fsync:
+                    os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> "TraceWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"last_step={self.last_step}"
+        return f"TraceWriter({str(self.path)!r}, {state})"
+
+    # ------------------------------------------------------------------ internals
+
+    def _write(self, data) -> None:
+        try:
+            _write_all(self._fd, data)
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError as exc:
+            self._broken = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _encode_step(self, step: int, phases: Mapping[str, Mapping[str, Any]]) -> pa.RecordBatch:
+        """Validate and encode every view of the step into one record batch."""
+        where = f"step {step}"
+        if not isinstance(phases, Mapping) or not phases:
+            raise ValueError(f"{where}: phases must be a non-empty dict {{phase: {{view: value}}}}")
+        for phase in phases:
+            if not S.is_valid_phase(phase):
+                raise ValueError(f"{where}: phase {phase!r} is not valid "
+                                 "(target, verify, dummy or draft_<k>)")
+        rows: list[tuple[str, str, S.Encoded]] = []
+        for phase in sorted(phases, key=S.phase_sort_key):
+            views = phases[phase]
+            if not isinstance(views, Mapping) or not views:
+                raise ValueError(f"{where}: phase {phase!r}: views must be a non-empty dict")
+            for view, value in views.items():
+                if not S.is_valid_view_name(view):
+                    raise ValueError(f"{where}: phase {phase!r}: view name {view!r} is not an "
+                                     "identifier ([a-z][a-z0-9_]*)")
+                try:
+                    enc = S.encode_value(value)
+                except ValueError as exc:
+                    raise ValueError(f"{where}: phase {phase!r}: view {view!r}: {exc}") from None
+                rows.append((phase, view, enc))
+        return _build_batch(step, rows)
+
+
+def _build_batch(step: int, rows: list[tuple[str, str, S.Encoded]]) -> pa.RecordBatch:
+    """One record batch; payloads are copied once into a single aligned values buffer."""
+    sizes = [S.padded_size(len(enc.payload)) for _, _, enc in rows]
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)  # int64[n+1]
+    np.cumsum(sizes, out=offsets[1:])
+    values = np.zeros(int(offsets[-1]), dtype=np.uint8)  # uint8[total]: zero padding
+    crcs = np.empty(len(rows), dtype=np.uint32)  # uint32[n]
+    for i, (phase, view, enc) in enumerate(rows):
+        start, stop = int(offsets[i]), int(offsets[i + 1])
+        values[start:start + len(enc.payload)] = np.frombuffer(enc.payload, dtype=np.uint8)
+        if enc.tag == S.STR_TAG:
+            values[start + len(enc.payload):stop] = ord(" ")  # JSON ignores trailing spaces
+        crcs[i] = S.row_crc32(step, phase, view, enc.tag, enc.shape, values[start:stop].data)
+    index_crc = S.step_crc32(step, ((phase, view, enc.tag, enc.shape, size, int(crc))
+                                    for (phase, view, enc), size, crc in zip(rows, sizes, crcs)))
+    data = pa.LargeBinaryArray.from_buffers(
+        pa.large_binary(), len(rows), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
+    return pa.RecordBatch.from_arrays([
+        pa.array(np.full(len(rows), step, dtype=np.int64)),
+        pa.array([phase for phase, _, _ in rows], pa.string()),
+        pa.array([view for _, view, _ in rows], pa.string()),
+        pa.array([enc.tag for _, _, enc in rows], pa.string()),
+        pa.array([list(enc.shape) for _, _, enc in rows], pa.list_(pa.int64())),
+        data,
+        pa.array(crcs, pa.uint32()),
+        pa.array(np.full(len(rows), index_crc, dtype=np.uint32), pa.uint32()),
+    ], schema=S.ARROW_SCHEMA)
