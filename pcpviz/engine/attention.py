@@ -1,0 +1,58 @@
+"""The attention callback the model calls per layer, in the two PCP modes.
+
+* ``expanded`` (target forward and draft step 0): each rank's new latents are
+  all-gathered (``[P] -> [N*P]`` rows) and written through the gathered slot
+  mapping (PAD rows skipped), so every rank's replica receives every token's KV;
+  the rank's local queries then attend over their requests' whole context.
+* ``local`` (replicated draft decodes 1..K-1): every rank runs the same global
+  rows and writes its own replica through the unexpanded length-R mapping; no
+  collective.
+
+The fault ``fold_slot_mapping_without_shape_check`` lives here: it folds the
+mapping by the world size regardless of its shape, as the pre-fix indexer did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pcpviz.engine.dist import PCPGroup
+from pcpviz.engine.kv_cache import LatentKVCache, paged_mla_attention
+
+__all__ = ["PagedAttention"]
+
+
+@dataclass
+class PagedAttention:
+    model: object  # TinyDSV3
+    cache: LatentKVCache
+    group: PCPGroup
+    expanded: bool
+    slots: torch.Tensor  # int64[N*P] (expanded) or int64[R] (local)
+    block_rows: torch.Tensor  # int32[B, W]
+    query_start_loc: torch.Tensor  # int[B+1]
+    positions: torch.Tensor  # int64[Q]
+    seq_lens: torch.Tensor  # int[B]
+    fold_without_shape_check: bool = False
+    num_kv_rows_written: int = 0
+
+    def __call__(self, layer_idx, q_nope, q_pe, kv_c, k_pe):
+        latent = torch.cat([kv_c, k_pe], dim=-1)
+        slots = self.slots
+        if self.expanded:
+            latent = self.group.all_gather(latent)
+        elif self.fold_without_shape_check and self.group.world_size > 1:
+            # The bug: "num_tokens //= world_size" applied to an unexpanded mapping.
+            keep = slots.shape[0] // self.group.world_size
+            slots, latent = slots[:keep], latent[:keep]
+        self.cache.write(layer_idx, slots, latent)
+        self.num_kv_rows_written = int((slots >= 0).sum())
+        w_uk, w_uv = self.model.mla_up_weights(layer_idx)
+        out = paged_mla_attention(
+            q_nope, q_pe, self.cache.layers[layer_idx], self.block_rows, self.query_start_loc,
+            self.positions, self.seq_lens, w_uk, w_uv, self.cache.block_size,
+            self.model.config.softmax_scale,
+        )
+        return out.to(q_nope.dtype)

@@ -1,0 +1,70 @@
+"""The fault catalogue: known PCP + MTP bugs the engine can reproduce on purpose.
+
+Each fault is a single switch read at one place in the data path; the check
+that catches it is named so the debugging toolkit can be proven against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Fault", "FAULTS", "validate_faults"]
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    summary: str
+    where: str  # the vLLM code the bug lives in
+    caught_by: str  # the pcpviz.checks check that reports it
+
+
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    Fault(
+        "skip_draft_block_table_gather",
+        "the replicated draft decodes read BlockTables.input_block_tables without the gather back "
+        "to global order; under PCP the target never writes them, so the drafter attends the null "
+        "block (the bug the PR's reviewer caught)",
+        "TargetDependentARSpeculator.propose: block_tables.gather_block_tables before prepare_decode_inputs",
+        "draft_block_tables_global",
+    ),
+    Fault(
+        "fold_slot_mapping_without_shape_check",
+        "the KV write folds the slot mapping by the PCP world size unconditionally (the pre-fix "
+        "`if use_pcp:`), so a replicated draft decode's unexpanded length-R mapping keeps only R//N "
+        "rows and the other requests' draft KV is never written",
+        "sparse_attn_indexer: `if use_pcp and num_tokens > k.shape[0]`",
+        "draft_decode_replicated",
+    ),
+    Fault(
+        "positions_from_cpu_cursor",
+        "local positions are rebuilt from the CPU cursor (num_computed_tokens_np, an upper bound "
+        "after a rejection) instead of gathered from the global batch's GPU positions",
+        "PCPManager.partition_batch: index_select(global_batch.positions, local_gather_idx)",
+        "local_positions_are_global",
+    ),
+    Fault(
+        "sample_local_logits",
+        "sampling reads the rank-local hidden states at the global logits_indices, skipping "
+        "restore_for_sampling (all-gather + hidden_restore_idx)",
+        "GPUModelRunner.sample_tokens: pcp_manager.restore_for_sampling",
+        "local_logits_not_sampled",
+    ),
+    Fault(
+        "rank_divergent_acceptance",
+        "ranks other than 0 accept one draft fewer than rank 0, so their request cursors, draft "
+        "inputs and KV caches fork silently while the scheduler follows rank 0",
+        "rejection sampling must be identical on every PCP rank",
+        "ranks_agree",
+    ),
+)}
+
+
+def validate_faults(names) -> frozenset[str]:
+    names = list(names or [])
+    unknown = [n for n in names if n not in FAULTS]
+    if unknown:
+        raise ValueError(
+            f"unknown fault {unknown[0]!r}; known faults: {', '.join(sorted(FAULTS))}"
+        )
+    return frozenset(names)

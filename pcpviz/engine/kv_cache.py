@@ -1,0 +1,113 @@
+"""The paged latent KV cache of MLA and attention over it (torch reference).
+
+MLA caches one latent vector per token and layer: ``kv_c`` (``kv_lora_rank``)
+concatenated with the roped ``k_pe`` (``qk_rope_head_dim``) — 576 numbers for
+DeepSeek-sized ranks. The cache is a flat ``[num_blocks * block_size, 576]``
+tensor per layer, indexed by KV *slot* (``block_id * block_size + offset``).
+Under PCP every rank holds a full replica: the target and the draft prefill
+all-gather the new latents and write them through the gathered slot mapping
+(PAD = -1 rows are skipped); replicated draft decodes write locally through
+their unexpanded mapping.
+
+Attention of a query at position p of a request reads that request's slots for
+positions ``0..p`` through its block-table row (causal by position). Padding
+query rows (``seq_len == 0``) produce zeros.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["LatentKVCache", "paged_mla_attention", "context_slots"]
+
+
+class LatentKVCache:
+    """``num_layers`` flat latent caches of ``[num_slots, kv_lora_rank + rope_dim]``."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_lora_rank: int,
+                 rope_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.kv_lora_rank = kv_lora_rank
+        self.rope_dim = rope_dim
+        self.layers = [
+            torch.zeros(num_blocks * block_size, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+            for _ in range(num_layers)
+        ]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        """Write ``latent[i]`` to ``slots[i]``; PAD (-1) rows are skipped.
+
+        ``slots``: int64[M]; ``latent``: [M, kv_lora_rank + rope_dim]."""
+        if slots.shape[0] != latent.shape[0]:
+            raise ValueError(f"slot mapping has {slots.shape[0]} rows, latent has {latent.shape[0]}")
+        keep = slots >= 0
+        if bool(keep.any()):
+            s = slots[keep]
+            if int(s.max()) >= self.num_slots:
+                raise IndexError(f"KV slot {int(s.max())} beyond the cache ({self.num_slots} slots)")
+            self.layers[layer].index_copy_(0, s, latent[keep].to(self.layers[layer].dtype))
+
+    def digest(self, slots: np.ndarray | None = None) -> str:
+        """A short hash of the cache contents (all layers), to compare replicas across ranks."""
+        import hashlib
+
+        h = hashlib.blake2b(digest_size=8)
+        for layer in self.layers:
+            data = layer if slots is None else layer[torch.as_tensor(slots, device=layer.device)]
+            h.update(data.detach().float().cpu().numpy().tobytes())
+        return h.hexdigest()
+
+
+def context_slots(block_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
+    """int64[seq_len]: the slots of positions 0..seq_len-1 of a request."""
+    pos = torch.arange(seq_len, device=block_row.device)
+    return block_row[pos // block_size].long() * block_size + pos % block_size
+
+
+def paged_mla_attention(
+    q_nope: torch.Tensor,  # [Q, H, Dn]
+    q_pe: torch.Tensor,  # [Q, H, Dr]
+    cache: torch.Tensor,  # [num_slots, R + Dr]
+    block_rows: torch.Tensor,  # int32[B, W]: block-table row of each batch row
+    query_start_loc: torch.Tensor,  # int[B+1]
+    positions: torch.Tensor,  # int64[Q]
+    seq_lens: torch.Tensor,  # int[B]: context length per batch row (last query position + 1)
+    w_uk: torch.Tensor,  # [H, Dn, R]
+    w_uv: torch.Tensor,  # [H, Dv, R]
+    block_size: int,
+    scale: float,
+) -> torch.Tensor:  # [Q, H, Dv]
+    """MLA over the paged latent cache, in the *absorbed* form vLLM's MLA decode uses:
+    ``q_lat = q_nope @ W_UK`` scores against the latent directly, and the output
+    ``softmax(...) @ kv_c`` is projected back with ``W_UV``. Mathematically equal
+    to expanding K/V through ``kv_b_proj``."""
+    r = w_uk.shape[-1]
+    out = torch.zeros(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1], dtype=torch.float32,
+                      device=q_nope.device)
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b in range(len(lens)):
+        lo, hi, n = qsl[b], qsl[b + 1], int(lens[b])
+        if hi <= lo or n <= 0:
+            continue
+        slots = context_slots(block_rows[b], n, block_size)
+        lat = cache[slots].float()  # [n, R + Dr]
+        kv_c, k_pe = lat[:, :r], lat[:, r:]
+        qn = q_nope[lo:hi].float()
+        qp = q_pe[lo:hi].float()
+        q_lat = torch.einsum("qhd,hdr->qhr", qn, w_uk.float())  # [q, H, R]
+        scores = torch.einsum("qhr,kr->qhk", q_lat, kv_c) + torch.einsum("qhd,kd->qhk", qp, k_pe)
+        scores = scores * scale
+        kpos = torch.arange(n, device=scores.device)
+        mask = kpos[None, :] > positions[lo:hi, None]  # causal by position
+        scores = scores.masked_fill(mask[:, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        ctx = torch.einsum("qhk,kr->qhr", probs, kv_c)
+        out[lo:hi] = torch.einsum("qhr,hvr->qhv", ctx, w_uv.float())
+    return out

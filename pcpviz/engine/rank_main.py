@@ -1,0 +1,139 @@
+"""The process of one PCP rank.
+
+``pcpviz.run`` starts N of these itself; to span hosts, start them with torchrun,
+which sets the same env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT)::
+
+    pcpviz run --pcp 2 --write-config run.cfg.json --prompt "def f(" ...   # write the config only
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST:29500 \\
+        -m pcpviz.engine.rank_main run.cfg.json
+
+Rank 0 owns the scheduler and broadcasts each step's plan; every rank writes its
+own trace file, and rank 0 the result JSON. An exception on any rank is written
+to ``error_rank<r>.txt`` next to the result so the launcher can name the rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+__all__ = ["main", "run_rank"]
+
+
+def run_rank(cfg: dict) -> dict | None:
+    import numpy as np
+    import torch
+
+    from pcpviz.engine.dist import init_process_group
+    from pcpviz.engine.model import load_model
+    from pcpviz.engine.scheduler import Scheduler
+    from pcpviz.engine.worker import EngineConfig, Worker
+    from pcpviz.trace import TraceWriter
+
+    rank = int(os.environ.get("RANK", "0"))
+    device_kind = cfg["device"]
+    group = init_process_group(device_kind, cfg["timeout_s"])
+    if device_kind == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
+    torch.manual_seed(cfg["seed"])
+    model = load_model(cfg["model_dir"], device=device, dtype=torch.float32)
+    model.eval()
+    ecfg = EngineConfig(
+        pcp=group.world_size, num_speculative_tokens=cfg["num_speculative_tokens"],
+        block_size=cfg["block_size"], num_blocks=cfg["num_blocks"], max_num_seqs=cfg["max_num_seqs"],
+        max_num_batched_tokens=cfg["max_num_batched_tokens"],
+        shard_decode_requests=cfg.get("shard_decode_requests"), faults=frozenset(cfg["inject"]),
+    )
+    worker = Worker(model, group, ecfg, device, record=cfg.get("trace_dir") is not None)
+    writer = TraceWriter(cfg["trace_dir"], rank, overwrite=True) if cfg.get("trace_dir") else None
+    sched = None
+    if rank == 0:
+        sched = Scheduler(
+            cfg["prompt_token_ids"], cfg["max_new_tokens"], num_speculative_tokens=ecfg.num_speculative_tokens,
+            block_size=ecfg.block_size, num_blocks=ecfg.num_blocks, max_num_seqs=ecfg.max_num_seqs,
+            max_num_batched_tokens=ecfg.max_num_batched_tokens,
+            max_model_len=model.config.max_position_embeddings, eos_token_id=cfg.get("eos_token_id"),
+        )
+    k = ecfg.num_speculative_tokens
+    accepted_per_pos = np.zeros(max(k, 0), dtype=np.int64)
+    num_drafts = 0
+    steps = 0
+    t_start = time.perf_counter()
+    while True:
+        plan = None
+        if sched is not None and not sched.done:
+            plan = sched.schedule()
+            if not plan.rows:
+                raise RuntimeError(f"step {plan.step}: the scheduler found nothing to run "
+                                   "(max_num_batched_tokens too small for a decode of 1+K tokens?)")
+        plan = group.broadcast_object(plan)
+        if plan is None:
+            break
+        res = worker.step(plan)
+        if writer is not None:
+            writer.write_step(plan.step, res.record.phases)
+        steps += 1
+        if sched is not None:
+            sched.update(plan, res.per_request)
+            num_drafts += res.num_drafts
+            accepted_per_pos += np.asarray(res.accepted_per_pos, dtype=np.int64)
+            done = sum(len(r.output) for r in sched.requests)
+            print("PCPVIZ_PROGRESS " + json.dumps({"step": plan.step, "tokens": done}), flush=True)
+    wall = time.perf_counter() - t_start
+    if writer is not None:
+        writer.close()
+    info = {"rank": rank, "kv_cache_digest": worker.cache.digest(), "num_collectives": group.num_collectives}
+    with open(os.path.join(cfg["work_dir"], f"rank{rank}.json"), "w") as f:
+        json.dump(info, f)
+    if sched is None:
+        return None
+    rates = (accepted_per_pos / num_drafts).tolist() if num_drafts else [0.0] * k
+    return {
+        "requests": [
+            {"req_id": r.req_id, "prompt_token_ids": r.prompt, "output_token_ids": r.output}
+            for r in sched.requests
+        ],
+        "num_steps": steps,
+        "num_drafts": num_drafts,
+        "num_accepted_tokens_per_pos": accepted_per_pos.tolist(),
+        "acceptance_rate_per_pos": rates,
+        "acceptance_rate": float(accepted_per_pos.sum() / (num_drafts * k)) if num_drafts and k else 0.0,
+        "mean_acceptance_length": float(1 + accepted_per_pos.sum() / num_drafts) if num_drafts else 1.0,
+        "wall_s": wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m pcpviz.engine.rank_main CONFIG.json", file=sys.stderr)
+        return 2
+    with open(argv[0]) as f:
+        cfg = json.load(f)
+    rank = int(os.environ.get("RANK", "0"))
+    out_dir = cfg["work_dir"]
+    try:
+        result = run_rank(cfg)
+        if result is not None:
+            tmp = os.path.join(out_dir, "result.json.tmp")
+            with open(tmp, "w") as f:
+                json.dump(result, f)
+            os.replace(tmp, os.path.join(out_dir, "result.json"))
+        return 0
+    except BaseException as e:  # noqa: BLE001 - report every failure with the rank named
+        with open(os.path.join(out_dir, f"error_rank{rank}.txt"), "w") as f:
+            f.write(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

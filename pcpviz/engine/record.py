@@ -1,0 +1,117 @@
+"""Assemble one step's trace views (names from ``pcpviz.trace.schema``).
+
+The engine hands over the arrays it actually used — recording never recomputes
+— so a fault shows up in the trace exactly as it happened. Copies are taken;
+recording on or off runs the same arithmetic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+from pcpviz.trace.schema import segments_table
+
+__all__ = ["StepRecord"]
+
+
+def _hash(t) -> str:
+    return hashlib.blake2b(t.detach().float().cpu().numpy().tobytes(), digest_size=8).hexdigest()
+
+
+class StepRecord:
+    def __init__(self, step: int, rank: int) -> None:
+        self.step = step
+        self.rank = rank
+        self.phases: dict[str, dict] = {}
+
+    def target(self, batch, logits_indices, layout, local, local_positions, local_seq_lens, bt_local,
+               table, slots_global, slots_gathered, sampled_rows, sampled_from, top1, hidden_global,
+               t0, t1) -> None:
+        nr = local.num_reqs
+        self.phases["target"] = {
+            # global batch
+            "req_ids": np.array(batch.req_ids, dtype=str),
+            "idx_mapping": batch.idx_mapping.copy(),
+            "num_scheduled_tokens": batch.num_scheduled_tokens.copy(),
+            "num_computed_tokens": batch.num_computed_tokens.copy(),
+            "query_start_loc": batch.query_start_loc,
+            "positions": batch.positions.copy(),
+            "input_ids": batch.input_ids.copy(),
+            "seq_lens": batch.seq_lens,
+            "is_prefilling": batch.is_prefilling.copy(),
+            "prefill_len": batch.prefill_len.copy(),
+            "logits_indices": np.asarray(logits_indices, dtype=np.int64),
+            # layout
+            "segments": segments_table(layout.segments_by_rank),
+            "per_rank_num_tokens": np.array(layout.per_rank_num_tokens, dtype=np.int64),
+            "padded_gather_idx": layout.padded_gather_idx.copy(),
+            "hidden_restore_idx": layout.hidden_restore_idx.copy(),
+            "kv_write_mask": layout.kv_write_mask.copy(),
+            # rank-local batch
+            "local_req_ids": np.array(local.req_ids, dtype=str),
+            "local_idx_mapping": local.idx_mapping.copy(),
+            "local_input_ids": local.input_ids.astype(np.int64),
+            "local_positions": np.asarray(local_positions, dtype=np.int64).copy(),
+            "local_query_start_loc": local.query_start_loc[: nr + 1].astype(np.int64),
+            "local_seq_lens": np.asarray(local_seq_lens[:nr], dtype=np.int64).copy(),
+            "local_logits_indices": local.logits_indices[:nr].copy(),
+            "local_is_padding": local.is_padding.copy(),
+            "local_is_prefilling": local.is_prefilling[:nr].copy(),
+            "local_num_computed_tokens": local.num_computed_tokens.astype(np.int64),
+            # block tables and slot mappings (one KV-cache group: G = 1)
+            "block_table_global": table[batch.idx_mapping][None].astype(np.int32),
+            "block_table_local": bt_local[:nr][None].astype(np.int32),
+            "slot_mapping_global": np.asarray(slots_global, dtype=np.int64).copy(),
+            "slot_mapping_gathered": np.asarray(slots_gathered, dtype=np.int64).copy(),
+            # sampling
+            "sampled_logits_rows": np.asarray(sampled_rows, dtype=np.int64).copy(),
+            "sampled_from": np.array(sampled_from),
+            "top1_token": np.asarray(top1, dtype=np.int64).copy(),
+            "hidden_hash": np.array(_hash(hidden_global)),
+            "t_start_us": np.array(t0, dtype=np.int64),
+            "t_end_us": np.array(t1, dtype=np.int64),
+        }
+
+    def verify(self, req_ids, num_draft, v, k, t0, t1) -> None:
+        self.phases["verify"] = {
+            "req_ids": np.array(req_ids, dtype=str),
+            "num_draft_tokens": np.asarray(num_draft, dtype=np.int64).copy(),
+            "sampled_token_ids": v.sampled_token_ids.copy(),
+            "num_sampled": v.num_sampled.astype(np.int64),
+            "num_rejected": v.num_rejected.astype(np.int64),
+            "num_accepted": v.num_accepted.astype(np.int64),
+            "t_start_us": np.array(t0, dtype=np.int64),
+            "t_end_us": np.array(t1, dtype=np.int64),
+        }
+
+    def draft_prefill(self, local_ids, local_positions, local_seq_lens, bt_local, slots_gathered,
+                      last_idx, tokens, global_ids, t0, t1) -> None:
+        nr = bt_local.shape[0]
+        self.phases["draft_0"] = {
+            "view": np.array("rank_local"),
+            "draft_input_ids": np.asarray(local_ids, dtype=np.int64).copy(),
+            "draft_positions": np.asarray(local_positions, dtype=np.int64).copy(),
+            "draft_seq_lens": np.asarray(local_seq_lens, dtype=np.int64)[:nr].copy(),
+            "block_table_draft": bt_local[None].astype(np.int32),
+            "slot_mapping_draft": np.asarray(slots_gathered, dtype=np.int64).copy(),
+            "draft_last_token_indices": np.asarray(last_idx, dtype=np.int64).copy(),
+            "draft_tokens": np.asarray(tokens, dtype=np.int64).copy(),
+            "draft_global_input_ids": np.asarray(global_ids, dtype=np.int64).copy(),
+            "t_start_us": np.array(t0, dtype=np.int64),
+            "t_end_us": np.array(t1, dtype=np.int64),
+        }
+
+    def draft_decode(self, step, ids, positions, seq_lens, block_rows, slots, tokens, t0, t1) -> None:
+        self.phases[f"draft_{step}"] = {
+            "view": np.array("replicated"),
+            "draft_input_ids": np.asarray(ids, dtype=np.int64).copy(),
+            "draft_positions": np.asarray(positions, dtype=np.int64).copy(),
+            "draft_seq_lens": np.asarray(seq_lens, dtype=np.int64).copy(),
+            "block_table_draft": np.asarray(block_rows, dtype=np.int32)[None].copy(),
+            "slot_mapping_draft": np.asarray(slots, dtype=np.int64)[None].copy(),
+            "draft_tokens": np.asarray(tokens, dtype=np.int64).copy(),
+            "t_start_us": np.array(t0, dtype=np.int64),
+            "t_end_us": np.array(t1, dtype=np.int64),
+        }
