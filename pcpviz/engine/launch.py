@@ -211,14 +211,15 @@ def _launch(cfg: dict, progress: bool) -> dict:
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                # Name the first rank that wrote an error (a peer of a dead rank fails later, by timeout).
-                time.sleep(0.5)
-                errs = {r: os.path.join(work, f"error_rank{r}.txt") for r in range(len(procs))}
-                first = min((os.path.getmtime(p), r) for r, p in errs.items() if os.path.exists(p)) \
-                    if any(os.path.exists(p) for p in errs.values()) else (0, failed[0])
-                r = first[1]
-                msg = open(errs[r]).read().splitlines()[0] if os.path.exists(errs[r]) else \
-                    f"exited with code {codes[r]}: {(procs[r].stderr.read() or '').strip().splitlines()[-1:] or ''}"
+                # The first rank seen failing is the culprit: its peers only fail later, when
+                # their collectives time out waiting for it.
+                r = failed[0]
+                err = os.path.join(work, f"error_rank{r}.txt")
+                if os.path.exists(err):
+                    msg = open(err).read().splitlines()[0]
+                else:
+                    tail = (procs[r].stderr.read() or "").strip().splitlines()
+                    msg = f"process exited with code {codes[r]}" + (f": {tail[-1]}" if tail else "")
                 raise RankError(r, msg)
             if all(c == 0 for c in codes):
                 break

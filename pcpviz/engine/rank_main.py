@@ -63,6 +63,10 @@ def run_rank(cfg: dict) -> dict | None:
             max_num_batched_tokens=ecfg.max_num_batched_tokens,
             max_model_len=model.config.max_position_embeddings, eos_token_id=cfg.get("eos_token_id"),
         )
+    debug_exit = None
+    if os.environ.get("PCPVIZ_DEBUG_EXIT_RANK"):
+        r, _, s = os.environ["PCPVIZ_DEBUG_EXIT_RANK"].partition("@")
+        debug_exit = (int(r), int(s))
     k = ecfg.num_speculative_tokens
     accepted_per_pos = np.zeros(max(k, 0), dtype=np.int64)
     num_drafts = 0
@@ -78,6 +82,8 @@ def run_rank(cfg: dict) -> dict | None:
         plan = group.broadcast_object(plan)
         if plan is None:
             break
+        if debug_exit == (rank, plan.step):
+            os._exit(17)  # test hook: a rank that dies without a word (PCPVIZ_DEBUG_EXIT_RANK=r@step)
         res = worker.step(plan)
         if writer is not None:
             writer.write_step(plan.step, res.record.phases)
