@@ -3,6 +3,8 @@
     pcpviz layout --pcp 2 --batch p13,d1,d4          # DualChunkSwap rows, maps, write mask
     pcpviz layout --pcp 4 --batch p40,d2@31 --decodes replicated --dcp 4 --pad 48
     pcpviz layout --pcp 2 --batch p13,d1 --json      # the layout as JSON
+    pcpviz run --pcp 2 --mtp 2 --device cpu --prompt "def f(" --trace runs/demo --json out.json
+    pcpviz run --list-faults
 
 Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad input (one-line reason
 on stderr).
@@ -91,9 +93,73 @@ def _add_layout(sub) -> None:
     p.set_defaults(func=_cmd_layout)
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    if args.list_faults:
+        from pcpviz.engine.faults import FAULTS
+
+        for fault in FAULTS.values():
+            print(f"{fault.name}\n    {fault.summary}\n    vLLM: {fault.where}\n    caught by: {fault.caught_by}")
+        return EXIT_OK
+    from pcpviz.engine.launch import RankError, run
+
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        try:
+            with open(args.prompts_file) as f:
+                loaded = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise UsageError(f"pcpviz run: --prompts-file {args.prompts_file}: {e}") from None
+        if not isinstance(loaded, list) or not all(isinstance(p, str) for p in loaded):
+            raise UsageError(f"pcpviz run: --prompts-file {args.prompts_file}: expected a JSON list of strings")
+        prompts += loaded
+    if not prompts:
+        raise UsageError("pcpviz run: give at least one --prompt or --prompts-file")
+    try:
+        res = run(prompts, pcp=args.pcp, num_speculative_tokens=args.mtp, device=args.device,
+                  max_new_tokens=args.max_new_tokens, trace_dir=args.trace, inject=args.inject or (),
+                  progress=not args.quiet, max_num_batched_tokens=args.max_num_batched_tokens,
+                  block_size=args.block_size, model_dir=args.model, timeout_s=args.timeout)
+    except ValueError as e:
+        raise UsageError(f"pcpviz run: {e}") from None
+    except RankError as e:
+        print(f"pcpviz run: {e}", file=sys.stderr)
+        return EXIT_FAILED
+    doc = res.summary()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    for i, text in enumerate(res.texts):
+        print(f"--- request {i} ({len(res.output_token_ids[i])} tokens)\n{text}")
+    rates = ", ".join(f"{r:.2f}" for r in res.acceptance_rate_per_pos)
+    print(f"acceptance per position [{rates}]  mean acceptance length {res.mean_acceptance_length:.2f}  "
+          f"steps {res.num_steps}  {res.wall_s:.1f}s" + (f"  trace {res.trace_path}" if res.trace_path else ""))
+    return EXIT_OK
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="run the tiny model under PCP + MTP on N ranks and record a trace")
+    p.add_argument("--pcp", type=_positive_int, default=2, help="PCP ranks (processes)")
+    p.add_argument("--mtp", type=int, default=2, help="num_speculative_tokens K (0 = no speculation)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", help="JSON list of prompt strings")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+                   help="per-step token budget (chunked prefill)")
+    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--model", default=None, help="model directory (default: the shipped tiny model)")
+    p.add_argument("--trace", default=None, help="write the trace to this directory")
+    p.add_argument("--json", default=None, help="write a summary (requests, acceptance) to this file")
+    p.add_argument("--inject", action="append", help="inject a fault (repeatable); see --list-faults")
+    p.add_argument("--list-faults", action="store_true", help="list the injectable faults and exit")
+    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_run)
+
+
 # Each subcommand registers itself here: (adder, ...). Kept as a list so the
 # engine, checks and export commands plug in without touching the others.
-SUBCOMMANDS: list[Callable] = [_add_layout]
+SUBCOMMANDS: list[Callable] = [_add_layout, _add_run]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,56 @@
+"""`pcpviz run` end to end: the JSON summary, the trace, fault listing, exit codes."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pcpviz.trace as pt
+
+
+def pcpviz(*args, timeout=300):
+    exe = shutil.which("pcpviz")
+    cmd = [exe] if exe else [sys.executable, "-m", "pcpviz.cli"]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def test_run_writes_summary_and_trace(tmp_path):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["import re\n", "def add(a, b):\n    return"]))
+    out = tmp_path / "summary.json"
+    r = pcpviz("run", "--pcp", "2", "--mtp", "2", "--device", "cpu", "--prompt", "x = [",
+               "--prompts-file", str(prompts), "--max-new-tokens", "6", "--trace", str(tmp_path / "tr"),
+               "--json", str(out), "--quiet")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    assert len(doc["requests"]) == 3
+    assert all(len(q["output_token_ids"]) == 6 and q["prompt_token_ids"][0] == 256 for q in doc["requests"])
+    assert len(doc["acceptance_rate_per_pos"]) == 2 and 0 <= doc["acceptance_rate"] <= 1
+    trace = pt.open(tmp_path / "tr")
+    assert trace.ranks == [0, 1] and trace.meta["num_speculative_tokens"] == 2
+    assert "acceptance per position" in r.stdout
+
+
+def test_list_faults_names_each_check():
+    r = pcpviz("run", "--list-faults")
+    assert r.returncode == 0
+    for name in ("skip_draft_block_table_gather", "fold_slot_mapping_without_shape_check",
+                 "positions_from_cpu_cursor", "sample_local_logits", "rank_divergent_acceptance"):
+        assert name in r.stdout
+    assert r.stdout.count("caught by:") == 5
+
+
+def test_bad_run_input_exits_2_with_one_line(tmp_path):
+    bad = tmp_path / "p.json"
+    bad.write_text("{not json")
+    for args, needle in (
+        (["--inject", "bogus", "--prompt", "x"], "unknown fault 'bogus'"),
+        (["--prompts-file", str(bad)], "p.json"),
+        ([], "give at least one --prompt"),
+        (["--pcp", "0", "--prompt", "x"], "--pcp"),
+        (["--prompt", "x", "--max-new-tokens", "40000"], "exceed the model's context"),
+    ):
+        r = pcpviz("run", *args)
+        assert r.returncode == 2, (args, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], r.stderr
