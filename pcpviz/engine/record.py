@@ -30,6 +30,10 @@ class StepRecord:
                table, slots_global, slots_gathered, sampled_rows, sampled_from, top1, hidden_global,
                t0, t1) -> None:
         nr = local.num_reqs
+        rows = table[batch.idx_mapping]
+        used = np.flatnonzero(rows.any(axis=0)) if rows.size else np.zeros(0, np.int64)
+        # Trim the tables to the columns any request of the step uses (the rest are 0).
+        self.width = w = int(used[-1]) + 1 if used.size else 1
         self.phases["target"] = {
             # global batch
             "req_ids": np.array(batch.req_ids, dtype=str),
@@ -61,8 +65,8 @@ class StepRecord:
             "local_is_prefilling": local.is_prefilling[:nr].copy(),
             "local_num_computed_tokens": local.num_computed_tokens.astype(np.int64),
             # block tables and slot mappings (one KV-cache group: G = 1)
-            "block_table_global": table[batch.idx_mapping][None].astype(np.int32),
-            "block_table_local": bt_local[:nr][None].astype(np.int32),
+            "block_table_global": rows[:, :w][None].astype(np.int32),
+            "block_table_local": bt_local[:nr, :w][None].astype(np.int32),
             "slot_mapping_global": np.asarray(slots_global, dtype=np.int64).copy(),
             "slot_mapping_gathered": np.asarray(slots_gathered, dtype=np.int64).copy(),
             # sampling
@@ -88,13 +92,13 @@ class StepRecord:
 
     def draft_prefill(self, local_ids, local_positions, local_seq_lens, bt_local, slots_gathered,
                       last_idx, tokens, global_ids, t0, t1) -> None:
-        nr = bt_local.shape[0]
+        nr = len(self.phases["target"]["local_req_ids"])
         self.phases["draft_0"] = {
             "view": np.array("rank_local"),
             "draft_input_ids": np.asarray(local_ids, dtype=np.int64).copy(),
             "draft_positions": np.asarray(local_positions, dtype=np.int64).copy(),
             "draft_seq_lens": np.asarray(local_seq_lens, dtype=np.int64)[:nr].copy(),
-            "block_table_draft": bt_local[None].astype(np.int32),
+            "block_table_draft": bt_local[:nr, : self.width][None].astype(np.int32),
             "slot_mapping_draft": np.asarray(slots_gathered, dtype=np.int64).copy(),
             "draft_last_token_indices": np.asarray(last_idx, dtype=np.int64).copy(),
             "draft_tokens": np.asarray(tokens, dtype=np.int64).copy(),
@@ -109,7 +113,7 @@ class StepRecord:
             "draft_input_ids": np.asarray(ids, dtype=np.int64).copy(),
             "draft_positions": np.asarray(positions, dtype=np.int64).copy(),
             "draft_seq_lens": np.asarray(seq_lens, dtype=np.int64).copy(),
-            "block_table_draft": np.asarray(block_rows, dtype=np.int32)[None].copy(),
+            "block_table_draft": np.asarray(block_rows, dtype=np.int32)[:, : self.width][None].copy(),
             "slot_mapping_draft": np.asarray(slots, dtype=np.int64)[None].copy(),
             "draft_tokens": np.asarray(tokens, dtype=np.int64).copy(),
             "t_start_us": np.array(t0, dtype=np.int64),
