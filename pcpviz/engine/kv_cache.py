@@ -70,6 +70,18 @@ def context_slots(block_row: torch.Tensor, seq_len: int, block_size: int) -> tor
     return block_row[pos // block_size].long() * block_size + pos % block_size
 
 
+def _attend(q_nope, q_pe, kv_c, k_pe, positions, w_uk, w_uv, scale):
+    q_lat = torch.einsum("qhd,hdr->qhr", q_nope.float(), w_uk.float())  # [q, H, R]
+    scores = torch.einsum("qhr,kr->qhk", q_lat, kv_c) + torch.einsum("qhd,kd->qhk", q_pe.float(), k_pe)
+    scores = scores * scale
+    kpos = torch.arange(kv_c.shape[0], device=scores.device)
+    mask = kpos[None, :] > positions[:, None]  # causal by position
+    scores = scores.masked_fill(mask[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    ctx = torch.einsum("qhk,kr->qhr", probs, kv_c)
+    return torch.einsum("qhr,hvr->qhv", ctx, w_uv.float())
+
+
 def paged_mla_attention(
     q_nope: torch.Tensor,  # [Q, H, Dn]
     q_pe: torch.Tensor,  # [Q, H, Dr]
@@ -82,6 +94,7 @@ def paged_mla_attention(
     w_uv: torch.Tensor,  # [H, Dv, R]
     block_size: int,
     scale: float,
+    query_block: int = 2048,
 ) -> torch.Tensor:  # [Q, H, Dv]
     """MLA over the paged latent cache, in the *absorbed* form vLLM's MLA decode uses:
     ``q_lat = q_nope @ W_UK`` scores against the latent directly, and the output
@@ -99,15 +112,11 @@ def paged_mla_attention(
         slots = context_slots(block_rows[b], n, block_size)
         lat = cache[slots].float()  # [n, R + Dr]
         kv_c, k_pe = lat[:, :r], lat[:, r:]
-        qn = q_nope[lo:hi].float()
-        qp = q_pe[lo:hi].float()
-        q_lat = torch.einsum("qhd,hdr->qhr", qn, w_uk.float())  # [q, H, R]
-        scores = torch.einsum("qhr,kr->qhk", q_lat, kv_c) + torch.einsum("qhd,kd->qhk", qp, k_pe)
-        scores = scores * scale
-        kpos = torch.arange(n, device=scores.device)
-        mask = kpos[None, :] > positions[lo:hi, None]  # causal by position
-        scores = scores.masked_fill(mask[:, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        ctx = torch.einsum("qhk,kr->qhr", probs, kv_c)
-        out[lo:hi] = torch.einsum("qhr,hvr->qhv", ctx, w_uv.float())
+        # Long chunks go in query blocks: bounded memory, and causality trims each block's context.
+        for qlo in range(lo, hi, query_block):
+            qhi = min(qlo + query_block, hi)
+            pos = positions[qlo:qhi]
+            ctx = min(n, int(pos.max()) + 1)
+            out[qlo:qhi] = _attend(q_nope[qlo:qhi], q_pe[qlo:qhi], kv_c[:ctx], k_pe[:ctx], pos,
+                                   w_uk, w_uv, scale)
     return out

@@ -47,6 +47,14 @@ def run_rank(cfg: dict) -> dict | None:
     torch.manual_seed(cfg["seed"])
     model = load_model(cfg["model_dir"], device=device, dtype=torch.float32)
     model.eval()
+    if cfg.get("warmup", True):
+        # A dummy forward (no cache, no collectives, like vLLM's profile run) so the first
+        # timed step does not pay for kernel/library initialisation.
+        with torch.no_grad():
+            ids = torch.arange(16, device=device) % model.config.vocab_size
+            model.forward(ids, attn=None)
+        if device_kind == "cuda":
+            torch.cuda.synchronize()
     ecfg = EngineConfig(
         pcp=group.world_size, num_speculative_tokens=cfg["num_speculative_tokens"],
         block_size=cfg["block_size"], num_blocks=cfg["num_blocks"], max_num_seqs=cfg["max_num_seqs"],
@@ -94,6 +102,8 @@ def run_rank(cfg: dict) -> dict | None:
             accepted_per_pos += np.asarray(res.accepted_per_pos, dtype=np.int64)
             done = sum(len(r.output) for r in sched.requests)
             print("PCPVIZ_PROGRESS " + json.dumps({"step": plan.step, "tokens": done}), flush=True)
+    if device_kind == "cuda":
+        torch.cuda.synchronize()
     wall = time.perf_counter() - t_start
     if writer is not None:
         writer.close()
