@@ -162,6 +162,131 @@ def _add_run(sub) -> None:
 SUBCOMMANDS: list[Callable] = [_add_layout, _add_run]
 
 
+# --------------------------------------------------------------------------- check / diff / export
+
+def _open_trace(path: str, cmd: str):
+    """``pcpviz.trace.open`` with a bad trace as one-line exit-2 input; open's warnings (a
+    dropped partial tail) go to stderr as one line each."""
+    import warnings
+
+    from pcpviz.trace import open as open_trace
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trace = open_trace(path)
+        except ValueError as e:  # TraceError
+            raise UsageError(f"pcpviz {cmd}: {e}") from None
+    for w in caught:
+        print(f"pcpviz {cmd}: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
+    return trace
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    from pcpviz.checks import run_checks
+
+    trace = _open_trace(args.trace, "check")
+    if not trace.steps:
+        raise UsageError(f"pcpviz check: {args.trace}: the trace has no complete steps to check")
+    try:
+        report = run_checks(trace)
+    except ValueError as e:  # a payload that fails its checksum while being read
+        raise UsageError(f"pcpviz check: {e}") from None
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _add_check(sub) -> None:
+    p = sub.add_parser("check", help="check a trace against vLLM's PCP + MTP invariants",
+                       description="Run every pcpviz.checks check over every step and rank. "
+                                   "Exit 0 all pass (skipped checks are reported), 1 a check "
+                                   "failed, 2 unreadable trace.")
+    p.add_argument("trace", help="run directory (or its run.json)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_check)
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from pcpviz.diff import diff_traces
+
+    a = _open_trace(args.a, "diff")
+    b = _open_trace(args.b, "diff")
+    try:
+        report = diff_traces(a, b)
+    except ValueError as e:
+        raise UsageError(f"pcpviz diff: {e}") from None
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
+    return EXIT_OK if report.same else EXIT_FAILED
+
+
+def _add_diff(sub) -> None:
+    p = sub.add_parser("diff", help="compare two runs of the same prompts",
+                       description="First divergent step/phase/view/rank and acceptance per "
+                                   "position side by side. Exit 0 same, 1 differ, 2 bad input.")
+    p.add_argument("a", help="run directory A (the reference: 'expected')")
+    p.add_argument("b", help="run directory B ('actual')")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_diff)
+
+
+# Export formats: flag -> (help, providers). A provider is "module:function" called as
+# function(trace, out) -> path or list of paths; the first importable one wins, so a format
+# whose module is not written yet answers "not available yet" (exit 2).
+EXPORT_FORMATS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "chrome": ("Chrome trace for Perfetto / HTA: OUT.json = one merged file, otherwise a "
+               "directory of rank<r>.json", ("pcpviz.export_chrome:export_chrome",)),
+    "html": ("self-contained HTML report", ("pcpviz.export_html:export_html",
+                                             "pcpviz.export:export_html")),
+}
+
+
+def _exporter(fmt: str):
+    import importlib
+
+    for spec in EXPORT_FORMATS[fmt][1]:
+        module, func = spec.split(":")
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name is not None and module.startswith(e.name):
+                continue  # the provider's module does not exist (yet)
+            raise UsageError(f"pcpviz export: --{fmt}: {module} cannot be imported ({e})") from None
+        fn = getattr(mod, func, None)
+        if callable(fn):
+            return fn
+    raise UsageError(f"pcpviz export: --{fmt} is not available yet")
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    wanted = [(fmt, getattr(args, fmt)) for fmt in EXPORT_FORMATS if getattr(args, fmt)]
+    if not wanted:
+        raise UsageError("pcpviz export: nothing to export; give "
+                         + " or ".join(f"--{f} OUT" for f in EXPORT_FORMATS))
+    writers = [(fmt, out, _exporter(fmt)) for fmt, out in wanted]
+    trace = _open_trace(args.trace, "export")
+    for fmt, out, fn in writers:
+        try:
+            written = fn(trace, out)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"pcpviz export: --{fmt} {out}: {' '.join(str(e).split())}") from None
+        for path in ([written] if isinstance(written, (str, bytes)) or not hasattr(written, "__iter__")
+                     else written):
+            print(f"wrote {path}")
+    return EXIT_OK
+
+
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="export a trace (Chrome trace, HTML report)",
+                       description="Write a trace in other formats; several at once are allowed.")
+    p.add_argument("trace", help="run directory (or its run.json)")
+    for fmt, (text, _) in EXPORT_FORMATS.items():
+        p.add_argument(f"--{fmt}", metavar="OUT", default=None, help=text)
+    p.set_defaults(func=_cmd_export)
+
+
+SUBCOMMANDS += [_add_check, _add_diff, _add_export]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pcpviz", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,0 +1,546 @@
+"""Run-vs-run comparison: ``diff_traces(a, b) -> DiffReport`` and ``acceptance(trace)``.
+
+Two runs of the same prompts (PCP=1 vs PCP=N, good vs faulty, engine vs vLLM replay) are
+aligned by step number and, inside a step, by request id, so a producer that orders the
+global rows differently still compares equal. What is compared:
+
+* always: the *global* views — the global batch (per request, or per token of each
+  request), ``block_table_global``, ``slot_mapping_global``, ``logits_indices``, every
+  draft phase's ``draft_tokens``, draft_0's global inputs and last-token rows, the
+  replicated draft decodes, and the whole verify outcome;
+* only when both runs have the same PCP size, ranks and request order: the layout and the
+  rank-local views, rank by rank.
+
+When the PCP sizes differ, every rank of one run is compared with the lowest rank of the
+other (the global views must be identical on all ranks anyway). Timing views
+(``t_start_us``/``t_end_us``) and ``hidden_hash`` are ignored by default (float
+reductions differ across PCP sizes).
+
+The report names the first divergence — step, phase, view, ranks, request, first differing
+index, expected (run A) vs actual (run B) — and puts both runs' acceptance side by side.
+
+Acceptance uses vLLM's definitions (``SpecDecodingStats``): a *draft* is one request in one
+step that carried draft tokens (``num_draft_tokens > 0`` in verify)::
+
+    num_drafts                       number of such (request, step) verify events
+    num_accepted_tokens_per_pos[k]   events whose draft at position k was accepted
+                                     (k < num_accepted), k = 0..K-1
+    acceptance rate at position k    num_accepted_tokens_per_pos[k] / num_drafts
+    acceptance rate                  num_accepted_tokens / num_draft_tokens
+    mean acceptance length           1 + num_accepted_tokens / num_drafts
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import numpy as np
+
+from pcpviz.checks import first_difference, short_repr
+from pcpviz.trace import Trace, draft_index
+from pcpviz.trace import open as open_trace
+
+__all__ = ["Acceptance", "RequestAcceptance", "StepAcceptance", "acceptance", "Divergence",
+           "DiffReport", "diff_traces", "DEFAULT_IGNORE"]
+
+DEFAULT_IGNORE = frozenset({"t_start_us", "t_end_us", "hidden_hash"})
+
+
+# --------------------------------------------------------------------------- acceptance
+
+@dataclass(frozen=True)
+class RequestAcceptance:
+    req_id: str
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else math.nan
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else math.nan
+
+
+@dataclass(frozen=True)
+class StepAcceptance:
+    step: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """Speculative-decoding acceptance of one run (vLLM's definitions; see the module doc)."""
+
+    num_speculative_tokens: int  # K
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: tuple[int, ...]  # length K
+    rate_per_position: tuple[float, ...]  # accepted_per_position[k] / num_drafts
+    acceptance_rate: float  # num_accepted_tokens / num_draft_tokens
+    mean_acceptance_length: float  # 1 + num_accepted_tokens / num_drafts
+    per_request: Mapping[str, RequestAcceptance]
+    per_step: tuple[StepAcceptance, ...]
+    rank: int | None  # the rank whose verify records were read
+
+    def to_dict(self) -> dict[str, Any]:
+        f = lambda x: None if isinstance(x, float) and math.isnan(x) else x  # noqa: E731
+        return {
+            "num_speculative_tokens": self.num_speculative_tokens, "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
+            "num_accepted_tokens_per_pos": list(self.accepted_per_position),
+            "acceptance_rate_per_pos": [f(x) for x in self.rate_per_position],
+            "acceptance_rate": f(self.acceptance_rate), "mean_acceptance_length": f(self.mean_acceptance_length),
+            "rank": self.rank,
+            "per_request": {k: {"num_drafts": v.num_drafts, "num_draft_tokens": v.num_draft_tokens,
+                                "num_accepted_tokens": v.num_accepted_tokens,
+                                "num_accepted_tokens_per_pos": list(v.accepted_per_position),
+                                "mean_acceptance_length": f(v.mean_acceptance_length)}
+                            for k, v in self.per_request.items()},
+        }
+
+
+def _open(trace: Trace | str | os.PathLike) -> Trace:
+    return trace if isinstance(trace, Trace) else open_trace(trace)
+
+
+def acceptance(trace: Trace | str | os.PathLike, *, rank: int | None = None) -> Acceptance:
+    """Acceptance statistics from the verify records of ``rank`` (default: the lowest rank).
+
+    Per request and step, ``num_draft_tokens`` is read from verify (or, if not recorded,
+    ``num_accepted + num_rejected``). K is run.json's ``num_speculative_tokens``, else the
+    width of ``sampled_token_ids`` minus one.
+    """
+    trace = _open(trace)
+    if rank is None:
+        rank = trace.ranks[0] if trace.ranks else None
+    k_meta = trace.meta.get("num_speculative_tokens")
+    k = int(k_meta) if isinstance(k_meta, (int, float)) and not isinstance(k_meta, bool) else None
+    per_pos = np.zeros(max(k or 0, 0), dtype=np.int64)
+    per_req: dict[str, list] = {}
+    steps = []
+    tot_drafts = tot_tokens = tot_acc = 0
+    for step in ([] if rank is None else trace.rank_steps(rank)):
+        if not trace.has(step, rank, "verify"):
+            continue
+        rec = trace.record(step, rank, "verify")
+        if "num_accepted" not in rec:
+            continue
+        nacc = np.asarray(rec["num_accepted"], dtype=np.int64)
+        if "num_draft_tokens" in rec:
+            nd = np.asarray(rec["num_draft_tokens"], dtype=np.int64)
+        elif "num_rejected" in rec:
+            nd = nacc + np.asarray(rec["num_rejected"], dtype=np.int64)
+        else:
+            continue
+        if k is None and "sampled_token_ids" in rec and rec["sampled_token_ids"].ndim == 2:
+            k = rec["sampled_token_ids"].shape[1] - 1
+        has = nd > 0
+        width = int(nacc[has].max()) if has.any() else 0
+        if width > per_pos.shape[0]:
+            per_pos = np.concatenate([per_pos, np.zeros(width - per_pos.shape[0], np.int64)])
+        pos = np.arange(per_pos.shape[0])
+        per_pos += ((pos[None, :] < nacc[:, None]) & has[:, None]).sum(axis=0)
+        nd_s, acc_s = int(nd[has].sum()), int(nacc[has].sum())
+        steps.append(StepAcceptance(int(step), int(has.sum()), nd_s, acc_s))
+        tot_drafts += int(has.sum())
+        tot_tokens += nd_s
+        tot_acc += acc_s
+        ids = rec["req_ids"].tolist() if "req_ids" in rec else [f"row{i}" for i in range(nd.shape[0])]
+        for i in np.flatnonzero(has):
+            entry = per_req.setdefault(str(ids[i]), [0, 0, 0, []])
+            a = int(nacc[i])
+            entry[0] += 1
+            entry[1] += int(nd[i])
+            entry[2] += a
+            if len(entry[3]) < a:
+                entry[3].extend([0] * (a - len(entry[3])))
+            for j in range(a):
+                entry[3][j] += 1
+    k = int(k or 0)
+    if per_pos.shape[0] < k:
+        per_pos = np.concatenate([per_pos, np.zeros(k - per_pos.shape[0], np.int64)])
+    width = per_pos.shape[0]
+    requests = {rid: RequestAcceptance(rid, e[0], e[1], e[2], tuple(e[3] + [0] * (width - len(e[3]))))
+                for rid, e in per_req.items()}
+    nan = math.nan
+    return Acceptance(
+        num_speculative_tokens=k, num_drafts=tot_drafts, num_draft_tokens=tot_tokens,
+        num_accepted_tokens=tot_acc, accepted_per_position=tuple(int(x) for x in per_pos),
+        rate_per_position=tuple((int(x) / tot_drafts) if tot_drafts else nan for x in per_pos),
+        acceptance_rate=tot_acc / tot_tokens if tot_tokens else nan,
+        mean_acceptance_length=1.0 + tot_acc / tot_drafts if tot_drafts else nan,
+        per_request=MappingProxyType(requests), per_step=tuple(steps), rank=rank,
+    )
+
+
+# --------------------------------------------------------------------------- divergences
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where run B first differs from run A (expected = A, actual = B)."""
+
+    step: int
+    phase: str | None
+    view: str | None
+    rank_a: int | None
+    rank_b: int | None
+    message: str
+    req_id: str | None = None
+    index: tuple[int, ...] | None = None  # into run A's (request-aligned) view
+    expected: str | None = None
+    actual: str | None = None
+
+    def describe(self) -> str:
+        parts = [f"step {self.step}"]
+        if self.phase is not None:
+            parts.append(f"phase {self.phase}")
+        if self.view is not None:
+            parts.append(f"view {self.view}")
+        if self.rank_a is not None or self.rank_b is not None:
+            parts.append(f"rank {self.rank_a}" if self.rank_a == self.rank_b
+                         else f"rank {self.rank_a} (a) / {self.rank_b} (b)")
+        if self.req_id is not None:
+            parts.append(f"request {self.req_id}")
+        if self.index is not None:
+            parts.append(f"index {list(self.index)}")
+        out = ", ".join(parts) + f": {self.message}"
+        if self.expected is not None or self.actual is not None:
+            out += f"; a {self.expected}, b {self.actual}"
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "phase": self.phase, "view": self.view, "rank_a": self.rank_a,
+                "rank_b": self.rank_b, "req_id": self.req_id,
+                "index": None if self.index is None else list(self.index), "message": self.message,
+                "expected": self.expected, "actual": self.actual}
+
+
+@dataclass(frozen=True)
+class DiffReport:
+    a: str
+    b: str
+    same: bool
+    first: Divergence | None
+    divergences: tuple[Divergence, ...]  # the first one per (step, phase, view), capped
+    num_divergent_views: int  # every (step, phase, view, rank pair) that differs
+    steps_compared: int
+    views_compared: int
+    local_views_compared: bool
+    notes: tuple[str, ...]
+    acceptance_a: Acceptance
+    acceptance_b: Acceptance
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "same": self.same,
+                "first": None if self.first is None else self.first.to_dict(),
+                "divergences": [d.to_dict() for d in self.divergences],
+                "num_divergent_views": self.num_divergent_views, "steps_compared": self.steps_compared,
+                "views_compared": self.views_compared, "local_views_compared": self.local_views_compared,
+                "notes": list(self.notes), "acceptance": {"a": self.acceptance_a.to_dict(),
+                                                          "b": self.acceptance_b.to_dict()}}
+
+    def format(self, max_divergences: int = 10) -> str:
+        lines = ["pcpviz diff", f"  a: {self.a}", f"  b: {self.b}",
+                 f"  compared {self.steps_compared} steps, {self.views_compared} views"
+                 f" ({'global and local' if self.local_views_compared else 'global only'})"]
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        if self.same:
+            lines.append("  result: SAME")
+        else:
+            lines.append(f"  result: DIFFER ({self.num_divergent_views} divergent views)")
+            lines.append(f"  first divergence: {self.first.describe()}")
+            for d in self.divergences[1:max_divergences]:
+                lines.append(f"    then: {d.describe()}")
+            if len(self.divergences) > max_divergences:
+                lines.append(f"    ... {len(self.divergences) - max_divergences} more")
+        lines.append(_acceptance_table(self.acceptance_a, self.acceptance_b))
+        return "\n".join(lines)
+
+
+def _num(x: float, digits: int = 3) -> str:
+    return "-" if isinstance(x, float) and math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _acceptance_table(a: Acceptance, b: Acceptance) -> str:
+    rows = [("acceptance (vLLM definitions)", "a", "b"),
+            ("num_drafts", str(a.num_drafts), str(b.num_drafts)),
+            ("num_draft_tokens", str(a.num_draft_tokens), str(b.num_draft_tokens)),
+            ("num_accepted_tokens", str(a.num_accepted_tokens), str(b.num_accepted_tokens)),
+            ("acceptance rate", _num(a.acceptance_rate), _num(b.acceptance_rate)),
+            ("mean acceptance length", _num(a.mean_acceptance_length), _num(b.mean_acceptance_length))]
+    for k in range(max(len(a.accepted_per_position), len(b.accepted_per_position))):
+        cell = lambda acc: (f"{_num(acc.rate_per_position[k])} ({acc.accepted_per_position[k]})"  # noqa: E731
+                            if k < len(acc.accepted_per_position) else "-")
+        rows.append((f"position {k}: rate (accepted)", cell(a), cell(b)))
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    return "\n".join(f"  {r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]}" for r in rows)
+
+
+# view -> how it is aligned by request: ("req", axis) rows are requests; ("tok", axis) columns
+# are global tokens; "qsl" query_start_loc; "tokidx" values are global token indices (sorted
+# set); "tokidx_req" one global token index per request; "scalar" compared as is.
+_TARGET_GLOBAL = {
+    "req_ids": ("req", 0), "idx_mapping": ("req", 0), "num_scheduled_tokens": ("req", 0),
+    "num_computed_tokens": ("req", 0), "seq_lens": ("req", 0), "is_prefilling": ("req", 0),
+    "prefill_len": ("req", 0), "block_table_global": ("req", -2), "positions": ("tok", 0),
+    "input_ids": ("tok", 0), "slot_mapping_global": ("tok", -1), "query_start_loc": ("qsl",),
+    "logits_indices": ("tokidx",), "sampled_logits_rows": ("tokidx",), "sampled_from": ("scalar",),
+}
+_DRAFT0_GLOBAL = {"draft_tokens": ("req", 0), "draft_last_token_indices": ("tokidx_req",),
+                  "draft_global_input_ids": ("tok", 0)}
+_DRAFTK_GLOBAL = {"view": ("scalar",), "draft_input_ids": ("req", 0), "draft_positions": ("req", 0),
+                  "draft_seq_lens": ("req", 0), "draft_tokens": ("req", 0),
+                  "block_table_draft": ("req", -2), "slot_mapping_draft": ("req", -1)}
+
+
+def _kind(phase: str, view: str) -> tuple | None:
+    """How a view aligns across runs; None for a local (rank-dependent) view."""
+    if phase == "target":
+        return _TARGET_GLOBAL.get(view)
+    if phase == "verify":
+        return ("req", 0)
+    k = draft_index(phase)
+    if k == 0:
+        return _DRAFT0_GLOBAL.get(view)
+    if k is not None:
+        return _DRAFTK_GLOBAL.get(view)
+    return None
+
+
+@dataclass
+class _Align:
+    """Maps run B's request rows and global tokens onto run A's order."""
+
+    req_ids: np.ndarray  # run A's
+    qsl_a: np.ndarray
+    perm: np.ndarray | None = None  # B row of each A row (None: same order)
+    tok_perm: np.ndarray | None = None  # B token of each A token
+    inv_tok: np.ndarray | None = None  # A token of each B token
+
+    def req_of_token(self, t: int) -> str | None:
+        if self.qsl_a.size < 2:
+            return None
+        row = int(np.searchsorted(self.qsl_a, t, side="right") - 1)
+        return str(self.req_ids[row]) if 0 <= row < self.req_ids.shape[0] else None
+
+    def apply(self, kind: tuple, b: np.ndarray) -> np.ndarray:
+        if self.perm is None:
+            return b
+        tag = kind[0]
+        if tag == "req":
+            return np.take(b, self.perm, axis=kind[1])
+        if tag == "tok":
+            return np.take(b, self.tok_perm, axis=kind[1])
+        if tag == "qsl":
+            lens = np.diff(b.astype(np.int64))[self.perm]
+            out = np.zeros(lens.shape[0] + 1, dtype=np.int64)
+            np.cumsum(lens, out=out[1:])
+            return out
+        if tag in ("tokidx", "tokidx_req"):
+            bi = b.astype(np.int64)
+            ok = (bi >= 0) & (bi < self.inv_tok.shape[0])
+            mapped = np.where(ok, self.inv_tok[np.clip(bi, 0, max(self.inv_tok.shape[0] - 1, 0))], -1)
+            return np.sort(mapped) if tag == "tokidx" else mapped[self.perm]
+        return b
+
+
+def _alignment(a_rec, b_rec) -> tuple[_Align | None, str | None]:
+    """Request alignment from the two target (or verify) records; (None, reason) if the
+    request sets differ."""
+    ra = np.asarray(a_rec["req_ids"]).astype(str)
+    rb = np.asarray(b_rec["req_ids"]).astype(str)
+    qa = _qsl(a_rec)
+    if ra.shape == rb.shape and np.array_equal(ra, rb):
+        return _Align(ra, qa), None
+    if ra.shape != rb.shape or set(ra.tolist()) != set(rb.tolist()):
+        return None, "different requests scheduled"
+    pos_b = {r: i for i, r in enumerate(rb.tolist())}
+    perm = np.array([pos_b[r] for r in ra.tolist()], dtype=np.int64)
+    qb = _qsl(b_rec)
+    if qa is None or qb is None:
+        return _Align(ra, np.zeros(0, np.int64), perm, None, None), None
+    tok_perm = np.concatenate([np.arange(qb[j], qb[j + 1]) for j in perm] or [np.zeros(0, np.int64)])
+    inv = np.empty_like(tok_perm)
+    inv[tok_perm] = np.arange(tok_perm.shape[0])
+    return _Align(ra, qa, perm, tok_perm.astype(np.int64), inv.astype(np.int64)), None
+
+
+def _qsl(rec) -> np.ndarray | None:
+    if "num_scheduled_tokens" in rec:
+        q = np.asarray(rec["num_scheduled_tokens"], dtype=np.int64)
+        out = np.zeros(q.shape[0] + 1, dtype=np.int64)
+        np.cumsum(q, out=out[1:])
+        return out
+    if "query_start_loc" in rec:
+        return np.asarray(rec["query_start_loc"], dtype=np.int64)
+    return None
+
+
+def _mask_stale_rows(trace: Trace, step: int, rank: int, ea: np.ndarray, eb: np.ndarray):
+    """Rows of a request past its ``q - num_rejected`` valid rows keep stale ids in vLLM's
+    draft prefill (never read); blank them (-1) in both runs, using run A's batch."""
+    if not (trace.has(step, rank, "target") and trace.has(step, rank, "verify")):
+        return ea, eb
+    tgt, ver = trace.record(step, rank, "target"), trace.record(step, rank, "verify")
+    qsl = _qsl(tgt)
+    if qsl is None or "num_rejected" not in ver or ea.shape != (int(qsl[-1]),) or eb.shape != ea.shape:
+        return ea, eb
+    rej = np.asarray(ver["num_rejected"], dtype=np.int64)
+    if rej.shape[0] != qsl.shape[0] - 1:
+        return ea, eb
+    row = np.repeat(np.arange(qsl.shape[0] - 1), np.diff(qsl))
+    stale = (np.arange(qsl[-1]) - qsl[row]) >= (np.diff(qsl) - rej)[row]
+    return np.where(stale, -1, ea), np.where(stale, -1, eb)
+
+
+def _phase_key(phase: str) -> tuple[int, int]:
+    """Causal order within a step: the target forward, then sampling/verification, then the
+    drafter's propose (draft_0 .. draft_{K-1}), as in vLLM's ``sample_tokens``."""
+    k = draft_index(phase)
+    if k is not None:
+        return (3, k)
+    return {"dummy": (0, 0), "target": (1, 0), "verify": (2, 0)}.get(phase, (4, 0))
+
+
+def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
+                ignore: frozenset[str] | set[str] = DEFAULT_IGNORE,
+                max_divergences: int = 200) -> DiffReport:
+    """Compare run B against run A (see the module doc); expected values are A's."""
+    ta, tb = _open(a), _open(b)
+    notes: list[str] = []
+    for key in ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "shard_decode_requests",
+                "model"):
+        va, vb = ta.meta.get(key), tb.meta.get(key)
+        if va != vb:
+            notes.append(f"run.json {key}: a={va!r}, b={vb!r}")
+    same_layout = (ta.meta.get("pcp") == tb.meta.get("pcp") and ta.ranks == tb.ranks
+                   and ta.meta.get("dcp", 1) == tb.meta.get("dcp", 1))
+    if not same_layout:
+        notes.append("PCP sizes or ranks differ: only global views, draft tokens and verify compared")
+    ref_a = ta.ranks[0] if ta.ranks else None
+    ref_b = tb.ranks[0] if tb.ranks else None
+    if same_layout:
+        pairs = [(r, r) for r in ta.ranks]
+    else:
+        pairs = [(ref_a, r) for r in tb.ranks] + [(r, ref_b) for r in ta.ranks if r != ref_a]
+
+    found: list[Divergence] = []
+    seen: set[tuple] = set()
+    total = 0
+    views_compared = 0
+    steps_compared = 0
+    order_noted = False
+    local_compared_any = False
+
+    def record(d: Divergence) -> None:
+        nonlocal total
+        total += 1
+        key = (d.step, d.phase, d.view)
+        if key not in seen and len(found) < max_divergences:
+            seen.add(key)
+            found.append(d)
+
+    steps = sorted(set(ta.steps) | set(tb.steps))
+    for step in steps:
+        in_a = [r for r in ta.ranks if step in set(ta.rank_steps(r))]
+        in_b = [r for r in tb.ranks if step in set(tb.rank_steps(r))]
+        if not in_a or not in_b:
+            record(Divergence(step, None, None, None, None,
+                              f"step recorded only in run {'a' if in_a else 'b'}"))
+            continue
+        steps_compared += 1
+        step_pairs = [(ra, rb) for ra, rb in pairs if ra in in_a and rb in in_b]
+        missing = [(ra, rb) for ra, rb in pairs if (ra in in_a) != (rb in in_b)]
+        for ra, rb in missing:
+            record(Divergence(step, None, None, ra, rb,
+                              f"step recorded on rank {ra if ra in in_a else rb} of run "
+                              f"{'a' if ra in in_a else 'b'} only"))
+        phases = sorted(set().union(*(ta.phases(step, ra) for ra, _ in step_pairs),
+                                    *(tb.phases(step, rb) for _, rb in step_pairs)), key=_phase_key)
+        aligns: dict[tuple[int, int], tuple[_Align | None, str | None]] = {}
+        for ra, rb in step_pairs:
+            base = "target" if ta.has(step, ra, "target") and tb.has(step, rb, "target") else "verify"
+            if ta.has(step, ra, base) and tb.has(step, rb, base):
+                ar, br = ta.record(step, ra, base), tb.record(step, rb, base)
+                if "req_ids" in ar and "req_ids" in br:
+                    aligns[(ra, rb)] = _alignment(ar, br)
+                    continue
+            aligns[(ra, rb)] = (None, None)
+        for phase in phases:
+            for ra, rb in step_pairs:
+                has_a, has_b = ta.has(step, ra, phase), tb.has(step, rb, phase)
+                if not has_a or not has_b:
+                    record(Divergence(step, phase, None, ra, rb,
+                                      f"phase recorded only in run {'a' if has_a else 'b'}"))
+                    continue
+                align, why = aligns[(ra, rb)]
+                if align is None and why is not None:
+                    ar, br = ta.record(step, ra, "target" if ta.has(step, ra, "target") else "verify"), \
+                        tb.record(step, rb, "target" if tb.has(step, rb, "target") else "verify")
+                    if phase in ("target", "verify"):
+                        record(Divergence(step, phase, "req_ids", ra, rb, why,
+                                          expected=short_repr(ar["req_ids"]), actual=short_repr(br["req_ids"])))
+                    continue
+                local_ok = same_layout and (align is None or align.perm is None)
+                if same_layout and align is not None and align.perm is not None and not order_noted:
+                    notes.append(f"step {step}: request order differs; local views not compared "
+                                 "where the order differs")
+                    order_noted = True
+                va, vb = ta.record(step, ra, phase), tb.record(step, rb, phase)
+                names = list(va.keys()) + [v for v in vb.keys() if v not in va]
+                for view in names:
+                    if view in ignore:
+                        continue
+                    kind = _kind(phase, view)
+                    if kind is None and not local_ok:
+                        continue
+                    if view not in va or view not in vb:
+                        record(Divergence(step, phase, view, ra, rb,
+                                          f"view recorded only in run {'a' if view in va else 'b'}"))
+                        continue
+                    views_compared += 1
+                    if kind is None:
+                        local_compared_any = True
+                    ea, eb = np.asarray(va[view]), np.asarray(vb[view])
+                    if kind is not None and align is not None:
+                        try:
+                            eb = align.apply(kind, eb)
+                        except (IndexError, ValueError):
+                            pass  # shapes differ: reported below
+                    if phase == "draft_0" and view == "draft_global_input_ids":
+                        ea, eb = _mask_stale_rows(ta, step, ra, ea, eb)
+                    if ea.dtype.names is not None or eb.dtype.names is not None:
+                        ea = np.asarray(ea.tolist(), dtype=object)
+                        eb = np.asarray(eb.tolist(), dtype=object)
+                    differs, idx, reason = first_difference(ea, eb)
+                    if not differs:
+                        continue
+                    req = None
+                    if idx and kind is not None and align is not None:
+                        ax = kind[1] if len(kind) > 1 else 0
+                        i = idx[ax % len(idx)]
+                        if kind[0] == "req" and i < align.req_ids.shape[0]:
+                            req = str(align.req_ids[i])
+                        elif kind[0] == "tok":
+                            req = align.req_of_token(i)
+                    record(Divergence(step, phase, view, ra, rb, reason, req_id=req, index=idx,
+                                      expected=short_repr(ea, idx), actual=short_repr(eb, idx)))
+    if not steps:
+        notes.append("no steps in either run")
+    acc_a, acc_b = acceptance(ta), acceptance(tb)
+    return DiffReport(str(ta.path), str(tb.path), total == 0, found[0] if found else None, tuple(found),
+                      total, steps_compared, views_compared, same_layout and local_compared_any,
+                      tuple(notes), acc_a, acc_b)
