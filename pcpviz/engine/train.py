@@ -1,0 +1,391 @@
+"""Train the shipped tiny DeepSeek-V3-architecture model (main LM + one MTP module).
+
+Launch manual
+=============
+
+CPU (about 20 minutes on 2 cores; reaches a clearly trained but weaker model)::
+
+    python -m pcpviz.engine.train --out data/models/pcpviz-tiny-dsv3 --device cpu \\
+        --steps 600 --batch 8 --seq-len 256 --seed 0
+
+GPU (what produced the shipped weights; see ``training.json`` in the model directory for the
+exact arguments, step count and losses)::
+
+    python -m pcpviz.engine.train --out data/models/pcpviz-tiny-dsv3 --device cuda \\
+        --batch 24 --seq-len 1024 --seed 0 --steps N
+
+``--time-budget-s S`` (instead of ``--steps``) measures the step time first and picks the largest
+step count that fits in ``S`` seconds; the chosen count is written to ``training.json`` so the run
+can be repeated with ``--steps``.
+
+Data: the Python standard library's ``*.py`` sources (:mod:`pcpviz.engine.corpus`), split by a
+keyed hash of the module path into train (~95%) and held-out (~5%) modules. Each file is one
+document ``<bos> bytes <eos>``; training windows are uniform random crops of the concatenated
+training stream (positions restart at 0 in every window). ``--corpus-pack FILE`` trains on a
+frozen corpus written by ``python -m pcpviz.engine.corpus --pack FILE`` (byte-identical text on
+another machine).
+
+Objective: ``loss = CE(main, t_{p+1}) + mtp_weight * CE(mtp, t_{p+2})`` where the MTP layer at
+position p sees the main model's final hidden h_p and the embedding of t_{p+1} (zeroed at
+position 0, as vLLM does at inference). The MTP embedding and output head are tied to the main
+model's during training (DeepSeek-V3) and saved as separate tensors in DeepSeek's layout.
+
+Outputs in ``--out``: ``config.json``, ``model.safetensors`` (bf16 by default), ``tokenizer.json``,
+``tokenizer_config.json``, ``special_tokens_map.json``, ``generation_config.json`` and
+``training.json`` (arguments, seed, steps, wall time, device, final train losses, held-out main /
+MTP losses, MTP-vs-main greedy agreement on held-out source, corpus split hash, environment).
+
+Runs with only ``torch`` installed (``safetensors`` is optional here: a small built-in writer
+is used without it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import corpus as corpus_mod
+from . import tokenizer as tok
+from .model import TinyDSV3, TinyDSV3Config, causal_attention, save_model
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pcpviz.engine.train", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="model directory to write")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 600)")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="pick --steps from measured step time to fit this many seconds of training")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--warmup", type=float, default=0.03, help="warmup fraction of steps")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--mtp-weight", type=float, default=0.3)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--eval-tokens", type=int, default=65536, help="held-out tokens to evaluate")
+    p.add_argument("--corpus-pack", default=None, help="train on a frozen corpus pack")
+    p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument("--init-from", default=None,
+                   help="continue from this model directory (fine-tuning stage; its training.json is kept)")
+    p.add_argument("--pos-skip-prob", type=float, default=0.0,
+                   help="fraction of windows trained with a position skip (PoSE-style long-context)")
+    p.add_argument("--pos-skip-max", type=int, default=32768,
+                   help="largest position a skipped window reaches")
+    p.add_argument("--long-eval-tokens", type=int, default=8192,
+                   help="held-out loss by position bucket over one sequence of this many tokens")
+    # architecture (defaults = the shipped model)
+    d = TinyDSV3Config()
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
+    p.add_argument("--intermediate-size", type=int, default=d.intermediate_size)
+    p.add_argument("--num-layers", type=int, default=d.num_layers)
+    p.add_argument("--num-heads", type=int, default=d.num_heads)
+    return p.parse_args(argv)
+
+
+def _reproduce_command(args, steps: int) -> str:
+    """The same run with the step count fixed (no --time-budget-s)."""
+    skip = {"time_budget_s", "steps", "out"}
+    parts = ["python -m pcpviz.engine.train", "--out", "OUT", "--steps", str(steps)]
+    for k, v in vars(args).items():
+        if k in skip or v is None:
+            continue
+        parts += [f"--{k.replace('_', '-')}", str(v)]
+    return " ".join(parts)
+
+
+def _lr_at(step: int, total: int, args) -> float:
+    warm = max(1, int(args.warmup * total))
+    if step < warm:
+        return args.lr * (step + 1) / warm
+    frac = (step - warm) / max(1, total - warm)
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
+    return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * cos)
+
+
+def _stream(files) -> torch.Tensor:
+    buf = corpus_mod.concat_tokens(files, tok.BOS_ID, tok.EOS_ID)
+    return torch.frombuffer(bytearray(buf), dtype=torch.int16).to(torch.int64)
+
+
+def _losses(model: TinyDSV3, windows: torch.Tensor, mtp_weight: float, positions=None):
+    """windows [B, L+2] -> (total, main CE, MTP CE, main logits [B,L,V], mtp logits [B,L,V]).
+
+    ``positions`` [B, L] (increasing along L) default to ``0..L-1`` in every window.
+    """
+    B, L2 = windows.shape
+    L = L2 - 2
+    ids = windows[:, :L].reshape(-1)
+    if positions is None:
+        pos = torch.arange(L, device=windows.device).repeat(B)
+    else:
+        pos = positions.reshape(-1).to(windows.device)
+    qsl = [i * L for i in range(B + 1)]
+    attn = causal_attention(model, query_start_loc=qsl)
+    h = model.forward_hidden(ids, pos, attn)
+    logits = model.logits(h)
+    main = F.cross_entropy(logits.float(), windows[:, 1:L + 1].reshape(-1))
+    mh = model.mtp_forward(windows[:, 1:L + 1].reshape(-1), pos, h, attn)
+    mlogits = model.mtp_logits(mh)
+    mtp = F.cross_entropy(mlogits.float(), windows[:, 2:].reshape(-1))
+    return main + mtp_weight * mtp, main, mtp, logits.view(B, L, -1), mlogits.view(B, L, -1)
+
+
+@torch.no_grad()
+def evaluate(model: TinyDSV3, stream: torch.Tensor, seq_len: int, max_tokens: int, device, autocast) -> dict:
+    """Held-out metrics over consecutive non-overlapping windows of the held-out stream."""
+    model.eval()
+    L2 = seq_len + 2
+    n_win = max(1, min(max_tokens // seq_len, (stream.numel() - 2) // seq_len))
+    tot = {"main": 0.0, "mtp": 0.0, "n": 0, "agree_main": 0, "agree_true": 0, "main_acc": 0, "n_agree": 0}
+    bs = 8
+    for s in range(0, n_win, bs):
+        idx = [i * seq_len for i in range(s, min(n_win, s + bs)) if i * seq_len + L2 <= stream.numel()]
+        if not idx:
+            break
+        w = torch.stack([stream[i:i + L2] for i in idx]).to(device)
+        with autocast():
+            _, main, mtp, lg, mlg = _losses(model, w, 0.0)
+        n = w.shape[0] * seq_len
+        tot["main"] += main.item() * n
+        tot["mtp"] += mtp.item() * n
+        tot["n"] += n
+        g_main = lg.argmax(-1)  # predicts t_{p+1}
+        g_mtp = mlg.argmax(-1)  # predicts t_{p+2}
+        tot["agree_main"] += (g_mtp[:, :-1] == g_main[:, 1:]).sum().item()
+        tot["agree_true"] += (g_mtp == w[:, 2:]).sum().item()
+        tot["main_acc"] += (g_main == w[:, 1:seq_len + 1]).sum().item()
+        tot["n_agree"] += g_mtp[:, :-1].numel()
+    model.train()
+    n = max(1, tot["n"])
+    return {
+        "tokens": tot["n"],
+        "main_loss": tot["main"] / n,
+        "mtp_loss": tot["mtp"] / n,
+        "main_top1_acc": tot["main_acc"] / n,
+        "mtp_top1_acc": tot["agree_true"] / n,
+        "mtp_agrees_with_main_greedy": tot["agree_main"] / max(1, tot["n_agree"]),
+    }
+
+
+def skip_positions(B: int, L: int, prob: float, max_pos: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, L] positions: ``0..L-1``, or (with probability ``prob``) PoSE-style: the window is cut
+    at a random point and the second part is shifted by a random skip, so that relative
+    distances up to ``max_pos`` occur while the text stays contiguous."""
+    pos = torch.arange(L).repeat(B, 1)
+    if prob <= 0 or max_pos <= L:
+        return pos
+    for b in range(B):
+        if torch.rand((), generator=gen).item() < prob:
+            cut = int(torch.randint(1, L, (), generator=gen))
+            skip = int(torch.randint(1, max_pos - L + 1, (), generator=gen))
+            pos[b, cut:] += skip
+    return pos
+
+
+@torch.no_grad()
+def evaluate_long(model: TinyDSV3, stream: torch.Tensor, length: int, device, autocast) -> dict:
+    """Main/MTP held-out loss by position bucket over one long sequence (the held-out stream's start)."""
+    model.eval()
+    length = min(length, stream.numel() - 2)
+    w = stream[: length + 2].unsqueeze(0).to(device)
+    with autocast():
+        _, _, _, lg, mlg = _losses(model, w, 0.0)
+    main = F.cross_entropy(lg[0].float(), w[0, 1:length + 1], reduction="none")
+    mtp = F.cross_entropy(mlg[0].float(), w[0, 2:], reduction="none")
+    out = {}
+    a = 0
+    b = 1024
+    while a < length:
+        hi = min(b, length)
+        out[f"{a}-{hi}"] = {"main": round(main[a:hi].mean().item(), 4), "mtp": round(mtp[a:hi].mean().item(), 4)}
+        a, b = hi, b * 2
+    model.train()
+    return out
+
+
+def write_generation_config(out_dir: str) -> None:
+    with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"bos_token_id": tok.BOS_ID, "eos_token_id": tok.EOS_ID, "pad_token_id": tok.PAD_ID,
+                   "do_sample": False, "max_new_tokens": 256}, f, indent=2)
+        f.write("\n")
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    t_start = time.time()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(args.seed)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    def autocast():
+        if device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
+    corp = corpus_mod.load_corpus(pack=args.corpus_pack)
+    summary = corp.summary()
+    train_stream = _stream(corp.split("train"))
+    held_stream = _stream(corp.split("heldout"))
+    print(f"corpus {summary['corpus_hash'][:16]} train {train_stream.numel()} tokens, "
+          f"held-out {held_stream.numel()} tokens", flush=True)
+
+    cfg = TinyDSV3Config(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+                         num_layers=args.num_layers, num_heads=args.num_heads, vocab_size=tok.VOCAB_SIZE,
+                         bos_token_id=tok.BOS_ID, eos_token_id=tok.EOS_ID, pad_token_id=tok.PAD_ID,
+                         torch_dtype=args.save_dtype)
+    previous = None
+    if args.init_from:
+        from .model import load_model
+
+        model = load_model(args.init_from, device="cpu", dtype=torch.float32)
+        cfg = dataclasses.replace(model.config, torch_dtype=args.save_dtype)
+        model.config = cfg
+        prev_path = os.path.join(args.init_from, "training.json")
+        if os.path.exists(prev_path):
+            with open(prev_path, encoding="utf-8") as f:
+                previous = json.load(f)
+    else:
+        model = TinyDSV3(cfg)
+        gen = torch.Generator().manual_seed(args.seed)
+        model.init_weights(gen)
+    model.tie_mtp_to_main()
+    model.to(device).train()
+    n_params = sum(p.numel() for p in model.parameters())  # unique (tied counted once)
+    print(f"params {n_params} (unique, MTP embed/head tied)", flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+    data_gen = torch.Generator().manual_seed(args.seed + 1)
+    L2 = args.seq_len + 2
+    max_start = train_stream.numel() - L2
+
+    def batch():
+        starts = torch.randint(0, max_start, (args.batch,), generator=data_gen)
+        w = torch.stack([train_stream[s:s + L2] for s in starts.tolist()])
+        pos = skip_positions(args.batch, args.seq_len, args.pos_skip_prob, args.pos_skip_max, data_gen)
+        return w.to(device, non_blocking=True), pos
+
+    def step_fn(step: int, total: int):
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, total, args)
+        w, pos = batch()
+        with autocast():
+            loss, main, mtp, _, _ = _losses(model, w, args.mtp_weight, pos)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        return loss, main, mtp, gn
+
+    steps = args.steps
+    measured = None
+    if steps is None and args.time_budget_s:
+        # measure: a few warm-up steps at the first LR, then timed steps; restart from scratch after
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        for i in range(3):
+            step_fn(0, 1000)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.time()
+        n_meas = 10
+        for i in range(n_meas):
+            step_fn(0, 1000)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        measured = (time.time() - t0) / n_meas
+        steps = max(10, int(args.time_budget_s / measured))
+        print(f"measured {measured * 1000:.1f} ms/step -> {steps} steps for {args.time_budget_s:.0f}s", flush=True)
+        model.load_state_dict(state)
+        model.tie_mtp_to_main()
+        opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2],
+                                  "weight_decay": args.weight_decay},
+                                 {"params": [p for p in model.parameters() if p.dim() < 2],
+                                  "weight_decay": 0.0}],
+                                lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+        data_gen.manual_seed(args.seed + 1)
+    if steps is None:
+        steps = 600
+
+    t_train = time.time()
+    hist = []
+    ema = None
+    for step in range(steps):
+        loss, main, mtp, gn = step_fn(step, steps)
+        if step % args.log_every == 0 or step == steps - 1:
+            m, t = main.item(), mtp.item()
+            hist.append({"step": step, "main": round(m, 4), "mtp": round(t, 4), "grad_norm": round(gn.item(), 3),
+                         "lr": _lr_at(step, steps, args), "t": round(time.time() - t_train, 1)})
+            print(f"step {step:6d}/{steps} main {m:.4f} mtp {t:.4f} gn {gn.item():.2f} "
+                  f"lr {_lr_at(step, steps, args):.2e} {time.time() - t_train:.0f}s", flush=True)
+        cur = (main.detach(), mtp.detach())
+        ema = cur if ema is None else (0.95 * ema[0] + 0.05 * cur[0], 0.95 * ema[1] + 0.05 * cur[1])
+    train_time = time.time() - t_train
+
+    ev = evaluate(model, held_stream, args.seq_len, args.eval_tokens, device, autocast)
+    print("held-out:", json.dumps(ev), flush=True)
+    ev_long = evaluate_long(model, held_stream, args.long_eval_tokens, device, autocast) if args.long_eval_tokens else None
+    print("held-out by position:", json.dumps(ev_long), flush=True)
+
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    save_model(model, out, dtype=getattr(torch, args.save_dtype),
+               metadata={"producer": "pcpviz.engine.train", "seed": args.seed, "steps": steps})
+    tok.write_tokenizer_files(out)
+    write_generation_config(out)
+    record = {
+        "producer": "pcpviz.engine.train",
+        "command": "python -m pcpviz.engine.train " + " ".join(sys.argv[1:] if argv is None else argv),
+        "reproduce": _reproduce_command(args, steps),
+        "args": vars(args),
+        "seed": args.seed,
+        "steps": steps,
+        "measured_step_s": measured,
+        "tokens_seen": steps * args.batch * args.seq_len,
+        "params_unique": n_params,
+        "params_stored": sum(t.numel() for t in model.state_dict().values()),
+        "config": dataclasses.asdict(cfg),
+        "device": str(device) + (f" ({torch.cuda.get_device_name(0)})" if device.type == "cuda" else ""),
+        "train_wall_s": round(train_time, 1),
+        "total_wall_s": round(time.time() - t_start, 1),
+        "final_train_loss": {"main": round(float(ema[0]), 4), "mtp": round(float(ema[1]), 4),
+                             "note": "EMA(0.95) of per-step losses over the last steps"},
+        "heldout": ev,
+        "heldout_by_position": ev_long,
+        "corpus": summary,
+        "loss_history": hist,
+        "env": {"python": platform.python_version(), "torch": torch.__version__,
+                "platform": platform.platform()},
+    }
+    if previous is not None:
+        stages = previous.pop("previous_stages", [])
+        record["previous_stages"] = stages + [previous]
+    with open(os.path.join(out, "training.json"), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    print(f"wrote {out} in {time.time() - t_start:.0f}s", flush=True)
+    return record
+
+
+if __name__ == "__main__":
+    main()
