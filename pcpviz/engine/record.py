@@ -7,8 +7,6 @@ recording on or off runs the same arithmetic.
 
 from __future__ import annotations
 
-import hashlib
-
 import numpy as np
 
 from pcpviz.trace.schema import segments_table
@@ -16,8 +14,20 @@ from pcpviz.trace.schema import segments_table
 __all__ = ["StepRecord"]
 
 
-def _hash(t) -> str:
-    return hashlib.blake2b(t.detach().float().cpu().numpy().tobytes(), digest_size=8).hexdigest()
+_ROW_HASH_WEIGHTS: dict[int, np.ndarray] = {}
+
+
+def row_hashes(t) -> np.ndarray:
+    """uint64[rows]: a per-row hash of a float tensor's bits (multiply-add, wrapping mod 2**64),
+    so two runs can be compared row by row without storing hidden states."""
+    a = np.ascontiguousarray(t.detach().float().cpu().numpy())
+    bits = a.view(np.uint32).reshape(a.shape[0], -1).astype(np.uint64)
+    w = _ROW_HASH_WEIGHTS.get(bits.shape[1])
+    if w is None:
+        rng = np.random.default_rng(0x9C9F17)
+        w = _ROW_HASH_WEIGHTS[bits.shape[1]] = rng.integers(1, 2**63, bits.shape[1], dtype=np.uint64) | 1
+    with np.errstate(over="ignore"):
+        return (bits * w).sum(axis=1, dtype=np.uint64)
 
 
 class StepRecord:
@@ -73,7 +83,7 @@ class StepRecord:
             "sampled_logits_rows": np.asarray(sampled_rows, dtype=np.int64).copy(),
             "sampled_from": np.array(sampled_from),
             "top1_token": np.asarray(top1, dtype=np.int64).copy(),
-            "hidden_hash": np.array(_hash(hidden_global)),
+            "hidden_hash": row_hashes(hidden_global),
             "t_start_us": np.array(t0, dtype=np.int64),
             "t_end_us": np.array(t1, dtype=np.int64),
         }
