@@ -10,13 +10,13 @@ VLLM_VERSION := 0.33.0
 
 .PHONY: setup lab test test-fast clean
 
-$(STAMP): pyproject.toml requirements/cpu-constraints.txt requirements/vllm-cpu.txt
+$(STAMP): pyproject.toml requirements/cpu-constraints.txt requirements/vllm-cpu.txt requirements/model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c requirements/cpu-constraints.txt torch==2.13.0
 	$(PIP) install -c requirements/cpu-constraints.txt -e '.[test]'
 	$(PIP) install --no-deps vllm==$(VLLM_VERSION)
-	$(PIP) install -c requirements/cpu-constraints.txt -r requirements/vllm-cpu.txt
+	$(PIP) install -c requirements/cpu-constraints.txt -r requirements/vllm-cpu.txt -r requirements/model.txt
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -1,0 +1,369 @@
+"""Make the real vLLM 0.33.0 PCP classes callable on a CPU-only machine.
+
+vLLM's MRv2 GPU worker (``PCPManager``, ``BlockTables``, ``InputBatch`` and their
+Triton kernels) is plain PyTorch + Triton. On a machine without an accelerator a
+few things stand in the way; ``apply_cpu_patches()`` removes exactly those and
+nothing else, so the code that runs afterwards is vLLM's own.
+
+1. environment: ``TRITON_INTERPRET=1``, ``CUDA_VISIBLE_DEVICES=""``;
+2. ``PIN_MEMORY = False`` (a CPU-only torch cannot pin);
+3. ``UvaBuffer`` -> vLLM's own CPU stand-in (the "device view" is the host tensor);
+4. a lock around Triton interpreter launches (ranks are threads);
+5. int1 masks the Triton 3.9.0 interpreter materialises as int8 -> bool;
+6. ``get_pcp_group()`` -> the calling thread's ``FakePCPGroup`` when it has one.
+
+Items 0-4 of the design note ``vllm-0.33-pcp-mtp.md`` §5 are 1-4 and 6 here; its
+item 5 (speculator plumbing) belongs to whoever drives ``propose``, its item 6
+(einops) is in ``requirements/vllm-cpu.txt``. Usage::
+
+    from pcpviz.vllm import cpu_patches
+    cpu_patches.apply_cpu_patches()          # before anything imports vllm.v1.*
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager
+
+PCP ranks are simulated as threads of one process sharing a ``FakePCPGroup``::
+
+    group = cpu_patches.FakePCPGroup(2)
+    outs = cpu_patches.run_ranks(group, lambda rank: manager[rank].restore_hidden_states(h[rank]))
+
+Call ``apply_cpu_patches()`` before vLLM or Triton is imported: Triton decides at
+``@triton.jit`` decoration time whether a kernel is interpreted, and vLLM decides
+at import time whether Triton is usable at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+SUPPORTED_VLLM_VERSION = "0.33.0"
+
+_apply_lock = threading.Lock()
+_applied = False
+
+# The thread's bound (group, rank), read by the patched get_pcp_group().
+_tls = threading.local()
+
+
+# --- fake PCP process group ---------------------------------------------------------------------
+
+
+class FakePCPGroup:
+    """A PCP "process group" whose ranks are threads of this process.
+
+    Stands in for ``vllm.distributed.parallel_state.GroupCoordinator`` in the
+    two calls PCP makes on it: ``rank_in_group`` / ``world_size`` and
+    ``all_gather(t, dim)``. Each rank thread binds itself with ``bind(rank)``
+    (or use ``run_ranks``); ``rank_in_group`` is then the calling thread's rank.
+    """
+
+    def __init__(self, world_size: int, *, timeout: float = 60.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"FakePCPGroup world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self._barrier = threading.Barrier(world_size, timeout=timeout)
+        self._slots: list[Any] = [None] * world_size
+        self._local = threading.local()
+        # all_gather calls per rank (a collective must be called equally often).
+        self.all_gather_calls = [0] * world_size
+
+    @property
+    def rank_in_group(self) -> int:
+        rank = getattr(self._local, "rank", None)
+        if rank is None:
+            raise RuntimeError("this thread is not bound to a rank of the FakePCPGroup (use bind(rank))")
+        return rank
+
+    @property
+    def num_all_gathers(self) -> int:
+        """Collective all_gathers completed (each counted once, not per rank)."""
+        return max(self.all_gather_calls)
+
+    @contextlib.contextmanager
+    def bind(self, rank: int) -> Iterator[FakePCPGroup]:
+        """Make the current thread rank ``rank`` of this group, and the group
+        the one the patched ``get_pcp_group()`` returns on this thread."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
+        prev_rank, prev_group = getattr(self._local, "rank", None), getattr(_tls, "group", None)
+        self._local.rank, _tls.group = rank, self
+        try:
+            yield self
+        finally:
+            self._local.rank, _tls.group = prev_rank, prev_group
+
+    def abort(self) -> None:
+        """Release ranks blocked in a collective (they raise BrokenBarrierError)."""
+        self._barrier.abort()
+
+    def all_gather(self, input_: Any, dim: int = 0) -> Any:
+        """Concatenate every rank's tensor along ``dim``, in rank order."""
+        import torch
+
+        rank = self.rank_in_group
+        self.all_gather_calls[rank] += 1
+        self._slots[rank] = input_
+        self._barrier.wait()  # every rank has deposited its tensor
+        shapes = [tuple(t.shape) for t in self._slots]
+        try:
+            # A real all_gather needs equal shapes; PCP pads every rank to P rows for this.
+            assert all(s == shapes[0] for s in shapes), f"all_gather with unequal shapes across PCP ranks: {shapes}"
+            out = torch.cat(list(self._slots), dim=dim)
+        finally:
+            self._barrier.wait()  # everyone has read the slots before any rank reuses them
+        return out
+
+
+def _current_fake_group() -> FakePCPGroup | None:
+    return getattr(_tls, "group", None)
+
+
+def run_ranks(group: FakePCPGroup, fn: Callable[[int], Any]) -> list[Any]:
+    """Run ``fn(rank)`` on one thread per rank, each bound to ``group``.
+
+    Returns the results in rank order. If any rank raises, the group's barrier
+    is aborted (so no rank hangs in a collective) and the first error (lowest
+    rank) is re-raised here.
+    """
+    results: list[Any] = [None] * group.world_size
+    errors: list[BaseException | None] = [None] * group.world_size
+
+    def body(rank: int) -> None:
+        try:
+            with group.bind(rank):
+                results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            errors[rank] = exc
+            group.abort()
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"pcp-rank-{r}") for r in range(group.world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Prefer a real error over the BrokenBarrierError it caused on other ranks.
+    real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
+    first = real[0] if real else next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    return results
+
+
+# --- the patches ----------------------------------------------------------------------------------
+
+
+def _set_environment() -> None:
+    # TRITON_INTERPRET=1: every @triton.jit kernel vLLM defines becomes an
+    # InterpretedFunction that runs on CPU tensors (checked at decoration time).
+    # CUDA_VISIBLE_DEVICES="": vllm/triton_utils/importing.py finds 0 active Triton
+    # drivers on a CPU box and would set HAS_TRITON=False (every kernel[grid](...)
+    # then hits a TritonPlaceholder); an *empty* variable takes its lenient
+    # "distributed environment" branch instead. It also hides any GPU from torch,
+    # so everything stays on the CPU.
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+
+def _check_not_imported_too_early() -> None:
+    # If vllm.triton_utils was imported before the environment was set, vLLM has
+    # already given up on Triton for the life of this process.
+    tu = sys.modules.get("vllm.triton_utils")
+    if tu is not None and not getattr(tu, "HAS_TRITON", False):
+        raise RuntimeError(
+            "vllm.triton_utils was imported before pcpviz.vllm.cpu_patches.apply_cpu_patches() "
+            "and disabled Triton (HAS_TRITON=False). Call apply_cpu_patches() before importing vllm, "
+            'or start Python with TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES="".'
+        )
+
+
+def _check_version() -> None:
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if version != SUPPORTED_VLLM_VERSION:
+        raise RuntimeError(
+            f"pcpviz.vllm drives vLLM {SUPPORTED_VLLM_VERSION} only; the installed vllm is {version}."
+        )
+
+
+def _check_kernels_interpreted() -> None:
+    # Kernels decorated while TRITON_INTERPRET was unset are compiled JITFunctions
+    # that need a GPU driver; nothing can convert them afterwards.
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from vllm.triton_utils import HAS_TRITON
+    from vllm.v1.worker.gpu import block_table
+
+    if not HAS_TRITON:
+        raise RuntimeError(
+            "vLLM disabled Triton (vllm.triton_utils.HAS_TRITON=False) even with "
+            'TRITON_INTERPRET=1 and CUDA_VISIBLE_DEVICES=""; is triton installed?'
+        )
+    if not isinstance(block_table._compute_slot_mappings_kernel, InterpretedFunction):
+        raise RuntimeError(
+            "vLLM's Triton kernels were created before TRITON_INTERPRET=1 was set "
+            "(vllm.v1.worker.gpu.* imported before apply_cpu_patches()); they cannot run on CPU. "
+            "Call apply_cpu_patches() first in a fresh process."
+        )
+
+
+def _vllm_modules() -> list[Any]:
+    return [m for name, m in list(sys.modules.items()) if m is not None and name.split(".")[0] == "vllm"]
+
+
+def _rebind_everywhere(old: Any, new: Any, name: str) -> None:
+    """Replace ``name`` in every imported vllm module whose binding *is* ``old``
+    (``from x import name`` copies the object into each importer)."""
+    for module in _vllm_modules():
+        if getattr(module, name, None) is old:
+            setattr(module, name, new)
+
+
+def _patch_pin_memory() -> None:
+    # vllm.utils.torch_utils.PIN_MEMORY is computed at import from
+    # current_platform.is_pin_memory_available(), which is True on the
+    # UnspecifiedPlatform a CPU box gets; async_tensor_h2d() (used by
+    # PCPManager._build_batch_layout/partition_batch and StagedWriteTensor) would
+    # then allocate pin_memory=True tensors, which a CPU-only torch refuses.
+    # Several modules copied the flag with `from ... import PIN_MEMORY`.
+    import vllm.utils.torch_utils as torch_utils
+
+    _rebind_everywhere(True, False, "PIN_MEMORY")
+    torch_utils.PIN_MEMORY = False
+
+
+def _patch_uva_buffer() -> None:
+    # buffer_utils.UvaBuffer pins host memory and maps it into the accelerator
+    # (get_accelerator_view_from_cpu_tensor). RequestState and BlockTables use it
+    # through UvaBackedTensor / StagedWriteTensor's write pools. On CPU the
+    # "device view" can simply be the host tensor itself: vLLM's own CPU worker
+    # ships that stand-in (vllm.v1.worker.cpu.buffer_utils.UvaBuffer, whose
+    # uva() returns a slice of .cpu), so we use it rather than write one.
+    import vllm.v1.worker.gpu.buffer_utils as buffer_utils
+    from vllm.v1.worker.cpu.buffer_utils import UvaBuffer as CpuUvaBuffer
+
+    original = buffer_utils.UvaBuffer
+    if original is not CpuUvaBuffer:
+        _rebind_everywhere(original, CpuUvaBuffer, "UvaBuffer")
+    buffer_utils.UvaBuffer = CpuUvaBuffer
+
+
+def _patch_triton_interpreter_lock() -> None:
+    # The Triton interpreter swaps triton.language builtins for interpreted
+    # versions for the duration of each launch (module-global state); ranks run
+    # as threads here, so two concurrent launches would corrupt each other.
+    # Serialise launches process-wide.
+    from triton.runtime import interpreter
+
+    call = interpreter.GridExecutor.__call__
+    if getattr(call, "_pcpviz_locked", False):
+        return
+    lock = threading.RLock()
+
+    @functools.wraps(call)
+    def locked_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return call(self, *args, **kwargs)
+
+    locked_call._pcpviz_locked = True  # type: ignore[attr-defined]
+    interpreter.GridExecutor.__call__ = locked_call
+
+
+def _patch_triton_interpreter_int1_masks() -> None:
+    # Triton 3.9.0's interpreter can hand an int1 mask to load/store as an int8
+    # NumPy array: a comparison keeps its lhs's (int8) tag, and splatting that
+    # scalar then materialises int8 0/1 values; the C++ load/store helper then
+    # raises "mask has unsupported dtype". vLLM's _compute_slot_mappings_kernel
+    # hits this on its context-parallel branch (CP_SIZE > 1:
+    # `is_local = ~sharded | is_local` with `sharded` loaded from a bool tensor).
+    # Compiled Triton has no such issue. The values are right, only the dtype is
+    # wrong, so truncate to one bit (i1 semantics) before the call.
+    import numpy as np
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_masked_load, "_pcpviz_int1", False):
+        return
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool(mask: Any) -> Any:
+        data = mask.data
+        if isinstance(data, np.ndarray) and data.dtype != np.bool_ and np.issubdtype(data.dtype, np.integer):
+            return interpreter.TensorHandle((data & 1).astype(np.bool_), mask.dtype)
+        return mask
+
+    @functools.wraps(load)
+    def masked_load(self: Any, ptrs: Any, mask: Any, other: Any, *args: Any, **kwargs: Any) -> Any:
+        return load(self, ptrs, as_bool(mask), other, *args, **kwargs)
+
+    @functools.wraps(store)
+    def masked_store(self: Any, ptrs: Any, value: Any, mask: Any, *args: Any, **kwargs: Any) -> Any:
+        return store(self, ptrs, value, as_bool(mask), *args, **kwargs)
+
+    masked_load._pcpviz_int1 = True  # type: ignore[attr-defined]
+    builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
+
+
+def _patch_get_pcp_group() -> None:
+    # PCPManager (rank at construction via maybe_build_pcp_manager, all_gather
+    # in restore_hidden_states) and v1/attention/ops/pcp.py (KV-input gathers)
+    # ask vllm.distributed for the PCP GroupCoordinator, which needs
+    # torch.distributed. A thread bound to a FakePCPGroup gets that group;
+    # any other thread gets vLLM's own answer, so the hook is inert otherwise.
+    import vllm.distributed.parallel_state as parallel_state
+
+    original = parallel_state.get_pcp_group
+    if getattr(original, "_pcpviz_fake", False):
+        return
+
+    @functools.wraps(original)
+    def get_pcp_group() -> Any:
+        group = _current_fake_group()
+        return group if group is not None else original()
+
+    get_pcp_group._pcpviz_fake = True  # type: ignore[attr-defined]
+    # Import the two users named by the design note so their bindings exist.
+    import vllm.v1.attention.ops.pcp  # noqa: F401
+    import vllm.v1.worker.gpu.pcp_manager  # noqa: F401
+
+    _rebind_everywhere(original, get_pcp_group, "get_pcp_group")
+    parallel_state.get_pcp_group = get_pcp_group
+
+
+def apply_cpu_patches() -> None:
+    """Prepare this process to run vLLM 0.33.0's PCP worker code on CPU.
+
+    Idempotent. Raises RuntimeError if the installed vLLM is not 0.33.0 or if
+    vLLM/Triton were imported earlier in a way that cannot be repaired.
+    """
+    global _applied
+    with _apply_lock:
+        if _applied:
+            return
+        _check_not_imported_too_early()
+        _set_environment()
+        _check_version()
+        _patch_pin_memory()
+        _patch_uva_buffer()
+        _patch_triton_interpreter_lock()
+        _patch_triton_interpreter_int1_masks()
+        _patch_get_pcp_group()
+        _check_kernels_interpreted()
+        _applied = True
+
+
+def patches_applied() -> bool:
+    return _applied
+
+
+__all__: Sequence[str] = [
+    "SUPPORTED_VLLM_VERSION",
+    "FakePCPGroup",
+    "apply_cpu_patches",
+    "patches_applied",
+    "run_ranks",
+]

@@ -1,0 +1,11 @@
+"""Session set-up shared by every test module.
+
+The conformance tier drives the real vLLM 0.33.0 on CPU, which needs
+TRITON_INTERPRET=1 and CUDA_VISIBLE_DEVICES="" *before* triton or vLLM is first
+imported (see pcpviz/vllm/cpu_patches.py). Applying the patches once, here, makes
+the outcome independent of test order.
+"""
+
+from pcpviz.vllm import cpu_patches
+
+cpu_patches.apply_cpu_patches()
