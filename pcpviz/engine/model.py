@@ -502,28 +502,46 @@ def causal_attention(model: TinyDSV3, query_start_loc: Optional[Sequence[int] | 
         if bounds[-1] != T:
             raise ValueError(f"query_start_loc ends at {bounds[-1]} but there are {T} tokens")
         lens = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-        # fast path: equal-length sequences in index order -> one batched call
-        if positions is None and len(set(lens)) == 1 and use_sdpa:
+        # fast path: short equal-length sequences in index order -> one batched SDPA call
+        if positions is None and len(set(lens)) == 1 and use_sdpa and (lens[0] <= SDPA_MAX_LEN or q.is_cuda):
             B, L = len(lens), lens[0]
             qb, kb, vb = (t.reshape(B, L, H, -1).transpose(1, 2) for t in (q, k, v))
             o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=cfg.softmax_scale)
             return o.transpose(1, 2).reshape(T, H, cfg.v_head_dim)
         outs = []
         for a, b in zip(bounds[:-1], bounds[1:]):
-            pos = positions[a:b] if positions is not None else torch.arange(b - a, device=q.device)
-            mask = pos[None, :] <= pos[:, None]  # [Lq, Lk]
-            outs.append(_masked_attention(q[a:b], k[a:b], v[a:b], mask, cfg.softmax_scale))
+            pos = positions[a:b] if positions is not None else None
+            outs.append(_masked_attention(q[a:b], k[a:b], v[a:b], pos, cfg.softmax_scale))
         return torch.cat(outs, dim=0)
 
     return attn
 
 
-def _masked_attention(q, k, v, mask, scale):
-    """q [L,H,Dqk], k [S,H,Dqk], v [S,H,Dv], mask [L,S] bool -> [L,H,Dv] (float32 softmax)."""
-    s = torch.einsum("lhd,shd->hls", q.float(), k.float()) * scale
-    s = s.masked_fill(~mask[None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("hls,shd->lhd", p, v.float()).to(v.dtype)
+SDPA_MAX_LEN = 2048  # longer sequences use the query-blocked path (bounded memory)
+QUERY_BLOCK = 512
+
+
+def _masked_attention(q, k, v, pos, scale, block: Optional[int] = None):
+    """One sequence: q [L,H,Dqk], k [L,H,Dqk], v [L,H,Dv] -> [L,H,Dv].
+
+    Query i attends key j iff ``pos[j] <= pos[i]`` (index order when ``pos`` is None). Scores
+    and softmax in float32, computed ``block`` queries at a time (memory O(block * L)).
+    """
+    block = block or QUERY_BLOCK
+    L = q.shape[0]
+    kf, vf = k.float(), v.float()
+    idx = torch.arange(L, device=q.device) if pos is None else pos
+    outs = []
+    for s in range(0, L, block):
+        e = min(L, s + block)
+        # in index order, keys after the block's last query are never visible
+        n_keys = e if pos is None else L
+        sc = torch.einsum("lhd,shd->hls", q[s:e].float(), kf[:n_keys]) * scale
+        mask = idx[None, :n_keys] <= idx[s:e, None]
+        sc = sc.masked_fill(~mask[None], float("-inf"))
+        p = torch.softmax(sc, dim=-1)
+        outs.append(torch.einsum("hls,shd->lhd", p, vf[:n_keys]))
+    return torch.cat(outs, dim=0).to(v.dtype)
 
 
 # --------------------------------------------------------------------------------------------
