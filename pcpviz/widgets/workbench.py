@@ -1,0 +1,414 @@
+"""The pcpviz Workbench: one trace, linked controls, every view of a step.
+
+    from pcpviz.widgets import Workbench
+    wb = Workbench("../data/traces/cpu-pcp2-mtp2")     # or a pcpviz.trace.Trace
+    wb                                                  # in a notebook cell
+
+Controls (all linked): **step** slider, **phase** toggle (only the phases the step has on
+the selected rank: target, draft_0 .. draft_{K-1}, verify), **rank** dropdown, **highlight**
+(a request id; the others are dimmed). Views (``wb.figures``, plotly ``FigureWidget``s drawn by
+``pcpviz.figures.trace_views``):
+
+* ``token_order``   global batch vs each rank's local rows, gather/restore maps, KV write mask
+* ``timeline``      target → draft_0 (rank-local) → block-table gather → draft_1.. (replicated)
+                    → verify, with positions / seq_lens per request
+* ``block_tables``  global rows, the rank's local rows, the draft step's rows (zero/stale
+                    draft rows outlined in red)
+* ``slot_mappings`` global [G, T], gathered [G, N*P] with PAD, the write mask, the draft step's
+* ``acceptance``    rate per draft position (vLLM's definition), per request, per step
+
+and, when ``pcpviz.checks`` is importable, the check verdicts with a *jump* button per failed
+check that moves the controls to its first violation (which is also marked on the view).
+
+A control change re-renders only the views that depend on it (``AFFECTS``) and updates each
+``FigureWidget`` in place under ``batch_update()``; figures are aggregated on the Python side
+(see ``trace_views``), so one update stays interactive on a 32k-token PCP=4 trace.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import time
+from collections import Counter
+from typing import Any, Iterable, Mapping
+
+import ipywidgets as W
+import numpy as np
+import plotly.graph_objects as go
+from plotly.graph_objects import FigureWidget  # noqa: F401  (import cost paid at import, not at first build)
+
+from pcpviz.figures import trace_views as tv
+from pcpviz.trace import Trace, draft_index, phase_sort_key
+from pcpviz.trace import open as open_trace
+
+__all__ = ["Workbench", "AFFECTS", "VIEW_NAMES", "load_acceptance", "load_check_report", "violation_view"]
+
+VIEW_NAMES = ("token_order", "timeline", "block_tables", "slot_mappings", "acceptance")
+
+AFFECTS: dict[str, frozenset[str]] = {
+    "step": frozenset({"token_order", "timeline", "block_tables", "slot_mappings", "acceptance_marker"}),
+    "phase": frozenset({"timeline", "block_tables", "slot_mappings"}),
+    "rank": frozenset({"token_order", "timeline", "block_tables", "slot_mappings"}),
+    "highlight": frozenset({"token_order", "timeline", "block_tables", "slot_mappings", "acceptance"}),
+}
+"""Which views a control change re-renders (``acceptance_marker`` moves the step shading only)."""
+
+violation_view = tv.violation_view
+
+
+load_acceptance = tv.load_acceptance
+from_diff_acceptance = tv.from_diff_acceptance
+load_check_report = tv.load_check_report
+_trace_req_ids = tv.trace_req_ids
+
+
+def _trace_key_set(trace: go.BaseTraceType | dict) -> frozenset:
+    d = trace if isinstance(trace, dict) else trace.to_plotly_json()
+    return frozenset(k for k in d if k != "uid")
+
+
+def push_figure(fw: go.FigureWidget, fig: go.Figure, width: int | None = None) -> None:
+    """Make ``fw`` show ``fig``, in place: one ``batch_update`` restyling each trace when the
+    trace structure is unchanged (same count, types and properties), replacing the traces
+    otherwise; the layout is replaced (its top-level containers are complete in every
+    figure ``trace_views`` draws, so the front end keeps nothing stale)."""
+    new = [t.to_plotly_json() for t in fig.data]
+    layout = fig.layout.to_plotly_json()
+    layout.setdefault("shapes", [])
+    layout.setdefault("annotations", [])
+    if width:
+        layout["width"] = width
+    same = len(fw.data) == len(new) and all(
+        old.type == n.get("type") and _trace_key_set(old) == _trace_key_set(n) for old, n in zip(fw.data, new))
+    with fw.batch_update():
+        if same:
+            for old, n in zip(fw.data, new):
+                old.update({k: v for k, v in n.items() if k != "type"}, overwrite=True)
+        else:
+            fw.data = ()
+            fw.add_traces(new)
+        fw.layout = layout
+
+
+class Workbench(W.VBox):
+    """Linked controls and views over one trace (see the module docstring).
+
+    Attributes for scripting and tests: ``trace``, the controls ``step`` / ``phase`` /
+    ``rank`` / ``highlight``, ``figures`` (view name -> ``go.FigureWidget``), ``render_counts``
+    (view name -> renders so far), ``last_update_s`` (seconds of the last control change),
+    ``check_report`` (or None), ``violations`` (first violation of each failed check),
+    ``flags`` (zero/stale draft block-table rows of the current step, rank and draft phase),
+    ``acceptance`` (``AcceptanceStats``) and ``jump_to(violation)``.
+
+    ``width`` is the figures' width in px (None: plotly's autosize).
+    """
+
+    def __init__(self, trace: Trace | str | os.PathLike, *, step: int | None = None, rank: int | None = None,
+                 phase: str | None = None, highlight: str | None = None, checks: bool = True,
+                 width: int | None = 940) -> None:
+        self.trace = trace if isinstance(trace, Trace) else open_trace(trace)
+        t = self.trace
+        if not t.steps:
+            raise ValueError(f"trace {t.path} has no complete step")
+        self.meta = dict(t.meta)
+        self.req_ids = _trace_req_ids(t)
+        self.colors = tv.request_color_index(self.req_ids)
+        self.render_counts: Counter[str] = Counter()
+        self.last_update_s = 0.0
+        self.flags: list[tv.RowFlag] = []
+        self._suspend = False
+        # Figure width in px. FigureWidget sizes itself once, before JupyterLab attaches it, and
+        # falls back to plotly's 700 px; an explicit width is what reliably fills a notebook cell.
+        self.width = width
+
+        style = {"description_width": "70px"}
+        steps = list(t.steps)
+        self.step = W.SelectionSlider(options=steps, value=steps[0] if step is None else step, description="step",
+                                      continuous_update=False, style=style,
+                                      layout=W.Layout(width="420px"))
+        self.rank = W.Dropdown(options=[(f"rank {r}", r) for r in t.ranks],
+                               value=t.ranks[0] if rank is None else rank, description="rank", style=style,
+                               layout=W.Layout(width="170px"))
+        self.highlight = W.Dropdown(options=[("none", "")] + [(r, r) for r in self.req_ids],
+                                    value=highlight or "", description="highlight", style=style,
+                                    layout=W.Layout(width="230px"))
+        self.phase = W.ToggleButtons(options=self._phases(self.step.value, self.rank.value), description="phase",
+                                     style={"description_width": "70px", "button_width": "82px"})
+        if phase is not None:
+            self.phase.value = phase
+        else:
+            self.phase.value = tv.draft_source_phase(self.phase.options, None) or self.phase.options[0]
+        self.header = W.HTML(self._header_html())
+        self.status = W.HTML()
+        # An explicit small template: the default one costs ~60 ms per FigureWidget to set up.
+        self.figures: dict[str, go.FigureWidget] = {
+            name: go.FigureWidget(layout={"template": tv.TEMPLATE, "height": 300}) for name in VIEW_NAMES}
+        self.acceptance = load_acceptance(t)
+
+        t0 = time.perf_counter()
+        self.check_report = load_check_report(t) if checks else None
+        self.check_seconds = time.perf_counter() - t0
+        self.violations = self._violations()
+        self.checks_box = self._checks_widget()
+
+        self.step.observe(self._on_step, names="value")
+        self.rank.observe(self._on_rank, names="value")
+        self.phase.observe(self._on_phase, names="value")
+        self.highlight.observe(self._on_highlight, names="value")
+
+        titles = {
+            "token_order": "Token order — global batch vs each rank's rows",
+            "timeline": "Draft-step timeline",
+            "block_tables": "Block tables",
+            "slot_mappings": "Slot mappings",
+            "acceptance": "Acceptance",
+        }
+        view_boxes = []
+        for name in VIEW_NAMES:
+            view_boxes.append(W.HTML(f"<h4 style='margin:14px 0 0 4px'>{titles[name]}</h4>"))
+            view_boxes.append(self.figures[name])
+        controls = W.VBox([W.HBox([self.step, self.rank, self.highlight]), self.phase],
+                          layout=W.Layout(border="1px solid #ddd", padding="6px"))
+        children = [self.header, controls, self.status]
+        if self.checks_box is not None:
+            children.append(self.checks_box)
+        super().__init__(children + view_boxes)
+        self.add_class("pcpviz-workbench")
+        self._render(set(VIEW_NAMES))
+
+    # ------------------------------------------------------------------ data access
+
+    def _phases(self, step: int, rank: int) -> list[str]:
+        if not self.trace.has(step, rank, "target") and not self.trace.phases(step, rank):
+            return ["target"]
+        return sorted((p for p in self.trace.phases(step, rank) if p != "dummy"), key=phase_sort_key) or ["target"]
+
+    def records(self, step: int | None = None, rank: int | None = None) -> dict[str, Mapping[str, np.ndarray]]:
+        """``{phase: record}`` of a step on a rank (default: the current ones)."""
+        step = self.step.value if step is None else step
+        rank = self.rank.value if rank is None else rank
+        return {p: self.trace.record(step, rank, p) for p in self.trace.phases(step, rank)}
+
+    @property
+    def draft_phase(self) -> str | None:
+        """The draft step the block-table and slot-mapping panels show."""
+        return tv.draft_source_phase(self.phase.options, self.phase.value)
+
+    # ------------------------------------------------------------------ controls
+
+    def _on_step(self, change) -> None:
+        t0 = time.perf_counter()
+        opts = self._phases(change["new"], self.rank.value)
+        affected = set(AFFECTS["step"])
+        if list(self.phase.options) != opts:
+            keep = self.phase.value
+            self._suspend = True
+            try:
+                self.phase.options = opts
+                self.phase.value = keep if keep in opts else (tv.draft_source_phase(opts, None) or opts[0])
+            finally:
+                self._suspend = False
+        self._render(affected)
+        self.last_update_s = time.perf_counter() - t0
+
+    def _on_rank(self, change) -> None:
+        t0 = time.perf_counter()
+        opts = self._phases(self.step.value, change["new"])
+        if list(self.phase.options) != opts:
+            keep = self.phase.value
+            self._suspend = True
+            try:
+                self.phase.options = opts
+                self.phase.value = keep if keep in opts else opts[0]
+            finally:
+                self._suspend = False
+        self._render(set(AFFECTS["rank"]))
+        self.last_update_s = time.perf_counter() - t0
+
+    def _on_phase(self, change) -> None:
+        if self._suspend or change["new"] is None:
+            return
+        t0 = time.perf_counter()
+        self._render(set(AFFECTS["phase"]))
+        self.last_update_s = time.perf_counter() - t0
+
+    def _on_highlight(self, change) -> None:
+        t0 = time.perf_counter()
+        self._render(set(AFFECTS["highlight"]))
+        self.last_update_s = time.perf_counter() - t0
+
+    def set(self, *, step: int | None = None, rank: int | None = None, phase: str | None = None,
+            highlight: str | None = None) -> None:
+        """Move several controls at once (each view re-rendered at most once)."""
+        self._suspend = True
+        try:
+            if rank is not None:
+                self.rank.unobserve(self._on_rank, names="value")
+                self.rank.value = rank
+                self.rank.observe(self._on_rank, names="value")
+            if step is not None:
+                self.step.unobserve(self._on_step, names="value")
+                self.step.value = step
+                self.step.observe(self._on_step, names="value")
+            opts = self._phases(self.step.value, self.rank.value)
+            if list(self.phase.options) != opts:
+                self.phase.options = opts
+            if phase is not None and phase in opts:
+                self.phase.value = phase
+            elif self.phase.value not in opts:
+                self.phase.value = tv.draft_source_phase(opts, None) or opts[0]
+            if highlight is not None:
+                self.highlight.unobserve(self._on_highlight, names="value")
+                self.highlight.value = highlight
+                self.highlight.observe(self._on_highlight, names="value")
+        finally:
+            self._suspend = False
+        self._render(set(VIEW_NAMES))
+
+    def jump_to(self, violation: Any) -> None:
+        """Move the controls to a check violation (step, rank, phase)."""
+        rank = violation.rank if violation.rank is not None else self.rank.value
+        self.set(step=violation.step, rank=rank, phase=violation.phase)
+
+    # ------------------------------------------------------------------ rendering
+
+    def _hl(self) -> str | None:
+        return self.highlight.value or None
+
+    def _marks(self, view: str, step: int, rank: int, draft_phase: str | None) -> list[str]:
+        return tv.violation_marks(self.violations, view, step, rank, draft_phase)
+
+    def _build(self, view: str) -> go.Figure:
+        step, rank, hl = self.step.value, self.rank.value, self._hl()
+        recs = self.records(step, rank)
+        target = recs.get("target")
+        dp = self.draft_phase
+        draft = recs.get(dp) if dp else None
+        if view == "acceptance":
+            return tv.acceptance_figure(self.acceptance, step=step, highlight=hl, colors=self.colors)
+        if target is None:
+            fig = go.Figure()
+            fig.update_layout(title=f"step {step} rank {rank}: no target phase recorded", height=160)
+            return fig
+        if view == "token_order":
+            fig = tv.token_order_figure(target, rank=rank, highlight=hl, colors=self.colors)
+        elif view == "timeline":
+            fig = tv.draft_timeline_figure(recs, step=step, rank=rank, selected_phase=self.phase.value,
+                                           highlight=hl)
+        elif view == "block_tables":
+            self.flags = tv.draft_block_table_flags(target, draft)
+            fig = tv.block_tables_figure(target, draft, draft_phase=dp, rank=rank, highlight=hl, colors=self.colors,
+                                         flags=self.flags)
+        elif view == "slot_mappings":
+            fig = tv.slot_mappings_figure(target, draft, draft_phase=dp, highlight=hl, colors=self.colors)
+        else:
+            raise KeyError(view)
+        for text in self._marks(view, step, rank, dp):
+            tv.mark_violation(fig, text)
+        return fig
+
+    def _build_or_explain(self, view: str) -> go.Figure:
+        """``_build``, or a placeholder naming the missing view when this producer did not record
+        one the figure needs (traces from other producers may omit views)."""
+        try:
+            return self._build(view)
+        except KeyError as e:
+            fig = go.Figure(layout={"template": tv.TEMPLATE})
+            fig.update_layout(height=120, title=dict(text=f"{view}: cannot draw step {self.step.value} rank "
+                                                          f"{self.rank.value}: view {e} not recorded"))
+            return fig
+
+    def _render(self, views: Iterable[str]) -> None:
+        views = set(views)
+        for name in VIEW_NAMES:
+            if name in views:
+                push_figure(self.figures[name], self._build_or_explain(name), self.width)
+                self.render_counts[name] += 1
+        if "acceptance_marker" in views and "acceptance" not in views:
+            fw = self.figures["acceptance"]
+            with fw.batch_update():
+                fw.layout.shapes = tv.acceptance_step_marker(self.step.value)
+            self.render_counts["acceptance_marker"] += 1
+        self.status.value = self._status_html()
+
+    # ------------------------------------------------------------------ text panels
+
+    def _header_html(self) -> str:
+        m = self.meta
+        keys = ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "model", "device", "inject")
+        items = " · ".join(f"<b>{k}</b> {html.escape(str(m[k]))}" for k in keys if k in m and m[k] not in (None, []))
+        return (f"<div style='font-size:13px'><b>trace</b> <code>{html.escape(str(self.trace.path))}</code> — "
+                f"{len(self.trace.steps)} steps, ranks {self.trace.ranks}, requests {', '.join(self.req_ids)}"
+                f"<br>{items}</div>")
+
+    def _status_html(self) -> str:
+        step, rank, ph = self.step.value, self.rank.value, self.phase.value
+        recs = self.records(step, rank)
+        parts = [f"<b>step {step}</b> · rank {rank} · phase <b>{html.escape(str(ph))}</b>"]
+        rec = recs.get(ph)
+        if rec is not None and "view" in rec:
+            parts[-1] += f" ({html.escape(tv._str0(rec['view']))})"
+        target = recs.get("target")
+        if target is not None and "per_rank_num_tokens" in target:
+            sl = tv.step_layout(target)
+            parts.append(f"T={sl.num_tokens}, R={sl.num_reqs}, P={sl.padded}, per-rank "
+                         f"{sl.per_rank_num_tokens.tolist()}")
+        if self.draft_phase:
+            parts.append(f"draft panels show <b>{self.draft_phase}</b>")
+        line = " · ".join(parts)
+        if self.flags:
+            line += (f"<br><span style='color:#c00'>⚠ {len(self.flags)} {html.escape(self.draft_phase or '')} "
+                     f"block-table rows are zero/stale: " + "; ".join(html.escape(f.describe()) for f in self.flags[:3])
+                     + "</span>")
+        here = [v for v in self.violations if v.step == step and (v.rank is None or v.rank == rank)]
+        for v in here:
+            line += f"<br><span style='color:#c00'>✗ {html.escape(v.check)}: {html.escape(v.describe())}</span>"
+        return f"<div style='font-size:13px;margin:4px'>{line}</div>"
+
+    def _violations(self) -> list[Any]:
+        rep = self.check_report
+        if rep is None:
+            return []
+        out = []
+        for r in rep.results.values():
+            if getattr(r, "first_violation", None) is not None:
+                out.append(r.first_violation)
+        return out
+
+    def _checks_widget(self) -> W.Widget | None:
+        rep = self.check_report
+        if rep is None:
+            return W.HTML("<i>checks unavailable (pcpviz.checks not importable)</i>") if self._checks_missing() \
+                else None
+        rows = []
+        for name, r in rep.results.items():
+            color = {"pass": "#2a7", "fail": "#c00", "skipped": "#888"}.get(r.verdict, "#333")
+            first = html.escape(r.first_violation.describe()) if r.first_violation is not None else ""
+            rows.append(f"<tr><td style='color:{color};font-weight:bold'>{r.verdict.upper()}</td>"
+                        f"<td><code>{html.escape(name)}</code></td><td>{r.failed}/{r.evaluated}</td>"
+                        f"<td style='font-size:11px'>{first}</td></tr>")
+        table = W.HTML("<table style='font-size:12px;border-collapse:collapse' cellpadding='3'>"
+                       "<tr><th>verdict</th><th>check</th><th>failed/evaluated</th><th>first violation</th></tr>"
+                       + "".join(rows) + "</table>")
+        self.jump_buttons = []
+        for v in self.violations:
+            b = W.Button(description=f"jump: {v.check} (step {v.step}, rank {v.rank}, {v.phase})",
+                         button_style="danger", layout=W.Layout(width="auto"))
+            b.on_click(lambda _b, v=v: self.jump_to(v))
+            self.jump_buttons.append(b)
+        summary = (f"checks: {len(rep.passed)} passed, {len(rep.failed)} failed, {len(rep.skipped)} skipped"
+                   + (f" — first violation: {rep.first_violation.where()}" if rep.first_violation else ""))
+        acc = W.Accordion(children=[W.VBox([W.HBox(self.jump_buttons, layout=W.Layout(flex_flow="row wrap")),
+                                            table])])
+        acc.set_title(0, ("✗ " if rep.failed else "✓ ") + summary)
+        acc.selected_index = 0 if rep.failed else None
+        return acc
+
+    @staticmethod
+    def _checks_missing() -> bool:
+        try:
+            import pcpviz.checks  # noqa: F401, PLC0415
+        except ImportError:
+            return True
+        return False

@@ -1,0 +1,123 @@
+"""The HTML export: one self-contained file (plotly.js inlined, no network), a step control that
+swaps precomputed figures, the key views per step; opened in Chromium with the network cut off."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from pcpviz.export_html import STEP_VIEWS, export_html
+
+REPO = Path(__file__).resolve().parents[1]
+TRACE = REPO / "data" / "traces" / "cpu-pcp2-mtp2"
+SHOTS = REPO / "artifacts" / "browser"
+CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+               "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+
+
+class _Refs(HTMLParser):
+    """Every URL-bearing attribute of every tag (script content is not parsed as tags)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: list[tuple[str, str, str]] = []
+        self.tags: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.tags.append((tag, a))
+        for k in ("src", "href", "data", "action", "srcset", "poster"):
+            if a.get(k):
+                self.refs.append((tag, k, a[k]))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "report.html"
+    path = export_html(TRACE, out)
+    return Path(path)
+
+
+def test_export_is_one_self_contained_file(exported):
+    text = exported.read_text(encoding="utf-8")
+    p = _Refs()
+    p.feed(text)
+    remote = [r for r in p.refs if re.match(r"\s*(https?:)?//", r[2])]
+    assert not remote, f"remote references: {remote}"
+    assert not [t for t, a in p.tags if t == "link"], "no stylesheets or preloads are linked"
+    scripts = [a for t, a in p.tags if t == "script"]
+    assert scripts and not [a for a in scripts if "src" in a], "every script is inline"
+    assert "Plotly.newPlot" in text or "Plotly.react" in text
+    assert len(text) > 3_000_000, "plotly.js must be inlined (several MB)"
+    # the embedded data: every step of every rank, each with the four step views
+    m = re.search(r'<script type="application/json" id="pcpviz-data">(.*?)</script>', text, re.S)
+    data = json.loads(m.group(1))
+    assert data["steps"] == list(range(13)) and data["ranks"] == [0, 1]
+    assert set(data["figs"]) == {f"{s},{r}" for s in range(13) for r in (0, 1)}
+    for entry in data["figs"].values():
+        assert set(STEP_VIEWS) <= set(entry)
+    # the step views differ between steps (step 0: 2 requests, step 1: 3)
+    assert data["figs"]["0,0"]["token_order"]["layout"]["title"] != data["figs"]["1,0"]["token_order"]["layout"]["title"]
+
+
+def test_export_rejects_unknown_rank(tmp_path):
+    with pytest.raises(ValueError, match="rank 7"):
+        export_html(TRACE, tmp_path / "x.html", ranks=[7])
+
+
+def test_export_renders_offline_and_the_step_control_swaps_figures(exported, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page_file = tmp_path / "report.html"
+    shutil.copy(exported, page_file)
+    blocked: list[str] = []
+
+    def route(r):
+        if r.request.url.startswith("file://"):
+            r.continue_()
+        else:
+            blocked.append(r.request.url)
+            r.abort()
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROME_ARGS, timeout=60_000)
+        try:
+            ctx = browser.new_context(offline=True, viewport={"width": 1300, "height": 1000})
+            ctx.route("**/*", route)
+            page = ctx.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(page_file.as_uri())
+            page.wait_for_function("document.body.dataset.ready === '1'", timeout=60_000)
+            page.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length >= 5",
+                                   timeout=60_000)
+            titles = lambda: page.evaluate(  # noqa: E731
+                "() => [...document.querySelectorAll('.js-plotly-plot')].map(p => (p.querySelector('.gtitle')"
+                " || {}).textContent || '')")
+            before = titles()
+            assert len(before) == 5 and all(before), before
+            assert "requests req0, req1" in before[0]
+            page.screenshot(path=str(SHOTS / "export_step0.png"), full_page=True)
+            page.focus("#step")
+            page.keyboard.press("ArrowRight")
+            page.wait_for_function("document.getElementById('step-label').textContent === '1'")
+            page.wait_for_timeout(300)
+            after = titles()
+            assert after[0] != before[0] and "requests req0, req2, req1" in after[0]
+            assert after[2] != before[2]  # block tables: W = 2 -> W = 4 used columns
+            assert "step 1" in page.inner_text("#status")
+            page.select_option("#rank", "1")
+            page.wait_for_timeout(300)
+            assert "rank 1" in page.inner_text("#status")
+            assert "◀" in page.evaluate("() => document.querySelector('.js-plotly-plot').textContent")
+            page.screenshot(path=str(SHOTS / "export_step1_rank1.png"), full_page=True)
+            assert not errors, errors
+            assert not blocked, f"the page tried to fetch {blocked}"
+        finally:
+            browser.close()
