@@ -307,3 +307,55 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# --------------------------------------------------------------------------- replay
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    """Drive vLLM 0.33.0's real PCP + MTP classes on CPU through a scripted scenario and record
+    the trace (see pcpviz.vllm.replay)."""
+    if args.pcp < 2:  # the cheap checks before importing vLLM (seconds)
+        raise UsageError(f"pcpviz replay: pcp must be an int >= 2 (PCP is off at 1), got {args.pcp}")
+    if args.mtp > 4:
+        raise UsageError(f"pcpviz replay: mtp (num_speculative_tokens) must be an int in 1..4, got {args.mtp}")
+    try:
+        from pcpviz.vllm import replay as replay_module
+    except (ImportError, RuntimeError) as e:  # vLLM missing, wrong version, imported too early
+        raise UsageError(f"pcpviz replay: cannot drive vLLM on CPU: {' '.join(str(e).split())}") from None
+    say = None if args.quiet else (lambda line: print(line, flush=True))
+    try:
+        res = replay_module.replay(pcp=args.pcp, mtp=args.mtp, trace_dir=args.trace, scenario=args.scenario,
+                                   decodes=args.decodes, block_size=args.block_size, overwrite=args.overwrite,
+                                   progress=say)
+    except ValueError as e:
+        raise UsageError(f"pcpviz replay: {e}") from None
+    print(f"replayed {len(res.steps)} steps of '{res.scenario}' on {res.pcp} ranks (K={res.num_speculative_tokens}, "
+          f"{'sharded' if res.shard_decode_requests else 'replicated'} decodes) in {res.seconds:.1f}s; "
+          f"trace {res.trace_path}")
+    if not args.check:
+        return EXIT_OK
+    from pcpviz.checks import run_checks
+
+    report = run_checks(res.trace)
+    print(report.format())
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _add_replay(sub) -> None:
+    p = sub.add_parser("replay", help="replay real vLLM 0.33.0 PCP + MTP code on CPU and record a trace",
+                       description=_cmd_replay.__doc__)
+    p.add_argument("--pcp", type=_positive_int, default=2, help="PCP ranks (threads), >= 2")
+    p.add_argument("--mtp", type=_positive_int, default=2, help="num_speculative_tokens K (1..4)")
+    p.add_argument("--trace", required=True, help="write the trace to this directory")
+    p.add_argument("--scenario", choices=["mixed", "decode_only", "dspark"], default="mixed",
+                   help="scripted steps (default mixed)")
+    p.add_argument("--decodes", choices=["sharded", "replicated"], default="sharded",
+                   help="decode placement (vLLM's default with DCP = 1 is sharded)")
+    p.add_argument("--block-size", type=_positive_int, default=4, help="KV block size (default 4)")
+    p.add_argument("--overwrite", action="store_true", help="replace a trace already in --trace")
+    p.add_argument("--check", action="store_true", help="run pcpviz check on the trace (exit 1 on a failure)")
+    p.add_argument("--quiet", action="store_true", help="no per-step progress")
+    p.set_defaults(func=_cmd_replay)
+
+
+SUBCOMMANDS.append(_add_replay)

@@ -10,7 +10,10 @@ nothing else, so the code that runs afterwards is vLLM's own.
 3. ``UvaBuffer`` -> vLLM's own CPU stand-in (the "device view" is the host tensor);
 4. a lock around Triton interpreter launches (ranks are threads);
 5. int1 masks the Triton 3.9.0 interpreter materialises as int8 -> bool;
-6. ``get_pcp_group()`` -> the calling thread's ``FakePCPGroup`` when it has one.
+6. ``get_pcp_group()`` -> the calling thread's ``FakePCPGroup`` when it has one;
+7. vLLM's forward context (``vllm.forward_context``) -> per rank thread when the
+   thread is bound to a ``FakePCPGroup`` (the CPU replay runs ``set_forward_context``
+   on every rank thread at once).
 
 Items 0-4 of the design note ``vllm-0.33-pcp-mtp.md`` §5 are 1-4 and 6 here; its
 item 5 (speculator plumbing) belongs to whoever drives ``propose``, its item 6
@@ -334,6 +337,63 @@ def _patch_get_pcp_group() -> None:
     parallel_state.get_pcp_group = get_pcp_group
 
 
+def _patch_forward_context_per_rank_thread() -> None:
+    # vLLM keeps the current ForwardContext in one module global
+    # (vllm.forward_context._forward_context), set by set_forward_context() around
+    # every forward and read by the attention layers (get_forward_context()).
+    # The CPU replay (pcpviz.vllm.replay) runs the real set_forward_context() on
+    # every PCP rank thread at the same time; with one global, rank 1 would read
+    # rank 0's attention metadata and slot mapping. Unavoidable as long as ranks
+    # are threads: a thread bound to a FakePCPGroup keeps its own forward context;
+    # every other thread gets vLLM's own functions, so the patch is inert outside
+    # the replay. (The design note's driver replaced set_forward_context with a
+    # null context instead; this keeps vLLM's set_forward_context itself real.)
+    import vllm.forward_context as fc
+
+    original_override = fc.override_forward_context
+    if getattr(original_override, "_pcpviz_fake", False):
+        return
+    original_get, original_available = fc.get_forward_context, fc.is_forward_context_available
+
+    @contextlib.contextmanager
+    def override_forward_context(forward_context: Any) -> Iterator[None]:
+        if _current_fake_group() is None:
+            with original_override(forward_context):
+                yield
+            return
+        previous = getattr(_tls, "forward_context", None)
+        _tls.forward_context = forward_context
+        try:
+            yield
+        finally:
+            _tls.forward_context = previous
+
+    @functools.wraps(original_get)
+    def get_forward_context() -> Any:
+        if _current_fake_group() is None:
+            return original_get()
+        context = getattr(_tls, "forward_context", None)
+        assert context is not None, (
+            "Forward context is not set. Please use `set_forward_context` to set the forward context."
+        )
+        return context
+
+    @functools.wraps(original_available)
+    def is_forward_context_available() -> bool:
+        if _current_fake_group() is None:
+            return original_available()
+        return getattr(_tls, "forward_context", None) is not None
+
+    for fn in (override_forward_context, get_forward_context, is_forward_context_available):
+        fn._pcpviz_fake = True  # type: ignore[attr-defined]
+    _rebind_everywhere(original_override, override_forward_context, "override_forward_context")
+    _rebind_everywhere(original_get, get_forward_context, "get_forward_context")
+    _rebind_everywhere(original_available, is_forward_context_available, "is_forward_context_available")
+    fc.override_forward_context = override_forward_context
+    fc.get_forward_context = get_forward_context
+    fc.is_forward_context_available = is_forward_context_available
+
+
 def apply_cpu_patches() -> None:
     """Prepare this process to run vLLM 0.33.0's PCP worker code on CPU.
 
@@ -352,6 +412,7 @@ def apply_cpu_patches() -> None:
         _patch_triton_interpreter_lock()
         _patch_triton_interpreter_int1_masks()
         _patch_get_pcp_group()
+        _patch_forward_context_per_rank_thread()
         _check_kernels_interpreted()
         _applied = True
 
