@@ -258,6 +258,7 @@ class _Config:
     shard: bool | None
     k: int | None
     block_sizes: tuple[int, ...] | None
+    speculative_method: str = "mtp"
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "_Config":
@@ -280,7 +281,8 @@ class _Config:
         return cls(pcp=pcp, dcp=dcp, dcp_rank=as_int("dcp_rank", 0) or 0,
                    dcp_interleave=as_int("dcp_interleave", 1) or 1,
                    shard=None if shard is None else bool(shard),
-                   k=as_int("num_speculative_tokens"), block_sizes=block_sizes)
+                   k=as_int("num_speculative_tokens"), block_sizes=block_sizes,
+                   speculative_method=str(meta.get("speculative_method") or "mtp"))
 
 
 class _StepView:
@@ -830,6 +832,9 @@ def local_logits_not_sampled(c: _Ctx) -> None:
 def draft_prefill_rank_local(c: _Ctx) -> None:
     if not c.has("draft_0"):
         raise _Skip("no draft_0 phase")
+    if c.cfg.speculative_method == "dspark":
+        # DSpark drafts replicated from its first step (its drafter is built with PCP=1).
+        raise _Skip("DSpark has no rank-local draft prefill")
     view = c.get("draft_0", "view")
     checked = False
     if view is not None and c.pcp() > 1:
