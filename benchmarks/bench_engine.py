@@ -52,73 +52,99 @@ def main() -> None:
 
     long_ids = encode(prompts["long"])[: args.long_tokens]
     short = prompts["short"][:3]
-    out: dict = {"device": dev, "long_prompt_tokens": len(long_ids)}
+    out: dict = {"device": dev, "long_prompt_tokens": len(long_ids),
+                 "kernels": os.environ.get("PCPVIZ_KERNELS", "1") != "0"}
     if dev == "cuda":
         import torch
 
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         out["torch"] = torch.__version__
 
+    def section(name, fn):
+        # One failing measurement must not lose the others: record the error and go on.
+        t0 = time.time()
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001
+            out.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+            print(f"[{name}] FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        print(f"[{name}] {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+
     # -- tokens: CPU (gloo) vs device (NCCL), and vs the expected file made on CPU here -----------
-    common = dict(num_speculative_tokens=2, max_new_tokens=32, max_num_batched_tokens=64, progress=False)
-    runs = {}
-    for name, kw in (("cpu_pcp2", dict(device="cpu", pcp=2)), (f"{dev}_pcp2", dict(device=dev, pcp=2)),
-                     (f"{dev}_pcp1", dict(device=dev, pcp=1))):
-        runs[name] = pcpviz.run(short, trace_dir=args.trace_out if name == f"{dev}_pcp2" else None,
-                                **common, **kw).output_token_ids
-    expected_path = os.path.join(ROOT, "data", "bench", "expected_tokens.json")
-    expected = json.load(open(expected_path))["output_token_ids"] if os.path.exists(expected_path) else None
-    out["tokens_equal"] = {
-        "cpu_vs_device_pcp2": runs["cpu_pcp2"] == runs[f"{dev}_pcp2"],
-        "device_pcp1_vs_pcp2": runs[f"{dev}_pcp1"] == runs[f"{dev}_pcp2"],
-        "vs_expected_file": (runs[f"{dev}_pcp2"] == expected) if expected is not None else None,
-    }
-    if expected is None and dev == "cpu":
-        with open(expected_path, "w") as f:
-            json.dump({"prompts": short, **{k: v for k, v in common.items() if k != "progress"},
-                       "output_token_ids": runs["cpu_pcp2"]}, f)
+    def _tokens():
+        common = dict(num_speculative_tokens=2, max_new_tokens=32, max_num_batched_tokens=64, progress=False)
+        runs = {}
+        for name, kw in (("cpu_pcp2", dict(device="cpu", pcp=2)), (f"{dev}_pcp2", dict(device=dev, pcp=2)),
+                         (f"{dev}_pcp1", dict(device=dev, pcp=1))):
+            runs[name] = pcpviz.run(short, trace_dir=args.trace_out if name == f"{dev}_pcp2" else None,
+                                    **common, **kw).output_token_ids
+        expected_path = os.path.join(ROOT, "data", "bench", "expected_tokens.json")
+        expected = json.load(open(expected_path))["output_token_ids"] if os.path.exists(expected_path) else None
+        out["tokens_equal"] = {
+            "cpu_vs_device_pcp2": runs["cpu_pcp2"] == runs[f"{dev}_pcp2"],
+            "device_pcp1_vs_pcp2": runs[f"{dev}_pcp1"] == runs[f"{dev}_pcp2"],
+            "vs_expected_file": (runs[f"{dev}_pcp2"] == expected) if expected is not None else None,
+        }
+        if expected is None and dev == "cpu":
+            with open(expected_path, "w") as f:
+                json.dump({"prompts": short, **{k: v for k, v in common.items() if k != "progress"},
+                           "output_token_ids": runs["cpu_pcp2"]}, f)
+
+    section('tokens', _tokens)
 
     # -- prefill latency of one long prompt: PCP=2 over PCP=1 -------------------------------------
-    pre = dict(num_speculative_tokens=0, max_new_tokens=1, max_num_batched_tokens=len(long_ids) + 8,
-               device=dev, progress=False)
-    p1 = best(lambda: pcpviz.run([long_ids], pcp=1, **pre), args.repeat)
-    p2 = best(lambda: pcpviz.run([long_ids], pcp=2, **pre), args.repeat)
-    out["prefill_s"] = {"pcp1": p1.wall_s, "pcp2": p2.wall_s}
-    out["prefill_pcp2_over_pcp1"] = p2.wall_s / p1.wall_s
-    out["prefill_tokens_equal"] = p1.output_token_ids == p2.output_token_ids
+    def _prefill():
+        pre = dict(num_speculative_tokens=0, max_new_tokens=1, max_num_batched_tokens=len(long_ids) + 8,
+                   device=dev, progress=False)
+        p1 = best(lambda: pcpviz.run([long_ids], pcp=1, **pre), args.repeat)
+        p2 = best(lambda: pcpviz.run([long_ids], pcp=2, **pre), args.repeat)
+        out["prefill_s"] = {"pcp1": p1.wall_s, "pcp2": p2.wall_s}
+        out["prefill_pcp2_over_pcp1"] = p2.wall_s / p1.wall_s
+        out["prefill_tokens_equal"] = p1.output_token_ids == p2.output_token_ids
+
+    section('prefill', _prefill)
 
     # -- MTP decode speed at batch 1 -------------------------------------------------------------
-    dec = dict(max_new_tokens=args.decode_tokens, device=dev, progress=False, pcp=1)
-    k0 = best(lambda: pcpviz.run(short[:1], num_speculative_tokens=0, **dec), args.repeat)
-    k2 = best(lambda: pcpviz.run(short[:1], num_speculative_tokens=2, **dec), args.repeat)
-    out["decode_tok_s"] = {"k0": args.decode_tokens / k0.wall_s, "k2": args.decode_tokens / k2.wall_s}
-    out["mtp_decode_speedup"] = k0.wall_s / k2.wall_s
-    out["mtp_tokens_equal"] = k0.output_token_ids == k2.output_token_ids
+    def _mtp_decode():
+        dec = dict(max_new_tokens=args.decode_tokens, device=dev, progress=False, pcp=1)
+        k0 = best(lambda: pcpviz.run(short[:1], num_speculative_tokens=0, **dec), args.repeat)
+        k2 = best(lambda: pcpviz.run(short[:1], num_speculative_tokens=2, **dec), args.repeat)
+        out["decode_tok_s"] = {"k0": args.decode_tokens / k0.wall_s, "k2": args.decode_tokens / k2.wall_s}
+        out["mtp_decode_speedup"] = k0.wall_s / k2.wall_s
+        out["mtp_tokens_equal"] = k0.output_token_ids == k2.output_token_ids
+
+    section('mtp_decode', _mtp_decode)
 
     # -- acceptance per position on held-out source, K=2 and K=3 ----------------------------------
-    acc = {}
-    for k in (2, 3):
-        r = pcpviz.run(prompts["short"], pcp=2, num_speculative_tokens=k, device=dev,
-                       max_new_tokens=args.decode_tokens // 2, progress=False)
-        acc[f"k{k}"] = {"per_pos": r.acceptance_rate_per_pos, "mean_acceptance_length": r.mean_acceptance_length,
-                        "num_drafts": r.num_drafts}
-    out["acceptance_rate_per_pos"] = acc
+    def _acceptance():
+        acc = {}
+        for k in (2, 3):
+            r = pcpviz.run(prompts["short"], pcp=2, num_speculative_tokens=k, device=dev,
+                           max_new_tokens=args.decode_tokens // 2, progress=False)
+            acc[f"k{k}"] = {"per_pos": r.acceptance_rate_per_pos, "mean_acceptance_length": r.mean_acceptance_length,
+                            "num_drafts": r.num_drafts}
+        out["acceptance_rate_per_pos"] = acc
+
+    section('acceptance', _acceptance)
 
     # -- recording overhead ------------------------------------------------------------------------
-    import tempfile
+    def _recording():
+        import tempfile
 
-    rec = dict(pcp=2, num_speculative_tokens=2, device=dev, max_new_tokens=args.decode_tokens // 2,
-               progress=False)
-    off = best(lambda: pcpviz.run(short, **rec), args.repeat)
-    with tempfile.TemporaryDirectory() as d:
-        on = best(lambda: pcpviz.run(short, trace_dir=d, **rec), args.repeat)
-    out["loop_s"] = {"trace_off": off.wall_s, "trace_on": on.wall_s}
-    out["recording_overhead"] = on.wall_s / off.wall_s
-    out["recording_tokens_equal"] = on.output_token_ids == off.output_token_ids
+        rec = dict(pcp=2, num_speculative_tokens=2, device=dev, max_new_tokens=args.decode_tokens // 2,
+                   progress=False)
+        off = best(lambda: pcpviz.run(short, **rec), args.repeat)
+        with tempfile.TemporaryDirectory() as d:
+            on = best(lambda: pcpviz.run(short, trace_dir=d, **rec), args.repeat)
+        out["loop_s"] = {"trace_off": off.wall_s, "trace_on": on.wall_s}
+        out["recording_overhead"] = on.wall_s / off.wall_s
+        out["recording_tokens_equal"] = on.output_token_ids == off.output_token_ids
+
+    section('recording', _recording)
 
     print(json.dumps(out, indent=1))
-    print(f"prefill_pcp2_over_pcp1 {out['prefill_pcp2_over_pcp1']:.3f}  "
-          f"mtp_decode_speedup {out['mtp_decode_speedup']:.3f}  recording_overhead {out['recording_overhead']:.3f}")
+    print("  ".join(f"{k} {out[k]:.3f}" if isinstance(out.get(k), float) else f"{k} n/a"
+                    for k in ("prefill_pcp2_over_pcp1", "mtp_decode_speedup", "recording_overhead")))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

@@ -10,6 +10,9 @@
 
 The fault ``fold_slot_mapping_without_shape_check`` lives here: it folds the
 mapping by the world size regardless of its shape, as the pre-fix indexer did.
+
+On CUDA the KV write and the attention run Triton kernels (``pcpviz_kernels``,
+see ``kv_cache.kernels_for``); on CPU, or with ``PCPVIZ_KERNELS=0``, the torch reference.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from pcpviz.engine.dist import PCPGroup
-from pcpviz.engine.kv_cache import LatentKVCache, paged_mla_attention
+from pcpviz.engine.kv_cache import LatentKVCache, kernels_for, paged_mla_attention
 
 __all__ = ["PagedAttention"]
 
@@ -37,6 +40,7 @@ class PagedAttention:
     seq_lens: torch.Tensor  # int[B]
     fold_without_shape_check: bool = False
     num_kv_rows_written: int = 0
+    _bounds: tuple[int, int] | None = None  # (max query len, max seq len), once per forward
 
     def __call__(self, layer_idx, q_nope, q_pe, kv_c, k_pe):
         latent = torch.cat([kv_c, k_pe], dim=-1)
@@ -50,9 +54,16 @@ class PagedAttention:
         self.cache.write(layer_idx, slots, latent)
         self.num_kv_rows_written = int((slots >= 0).sum())
         w_uk, w_uv = self.model.mla_up_weights(layer_idx)
+        kw = {}
+        if kernels_for(self.cache.layers[layer_idx]) is not None:  # CUDA: Triton kernels
+            if self._bounds is None:
+                qsl = self.query_start_loc
+                self._bounds = (int((qsl[1:] - qsl[:-1]).max()) if qsl.numel() > 1 else 0,
+                                int(self.seq_lens.max()) if self.seq_lens.numel() else 0)
+            kw = {"max_query_len": self._bounds[0], "max_seq_len": self._bounds[1]}
         out = paged_mla_attention(
             q_nope, q_pe, self.cache.layers[layer_idx], self.block_rows, self.query_start_loc,
             self.positions, self.seq_lens, w_uk, w_uv, self.cache.block_size,
-            self.model.config.softmax_scale,
+            self.model.config.softmax_scale, **kw,
         )
         return out.to(q_nope.dtype)

@@ -12,14 +12,67 @@ their unexpanded mapping.
 Attention of a query at position p of a request reads that request's slots for
 positions ``0..p`` through its block-table row (causal by position). Padding
 query rows (``seq_len == 0``) produce zeros.
+
+On CUDA the write and the attention run the Triton kernels of ``pcpviz_kernels``
+(``kernels/`` in the repository); the torch code here is the CPU path and their
+oracle. ``PCPVIZ_KERNELS=0`` forces the torch path on CUDA too (A/B runs), and
+batches whose longest row has more than ``kernel_max_query_len()`` queries (long
+prefill chunks) attend in torch, which is faster there (see that function).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 import numpy as np
 import torch
 
-__all__ = ["LatentKVCache", "paged_mla_attention", "context_slots"]
+__all__ = ["LatentKVCache", "paged_mla_attention", "context_slots", "kernels_for", "kernel_max_query_len"]
+
+_KERNELS = None  # the pcpviz_kernels module once imported; False if it cannot be
+
+
+def _import_kernels():
+    global _KERNELS
+    if _KERNELS is None:
+        try:
+            import pcpviz_kernels as mod
+        except ImportError:
+            # A source checkout without `pip install -e .`: kernels/ sits next to pcpviz/.
+            root = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "kernels")
+            root = os.path.normpath(root)
+            if os.path.isdir(os.path.join(root, "pcpviz_kernels")) and root not in sys.path:
+                sys.path.append(root)
+            try:
+                import pcpviz_kernels as mod
+            except ImportError as e:  # pragma: no cover - broken install
+                warnings.warn(f"pcpviz_kernels unavailable ({e}); using the torch reference on CUDA")
+                mod = False
+        _KERNELS = mod
+    return _KERNELS
+
+
+def kernel_max_query_len() -> int:
+    """Rows with more queries than this (long prefill chunks) take the torch path on CUDA.
+
+    Measured on the H200 (data/bench/kernels_h200.json): decode and draft decode are 4.5-11x
+    faster in the kernel, but a 2048-query DualChunkSwap segment at the engine's
+    near-fp32 precision (tf32x3) runs at 0.65x of the torch path's cuBLAS fp32 GEMMs.
+    The crossover between was not measured; 256 is a guess. ``PCPVIZ_KERNELS_MAX_QUERY_LEN``
+    overrides it."""
+    return int(os.environ.get("PCPVIZ_KERNELS_MAX_QUERY_LEN", "256"))
+
+
+def kernels_for(t: torch.Tensor):
+    """The kernels module if ``t`` lives on CUDA and ``PCPVIZ_KERNELS`` is not "0", else None."""
+    if not t.is_cuda or os.environ.get("PCPVIZ_KERNELS", "1") == "0":
+        return None
+    mod = _import_kernels()
+    if not mod or mod.INTERPRET:  # interpreted kernels are for CPU tests, not for the engine
+        return None
+    return mod
 
 
 class LatentKVCache:
@@ -46,6 +99,12 @@ class LatentKVCache:
         ``slots``: int64[M]; ``latent``: [M, kv_lora_rank + rope_dim]."""
         if slots.shape[0] != latent.shape[0]:
             raise ValueError(f"slot mapping has {slots.shape[0]} rows, latent has {latent.shape[0]}")
+        k = kernels_for(self.layers[layer])
+        if k is not None:
+            if slots.numel() and int(slots.max()) >= self.num_slots:
+                raise IndexError(f"KV slot {int(slots.max())} beyond the cache ({self.num_slots} slots)")
+            k.write_kv_cache(self.layers[layer], slots, latent)
+            return
         keep = slots >= 0
         if bool(keep.any()):
             s = slots[keep]
@@ -95,12 +154,28 @@ def paged_mla_attention(
     block_size: int,
     scale: float,
     query_block: int = 2048,
+    max_query_len: int | None = None,  # host-known bounds (kernel path: saves a device sync)
+    max_seq_len: int | None = None,
 ) -> torch.Tensor:  # [Q, H, Dv]
     """MLA over the paged latent cache, in the *absorbed* form vLLM's MLA decode uses:
     ``q_lat = q_nope @ W_UK`` scores against the latent directly, and the output
     ``softmax(...) @ kv_c`` is projected back with ``W_UV``. Mathematically equal
-    to expanding K/V through ``kv_b_proj``."""
+    to expanding K/V through ``kv_b_proj``.
+
+    On CUDA (rows of at most ``kernel_max_query_len()`` queries): ``q_lat`` and the ``W_UV``
+    projection in torch, the attention itself in ``pcpviz_kernels.paged_mla_attention``
+    (fp32 accumulation, tf32x3 products: about fp32 accuracy)."""
     r = w_uk.shape[-1]
+    k = kernels_for(cache)
+    if k is not None and max_query_len is None:
+        lens = query_start_loc[1:] - query_start_loc[:-1]
+        max_query_len = int(lens.max()) if lens.numel() else 0
+    if k is not None and max_query_len <= kernel_max_query_len():
+        q_lat = torch.einsum("qhd,hdr->qhr", q_nope.float(), w_uk.float())  # [Q, H, R]
+        ctx = k.paged_mla_attention(q_lat, q_pe.float(), cache, block_rows, query_start_loc, positions,
+                                    seq_lens, block_size, scale, max_query_len=max_query_len,
+                                    max_seq_len=max_seq_len)  # float32[Q, H, R]
+        return torch.einsum("qhr,hvr->qhv", ctx, w_uv.float())
     out = torch.zeros(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1], dtype=torch.float32,
                       device=q_nope.device)
     qsl = query_start_loc.tolist()
