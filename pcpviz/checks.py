@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from pcpviz.trace.schema import causal_phase_key
 from pcpviz.blocks import PAD_SLOT_ID, compute_slot_mappings
 from pcpviz.layout import plan_layout, replicated_requests
 from pcpviz.trace import SEGMENT_DTYPE, Trace, draft_index, segments_table
@@ -1159,7 +1160,7 @@ def ranks_agree(c: _Ctx) -> None:
             raise _Skip("single rank")
         return
     mine, theirs = c.phases, c.sv.recs[ref]
-    for phase in sorted(set(mine) | set(theirs), key=_phase_key):
+    for phase in sorted(set(mine) | set(theirs), key=causal_phase_key):
         if phase not in mine or phase not in theirs:
             if not _agreeing_views(phase, (mine.get(phase) or theirs.get(phase)).keys()):
                 continue
@@ -1228,15 +1229,6 @@ def positions_consistent(c: _Ctx) -> None:
     c.expect("target", "positions", expected, first[rows],
              f"first position != step {pv.step}'s first position + q - num_rejected (GPU cursor)",
              index_map=lambda i: (int(qsl[rows[i[0]]]),))
-
-
-def _phase_key(phase: str) -> tuple[int, int]:
-    """Causal order within a step: the target forward, then sampling/verification, then the
-    drafter's propose (draft_0 .. draft_{K-1}), as in vLLM's ``sample_tokens``."""
-    k = draft_index(phase)
-    if k is not None:
-        return (3, k)
-    return {"dummy": (0, 0), "target": (1, 0), "verify": (2, 0)}.get(phase, (4, 0))
 
 
 CHECKS: Mapping[str, str] = MappingProxyType({d.name: d.description for d in _DEFS})

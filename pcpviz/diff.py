@@ -40,6 +40,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pcpviz.trace.schema import causal_phase_key
 from pcpviz.checks import first_difference, short_repr
 from pcpviz.trace import Trace, draft_index
 from pcpviz.trace import open as open_trace
@@ -406,15 +407,6 @@ def _mask_stale_rows(trace: Trace, step: int, rank: int, ea: np.ndarray, eb: np.
     return np.where(stale, -1, ea), np.where(stale, -1, eb)
 
 
-def _phase_key(phase: str) -> tuple[int, int]:
-    """Causal order within a step: the target forward, then sampling/verification, then the
-    drafter's propose (draft_0 .. draft_{K-1}), as in vLLM's ``sample_tokens``."""
-    k = draft_index(phase)
-    if k is not None:
-        return (3, k)
-    return {"dummy": (0, 0), "target": (1, 0), "verify": (2, 0)}.get(phase, (4, 0))
-
-
 def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                 ignore: frozenset[str] | set[str] = DEFAULT_IGNORE,
                 max_divergences: int = 200) -> DiffReport:
@@ -469,7 +461,7 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                               f"step recorded on rank {ra if ra in in_a else rb} of run "
                               f"{'a' if ra in in_a else 'b'} only"))
         phases = sorted(set().union(*(ta.phases(step, ra) for ra, _ in step_pairs),
-                                    *(tb.phases(step, rb) for _, rb in step_pairs)), key=_phase_key)
+                                    *(tb.phases(step, rb) for _, rb in step_pairs)), key=causal_phase_key)
         aligns: dict[tuple[int, int], tuple[_Align | None, str | None]] = {}
         for ra, rb in step_pairs:
             base = "target" if ta.has(step, ra, "target") and tb.has(step, rb, "target") else "verify"

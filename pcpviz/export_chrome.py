@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from pcpviz.trace.schema import causal_phase_key
 from pcpviz.trace import Trace, draft_index
 from pcpviz.trace import open as open_trace
 
@@ -53,15 +54,6 @@ def _lane_order(max_k: int, has_dummy: bool) -> list[str]:
     lanes = ["step"] + (["dummy"] if has_dummy else []) + ["target", "verify"]
     lanes += [f"draft_{k}" for k in range(max_k)]
     return lanes
-
-
-def _phase_key(phase: str) -> tuple[int, int]:
-    """Causal order within a step: the target forward, then sampling/verification, then the
-    drafter's propose (draft_0 .. draft_{K-1}), as in vLLM's ``sample_tokens``."""
-    k = draft_index(phase)
-    if k is not None:
-        return (3, k)
-    return {"dummy": (0, 0), "target": (1, 0), "verify": (2, 0)}.get(phase, (4, 0))
 
 
 def _num(x: Any) -> int | float:
@@ -127,7 +119,7 @@ def _collect(trace: Trace) -> tuple[list[dict], bool, int, bool]:
     has_dummy = False
     for rank in trace.ranks:
         for step in trace.rank_steps(rank):
-            phases = sorted(trace.phases(step, rank), key=_phase_key)
+            phases = sorted(trace.phases(step, rank), key=causal_phase_key)
             target = trace.record(step, rank, "target") if "target" in phases else None
             for phase in phases:
                 rec = trace.record(step, rank, phase)

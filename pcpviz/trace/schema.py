@@ -57,7 +57,7 @@ import pyarrow as pa
 __all__ = [
     "SCHEMA_VERSION", "META_SCHEMA_KEY", "META_RANK_KEY", "RUN_META_FILE", "rank_file_name",
     "PHASE_TARGET", "PHASE_VERIFY", "PHASE_DUMMY", "DRAFT_PHASE_PREFIX", "PHASES",
-    "draft_phase", "draft_index", "is_valid_phase", "phase_sort_key",
+    "draft_phase", "draft_index", "is_valid_phase", "phase_sort_key", "causal_phase_key",
     "GLOBAL_BATCH_VIEWS", "LAYOUT_VIEWS", "LOCAL_BATCH_VIEWS", "BLOCK_TABLE_VIEWS",
     "SLOT_MAPPING_VIEWS", "DRAFT_VIEWS", "VERIFY_VIEWS", "DIGEST_VIEWS", "VIEW_GROUPS", "VIEWS",
     "KNOWN_VIEWS", "DRAFT_VIEW_RANK_LOCAL", "DRAFT_VIEW_REPLICATED", "PAD_SLOT", "SEGMENT_DTYPE",
@@ -131,6 +131,16 @@ def _valid_phase(phase: str) -> bool:
 def is_valid_phase(phase: object) -> bool:
     """True for ``target``, ``verify``, ``dummy`` and ``draft_<int>`` (no leading zeros)."""
     return isinstance(phase, str) and _valid_phase(phase)
+
+
+def causal_phase_key(phase: str) -> tuple[int, int]:
+    """The order phases actually run in vLLM's ``sample_tokens``: target forward, then
+    sampling/verification, then the drafter's propose (draft_0 .. draft_{K-1}). ``phase_sort_key``
+    (the trace's listing order) shows ``verify`` last; checks, diffs and timelines need this one."""
+    k = draft_index(phase)
+    if k is not None:
+        return (3, k)
+    return {PHASE_DUMMY: (0, 0), PHASE_TARGET: (1, 0), PHASE_VERIFY: (2, 0)}.get(phase, (4, 0))
 
 
 def phase_sort_key(phase: str) -> tuple[int, int]:
