@@ -114,6 +114,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         prompts += loaded
     if not prompts:
         raise UsageError("pcpviz run: give at least one --prompt or --prompts-file")
+    if args.write_config:
+        return _write_rank_config(args, prompts)
     try:
         res = run(prompts, pcp=args.pcp, num_speculative_tokens=args.mtp, device=args.device,
                   max_new_tokens=args.max_new_tokens, trace_dir=args.trace, inject=args.inject or (),
@@ -136,6 +138,33 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
+    """Write the rank config for torchrun (multi-host) instead of launching the ranks here."""
+    import os
+
+    from pcpviz.engine.launch import _write_meta, build_config
+
+    try:
+        cfg = build_config(prompts, pcp=args.pcp, num_speculative_tokens=args.mtp, device=args.device,
+                           max_new_tokens=args.max_new_tokens, trace_dir=args.trace, inject=args.inject or (),
+                           max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                           model_dir=args.model, timeout_s=args.timeout)
+    except ValueError as e:
+        raise UsageError(f"pcpviz run: {e}") from None
+    work = os.path.abspath(os.path.splitext(args.write_config)[0] + "-work")
+    os.makedirs(work, exist_ok=True)
+    cfg["work_dir"] = work
+    if cfg["trace_dir"]:
+        _write_meta(cfg)
+    with open(args.write_config, "w") as f:
+        json.dump(cfg, f)
+    print(f"wrote {args.write_config}; start the ranks with\n"
+          f"  torchrun --nnodes <hosts> --nproc-per-node <ranks per host> --rdzv-backend c10d "
+          f"--rdzv-endpoint <host0>:29500 -m pcpviz.engine.rank_main {args.write_config}\n"
+          f"(WORLD_SIZE must equal --pcp {args.pcp}; rank 0 writes {work}/result.json)")
+    return EXIT_OK
+
+
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="run the tiny model under PCP + MTP on N ranks and record a trace")
     p.add_argument("--pcp", type=_positive_int, default=2, help="PCP ranks (processes)")
@@ -154,6 +183,8 @@ def _add_run(sub) -> None:
     p.add_argument("--list-faults", action="store_true", help="list the injectable faults and exit")
     p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--write-config", default=None, metavar="FILE",
+                   help="only write the rank config for torchrun (multi-host) and exit")
     p.set_defaults(func=_cmd_run)
 
 

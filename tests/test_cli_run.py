@@ -3,6 +3,7 @@
 import json
 import shutil
 import subprocess
+from pathlib import Path
 import sys
 
 import pcpviz.trace as pt
@@ -54,3 +55,23 @@ def test_bad_run_input_exits_2_with_one_line(tmp_path):
         assert r.returncode == 2, (args, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_torchrun_launches_the_same_ranks(tmp_path):
+    """`--write-config` + torchrun (env:// rendezvous, as across hosts) gives pcpviz run's tokens."""
+    cfg = tmp_path / "run.cfg.json"
+    r = pcpviz("run", "--pcp", "2", "--mtp", "2", "--prompt", "def add(a, b):", "--max-new-tokens", "8",
+               "--trace", str(tmp_path / "tr"), "--write-config", str(cfg))
+    assert r.returncode == 0, r.stderr
+    assert "torchrun" in r.stdout and cfg.exists()
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    p = subprocess.run([torchrun, "--nproc-per-node", "2", "-m", "pcpviz.engine.rank_main", str(cfg)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    result = json.loads((tmp_path / "run.cfg-work" / "result.json").read_text())
+    direct = pcpviz("run", "--pcp", "2", "--mtp", "2", "--prompt", "def add(a, b):", "--max-new-tokens", "8",
+                    "--json", str(tmp_path / "direct.json"), "--quiet")
+    assert direct.returncode == 0
+    want = json.loads((tmp_path / "direct.json").read_text())["requests"][0]["output_token_ids"]
+    assert result["requests"][0]["output_token_ids"] == want
+    assert pt.open(tmp_path / "tr").ranks == [0, 1]

@@ -4,9 +4,9 @@
 which sets the same env:// variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT)::
 
-    pcpviz run --pcp 2 --write-config run.cfg.json --prompt "def f(" ...   # write the config only
-    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-endpoint HOST:29500 \\
-        -m pcpviz.engine.rank_main run.cfg.json
+    pcpviz run --pcp 2 --device cuda --prompt "def f(" --trace runs/t --write-config run.cfg.json
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m pcpviz.engine.rank_main run.cfg.json                 # on every host
 
 Rank 0 owns the scheduler and broadcasts each step's plan; every rank writes its
 own trace file, and rank 0 the result JSON. An exception on any rank is written
