@@ -108,6 +108,7 @@ def run_rank(cfg: dict) -> dict | None:
     if writer is not None:
         writer.close()
     info = {"rank": rank, "kv_cache_digest": worker.cache.digest(), "num_collectives": group.num_collectives}
+    _shutdown_process_group()
     with open(os.path.join(cfg["work_dir"], f"rank{rank}.json"), "w") as f:
         json.dump(info, f)
     if sched is None:
@@ -126,6 +127,16 @@ def run_rank(cfg: dict) -> dict | None:
         "mean_acceptance_length": float(1 + accepted_per_pos.sum() / num_drafts) if num_drafts else 1.0,
         "wall_s": wall,
     }
+
+
+def _shutdown_process_group() -> None:
+    """Leave the group cleanly. A gloo group still alive at interpreter exit can abort the
+    process ("terminate called without an active exception") after all work is done."""
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        tdist.barrier()
+        tdist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
