@@ -198,11 +198,17 @@ def replicated_requests(
     return replicated
 
 
+def dual_chunk_swap(rank: int, pcp_world_size: int) -> tuple[int, int]:
+    """The two of the 2N chunks rank r computes: ``(r, 2N-1-r)``."""
+    return (rank, 2 * pcp_world_size - 1 - rank)
+
+
 def _rank_chunks(
-    rank: int, q: np.ndarray, replicated: np.ndarray, pcp_world_size: int, shard_decodes: bool
+    rank: int, q: np.ndarray, replicated: np.ndarray, pcp_world_size: int, shard_decodes: bool,
+    chunk_ids=dual_chunk_swap,
 ) -> list[tuple[int, int, int]]:
     """(global row, query offset, length) of every non-empty chunk ``rank`` computes,
-    in global row order."""
+    in global row order. ``chunk_ids(rank, N)`` picks a split row's chunks."""
     out = []
     decode_ordinal = 0
     num_chunks = 2 * pcp_world_size
@@ -211,22 +217,67 @@ def _rank_chunks(
             continue
         if not replicated[req]:
             size = _chunk_size(query_len, pcp_world_size)
-            chunk_ids: tuple[int, ...] = (rank, num_chunks - 1 - rank)
+            ids: tuple[int, ...] = tuple(chunk_ids(rank, pcp_world_size))
         elif shard_decodes:
             size = query_len
             # Ownership only needs to balance this step: KV and hidden states are
             # gathered back to every rank, so a compact decode-only ordinal is used.
-            chunk_ids = (0,) if decode_ordinal % pcp_world_size == rank else ()
+            ids = (0,) if decode_ordinal % pcp_world_size == rank else ()
             decode_ordinal += 1
         else:
             size = query_len
-            chunk_ids = (0,)
-        for chunk_id in chunk_ids:
+            ids = (0,)
+        for chunk_id in ids:
             offset = chunk_id * size
             length = min(size, query_len - offset)
             if length > 0:
                 out.append((req, offset, length))
     return out
+
+
+def rank_segments(
+    q: np.ndarray, prefill: np.ndarray, qsl: np.ndarray, replicated: np.ndarray, n: int, shard: bool,
+    chunk_ids=dual_chunk_swap,
+) -> tuple[tuple[Segment, ...], ...]:
+    """Every rank's segments, decodes first, with their local offsets."""
+    out = []
+    for rank in range(n):
+        chunks = _rank_chunks(rank, q, replicated, n, shard, chunk_ids)
+        # Decodes first, then prefills; the sort is stable on (prefill, row, start).
+        chunks.sort(key=lambda c: (bool(prefill[c[0]]), c[0], c[1]))
+        segs, local = [], 0
+        for req, offset, length in chunks:
+            start = int(qsl[req]) + offset
+            segs.append(Segment(req, start, start + length, local, local + length))
+            local += length
+        out.append(tuple(segs))
+    return tuple(out)
+
+
+def gather_maps(
+    segments_by_rank, p: int, num_tokens: int, prefill: np.ndarray, replicated: np.ndarray,
+    shard: bool, writer_rank: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(padded_gather_idx int64[N*P], hidden_restore_idx int64[T] (-1 = no writer),
+    kv_write_mask bool[N*P]) for segments padded to P rows per rank. Replicated rows are
+    written by ``writer_rank`` (vLLM: rank 0); a sharded decode by its owner."""
+    n = len(segments_by_rank)
+    padded_gather_idx = np.zeros(n * p, dtype=np.int64)
+    kv_write_mask = np.zeros(n * p, dtype=np.bool_)
+    hidden_restore_idx = np.full(num_tokens, -1, dtype=np.int64)
+    for rank, segs in enumerate(segments_by_rank):
+        base = rank * p
+        for seg in segs:
+            rows = np.arange(base + seg.local_start, base + seg.local_stop, dtype=np.int64)
+            padded_gather_idx[rows] = np.arange(seg.global_start, seg.global_stop)
+            req = seg.global_req_idx
+            sharded_decode = shard and not prefill[req]
+            # Replicated rows hold identical KV on every rank: one rank writes it.
+            if replicated[req] and not sharded_decode and rank != writer_rank:
+                continue
+            kv_write_mask[rows] = True
+            hidden_restore_idx[seg.global_start : seg.global_stop] = rows
+    return padded_gather_idx, hidden_restore_idx, kv_write_mask
 
 
 def num_tokens_for_dispatch(
@@ -284,17 +335,7 @@ def plan_layout(
     np.cumsum(q, out=qsl[1:])
     replicated = replicated_requests(q, prefill, n, dcp)
 
-    segments_by_rank: list[tuple[Segment, ...]] = []
-    for rank in range(n):
-        chunks = _rank_chunks(rank, q, replicated, n, shard)
-        # Decodes first, then prefills; the sort is stable on (prefill, row, start).
-        chunks.sort(key=lambda c: (bool(prefill[c[0]]), c[0], c[1]))
-        segs, local = [], 0
-        for req, offset, length in chunks:
-            start = int(qsl[req]) + offset
-            segs.append(Segment(req, start, start + length, local, local + length))
-            local += length
-        segments_by_rank.append(tuple(segs))
+    segments_by_rank = rank_segments(q, prefill, qsl, replicated, n, shard)
     per_rank = tuple(sum(s.num_tokens for s in segs) for segs in segments_by_rank)
 
     largest = max(per_rank)
@@ -313,22 +354,8 @@ def plan_layout(
                 f"batch: {p} < {largest}."
             )
 
-    num_tokens = int(qsl[-1])
-    padded_gather_idx = np.zeros(n * p, dtype=np.int64)
-    kv_write_mask = np.zeros(n * p, dtype=np.bool_)
-    hidden_restore_idx = np.full(num_tokens, -1, dtype=np.int64)
-    for rank, segs in enumerate(segments_by_rank):
-        base = rank * p
-        for seg in segs:
-            rows = np.arange(base + seg.local_start, base + seg.local_stop, dtype=np.int64)
-            padded_gather_idx[rows] = np.arange(seg.global_start, seg.global_stop)
-            req = seg.global_req_idx
-            sharded_decode = shard and not prefill[req]
-            # Replicated rows hold identical KV on every rank: rank 0 writes it.
-            if replicated[req] and not sharded_decode and rank != 0:
-                continue
-            kv_write_mask[rows] = True
-            hidden_restore_idx[seg.global_start : seg.global_stop] = rows
+    padded_gather_idx, hidden_restore_idx, kv_write_mask = gather_maps(
+        segments_by_rank, p, int(qsl[-1]), prefill, replicated, shard)
 
     orphans = np.flatnonzero(hidden_restore_idx < 0)
     if orphans.size:
@@ -351,7 +378,7 @@ def plan_layout(
         is_prefilling=prefill,
         query_start_loc=qsl,
         replicated=replicated,
-        segments_by_rank=tuple(segments_by_rank),
+        segments_by_rank=segments_by_rank,
         per_rank_num_tokens=per_rank,
         padded_num_tokens=p,
         padded_gather_idx=padded_gather_idx,

@@ -44,7 +44,8 @@ from pcpviz.blocks import (
     gather_block_table_rows,
     gathered_slot_mapping,
 )
-from pcpviz.layout import PCPLayout, Segment, partition_batch, plan_layout, replicated_requests
+from pcpviz.layout import (PCPLayout, gather_maps, partition_batch, plan_layout, rank_segments,
+                           replicated_requests)
 from pcpviz.trace import TraceWriter, segments_table
 
 __all__ = ["RequestSpec", "SyntheticRun", "generate", "FAULTS", "long_prompt_run"]
@@ -165,48 +166,12 @@ def _layout_from_chunks(q: np.ndarray, prefill: np.ndarray, n: int, shard: bool,
     qsl = np.zeros(q.shape[0] + 1, dtype=np.int64)
     np.cumsum(q, out=qsl[1:])
     replicated = replicated_requests(q, prefill, n, dcp)
-    segments_by_rank = []
-    for rank in range(n):
-        chunks, ordinal = [], 0
-        for req, ql in enumerate(q.tolist()):
-            if ql == 0:
-                continue
-            if not replicated[req]:
-                size = -(-ql // (2 * n))
-                for c in chunk_ids(rank, n):
-                    off, ln = c * size, min(size, ql - c * size)
-                    if ln > 0:
-                        chunks.append((req, off, ln))
-            elif shard:
-                if ordinal % n == rank:
-                    chunks.append((req, 0, ql))
-                ordinal += 1
-            else:
-                chunks.append((req, 0, ql))
-        chunks.sort(key=lambda c: (bool(prefill[c[0]]), c[0], c[1]))
-        segs, local = [], 0
-        for req, off, ln in chunks:
-            start = int(qsl[req]) + off
-            segs.append(Segment(req, start, start + ln, local, local + ln))
-            local += ln
-        segments_by_rank.append(tuple(segs))
+    segments_by_rank = rank_segments(q, prefill, qsl, replicated, n, shard, chunk_ids)
     per_rank = tuple(sum(s.num_tokens for s in segs) for segs in segments_by_rank)
     p = max(per_rank)
-    t = int(qsl[-1])
-    pgi = np.zeros(n * p, dtype=np.int64)
-    mask = np.zeros(n * p, dtype=np.bool_)
-    hri = np.full(t, -1, dtype=np.int64)
-    for rank, segs in enumerate(segments_by_rank):
-        for seg in segs:
-            rows = np.arange(rank * p + seg.local_start, rank * p + seg.local_stop)
-            pgi[rows] = np.arange(seg.global_start, seg.global_stop)
-            req = seg.global_req_idx
-            sharded = shard and not prefill[req]
-            if replicated[req] and not sharded and rank != writer_rank:
-                continue
-            mask[rows] = True
-            hri[seg.global_start:seg.global_stop] = rows
-    return PCPLayout(n, dcp, shard, q, prefill, qsl, replicated, tuple(segments_by_rank), per_rank,
+    pgi, hri, mask = gather_maps(segments_by_rank, p, int(qsl[-1]), prefill, replicated, shard,
+                                 writer_rank)
+    return PCPLayout(n, dcp, shard, q, prefill, qsl, replicated, segments_by_rank, per_rank,
                      p, pgi, hri, mask)
 
 
