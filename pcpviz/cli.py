@@ -117,10 +117,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.write_config:
         return _write_rank_config(args, prompts)
     try:
-        res = run(prompts, pcp=args.pcp, num_speculative_tokens=args.mtp, device=args.device,
-                  max_new_tokens=args.max_new_tokens, trace_dir=args.trace, inject=args.inject or (),
-                  progress=not args.quiet, max_num_batched_tokens=args.max_num_batched_tokens,
-                  block_size=args.block_size, model_dir=args.model, timeout_s=args.timeout)
+        res = run(prompts, progress=not args.quiet, **_engine_options(args))
     except ValueError as e:
         raise UsageError(f"pcpviz run: {e}") from None
     except RankError as e:
@@ -138,6 +135,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _engine_options(args: argparse.Namespace) -> dict:
+    """The `pcpviz run` flags as keyword arguments of pcpviz.run / build_config."""
+    return dict(pcp=args.pcp, num_speculative_tokens=args.mtp, device=args.device,
+                max_new_tokens=args.max_new_tokens, trace_dir=args.trace, inject=args.inject or (),
+                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                model_dir=args.model, timeout_s=args.timeout)
+
+
 def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
     """Write the rank config for torchrun (multi-host) instead of launching the ranks here."""
     import os
@@ -145,10 +150,7 @@ def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
     from pcpviz.engine.launch import _write_meta, build_config
 
     try:
-        cfg = build_config(prompts, pcp=args.pcp, num_speculative_tokens=args.mtp, device=args.device,
-                           max_new_tokens=args.max_new_tokens, trace_dir=args.trace, inject=args.inject or (),
-                           max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-                           model_dir=args.model, timeout_s=args.timeout)
+        cfg = build_config(prompts, **_engine_options(args))
     except ValueError as e:
         raise UsageError(f"pcpviz run: {e}") from None
     work = os.path.abspath(os.path.splitext(args.write_config)[0] + "-work")
