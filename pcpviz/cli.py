@@ -139,7 +139,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     """The `pcpviz run` flags as keyword arguments of pcpviz.run / build_config."""
     return dict(pcp=args.pcp, num_speculative_tokens=args.mtp, device=args.device,
                 max_new_tokens=args.max_new_tokens, trace_dir=args.trace, inject=args.inject or (),
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, dtype=args.dtype,
                 model_dir=args.model, timeout_s=args.timeout)
 
 
@@ -178,6 +178,8 @@ def _add_run(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
                    help="per-step token budget (chunked prefill)")
     p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="model and KV-cache dtype (vLLM runs the shipped checkpoint in bfloat16)")
     p.add_argument("--model", default=None, help="model directory (default: the shipped tiny model)")
     p.add_argument("--trace", default=None, help="write the trace to this directory")
     p.add_argument("--json", default=None, help="write a summary (requests, acceptance) to this file")

@@ -46,8 +46,10 @@ class ProcessGroupPCP(PCPGroup):
         out = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype,
                           device=x.device)
         if x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            # gloo has no bf16 all-gather on some builds: ship the bits as int16.
-            tdist.all_gather_into_tensor(out.view(torch.int16), x.view(torch.int16))
+            # gloo gathers neither bf16 nor int16: ship float32 (exact for bf16 values).
+            wide = torch.empty(out.shape, dtype=torch.float32)
+            tdist.all_gather_into_tensor(wide, x.float())
+            out.copy_(wide)
         else:
             tdist.all_gather_into_tensor(out, x)
         return out

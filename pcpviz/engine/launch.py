@@ -86,12 +86,17 @@ def _positive(name: str, value, minimum: int = 1) -> int:
     return value
 
 
+DTYPES = ("float32", "bfloat16")
+"""Model and KV-cache dtypes: float32 (the default: exact, CPU-friendly) or bfloat16 (the
+checkpoint's ``torch_dtype``, what vLLM runs it in)."""
+
+
 def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative_tokens: int = 2,
                  device: str = "cpu", max_new_tokens: int = 32, trace_dir: str | None = None,
                  inject: Sequence[str] = (), model_dir: str | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 16, num_blocks: int | None = None,
                  shard_decode_requests: bool | None = None, seed: int = 0, timeout_s: float = 300.0,
-                 stop_at_eos: bool = False) -> dict:
+                 stop_at_eos: bool = False, dtype: str = "float32") -> dict:
     """Validate the arguments and build the rank config (a JSON-able dict).
 
     Raises ValueError with a one-line reason naming the option."""
@@ -106,6 +111,8 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
     _positive("max_num_seqs", max_num_seqs)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if device == "cuda":
         import torch
 
@@ -148,7 +155,7 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
         "inject": faults, "model_dir": model_dir, "block_size": block_size,
         "max_num_batched_tokens": budget, "max_num_seqs": max_num_seqs, "num_blocks": num_blocks,
         "shard_decode_requests": shard_decode_requests, "seed": seed, "timeout_s": float(timeout_s),
-        "prompt_token_ids": ids, "eos_token_id": EOS_ID if stop_at_eos else None,
+        "prompt_token_ids": ids, "eos_token_id": EOS_ID if stop_at_eos else None, "dtype": dtype,
     }
 
 
@@ -163,7 +170,7 @@ def _write_meta(cfg: dict) -> None:
         "model": os.path.basename(cfg["model_dir"]), "device": cfg["device"], "inject": cfg["inject"],
         "max_num_batched_tokens": cfg["max_num_batched_tokens"], "seed": cfg["seed"],
         "num_requests": len(cfg["prompt_token_ids"]), "max_new_tokens": cfg["max_new_tokens"],
-        "prompt_token_ids": cfg["prompt_token_ids"],
+        "prompt_token_ids": cfg["prompt_token_ids"], "dtype": cfg.get("dtype", "float32"),
     }
     os.makedirs(cfg["trace_dir"], exist_ok=True)
     for name in os.listdir(cfg["trace_dir"]):

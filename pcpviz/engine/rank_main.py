@@ -45,7 +45,8 @@ def run_rank(cfg: dict) -> dict | None:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
     torch.manual_seed(cfg["seed"])
-    model = load_model(cfg["model_dir"], device=device, dtype=torch.float32)
+    dtype = getattr(torch, cfg.get("dtype", "float32"))
+    model = load_model(cfg["model_dir"], device=device, dtype=dtype)
     model.eval()
     if cfg.get("warmup", True):
         # A dummy forward (no cache, no collectives, like vLLM's profile run) so the first
@@ -59,7 +60,7 @@ def run_rank(cfg: dict) -> dict | None:
         pcp=group.world_size, num_speculative_tokens=cfg["num_speculative_tokens"],
         block_size=cfg["block_size"], num_blocks=cfg["num_blocks"], max_num_seqs=cfg["max_num_seqs"],
         max_num_batched_tokens=cfg["max_num_batched_tokens"],
-        shard_decode_requests=cfg.get("shard_decode_requests"), faults=frozenset(cfg["inject"]),
+        shard_decode_requests=cfg.get("shard_decode_requests"), faults=frozenset(cfg["inject"]), dtype=dtype,
     )
     worker = Worker(model, group, ecfg, device, record=cfg.get("trace_dir") is not None)
     writer = TraceWriter(cfg["trace_dir"], rank, overwrite=True) if cfg.get("trace_dir") else None

@@ -55,6 +55,7 @@ class EngineConfig:
     max_num_batched_tokens: int
     shard_decode_requests: bool | None = None  # None: vLLM's default (True when DCP == 1)
     faults: frozenset[str] = frozenset()
+    dtype: torch.dtype = torch.float32  # the model's and the latent KV cache's
 
 
 @dataclass
@@ -99,7 +100,7 @@ class Worker:
         self._dirty_rows = 0
         num_cache_layers = mc.num_layers + (1 if cfg.num_speculative_tokens > 0 else 0)
         self.cache = LatentKVCache(num_cache_layers, cfg.num_blocks, cfg.block_size, mc.kv_lora_rank,
-                                   mc.qk_rope_head_dim, torch.float32, device)
+                                   mc.qk_rope_head_dim, cfg.dtype, device)
         self.states: dict[str, RequestState] = {}
         self.faults = cfg.faults
 

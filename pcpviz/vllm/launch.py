@@ -38,6 +38,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -228,17 +229,47 @@ def run(
         if rc != 0 or not out_path.exists():
             last = next((t for t in reversed(tail) if t.strip()), "")
             raise LaunchError(f"vLLM exited with code {rc}: {last.strip()[:300]}")
-        outputs = json.loads(out_path.read_text())["output_token_ids"]
+        result = json.loads(out_path.read_text())
+        outputs = result["output_token_ids"]
     from pcpviz.trace import open as open_trace
     from pcpviz.trace import write_run_meta
 
     meta_path = launch.trace_dir / "run.json"
     if meta_path.exists():
         meta = json.loads(meta_path.read_text())
-        meta.update({"launch": {"llm_kwargs": launch.llm_kwargs, "sampling": launch.sampling_kwargs},
-                     "prompts": launch.prompts, "output_token_ids": outputs})
+        meta.update({"launch": {"llm_kwargs": launch.llm_kwargs, "sampling": launch.sampling_kwargs,
+                                "env": launch.env, "seconds": result.get("seconds", {})},
+                     "prompts": launch.prompts, "output_token_ids": outputs,
+                     "vllm_spec_decode_metrics": result.get("spec_decode_metrics", {})})
         write_run_meta(launch.trace_dir, meta)
     return open_trace(launch.trace_dir), outputs
+
+
+def spec_decode_metrics(llm: Any) -> dict[str, Any]:
+    """vLLM's own speculative-decoding counters (``vllm:spec_decode_*``, the figures its
+    ``/metrics`` endpoint and log line show), summed over engines; ``{}`` when stats are off
+    (``disable_log_stats=True``, the ``LLM`` default) or the metrics cannot be read.
+
+    ``acceptance_rate_per_pos[i] = num_accepted_tokens_per_pos[i] / num_drafts``: the share of
+    verify steps whose draft at position ``i`` was accepted (vLLM's definition)."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 - metrics are a bonus, never a failure
+        return {}
+    out: dict[str, Any] = {}
+    for m in metrics:
+        if not m.name.startswith("vllm:spec_decode"):
+            continue
+        key = m.name.removeprefix("vllm:spec_decode_")
+        if hasattr(m, "values"):
+            prev = out.get(key, [0] * len(m.values))
+            out[key] = [int(a) + int(b) for a, b in zip(prev, m.values)]
+        elif hasattr(m, "value"):
+            out[key] = out.get(key, 0) + int(m.value)
+    drafts = out.get("num_drafts", 0)
+    if drafts and "num_accepted_tokens_per_pos" in out:
+        out["acceptance_rate_per_pos"] = [round(a / drafts, 4) for a in out["num_accepted_tokens_per_pos"]]
+    return out
 
 
 def _child(job_path: str) -> int:
@@ -247,10 +278,15 @@ def _child(job_path: str) -> int:
     from vllm import LLM, SamplingParams
 
     print(f"pcpviz: vllm.LLM({', '.join(f'{k}={v!r}' for k, v in job['llm_kwargs'].items())})", flush=True)
+    t0 = time.perf_counter()
     llm = LLM(**job["llm_kwargs"])
+    t1 = time.perf_counter()
     outs = llm.generate(job["prompts"], SamplingParams(**job["sampling"]))
+    t2 = time.perf_counter()
     token_ids = [list(map(int, o.outputs[0].token_ids)) for o in outs]
-    Path(job["outputs"]).write_text(json.dumps({"output_token_ids": token_ids}))
+    Path(job["outputs"]).write_text(json.dumps({
+        "output_token_ids": token_ids, "spec_decode_metrics": spec_decode_metrics(llm),
+        "seconds": {"startup": round(t1 - t0, 2), "generate": round(t2 - t1, 2)}}))
     print(f"pcpviz: generated {[len(t) for t in token_ids]} tokens", flush=True)
     return 0
 

@@ -92,10 +92,10 @@ def register() -> None:
             if version != SUPPORTED_VLLM_VERSION:
                 _disable(f"pcpviz records vLLM {SUPPORTED_VLLM_VERSION} only; this is vLLM {version}")
                 return
-            if os.path.exists(trace_dir) and not os.path.isdir(trace_dir):
-                _disable(f"{ENV_TRACE_DIR}={trace_dir} exists and is not a directory")
+            problem = _prepare_trace_dir(trace_dir)
+            if problem:
+                _disable(problem)
                 return
-            os.makedirs(trace_dir, exist_ok=True)
             if RUNNER_MODULE in sys.modules:
                 _install()
             else:
@@ -104,6 +104,26 @@ def register() -> None:
                 sys.meta_path.insert(0, _finder)
         except Exception as exc:  # noqa: BLE001 - a plugin must never break vLLM
             _disable(f"{type(exc).__name__}: {exc}")
+
+
+def _prepare_trace_dir(raw: str) -> str | None:
+    """Normalise ``$PCPVIZ_TRACE_DIR`` in place (``~`` expanded, absolute, so every process of the
+    deployment and its children agree) and create it; the reason it cannot hold a trace, or None.
+
+    An existing trace there is not an error here: each rank creates its own files exclusively
+    and a rank that finds its file taken records nothing (one warning), so nothing is overwritten.
+    """
+    path = os.path.abspath(os.path.expanduser(raw))
+    os.environ[ENV_TRACE_DIR] = path
+    if os.path.exists(path) and not os.path.isdir(path):
+        return f"{ENV_TRACE_DIR}={path} exists and is not a directory"
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        return f"{ENV_TRACE_DIR}={path} cannot be created: {exc.strerror or exc}"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{ENV_TRACE_DIR}={path} is not writable"
+    return None
 
 
 def _missing_targets() -> list[str]:

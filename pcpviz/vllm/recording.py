@@ -285,6 +285,7 @@ class RankRecorder:
         s = self.session
         meta = None
         if self.rank == 0:
+            self.meta.update(environment_meta())
             meta = {**s.meta, **self.meta}
         self.writer = TraceWriter(s.run_dir, self.rank, meta=meta, overwrite=s.overwrite)
 
@@ -394,8 +395,11 @@ class RankRecorder:
                  t_end_us=np.array(_now_us(), dtype=np.int64))
 
     # -- verify
-    def on_postprocess_sampled(self, sampled: torch.Tensor, num_sampled: torch.Tensor,
+    def on_postprocess_sampled(self, idx_mapping: torch.Tensor, sampled: torch.Tensor, num_sampled: torch.Tensor,
                                num_rejected: torch.Tensor, t0: int) -> None:
+        """The verify phase: ``sampled_token_ids`` ``int64[R, K+1]`` (PAD = -1 past
+        ``num_sampled``), ``num_sampled`` / ``num_rejected`` / ``num_accepted`` ``int64[R]`` and
+        ``idx_mapping`` ``int32[R]`` (-1 marks a masked row, which vLLM's ``post_update`` skips)."""
         g = self.global_batch
         r = num_sampled.shape[0]
         views: dict[str, Any] = {}
@@ -404,6 +408,11 @@ class RankRecorder:
             views["num_draft_tokens"] = (np.zeros(r, dtype=np.int64) if g.num_draft_tokens_per_req is None
                                          else np.asarray(g.num_draft_tokens_per_req[:r], dtype=np.int64))
         ns = num_sampled.to(torch.int64)
+        # vLLM writes sampled_tokens[i, :num_sampled[i]] only: on a GPU the rest of the row is
+        # whatever the buffer held (a rejected draft, an older step). Recorded as -1 (no sync).
+        cols = torch.arange(sampled.shape[-1], device=sampled.device)
+        sampled = sampled.masked_fill(cols.unsqueeze(0) >= ns.to(sampled.device).unsqueeze(-1), -1)
+        views["idx_mapping"] = idx_mapping
         self.put("verify", **views, sampled_token_ids=sampled, num_sampled=ns,
                  num_rejected=num_rejected.to(torch.int64), num_accepted=(ns - 1).clamp_(min=0),
                  t_start_us=np.array(t0, dtype=np.int64), t_end_us=np.array(_now_us(), dtype=np.int64))
@@ -440,6 +449,22 @@ def _trim_block_tables(phases: dict[str, dict[str, Any]]) -> None:
             width = max(width, int(cols[-1]) + 1)
     for ph, v in tables:
         phases[ph][v] = np.ascontiguousarray(phases[ph][v][..., :width])
+
+
+def environment_meta() -> dict[str, Any]:
+    """Where the trace was recorded (run.json keys): ``gpus`` (names of the visible CUDA devices,
+    ``[]`` on CPU), ``torch_version``, ``cuda_version``, ``python_version``, ``hostname`` and
+    ``command`` (this process's command line: vLLM's workers inherit the user's ``sys.argv``)."""
+    import platform
+    import shlex
+    import sys
+
+    gpus: list[str] = []
+    if torch.cuda.is_available():
+        gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"gpus": gpus, "torch_version": torch.__version__, "cuda_version": torch.version.cuda,
+            "python_version": platform.python_version(), "hostname": platform.node(),
+            "command": shlex.join([os.path.basename(sys.executable)] + list(sys.argv))}
 
 
 def _speculator_meta(spec: Any) -> dict[str, Any]:
@@ -764,7 +789,7 @@ def _wrap_postprocess_sampled(original: Callable[..., Any]) -> Callable[..., Any
         t0 = _now_us()
         out = original(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs)
         if rec is not None:
-            rec.guard(rec.on_postprocess_sampled, sampled_tokens, num_sampled, num_rejected, t0)
+            rec.guard(rec.on_postprocess_sampled, idx_mapping, sampled_tokens, num_sampled, num_rejected, t0)
         return out
 
     return _mark(postprocess_sampled, original)

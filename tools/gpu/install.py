@@ -1,0 +1,170 @@
+"""On the GPU machine: take one part made by ``tools/gpu/stage.py``; after the last, install.
+
+    python3 tools/gpu/install.py .gpu/part1     # "part 1/3 stored (...); still missing: part 2, 3"
+    python3 tools/gpu/install.py .gpu/part2
+    python3 tools/gpu/install.py .gpu/part3     # "installed vLLM 0.33.0 into /root/pcpviz-gpu/site"
+    source /root/pcpviz-gpu/env.sh
+
+Standard library only (it runs before anything is installed). Every chunk is checked against the
+manifest's sha256 before it is kept, and every reassembled file again; a mismatch is one line and
+exit 2. Parts may come in any order; running a part twice is harmless. ``PCPVIZ_GPU_HOME``
+(default ``/root/pcpviz-gpu``) is where chunks and the install live.
+
+The install: vLLM's Python tree and its two compiled libraries into ``site/``, the wheels with
+``pip install --no-index --no-deps --target site/``, and a ``pcpviz`` dist-info whose
+``vllm.general_plugins`` entry point vLLM finds (pcpviz itself is imported from this repository,
+which ``env.sh`` puts on ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tomllib
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HOME = Path(os.environ.get("PCPVIZ_GPU_HOME", "/root/pcpviz-gpu"))
+SO_TARGETS = {"_C_stable_libtorch.abi3.so.xz": "vllm/_C_stable_libtorch.abi3.so",
+              "_vllm_fa3_C.abi3.so.xz": "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"}
+
+# Every setting below is explained in docs/gpu.md.
+ENV = {
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # no FlashInfer on the image; use vLLM's own sampler kernels
+    "VLLM_USE_V2_MODEL_RUNNER": "1",  # PCP exists only in the V2 model runner
+    "NCCL_NVLS_ENABLE": "0",  # this workplace: no NVLink multicast (it can take shared GPUs down)
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "HF_HUB_OFFLINE": "1",  # nothing outside the machine can be reached
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def _die(msg: str) -> None:
+    print(f"install.py: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def store(part: Path) -> dict:
+    """Check this part's chunks and keep them under HOME/chunks; returns the manifest."""
+    mf = part / "manifest.json"
+    if not mf.is_file():
+        _die(f"{part}: no manifest.json (is this a part made by tools/gpu/stage.py?)")
+    manifest = json.loads(mf.read_text())
+    chunks = HOME / "chunks"
+    chunks.mkdir(parents=True, exist_ok=True)
+    (HOME / "manifest.json").write_text(json.dumps(manifest))
+    for name, entry in manifest["files"].items():
+        for c in entry["chunks"]:
+            src = part / c["name"]
+            if not src.exists():
+                continue
+            if _sha256(src) != c["sha256"]:
+                _die(f"{src}: sha256 differs from the manifest (a damaged transfer: send the part again)")
+            shutil.copyfile(src, chunks / c["name"])
+    return manifest
+
+
+def missing_parts(manifest: dict) -> list[int]:
+    have = {p.name for p in (HOME / "chunks").iterdir()}
+    return sorted({c["part"] for e in manifest["files"].values() for c in e["chunks"] if c["name"] not in have})
+
+
+def _assemble(name: str, entry: dict, dest: Path) -> Path:
+    out = dest / name
+    with out.open("wb") as fo:
+        for c in entry["chunks"]:
+            with (HOME / "chunks" / c["name"]).open("rb") as fi:
+                shutil.copyfileobj(fi, fo, 1 << 22)
+    if _sha256(out) != entry["sha256"]:
+        _die(f"{name}: reassembled file's sha256 differs from the manifest")
+    return out
+
+
+def _write_dist_info(site: Path) -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    d = site / f"pcpviz-{project['version']}.dist-info"
+    d.mkdir(exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: pcpviz\nVersion: {project['version']}\n")
+    lines = []
+    for group, eps in project.get("entry-points", {}).items():
+        lines.append(f"[{group}]")
+        lines += [f"{k} = {v}" for k, v in eps.items()]
+    (d / "entry_points.txt").write_text("\n".join(lines) + "\n")
+    (d / "RECORD").write_text("")
+
+
+def env_lines() -> list[str]:
+    site = HOME / "site"
+    path = f"{site}:{REPO}:{REPO / 'kernels'}"
+    return [f"export PYTHONPATH={path}${{PYTHONPATH:+:$PYTHONPATH}}"] + [f"export {k}={v}" for k, v in ENV.items()]
+
+
+def install(manifest: dict) -> None:
+    site = HOME / "site"
+    if site.exists():
+        shutil.rmtree(site)
+    site.mkdir(parents=True)
+    build = HOME / "build"
+    build.mkdir(exist_ok=True)
+    wheels = []
+    for name, entry in manifest["files"].items():
+        path = _assemble(name, entry, build)
+        if name == "vllm-py.tar.xz":
+            with tarfile.open(path) as tar:
+                tar.extractall(site, filter="data")
+        elif name in SO_TARGETS:
+            target = site / SO_TARGETS[name]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with lzma.open(path) as fi, target.open("wb") as fo:
+                shutil.copyfileobj(fi, fo, 1 << 22)
+            target.chmod(0o755)
+        elif name.endswith(".whl"):
+            wheels.append(str(path))
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                          "--no-cache-dir", "--target", str(site), *wheels], capture_output=True, text=True)
+    if res.returncode != 0:
+        _die("pip install of the wheels failed: " + (res.stderr.strip().splitlines() or ["?"])[-1])
+    _write_dist_info(site)
+    (HOME / "env.sh").write_text("\n".join(env_lines()) + "\n")
+    shutil.rmtree(build)
+    check = subprocess.run([sys.executable, "-c", "import torch, vllm._C_stable_libtorch, vllm; print(vllm.__version__)"],
+                           env={**os.environ, "PYTHONPATH": f"{site}:{REPO}"}, capture_output=True, text=True)
+    if check.returncode != 0:
+        _die("vLLM does not import after the install: " + (check.stderr.strip().splitlines() or ["?"])[-1])
+    print(f"installed vLLM {check.stdout.strip()} into {site}; now: source {HOME / 'env.sh'}")
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        _die("usage: python3 tools/gpu/install.py .gpu/partN")
+    part = Path(argv[0])
+    if not part.is_dir():
+        _die(f"{part}: not a directory")
+    manifest = store(part)
+    missing = missing_parts(manifest)
+    if missing:
+        print(f"{part} stored in {HOME}; still missing: " + ", ".join(f"part{i}" for i in missing))
+        return 0
+    install(manifest)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,266 @@
+"""On the GPU machine (after tools/gpu/install.py): the real-vLLM jobs behind data/traces and
+data/bench/vllm_h200x2.json.
+
+    source /root/pcpviz-gpu/env.sh
+    python3 tools/gpu/jobs.py --out $OUT trace-k2 trace-chunked engine      # any subset, in order
+    python3 tools/gpu/jobs.py --list
+
+Each job runs in child processes with its own time limit; a failed job is logged and the next one
+runs. Results accumulate in ``$PCPVIZ_GPU_HOME/results`` (traces/, bench/, logs/, jobs.json) and,
+after every job, the whole folder is packed into ``OUT/results.tar.xz`` (with ``OUT/jobs.log``),
+so a command stopped at its limit still returns what finished.
+
+The prompts are held-out standard-library sources (``data/bench/prompts.json``), the same ones
+the engine and the parity test use. Every vLLM job runs eager (``cudagraph_mode`` NONE) unless its
+name says otherwise, with the settings docs/gpu.md explains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+import traceback
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HOME = Path(os.environ.get("PCPVIZ_GPU_HOME", "/root/pcpviz-gpu"))
+RESULTS = HOME / "results"
+MODEL = str(REPO / "data" / "models" / "pcpviz-tiny-dsv3")
+PROMPTS = json.loads((REPO / "data" / "bench" / "prompts.json").read_text())
+TRACE_PROMPTS = PROMPTS["short"][:4]
+MAX_TOKENS = 48
+BATCH_TOKENS = 2048  # the engine's default budget: same budget, same scheduled batches
+# Settings every real-vLLM job here uses (docs/gpu.md says why each is needed on this machine).
+ENGINE_ARGS = {"gpu_memory_utilization": 0.3, "disable_custom_all_reduce": True,
+               "max_num_batched_tokens": BATCH_TOKENS, "disable_log_stats": False}
+
+JOBS: dict[str, Callable[[dict], dict]] = {}
+
+
+def job(name: str) -> Callable[[Callable[[dict], dict]], Callable[[dict], dict]]:
+    def deco(fn: Callable[[dict], dict]) -> Callable[[dict], dict]:
+        JOBS[name] = fn
+        return fn
+
+    return deco
+
+
+def _log(msg: str) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    with (RESULTS / "jobs.log").open("a") as f:
+        f.write(line + "\n")
+
+
+def _check(trace_dir: Path) -> dict:
+    """``pcpviz check`` on a trace: exit code and its last line."""
+    res = subprocess.run([sys.executable, "-m", "pcpviz.cli", "check", str(trace_dir)], capture_output=True,
+                         text=True, timeout=300)
+    out = (res.stdout + res.stderr).strip().splitlines()
+    return {"check_rc": res.returncode, "check": out[-1] if out else "", "check_out": out[-40:]}
+
+
+def _vllm_trace(name: str, *, k: int, prompts: list, mode: str = "NONE", max_tokens: int = MAX_TOKENS,
+                extra: dict | None = None, timeout_s: float = 420) -> dict:
+    from pcpviz.vllm.launch import run
+
+    trace_dir = RESULTS / "traces" / name
+    lines: list[str] = []
+    t0 = time.time()
+    trace, outputs = run(MODEL, prompts, pcp=2, num_speculative_tokens=k, trace_dir=trace_dir,
+                         max_tokens=max_tokens, cudagraph_mode=mode,
+                         extra_engine_args={**ENGINE_ARGS, **(extra or {})}, progress=lines.append,
+                         timeout_s=timeout_s)
+    (RESULTS / "logs" / f"{name}.log").write_text("\n".join(lines) + "\n")
+    _stamp(trace_dir, name)
+    return {"trace": str(trace_dir.relative_to(RESULTS)), "seconds": round(time.time() - t0, 1),
+            "steps": len(trace.steps), "tokens": [len(o) for o in outputs], **_check(trace_dir)}
+
+
+def _stamp(trace_dir: Path, name: str) -> None:
+    """Add the job's own command line to run.json (the plugin wrote the rest)."""
+    meta_path = trace_dir / "run.json"
+    meta = json.loads(meta_path.read_text())
+    meta["job"] = {"name": name, "command": f"python3 tools/gpu/jobs.py {name}",
+                   "settings": {k: os.environ.get(k) for k in sorted(os.environ) if k.startswith(("VLLM_", "NCCL_"))}}
+    from pcpviz.trace import write_run_meta
+
+    write_run_meta(trace_dir, meta)
+
+
+@job("trace-k1")
+def _k1(_: dict) -> dict:
+    return _vllm_trace("vllm-h200x2-pcp2-mtp1", k=1, prompts=TRACE_PROMPTS)
+
+
+@job("trace-k2")
+def _k2(_: dict) -> dict:
+    return _vllm_trace("vllm-h200x2-pcp2-mtp2", k=2, prompts=TRACE_PROMPTS)
+
+
+@job("trace-k3")
+def _k3(_: dict) -> dict:
+    return _vllm_trace("vllm-h200x2-pcp2-mtp3", k=3, prompts=TRACE_PROMPTS)
+
+
+@job("trace-chunked")
+def _chunked(_: dict) -> dict:
+    """Three short prompts first (they prefill in step 0, then decode), then a 9,000-token prompt
+    that the 2,048-token budget prefills in chunks over five steps while they decode."""
+    long_prompt = PROMPTS["long"][:9000]
+    return _vllm_trace("vllm-h200x2-pcp2-mtp2-chunked", k=2, prompts=PROMPTS["short"][4:7] + [long_prompt],
+                       max_tokens=24)
+
+
+@job("trace-piecewise")
+def _piecewise(_: dict) -> dict:
+    return _vllm_trace("vllm-h200x2-pcp2-mtp2-piecewise", k=2, prompts=TRACE_PROMPTS, mode="PIECEWISE",
+                       timeout_s=540)
+
+
+@job("engine")
+def _engine(_: dict) -> dict:
+    """Our engine on the 2 GPUs (NCCL), the same prompts and budget as trace-k2."""
+    out: dict = {}
+    for dtype in ("float32", "bfloat16"):
+        name = f"engine-h200x2-pcp2-mtp2-{dtype}"
+        trace_dir = RESULTS / "traces" / name
+        cmd = [sys.executable, "-m", "pcpviz.cli", "run", "--pcp", "2", "--mtp", "2", "--device", "cuda",
+               "--prompts-file", str(RESULTS / "trace_prompts.json"), "--max-new-tokens", str(MAX_TOKENS),
+               "--max-num-batched-tokens", str(BATCH_TOKENS), "--block-size", os.environ.get("PCPVIZ_BLOCK", "16"),
+               "--trace", str(trace_dir), "--json", str(RESULTS / "logs" / f"{name}.json"), "--quiet"]
+        if dtype != "float32":
+            cmd += ["--dtype", dtype]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        (RESULTS / "logs" / f"{name}.log").write_text(res.stdout + res.stderr)
+        out[dtype] = {"rc": res.returncode, "tail": (res.stdout + res.stderr).strip().splitlines()[-3:]}
+        if res.returncode == 0:
+            out[dtype].update(_check(trace_dir))
+    return out
+
+
+@job("serve")
+def _serve(_: dict) -> dict:
+    """README's `vllm serve` recipe: three completions over HTTP on 127.0.0.1, then SIGINT."""
+    trace_dir = RESULTS / "traces" / "vllm-serve-h200x2-pcp2-mtp2"
+    port = 8011
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", MODEL, "--host", "127.0.0.1", "--port",
+           str(port), "--prefill-context-parallel-size", "2", "--speculative-config",
+           '{"method": "mtp", "num_speculative_tokens": 2}', "--enforce-eager", "--disable-custom-all-reduce",
+           "--gpu-memory-utilization", "0.3", "--max-num-batched-tokens", str(BATCH_TOKENS)]
+    env = {**os.environ, "PCPVIZ_TRACE_DIR": str(trace_dir)}
+    log = (RESULTS / "logs" / "serve.log").open("w")
+    log.write("$ PCPVIZ_TRACE_DIR=... " + shlex.join(cmd) + "\n")
+    log.flush()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    t0 = time.time()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {proc.returncode} before it was ready")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() - t0 > 300:
+                raise RuntimeError("vllm serve not ready after 300 s")
+            time.sleep(1)
+        ready_s = time.time() - t0
+        completions = []
+        for p in TRACE_PROMPTS[:3]:
+            body = json.dumps({"model": MODEL, "prompt": p, "max_tokens": 32, "temperature": 0.0}).encode()
+            req = urllib.request.Request(url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                completions.append(json.loads(r.read())["choices"][0]["text"])
+        metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        spec = [ln for ln in metrics.splitlines() if ln.startswith("vllm:spec_decode") and "_created" not in ln]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+        log.close()
+    meta_path = trace_dir / "run.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        meta["serve"] = {"command": "PCPVIZ_TRACE_DIR=" + str(trace_dir) + " " + shlex.join(cmd),
+                         "completions": completions, "spec_decode_metrics": spec}
+        from pcpviz.trace import write_run_meta
+
+        write_run_meta(trace_dir, meta)
+    return {"ready_s": round(ready_s, 1), "shutdown_rc": rc, "completions": [c[:40] for c in completions],
+            "spec_metrics": spec[:12], **(_check(trace_dir) if meta_path.exists() else {"check": "no trace"})}
+
+
+@job("bench")
+def _bench(_: dict) -> dict:
+    out = RESULTS / "bench" / "vllm_h200x2.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_vllm.py"), "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
+    (RESULTS / "logs" / "bench.log").write_text(res.stdout + res.stderr)
+    return {"rc": res.returncode, "tail": (res.stdout + res.stderr).strip().splitlines()[-12:]}
+
+
+def _pack(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "results.tar.xz.tmp"
+    with tarfile.open(tmp, "w:xz", preset=6) as tar:
+        tar.add(RESULTS, arcname="results")
+    tmp.rename(out / "results.tar.xz")
+    (out / "jobs.log").write_text((RESULTS / "jobs.log").read_text())
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="real-vLLM jobs on the GPU machine")
+    ap.add_argument("jobs", nargs="*", help="job names, run in order")
+    ap.add_argument("--out", type=Path, default=None, help="pack results here after every job ($OUT)")
+    ap.add_argument("--list", action="store_true", help="list the jobs and exit")
+    a = ap.parse_args(argv)
+    if a.list or not a.jobs:
+        print("\n".join(JOBS))
+        return 0
+    unknown = [j for j in a.jobs if j not in JOBS]
+    if unknown:
+        ap.error(f"unknown job {unknown[0]!r}; one of: {', '.join(JOBS)}")
+    for sub in ("traces", "logs", "bench"):
+        (RESULTS / sub).mkdir(parents=True, exist_ok=True)
+    (RESULTS / "trace_prompts.json").write_text(json.dumps(TRACE_PROMPTS))
+    summary_path = RESULTS / "jobs.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    for name in a.jobs:
+        _log(f"job {name}: start")
+        t0 = time.time()
+        try:
+            result = {"ok": True, **JOBS[name]({})}
+        except BaseException as exc:  # noqa: BLE001 - report and go on with the next job
+            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                      "traceback": traceback.format_exc()[-3000:]}
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+        result["wall_s"] = round(time.time() - t0, 1)
+        summary[name] = result
+        summary_path.write_text(json.dumps(summary, indent=1))
+        _log(f"job {name}: {'ok' if result['ok'] else 'FAILED'} in {result['wall_s']} s: "
+             + json.dumps({k: v for k, v in result.items() if k not in ('traceback', 'check_out')})[:1500])
+        if a.out is not None:
+            _pack(a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

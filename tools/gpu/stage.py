@@ -1,0 +1,198 @@
+"""Prepare what a bare GPU machine lacks for real vLLM 0.33.0, in parts small enough to send.
+
+    python tools/gpu/stage.py                  # -> .gpu/part1 .gpu/part2 .gpu/part3 (+ manifest)
+    python tools/gpu/stage.py --part-mb 40     # smaller parts (more of them)
+
+Run here (CPU, any Python); then, on the GPU machine, in the repository root, one part per
+command, back to back (a bare machine keeps /root only while it stays warm):
+
+    python3 tools/gpu/install.py .gpu/part1    # each part: checked (sha256) and unpacked
+    python3 tools/gpu/install.py .gpu/part2
+    python3 tools/gpu/install.py .gpu/part3    # the last part completes the install
+    source /root/pcpviz-gpu/env.sh              # PYTHONPATH and the settings docs/gpu.md explains
+
+What goes into the parts (from the vllm 0.33.0 wheel and ``tools/gpu/wheels.txt``):
+
+* ``vllm-py.tar.xz``: vLLM's Python tree without the large compiled libraries this model does not
+  load (fa2, the MoE kernels, deep_gemm, ``vllm-rs``, FlashKDA); ``third_party/pynvml.py`` stays
+  (platform detection needs it);
+* ``_C_stable_libtorch.abi3.so`` (xz -9) and ``vllm_flash_attn/_vllm_fa3_C.abi3.so`` (xz -6): the
+  custom ops (RMSNorm, rotary, cache writes, ...) and FlashAttention 3 for MLA; vLLM 0.33.0 builds
+  them against torch's stable ABI, so they load on the GPU image's torch 2.11;
+* the light wheels of ``tools/gpu/wheels.txt`` (CPython 3.12, x86-64, no dependencies: closed list).
+
+Large files are cut into chunks so that no part exceeds ``--part-mb`` (the device tool sends at
+most 64 MiB a command, the repository included). ``manifest.json`` (in every part) lists each
+file's chunks and sha256; ``install.py`` refuses a part whose chunk does not match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import lzma
+import shutil
+import subprocess
+import sys
+import tarfile
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_VERSION = "0.33.0"
+# Compiled files kept out of the Python tree: sent separately (first two) or not needed by the
+# shipped model (MLA dense, bf16, FLASH_ATTN_MLA backend).
+SEPARATE = {"vllm/_C_stable_libtorch.abi3.so": 9, "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": 6}
+LEFT_OUT = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so",
+            "vllm/third_party/deep_gemm/_C_extension.abi3.so", "vllm/vllm-rs", "vllm/_flashkda_C.abi3.so")
+PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
+             "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "any")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _pip_download(args: list[str], dest: Path) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
+           "--abi", "none", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(dest), *args]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        err = [ln for ln in res.stderr.splitlines() if ln.startswith("ERROR")] or res.stderr.splitlines()[-1:]
+        sys.exit(f"stage.py: pip download {' '.join(args)} failed: {err[0] if err else res.returncode}")
+
+
+def _wheel_pins() -> list[str]:
+    lines = (REPO / "tools" / "gpu" / "wheels.txt").read_text().splitlines()
+    return [ln.split("#")[0].strip() for ln in lines if ln.split("#")[0].strip()]
+
+
+def _xz(src: Path, dst: Path, preset: int) -> None:
+    with src.open("rb") as fi, lzma.open(dst, "wb", preset=preset) as fo:
+        shutil.copyfileobj(fi, fo, 1 << 22)
+
+
+def build_files(work: Path, vllm_wheel: Path | None) -> list[Path]:
+    """The files to send (in ``work/files``), built once and reused."""
+    files = work / "files"
+    files.mkdir(parents=True, exist_ok=True)
+    if vllm_wheel is None:
+        (work / "wheel").mkdir(exist_ok=True)
+        found = sorted((work / "wheel").glob(f"vllm-{VLLM_VERSION}-*.whl"))
+        if not found:
+            print(f"stage.py: downloading vllm=={VLLM_VERSION} (336 MB)", flush=True)
+            _pip_download([f"vllm=={VLLM_VERSION}"], work / "wheel")
+            found = sorted((work / "wheel").glob(f"vllm-{VLLM_VERSION}-*.whl"))
+        vllm_wheel = found[0]
+    out: list[Path] = []
+    tree_xz = files / "vllm-py.tar.xz"
+    with zipfile.ZipFile(vllm_wheel) as zf:
+        names = zf.namelist()
+        if not tree_xz.exists():
+            print("stage.py: packing vLLM's Python tree", flush=True)
+            with tarfile.open(tree_xz.with_suffix(".tmp"), "w:xz", preset=6) as tar:
+                for name in names:
+                    if name in SEPARATE or name in LEFT_OUT or name.endswith("/"):
+                        continue
+                    info = tarfile.TarInfo(name)
+                    data = zf.read(name)
+                    info.size = len(data)
+                    info.mode = 0o755 if name.endswith(".so") else 0o644
+                    import io
+
+                    tar.addfile(info, io.BytesIO(data))
+            tree_xz.with_suffix(".tmp").rename(tree_xz)
+        out.append(tree_xz)
+        for name, preset in SEPARATE.items():
+            dst = files / (Path(name).name + ".xz")
+            if not dst.exists():
+                print(f"stage.py: xz -{preset} {name}", flush=True)
+                raw = work / Path(name).name
+                with zf.open(name) as fi, raw.open("wb") as fo:
+                    shutil.copyfileobj(fi, fo, 1 << 22)
+                _xz(raw, dst.with_suffix(".tmp"), preset)
+                dst.with_suffix(".tmp").rename(dst)
+                raw.unlink()
+            out.append(dst)
+    wheels = work / "wheels"
+    wheels.mkdir(exist_ok=True)
+    for pin in _wheel_pins():
+        name = pin.split("==")[0].lower().replace("-", "_")
+        if not any(p.name.lower().startswith(name + "-") for p in wheels.glob("*.whl")):
+            _pip_download([pin], wheels)
+    out.extend(sorted(wheels.glob("*.whl")))
+    return out
+
+
+def plan_parts(files: list[Path], part_bytes: int) -> list[list[tuple[Path, int, int]]]:
+    """First-fit: each part a list of ``(file, offset, length)`` chunks, at most ``part_bytes``.
+
+    Example (part 48 MB): tree 13.7 + _C 63.7 + fa3 11.6 + wheels 32 ->
+    part1 = tree + _C[0:34.3], part2 = _C[34.3:63.7] + fa3 + wheels[..], part3 = the rest."""
+    parts: list[list[tuple[Path, int, int]]] = [[]]
+    room = part_bytes
+    for f in files:
+        size, off = f.stat().st_size, 0
+        while off < size:
+            if room == 0:
+                parts.append([])
+                room = part_bytes
+            small = f.suffix == ".whl"
+            if small and size > room:  # wheels are never cut
+                parts.append([])
+                room = part_bytes
+            n = min(size - off, room)
+            parts[-1].append((f, off, n))
+            off += n
+            room -= n
+    return parts
+
+
+def write_parts(parts: list[list[tuple[Path, int, int]]], out: Path) -> dict:
+    if out.exists():
+        shutil.rmtree(out)
+    manifest: dict = {"vllm_version": VLLM_VERSION, "parts": len(parts), "files": {}}
+    for i, chunks in enumerate(parts, 1):
+        d = out / f"part{i}"
+        d.mkdir(parents=True)
+        for f, off, n in chunks:
+            entry = manifest["files"].setdefault(f.name, {"sha256": _sha256(f), "size": f.stat().st_size,
+                                                          "chunks": []})
+            chunk = d / f"{f.name}.{len(entry['chunks']):02d}"
+            with f.open("rb") as fi, chunk.open("wb") as fo:
+                fi.seek(off)
+                fo.write(fi.read(n))
+            entry["chunks"].append({"part": i, "name": chunk.name, "sha256": _sha256(chunk)})
+    for i in range(1, len(parts) + 1):
+        (out / f"part{i}" / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--out", type=Path, default=REPO / ".gpu", help="where the parts go (git-ignored)")
+    ap.add_argument("--work", type=Path, default=REPO / ".gpu-work", help="download and build cache")
+    ap.add_argument("--vllm-wheel", type=Path, default=None, help="a vllm-0.33.0 wheel already on disk")
+    ap.add_argument("--part-mb", type=float, default=46.0, help="size of a part in MB (10^6 bytes)")
+    a = ap.parse_args(argv)
+    if a.part_mb < 1:
+        ap.error("--part-mb must be at least 1")
+    files = build_files(a.work, a.vllm_wheel)
+    parts = plan_parts(files, int(a.part_mb * 1e6))
+    manifest = write_parts(parts, a.out)
+    for i in range(1, manifest["parts"] + 1):
+        size = sum(p.stat().st_size for p in (a.out / f"part{i}").iterdir())
+        print(f"{a.out / f'part{i}'}: {size / 1e6:.1f} MB")
+    print("on the GPU machine, one command per part, back to back: python3 tools/gpu/install.py .gpu/partN")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
