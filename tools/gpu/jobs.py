@@ -76,11 +76,13 @@ def _vllm_trace(name: str, *, k: int, prompts: list, mode: str = "NONE", max_tok
     trace_dir = RESULTS / "traces" / name
     lines: list[str] = []
     t0 = time.time()
-    trace, outputs = run(MODEL, prompts, pcp=2, num_speculative_tokens=k, trace_dir=trace_dir,
-                         max_tokens=max_tokens, cudagraph_mode=mode,
-                         extra_engine_args={**ENGINE_ARGS, **(extra or {})}, progress=lines.append,
-                         timeout_s=timeout_s)
-    (RESULTS / "logs" / f"{name}.log").write_text("\n".join(lines) + "\n")
+    try:
+        trace, outputs = run(MODEL, prompts, pcp=2, num_speculative_tokens=k, trace_dir=trace_dir,
+                             max_tokens=max_tokens, cudagraph_mode=mode,
+                             extra_engine_args={**ENGINE_ARGS, **(extra or {})}, progress=lines.append,
+                             timeout_s=timeout_s)
+    finally:
+        (RESULTS / "logs" / f"{name}.log").write_text("\n".join(lines) + "\n")
     _stamp(trace_dir, name)
     return {"trace": str(trace_dir.relative_to(RESULTS)), "seconds": round(time.time() - t0, 1),
             "steps": len(trace.steps), "tokens": [len(o) for o in outputs], **_check(trace_dir)}
