@@ -133,12 +133,15 @@ def _piecewise(_: dict) -> dict:
 def _engine(_: dict) -> dict:
     """Our engine on the 2 GPUs (NCCL), the same prompts and budget as trace-k2."""
     out: dict = {}
+    ref = RESULTS / "traces" / "vllm-h200x2-pcp2-mtp2" / "run.json"
+    block = json.loads(ref.read_text()).get("block_size", 16) if ref.exists() else 16  # vLLM's, for parity
+    out["block_size"] = block
     for dtype in ("float32", "bfloat16"):
         name = f"engine-h200x2-pcp2-mtp2-{dtype}"
         trace_dir = RESULTS / "traces" / name
         cmd = [sys.executable, "-m", "pcpviz.cli", "run", "--pcp", "2", "--mtp", "2", "--device", "cuda",
                "--prompts-file", str(RESULTS / "trace_prompts.json"), "--max-new-tokens", str(MAX_TOKENS),
-               "--max-num-batched-tokens", str(BATCH_TOKENS), "--block-size", os.environ.get("PCPVIZ_BLOCK", "16"),
+               "--max-num-batched-tokens", str(BATCH_TOKENS), "--block-size", str(block),
                "--trace", str(trace_dir), "--json", str(RESULTS / "logs" / f"{name}.json"), "--quiet"]
         if dtype != "float32":
             cmd += ["--dtype", dtype]
