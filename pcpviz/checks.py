@@ -286,6 +286,13 @@ class _Config:
                    speculative_method=str(meta.get("speculative_method") or "mtp"))
 
 
+def _is_warmup(phases: Mapping[str, Mapping[str, np.ndarray]]) -> bool:
+    """A step vLLM ran while warming up (``target`` view ``warmup``; recorded only with
+    ``PCPVIZ_RECORD_DUMMY=1``): synthetic requests with made-up draft tokens."""
+    w = phases.get("target", {}).get("warmup")
+    return w is not None and bool(np.asarray(w).any())
+
+
 class _StepView:
     """One step's records on every rank (``recs[rank][phase]``) and the previous step's."""
 
@@ -338,6 +345,8 @@ class _Ctx:
         pv = self.sv.prev
         if pv is None or self.rank not in pv.recs:
             return None
+        if _is_warmup(pv.recs[self.rank]) or _is_warmup(self.phases):
+            return None  # vLLM's synthetic warm-up steps do not continue into serving
         return _Ctx(self.cfg, pv, self.rank, self.check)
 
     # -- derived quantities (cached per step where they are rank-independent)

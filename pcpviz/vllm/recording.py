@@ -55,6 +55,7 @@ import functools
 import inspect
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -190,6 +191,33 @@ def _host(value: Any) -> Any:
     return value
 
 
+def _host_all(phases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every view of a step on the host, with two device synchronisations for the whole step
+    instead of one per view: after a device-wide sync (the clones may sit on any of vLLM's
+    streams), device tensors are copied into pinned host memory without blocking (PyTorch's
+    caching host allocator reuses the buffers), then the step's copies are awaited once."""
+    staged: dict[str, dict[str, Any]] = {}
+    synced = False
+    if torch.cuda.is_available() and any(isinstance(x, torch.Tensor) and x.is_cuda
+                                         for views in phases.values() for x in views.values()):
+        torch.cuda.synchronize()  # the clones may sit on any of vLLM's streams
+    for name, views in phases.items():
+        if not views:
+            continue
+        out = staged[name] = {}
+        for v, x in views.items():
+            if isinstance(x, torch.Tensor) and x.is_cuda:
+                buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                buf.copy_(x, non_blocking=True)
+                out[v] = buf
+                synced = True
+            else:
+                out[v] = x
+    if synced:
+        torch.cuda.current_stream().synchronize()
+    return {name: {v: _host(x) for v, x in views.items()} for name, views in staged.items()}
+
+
 def _now_us() -> int:
     return time.time_ns() // 1000
 
@@ -273,7 +301,7 @@ class RankRecorder:
             phases, self.phases = self.phases, None
             if not phases or self.closed:
                 return
-            out = {name: {v: _host(x) for v, x in views.items()} for name, views in phases.items() if views}
+            out = _host_all(phases)
             _trim_block_tables(out)
             if self.writer is None:
                 self._open_writer()
@@ -360,6 +388,8 @@ class RankRecorder:
             local_num_computed_tokens=np.asarray(local.num_computed_tokens_np[:nr], dtype=np.int64),
             t_start_us=np.array(t0, dtype=np.int64),
         )
+        if warming_up():
+            views["warmup"] = np.array(True)  # a synthetic warm-up step (PCPVIZ_RECORD_DUMMY=1)
         if is_padding.shape[0] == p:
             views["local_is_padding"] = is_padding[:p]
         else:
@@ -642,10 +672,23 @@ def _fake_group_all_gathers() -> int | None:
 # --------------------------------------------------------------------------- the PCP manager
 
 
+_warmup_depth = 0  # > 0 inside vLLM's Worker.compile_or_warm_up_model (this process)
+
+
+def warming_up() -> bool:
+    """True while vLLM warms up before serving: ``Worker.compile_or_warm_up_model`` runs
+    synthetic scheduler steps (requests ``_warmup_{i}_``, ``_v2_mixed_warmup_*``; fake draft
+    tokens) through ``execute_model`` when it compiles (``cudagraph_mode`` PIECEWISE, JIT warm-up)."""
+    return _warmup_depth > 0
+
+
 def recorder_of(manager: Any) -> RankRecorder | None:
-    """The live recorder of a ``RecordingPCPManager`` (None for anything else)."""
+    """The live recorder of a ``RecordingPCPManager`` (None for anything else, and during
+    vLLM's warm-up unless the session records dummy runs: ``PCPVIZ_RECORD_DUMMY=1``)."""
     rec = getattr(manager, "_pcpviz_recorder", None)
     if rec is None or rec.disabled or rec.closed:
+        return None
+    if _warmup_depth > 0 and not rec.session.record_dummy:
         return None
     return rec
 
@@ -660,6 +703,7 @@ class RecordingPCPManager(PCPManager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        ensure_warm_up_wrapper()
         s = active_session()
         self._pcpviz_recorder: RankRecorder | None = s.recorder_for(self) if s is not None else None
 
@@ -832,6 +876,42 @@ def _record_dflash_inputs(ctx: _DraftContext, input_buffers: Any, query_slots: t
     ctx.phases = ["draft_0"]
 
 
+def _wrap_warm_up(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
+        global _warmup_depth
+        _warmup_depth += 1
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _warmup_depth -= 1
+
+    return _mark(compile_or_warm_up_model, original)
+
+
+def _warm_up_target() -> tuple[Any, str] | None:
+    """``(gpu_worker.Worker, "compile_or_warm_up_model")``; None where the GPU worker module
+    cannot be imported (the CPU replay never warms up)."""
+    try:
+        from vllm.v1.worker.gpu_worker import Worker
+    except Exception:  # noqa: BLE001
+        return None
+    return (Worker, "compile_or_warm_up_model") if callable(getattr(Worker, "compile_or_warm_up_model", None)) \
+        else None
+
+
+def ensure_warm_up_wrapper() -> None:
+    """Wrap ``Worker.compile_or_warm_up_model`` (idempotent). Called when the first
+    ``RecordingPCPManager`` is built: inside a GPU worker, after its class exists and before it
+    warms up. A no-op where the GPU worker module was never imported (the CPU replay)."""
+    if "vllm.v1.worker.gpu_worker" not in sys.modules:
+        return
+    with _install_lock:
+        warm = _warm_up_target()
+        if warm is not None and not _wrapped(getattr(*warm)):
+            setattr(warm[0], warm[1], _wrap_warm_up(getattr(*warm)))
+
+
 def _install_instance_wrappers(spec: Any) -> None:
     """Wrap ``gather_block_tables`` / ``compute_slot_mappings`` on the speculator's own
     ``BlockTables`` instance (shared with the runner and the PCP manager): they record only
@@ -905,7 +985,9 @@ def uninstall_wrappers() -> None:
     """Undo ``install_wrappers`` (tests)."""
     global _installed
     with _install_lock:
-        for owner, name in wrapped_targets():
+        targets = wrapped_targets()
+        warm = _warm_up_target() if "vllm.v1.worker.gpu_worker" in sys.modules else None
+        for owner, name in targets + ([warm] if warm else []):
             current = getattr(owner, name)
             if _wrapped(current):
                 setattr(owner, name, current._pcpviz_original)

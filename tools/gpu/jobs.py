@@ -37,6 +37,8 @@ RESULTS = HOME / "results"
 MODEL = str(REPO / "data" / "models" / "pcpviz-tiny-dsv3")
 PROMPTS = json.loads((REPO / "data" / "bench" / "prompts.json").read_text())
 TRACE_PROMPTS = PROMPTS["short"][:4]
+CHUNKED_PROMPTS = PROMPTS["short"][4:7] + [PROMPTS["long"][:9000]]
+CHUNKED_TOKENS = 10  # few decode steps after the long prefill: its block-table rows are 563 wide
 MAX_TOKENS = 48
 BATCH_TOKENS = 2048  # the engine's default budget: same budget, same scheduled batches
 # Settings every real-vLLM job here uses (docs/gpu.md says why each is needed on this machine).
@@ -116,11 +118,9 @@ def _k3(_: dict) -> dict:
 
 @job("trace-chunked")
 def _chunked(_: dict) -> dict:
-    """Three short prompts first (they prefill in step 0, then decode), then a 9,000-token prompt
-    that the 2,048-token budget prefills in chunks over five steps while they decode."""
-    long_prompt = PROMPTS["long"][:9000]
-    return _vllm_trace("vllm-h200x2-pcp2-mtp2-chunked", k=2, prompts=PROMPTS["short"][4:7] + [long_prompt],
-                       max_tokens=24)
+    """Three short prompts first (they prefill first, then decode), then a 9,000-token prompt that
+    the 2,048-token budget prefills in chunks over five steps while they decode."""
+    return _vllm_trace("vllm-h200x2-pcp2-mtp2-chunked", k=2, prompts=CHUNKED_PROMPTS, max_tokens=CHUNKED_TOKENS)
 
 
 @job("trace-piecewise")
@@ -132,15 +132,28 @@ def _piecewise(_: dict) -> dict:
 @job("engine")
 def _engine(_: dict) -> dict:
     """Our engine on the 2 GPUs (NCCL), the same prompts and budget as trace-k2."""
+    return _engine_runs("engine-h200x2-pcp2-mtp2", "vllm-h200x2-pcp2-mtp2", TRACE_PROMPTS, MAX_TOKENS)
+
+
+@job("engine-chunked")
+def _engine_chunked(_: dict) -> dict:
+    """Our engine on the 2 GPUs, the same prompts and budget as trace-chunked."""
+    return _engine_runs("engine-h200x2-pcp2-mtp2-chunked", "vllm-h200x2-pcp2-mtp2-chunked", CHUNKED_PROMPTS,
+                        CHUNKED_TOKENS)
+
+
+def _engine_runs(prefix: str, vllm_name: str, prompts: list[str], max_tokens: int) -> dict:
     out: dict = {}
-    ref = RESULTS / "traces" / "vllm-h200x2-pcp2-mtp2" / "run.json"
+    prompts_file = RESULTS / f"{prefix}-prompts.json"
+    prompts_file.write_text(json.dumps(prompts))
+    ref = RESULTS / "traces" / vllm_name / "run.json"
     block = json.loads(ref.read_text()).get("block_size", 16) if ref.exists() else 16  # vLLM's, for parity
     out["block_size"] = block
     for dtype in ("float32", "bfloat16"):
-        name = f"engine-h200x2-pcp2-mtp2-{dtype}"
+        name = f"{prefix}-{dtype}"
         trace_dir = RESULTS / "traces" / name
         cmd = [sys.executable, "-m", "pcpviz.cli", "run", "--pcp", "2", "--mtp", "2", "--device", "cuda",
-               "--prompts-file", str(RESULTS / "trace_prompts.json"), "--max-new-tokens", str(MAX_TOKENS),
+               "--prompts-file", str(prompts_file), "--max-new-tokens", str(max_tokens),
                "--max-num-batched-tokens", str(BATCH_TOKENS), "--block-size", str(block),
                "--trace", str(trace_dir), "--json", str(RESULTS / "logs" / f"{name}.json"), "--quiet"]
         if dtype != "float32":
@@ -244,7 +257,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown job {unknown[0]!r}; one of: {', '.join(JOBS)}")
     for sub in ("traces", "logs", "bench"):
         (RESULTS / sub).mkdir(parents=True, exist_ok=True)
-    (RESULTS / "trace_prompts.json").write_text(json.dumps(TRACE_PROMPTS))
     summary_path = RESULTS / "jobs.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     for name in a.jobs:
