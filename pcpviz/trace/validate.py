@@ -298,8 +298,13 @@ def validate(trace: Any) -> TraceStatus:
     return TraceStatus(tuple(problems))
 
 
+_SEQUENTIAL_DRAFTERS = frozenset({"mtp", "deepseek_mtp", "eagle", "eagle3"})
+
+
 def _check_drafts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, str], None]) -> None:
-    """num_speculative_tokens K against the draft phases: draft_0..draft_{K-1} and no more."""
+    """num_speculative_tokens K against the data: the verify outcome is K+1 wide
+    (``sampled_token_ids`` [R, K+1]); a sequential drafter (MTP, EAGLE) records draft_0 ..
+    draft_{K-1}, a parallel one (dspark) fewer, never more."""
     k = _good(meta, "num_speculative_tokens")
     highest, where = -1, None
     for r in trace.ranks:
@@ -308,19 +313,46 @@ def _check_drafts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, s
                 i = S.draft_index(ph)
                 if i is not None and i > highest:
                     highest, where = i, (step, r)
-    if highest < 0:
-        return
-    if "num_speculative_tokens" not in meta:
+    if highest >= 0 and "num_speculative_tokens" not in meta:
         invalid("num_speculative_tokens", f"missing, but step {where[0]} rank {where[1]} records "
                 f"draft_{highest}")
-    elif k is not None and highest + 1 != k:
+        return
+    if k is None:
+        return
+    method = meta.get("speculative_method") or "mtp"
+    if highest >= k or (highest >= 0 and method in _SEQUENTIAL_DRAFTERS and highest + 1 != k):
         invalid("num_speculative_tokens", f"{k}, but the trace records draft phases up to "
                 f"draft_{highest} (step {where[0]} rank {where[1]}), i.e. K={highest + 1}")
+        return
+    for r in trace.ranks[:1]:
+        for step in trace.rank_steps(r):
+            if trace.has(step, r, S.PHASE_VERIFY) and "sampled_token_ids" in trace.record(step, r, S.PHASE_VERIFY):
+                width = np.asarray(trace.record(step, r, S.PHASE_VERIFY)["sampled_token_ids"]).shape
+                if len(width) == 2 and width[0] > 0 and width[1] != k + 1:
+                    invalid("num_speculative_tokens", f"{k}, but step {step} rank {r} samples "
+                            f"{width[1]} tokens per request (verify sampled_token_ids "
+                            f"{list(width)}), i.e. K={width[1] - 1}")
+                return
+
+
+def _slots_fit(slots: np.ndarray, pos: np.ndarray, row: np.ndarray, table: np.ndarray, size: int) -> bool:
+    """Every real token's slot is ``table[row, pos // size] * size + pos % size``."""
+    col = pos // size
+    ok = col < table.shape[1]
+    if not ok.all():
+        return False
+    return bool(np.array_equal(table[row, col].astype(np.int64) * size + pos % size, slots))
 
 
 def _check_block_size(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, str], None]) -> None:
-    """block_size(s) against the first step with global slot mappings: a token at position p
-    sits at offset p % block_size of its block (DCP 1 only; padding rows skipped)."""
+    """block_size(s) against the first step with global slot mappings and block tables: a
+    token at position p of request row i sits in slot ``table[i, p // bs] * bs + p % bs``. If
+    run.json's size does not fit but another one fits every token, run.json is wrong; if none
+    fits, the data is (the checks report that). DCP 1 only; padding rows are skipped.
+
+    PCP=2 with run.json block_size 8 and blocks of 16: token at position 9 of a request whose
+    first block is 1 has slot 25 = 1*16 + 9, while block_size 8 expects table[i, 1]*8 + 1.
+    """
     sizes = _good(meta, "block_sizes")
     bs = _good(meta, "block_size")
     if sizes is None and bs is None:
@@ -334,26 +366,35 @@ def _check_block_size(trace: Any, meta: Mapping[str, Any], invalid: Callable[[st
             if not trace.has(step, r, S.PHASE_TARGET):
                 continue
             rec = trace.record(step, r, S.PHASE_TARGET)
-            if "slot_mapping_global" not in rec or "positions" not in rec:
+            if not all(v in rec for v in ("slot_mapping_global", "positions", "query_start_loc",
+                                          "block_table_global")):
                 continue
-            slots = np.asarray(rec["slot_mapping_global"])
-            pos = np.asarray(rec["positions"])
+            slots, pos = np.asarray(rec["slot_mapping_global"]), np.asarray(rec["positions"])
+            qsl, table = np.asarray(rec["query_start_loc"]), np.asarray(rec["block_table_global"])
             if slots.ndim == 1:
                 slots = slots[None]
-            if (slots.ndim != 2 or pos.ndim != 1 or slots.shape[1] != pos.shape[0]
-                    or slots.dtype.kind not in "iu" or pos.dtype.kind not in "iu"
-                    or slots.shape[0] != len(sizes)):
+            if table.ndim == 2:
+                table = table[None]
+            if (slots.ndim != 2 or pos.ndim != 1 or qsl.ndim != 1 or table.ndim != 3
+                    or slots.shape != (len(sizes), pos.shape[0]) or table.shape[0] != len(sizes)
+                    or qsl.shape[0] != table.shape[1] + 1 or qsl.size < 1 or int(qsl[-1]) != pos.shape[0]
+                    or any(a.dtype.kind not in "iu" for a in (slots, pos, qsl, table))
+                    or (np.diff(qsl) < 0).any() or (pos < 0).any()):
                 return  # malformed views are the checks' business
+            pos = pos.astype(np.int64)
+            row = np.repeat(np.arange(qsl.shape[0] - 1), np.diff(qsl).astype(np.int64))
             for g, size in enumerate(sizes):
                 s = slots[g].astype(np.int64)
                 real = s >= 0
-                bad = np.flatnonzero(real & (s % size != pos.astype(np.int64) % size))
-                if bad.size:
-                    i = int(bad[0])
+                args = (s[real], pos[real], row[real], table[g])
+                if _slots_fit(*args, size):
+                    continue
+                fits = [b for b in (1 << i for i in range(21)) if _slots_fit(*args, b)]
+                if fits:
                     name = key if key == "block_size" else f"{key}[{g}]"
-                    invalid(name, f"{size} does not fit the slot mapping: step {step} rank {r} token "
-                            f"{i} at position {int(pos[i])} has slot {int(s[i])} (offset "
-                            f"{int(s[i]) % size} in its block, expected {int(pos[i]) % size})")
+                    invalid(name, f"{size}, but step {step} rank {r}'s slot mappings fit block "
+                            f"size {fits[0]} (slot = block_table[row, position // bs] * bs + "
+                            "position % bs), not it")
                     return
             return
 
