@@ -216,7 +216,7 @@ SUBCOMMANDS: list[Callable] = [_add_layout, _add_run]
 
 # --------------------------------------------------------------------------- check / diff / export
 
-def _open_trace(path: str, cmd: str):
+def _open_trace(path: str, cmd: str, *, require_steps: bool = False):
     """``pcpviz.trace.open`` and ``pcpviz.trace.validate``: a bad trace or an invalid run.json is
     one-line exit-2 input; lost data (open's warnings among it) is one ``incomplete:`` line
     each on stderr. Returns ``(trace, status)``."""
@@ -228,6 +228,8 @@ def _open_trace(path: str, cmd: str):
         warnings.simplefilter("always")  # each is reported below as an 'incomplete:' line
         try:
             trace = open_trace(path)
+            if require_steps and not trace.steps:
+                raise ValueError(f"{path}: the trace has no complete steps to check")
             status = trace_verdict(trace, cmd)
         except ValueError as e:  # TraceError, invalid run.json
             raise UsageError(f"pcpviz {cmd}: {' '.join(str(e).split())}") from None
@@ -237,9 +239,7 @@ def _open_trace(path: str, cmd: str):
 def _cmd_check(args: argparse.Namespace) -> int:
     from pcpviz.checks import run_checks
 
-    trace, status = _open_trace(args.trace, "check")
-    if not trace.steps:
-        raise UsageError(f"pcpviz check: {args.trace}: the trace has no complete steps to check")
+    trace, status = _open_trace(args.trace, "check", require_steps=True)
     try:
         report = run_checks(trace)
     except ValueError as e:  # a payload that fails its checksum while being read

@@ -107,17 +107,18 @@ def write_run_meta(run_dir: str | os.PathLike, meta: Mapping[str, Any], *,
                               "write to a new run directory") from None
 
 
-def _is_placeholder(path: Path) -> bool:
-    """True if there is no run.json or only the placeholder ``_ensure_run_meta`` writes."""
+def _is_placeholder(path: Path, text: str) -> bool:
+    """True if there is no run.json, only the placeholder ``_ensure_run_meta`` writes, or
+    the same document as ``text`` (another rank of this run wrote the same meta)."""
     if not os.path.lexists(path):
         return True
     try:
-        if path.stat().st_size > 4096:
+        if path.stat().st_size > len(text) + 4096:
             return False
         doc = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return False
-    return isinstance(doc, dict) and set(doc) <= {S.META_SCHEMA_KEY}
+    return isinstance(doc, dict) and (set(doc) <= {S.META_SCHEMA_KEY} or doc == json.loads(text))
 
 
 def _ensure_run_meta(run_dir: Path) -> None:
@@ -184,9 +185,10 @@ class TraceWriter:
             raise FileExistsError(f"{self.path}: already exists; pass overwrite=True to replace it "
                                   "or write to a new run directory")
         meta_path = self.run_dir / S.RUN_META_FILE
-        if text is not None and not overwrite and not _is_placeholder(meta_path):
-            raise FileExistsError(f"{meta_path}: already exists (another run's?); pass "
-                                  "overwrite=True to replace it or write to a new run directory")
+        if text is not None and not overwrite and not _is_placeholder(meta_path, text):
+            raise FileExistsError(f"{meta_path}: already exists with other content (another "
+                                  "run's?); pass overwrite=True to replace it or write to a new "
+                                  "run directory")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if overwrite and (self.path.exists() or self.path.is_symlink()):
             self.path.unlink()
