@@ -6,7 +6,8 @@ verdict (valid / complete) and the exit codes, so every bad input is one line an
 
 Exit codes (``pcpviz --help`` lists them):
 0 ok; 1 a check failed or runs differ; 2 bad input (one-line reason on stderr: a bad option,
-an unreadable trace, an invalid run.json); 3 incomplete trace (data lost: a missing or
+an unreadable trace, an invalid run.json; "incomplete:" lines of damage found first may
+precede it); 3 incomplete trace (data lost: a missing or
 unreadable rank file, steps dropped after a damaged record, steps missing on some ranks);
 141 stdout was closed early (``| head``).
 """

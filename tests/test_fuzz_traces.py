@@ -5,7 +5,8 @@ on it (``check``, ``diff`` against the intact copy, ``export --chrome``) through
 ``pcpviz.cli.main`` in this process; a sample also runs ``python -m pcpviz.cli`` in a
 subprocess. Every case must end as one of:
 
-* a one-line error: exit 2, exactly one stderr line ``pcpviz <cmd>: ...``;
+* a one-line error: exit 2, one stderr line ``pcpviz <cmd>: ...`` (after the ``incomplete:``
+  lines of damage found before it, if any);
 * a documented incomplete-trace failure: exit 3, every stderr line ``pcpviz <cmd>: incomplete: ...``;
 * a check failure or a difference: exit 1 (the damage was seen);
 * exit 0 only if the data read back equals the original (run.json's known keys, every step,
@@ -211,7 +212,7 @@ def hostile_meta(rng: random.Random, d: Path, base: Path) -> str:
         path.write_text(json.dumps([meta]))
         return "list"
     if how == "extra keys":  # allowed: producers add their own keys; the data is unchanged
-        meta.update({"gpu_names": ["H200", "H200"], "torch_version": "2.9.0", "vllm_version": "0.33.0",
+        meta.update({"gpu_names": ["H200", "H200"], "torch_version": "2.9.0",
                      "command": "vllm serve ...", f"x{rng.randrange(100)}": {"any": [1, "two"]}})
         path.write_text(json.dumps(meta))
         return "extra keys"
@@ -285,9 +286,11 @@ def verdict(cmd: str, rc: int, err: str, changed) -> str | None:
     lines = [line for line in err.splitlines() if line.strip()]
     if "Traceback" in err or rc < 0:
         return f"crash/hang (rc {rc})"
-    if rc == 2:
-        if len(lines) != 1 or not lines[0].startswith(f"pcpviz {cmd}: "):
-            return f"exit 2 without exactly one 'pcpviz {cmd}:' line: {lines[:3]}"
+    if rc == 2:  # one line; 'incomplete:' lines found before the error may precede it
+        head = [line for line in lines[:-1] if not line.startswith(f"pcpviz {cmd}: incomplete: ")]
+        if not lines or head or not lines[-1].startswith(f"pcpviz {cmd}: ") \
+                or lines[-1].startswith(f"pcpviz {cmd}: incomplete: "):
+            return f"exit 2 without one 'pcpviz {cmd}:' error line: {lines[:3]}"
         return None
     if rc == 3:
         if not lines or not all(line.startswith(f"pcpviz {cmd}: incomplete: ") for line in lines):

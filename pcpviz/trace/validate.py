@@ -7,7 +7,8 @@ Every problem is one line naming the file and the key (or rank), in one of two k
 ``invalid``
     run.json breaks its schema (``META_SCHEMA``: type, range, required key) or contradicts
     the recorded data: ``pcp`` vs the rank files, ``num_speculative_tokens`` vs the draft
-    phases, ``block_size`` vs the slot mappings, ``num_steps`` vs the steps. Bad input: the
+    phases and the verify width, ``block_size`` vs the slot mappings, ``prompt_token_ids`` vs
+    the prompt tokens fed, ``num_steps`` vs the steps. Bad input: the
     CLI exits 2.
 ``incomplete``
     data was lost: a rank file run.json promises is missing or unreadable (a directory, a
@@ -295,6 +296,7 @@ def validate(trace: Any) -> TraceStatus:
             invalid("num_steps", f"{num_steps}, but the rank files hold {len(all_steps)} steps")
     _check_drafts(trace, meta, invalid)
     _check_block_size(trace, meta, invalid)
+    _check_prompts(trace, meta, invalid)
     return TraceStatus(tuple(problems))
 
 
@@ -333,6 +335,46 @@ def _check_drafts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, s
                             f"{width[1]} tokens per request (verify sampled_token_ids "
                             f"{list(width)}), i.e. K={width[1] - 1}")
                 return
+
+
+def _check_prompts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, str], None]) -> None:
+    """prompt_token_ids against the data: a prompt token the target forward is fed (rank 0's
+    global ``input_ids`` at a position inside the prompt) is that prompt's token there. Requests
+    are matched by id: a dict's keys, or ``req<i>`` for the i-th prompt of a list."""
+    prompts = _good(meta, "prompt_token_ids")
+    if not prompts:
+        return
+    by_id = prompts if isinstance(prompts, dict) else {f"req{i}": p for i, p in enumerate(prompts)}
+    for r in trace.ranks[:1]:
+        for step in trace.rank_steps(r):
+            if not trace.has(step, r, S.PHASE_TARGET):
+                continue
+            rec = trace.record(step, r, S.PHASE_TARGET)
+            if not all(v in rec for v in ("req_ids", "positions", "input_ids", "query_start_loc")):
+                continue
+            ids, pos, qsl = (np.asarray(rec[v]) for v in ("input_ids", "positions", "query_start_loc"))
+            rids = np.asarray(rec["req_ids"]).ravel().tolist()
+            if (ids.ndim != 1 or pos.shape != ids.shape or qsl.ndim != 1 or len(rids) + 1 != qsl.size
+                    or any(a.dtype.kind not in "iu" for a in (ids, pos, qsl))):
+                return  # malformed views are the checks' business
+            for i, rid in enumerate(rids):
+                prompt = by_id.get(str(rid))
+                lo, hi = int(qsl[i]), int(qsl[i + 1])
+                if prompt is None or not 0 <= lo <= hi <= ids.size:
+                    continue
+                p = pos[lo:hi].astype(np.int64)
+                inside = np.flatnonzero((p >= 0) & (p < len(prompt)))
+                if inside.size == 0:
+                    continue
+                want = np.asarray(prompt, dtype=np.int64)[p[inside]]
+                got = ids[lo:hi][inside].astype(np.int64)
+                bad = np.flatnonzero(want != got)
+                if bad.size:
+                    j = int(inside[bad[0]])
+                    invalid("prompt_token_ids", f"request {rid}'s prompt has token {int(want[bad[0]])} "
+                            f"at position {int(p[j])}, but step {step} rank {r} feeds {int(got[bad[0]])} "
+                            "there (the run.json of another run?)")
+                    return
 
 
 def _slots_fit(slots: np.ndarray, pos: np.ndarray, row: np.ndarray, table: np.ndarray, size: int) -> bool:
