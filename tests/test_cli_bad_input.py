@@ -138,12 +138,17 @@ def test_python_m_pcpviz_cli_knows_every_subcommand():
 # --------------------------------------------------------------------------- one writer per dir
 
 def test_two_concurrent_runs_into_one_directory(tmp_path):
+    """Started together: one run wins, the other gets one line and exit 2, and the winner's
+    trace is whole (not mixed)."""
     d = tmp_path / "shared"
     args = ["run", "--pcp", "2", "--mtp", "1", "--prompt", "def f(", "--max-new-tokens", "3",
             "--trace", str(d), "--quiet"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'kernels'}")
-    procs = [subprocess.Popen([sys.executable, "-m", "pcpviz.cli", *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    # started from a directory holding a pcpviz/ folder: the ranks must still import the real one
+    (tmp_path / "pcpviz").mkdir()
+    (tmp_path / "pcpviz" / "__init__.py").write_text("raise SystemExit('the shadow pcpviz/ was imported')\n")
+    procs = [subprocess.Popen([sys.executable, "-P", "-m", "pcpviz.cli", *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path) for _ in range(2)]
     results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in procs]
     codes = sorted(rc for rc, _, _ in results)
     assert codes == [0, 2], results
