@@ -68,7 +68,8 @@ TABLE = [
     # run (all refused before any rank starts)
     (["run", "--prompt", "x", "--trace", "{file}"], "exists and is not a directory", True),
     (["run", "--prompt", "x", "--trace", "{file}/sub"], "is a file, not a directory", False),
-    (["run", "--prompt", "x", "--trace", "{trace}"], "not empty", False),
+    (["run", "--prompt", "x", "--trace", "{trace}"], "already holds a trace", False),
+    (["run", "--prompt", "x", "--trace", "{tmp}"], "not empty", False),
     (["run", "--prompt", "x", "--json", "{dir}"], "--json {dir}: is a directory", False),
     (["run", "--prompt", "x", "--json", "{tmp}/missing/out.json"], "does not exist", False),
     (["run", "--prompt", "x", "--write-config", "{dir}"], "--write-config {dir}: is a directory", False),
@@ -93,7 +94,7 @@ TABLE = [
     (["export", "{trace}", "--html", "{dir}"], "--html {dir}", False),
     (["export", "{trace}", "--chrome", "{file}/x.json"], "--chrome {file}/x.json", False),
     # replay (answered before vLLM is imported)
-    (["replay", "--trace", "{trace}"], "not empty", True),
+    (["replay", "--trace", "{trace}"], "already holds a trace", True),
     (["replay", "--trace", "{file}"], "exists and is not a directory", False),
     (["replay", "--trace", "{tmp}/r", "--block-size", "1000000000"], "--block-size: expected an integer", False),
     (["replay", "--trace", "{tmp}/r", "--pcp", "1"], "pcp must be an int >= 2", False),
@@ -154,7 +155,7 @@ def test_two_concurrent_runs_into_one_directory(tmp_path):
     assert codes == [0, 2], results
     loser = next(err for rc, _, err in results if rc == 2)
     lines = loser.strip().splitlines()
-    assert len(lines) == 1 and str(d) in lines[0] and ("in use by pid" in lines[0] or "not empty" in lines[0])
+    assert len(lines) == 1 and str(d) in lines[0] and ("in use by pid" in lines[0] or "already holds a trace" in lines[0])
     # the winner's trace is whole and consistent: one run.json, its rank files, no lock left
     assert sorted(p.name for p in d.iterdir()) == ["rank0.arrow", "rank1.arrow", "run.json"]
     t = pt.open(d)

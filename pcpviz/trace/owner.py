@@ -138,7 +138,8 @@ def _refuse_non_empty(p: Path) -> None:
         raise _os_error(p, exc, "list the directory") from None
     if names:
         shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise ValueError(f"{p}: not empty ({shown}); pass --overwrite (overwrite=True) to replace "
+        what = "already holds a trace" if trace_files(p) else "not empty"
+        raise ValueError(f"{p}: {what} ({shown}); pass --overwrite (overwrite=True) to replace "
                          "the trace in it, or choose a new directory")
 
 
