@@ -42,6 +42,8 @@ from pcpviz.blocks import PAD_SLOT_ID, compute_slot_mappings
 from pcpviz.layout import plan_layout, replicated_requests
 from pcpviz.trace import SEGMENT_DTYPE, Trace, draft_index, segments_table
 from pcpviz.trace import open as open_trace
+from pcpviz.trace.validate import TraceStatus, trusted_meta
+from pcpviz.trace.validate import validate as validate_trace
 
 __all__ = [
     "CHECKS", "PASS", "FAIL", "SKIPPED", "Violation", "CheckResult", "CheckReport", "run_checks",
@@ -124,11 +126,18 @@ class CheckReport:
     ranks: tuple[int, ...]
     results: Mapping[str, CheckResult]
     seconds: float
+    status: TraceStatus = TraceStatus()  # pcpviz.trace.validate: run.json valid, trace complete
 
     @property
     def ok(self) -> bool:
-        """No check failed (skipped checks do not count as failures)."""
-        return not self.failed
+        """No check failed (skipped checks do not count as failures) and the trace is whole
+        with a valid run.json (``status``)."""
+        return not self.failed and self.status.ok
+
+    @property
+    def complete(self) -> bool:
+        """No data lost (``status.complete``): every rank readable, every step on every rank."""
+        return self.status.complete
 
     @property
     def failed(self) -> list[str]:
@@ -158,6 +167,7 @@ class CheckReport:
                 "ranks": list(self.ranks), "seconds": round(self.seconds, 4),
                 "summary": {"passed": len(self.passed), "failed": len(self.failed),
                             "skipped": len(self.skipped)},
+                **self.status.to_dict(),
                 "checks": {n: r.to_dict() for n, r in self.results.items()}}
 
     def format(self) -> str:
@@ -178,7 +188,9 @@ class CheckReport:
                 lines.append(f"  PASS  {name:<{width}}  {r.evaluated}/{total} (step, rank){extra}")
             else:
                 lines.append(f"  SKIP  {name:<{width}}  ran on 0 of {total} (step, rank): {r.skip_reason}")
-        verdict = "FAIL" if self.failed else "OK"
+        lines += [f"  {line}" for line in self.status.lines()]
+        verdict = ("INCOMPLETE" if not self.status.complete else "INVALID" if not self.status.valid
+                   else "FAIL" if self.failed else "OK")
         lines.append(f"  result: {verdict}: {len(self.passed)} passed, {len(self.failed)} failed, "
                      f"{len(self.skipped)} skipped (could run on no step) in {self.seconds:.2f} s")
         return "\n".join(lines)
@@ -1267,6 +1279,8 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | None = N
     ``trace`` is a ``pcpviz.trace.Trace`` or a run directory (opened with
     ``pcpviz.trace.open``; a ``TraceError`` propagates). A check whose inputs a step lacks is
     skipped there; a check that could run on no step at all gets the verdict ``skipped``.
+    ``report.status`` is ``pcpviz.trace.validate(trace)``: an invalid run.json or an incomplete
+    trace (lost steps, missing ranks) makes ``report.ok`` false even when every check passes.
     """
     t0 = time.perf_counter()
     if not isinstance(trace, Trace):
@@ -1277,7 +1291,8 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | None = N
         if unknown:
             raise ValueError(f"unknown check {unknown[0]!r}; known: {', '.join(CHECKS)}")
         defs = [d for d in _DEFS if d.name in set(checks)]
-    cfg = _Config.from_meta(trace.meta)
+    status = validate_trace(trace)  # run.json schema, run.json vs the data, completeness
+    cfg = _Config.from_meta(trusted_meta(trace.meta, status))
     stats = {d.name: _Stats() for d in defs}
     ranks = trace.ranks
     last_step = {r: (trace.rank_steps(r)[-1] if trace.rank_steps(r) else None) for r in ranks}
@@ -1330,4 +1345,4 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | None = N
         results[d.name] = CheckResult(d.name, d.description, verdict, st.evaluated, st.failed,
                                       st.skipped, reason, st.first)
     return CheckReport(str(trace.path), MappingProxyType(_meta_summary(trace.meta)), len(trace.steps),
-                       tuple(ranks), MappingProxyType(results), time.perf_counter() - t0)
+                       tuple(ranks), MappingProxyType(results), time.perf_counter() - t0, status)

@@ -7,7 +7,9 @@
     pcpviz run --list-faults
 
 Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad input (one-line reason
-on stderr).
+on stderr; an invalid run.json too), 3 incomplete trace (data lost: a missing or
+unreadable rank file, steps dropped after a damaged record, steps missing on some
+ranks; one "incomplete:" line each on stderr), 141 stdout closed early (| head).
 """
 
 from __future__ import annotations
@@ -17,9 +19,13 @@ import json
 import sys
 from typing import Callable, Sequence
 
+from pcpviz.cli_guard import EXIT_PIPE, bounded_int, check_output_file, exit_code, read_json_file, seconds, trace_verdict
+
 __all__ = ["main", "UsageError"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+MAX_WORLD = 1024  # --pcp / --dcp of the layout command
+MAX_LAYOUT_TOKENS, MAX_LAYOUT_ROWS = 1 << 16, 4096  # what a text diagram can show
 
 
 class UsageError(Exception):
@@ -48,6 +54,10 @@ def _cmd_layout(args: argparse.Namespace) -> int:
 
     try:
         spec = parse_batch_spec(args.batch)
+        if len(spec.kinds) > MAX_LAYOUT_ROWS or sum(spec.num_scheduled_tokens) > MAX_LAYOUT_TOKENS:
+            raise ValueError(f"{len(spec.kinds)} rows, {sum(spec.num_scheduled_tokens)} tokens: the "
+                             f"layout command draws at most {MAX_LAYOUT_ROWS} rows and "
+                             f"{MAX_LAYOUT_TOKENS} tokens")
         shard = None if args.decodes == "auto" else args.decodes == "sharded"
         layout = plan_layout(
             spec.num_scheduled_tokens, spec.is_prefilling, args.pcp,
@@ -82,13 +92,13 @@ def _cmd_layout(args: argparse.Namespace) -> int:
 
 def _add_layout(sub) -> None:
     p = sub.add_parser("layout", help="draw the PCP layout of a batch", description=_cmd_layout.__doc__)
-    p.add_argument("--pcp", type=_positive_int, required=True, help="PCP world size N")
+    p.add_argument("--pcp", type=bounded_int(1, MAX_WORLD), required=True, help="PCP world size N")
     p.add_argument("--batch", required=True,
                    help="rows like p13,p10@12,d4@20 (p=prefill, d=decode; @ = computed tokens)")
-    p.add_argument("--dcp", type=_positive_int, default=1, help="DCP world size (default 1)")
+    p.add_argument("--dcp", type=bounded_int(1, MAX_WORLD), default=1, help="DCP world size (default 1)")
     p.add_argument("--decodes", choices=["auto", "sharded", "replicated"], default="auto",
                    help="decode placement; auto = vLLM's default (sharded iff DCP == 1)")
-    p.add_argument("--pad", type=int, default=None, help="CUDA-graph token count P")
+    p.add_argument("--pad", type=bounded_int(1, MAX_LAYOUT_TOKENS), default=None, help="CUDA-graph token count P")
     p.add_argument("--json", action="store_true", help="print the layout as JSON")
     p.set_defaults(func=_cmd_layout)
 
@@ -103,12 +113,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from pcpviz.engine.launch import RankError, run
 
     prompts = list(args.prompt or [])
+    try:
+        for path, option in ((args.json, "--json"), (args.write_config, "--write-config")):
+            if path:
+                check_output_file(path, option)
+        loaded = read_json_file(args.prompts_file, "--prompts-file") if args.prompts_file else None
+    except ValueError as e:
+        raise UsageError(f"pcpviz run: {e}") from None
     if args.prompts_file:
-        try:
-            with open(args.prompts_file) as f:
-                loaded = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise UsageError(f"pcpviz run: --prompts-file {args.prompts_file}: {e}") from None
         if not isinstance(loaded, list) or not all(isinstance(p, str) for p in loaded):
             raise UsageError(f"pcpviz run: --prompts-file {args.prompts_file}: expected a JSON list of strings")
         prompts += loaded
@@ -124,14 +136,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"pcpviz run: {e}", file=sys.stderr)
         return EXIT_FAILED
     doc = res.summary()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
     for i, text in enumerate(res.texts):
         print(f"--- request {i} ({len(res.output_token_ids[i])} tokens)\n{text}")
     rates = ", ".join(f"{r:.2f}" for r in res.acceptance_rate_per_pos)
     print(f"acceptance per position [{rates}]  mean acceptance length {res.mean_acceptance_length:.2f}  "
-          f"steps {res.num_steps}  {res.wall_s:.1f}s" + (f"  trace {res.trace_path}" if res.trace_path else ""))
+          f"steps {res.num_steps}  {res.wall_s:.1f}s" + (f"  trace {res.trace_path}" if res.trace_path else ""),
+          flush=True)
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+        except OSError as e:  # the run's output is above; only the file is lost
+            raise UsageError(f"pcpviz run: --json {args.json}: {' '.join(str(e).split())}") from None
     return EXIT_OK
 
 
@@ -140,26 +156,26 @@ def _engine_options(args: argparse.Namespace) -> dict:
     return dict(pcp=args.pcp, num_speculative_tokens=args.mtp, device=args.device,
                 max_new_tokens=args.max_new_tokens, trace_dir=args.trace, inject=args.inject or (),
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, dtype=args.dtype,
-                model_dir=args.model, timeout_s=args.timeout)
+                model_dir=args.model, timeout_s=args.timeout, overwrite=args.overwrite)
 
 
 def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
     """Write the rank config for torchrun (multi-host) instead of launching the ranks here."""
     import os
 
-    from pcpviz.engine.launch import _write_meta, build_config
+    from pcpviz.engine.launch import build_config, start_trace
 
     try:
         cfg = build_config(prompts, **_engine_options(args))
-    except ValueError as e:
-        raise UsageError(f"pcpviz run: {e}") from None
-    work = os.path.abspath(os.path.splitext(args.write_config)[0] + "-work")
-    os.makedirs(work, exist_ok=True)
-    cfg["work_dir"] = work
-    if cfg["trace_dir"]:
-        _write_meta(cfg)
-    with open(args.write_config, "w") as f:
-        json.dump(cfg, f)
+        work = os.path.abspath(os.path.splitext(args.write_config)[0] + "-work")
+        os.makedirs(work, exist_ok=True)
+        cfg["work_dir"] = work
+        if cfg["trace_dir"]:
+            start_trace(cfg, "pcpviz run --write-config").release()  # the ranks create their files
+        with open(args.write_config, "w") as f:
+            json.dump(cfg, f)
+    except (ValueError, OSError) as e:
+        raise UsageError(f"pcpviz run: {' '.join(str(e).split())}") from None
     print(f"wrote {args.write_config}; start the ranks with\n"
           f"  torchrun --nnodes <hosts> --nproc-per-node <ranks per host> --rdzv-backend c10d "
           f"--rdzv-endpoint <host0>:29500 -m pcpviz.engine.rank_main {args.write_config}\n"
@@ -169,23 +185,26 @@ def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
 
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="run the tiny model under PCP + MTP on N ranks and record a trace")
-    p.add_argument("--pcp", type=_positive_int, default=2, help="PCP ranks (processes)")
-    p.add_argument("--mtp", type=int, default=2, help="num_speculative_tokens K (0 = no speculation)")
+    p.add_argument("--pcp", type=bounded_int(1, MAX_WORLD), default=2, help="PCP ranks (processes)")
+    p.add_argument("--mtp", type=bounded_int(0, 64), default=2, help="num_speculative_tokens K (0 = no speculation)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="JSON list of prompt strings")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048,
+    p.add_argument("--max-new-tokens", type=bounded_int(1, 1 << 20), default=32)
+    p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1 << 20), default=2048,
                    help="per-step token budget (chunked prefill)")
-    p.add_argument("--block-size", type=_positive_int, default=16)
+    p.add_argument("--block-size", type=bounded_int(1, 4096), default=16)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="model and KV-cache dtype (vLLM runs the shipped checkpoint in bfloat16)")
     p.add_argument("--model", default=None, help="model directory (default: the shipped tiny model)")
-    p.add_argument("--trace", default=None, help="write the trace to this directory")
+    p.add_argument("--trace", default=None, help="write the trace to this directory (refused if it is "
+                   "not empty, unless --overwrite, or if another run is writing there)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the trace in --trace (its run.json and rank files; nothing else)")
     p.add_argument("--json", default=None, help="write a summary (requests, acceptance) to this file")
     p.add_argument("--inject", action="append", help="inject a fault (repeatable); see --list-faults")
     p.add_argument("--list-faults", action="store_true", help="list the injectable faults and exit")
-    p.add_argument("--timeout", type=float, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--timeout", type=seconds, default=300.0, help="collective timeout in seconds")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--write-config", default=None, metavar="FILE",
                    help="only write the rank config for torchrun (multi-host) and exit")
@@ -199,43 +218,48 @@ SUBCOMMANDS: list[Callable] = [_add_layout, _add_run]
 
 # --------------------------------------------------------------------------- check / diff / export
 
-def _open_trace(path: str, cmd: str):
-    """``pcpviz.trace.open`` with a bad trace as one-line exit-2 input; open's warnings (a
-    dropped partial tail) go to stderr as one line each."""
+def _open_trace(path: str, cmd: str, *, require_steps: bool = False):
+    """``pcpviz.trace.open`` and ``pcpviz.trace.validate``: a bad trace or an invalid run.json is
+    one-line exit-2 input; lost data (open's warnings among it) is one ``incomplete:`` line
+    each on stderr. Returns ``(trace, status)``."""
     import warnings
 
     from pcpviz.trace import open as open_trace
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")  # each is reported below as an 'incomplete:' line
         try:
             trace = open_trace(path)
-        except ValueError as e:  # TraceError
-            raise UsageError(f"pcpviz {cmd}: {e}") from None
-    for w in caught:
-        print(f"pcpviz {cmd}: warning: {' '.join(str(w.message).split())}", file=sys.stderr)
-    return trace
+            if require_steps and not trace.steps:
+                raise ValueError(f"{path}: the trace has no complete steps to check")
+            status = trace_verdict(trace, cmd)
+        except ValueError as e:  # TraceError, invalid run.json
+            raise UsageError(f"pcpviz {cmd}: {' '.join(str(e).split())}") from None
+    return trace, status
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from pcpviz.checks import run_checks
 
-    trace = _open_trace(args.trace, "check")
-    if not trace.steps:
-        raise UsageError(f"pcpviz check: {args.trace}: the trace has no complete steps to check")
+    trace, status = _open_trace(args.trace, "check", require_steps=True)
     try:
         report = run_checks(trace)
     except ValueError as e:  # a payload that fails its checksum while being read
         raise UsageError(f"pcpviz check: {e}") from None
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
-    return EXIT_OK if report.ok else EXIT_FAILED
+    return exit_code(status, not report.failed)
 
 
 def _add_check(sub) -> None:
     p = sub.add_parser("check", help="check a trace against vLLM's PCP + MTP invariants",
                        description="Run every pcpviz.checks check over every step and rank. "
+                                   "run.json is validated first (schema, and against the data: "
+                                   "pcp vs rank files, K vs draft phases, block size, steps). "
                                    "Exit 0 all pass (skipped checks are reported), 1 a check "
-                                   "failed, 2 unreadable trace.")
+                                   "failed, 2 unreadable trace or invalid run.json, 3 incomplete "
+                                   "trace (a rank file missing or unreadable, steps lost after a "
+                                   "damaged record or missing on some ranks: one 'incomplete:' "
+                                   "line each on stderr; the checks still run on what is left).")
     p.add_argument("trace", help="run directory (or its run.json)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_check)
@@ -244,20 +268,23 @@ def _add_check(sub) -> None:
 def _cmd_diff(args: argparse.Namespace) -> int:
     from pcpviz.diff import diff_traces
 
-    a = _open_trace(args.a, "diff")
-    b = _open_trace(args.b, "diff")
+    a, status_a = _open_trace(args.a, "diff")
+    b, status_b = _open_trace(args.b, "diff")
     try:
         report = diff_traces(a, b)
     except ValueError as e:
         raise UsageError(f"pcpviz diff: {e}") from None
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
+    if not (status_a.complete and status_b.complete):
+        return exit_code(status_a if not status_a.complete else status_b, report.same)
     return EXIT_OK if report.same else EXIT_FAILED
 
 
 def _add_diff(sub) -> None:
     p = sub.add_parser("diff", help="compare two runs of the same prompts",
                        description="First divergent step/phase/view/rank and acceptance per "
-                                   "position side by side. Exit 0 same, 1 differ, 2 bad input.")
+                                   "position side by side. Exit 0 same, 1 differ, 2 bad input, "
+                                   "3 a trace is incomplete.")
     p.add_argument("a", help="run directory A (the reference: 'expected')")
     p.add_argument("b", help="run directory B ('actual')")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -298,7 +325,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         raise UsageError("pcpviz export: nothing to export; give "
                          + " or ".join(f"--{f} OUT" for f in EXPORT_FORMATS))
     writers = [(fmt, out, _exporter(fmt)) for fmt, out in wanted]
-    trace = _open_trace(args.trace, "export")
+    trace, status = _open_trace(args.trace, "export")
     for fmt, out, fn in writers:
         try:
             written = fn(trace, out)
@@ -307,12 +334,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
         for path in ([written] if isinstance(written, (str, bytes)) or not hasattr(written, "__iter__")
                      else written):
             print(f"wrote {path}")
-    return EXIT_OK
+    return exit_code(status, True)
 
 
 def _add_export(sub) -> None:
     p = sub.add_parser("export", help="export a trace (Chrome trace, HTML report)",
-                       description="Write a trace in other formats; several at once are allowed.")
+                       description="Write a trace in other formats; several at once are allowed. "
+                                   "Exit 0 written, 2 bad input, 3 written but the trace is "
+                                   "incomplete (one 'incomplete:' line each on stderr).")
     p.add_argument("trace", help="run directory (or its run.json)")
     for fmt, (text, _) in EXPORT_FORMATS.items():
         p.add_argument(f"--{fmt}", metavar="OUT", default=None, help=text)
@@ -338,10 +367,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(str(e).splitlines()[0], file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BrokenPipeError:  # `pcpviz layout ... | head`: the reader left; say nothing more
+        import os
 
-
-if __name__ == "__main__":
-    sys.exit(main())
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
 
 
 # --------------------------------------------------------------------------- replay
@@ -353,17 +383,25 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         raise UsageError(f"pcpviz replay: pcp must be an int >= 2 (PCP is off at 1), got {args.pcp}")
     if args.mtp > 4:
         raise UsageError(f"pcpviz replay: mtp (num_speculative_tokens) must be an int in 1..4, got {args.mtp}")
+    from pcpviz.trace import claim
+    from pcpviz.trace.owner import check_target
+
+    try:
+        check_target(args.trace, overwrite=args.overwrite)
+    except ValueError as e:
+        raise UsageError(f"pcpviz replay: --trace {e}") from None
     try:
         from pcpviz.vllm import replay as replay_module
     except (ImportError, RuntimeError) as e:  # vLLM missing, wrong version, imported too early
         raise UsageError(f"pcpviz replay: cannot drive vLLM on CPU: {' '.join(str(e).split())}") from None
     say = None if args.quiet else (lambda line: print(line, flush=True))
     try:
-        res = replay_module.replay(pcp=args.pcp, mtp=args.mtp, trace_dir=args.trace, scenario=args.scenario,
-                                   decodes=args.decodes, block_size=args.block_size, overwrite=args.overwrite,
-                                   progress=say)
+        with claim(args.trace, overwrite=args.overwrite, command="pcpviz replay"):
+            res = replay_module.replay(pcp=args.pcp, mtp=args.mtp, trace_dir=args.trace, scenario=args.scenario,
+                                       decodes=args.decodes, block_size=args.block_size,
+                                       overwrite=args.overwrite, progress=say)
     except ValueError as e:
-        raise UsageError(f"pcpviz replay: {e}") from None
+        raise UsageError(f"pcpviz replay: {' '.join(str(e).split())}") from None
     print(f"replayed {len(res.steps)} steps of '{res.scenario}' on {res.pcp} ranks (K={res.num_speculative_tokens}, "
           f"{'sharded' if res.shard_decode_requests else 'replicated'} decodes) in {res.seconds:.1f}s; "
           f"trace {res.trace_path}")
@@ -386,7 +424,7 @@ def _add_replay(sub) -> None:
                    help="scripted steps (default mixed)")
     p.add_argument("--decodes", choices=["sharded", "replicated"], default="sharded",
                    help="decode placement (vLLM's default with DCP = 1 is sharded)")
-    p.add_argument("--block-size", type=_positive_int, default=4, help="KV block size (default 4)")
+    p.add_argument("--block-size", type=bounded_int(1, 1024), default=4, help="KV block size (default 4)")
     p.add_argument("--overwrite", action="store_true", help="replace a trace already in --trace")
     p.add_argument("--check", action="store_true", help="run pcpviz check on the trace (exit 1 on a failure)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress")
@@ -394,3 +432,7 @@ def _add_replay(sub) -> None:
 
 
 SUBCOMMANDS.append(_add_replay)
+
+
+if __name__ == "__main__":  # last, so every subcommand above is registered
+    sys.exit(main())

@@ -119,7 +119,12 @@ def _checks_html(report: Any) -> str:
                     f"<td><code>{html.escape(name)}</code></td><td>{r.failed}/{r.evaluated}</td><td>{first}</td></tr>")
     head = (f"checks: {len(report.passed)} passed, {len(report.failed)} failed, {len(report.skipped)} skipped"
             + (f" — first violation: {html.escape(report.first_violation.where())}" if report.first_violation else ""))
-    return (f"<details{' open' if report.failed else ''}><summary>{head}</summary><table class='checks'>"
+    status = getattr(report, "status", None)  # pcpviz.trace.validate: whole trace, valid run.json
+    if status is not None and status.problems:
+        head = html.escape(status.summary()) + " — " + head
+        head += "".join(f"<div class='fail'>⚠ {html.escape(line)}</div>" for line in status.lines())
+    return (f"<details{' open' if report.failed or (status is not None and status.problems) else ''}>"
+            f"<summary>{head}</summary><table class='checks'>"
             "<tr><th>verdict</th><th>check</th><th>failed/evaluated</th><th>first violation</th></tr>"
             + "".join(rows) + "</table></details>")
 

@@ -45,7 +45,7 @@ def test_layout_json_equals_library():
     "args,needle",
     [
         (["--pcp", "2", "--batch", "p13,x4"], "batch row 2 'x4' is not understood"),
-        (["--pcp", "0", "--batch", "p13"], "--pcp: expected a positive integer, got 0"),
+        (["--pcp", "0", "--batch", "p13"], "--pcp: expected an integer in 1..1024, got 0"),
         (["--pcp", "2", "--batch", "p13", "--pad", "3"], "smaller than the largest rank-local batch: 3 < 8"),
         (["--pcp", "2", "--batch", ""], "empty batch description"),
         (["--pcp", "2"], "required: --batch"),

@@ -127,9 +127,9 @@ def test_many_steps_ranks_and_phase_order(tmp_path):
         phases["target"] = {"positions": np.arange(3) + step}
         return phases
 
-    _write(tmp_path, {s: step_for(s, 0) for s in range(0, 40, 2)}, rank=0)
-    _write(tmp_path, {s: step_for(s, 1) for s in range(0, 42, 3)}, rank=1, meta={"pcp": 2})
-    _write(tmp_path, {}, rank=2, meta={"pcp": 3})
+    _write(tmp_path, {s: step_for(s, 0) for s in range(0, 40, 2)}, rank=0, meta={"pcp": 3})
+    _write(tmp_path, {s: step_for(s, 1) for s in range(0, 42, 3)}, rank=1, meta={"pcp": 3})
+    _write(tmp_path, {}, rank=2, meta={"pcp": 3})  # the same meta again: allowed
     t = pt.open(tmp_path)
     assert t.meta == {"pcpviz_trace_schema": 1, "pcp": 3}
     assert t.ranks == [0, 1, 2]

@@ -9,6 +9,7 @@ test can assert that dummy runs issue none.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 
 import torch
@@ -25,8 +26,9 @@ class PCPGroup:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [M, ...] -> [N*M, ...]
         raise NotImplementedError
 
-    def broadcast_object(self, obj, src: int = 0):
-        return obj
+    def broadcast_json(self, doc, src: int = 0):
+        """Plain JSON data from rank ``src`` (a single rank keeps its own)."""
+        return doc
 
 
 class SingleRank(PCPGroup):
@@ -54,18 +56,43 @@ class ProcessGroupPCP(PCPGroup):
             tdist.all_gather_into_tensor(out, x)
         return out
 
-    def broadcast_object(self, obj, src: int = 0):
-        box = [obj]
-        tdist.broadcast_object_list(box, src=src)
-        return box[0]
+    def broadcast_json(self, doc, src: int = 0):
+        """``doc`` (plain JSON data) from rank ``src`` on every rank: its UTF-8 JSON text goes
+        as a length then a uint8 tensor, so nothing is unpickled (``broadcast_object_list``
+        would run pickle on what the network delivered)."""
+        dev = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" \
+            else torch.device("cpu")
+        data = json.dumps(doc, separators=(",", ":")).encode("utf-8") if self.rank == src else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+        tdist.broadcast(size, src=src)
+        if self.rank == src:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+        else:
+            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
+        tdist.broadcast(buf, src=src)
+        return doc if self.rank == src else json.loads(bytes(buf.cpu().numpy()).decode("utf-8"))
 
 
-def init_process_group(device: str, timeout_s: float) -> PCPGroup:
+def init_process_group(device: str, timeout_s: float, store_file: str | None = None) -> PCPGroup:
     """Join the group described by the env:// variables (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT). World size 1 needs no rendezvous."""
+    MASTER_ADDR, MASTER_PORT). World size 1 needs no rendezvous.
+
+    ``store_file``: rendezvous through this file instead (``pcpviz.run`` on one host): no
+    TCP store listens anywhere, and gloo's own sockets stay on the loopback interface."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return SingleRank()
+    if store_file is not None:
+        backend = "nccl" if device == "cuda" else "gloo"
+        kwargs = {}
+        if device == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+            torch.cuda.set_device(local)
+            kwargs["device_id"] = torch.device("cuda", local)
+        tdist.init_process_group(backend=backend, store=tdist.FileStore(store_file, world),
+                                 rank=int(os.environ["RANK"]), world_size=world,
+                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        return ProcessGroupPCP()
     backend = "nccl" if device == "cuda" else "gloo"
     kwargs = {}
     if device == "cuda":

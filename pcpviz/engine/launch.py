@@ -14,8 +14,12 @@ group's collective timeout).
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import os
+import re
+import signal
 import shutil
 import socket
 import subprocess
@@ -26,7 +30,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-__all__ = ["run", "RunResult", "RankError", "build_config"]
+__all__ = ["run", "RunResult", "RankError", "build_config", "start_trace"]
+
+MAX_CPU_RANKS = 32
+"""Most ranks (processes) a CPU run starts."""
+MAX_BLOCK_SIZE = 4096
+MAX_BATCHED_TOKENS = 1 << 20
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 class RankError(RuntimeError):
@@ -96,23 +106,40 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
                  inject: Sequence[str] = (), model_dir: str | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 16, num_blocks: int | None = None,
                  shard_decode_requests: bool | None = None, seed: int = 0, timeout_s: float = 300.0,
-                 stop_at_eos: bool = False, dtype: str = "float32") -> dict:
+                 stop_at_eos: bool = False, overwrite: bool = False, dtype: str = "float32") -> dict:
     """Validate the arguments and build the rank config (a JSON-able dict).
 
-    Raises ValueError with a one-line reason naming the option."""
+    ``overwrite``: replace the trace already in ``trace_dir`` (its run.json and rank files
+    only); without it a non-empty ``trace_dir`` is refused. Raises ValueError with a one-line
+    reason naming the option."""
     from pcpviz.engine.faults import validate_faults
-    from pcpviz.engine.model import default_model_dir, read_config
+    from pcpviz.engine.model import check_model_dir, default_model_dir
     from pcpviz.engine.tokenizer import EOS_ID, encode
+    from pcpviz.trace.owner import check_target
 
     _positive("pcp", pcp)
     _positive("num_speculative_tokens", num_speculative_tokens, 0)
     _positive("max_new_tokens", max_new_tokens)
     _positive("block_size", block_size)
     _positive("max_num_seqs", max_num_seqs)
+    _positive("max_num_batched_tokens", max_num_batched_tokens)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if device == "cpu" and pcp > MAX_CPU_RANKS:
+        raise ValueError(f"pcp={pcp} on CPU would start {pcp} processes; use at most {MAX_CPU_RANKS}")
+    for name, value, hi in (("block_size", block_size, MAX_BLOCK_SIZE),
+                            ("max_num_batched_tokens", max_num_batched_tokens, MAX_BATCHED_TOKENS),
+                            ("max_num_seqs", max_num_seqs, 4096),
+                            ("num_speculative_tokens", num_speculative_tokens, 64)):
+        if value > hi:
+            raise ValueError(f"{name}={value} is larger than pcpviz runs ({hi} at most)")
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+            or not math.isfinite(timeout_s) or not 0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {timeout_s!r}")
+    if trace_dir is not None:
+        check_target(trace_dir, overwrite=overwrite)
     if device == "cuda":
         import torch
 
@@ -123,9 +150,7 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
     if not prompts:
         raise ValueError("no prompts given")
     model_dir = os.path.abspath(model_dir or default_model_dir())
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise ValueError(f"model directory {model_dir} has no config.json")
-    mcfg = read_config(model_dir)
+    mcfg = check_model_dir(model_dir)
     if num_speculative_tokens > 0 and mcfg.num_mtp_layers < 1:
         raise ValueError(f"model {model_dir} has no MTP layer; use num_speculative_tokens=0")
     ids = []
@@ -156,11 +181,16 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
         "max_num_batched_tokens": budget, "max_num_seqs": max_num_seqs, "num_blocks": num_blocks,
         "shard_decode_requests": shard_decode_requests, "seed": seed, "timeout_s": float(timeout_s),
         "prompt_token_ids": ids, "eos_token_id": EOS_ID if stop_at_eos else None, "dtype": dtype,
+        "overwrite": bool(overwrite),
     }
 
 
-def _write_meta(cfg: dict) -> None:
-    from pcpviz.trace import write_run_meta
+def start_trace(cfg: dict, command: str = "pcpviz run"):
+    """Claim ``cfg["trace_dir"]`` for this run and write its run.json; returns the claim
+    (``pcpviz.trace.owner.Claim``; release it when the ranks are done) and stores its token
+    in ``cfg["trace_owner"]`` for the rank processes. Raises ValueError (one line) when the
+    directory is another writer's, not empty (without ``overwrite``) or not writable."""
+    from pcpviz.trace import claim, write_run_meta
 
     meta = {
         "producer": "pcpviz-engine",
@@ -172,21 +202,159 @@ def _write_meta(cfg: dict) -> None:
         "num_requests": len(cfg["prompt_token_ids"]), "max_new_tokens": cfg["max_new_tokens"],
         "prompt_token_ids": cfg["prompt_token_ids"], "dtype": cfg.get("dtype", "float32"),
     }
-    os.makedirs(cfg["trace_dir"], exist_ok=True)
-    for name in os.listdir(cfg["trace_dir"]):
-        if name.startswith("rank") and name.endswith(".arrow"):
-            os.remove(os.path.join(cfg["trace_dir"], name))  # a re-run replaces the old trace
-    write_run_meta(cfg["trace_dir"], meta)
+    owner = claim(cfg["trace_dir"], overwrite=cfg.get("overwrite", False), command=command)
+    try:
+        write_run_meta(cfg["trace_dir"], meta, exclusive=True)
+    except (OSError, ValueError) as exc:
+        owner.release()
+        raise ValueError(f"{cfg['trace_dir']}: cannot write run.json ({' '.join(str(exc).split())})") from None
+    cfg["trace_owner"] = owner.token
+    return owner
+
+
+_WORK_PREFIX = "pcpviz-run-"
+_PEER_ERRORS = re.compile(r"connection closed by peer|connection reset|broken pipe|timed out|timeout|"
+                          r"socket|recvbytes|sendbytes|remote process exited|peer", re.IGNORECASE)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale_work_dirs() -> None:
+    """Remove the work directories of earlier runs whose launcher is gone (killed by SIGKILL
+    before its ``finally``): ``pcpviz-run-<pid>-*`` of this user with no live ``<pid>``."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        m = re.match(rf"^{_WORK_PREFIX}(\d+)-", name)
+        path = os.path.join(root, name)
+        if not m or _alive(int(m.group(1))):
+            continue
+        try:
+            if os.lstat(path).st_uid == os.getuid() and os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Ranks get SIGKILL when the launcher dies, so none outlives a killed launcher."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: ranks still stop on their collective timeout
+        pass
+
+
+def _rank_env(cfg: dict, rank: int, port: int) -> dict:
+    """The rank's environment: env:// variables, this pcpviz first on the path (absolute, so
+    the rank imports the launcher's package whatever its working directory holds)."""
+    import pcpviz
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(pcpviz.__file__)))
+    paths = [root] + [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cfg["pcp"]), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(cfg["pcp"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)))
+    if cfg["device"] == "cpu":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo's sockets on loopback only
+    return env
+
+
+def _proc_state(pid: int) -> str | None:
+    """The kernel's state letter of ``pid`` (``T`` stopped, ``Z`` zombie, ...), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+class _Rank:
+    """One rank process and the tail of its stderr (drained so a chatty rank never blocks)."""
+
+    def __init__(self, rank: int, proc: subprocess.Popen) -> None:
+        self.rank, self.proc = rank, proc
+        self.tail: collections.deque[str] = collections.deque(maxlen=64)
+        self.thread = threading.Thread(target=self._drain, daemon=True)
+        self.thread.start()
+
+    def _drain(self) -> None:
+        for line in self.proc.stderr:
+            self.tail.append(line.rstrip("\n"))
+
+    def error(self, work: str) -> str:
+        """The rank's own one-line account of its failure."""
+        self.thread.join(timeout=2)
+        for line in reversed(self.tail):
+            if line.startswith("PCPVIZ_ERROR "):
+                return line[len("PCPVIZ_ERROR "):]
+        try:
+            with open(os.path.join(work, f"error_rank{self.rank}.txt")) as f:
+                first = f.readline().strip()
+            if first:
+                return first
+        except OSError:
+            pass
+        code = self.proc.returncode
+        how = f"killed by {_signal_name(code)}" if code is not None and code < 0 else f"exited with code {code}"
+        last = next((line for line in reversed(self.tail) if line.strip()), "")
+        return f"process {how}" + (f": {last.strip()}" if last else "")
+
+
+def _blame(ranks: list[_Rank], work: str) -> RankError:
+    """The rank that caused a failure, with its real cause.
+
+    A rank whose peer died or hung fails too, later or at the same moment, with a connection or
+    timeout error; so: a failed rank with an error of its own first (a full disk, a bad step),
+    then a rank that died without a word (a signal, ``os._exit``), then a rank still running
+    while the others failed waiting for it (stopped or hung), then the first failure."""
+    failed = [r for r in ranks if r.proc.returncode not in (None, 0)]
+    errors = {r.rank: r.error(work) for r in failed}
+    own = [r for r in failed if not _PEER_ERRORS.search(errors[r.rank])
+           and not errors[r.rank].startswith("process ")]
+    if own:
+        return RankError(own[0].rank, errors[own[0].rank])
+    silent = [r for r in failed if errors[r.rank].startswith("process ")]
+    if silent:
+        return RankError(silent[0].rank, errors[silent[0].rank])
+    running = [r for r in ranks if r.proc.returncode is None]
+    if running:
+        r = running[0]
+        state = "is stopped (SIGSTOP?)" if _proc_state(r.proc.pid) == "T" else "stopped responding"
+        peers = ", ".join(str(f.rank) for f in failed)
+        return RankError(r.rank, f"{state}; rank {peers} gave up waiting for it "
+                                 f"({errors[failed[0].rank]})")
+    return RankError(failed[0].rank, errors[failed[0].rank])
 
 
 def _launch(cfg: dict, progress: bool) -> dict:
-    work = tempfile.mkdtemp(prefix="pcpviz-run-")
-    cfg = dict(cfg, work_dir=work)
+    _clean_stale_work_dirs()
+    work = tempfile.mkdtemp(prefix=f"{_WORK_PREFIX}{os.getpid()}-")
+    cfg = dict(cfg, work_dir=work, store_file=os.path.join(work, "store"))
     cfg_path = os.path.join(work, "config.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
     port = _free_port()
-    procs = []
+    ranks: list[_Rank] = []
     total = len(cfg["prompt_token_ids"]) * cfg["max_new_tokens"]
     bar = None
     if progress:
@@ -195,17 +363,17 @@ def _launch(cfg: dict, progress: bool) -> dict:
         bar = tqdm(total=total, desc=f"PCP={cfg['pcp']} K={cfg['num_speculative_tokens']}", unit="tok")
     try:
         for rank in range(cfg["pcp"]):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cfg["pcp"]), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(cfg["pcp"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "pcpviz.engine.rank_main", cfg_path], env=env,
-                stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
-                text=True,
-            ))
+            # -P and cwd=work: a pcpviz/ folder in the caller's directory cannot shadow the package
+            proc = subprocess.Popen(
+                [sys.executable, "-P", "-m", "pcpviz.engine.rank_main", cfg_path], env=_rank_env(cfg, rank, port),
+                cwd=work, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
+                text=True, preexec_fn=_die_with_parent,
+            )
+            ranks.append(_Rank(rank, proc))
         last = [0]
 
         def pump() -> None:  # rank 0's progress lines
-            for line in procs[0].stdout:
+            for line in ranks[0].proc.stdout:
                 if line.startswith("PCPVIZ_PROGRESS ") and bar is not None:
                     tokens = json.loads(line.split(" ", 1)[1])["tokens"]
                     bar.update(max(tokens - last[0], 0))
@@ -215,23 +383,18 @@ def _launch(cfg: dict, progress: bool) -> dict:
         reader.start()
         deadline = time.monotonic() + cfg["timeout_s"] * 4 + 600
         while True:
-            codes = [p.poll() for p in procs]
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                # The first rank seen failing is the culprit: its peers only fail later, when
-                # their collectives time out waiting for it.
-                r = failed[0]
-                err = os.path.join(work, f"error_rank{r}.txt")
-                if os.path.exists(err):
-                    msg = open(err).read().splitlines()[0]
-                else:
-                    tail = (procs[r].stderr.read() or "").strip().splitlines()
-                    msg = f"process exited with code {codes[r]}" + (f": {tail[-1]}" if tail else "")
-                raise RankError(r, msg)
+            codes = [r.proc.poll() for r in ranks]
+            if any(c not in (None, 0) for c in codes):
+                # Give the peers a moment to fail too, then blame the cause, not the first seen.
+                grace = time.monotonic() + 2.0
+                while time.monotonic() < grace and any(r.proc.poll() is None for r in ranks):
+                    time.sleep(0.05)
+                raise _blame(ranks, work)
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
-                raise RankError(next(r for r, c in enumerate(codes) if c is None), "timed out")
+                r = next(r for r, c in zip(ranks, codes) if c is None)
+                raise RankError(r.rank, "timed out")
             time.sleep(0.05)
         reader.join(timeout=5)
         with open(os.path.join(work, "result.json")) as f:
@@ -243,12 +406,12 @@ def _launch(cfg: dict, progress: bool) -> dict:
         result["kv_cache_digests"] = digests
         return result
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
+        for r in ranks:
+            if r.proc.poll() is None:
+                r.proc.kill()
+        for r in ranks:
             try:
-                p.wait(timeout=10)
+                r.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
         if bar is not None:
@@ -265,15 +428,20 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
     ``inject`` names faults from ``pcpviz.engine.faults.FAULTS``. Other options:
     ``model_dir``, ``block_size`` (16), ``max_num_batched_tokens`` (2048, chunked
     prefill budget), ``max_num_seqs``, ``num_blocks``, ``shard_decode_requests``,
-    ``seed``, ``timeout_s``, ``stop_at_eos``.
+    ``seed``, ``timeout_s``, ``stop_at_eos``, ``overwrite`` (replace the trace in a non-empty
+    ``trace_dir``; without it such a directory is refused, and one another run is writing is
+    refused either way).
     """
     from pcpviz.engine.tokenizer import decode
 
     cfg = build_config(prompts, pcp=pcp, num_speculative_tokens=num_speculative_tokens, device=device,
                        max_new_tokens=max_new_tokens, trace_dir=trace_dir, inject=inject, **options)
-    if cfg["trace_dir"]:
-        _write_meta(cfg)
-    res = _launch(cfg, progress)
+    owner = start_trace(cfg) if cfg["trace_dir"] else None
+    try:
+        res = _launch(cfg, progress)
+    finally:
+        if owner is not None:
+            owner.release()
     outs = [r["output_token_ids"] for r in res["requests"]]
     return RunResult(
         prompt_token_ids=[r["prompt_token_ids"] for r in res["requests"]],

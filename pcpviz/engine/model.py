@@ -194,6 +194,44 @@ def read_config(model_dir: str) -> TinyDSV3Config:
         return TinyDSV3Config.from_hf_dict(json.load(f))
 
 
+def check_model_dir(model_dir: str) -> TinyDSV3Config:
+    """The model's config, after checking that ``config.json`` parses and ``model.safetensors``
+    is a whole safetensors file holding exactly the tensors the config needs, with their
+    shapes (its header only: cheap). ValueError naming the file otherwise, so a damaged model
+    is bad input before any rank starts, not a rank failure."""
+    from safetensors import safe_open
+
+    cfg_path = os.path.join(model_dir, "config.json")
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model directory {model_dir} does not exist")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"model directory {model_dir} has no config.json")
+    try:
+        if os.path.getsize(cfg_path) > 1 << 20:
+            raise ValueError("larger than 1 MiB")
+        cfg = read_config(model_dir)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        why = f"missing key {exc}" if isinstance(exc, KeyError) else " ".join(str(exc).split())
+        raise ValueError(f"{cfg_path}: not a usable model config ({why})") from None
+    weights = os.path.join(model_dir, "model.safetensors")
+    try:
+        with safe_open(weights, framework="pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise ValueError(f"{weights}: not a readable safetensors file ({' '.join(str(exc).split())})") from None
+    with torch.device("meta"):
+        want = {k: tuple(v.shape) for k, v in TinyDSV3(cfg).state_dict().items()}
+    if set(want) != set(shapes):
+        missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
+        raise ValueError(f"{weights}: tensors do not match {cfg_path} (missing {missing[:3]}, "
+                         f"unexpected {extra[:3]})")
+    bad = next((k for k in want if want[k] != shapes[k]), None)
+    if bad is not None:
+        raise ValueError(f"{weights}: tensor {bad} has shape {list(shapes[bad])}, the config needs "
+                         f"{list(want[bad])}")
+    return cfg
+
+
 # --------------------------------------------------------------------------------------------
 # building blocks
 # --------------------------------------------------------------------------------------------

@@ -30,13 +30,13 @@ def run_rank(cfg: dict) -> dict | None:
 
     from pcpviz.engine.dist import init_process_group
     from pcpviz.engine.model import load_model
-    from pcpviz.engine.scheduler import Scheduler
+    from pcpviz.engine.scheduler import Scheduler, SchedulerOutput
     from pcpviz.engine.worker import EngineConfig, Worker
     from pcpviz.trace import TraceWriter
 
     rank = int(os.environ.get("RANK", "0"))
     device_kind = cfg["device"]
-    group = init_process_group(device_kind, cfg["timeout_s"])
+    group = init_process_group(device_kind, cfg["timeout_s"], cfg.get("store_file"))
     if device_kind == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -63,7 +63,10 @@ def run_rank(cfg: dict) -> dict | None:
         shard_decode_requests=cfg.get("shard_decode_requests"), faults=frozenset(cfg["inject"]), dtype=dtype,
     )
     worker = Worker(model, group, ecfg, device, record=cfg.get("trace_dir") is not None)
-    writer = TraceWriter(cfg["trace_dir"], rank, overwrite=True) if cfg.get("trace_dir") else None
+    # The launcher claimed the directory and cleared it (pcpviz.trace.owner); the rank file is
+    # created exclusively, so a file this run did not create is never replaced.
+    writer = TraceWriter(cfg["trace_dir"], rank, owner=cfg.get("trace_owner")) \
+        if cfg.get("trace_dir") else None
     sched = None
     if rank == 0:
         sched = Scheduler(
@@ -88,9 +91,10 @@ def run_rank(cfg: dict) -> dict | None:
             if not plan.rows:
                 raise RuntimeError(f"step {plan.step}: the scheduler found nothing to run "
                                    "(max_num_batched_tokens too small for a decode of 1+K tokens?)")
-        plan = group.broadcast_object(plan)
-        if plan is None:
+        doc = group.broadcast_json(None if plan is None else plan.to_json())
+        if doc is None:
             break
+        plan = SchedulerOutput.from_json(doc)
         if debug_exit == (rank, plan.step):
             os._exit(17)  # test hook: a rank that dies without a word (PCPVIZ_DEBUG_EXIT_RANK=r@step)
         res = worker.step(plan)
@@ -131,13 +135,27 @@ def run_rank(cfg: dict) -> dict | None:
 
 
 def _shutdown_process_group() -> None:
-    """Leave the group cleanly. A gloo group still alive at interpreter exit can abort the
-    process ("terminate called without an active exception") after all work is done."""
+    """Leave the group cleanly: a barrier (no peer is still talking to us), then destroy it."""
     import torch.distributed as tdist
 
     if tdist.is_available() and tdist.is_initialized():
         tdist.barrier()
         tdist.destroy_process_group()
+
+
+def _exit_now(code: int) -> None:
+    """Leave the process without interpreter teardown, once every result is on disk.
+
+    A rank exiting normally runs Python's finalization and then the C++ static destructors
+    of torch/gloo; a gloo or store thread still joinable when its ``std::thread`` is destroyed
+    there calls ``std::terminate`` ("terminate called without an active exception", SIGABRT,
+    exit -6) although all work is done. Nothing is left to clean up by then (files written
+    and closed, the group destroyed), so the rank flushes its streams and ``os._exit``\s."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,10 +176,16 @@ def main(argv: list[str] | None = None) -> int:
             os.replace(tmp, os.path.join(out_dir, "result.json"))
         return 0
     except BaseException as e:  # noqa: BLE001 - report every failure with the rank named
-        with open(os.path.join(out_dir, f"error_rank{rank}.txt"), "w") as f:
-            f.write(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        line = " ".join(f"{type(e).__name__}: {e}".split())
+        # stderr first: on a full disk the error file below cannot be written
+        print(f"PCPVIZ_ERROR {line}", file=sys.stderr, flush=True)
+        try:
+            with open(os.path.join(out_dir, f"error_rank{rank}.txt"), "w") as f:
+                f.write(f"{line}\n\n{traceback.format_exc()}")
+        except OSError:
+            pass
         return 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit_now(main())

@@ -62,6 +62,24 @@ class SchedulerOutput:
     rows: tuple[ScheduledRow, ...]  # in vLLM's global batch order
     finished: tuple[tuple[str, int], ...]  # (req_id, slot) freed before this step
 
+    def to_json(self) -> dict:
+        """Plain JSON data (what rank 0 broadcasts; no pickle):
+        ``{"step": 3, "rows": [{"req_id": "req0", "slot": 0, ...}], "finished": [["req1", 1]]}``."""
+        return {"step": self.step, "finished": [list(f) for f in self.finished],
+                "rows": [{k: list(v) if isinstance(v, tuple) else v for k, v in vars(r).items()}
+                         for r in self.rows]}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> "SchedulerOutput":
+        """The inverse of ``to_json`` (ValueError/KeyError/TypeError on a malformed document)."""
+        rows = tuple(ScheduledRow(req_id=str(r["req_id"]), slot=int(r["slot"]), num_tokens=int(r["num_tokens"]),
+                                  is_prefilling=bool(r["is_prefilling"]),
+                                  prompt_chunk=tuple(int(t) for t in r["prompt_chunk"]),
+                                  next_prompt_token=int(r["next_prompt_token"]), prompt_len=int(r["prompt_len"]),
+                                  new_blocks=tuple(int(b) for b in r["new_blocks"]), is_new=bool(r["is_new"]))
+                     for r in doc["rows"])
+        return cls(int(doc["step"]), rows, tuple((str(a), int(b)) for a, b in doc["finished"]))
+
 
 class Scheduler:
     def __init__(self, prompts: list[list[int]], max_new_tokens: int, *, num_speculative_tokens: int,

@@ -12,7 +12,8 @@ everything downstream (checks, diff, widgets, export) reads it with ``open``::
     t.steps, t.ranks, t.phases(0, rank), t.record(0, rank, "target")["positions"]
 
 See ``schema`` for the on-disk layout and the names (phases, views), ``reader`` for the error
-policy on damaged traces.
+policy on damaged traces, ``validate`` for run.json's schema and what a complete trace is, and
+``owner`` for how one writer at a time owns a run directory.
 """
 
 from .errors import TraceError, TraceWarning
@@ -37,6 +38,8 @@ from .schema import (
     phase_sort_key,
     segments_table,
 )
+from .owner import claim
+from .validate import INCOMPLETE, INVALID, Problem, TraceStatus, validate, validate_meta
 from .writer import TraceWriter, write_run_meta
 
 __all__ = [
@@ -44,5 +47,6 @@ __all__ = [
     "write_run_meta", "SCHEMA_VERSION", "PHASES", "PHASE_TARGET", "PHASE_VERIFY", "PHASE_DUMMY",
     "VIEWS", "VIEW_GROUPS", "KNOWN_VIEWS", "SEGMENT_DTYPE", "PAD_SLOT", "DRAFT_VIEW_RANK_LOCAL",
     "DRAFT_VIEW_REPLICATED", "draft_phase", "draft_index", "is_valid_phase", "is_valid_view_name",
-    "phase_sort_key", "segments_table",
+    "phase_sort_key", "segments_table", "claim", "validate", "validate_meta", "TraceStatus", "Problem",
+    "INVALID", "INCOMPLETE",
 ]

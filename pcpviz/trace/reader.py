@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import threading
 import warnings
 from collections import OrderedDict
@@ -153,13 +154,45 @@ def _steps_summary(steps: list[int] | tuple[int, ...]) -> str:
 
 # --------------------------------------------------------------------------- run.json
 
+MAX_META_BYTES = 64 << 20
+"""A run.json larger than this is refused (it holds settings and prompt ids, not data)."""
+
+
+def _file_kind(path: Path) -> str | None:
+    """None for a regular file (or a link to one); else why it cannot be read as one."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if os.path.islink(path):
+            return f"a dangling or unreadable symbolic link ({exc.strerror})"
+        return exc.strerror or _one_line(exc)
+    if stat.S_ISREG(st.st_mode):
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory, not a file"
+    what = "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else \
+        "a pipe" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a file"
+    return f"{what}, not a regular file" + (" (a symbolic link to it)" if os.path.islink(path) else "")
+
 def _read_meta(run_dir: Path) -> dict[str, Any]:
     path = run_dir / S.RUN_META_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise TraceError(f"{run_dir}: no {S.RUN_META_FILE}")
+    kind = _file_kind(path)
+    if kind is not None:
+        raise TraceError(f"{path}: cannot read ({kind})")
     try:
+        if path.stat().st_size > MAX_META_BYTES:
+            raise TraceError(f"{path}: {path.stat().st_size} bytes, more than the "
+                             f"{MAX_META_BYTES} a run.json may have")
         meta = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TraceError(f"{path}: not valid JSON ({_one_line(exc)})") from None
+    except RecursionError:
+        raise TraceError(f"{path}: not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        if isinstance(exc, TraceError):
+            raise
         raise TraceError(f"{path}: not valid JSON ({_one_line(exc)})") from None
     except OSError as exc:
         raise TraceError(f"{path}: cannot read ({_one_line(exc)})") from None
@@ -347,10 +380,13 @@ class Trace:
     """A run opened lazily: ``meta``, ``steps``, ``ranks``, ``phases()``, ``record()``."""
 
     def __init__(self, path: Path, meta: dict[str, Any], files: dict[int, RankFile],
-                 entries: dict[tuple[int, int], _StepEntry], warnings_: list[str], cache_size: int):
+                 entries: dict[tuple[int, int], _StepEntry], warnings_: list[str], cache_size: int,
+                 unreadable: Mapping[int, str] | None = None):
         self.path = path
         self.meta = meta
         self.files: Mapping[int, RankFile] = MappingProxyType(files)
+        # rank -> one line: rank files that exist but cannot be read (a directory, a device, ...)
+        self.unreadable: Mapping[int, str] = MappingProxyType(dict(unreadable or {}))
         self.warnings: list[str] = warnings_
         self._entries = entries
         self._steps = sorted({step for step, _ in entries})
@@ -465,13 +501,27 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
     files: dict[int, RankFile] = {}
     entries: dict[tuple[int, int], _StepEntry] = {}
     notes: list[str] = []
+    unreadable: dict[int, str] = {}
     rank_paths = []
-    for child in run_dir.iterdir():
+    try:
+        children = sorted(run_dir.iterdir())
+    except OSError as exc:
+        raise TraceError(f"{run_dir}: cannot list the run directory ({_one_line(exc)})") from None
+    for child in children:
         m = S.RANK_FILE_RE.match(child.name)
-        if m and child.is_file():
+        if not m:
+            continue
+        kind = _file_kind(child)
+        if kind is None:
             rank_paths.append((int(m.group(1)), child))
+        else:
+            unreadable[int(m.group(1))] = f"{child}: cannot read ({kind})"
     for rank, rank_path in sorted(rank_paths):
-        info, steps, note = _scan_rank_file(rank_path, rank)
+        try:
+            info, steps, note = _scan_rank_file(rank_path, rank)
+        except OSError as exc:
+            unreadable[rank] = f"{rank_path}: cannot read ({_one_line(exc)})"
+            continue
         if note is not None:
             if strict:
                 raise TraceError(note)
@@ -479,6 +529,9 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
         files[rank] = info
         for entry in steps:
             entries[(entry.step, rank)] = entry
+    if unreadable and strict:
+        raise TraceError(unreadable[min(unreadable)])
+    notes += [unreadable[r] for r in sorted(unreadable)]
     for note in notes:
         warnings.warn(note, TraceWarning, stacklevel=2)
-    return Trace(run_dir, meta, files, entries, notes, cache_size)
+    return Trace(run_dir, meta, files, entries, notes, cache_size, unreadable)

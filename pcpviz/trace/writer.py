@@ -1,7 +1,9 @@
 """Streaming per-rank trace writer and the run's meta file.
 
 Each rank process owns one ``TraceWriter``; nothing is shared between ranks except ``run.json``,
-which is replaced atomically. One ``write_step`` call is one engine step::
+which is written atomically. Rank files are created exclusively (``O_EXCL``) and a directory
+claimed by another writer (``owner.claim``) is refused, so two runs never mix in one directory.
+One ``write_step`` call is one engine step::
 
     with TraceWriter(run_dir, rank, meta=meta if rank == 0 else None) as w:
         for step in ...:
@@ -32,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import schema as S
+from .owner import check_writer
 
 __all__ = ["TraceWriter", "write_run_meta"]
 
@@ -56,50 +59,79 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
-def _dump_meta(run_dir: Path, meta: Mapping[str, Any]) -> Path:
-    """run.json's text in a temporary file next to it (fsynced); returns its path."""
+def _meta_text(run_dir: Path, meta: Mapping[str, Any]) -> str:
+    """run.json's text (ValueError naming run.json if ``meta`` is not JSON)."""
     doc = S.run_meta_with_version(meta)
     try:
         text = json.dumps(doc, indent=2, sort_keys=False, default=_json_default, allow_nan=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         raise ValueError(f"{run_dir / S.RUN_META_FILE}: run meta is not JSON: {exc}") from None
+    return text + "\n"
+
+
+def _install_meta(run_dir: Path, text: str, *, replace: bool) -> Path:
+    """Write run.json through an fsynced temporary next to it: ``os.replace`` when
+    ``replace``, else ``os.link`` (FileExistsError if there is one already)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".run.json.", suffix=".tmp", dir=run_dir)
-    try:
-        _write_all(fd, (text + "\n").encode("utf-8"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return Path(tmp)
-
-
-def write_run_meta(run_dir: str | os.PathLike, meta: Mapping[str, Any]) -> Path:
-    """Write ``run_dir/run.json`` atomically (temp file + ``os.replace``); returns its path.
-
-    ``pcpviz_trace_schema`` is added (first key). NumPy scalars/arrays are converted to JSON.
-    """
-    run_dir = Path(run_dir)
-    tmp = _dump_meta(run_dir, meta)
     final = run_dir / S.RUN_META_FILE
-    os.replace(tmp, final)
+    try:
+        try:
+            _write_all(fd, text.encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if replace:
+            os.replace(tmp, final)
+        else:
+            os.link(tmp, final)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
     return final
 
 
+def write_run_meta(run_dir: str | os.PathLike, meta: Mapping[str, Any], *,
+                   exclusive: bool = False) -> Path:
+    """Write ``run_dir/run.json`` atomically (temp file + ``os.replace``); returns its path.
+
+    ``pcpviz_trace_schema`` is added (first key). NumPy scalars/arrays are converted to JSON.
+    ``exclusive``: never replace an existing run.json (FileExistsError naming it).
+    """
+    run_dir = Path(run_dir)
+    text = _meta_text(run_dir, meta)
+    try:
+        return _install_meta(run_dir, text, replace=not exclusive)
+    except FileExistsError:
+        raise FileExistsError(f"{run_dir / S.RUN_META_FILE}: already exists; "
+                              "write to a new run directory") from None
+
+
+def _is_placeholder(path: Path, text: str) -> bool:
+    """True if there is no run.json, only the placeholder ``_ensure_run_meta`` writes, or
+    the same document as ``text`` (another rank of this run wrote the same meta)."""
+    if not os.path.lexists(path):
+        return True
+    try:
+        if path.stat().st_size > len(text) + 4096:
+            return False
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and (set(doc) <= {S.META_SCHEMA_KEY} or doc == json.loads(text))
+
+
 def _ensure_run_meta(run_dir: Path) -> None:
-    """Create a minimal run.json if there is none, never clobbering one another rank wrote.
+    """Create a placeholder run.json if there is none, never clobbering one another rank wrote.
 
     ``os.link`` fails if the target exists, so this cannot race with ``write_run_meta``.
     """
-    final = run_dir / S.RUN_META_FILE
-    if final.exists():
+    if os.path.lexists(run_dir / S.RUN_META_FILE):
         return
-    tmp = _dump_meta(run_dir, {})
     try:
-        os.link(tmp, final)
+        _install_meta(run_dir, _meta_text(run_dir, {}), replace=False)
     except FileExistsError:
         pass
-    finally:
-        os.unlink(tmp)
 
 
 def _as_step(step: Any) -> int:
@@ -114,15 +146,24 @@ def _as_step(step: Any) -> int:
 class TraceWriter:
     """Appends one rank's steps to ``run_dir/rank{rank}.arrow``.
 
-    ``meta``: if given, written to run.json (usually by rank 0 only). Without it a minimal
-    run.json is created when none exists, so the run is readable even if no rank passes meta.
+    ``meta``: if given, written to run.json (usually by rank 0 only). Without it a placeholder
+    run.json (only the schema version) is created when none exists, so the run is readable even
+    if no rank passes meta; a writer with ``meta`` replaces only such a placeholder.
     ``overwrite``: replace an existing rank file (its old inode stays valid for readers that
-    have it open); by default an existing file is an error, so a re-run never destroys a trace.
+    have it open) and run.json; by default either existing is an error, found before anything
+    is created or rewritten, so a re-run never destroys or mixes into a trace.
+    ``owner``: the token of the ``owner.claim`` on ``run_dir`` this writer belongs to (a
+    directory claimed by another live writer is refused; a claim held by this process needs
+    no token).
     ``fsync``: fsync after every step (durable across a machine crash; slower).
+
+    Two PCP=2 runs started together into ``runs/x``: each rank file is created with
+    ``O_EXCL``, so whichever run creates ``rank0.arrow`` first owns it and the other run's
+    rank 0 gets ``FileExistsError: runs/x/rank0.arrow: already exists``.
     """
 
     def __init__(self, run_dir: str | os.PathLike, rank: int, meta: Mapping[str, Any] | None = None,
-                 *, overwrite: bool = False, fsync: bool = False):
+                 *, overwrite: bool = False, fsync: bool = False, owner: str | None = None):
         if isinstance(rank, bool) or not isinstance(rank, Integral) or rank < 0:
             raise ValueError(f"rank must be an int >= 0, got {rank!r}")
         self.run_dir = Path(run_dir)
@@ -131,19 +172,41 @@ class TraceWriter:
         self.fsync = bool(fsync)
         self.last_step: int | None = None
         self._broken: str | None = None
+        self._fd: int | None = None
+        # Everything is checked before anything is created: the meta encodes, nobody else
+        # owns the directory, the rank file is not there (or may be replaced), and an existing
+        # run.json is either a placeholder or may be replaced.
+        text = None if meta is None else _meta_text(self.run_dir, meta)
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            raise NotADirectoryError(f"{self.run_dir}: exists and is not a directory")
+        if self.run_dir.is_dir():
+            check_writer(self.run_dir, owner)
+        if not overwrite and (self.path.exists() or self.path.is_symlink()):
+            raise FileExistsError(f"{self.path}: already exists; pass overwrite=True to replace it "
+                                  "or write to a new run directory")
+        meta_path = self.run_dir / S.RUN_META_FILE
+        if text is not None and not overwrite and not _is_placeholder(meta_path, text):
+            raise FileExistsError(f"{meta_path}: already exists with other content (another "
+                                  "run's?); pass overwrite=True to replace it or write to a new "
+                                  "run directory")
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if meta is not None:
-            write_run_meta(self.run_dir, meta)
-        else:
-            _ensure_run_meta(self.run_dir)
-        if overwrite and self.path.exists():
+        if overwrite and (self.path.exists() or self.path.is_symlink()):
             self.path.unlink()
         try:
-            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
-            raise FileExistsError(f"{self.path}: already exists; pass overwrite=True to replace it "
-                                  "or write to a new run directory") from None
-        self._write(S.arrow_schema(self.rank).serialize())
+            raise FileExistsError(f"{self.path}: already exists (created by another writer just "
+                                  "now); write to a new run directory") from None
+        try:
+            if text is not None:
+                _install_meta(self.run_dir, text, replace=True)
+            else:
+                _ensure_run_meta(self.run_dir)
+            self._write(S.arrow_schema(self.rank).serialize())
+        except BaseException:
+            os.close(self._fd)
+            self._fd = None
+            raise
 
     # ------------------------------------------------------------------ public
 
@@ -202,7 +265,7 @@ class TraceWriter:
                 os.fsync(self._fd)
         except OSError as exc:
             self._broken = f"{type(exc).__name__}: {exc}"
-            raise
+            raise OSError(exc.errno, f"{self.path}: cannot write ({exc.strerror or exc})") from None
 
     def _encode_step(self, step: int, phases: Mapping[str, Mapping[str, Any]]) -> pa.RecordBatch:
         """Validate and encode every view of the step into one record batch."""

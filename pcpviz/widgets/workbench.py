@@ -399,10 +399,16 @@ class Workbench(W.VBox):
             self.jump_buttons.append(b)
         summary = (f"checks: {len(rep.passed)} passed, {len(rep.failed)} failed, {len(rep.skipped)} skipped"
                    + (f" — first violation: {rep.first_violation.where()}" if rep.first_violation else ""))
-        acc = W.Accordion(children=[W.VBox([W.HBox(self.jump_buttons, layout=W.Layout(flex_flow="row wrap")),
+        status = getattr(rep, "status", None)  # pcpviz.trace.validate: whole trace, valid run.json
+        problems = [] if status is None else status.lines()
+        if problems:
+            summary = status.summary() + " — " + summary
+        notes = W.HTML("".join(f"<div style='color:#c00;font-size:12px'>⚠ {html.escape(line)}</div>"
+                               for line in problems))
+        acc = W.Accordion(children=[W.VBox([notes, W.HBox(self.jump_buttons, layout=W.Layout(flex_flow="row wrap")),
                                             table])])
-        acc.set_title(0, ("✗ " if rep.failed else "✓ ") + summary)
-        acc.selected_index = 0 if rep.failed else None
+        acc.set_title(0, ("✗ " if rep.failed or problems else "✓ ") + summary)
+        acc.selected_index = 0 if rep.failed or problems else None
         return acc
 
     @staticmethod

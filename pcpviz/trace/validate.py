@@ -1,0 +1,461 @@
+"""Is this trace whole and does its run.json tell the truth? ``validate(trace) -> TraceStatus``.
+
+The one place that knows what a run.json may hold and what a complete trace looks like; the
+``check`` and ``export`` commands, ``pcpviz.checks.run_checks`` and the Workbench all ask it.
+Every problem is one line naming the file and the key (or rank), in one of two kinds:
+
+``invalid``
+    run.json breaks its schema (``META_SCHEMA``: type, range, required key) or contradicts
+    the recorded data: ``pcp`` vs the rank files, ``num_speculative_tokens`` vs the draft
+    phases and the verify width, ``block_size`` vs the slot mappings, ``prompt_token_ids`` vs
+    the prompt tokens fed, ``num_steps`` vs the steps. Bad input: the
+    CLI exits 2.
+``incomplete``
+    data was lost: a rank file run.json promises is missing or unreadable (a directory, a
+    device, a dangling link), bytes after a damaged or partial record were dropped, or a
+    step some rank recorded is missing on another. The CLI exits 3.
+
+A PCP=2, K=2 trace whose rank 1 lost its steps after step 15 (a flipped byte in step 16's
+index)::
+
+    incomplete: runs/x/rank1.arrow: index checksum mismatch (step_crc32); last complete step:
+        step 15; 4096 trailing bytes not read
+    incomplete: runs/x/rank1.arrow: rank 1 lacks steps 16-20 that rank 0 recorded
+
+Keys not in ``META_SCHEMA`` are allowed (producers add their own: gpu names, versions, the
+command line); the known ones are checked wherever a producer wrote them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from . import schema as S
+from .errors import TraceError
+
+__all__ = ["INVALID", "INCOMPLETE", "Problem", "TraceStatus", "META_SCHEMA", "validate_meta",
+           "validate", "trusted_meta", "MAX_WORLD_SIZE", "MAX_SPECULATIVE_TOKENS", "MAX_BLOCK_SIZE"]
+
+INVALID, INCOMPLETE = "invalid", "incomplete"
+
+MAX_WORLD_SIZE = 4096
+"""Largest pcp / dcp / tp accepted in run.json."""
+MAX_SPECULATIVE_TOKENS = 64
+"""Largest num_speculative_tokens accepted in run.json."""
+MAX_BLOCK_SIZE = 1 << 20
+"""Largest KV block size accepted in run.json."""
+_MAX_COUNT = 1 << 40  # token budgets, lengths, vocabularies
+_INT64 = 1 << 63
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a trace: ``kind`` (INVALID or INCOMPLETE), the file, the run.json
+    key or rank file concerned, and the one-line message (which starts with the file)."""
+
+    kind: str
+    file: str
+    key: str | None
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "file": self.file, "key": self.key, "message": self.message}
+
+
+@dataclass(frozen=True)
+class TraceStatus:
+    """``validate``'s answer: the problems found (none for a whole, truthful trace)."""
+
+    problems: tuple[Problem, ...] = ()
+
+    @property
+    def valid(self) -> bool:
+        """run.json passes its schema and agrees with the data."""
+        return not any(p.kind == INVALID for p in self.problems)
+
+    @property
+    def complete(self) -> bool:
+        """No data was lost (every promised rank readable, no dropped bytes, no missing steps)."""
+        return not any(p.kind == INCOMPLETE for p in self.problems)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def lines(self, kind: str | None = None) -> list[str]:
+        """``"<kind>: <message>"`` per problem (of ``kind`` only, if given)."""
+        return [f"{p.kind}: {p.message}" for p in self.problems if kind is None or p.kind == kind]
+
+    def summary(self) -> str:
+        """One line: ``complete`` or what is wrong first and how many problems there are."""
+        if not self.problems:
+            return "trace complete; run.json valid"
+        first = self.problems[0]
+        more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
+        head = "INVALID run.json" if first.kind == INVALID else "INCOMPLETE trace"
+        return f"{head}: {first.message}{more}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"valid": self.valid, "complete": self.complete,
+                "problems": [p.to_dict() for p in self.problems]}
+
+
+# --------------------------------------------------------------------------- run.json schema
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(lo: int, hi: int) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        if isinstance(v, bool) or not isinstance(v, int):
+            return f"expected an int in {lo}..{hi}, got {type(v).__name__} {_short(v)}"
+        if not lo <= v <= hi:
+            return f"expected an int in {lo}..{hi}, got {_short(v)}"
+        return None
+    check.__doc__ = f"int in {lo}..{hi}"
+    return check
+
+
+def _str(v: Any) -> str | None:
+    return None if isinstance(v, str) else f"expected a string, got {type(v).__name__} {_short(v)}"
+
+
+def _bool(v: Any) -> str | None:
+    return None if isinstance(v, bool) else f"expected true or false, got {_short(v)}"
+
+
+def _str_list(v: Any) -> str | None:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        return f"expected a list of strings, got {_short(v)}"
+    return None
+
+
+def _block_sizes(v: Any) -> str | None:
+    if not isinstance(v, list) or not 1 <= len(v) <= 64:
+        return f"expected a list of 1..64 block sizes, got {_short(v)}"
+    for x in v:
+        bad = _int(1, MAX_BLOCK_SIZE)(x)
+        if bad:
+            return f"entry {_short(x)}: {bad}"
+    return None
+
+
+def _token_ids(v: Any) -> str | None:
+    """A list of prompts (or a dict request id -> prompt); a prompt is a list of ints >= 0."""
+    prompts = v.values() if isinstance(v, dict) else v
+    if not isinstance(v, (list, dict)):
+        return f"expected a list of token-id lists, got {type(v).__name__}"
+    for i, p in enumerate(prompts):
+        if not isinstance(p, list) or not all(type(t) is int and 0 <= t < _INT64 for t in p):
+            return f"prompt {i}: expected a list of token ids (ints >= 0)"
+    return None
+
+
+META_SCHEMA: Mapping[str, tuple[Callable[[Any], str | None], bool, str]] = {
+    # key: (check, required, meaning)
+    "producer": (_str, True, "what wrote the trace (pcpviz-engine, pcpviz-vllm-replay, the plugin)"),
+    "pcp": (_int(1, MAX_WORLD_SIZE), True, "PCP world size: one rank file per PCP rank"),
+    "dcp": (_int(1, MAX_WORLD_SIZE), False, "DCP world size"),
+    "dcp_rank": (_int(0, MAX_WORLD_SIZE - 1), False, "DCP rank of the recorded ranks"),
+    "dcp_interleave": (_int(1, MAX_BLOCK_SIZE), False, "DCP KV interleave size"),
+    "tp": (_int(1, MAX_WORLD_SIZE), False, "tensor-parallel size"),
+    "num_speculative_tokens": (_int(0, MAX_SPECULATIVE_TOKENS), False,
+                               "K: draft phases draft_0..draft_{K-1} per step"),
+    "block_size": (_int(1, MAX_BLOCK_SIZE), False, "KV block size (of the first KV-cache group)"),
+    "block_sizes": (_block_sizes, False, "KV block size per KV-cache group"),
+    "shard_decode_requests": (_bool, False, "decodes sharded over the PCP ranks"),
+    "num_steps": (_int(0, _INT64 - 1), False, "steps every rank recorded"),
+    "num_requests": (_int(0, _MAX_COUNT), False, "requests of the run"),
+    "max_new_tokens": (_int(1, _MAX_COUNT), False, "tokens generated per request"),
+    "max_num_batched_tokens": (_int(1, _MAX_COUNT), False, "per-step token budget"),
+    "max_num_seqs": (_int(1, _MAX_COUNT), False, "request slots"),
+    "max_model_len": (_int(1, _MAX_COUNT), False, "context length"),
+    "vocab_size": (_int(1, _MAX_COUNT), False, "vocabulary size"),
+    "seed": (_int(-_INT64, _INT64 - 1), False, "random seed"),
+    "inject": (_str_list, False, "injected faults (pcpviz.engine.faults)"),
+    "model": (_str, False, "model name or path"),
+    "device": (_str, False, "cpu or cuda"),
+    "vllm_version": (_str, False, "vLLM version of the producer"),
+    "speculative_method": (_str, False, "mtp, eagle, dspark, ..."),
+    "prompt_token_ids": (_token_ids, False, "prompt token ids per request"),
+}
+"""The run.json keys pcpviz knows: key -> (check, required, meaning). Other keys are allowed.
+One of ``block_size`` / ``block_sizes`` is required too."""
+
+
+def validate_meta(meta: Any, path: str | Path) -> list[Problem]:
+    """The schema problems of a run.json document (``path`` names it in the messages)."""
+    path = str(path)
+    if not isinstance(meta, dict):
+        return [Problem(INVALID, path, None, f"{path}: top level is a {type(meta).__name__}, "
+                        "not an object")]
+    out: list[Problem] = []
+
+    def bad(key: str, what: str) -> None:
+        out.append(Problem(INVALID, path, key, f"{path}: {key}: {what}"))
+
+    for key, (check, required, _) in META_SCHEMA.items():
+        if key not in meta:
+            if required:
+                bad(key, "required key is missing")
+            continue
+        if meta[key] is None and not required:
+            continue
+        try:
+            why = check(meta[key])
+        except RecursionError:
+            why = "nested too deeply"
+        if why:
+            bad(key, why)
+    if meta.get("block_size") is None and meta.get("block_sizes") is None:
+        bad("block_size", "required key is missing (nor is there block_sizes)")
+    bs, sizes = meta.get("block_size"), meta.get("block_sizes")
+    if (isinstance(sizes, list) and sizes and isinstance(bs, int) and not _block_sizes(sizes)
+            and not _int(1, MAX_BLOCK_SIZE)(bs) and sizes[0] != bs):
+        bad("block_size", f"{bs} differs from block_sizes[0] = {sizes[0]}")
+    dcp, dcp_rank = meta.get("dcp"), meta.get("dcp_rank")
+    if (isinstance(dcp, int) and isinstance(dcp_rank, int) and not isinstance(dcp_rank, bool)
+            and not _int(1, MAX_WORLD_SIZE)(dcp) and not 0 <= dcp_rank < dcp):
+        bad("dcp_rank", f"{dcp_rank} is not a rank of dcp={dcp}")
+    return out
+
+
+def _good(meta: Mapping[str, Any], key: str) -> Any:
+    """meta[key] if present and passing its schema check, else None."""
+    if key not in meta or key not in META_SCHEMA:
+        return None
+    value = meta[key]
+    return value if value is not None and META_SCHEMA[key][0](value) is None else None
+
+
+# --------------------------------------------------------------------------- the data
+
+def _steps_text(steps: list[int]) -> str:
+    from .reader import _steps_summary
+
+    return _steps_summary(sorted(steps))
+
+
+def validate(trace: Any) -> TraceStatus:
+    """Check ``trace`` (a ``pcpviz.trace.Trace``): run.json's schema, run.json against the data,
+    and completeness (see the module doc). Reads only the index, plus the payloads of one step
+    for the block-size check; a payload failing its crc32 there raises ``TraceError``."""
+    meta_path = Path(trace.path) / S.RUN_META_FILE
+    mp = str(meta_path)
+    problems = validate_meta(trace.meta, meta_path)
+    meta = trace.meta if isinstance(trace.meta, dict) else {}
+    files = dict(trace.files)
+    unreadable = dict(getattr(trace, "unreadable", {}) or {})
+    present = set(files) | set(unreadable)
+
+    def invalid(key: str, what: str) -> None:
+        problems.append(Problem(INVALID, mp, key, f"{mp}: {key}: {what}"))
+
+    def incomplete(file: Path | str, key: str | None, message: str) -> None:
+        problems.append(Problem(INCOMPLETE, str(file), key, message))
+
+    # pcp vs the rank files
+    pcp = _good(meta, "pcp")
+    if pcp is not None:
+        extra = sorted(r for r in present if r >= pcp)
+        if extra:
+            names = ", ".join(S.rank_file_name(r) for r in extra[:3])
+            invalid("pcp", f"{pcp}, but the directory also holds {names} (a file of another run?)")
+        for r in range(pcp):
+            if r not in present:
+                incomplete(Path(trace.path) / S.rank_file_name(r), f"rank {r}",
+                           f"{Path(trace.path) / S.rank_file_name(r)}: missing (run.json says pcp={pcp})")
+    for r in sorted(unreadable):
+        incomplete(unreadable[r].split(": ", 1)[0], f"rank {r}", unreadable[r])
+    # bytes dropped after damage or a partial step
+    for r, info in sorted(files.items()):
+        if info.good_bytes < info.size:
+            note = next((w for w in trace.warnings if w.startswith(f"{info.path}:")), None)
+            incomplete(info.path, f"rank {r}", note or f"{info.path}: {info.size - info.good_bytes} "
+                       "trailing bytes not read")
+    # steps per rank
+    all_steps = set(trace.steps)
+    for r, info in sorted(files.items()):
+        lacking = sorted(all_steps - set(info.steps))
+        if lacking:
+            holder = min(q for q in files if set(lacking) & set(files[q].steps))
+            incomplete(info.path, f"rank {r}", f"{info.path}: rank {r} lacks steps "
+                       f"{_steps_text(lacking)} that rank {holder} recorded")
+    num_steps = _good(meta, "num_steps")
+    if num_steps is not None and files and len(all_steps) != num_steps:
+        if len(all_steps) < num_steps:
+            incomplete(meta_path, "num_steps", f"{mp}: num_steps: {num_steps}, but the rank files "
+                       f"hold {len(all_steps)} steps")
+        else:
+            invalid("num_steps", f"{num_steps}, but the rank files hold {len(all_steps)} steps")
+    _check_drafts(trace, meta, invalid)
+    _check_block_size(trace, meta, invalid)
+    _check_prompts(trace, meta, invalid)
+    return TraceStatus(tuple(problems))
+
+
+_SEQUENTIAL_DRAFTERS = frozenset({"mtp", "deepseek_mtp", "eagle", "eagle3"})
+
+
+def _check_drafts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, str], None]) -> None:
+    """num_speculative_tokens K against the data: the verify outcome is K+1 wide
+    (``sampled_token_ids`` [R, K+1]); a sequential drafter (MTP, EAGLE) records draft_0 ..
+    draft_{K-1}, a parallel one (dspark) fewer, never more."""
+    k = _good(meta, "num_speculative_tokens")
+    highest, where = -1, None
+    for r in trace.ranks:
+        for step in trace.rank_steps(r):
+            for ph in trace.phases(step, r):
+                i = S.draft_index(ph)
+                if i is not None and i > highest:
+                    highest, where = i, (step, r)
+    if highest >= 0 and "num_speculative_tokens" not in meta:
+        invalid("num_speculative_tokens", f"missing, but step {where[0]} rank {where[1]} records "
+                f"draft_{highest}")
+        return
+    if k is None:
+        return
+    method = meta.get("speculative_method") or "mtp"
+    if highest >= k or (highest >= 0 and method in _SEQUENTIAL_DRAFTERS and highest + 1 != k):
+        invalid("num_speculative_tokens", f"{k}, but the trace records draft phases up to "
+                f"draft_{highest} (step {where[0]} rank {where[1]}), i.e. K={highest + 1}")
+        return
+    for r in trace.ranks[:1]:
+        for step in trace.rank_steps(r):
+            if trace.has(step, r, S.PHASE_VERIFY) and "sampled_token_ids" in trace.record(step, r, S.PHASE_VERIFY):
+                width = np.asarray(trace.record(step, r, S.PHASE_VERIFY)["sampled_token_ids"]).shape
+                if len(width) == 2 and width[0] > 0 and width[1] != k + 1:
+                    invalid("num_speculative_tokens", f"{k}, but step {step} rank {r} samples "
+                            f"{width[1]} tokens per request (verify sampled_token_ids "
+                            f"{list(width)}), i.e. K={width[1] - 1}")
+                return
+
+
+def _check_prompts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, str], None]) -> None:
+    """prompt_token_ids against the data: a prompt token the target forward is fed (rank 0's
+    global ``input_ids`` at a position inside the prompt) is that prompt's token there. Requests
+    are matched by id: a dict's keys, or ``req<i>`` for the i-th prompt of a list."""
+    prompts = _good(meta, "prompt_token_ids")
+    if not prompts:
+        return
+    by_id = prompts if isinstance(prompts, dict) else {f"req{i}": p for i, p in enumerate(prompts)}
+    for r in trace.ranks[:1]:
+        for step in trace.rank_steps(r):
+            if not trace.has(step, r, S.PHASE_TARGET):
+                continue
+            rec = trace.record(step, r, S.PHASE_TARGET)
+            if not all(v in rec for v in ("req_ids", "positions", "input_ids", "query_start_loc")):
+                continue
+            ids, pos, qsl = (np.asarray(rec[v]) for v in ("input_ids", "positions", "query_start_loc"))
+            rids = np.asarray(rec["req_ids"]).ravel().tolist()
+            if (ids.ndim != 1 or pos.shape != ids.shape or qsl.ndim != 1 or len(rids) + 1 != qsl.size
+                    or any(a.dtype.kind not in "iu" for a in (ids, pos, qsl))):
+                return  # malformed views are the checks' business
+            for i, rid in enumerate(rids):
+                prompt = by_id.get(str(rid))
+                lo, hi = int(qsl[i]), int(qsl[i + 1])
+                if prompt is None or not 0 <= lo <= hi <= ids.size:
+                    continue
+                p = pos[lo:hi].astype(np.int64)
+                inside = np.flatnonzero((p >= 0) & (p < len(prompt)))
+                if inside.size == 0:
+                    continue
+                want = np.asarray(prompt, dtype=np.int64)[p[inside]]
+                got = ids[lo:hi][inside].astype(np.int64)
+                bad = np.flatnonzero(want != got)
+                if bad.size:
+                    j = int(inside[bad[0]])
+                    invalid("prompt_token_ids", f"request {rid}'s prompt has token {int(want[bad[0]])} "
+                            f"at position {int(p[j])}, but step {step} rank {r} feeds {int(got[bad[0]])} "
+                            "there (the run.json of another run?)")
+                    return
+
+
+def _slots_fit(slots: np.ndarray, pos: np.ndarray, row: np.ndarray, table: np.ndarray, size: int) -> bool:
+    """Every real token's slot is ``table[row, pos // size] * size + pos % size``."""
+    col = pos // size
+    ok = col < table.shape[1]
+    if not ok.all():
+        return False
+    return bool(np.array_equal(table[row, col].astype(np.int64) * size + pos % size, slots))
+
+
+def _check_block_size(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, str], None]) -> None:
+    """block_size(s) against the first step with global slot mappings and block tables: a
+    token at position p of request row i sits in slot ``table[i, p // bs] * bs + p % bs``. If
+    run.json's size does not fit but another one fits every token, run.json is wrong; if none
+    fits, the data is (the checks report that). DCP 1 only; padding rows are skipped.
+
+    PCP=2 with run.json block_size 8 and blocks of 16: token at position 9 of a request whose
+    first block is 1 has slot 25 = 1*16 + 9, while block_size 8 expects table[i, 1]*8 + 1.
+    """
+    sizes = _good(meta, "block_sizes")
+    bs = _good(meta, "block_size")
+    if sizes is None and bs is None:
+        return
+    if (_good(meta, "dcp") or 1) != 1:
+        return
+    key = "block_sizes" if sizes is not None else "block_size"
+    sizes = list(sizes) if sizes is not None else [bs]
+    for r in trace.ranks[:1]:
+        for step in trace.rank_steps(r):
+            if not trace.has(step, r, S.PHASE_TARGET):
+                continue
+            rec = trace.record(step, r, S.PHASE_TARGET)
+            if not all(v in rec for v in ("slot_mapping_global", "positions", "query_start_loc",
+                                          "block_table_global")):
+                continue
+            slots, pos = np.asarray(rec["slot_mapping_global"]), np.asarray(rec["positions"])
+            qsl, table = np.asarray(rec["query_start_loc"]), np.asarray(rec["block_table_global"])
+            if slots.ndim == 1:
+                slots = slots[None]
+            if table.ndim == 2:
+                table = table[None]
+            if (slots.ndim != 2 or pos.ndim != 1 or qsl.ndim != 1 or table.ndim != 3
+                    or slots.shape != (len(sizes), pos.shape[0]) or table.shape[0] != len(sizes)
+                    or qsl.shape[0] != table.shape[1] + 1 or qsl.size < 1 or int(qsl[-1]) != pos.shape[0]
+                    or any(a.dtype.kind not in "iu" for a in (slots, pos, qsl, table))
+                    or (np.diff(qsl) < 0).any() or (pos < 0).any()):
+                return  # malformed views are the checks' business
+            pos = pos.astype(np.int64)
+            row = np.repeat(np.arange(qsl.shape[0] - 1), np.diff(qsl).astype(np.int64))
+            for g, size in enumerate(sizes):
+                s = slots[g].astype(np.int64)
+                real = s >= 0
+                args = (s[real], pos[real], row[real], table[g])
+                if _slots_fit(*args, size):
+                    continue
+                fits = [b for b in (1 << i for i in range(21)) if _slots_fit(*args, b)]
+                if fits:
+                    name = key if key == "block_size" else f"{key}[{g}]"
+                    invalid(name, f"{size}, but step {step} rank {r}'s slot mappings fit block "
+                            f"size {fits[0]} (slot = block_table[row, position // bs] * bs + "
+                            "position % bs), not it")
+                    return
+            return
+
+
+def trusted_meta(meta: Mapping[str, Any], status: TraceStatus) -> dict[str, Any]:
+    """``meta`` without the keys ``status`` found invalid (``block_size`` and ``block_sizes``
+    go together), so nothing downstream computes with a value run.json got wrong."""
+    bad = {p.key.split("[")[0] for p in status.problems if p.kind == INVALID and p.key}
+    if bad & {"block_size", "block_sizes"}:
+        bad |= {"block_size", "block_sizes"}
+    return {k: v for k, v in meta.items() if k not in bad} if isinstance(meta, Mapping) else {}
+
+
+def check_or_raise(trace: Any) -> TraceStatus:
+    """``validate``, raising ``TraceError`` with the first INVALID line if run.json is invalid."""
+    st = validate(trace)
+    bad = [p for p in st.problems if p.kind == INVALID]
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise TraceError(bad[0].message + more)
+    return st
+
