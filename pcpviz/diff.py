@@ -48,7 +48,10 @@ from pcpviz.trace import open as open_trace
 __all__ = ["Acceptance", "RequestAcceptance", "StepAcceptance", "acceptance", "Divergence",
            "DiffReport", "diff_traces", "DEFAULT_IGNORE"]
 
-DEFAULT_IGNORE = frozenset({"t_start_us", "t_end_us", "hidden_hash"})
+DEFAULT_IGNORE = frozenset({"t_start_us", "t_end_us", "hidden_hash", "idx_mapping", "local_idx_mapping"})
+"""Views that differ between two correct runs: timestamps, hashes, and ``idx_mapping`` (the row of
+vLLM's persistent request-state table a request got, allocated per run; the block-table rows and
+slot mappings it selects are compared)."""
 
 
 # --------------------------------------------------------------------------- acceptance
@@ -112,7 +115,7 @@ class Acceptance:
 
 
 def _open(trace: Trace | str | os.PathLike) -> Trace:
-    return trace if isinstance(trace, Trace) else open_trace(trace)
+    return trace if isinstance(trace, (Trace, _RenamedRequests)) else open_trace(trace)
 
 
 def acceptance(trace: Trace | str | os.PathLike, *, rank: int | None = None) -> Acceptance:
@@ -407,12 +410,74 @@ def _mask_stale_rows(trace: Trace, step: int, rank: int, ea: np.ndarray, eb: np.
     return np.where(stale, -1, ea), np.where(stale, -1, eb)
 
 
+def request_keys(trace: Trace) -> dict[str, tuple]:
+    """Each request's identity across runs: ``(its first 64 prompt tokens, n)``, n counting
+    earlier requests with the same start. Request ids do not carry over between runs (vLLM's
+    ``LLM`` names a request ``"{i}-{random}"``, the engine ``"req{i}"``); what a request was fed
+    first does. Requests first seen mid-prompt (a trace that starts late) get no key."""
+    keys: dict[str, tuple] = {}
+    seen: dict[tuple, int] = {}
+    rank = trace.ranks[0] if trace.ranks else None
+    for step in ([] if rank is None else trace.rank_steps(rank)):
+        if not trace.has(step, rank, "target"):
+            continue
+        rec = trace.record(step, rank, "target")
+        if not all(v in rec for v in ("req_ids", "num_computed_tokens", "input_ids")):
+            continue
+        qsl = _qsl(rec)
+        if qsl is None:
+            continue
+        ids = np.asarray(rec["input_ids"], dtype=np.int64)
+        for i, rid in enumerate(np.asarray(rec["req_ids"]).astype(str).tolist()):
+            if rid in keys or int(rec["num_computed_tokens"][i]) != 0:
+                continue
+            head = tuple(ids[qsl[i]:min(qsl[i + 1], qsl[i] + 64)].tolist())
+            n = seen.get(head, 0)
+            seen[head] = n + 1
+            keys[rid] = (head, n)
+    return keys
+
+
+class _RenamedRequests:
+    """Run B with its request ids replaced by run A's for the same requests (``request_keys``)."""
+
+    def __init__(self, trace: Trace, rename: Mapping[str, str]) -> None:
+        self._t, self._rename = trace, dict(rename)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+    def record(self, step: int, rank: int, phase: str):
+        rec = self._t.record(step, rank, phase)
+        if not any(v in rec for v in ("req_ids", "local_req_ids")):
+            return rec
+        out = {k: rec[k] for k in rec.keys()}
+        for v in ("req_ids", "local_req_ids"):
+            if v in out:
+                out[v] = np.array([self._rename.get(x, x) for x in np.asarray(out[v]).astype(str).tolist()])
+        return out
+
+
+def _align_request_ids(ta: Trace, tb: Trace) -> tuple[Any, int]:
+    """Run B seen with run A's request ids where the two runs served the same prompts under
+    other names; returns (the trace to compare, requests renamed)."""
+    ka, kb = request_keys(ta), request_keys(tb)
+    by_key = {k: rid for rid, k in ka.items()}
+    rename = {rid: by_key[k] for rid, k in kb.items() if k in by_key and by_key[k] != rid}
+    if not rename:
+        return tb, 0
+    return _RenamedRequests(tb, rename), len(rename)
+
+
 def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                 ignore: frozenset[str] | set[str] = DEFAULT_IGNORE,
                 max_divergences: int = 200) -> DiffReport:
     """Compare run B against run A (see the module doc); expected values are A's."""
     ta, tb = _open(a), _open(b)
     notes: list[str] = []
+    tb, renamed = _align_request_ids(ta, tb)
+    if renamed:
+        notes.append(f"{renamed} requests of b matched to a's by their prompts (other request ids)")
     for key in ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "shard_decode_requests",
                 "model"):
         va, vb = ta.meta.get(key), tb.meta.get(key)

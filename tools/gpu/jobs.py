@@ -71,8 +71,8 @@ def _check(trace_dir: Path) -> dict:
     return {"check_rc": res.returncode, "check": out[-1] if out else "", "check_out": out[-40:]}
 
 
-def _vllm_trace(name: str, *, k: int, prompts: list, mode: str = "NONE", max_tokens: int = MAX_TOKENS,
-                extra: dict | None = None, timeout_s: float = 420) -> dict:
+def _vllm_trace(name: str, *, job_name: str, k: int, prompts: list, mode: str = "NONE",
+                max_tokens: int = MAX_TOKENS, extra: dict | None = None, timeout_s: float = 420) -> dict:
     from pcpviz.vllm.launch import run
 
     trace_dir = RESULTS / "traces" / name
@@ -85,16 +85,16 @@ def _vllm_trace(name: str, *, k: int, prompts: list, mode: str = "NONE", max_tok
                              timeout_s=timeout_s)
     finally:
         (RESULTS / "logs" / f"{name}.log").write_text("\n".join(lines) + "\n")
-    _stamp(trace_dir, name)
+    _stamp(trace_dir, job_name)
     return {"trace": str(trace_dir.relative_to(RESULTS)), "seconds": round(time.time() - t0, 1),
             "steps": len(trace.steps), "tokens": [len(o) for o in outputs], **_check(trace_dir)}
 
 
-def _stamp(trace_dir: Path, name: str) -> None:
+def _stamp(trace_dir: Path, job_name: str) -> None:
     """Add the job's own command line to run.json (the plugin wrote the rest)."""
     meta_path = trace_dir / "run.json"
     meta = json.loads(meta_path.read_text())
-    meta["job"] = {"name": name, "command": f"python3 tools/gpu/jobs.py {name}",
+    meta["job"] = {"name": job_name, "command": f"python3 tools/gpu/jobs.py {job_name}",
                    "settings": {k: os.environ.get(k) for k in sorted(os.environ) if k.startswith(("VLLM_", "NCCL_"))}}
     from pcpviz.trace import write_run_meta
 
@@ -103,29 +103,29 @@ def _stamp(trace_dir: Path, name: str) -> None:
 
 @job("trace-k1")
 def _k1(_: dict) -> dict:
-    return _vllm_trace("vllm-h200x2-pcp2-mtp1", k=1, prompts=TRACE_PROMPTS)
+    return _vllm_trace("vllm-h200x2-pcp2-mtp1", job_name="trace-k1", k=1, prompts=TRACE_PROMPTS)
 
 
 @job("trace-k2")
 def _k2(_: dict) -> dict:
-    return _vllm_trace("vllm-h200x2-pcp2-mtp2", k=2, prompts=TRACE_PROMPTS)
+    return _vllm_trace("vllm-h200x2-pcp2-mtp2", job_name="trace-k2", k=2, prompts=TRACE_PROMPTS)
 
 
 @job("trace-k3")
 def _k3(_: dict) -> dict:
-    return _vllm_trace("vllm-h200x2-pcp2-mtp3", k=3, prompts=TRACE_PROMPTS)
+    return _vllm_trace("vllm-h200x2-pcp2-mtp3", job_name="trace-k3", k=3, prompts=TRACE_PROMPTS)
 
 
 @job("trace-chunked")
 def _chunked(_: dict) -> dict:
     """Three short prompts first (they prefill first, then decode), then a 9,000-token prompt that
     the 2,048-token budget prefills in chunks over five steps while they decode."""
-    return _vllm_trace("vllm-h200x2-pcp2-mtp2-chunked", k=2, prompts=CHUNKED_PROMPTS, max_tokens=CHUNKED_TOKENS)
+    return _vllm_trace("vllm-h200x2-pcp2-mtp2-chunked", job_name="trace-chunked", k=2, prompts=CHUNKED_PROMPTS, max_tokens=CHUNKED_TOKENS)
 
 
 @job("trace-piecewise")
 def _piecewise(_: dict) -> dict:
-    return _vllm_trace("vllm-h200x2-pcp2-mtp2-piecewise", k=2, prompts=TRACE_PROMPTS, mode="PIECEWISE",
+    return _vllm_trace("vllm-h200x2-pcp2-mtp2-piecewise", job_name="trace-piecewise", k=2, prompts=TRACE_PROMPTS, mode="PIECEWISE",
                        timeout_s=540)
 
 
