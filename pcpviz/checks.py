@@ -694,8 +694,11 @@ def global_slots_match_block_table(c: _Ctx) -> None:
 
 
 @_check("kv_write_mask_canonical",
-        "DualChunkSwap prefill rows are written where they are computed; a sharded decode has one "
-        "owner rank, which writes it; replicated (non-sharded) rows are written by rank 0 only")
+        "the gathered slot mapping's write mask: DualChunkSwap prefill rows are kept where they are "
+        "computed; a sharded decode has one owner rank, whose row is kept; of a replicated "
+        "(non-sharded) row only rank 0's copy is kept (for replicated decodes every rank still writes "
+        "its own local rows with rank 0's slots; the mask drops duplicate gathered prefill rows and "
+        "picks the copy hidden_restore_idx reads)")
 def kv_write_mask_canonical(c: _Ctx) -> None:
     segs = _segments(c)
     mask = c.t("kv_write_mask").astype(bool)

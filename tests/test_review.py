@@ -86,3 +86,13 @@ def test_review_markdown_has_one_row_per_point():
     md = review.review_markdown()
     assert len(md.splitlines()) == 2 + len(review.REVIEW_MAP)
     assert "`v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py:303`" in md
+
+
+def test_illustrative_faults_say_so():
+    # issue 11 point 4: the fold fault is not vLLM's bug as it would happen; it says so
+    unfaithful = {n for n, f in FAULTS.items() if not f.faithful}
+    assert unfaithful == {"fold_slot_mapping_without_shape_check"}
+    for name in unfaithful:
+        assert FAULTS[name].summary.startswith("ILLUSTRATION")
+    row = next(p for p in review.REVIEW_MAP if p.key == "impl 5c")
+    assert row.modelled == "no" and "illustration" in row.how

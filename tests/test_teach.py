@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pcpviz import batch as batch_mod
+from pcpviz import blocks as blocks_mod
 from pcpviz import teach
 from pcpviz.batch import GlobalBatch, order_batch
 from pcpviz.blocks import PAD_SLOT_ID, compute_slot_mappings, gather_block_table_rows, gathered_slot_mapping
@@ -34,7 +35,7 @@ def _global_slots(layout):
 
 
 def test_doctests():
-    for mod in (teach, batch_mod):
+    for mod in (teach, batch_mod, blocks_mod):
         res = doctest.testmod(mod)
         assert res.attempted > 0 and res.failed == 0, f"{mod.__name__}: {res}"
 
