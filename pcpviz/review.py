@@ -239,11 +239,11 @@ SUPPORT_CASES: tuple[tuple[str, dict], ...] = (
     ("DSpark, DCP=1", dict(speculative_method="dspark")),
     ("DSpark, PCP=2, DCP=2, sparse MLA", dict(speculative_method="dspark", dcp_size=2, sparse_mla=True,
                                               model_type="deepseek_v32")),
-    ("DSpark, PCP=4, DCP=2, MLA drafter", dict(pcp_size=4, speculative_method="dspark", dcp_size=2,
-                                               sparse_mla=True, model_type="deepseek_v32")),
-    ("DSpark, PCP=4, DCP=2, non-MLA drafter", dict(pcp_size=4, speculative_method="dspark", dcp_size=2,
-                                                   sparse_mla=True, model_type="deepseek_v32",
-                                                   draft_use_mla=False)),
+    ("DSpark, TP=2 PCP=2 DCP=4 (= TP*PCP), MLA drafter", dict(speculative_method="dspark", dcp_size=4,
+                                                              sparse_mla=True, model_type="deepseek_v32")),
+    ("DSpark, TP=2 PCP=2 DCP=4 (= TP*PCP), non-MLA drafter", dict(speculative_method="dspark", dcp_size=4,
+                                                                  sparse_mla=True, model_type="deepseek_v32",
+                                                                  draft_use_mla=False)),
     ("dense MLA, DCP=2", dict(speculative_method="mtp", dcp_size=2)),
     ("sparse MLA (not V3.2/GLM), PIECEWISE", dict(speculative_method="mtp", sparse_mla=True,
                                                   cudagraph_mode="PIECEWISE")),
@@ -255,7 +255,8 @@ SUPPORT_CASES: tuple[tuple[str, dict], ...] = (
 
 def support_matrix(cases: tuple[tuple[str, dict], ...] = SUPPORT_CASES) -> list[tuple[str, str]]:
     """[(case, "accepted" or vLLM's message)] from vLLM 0.33.0's ``PCPManager.validate_config``
-    (PCP = 2 unless the case says otherwise). Imports vLLM (through ``pcpviz.vllm.oracle``)."""
+    (PCP = 2). ``ParallelConfig`` itself already limits DCP under PCP to {1, PCP, TP*PCP}, so the
+    DSpark rule "DCP in {1, PCP}" bites at DCP = TP*PCP. Imports vLLM (``pcpviz.vllm.oracle``)."""
     from pcpviz.vllm.oracle import vllm_validate_config
 
     out = []

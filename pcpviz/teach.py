@@ -23,6 +23,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -34,9 +35,9 @@ from pcpviz.layout import PCPLayout, plan_layout
 __all__ = [
     "CacheWrites", "cache_writes", "DraftDecodeIO", "draft_decode_io", "DraftInputs", "draft_inputs",
     "DraftPrefillDispatch", "draft_prefill_dispatch", "IndexerKWrite", "indexer_k_write",
-    "describe_acceptance_change", "TracePick", "pick_trace", "vllm_acceptance_metric",
+    "describe_acceptance_change", "TracePick", "pick_trace", "trace_pairs", "vllm_acceptance_metric",
     "BlockExample", "block_example", "DraftExample", "draft_example",
-    "Exercise", "EXERCISES", "check", "STALE",
+    "Exercise", "EXERCISES", "check", "STALE", "DSparkConfig", "dspark_drafter_config", "local_is_padding",
 ]
 
 STALE = -1
@@ -63,6 +64,14 @@ class CacheWrites:
         """{global token: slot} of the rows actually written."""
         keep = self.slots != PAD_SLOT_ID
         return dict(zip(self.tokens[keep].tolist(), self.slots[keep].tolist()))
+
+    def summary(self) -> str:
+        """One line: how many tokens this rank's cache receives, from its own rows and from others."""
+        real = self.slots != PAD_SLOT_ID
+        own = real & (self.source_rank == self.rank)
+        times = "once each" if int(real.sum()) == len(self.written()) else "some more than once"
+        return (f"rank {self.rank}: writes {len(self.written())} tokens ({times}); from its own rows "
+                f"{self.tokens[own].tolist()}, all-gathered from other ranks {self.tokens[real & ~own].tolist()}")
 
 
 def cache_writes(layout: PCPLayout, gathered_slots: np.ndarray, rank: int) -> CacheWrites:
@@ -376,6 +385,81 @@ def indexer_k_write(*, slot_mapping_rows: int, k_rows: int, pcp: int, num_decode
     return IndexerKWrite(slot_mapping_rows, k_rows, kept, path)
 
 
+# --------------------------------------------------------------------------- DSpark and MoE padding
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    """What ``DFlashSpeculator.__init__`` (DSpark's base) hands its drafter, next to the target's."""
+
+    target_pcp: int
+    target_dcp: int
+    draft_pcp: int | None  # None when vLLM refused the drafter's config (see ``error``)
+    draft_dcp: int | None
+    config_copied: bool  # the drafter got a new VllmConfig object (copy.copy)
+    speculative_config_shared: bool  # ...whose other sub-objects are the target's (a shallow copy)
+    error: str | None = None  # vLLM's message when building the drafter's ParallelConfig fails
+
+
+def dspark_drafter_config(pcp: int, dcp: int = 1, *, tp: int = 1, draft_use_mla: bool = False) -> DSparkConfig:
+    """Run vLLM 0.33.0's own ``DFlashSpeculator.__init__`` up to its ``super().__init__`` call on a
+    real ``ParallelConfig`` and report the config the drafter receives (imports vLLM on CPU).
+
+    The drafter's config is a shallow ``copy.copy`` with ``prefill_context_parallel_size=1`` and
+    DCP kept only for an MLA drafter. PCP=2: the DSpark drafter is built without PCP. With PCP
+    gone, ``ParallelConfig`` requires TP % DCP == 0 again, so an MLA drafter with DCP = PCP > TP
+    is refused here (``error``) although ``validate_config`` accepted DCP = PCP."""
+    from pcpviz.vllm.cpu_patches import apply_cpu_patches
+
+    apply_cpu_patches()
+    from vllm.config import ParallelConfig
+    from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+    class _Captured(Exception):
+        pass
+
+    class _Capture(DFlashSpeculator.__mro__[1]):  # DraftModelSpeculator: stop where DFlash calls super()
+        def __init__(self, vllm_config, device):  # noqa: D401 - raises with the config it was given
+            raise _Captured(vllm_config)
+
+    class _Probe(DFlashSpeculator, _Capture):
+        pass
+
+    spec = SimpleNamespace(draft_model_config=SimpleNamespace(use_mla=draft_use_mla))
+    cfg = SimpleNamespace(parallel_config=ParallelConfig(prefill_context_parallel_size=pcp,
+                                                         decode_context_parallel_size=dcp, tensor_parallel_size=tp),
+                          speculative_config=spec)
+    try:
+        _Probe(cfg, "cpu")
+    except _Captured as e:
+        got = e.args[0]
+    except ValueError as e:  # pydantic's ValidationError from vllm.config.replace
+        msg = next((ln.strip() for ln in str(e).splitlines() if "Value error" in ln), str(e).splitlines()[0])
+        return DSparkConfig(pcp, dcp, None, None, False, False, msg.split(" [type=")[0])
+    else:  # pragma: no cover - vLLM changed
+        raise RuntimeError("DFlashSpeculator.__init__ did not call super().__init__")
+    return DSparkConfig(pcp, dcp, got.parallel_config.prefill_context_parallel_size,
+                        got.parallel_config.decode_context_parallel_size, got is not cfg,
+                        got.speculative_config is cfg.speculative_config)
+
+
+def local_is_padding(layout: PCPLayout, rank: int, *, moe_gathers_tokens: bool) -> np.ndarray:
+    """The local batch's ``is_padding`` (``partition_batch``): ``bool[P]`` — or, when the MoE
+    all-gathers tokens (expert parallelism off), the rank-major ``bool[N*P]`` gathered mask,
+    identical on every rank. A per-local-row reader must not assume ``[P]``. PCP=2,
+    per-rank tokens [6, 12]::
+
+        >>> lay = plan_layout([13, 1, 4], [True, False, False], 2)
+        >>> local_is_padding(lay, 0, moe_gathers_tokens=False).shape, local_is_padding(lay, 0, moe_gathers_tokens=True).shape
+        ((12,), (24,))
+    """
+    layout._check_rank(rank)
+    p = layout.padded_num_tokens
+    if moe_gathers_tokens:
+        return ~layout.is_real_row()
+    return np.arange(p) >= layout.per_rank_num_tokens[rank]
+
+
 # --------------------------------------------------------------------------- acceptance prose
 
 
@@ -432,6 +516,36 @@ def pick_trace(root: str | Path) -> TracePick:
         raise ValueError(f"{root}: no trace directory (with a run.json) found")
     _, _, path, producer = min(found)
     return TracePick(path, producer, producer == "vllm-plugin")
+
+
+def _prompts_key(meta: dict) -> str | None:
+    prompts = meta.get("prompt_token_ids", meta.get("prompts"))
+    return None if prompts is None else json.dumps(prompts)
+
+
+def trace_pairs(root: str | Path) -> list[tuple[TracePick, TracePick]]:
+    """Pairs of trace directories under ``root`` that recorded the same prompts (``run.json``
+    ``prompt_token_ids`` or ``prompts``), the ones to ``diff_traces``: vLLM-plugin recordings
+    first, then by name. A directory without prompts in its ``run.json`` pairs with nothing."""
+    root = Path(root)
+    groups: dict[str, list[tuple[int, str, TracePick]]] = {}
+    for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
+        try:
+            meta = json.loads((d / "run.json").read_text())
+        except (OSError, ValueError):
+            continue
+        key = _prompts_key(meta) if isinstance(meta, dict) else None
+        if key is None:
+            continue
+        producer = str(meta.get("producer", ""))
+        groups.setdefault(key, []).append((_PRODUCER_RANK.get(producer, 3), d.name,
+                                           TracePick(d, producer, producer == "vllm-plugin")))
+    pairs = []
+    for members in groups.values():
+        members.sort(key=lambda m: m[:2])
+        picks = [m[2] for m in members]
+        pairs += [(a, b) for i, a in enumerate(picks) for b in picks[i + 1:]]
+    return sorted(pairs, key=lambda ab: (_PRODUCER_RANK.get(ab[0].producer, 3), ab[0].path.name, ab[1].path.name))
 
 
 METRIC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"

@@ -74,11 +74,11 @@ def test_support_matrix():
     accepted = {name for name, verdict in got.items() if verdict == "accepted"}
     assert accepted == {
         "MTP (single module), PIECEWISE", "MTP, FULL_DECODE_ONLY", "MTP, FULL_AND_PIECEWISE", "DSpark, DCP=1",
-        "DSpark, PCP=2, DCP=2, sparse MLA", "DSpark, PCP=4, DCP=2, non-MLA drafter",
+        "DSpark, PCP=2, DCP=2, sparse MLA", "DSpark, TP=2 PCP=2 DCP=4 (= TP*PCP), non-MLA drafter",
         "sparse MLA DeepSeek-V3.2, PIECEWISE"}
     assert got["DFlash"] == got["EAGLE3"] == got["multi-module MTP"] == (
         "MRV2 PCP only supports DSpark or single-module MTP speculative decoding.")
-    assert "requires DCP=1 or DCP=PCP; got DCP=2, PCP=4" in got["DSpark, PCP=4, DCP=2, MLA drafter"]
+    assert "requires DCP=1 or DCP=PCP; got DCP=4, PCP=2" in got["DSpark, TP=2 PCP=2 DCP=4 (= TP*PCP), MLA drafter"]
     assert "full CUDA graphs for decode-only routines" in got["MTP, FULL"]
 
 

@@ -274,3 +274,46 @@ def test_order_batch_equals_vllm_sort():
     drafts = {"e": [1, 2, 3], "f": [1, 2, 3]}
     assert names == sort_batch_req_ids(raw, drafts, 4)
     assert lengths == [raw[n] for n in names]
+
+
+def test_dspark_drafter_config_is_vllms():
+    c = teach.dspark_drafter_config(2)
+    assert (c.target_pcp, c.draft_pcp, c.draft_dcp) == (2, 1, 1)
+    assert c.config_copied and c.speculative_config_shared  # a shallow copy (review risk 3)
+    mla = teach.dspark_drafter_config(2, 2, tp=2, draft_use_mla=True)
+    assert (mla.draft_pcp, mla.draft_dcp, mla.error) == (1, 2, None)
+    # validate_config accepts DCP = PCP, but the drafter's PCP=1 config then needs TP % DCP == 0
+    refused = teach.dspark_drafter_config(2, 2, tp=1, draft_use_mla=True)
+    assert refused.draft_pcp is None and "tp_size=1 must be divisible by dcp_size=2" in refused.error
+    assert teach.dspark_drafter_config(2, 2, draft_use_mla=False).draft_dcp == 1
+
+
+def test_local_is_padding_shapes():
+    lay = plan_layout([13, 1, 4], [True, False, False], 2)
+    assert teach.local_is_padding(lay, 0, moe_gathers_tokens=False).tolist() == [False] * 6 + [True] * 6
+    moe = teach.local_is_padding(lay, 1, moe_gathers_tokens=True)
+    assert moe.shape == (24,) and moe.tolist() == ([False] * 6 + [True] * 6 + [False] * 12)
+
+
+def test_trace_pairs(tmp_path):
+    def make(name, producer, prompts):
+        (tmp_path / name).mkdir()
+        meta = {"producer": producer}
+        if prompts is not None:
+            meta["prompts"] = prompts
+        (tmp_path / name / "run.json").write_text(json.dumps(meta))
+
+    make("a-engine", "pcpviz-engine", ["x"])
+    make("b-other", "pcpviz-engine", ["y"])
+    assert teach.trace_pairs(tmp_path) == []
+    make("c-gpu-good", "vllm-plugin", ["x"])
+    make("d-gpu-bad", "vllm-plugin", ["x"])
+    make("e-none", "vllm-plugin", None)
+    pairs = [(a.path.name, b.path.name) for a, b in teach.trace_pairs(tmp_path)]
+    assert pairs[0] == ("c-gpu-good", "d-gpu-bad") and len(pairs) == 3
+
+
+def test_cache_writes_summary():
+    lay = plan_layout([4, 1, 13], [False, False, True], 2, shard_decode_requests=False, dcp_world_size=2)
+    w = teach.cache_writes(lay, gathered_slot_mapping(_global_slots(lay)[None, :], lay)[0], 1)
+    assert w.summary().startswith("rank 1: writes 18 tokens (once each); from its own rows [0, 1, 2, 3, 4,")
