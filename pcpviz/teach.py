@@ -545,7 +545,8 @@ def trace_pairs(root: str | Path) -> list[tuple[TracePick, TracePick]]:
         members.sort(key=lambda m: m[:2])
         picks = [m[2] for m in members]
         pairs += [(a, b) for i, a in enumerate(picks) for b in picks[i + 1:]]
-    return sorted(pairs, key=lambda ab: (_PRODUCER_RANK.get(ab[0].producer, 3), ab[0].path.name, ab[1].path.name))
+    rank = lambda t: _PRODUCER_RANK.get(t.producer, 3)  # noqa: E731
+    return sorted(pairs, key=lambda ab: (rank(ab[0]), rank(ab[1]), ab[0].path.name, ab[1].path.name))
 
 
 METRIC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
