@@ -719,7 +719,7 @@ def kv_write_mask_canonical(c: _Ctx) -> None:
     if bad.any():
         i = int(np.argmax(bad))
         j, r = int(rows[i]), int(req[i])
-        kind = ("replicated row: only rank 0 writes it" if canonical_only[i]
+        kind = ("replicated row: only rank 0's copy is kept" if canonical_only[i]
                 else "sharded decode: its owner writes it" if replicated[r] else "prefill chunk row")
         c.fail("target", "kv_write_mask", f"gathered row {j} (rank {int(rank[i])}, request row {r}): "
                f"{kind}", index=(j,), expected=_fmt(expected[i]), actual=_fmt(actual[i]))
