@@ -29,7 +29,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
         "skip_draft_block_table_gather",
         "the replicated draft decodes read BlockTables.input_block_tables without the gather back "
         "to global order; under PCP the target never writes them, so the drafter attends the null "
-        "block (the bug the PR's reviewer caught)",
+        "block; its KV writes still land in the right slots, which come from the request-indexed "
+        "table through idx_mapping (the bug the PR's reviewer caught)",
         "TargetDependentARSpeculator.propose: block_tables.gather_block_tables before prepare_decode_inputs",
         "draft_block_tables_global",
     ),
