@@ -9,7 +9,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["GlobalBatch", "LocalBatch", "scheduler_row_order"]
+__all__ = ["GlobalBatch", "LocalBatch", "scheduler_row_order", "order_batch"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,3 +129,28 @@ def scheduler_row_order(
     Returns indices into the inputs."""
     keys = [(not d, n != decode_query_len, n) for n, d in zip(num_tokens, has_drafts)]
     return sorted(range(len(keys)), key=keys.__getitem__)
+
+
+def order_batch(
+    prefill_lens: Sequence[int], decode_query_lens: Sequence[int], *,
+    prefill_names: Sequence[str] | None = None, decode_names: Sequence[str] | None = None,
+) -> tuple[list[int], list[bool], list[str]]:
+    """Prefills and decodes (query ``1`` = plain decode, ``1+K`` = K drafts) put in vLLM's row
+    order: ``(query lengths, is_prefilling, names)``. K is the largest decode's drafts, so
+    ``decode_query_len = 1 + K``. Default names: ``p0, p1, ...`` and ``d0, d1, ...``.
+
+    K=3: a 13-token prefill, a plain decode and a decode carrying 3 drafts::
+
+        >>> order_batch([13], [1, 4])
+        ([4, 1, 13], [False, False, True], ['d1', 'd0', 'p0'])
+    """
+    lengths = [int(n) for n in prefill_lens] + [int(n) for n in decode_query_lens]
+    prefill = [True] * len(prefill_lens) + [False] * len(decode_query_lens)
+    names = list(prefill_names if prefill_names is not None else [f"p{i}" for i in range(len(prefill_lens))])
+    names += list(decode_names if decode_names is not None else [f"d{i}" for i in range(len(decode_query_lens))])
+    if len(names) != len(lengths):
+        raise ValueError(f"{len(names)} names for {len(lengths)} rows")
+    k = max([n - 1 for n in decode_query_lens] + [0])
+    has_drafts = [not p and n > 1 for n, p in zip(lengths, prefill)]
+    order = scheduler_row_order(lengths, has_drafts, 1 + k)
+    return [lengths[i] for i in order], [prefill[i] for i in order], [names[i] for i in order]

@@ -16,15 +16,21 @@ Three slot mappings appear in one PCP+MTP step (PAD = -1 means "write nothing"):
   per request, *unexpanded* — its length R (not N*P) is how the attention layer
   knows to write locally without an all-gather.
 
-PCP=2 example (block_size 4; request a owns blocks [7, 3], decode b owns [5])::
+PCP=2 example (block_size 4; decode b in request-state slot 0 owns block [5], request a in
+slot 2 owns blocks [7, 3]; vLLM orders the decode first)::
 
-    global batch   a: fresh prefill, positions 0..5     b: decode at position 2
-    global slots   [28 29 30 31 12 13 | 22]                                T = 7
+    global batch   b: decode at position 2        a: fresh prefill, positions 0..5
+    idx_mapping    [0, 2]                          (batch row -> request-state slot)
+    global slots   [22 | 28 29 30 31 12 13]                                T = 7
     layout         a is cut in 4 chunks of 2: [0:2] [2:4] [4:6] [6:6]
                    rank 0 rows: b, a[0:2]   (decodes first)     3 tokens
                    rank 1 rows: a[2:4], a[4:6]                  4 tokens   P = 4
     gathered       [22 28 29 -1 | 30 31 12 13]        (rank 0's padding row is PAD)
-    draft decode   a at position 6, b at 3  ->  [14 23]       (length R = 2)
+    draft decode   b at position 3, a at 6  ->  [23 14]       (length R = 2)
+
+The draft decode's slots come from the request-indexed table through ``idx_mapping``;
+what its attention *reads* is the separate ``input_block_tables`` buffer (see
+``draft_decode_slot_mapping``).
 """
 
 from __future__ import annotations
@@ -256,9 +262,20 @@ def draft_decode_slot_mapping(
 ) -> np.ndarray:
     """int64[G, R]: the unexpanded slot mapping of a replicated draft decode step.
 
-    One token per request (``query_start_loc = arange(R+1)``), computed from the
-    global-order rows; every rank computes the same values and writes its own
-    replica, so no gather is needed.
+    One token per request (``query_start_loc = arange(R+1)``). Like vLLM's
+    ``BlockTables.compute_slot_mappings`` (the speculator calls it with its global
+    ``idx_mapping``), it reads the **request-indexed** table — ``tables`` indexed by
+    request-state slot through ``idx_mapping`` — never the gathered
+    ``input_block_tables``. So skipping the block-table gather before the draft decodes
+    does not move these writes; it breaks what the draft attention *reads*
+    (``block_tables=input_block_tables[:R]``). Every rank computes the same values and
+    writes its own replica, so no gather is needed.
+
+    Example (block size 4; slot 0 owns [5], slot 2 owns [7, 3])::
+
+        >>> t = np.zeros((4, 2), np.int32); t[0, 0] = 5; t[2] = [7, 3]
+        >>> draft_decode_slot_mapping(t, 4, np.array([0, 2]), np.array([3, 6])).tolist()
+        [[23, 14]]
     """
     idx = np.asarray(idx_mapping, dtype=np.int64)
     qsl = np.arange(idx.shape[0] + 1, dtype=np.int64)

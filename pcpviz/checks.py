@@ -715,8 +715,11 @@ def global_slots_match_block_table(c: _Ctx) -> None:
 
 
 @_check("kv_write_mask_canonical",
-        "DualChunkSwap prefill rows are written where they are computed; a sharded decode has one "
-        "owner rank, which writes it; replicated (non-sharded) rows are written by rank 0 only")
+        "the gathered slot mapping's write mask: DualChunkSwap prefill rows are kept where they are "
+        "computed; a sharded decode has one owner rank, whose row is kept; of a replicated "
+        "(non-sharded) row only rank 0's copy is kept (for replicated decodes every rank still writes "
+        "its own local rows with rank 0's slots; the mask drops duplicate gathered prefill rows and "
+        "picks the copy hidden_restore_idx reads)")
 def kv_write_mask_canonical(c: _Ctx) -> None:
     segs = _segments(c)
     mask = c.t("kv_write_mask").astype(bool)
@@ -737,7 +740,7 @@ def kv_write_mask_canonical(c: _Ctx) -> None:
     if bad.any():
         i = int(np.argmax(bad))
         j, r = int(rows[i]), int(req[i])
-        kind = ("replicated row: only rank 0 writes it" if canonical_only[i]
+        kind = ("replicated row: only rank 0's copy is kept" if canonical_only[i]
                 else "sharded decode: its owner writes it" if replicated[r] else "prefill chunk row")
         c.fail("target", "kv_write_mask", f"gathered row {j} (rank {int(rank[i])}, request row {r}): "
                f"{kind}", index=(j,), expected=_fmt(expected[i]), actual=_fmt(actual[i]))

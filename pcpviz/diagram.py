@@ -68,7 +68,7 @@ def render_layout(layout: PCPLayout, req_names: list[str] | None = None, width: 
     """A multi-line text diagram: header, lanes, each rank's rows, and the
     gather / restore maps and the KV write mask per rank."""
     n, p = layout.pcp_world_size, layout.padded_num_tokens
-    mode = "sharded (one owner rank)" if layout.shard_decode_requests else "replicated (rank 0 writes KV)"
+    mode = "sharded (one owner rank)" if layout.shard_decode_requests else "replicated (mask keeps rank 0's copy)"
     out = [
         f"PCP={n}  DCP={layout.dcp_world_size}  decodes: {mode}",
         f"T={layout.num_tokens} global tokens, P={p} rows per rank, "

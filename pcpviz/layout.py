@@ -12,8 +12,9 @@ The rules, for PCP size N:
 * a decode row (``is_prefilling`` False) is *replicated* in vLLM's vocabulary.
   With ``shard_decode_requests`` (vLLM's default when DCP == 1) its whole query
   goes to one owner rank, ``decode_ordinal % N``, counting decodes only.
-  Otherwise (DCP > 1) every rank computes it and rank 0 is the canonical KV
-  writer.
+  Otherwise (DCP > 1) every rank computes it; ``kv_write_mask`` keeps rank 0's
+  copy in the gathered slot mapping, while the KV write itself stores each rank's
+  own decode rows at rank 0's slots (``pcpviz.teach.cache_writes``).
 * with DCP > 1, a prefill too short to fill 2N chunks (``(2N-1)*ceil(q/2N) >= q``)
   is treated like a decode.
 * each rank's rows are ordered decodes first, then prefills, by global row and
@@ -95,7 +96,7 @@ class PCPLayout:
     padded_num_tokens: int  # P
     padded_gather_idx: np.ndarray  # int64[N*P]: gathered row -> global token (pad -> 0)
     hidden_restore_idx: np.ndarray  # int64[T]: global token -> gathered row of its written copy
-    kv_write_mask: np.ndarray  # bool[N*P]: rows whose KV this step writes
+    kv_write_mask: np.ndarray  # bool[N*P]: rows kept in the gathered slot mapping (others PAD)
 
     @property
     def num_tokens(self) -> int:

@@ -8,8 +8,10 @@
   rows and writes its own replica through the unexpanded length-R mapping; no
   collective.
 
-The fault ``fold_slot_mapping_without_shape_check`` lives here: it folds the
-mapping by the world size regardless of its shape, as the pre-fix indexer did.
+The fault ``fold_slot_mapping_without_shape_check`` lives here. It is an illustration
+(``Fault.faithful`` is False): it folds the latent KV *and* the mapping by the world size
+regardless of the mapping's shape. vLLM's pre-fix fold was in the sparse indexer's key-cache
+write and truncated only ``k``; this model has no indexer.
 
 On CUDA the KV write and the attention run Triton kernels (``pcpviz_kernels``,
 see ``kv_cache.kernels_for``); on CPU, or with ``PCPVIZ_KERNELS=0``, the torch reference.

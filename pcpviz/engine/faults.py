@@ -2,6 +2,10 @@
 
 Each fault is a single switch read at one place in the data path; the check
 that catches it is named so the debugging toolkit can be proven against it.
+
+``faithful`` says whether the engine reproduces the bug as vLLM would have it. A fault that
+is not (``faithful=False``) is an *illustration*: the same kind of mistake, placed where the
+tiny model can show it; its summary starts with "ILLUSTRATION" and says how vLLM differs.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ class Fault:
     summary: str
     where: str  # the vLLM code the bug lives in
     caught_by: str  # the pcpviz.checks check that reports it
+    faithful: bool = True  # False: an illustration, not vLLM's bug as it would happen
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -24,17 +29,22 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
         "skip_draft_block_table_gather",
         "the replicated draft decodes read BlockTables.input_block_tables without the gather back "
         "to global order; under PCP the target never writes them, so the drafter attends the null "
-        "block (the bug the PR's reviewer caught)",
+        "block; its KV writes still land in the right slots, which come from the request-indexed "
+        "table through idx_mapping (the bug the PR's reviewer caught)",
         "TargetDependentARSpeculator.propose: block_tables.gather_block_tables before prepare_decode_inputs",
         "draft_block_tables_global",
     ),
     Fault(
         "fold_slot_mapping_without_shape_check",
-        "the KV write folds the slot mapping by the PCP world size unconditionally (the pre-fix "
-        "`if use_pcp:`), so a replicated draft decode's unexpanded length-R mapping keeps only R//N "
-        "rows and the other requests' draft KV is never written",
-        "sparse_attn_indexer: `if use_pcp and num_tokens > k.shape[0]`",
+        "ILLUSTRATION, not vLLM's bug: a replicated draft decode's KV write folds its unexpanded "
+        "length-R slot mapping by the PCP size and keeps R//N rows of both the latent KV and the "
+        "mapping, so the other requests' draft KV is never written. In vLLM the fold (the pre-fix "
+        "`if use_pcp:`) lives only in the sparse indexer's key-cache write, truncates k alone and "
+        "leaves the slot mapping whole (with 0.33.0's helpers the write then trips an assert); the "
+        "tiny model has no indexer, so the engine shows the idea on its dense latent KV",
+        "sparse_attn_indexer: `if use_pcp and num_tokens > k.shape[0]` (indexer k only)",
         "draft_decode_replicated",
+        faithful=False,
     ),
     Fault(
         "positions_from_cpu_cursor",

@@ -105,8 +105,8 @@ def layout_figure(
 
     real = layout.is_real_row()
     rows = np.arange(n * p)
-    status = np.where(layout.kv_write_mask, "written", np.where(real, "not written (replica)", "padding"))
-    for label, color in (("written", "#1f77b4"), ("not written (replica)", "#ff7f0e"), ("padding", PAD_COLOR)):
+    status = np.where(layout.kv_write_mask, "written", np.where(real, "masked (extra replica)", "padding"))
+    for label, color in (("written", "#1f77b4"), ("masked (extra replica)", "#ff7f0e"), ("padding", PAD_COLOR)):
         sel = status == label
         fig.add_trace(
             go.Scatter(

@@ -209,7 +209,7 @@ class StepLayout:
         return np.where(self.row_real & (t > 0), self.token_req[g] if t else -1, -1)
 
     def row_status(self) -> np.ndarray:
-        """int8[N*P]: 2 written, 1 real but not written (replica), 0 padding."""
+        """int8[N*P]: 2 written, 1 real but masked to PAD (an extra replica), 0 padding."""
         return np.where(self.kv_write_mask, 2, np.where(self.row_real, 1, 0)).astype(np.int8)
 
 
@@ -513,7 +513,7 @@ def token_order_figure(target: Rec, *, rank: int | None = None, highlight: str |
         hi = sl.req_ids.index(highlight)
         rr = sl.row_req()
         hl_rows = rr == hi
-    names = {2: "written", 1: "not written (replica)", 0: "padding"}
+    names = {2: "written", 1: "masked (extra replica)", 0: "padding"}
     cols = {2: WRITTEN_COLOR, 1: REPLICA_COLOR, 0: PAD_COLOR}
     big = n * p > TOKEN_LIMIT
     gvals = sl.padded_gather_idx

@@ -13,7 +13,7 @@ import html
 import ipywidgets as W
 import plotly.graph_objects as go
 
-from pcpviz.batch import scheduler_row_order
+from pcpviz.batch import order_batch
 from pcpviz.diagram import render_layout
 from pcpviz.figures.layout import layout_figure
 from pcpviz.layout import PCPLayout, plan_layout
@@ -76,16 +76,9 @@ class LayoutBuilder(W.VBox):
         self.update()
 
     def batch(self) -> tuple[list[int], list[bool], list[str]]:
-        """The global batch in vLLM's row order (decodes with drafts first)."""
-        prompts = parse_lengths(self.prompts.value, "prefill lengths")
-        decodes = parse_lengths(self.decodes.value, "decode queries")
-        lengths = prompts + decodes
-        prefill = [True] * len(prompts) + [False] * len(decodes)
-        names = [f"p{i}" for i in range(len(prompts))] + [f"d{i}" for i in range(len(decodes))]
-        k = max([d - 1 for d in decodes] + [0])
-        has_drafts = [not p and n > 1 for n, p in zip(lengths, prefill)]
-        order = scheduler_row_order(lengths, has_drafts, 1 + k)
-        return [lengths[i] for i in order], [prefill[i] for i in order], [names[i] for i in order]
+        """The global batch in vLLM's row order (``pcpviz.batch.order_batch``)."""
+        return order_batch(parse_lengths(self.prompts.value, "prefill lengths"),
+                           parse_lengths(self.decodes.value, "decode queries"))
 
     def update(self) -> None:
         try:
