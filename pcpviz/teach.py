@@ -503,30 +503,38 @@ _PRODUCER_RANK = {"vllm-plugin": 0, "vllm-replay": 1, "pcpviz-engine": 2}
 def pick_trace(root: str | Path) -> TracePick:
     """The trace directory under ``root`` a notebook should open: the first (by name) recorded by
     the vLLM plugin (``run.json`` ``producer == "vllm-plugin"``), else a vLLM CPU replay, else an
-    engine trace. Raises ValueError naming ``root`` when it holds no trace."""
+    engine trace; among those, one with K >= 2 first (it shows the view switch). Raises
+    ValueError naming ``root`` when it holds no trace."""
     root = Path(root)
     found = []
     for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
         try:
-            producer = str(json.loads((d / "run.json").read_text()).get("producer", ""))
+            meta = json.loads((d / "run.json").read_text())
+            producer = str(meta.get("producer", ""))
+            k = meta.get("num_speculative_tokens")
         except (OSError, ValueError, AttributeError):
             continue
-        found.append((_PRODUCER_RANK.get(producer, 3), d.name, d, producer))
+        shows_switch = isinstance(k, int) and k >= 2  # K <= 1: propose returns before the gather
+        found.append((_PRODUCER_RANK.get(producer, 3), not shows_switch, d.name, d, producer))
     if not found:
         raise ValueError(f"{root}: no trace directory (with a run.json) found")
-    _, _, path, producer = min(found)
+    *_, path, producer = min(found)
     return TracePick(path, producer, producer == "vllm-plugin")
 
 
 def _prompts_key(meta: dict) -> str | None:
+    """Runs worth diffing: the same prompts under the same PCP size and K."""
     prompts = meta.get("prompt_token_ids", meta.get("prompts"))
-    return None if prompts is None else json.dumps(prompts)
+    if prompts is None:
+        return None
+    return json.dumps([prompts, meta.get("pcp"), meta.get("num_speculative_tokens")])
 
 
 def trace_pairs(root: str | Path) -> list[tuple[TracePick, TracePick]]:
     """Pairs of trace directories under ``root`` that recorded the same prompts (``run.json``
-    ``prompt_token_ids`` or ``prompts``), the ones to ``diff_traces``: vLLM-plugin recordings
-    first, then by name. A directory without prompts in its ``run.json`` pairs with nothing."""
+    ``prompt_token_ids`` or ``prompts``) with the same ``pcp`` and K, the ones to ``diff_traces``:
+    vLLM-plugin recordings first, then by name. A directory without prompts in its ``run.json``
+    pairs with nothing."""
     root = Path(root)
     groups: dict[str, list[tuple[int, str, TracePick]]] = {}
     for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
