@@ -411,30 +411,34 @@ def _mask_stale_rows(trace: Trace, step: int, rank: int, ea: np.ndarray, eb: np.
 
 
 def request_keys(trace: Trace) -> dict[str, tuple]:
-    """Each request's identity across runs: ``(its first 64 prompt tokens, n)``, n counting
-    earlier requests with the same start. Request ids do not carry over between runs (vLLM's
-    ``LLM`` names a request ``"{i}-{random}"``, the engine ``"req{i}"``); what a request was fed
-    first does. Requests first seen mid-prompt (a trace that starts late) get no key."""
-    keys: dict[str, tuple] = {}
-    seen: dict[tuple, int] = {}
+    """Each request's identity across runs: ``(prompt length, last prompt token, n)``, n counting
+    earlier requests with the same pair. Request ids do not carry over between runs (vLLM's
+    ``LLM`` names a request ``"{i}-{random}"``, the engine ``"req{i}"``), and the start of a prompt
+    may never be fed (a prefix-cache hit), but every run computes a prompt's last token itself.
+    Read from rank 0's target records (``is_prefilling`` rows); a request whose prefill the trace
+    did not see gets no key."""
+    last: dict[str, tuple[int, int]] = {}
     rank = trace.ranks[0] if trace.ranks else None
     for step in ([] if rank is None else trace.rank_steps(rank)):
         if not trace.has(step, rank, "target"):
             continue
         rec = trace.record(step, rank, "target")
-        if not all(v in rec for v in ("req_ids", "num_computed_tokens", "input_ids")):
+        if not all(v in rec for v in ("req_ids", "is_prefilling", "input_ids", "positions")):
             continue
         qsl = _qsl(rec)
         if qsl is None:
             continue
-        ids = np.asarray(rec["input_ids"], dtype=np.int64)
+        ids, pos = np.asarray(rec["input_ids"], dtype=np.int64), np.asarray(rec["positions"], dtype=np.int64)
         for i, rid in enumerate(np.asarray(rec["req_ids"]).astype(str).tolist()):
-            if rid in keys or int(rec["num_computed_tokens"][i]) != 0:
-                continue
-            head = tuple(ids[qsl[i]:min(qsl[i + 1], qsl[i] + 64)].tolist())
-            n = seen.get(head, 0)
-            seen[head] = n + 1
-            keys[rid] = (head, n)
+            if bool(rec["is_prefilling"][i]) and qsl[i + 1] > qsl[i]:
+                j = int(qsl[i + 1]) - 1
+                last[rid] = (int(pos[j]) + 1, int(ids[j]))
+    keys: dict[str, tuple] = {}
+    seen: dict[tuple[int, int], int] = {}
+    for rid, pair in last.items():  # first appearance order
+        n = seen.get(pair, 0)
+        seen[pair] = n + 1
+        keys[rid] = (*pair, n)
     return keys
 
 

@@ -15,11 +15,32 @@ TRACES = sorted(p for p in (Path(__file__).resolve().parents[1] / "data" / "trac
 GPU_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "h200x2-nccl-pcp2-mtp2"
 
 
+# With K = 1 vLLM's propose returns before the block-table gather: no replicated draft steps.
+K1_SKIPS = {"draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance"}
+
+
 @pytest.mark.parametrize("path", TRACES, ids=[p.name for p in TRACES])
 def test_shipped_trace_passes_every_check(path):
-    report = run_checks(pt.open(path))
+    trace = pt.open(path)
+    report = run_checks(trace)
     assert report.ok, report.format()
-    assert not report.failed and len(report.passed) >= 19
+    assert not report.failed
+    if trace.meta["num_speculative_tokens"] == 1:
+        assert set(report.results) - set(report.passed) <= K1_SKIPS and len(report.passed) >= 17
+    else:
+        assert len(report.passed) == len(report.results) >= 20
+
+
+@pytest.mark.parametrize("path", TRACES, ids=[p.name for p in TRACES])
+def test_shipped_trace_renders(path, tmp_path):
+    from pcpviz.export_html import export_html
+    from pcpviz.widgets import Workbench
+
+    out = tmp_path / "review.html"
+    export_html(path, out)
+    assert out.stat().st_size > 100_000 and b"plotly" in out.read_bytes()[:2_000_000]
+    wb = Workbench(pt.open(path))
+    assert wb is not None
 
 
 def test_gpu_trace_tokens_equal_a_cpu_rerun(tmp_path):
