@@ -29,7 +29,7 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module("pcpviz.vllm.replay")
-    if name in ("run", "build_vllm_launch", "LaunchError"):
+    if name in ("run", "build_vllm_launch", "LaunchError", "gpus_missing"):
         from pcpviz.vllm import launch
 
         return getattr(launch, name)

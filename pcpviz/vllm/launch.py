@@ -2,7 +2,7 @@
 
     from pcpviz.vllm import run
     trace, outputs = run("data/models/pcpviz-tiny-dsv3", ["def fib(n):"], pcp=2,
-                         num_speculative_tokens=1, trace_dir="runs/gpu-pcp2-mtp1")
+                         num_speculative_tokens=2, trace_dir="runs/gpu-pcp2-mtp2")
     trace.steps, outputs[0]                  # the pcpviz trace, generated token ids
 
 ``run`` launches ``vllm.LLM`` in a child process (``python -m pcpviz.vllm.launch JOB``) with
@@ -22,10 +22,10 @@ through ``**kwargs``, ``vllm/engine/arg_utils.py``)::
 
 The same deployment as a server (``vllm serve``; ``-pcp`` / ``-sc`` / ``-cc`` are the short forms)::
 
-    PCPVIZ_TRACE_DIR=runs/serve-pcp2-mtp1 vllm serve data/models/pcpviz-tiny-dsv3 \\
+    PCPVIZ_TRACE_DIR=runs/serve-pcp2-mtp2 vllm serve data/models/pcpviz-tiny-dsv3 \\
         --tensor-parallel-size 1 --prefill-context-parallel-size 2 \\
-        --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' \\
-        -cc.cudagraph_mode=PIECEWISE
+        --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}' \\
+        --enforce-eager
 
 Only ``cudagraph_mode`` ``PIECEWISE`` or ``NONE`` are offered: a FULL CUDA-graph replay runs no
 Python, so the recording hooks would not see the steps it replays.
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run", "build_vllm_launch", "VllmLaunch", "LaunchError", "preflight", "CUDAGRAPH_MODES"]
+__all__ = ["run", "build_vllm_launch", "VllmLaunch", "LaunchError", "preflight", "gpus_missing", "CUDAGRAPH_MODES"]
 
 CUDAGRAPH_MODES = ("PIECEWISE", "NONE")
 SUPPORTED_VLLM_VERSION = "0.33.0"
@@ -88,7 +88,7 @@ def build_vllm_launch(
     *,
     pcp: int = 2,
     tp: int = 1,
-    num_speculative_tokens: int = 1,
+    num_speculative_tokens: int = 2,
     trace_dir: str | os.PathLike,
     max_tokens: int = 32,
     cudagraph_mode: str = "PIECEWISE",
@@ -178,13 +178,23 @@ def preflight(num_gpus: int) -> None:
                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')!r})")
 
 
+def gpus_missing(num_gpus: int = 2) -> str | None:
+    """Why ``run`` cannot launch here (vLLM 0.33.0 missing, too few GPUs), or None if it can:
+    for notebooks that launch real vLLM when they can and open a shipped trace otherwise."""
+    try:
+        preflight(num_gpus)
+    except LaunchError as exc:
+        return str(exc)
+    return None
+
+
 def run(
     model: str | os.PathLike,
     prompts: Sequence[str | Sequence[int]],
     *,
     pcp: int = 2,
     tp: int = 1,
-    num_speculative_tokens: int = 1,
+    num_speculative_tokens: int = 2,
     trace_dir: str | os.PathLike,
     max_tokens: int = 32,
     cudagraph_mode: str = "PIECEWISE",

@@ -4,12 +4,12 @@ Registered in ``pyproject.toml`` as a ``vllm.general_plugins`` entry point, so v
 ``load_general_plugins()`` calls ``register()`` in every process it starts (API server,
 engine core, each worker). Usage::
 
-    PCPVIZ_TRACE_DIR=runs/gpu-pcp2-mtp1 vllm serve data/models/pcpviz-tiny-dsv3 \\
+    PCPVIZ_TRACE_DIR=runs/gpu-pcp2-mtp2 vllm serve data/models/pcpviz-tiny-dsv3 \\
         --prefill-context-parallel-size 2 \\
-        --speculative-config '{"method": "mtp", "num_speculative_tokens": 1}' \\
-        -cc.cudagraph_mode=PIECEWISE
+        --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}' \\
+        --enforce-eager
 
-then ``pcpviz check runs/gpu-pcp2-mtp1`` or ``Workbench("runs/gpu-pcp2-mtp1")``.
+then ``pcpviz check runs/gpu-pcp2-mtp2`` or ``Workbench("runs/gpu-pcp2-mtp2")``.
 
 Behaviour of ``register()``:
 
