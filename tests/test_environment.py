@@ -47,3 +47,16 @@ def test_drift_is_detected(tmp_path):
 def test_cpu_constraints_pin_torch_and_triton():
     text = (ROOT / "requirements" / "cpu-constraints.txt").read_text()
     assert re.search(r"^torch==2\.13\.0$", text, re.M) and re.search(r"^triton==\d", text, re.M)
+
+
+def test_pip_check_finds_only_vllms_own_requirements_unmet():
+    """vllm is installed with --no-deps (its torch 2.14 / CUDA requirements are not wanted on
+    CPU); every other installed package must have what it requires."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True,
+                         env={"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PATH": "/usr/bin:/bin"}).stdout
+    others = [line for line in out.splitlines() if line.strip() and not line.startswith("vllm ")
+              and not line.startswith("No broken requirements")]
+    assert not others, "\n".join(others)
