@@ -91,10 +91,12 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
                  inject: Sequence[str] = (), model_dir: str | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 16, num_blocks: int | None = None,
                  shard_decode_requests: bool | None = None, seed: int = 0, timeout_s: float = 300.0,
-                 stop_at_eos: bool = False) -> dict:
+                 stop_at_eos: bool = False, count_local_devices: bool = True) -> dict:
     """Validate the arguments and build the rank config (a JSON-able dict).
 
-    Raises ValueError with a one-line reason naming the option."""
+    ``count_local_devices=False`` skips "this host has ``pcp`` GPUs" for a config that torchrun
+    starts on other hosts (``pcpviz run --write-config``). Raises ValueError with a one-line
+    reason naming the option."""
     from pcpviz.engine.faults import validate_faults
     from pcpviz.engine.model import default_model_dir, read_config
     from pcpviz.engine.tokenizer import EOS_ID, encode
@@ -106,7 +108,7 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
     _positive("max_num_seqs", max_num_seqs)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
-    if device == "cuda":
+    if device == "cuda" and count_local_devices:
         import torch
 
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -123,6 +125,8 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
         raise ValueError(f"model {model_dir} has no MTP layer; use num_speculative_tokens=0")
     ids = []
     for i, p in enumerate(prompts):
+        if isinstance(p, str) and not p:
+            raise ValueError(f"prompt {i} is empty (prompts count from 0)")
         toks = encode(p) if isinstance(p, str) else [int(t) for t in p]
         if not toks:
             raise ValueError(f"prompt {i} is empty")
@@ -186,10 +190,13 @@ def _launch(cfg: dict, progress: bool) -> dict:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, desc=f"PCP={cfg['pcp']} K={cfg['num_speculative_tokens']}", unit="tok")
+        prompt_tokens = sum(len(p) for p in cfg["prompt_token_ids"])
+        bar.set_postfix_str(f"prefill 0/{prompt_tokens}")
     try:
         for rank in range(cfg["pcp"]):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cfg["pcp"]), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(cfg["pcp"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                       LOCAL_WORLD_SIZE=str(cfg["pcp"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                       PCPVIZ_PROGRESS="pipe")
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "pcpviz.engine.rank_main", cfg_path], env=env,
                 stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -197,12 +204,15 @@ def _launch(cfg: dict, progress: bool) -> dict:
             ))
         last = [0]
 
-        def pump() -> None:  # rank 0's progress lines
+        def pump() -> None:  # rank 0's progress lines (rank_main.progress_line)
             for line in procs[0].stdout:
                 if line.startswith("PCPVIZ_PROGRESS ") and bar is not None:
-                    tokens = json.loads(line.split(" ", 1)[1])["tokens"]
-                    bar.update(max(tokens - last[0], 0))
-                    last[0] = tokens
+                    doc = json.loads(line.split(" ", 1)[1])
+                    bar.update(max(doc["tokens"] - last[0], 0))
+                    last[0] = doc["tokens"]
+                    # a long prompt takes many chunked-prefill steps before its first token
+                    done, todo = doc["prefill"]
+                    bar.set_postfix_str(f"prefill {done}/{todo}" if done < todo else "")
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
