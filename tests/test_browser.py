@@ -51,6 +51,14 @@ def _chromium() -> str:
     return path
 
 
+def test_chromium_missing_is_one_line_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(os.path, "exists", lambda path: False)
+    with pytest.raises(pytest.fail.Exception) as e:
+        _chromium()
+    assert len(str(e.value).splitlines()) == 1 and "apt-get install chromium" in str(e.value)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
