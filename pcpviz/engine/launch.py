@@ -208,11 +208,12 @@ def _launch(cfg: dict, progress: bool) -> dict:
             for line in procs[0].stdout:
                 if line.startswith("PCPVIZ_PROGRESS ") and bar is not None:
                     doc = json.loads(line.split(" ", 1)[1])
-                    bar.update(max(doc["tokens"] - last[0], 0))
-                    last[0] = doc["tokens"]
                     # a long prompt takes many chunked-prefill steps before its first token
                     done, todo = doc["prefill"]
-                    bar.set_postfix_str(f"prefill {done}/{todo}" if done < todo else "")
+                    bar.set_postfix_str(f"prefill {done}/{todo}" if done < todo else "", refresh=False)
+                    bar.update(max(doc["tokens"] - last[0], 0))
+                    bar.refresh()
+                    last[0] = doc["tokens"]
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
