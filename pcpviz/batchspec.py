@@ -8,7 +8,9 @@ Grammar: comma-separated rows, each ``<kind><tokens>[@<computed>]``:
 * ``d4@20``   that decode, its cursor at position 20 (default: 16 for decodes)
 * ``p0``/``d0`` a zero-token row (scheduled but given nothing this step)
 
-Example: ``p13,d1,d4`` = a 13-token prefill and two decodes.
+Example: ``p13,d1,d4`` = a 13-token prefill and two decodes. Rows count from 0 (as the
+layout's request indices do) and are named by letter, ``row_name(i)``: A = row 0, B = row 1,
+..., so a name never reads like a row description (``d1`` is a 1-token decode, not row 1).
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ from dataclasses import dataclass
 
 from pcpviz.batch import GlobalBatch
 
-__all__ = ["BatchSpec", "parse_batch_spec"]
+__all__ = ["BatchSpec", "parse_batch_spec", "row_name"]
 
 _ROW = re.compile(r"^(?P<kind>[pd])(?P<tokens>\d+)(?:@(?P<computed>\d+))?$")
 DEFAULT_DECODE_CURSOR = 16
+
+
+def row_name(i: int) -> str:
+    """The name of batch row ``i``: ``A``..``Z`` for rows 0..25, then ``A1``..``Z1``, ``A2``, ...
+    (the diagram's lanes draw row i's tokens with the letter ``row_name(i)[0]``)."""
+    return chr(ord("A") + i % 26) + (str(i // 26) if i >= 26 else "")
 
 
 @dataclass(frozen=True)
@@ -35,7 +43,7 @@ class BatchSpec:
         return tuple(k == "p" for k in self.kinds)
 
     def to_global_batch(self) -> GlobalBatch:
-        """Request ids p0, d1, ...; a prefill's prompt ends with its chunk, a
+        """Request ids A, B, ... (``row_name``); a prefill's prompt ends with its chunk, a
         decode's prompt is taken to end before its cursor."""
         prefill_len = [
             c + q if k == "p" else max(c - 1, 0)
@@ -46,7 +54,7 @@ class BatchSpec:
             self.num_computed_tokens,
             prefill_len=prefill_len,
             is_prefilling=self.is_prefilling,
-            req_ids=[f"{k}{i}" for i, k in enumerate(self.kinds)],
+            req_ids=[row_name(i) for i in range(len(self.kinds))],
         )
 
 
@@ -60,7 +68,7 @@ def parse_batch_spec(spec: str) -> BatchSpec:
         m = _ROW.match(row)
         if not m:
             raise ValueError(
-                f"batch row {i + 1} {raw.strip()!r} is not understood; expected p<tokens>[@<computed>] "
+                f"batch row {i} {raw.strip()!r} (rows count from 0) is not understood; expected p<tokens>[@<computed>] "
                 "or d<tokens>[@<cursor>], e.g. 'p13', 'p10@12', 'd4@20'"
             )
         kind = m["kind"]

@@ -1,15 +1,19 @@
-"""The ``pcpviz`` command line.
+"""pcpviz: vLLM 0.33.0's Prefill Context Parallel (PCP) + MTP data path, rank by rank.
 
     pcpviz layout --pcp 2 --batch p13,d1,d4          # DualChunkSwap rows, maps, write mask
     pcpviz layout --pcp 4 --batch p40,d2@31 --decodes replicated --dcp 4 --pad 48
     pcpviz layout --pcp 2 --batch p13,d1 --json      # the layout as JSON
     pcpviz run --pcp 2 --mtp 2 --device cpu --prompt "def f(" --trace runs/demo --json out.json
     pcpviz run --list-faults
+    pcpviz check runs/demo                            # every invariant, first violation named
+    pcpviz diff runs/demo runs/bad                    # first divergence + acceptance
+    pcpviz export runs/demo --html runs/demo.html
+    pcpviz replay --pcp 2 --mtp 2 --trace runs/vllm   # the real vLLM code on CPU
 
-Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad input (one-line reason
-on stderr; an invalid run.json too), 3 incomplete trace (data lost: a missing or
-unreadable rank file, steps dropped after a damaged record, steps missing on some
-ranks; one "incomplete:" line each on stderr), 141 stdout closed early (| head).
+Also `python -m pcpviz ...`. Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad input
+(one-line reason on stderr; an invalid run.json too), 3 incomplete trace (data lost: a missing or
+unreadable rank file, steps dropped after a damaged record, steps missing on some ranks; one
+"incomplete:" line each on stderr), 141 stdout closed early (| head).
 """
 
 from __future__ import annotations
@@ -32,7 +36,23 @@ class UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
 
 
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written (examples keep their lines); every option that has a default
+    shows it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" not in text and action.option_strings and action.default not in (
+                None, False, argparse.SUPPRESS) and not action.required:
+            text += " (default: %(default)s)"
+        return text
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _Help)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
         raise UsageError(f"{self.prog}: {message}")
 
@@ -48,7 +68,7 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_layout(args: argparse.Namespace) -> int:
-    from pcpviz.batchspec import parse_batch_spec
+    from pcpviz.batchspec import DEFAULT_DECODE_CURSOR, parse_batch_spec, row_name
     from pcpviz.diagram import render_layout
     from pcpviz.layout import plan_layout
 
@@ -65,13 +85,16 @@ def _cmd_layout(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise UsageError(f"pcpviz layout: --batch {args.batch!r}: {e}") from None
-    names = [f"{k}{i}" for i, k in enumerate(spec.kinds)]
+    names = [row_name(i) for i in range(len(spec.kinds))]  # A, B, ...: 'd1' would read as a decode
+    specs = [f"{k}{q}" + ("" if c == (0 if k == "p" else DEFAULT_DECODE_CURSOR) else f"@{c}")
+             for k, q, c in zip(spec.kinds, spec.num_scheduled_tokens, spec.num_computed_tokens)]
     if args.json:
         doc = {
             "pcp": layout.pcp_world_size,
             "dcp": layout.dcp_world_size,
             "shard_decode_requests": layout.shard_decode_requests,
             "req_ids": names,
+            "rows": specs,
             "segments_by_rank": [
                 [dict(global_req_idx=s.global_req_idx, global_start=s.global_start,
                       global_stop=s.global_stop, local_start=s.local_start, local_stop=s.local_stop)
@@ -86,19 +109,24 @@ def _cmd_layout(args: argparse.Namespace) -> int:
         }
         print(json.dumps(doc, indent=1))
     else:
-        print(render_layout(layout, names))
+        print(render_layout(layout, names, row_specs=specs))
     return EXIT_OK
 
 
 def _add_layout(sub) -> None:
-    p = sub.add_parser("layout", help="draw the PCP layout of a batch", description=_cmd_layout.__doc__)
+    p = sub.add_parser("layout", help="draw the PCP layout of a batch",
+                       description="How vLLM 0.33.0 splits one batch over PCP ranks (DualChunkSwap): "
+                                   "each rank's rows, the all-gather and restore maps, the KV write "
+                                   "mask. Requests are named A, B, ... in the order of --batch.")
     p.add_argument("--pcp", type=bounded_int(1, MAX_WORLD), required=True, help="PCP world size N")
     p.add_argument("--batch", required=True,
-                   help="rows like p13,p10@12,d4@20 (p=prefill, d=decode; @ = computed tokens)")
-    p.add_argument("--dcp", type=bounded_int(1, MAX_WORLD), default=1, help="DCP world size (default 1)")
+                   help="rows like p13,p10@12,d4@20: p<tokens> a prefill (@ = tokens already computed), "
+                        "d<tokens> a decode of 1 + drafts (@ = its position)")
+    p.add_argument("--dcp", type=bounded_int(1, MAX_WORLD), default=1, help="DCP world size")
     p.add_argument("--decodes", choices=["auto", "sharded", "replicated"], default="auto",
                    help="decode placement; auto = vLLM's default (sharded iff DCP == 1)")
-    p.add_argument("--pad", type=bounded_int(1, MAX_LAYOUT_TOKENS), default=None, help="CUDA-graph token count P")
+    p.add_argument("--pad", type=bounded_int(1, MAX_LAYOUT_TOKENS), default=None,
+                   help="CUDA-graph token count P per rank (default: the largest rank's tokens)")
     p.add_argument("--json", action="store_true", help="print the layout as JSON")
     p.set_defaults(func=_cmd_layout)
 
@@ -160,13 +188,14 @@ def _engine_options(args: argparse.Namespace) -> dict:
 
 
 def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
-    """Write the rank config for torchrun (multi-host) instead of launching the ranks here."""
+    """Write the rank config for torchrun (multi-host) instead of launching the ranks here: the
+    GPUs are counted on the hosts that run the ranks, not on this one."""
     import os
 
     from pcpviz.engine.launch import build_config, start_trace
 
     try:
-        cfg = build_config(prompts, **_engine_options(args))
+        cfg = build_config(prompts, count_local_devices=False, **_engine_options(args))
         work = os.path.abspath(os.path.splitext(args.write_config)[0] + "-work")
         os.makedirs(work, exist_ok=True)
         cfg["work_dir"] = work
@@ -184,16 +213,19 @@ def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
 
 
 def _add_run(sub) -> None:
-    p = sub.add_parser("run", help="run the tiny model under PCP + MTP on N ranks and record a trace")
+    p = sub.add_parser("run", help="run the tiny model under PCP + MTP on N ranks and record a trace",
+                       description="Run the shipped tiny DeepSeek-V3 model (or --model) on --pcp ranks "
+                                   "with MTP speculative decoding, the way vLLM 0.33.0's model runner "
+                                   "does, and record every step's views to --trace.")
     p.add_argument("--pcp", type=bounded_int(1, MAX_WORLD), default=2, help="PCP ranks (processes)")
     p.add_argument("--mtp", type=bounded_int(0, 64), default=2, help="num_speculative_tokens K (0 = no speculation)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo) or cuda (NCCL)")
+    p.add_argument("--prompt", action="append", help="a prompt (repeatable; not empty)")
     p.add_argument("--prompts-file", help="JSON list of prompt strings")
-    p.add_argument("--max-new-tokens", type=bounded_int(1, 1 << 20), default=32)
+    p.add_argument("--max-new-tokens", type=bounded_int(1, 1 << 20), default=32, help="tokens to generate per prompt")
     p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1 << 20), default=2048,
                    help="per-step token budget (chunked prefill)")
-    p.add_argument("--block-size", type=bounded_int(1, 4096), default=16)
+    p.add_argument("--block-size", type=bounded_int(1, 4096), default=16, help="KV cache block size")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="model and KV-cache dtype (vLLM runs the shipped checkpoint in bfloat16)")
     p.add_argument("--model", default=None, help="model directory (default: the shipped tiny model)")
@@ -378,11 +410,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _cmd_replay(args: argparse.Namespace) -> int:
     """Drive vLLM 0.33.0's real PCP + MTP classes on CPU through a scripted scenario and record
-    the trace (see pcpviz.vllm.replay)."""
+    the trace (see pcpviz.vllm.replay). vLLM's model runner, PCP manager, block tables and MTP
+    proposer run as they are; the models are small stand-ins."""
     if args.pcp < 2:  # the cheap checks before importing vLLM (seconds)
         raise UsageError(f"pcpviz replay: pcp must be an int >= 2 (PCP is off at 1), got {args.pcp}")
     if args.mtp > 4:
         raise UsageError(f"pcpviz replay: mtp (num_speculative_tokens) must be an int in 1..4, got {args.mtp}")
+    from pcpviz.vllm.cpu_patches import apply_cpu_patches
+
+    apply_cpu_patches()  # before vLLM is imported: also drops its "no compiled kernels" line
+
     from pcpviz.trace import claim
     from pcpviz.trace.owner import check_target
 
@@ -421,10 +458,10 @@ def _add_replay(sub) -> None:
     p.add_argument("--mtp", type=_positive_int, default=2, help="num_speculative_tokens K (1..4)")
     p.add_argument("--trace", required=True, help="write the trace to this directory")
     p.add_argument("--scenario", choices=["mixed", "decode_only", "dspark"], default="mixed",
-                   help="scripted steps (default mixed)")
+                   help="scripted steps")
     p.add_argument("--decodes", choices=["sharded", "replicated"], default="sharded",
                    help="decode placement (vLLM's default with DCP = 1 is sharded)")
-    p.add_argument("--block-size", type=bounded_int(1, 1024), default=4, help="KV block size (default 4)")
+    p.add_argument("--block-size", type=bounded_int(1, 1024), default=4, help="KV block size")
     p.add_argument("--overwrite", action="store_true", help="replace a trace already in --trace")
     p.add_argument("--check", action="store_true", help="run pcpviz check on the trace (exit 1 on a failure)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress")

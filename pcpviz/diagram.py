@@ -64,15 +64,23 @@ def _grid(label: str, values: np.ndarray, width: int, fmt=lambda v: str(v)) -> l
     return lines
 
 
-def render_layout(layout: PCPLayout, req_names: list[str] | None = None, width: int = 32) -> str:
+def render_layout(layout: PCPLayout, req_names: list[str] | None = None, width: int = 32, *,
+                  row_specs: list[str] | None = None) -> str:
     """A multi-line text diagram: header, lanes, each rank's rows, and the
-    gather / restore maps and the KV write mask per rank."""
+    gather / restore maps and the KV write mask per rank. ``row_specs`` (the batch rows as
+    given, e.g. ``["p13", "d1", "d4"]``) adds a line naming each request: ``A = row 0 p13``."""
     n, p = layout.pcp_world_size, layout.padded_num_tokens
     mode = "sharded (one owner rank)" if layout.shard_decode_requests else "replicated (mask keeps rank 0's copy)"
     out = [
         f"PCP={n}  DCP={layout.dcp_world_size}  decodes: {mode}",
         f"T={layout.num_tokens} global tokens, P={p} rows per rank, "
         f"per-rank tokens {list(layout.per_rank_num_tokens)}",
+    ]
+    if row_specs is not None:
+        names = req_names or [_letter(i) for i in range(len(row_specs))]
+        out.append("requests: " + ", ".join(f"{name} = row {i} {spec}"
+                                             for i, (name, spec) in enumerate(zip(names, row_specs))))
+    out += [
         "",
         "lanes (letter = request; UPPER = head chunk, lower = tail chunk, . = padding)",
         f"  {'global':<8}{_lane_global(layout)}",

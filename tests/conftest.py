@@ -6,6 +6,10 @@ imported (see pcpviz/vllm/cpu_patches.py). Applying the patches once, here, make
 the outcome independent of test order.
 """
 
+import json
+
+import pytest
+
 from pcpviz.vllm import cpu_patches
 
 cpu_patches.apply_cpu_patches()
@@ -19,3 +23,39 @@ def pytest_collection_modifyitems(config, items):
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
+
+
+class _WidgetMessages:
+    """Every message a widget sent to the front end while the test ran: ``sent`` as
+    (widget class, message); ``not_json()`` the ones jupyter_client cannot pack as strict JSON
+    (a NaN or inf: the kernel prints "Out of range float values are not JSON compliant" under
+    the cell)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, dict]] = []
+
+    def not_json(self) -> list[str]:
+        from jupyter_client.jsonutil import json_default
+
+        bad = []
+        for name, msg in self.sent:
+            try:
+                json.dumps(msg, default=json_default, allow_nan=False)
+            except ValueError as e:
+                bad.append(f"{name} {sorted(msg.get('state', {}))}: {e}")
+        return bad
+
+
+@pytest.fixture()
+def widget_messages(monkeypatch):
+    import ipywidgets
+
+    rec = _WidgetMessages()
+    orig = ipywidgets.Widget._send
+
+    def send(self, msg, buffers=None):
+        rec.sent.append((type(self).__name__, msg))
+        return orig(self, msg, buffers)
+
+    monkeypatch.setattr(ipywidgets.Widget, "_send", send)
+    return rec

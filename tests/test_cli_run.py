@@ -1,6 +1,7 @@
 """`pcpviz run` end to end: the JSON summary, the trace, fault listing, exit codes."""
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -68,6 +69,8 @@ def test_torchrun_launches_the_same_ranks(tmp_path):
     p = subprocess.run([torchrun, "--nproc-per-node", "2", "-m", "pcpviz.engine.rank_main", str(cfg)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
+    assert "PCPVIZ_PROGRESS" not in p.stdout  # the launcher's pipe protocol; torchrun shows lines for people
+    assert re.search(r"pcpviz rank 0: step \d+, prefill 15/15 prompt tokens, 8/8 new tokens", p.stdout), p.stdout
     result = json.loads((tmp_path / "run.cfg-work" / "result.json").read_text())
     direct = pcpviz("run", "--pcp", "2", "--mtp", "2", "--prompt", "def add(a, b):", "--max-new-tokens", "8",
                     "--json", str(tmp_path / "direct.json"), "--quiet")

@@ -47,3 +47,45 @@ def test_drift_is_detected(tmp_path):
 def test_cpu_constraints_pin_torch_and_triton():
     text = (ROOT / "requirements" / "cpu-constraints.txt").read_text()
     assert re.search(r"^torch==2\.13\.0$", text, re.M) and re.search(r"^triton==\d", text, re.M)
+
+
+def test_pip_check_finds_only_vllms_own_requirements_unmet():
+    """vllm is installed with --no-deps (its torch 2.14 / CUDA requirements are not wanted on
+    CPU); every other installed package must have what it requires."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True,
+                         env={"PIP_DISABLE_PIP_VERSION_CHECK": "1", "PATH": "/usr/bin:/bin"}).stdout
+    others = [line for line in out.splitlines() if line.strip() and not line.startswith("vllm ")
+              and not line.startswith("No broken requirements")]
+    assert not others, "\n".join(others)
+
+
+def _make_n(*targets: str) -> str:
+    import subprocess
+
+    return subprocess.run(["make", "-s", "-n", "-o", "setup", "-C", str(ROOT), *targets, "VENV=/nonexistent/venv"],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_make_test_installs_chromium_before_the_tests():
+    """A fresh machine needs nothing done by hand: `make test` (not only .ci/run) installs
+    Chromium for the browser tests, or prints the one line to run when it cannot (not root)."""
+    out = _make_n("test")
+    assert "apt-get install" in out and "chromium" in out
+    assert "sudo apt-get install chromium" in out  # the line for a user who is not root
+    assert out.index("apt-get install") < out.index("-m pytest")
+    assert "apt-get" not in (ROOT / ".ci" / "run").read_text()  # one place installs it
+
+
+def test_make_setup_installs_vllm_last_without_its_dependencies():
+    """pip's resolver only reports vllm's unmet requirements when it resolves something vllm
+    depends on with vllm already installed: vllm goes in last, with --no-deps."""
+    import subprocess
+
+    out = subprocess.run(["make", "-s", "-n", "-B", "-C", str(ROOT), "setup", "VENV=/nonexistent/venv"],
+                         capture_output=True, text=True, check=True).stdout
+    installs = [line for line in out.splitlines() if " install " in line]
+    assert "--no-deps vllm==0.33.0" in installs[-1]
+    assert all("--no-warn-conflicts" in line for line in installs[1:-1])

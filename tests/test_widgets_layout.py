@@ -60,3 +60,10 @@ def test_parse_lengths_errors():
             assert msg in str(e) and "prefill lengths" in str(e)
         else:
             raise AssertionError("no error")
+
+
+def test_every_widget_message_is_json_compliant(widget_messages):
+    """Padding and empty lane cells reach the browser as null, never NaN (not JSON)."""
+    b = LayoutBuilder(prompts="13, 7", decodes="1, 4", pcp=2)
+    b.pcp.value = 4
+    assert widget_messages.sent and not widget_messages.not_json()

@@ -333,3 +333,17 @@ def test_check_violation_is_listed_marked_and_jumped_to(faulty_run):
 def test_workbench_figures_serialise_small(wb):
     for name, fw in wb.figures.items():
         assert len(json.dumps(fw.to_plotly_json(), default=str)) < 200_000, name
+
+
+
+def test_every_widget_message_is_json_compliant(widget_messages, trace, faulty_run):
+    for t in (trace, pt.open(faulty_run[1])):
+        wb = Workbench(t)
+        for s in t.steps:
+            for r in t.ranks:
+                wb.set(step=s, rank=r)
+                for ph in wb.phase.options:
+                    wb.phase.value = ph
+        wb.highlight.value = wb.req_ids[-1]
+    assert len(widget_messages.sent) > 50  # the figures went out as updates
+    assert not widget_messages.not_json()

@@ -106,11 +106,14 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
                  inject: Sequence[str] = (), model_dir: str | None = None, block_size: int = 16,
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 16, num_blocks: int | None = None,
                  shard_decode_requests: bool | None = None, seed: int = 0, timeout_s: float = 300.0,
-                 stop_at_eos: bool = False, overwrite: bool = False, dtype: str = "float32") -> dict:
+                 stop_at_eos: bool = False, overwrite: bool = False, dtype: str = "float32",
+                 count_local_devices: bool = True) -> dict:
     """Validate the arguments and build the rank config (a JSON-able dict).
 
     ``overwrite``: replace the trace already in ``trace_dir`` (its run.json and rank files
-    only); without it a non-empty ``trace_dir`` is refused. Raises ValueError with a one-line
+    only); without it a non-empty ``trace_dir`` is refused. ``count_local_devices=False`` skips
+    "this host has ``pcp`` GPUs" for a config that torchrun starts on other hosts
+    (``pcpviz run --write-config``). Raises ValueError with a one-line
     reason naming the option."""
     from pcpviz.engine.faults import validate_faults
     from pcpviz.engine.model import check_model_dir, default_model_dir
@@ -140,7 +143,7 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
         raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {timeout_s!r}")
     if trace_dir is not None:
         check_target(trace_dir, overwrite=overwrite)
-    if device == "cuda":
+    if device == "cuda" and count_local_devices:
         import torch
 
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -155,6 +158,8 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
         raise ValueError(f"model {model_dir} has no MTP layer; use num_speculative_tokens=0")
     ids = []
     for i, p in enumerate(prompts):
+        if isinstance(p, str) and not p:
+            raise ValueError(f"prompt {i} is empty (prompts count from 0)")
         toks = encode(p) if isinstance(p, str) else [int(t) for t in p]
         if not toks:
             raise ValueError(f"prompt {i} is empty")
@@ -266,7 +271,7 @@ def _rank_env(cfg: dict, rank: int, port: int) -> dict:
     paths = [root] + [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cfg["pcp"]), LOCAL_RANK=str(rank),
                LOCAL_WORLD_SIZE=str(cfg["pcp"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-               PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)))
+               PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), PCPVIZ_PROGRESS="pipe")
     if cfg["device"] == "cpu":
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo's sockets on loopback only
     return env
@@ -361,6 +366,8 @@ def _launch(cfg: dict, progress: bool) -> dict:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, desc=f"PCP={cfg['pcp']} K={cfg['num_speculative_tokens']}", unit="tok")
+        prompt_tokens = sum(len(p) for p in cfg["prompt_token_ids"])
+        bar.set_postfix_str(f"prefill 0/{prompt_tokens}")
     try:
         for rank in range(cfg["pcp"]):
             # -P and cwd=work: a pcpviz/ folder in the caller's directory cannot shadow the package
@@ -372,12 +379,16 @@ def _launch(cfg: dict, progress: bool) -> dict:
             ranks.append(_Rank(rank, proc))
         last = [0]
 
-        def pump() -> None:  # rank 0's progress lines
+        def pump() -> None:  # rank 0's progress lines (rank_main.progress_line)
             for line in ranks[0].proc.stdout:
                 if line.startswith("PCPVIZ_PROGRESS ") and bar is not None:
-                    tokens = json.loads(line.split(" ", 1)[1])["tokens"]
-                    bar.update(max(tokens - last[0], 0))
-                    last[0] = tokens
+                    doc = json.loads(line.split(" ", 1)[1])
+                    # a long prompt takes many chunked-prefill steps before its first token
+                    done, todo = doc["prefill"]
+                    bar.set_postfix_str(f"prefill {done}/{todo}" if done < todo else "", refresh=False)
+                    bar.update(max(doc["tokens"] - last[0], 0))
+                    bar.refresh()
+                    last[0] = doc["tokens"]
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()

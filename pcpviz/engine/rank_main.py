@@ -80,6 +80,7 @@ def run_rank(cfg: dict) -> dict | None:
         r, _, s = os.environ["PCPVIZ_DEBUG_EXIT_RANK"].partition("@")
         debug_exit = (int(r), int(s))
     k = ecfg.num_speculative_tokens
+    last_said = 0.0
     accepted_per_pos = np.zeros(max(k, 0), dtype=np.int64)
     num_drafts = 0
     steps = 0
@@ -105,8 +106,7 @@ def run_rank(cfg: dict) -> dict | None:
             sched.update(plan, res.per_request)
             num_drafts += res.num_drafts
             accepted_per_pos += np.asarray(res.accepted_per_pos, dtype=np.int64)
-            done = sum(len(r.output) for r in sched.requests)
-            print("PCPVIZ_PROGRESS " + json.dumps({"step": plan.step, "tokens": done}), flush=True)
+            last_said = progress_line(sched, plan.step, last_said)
     if device_kind == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t_start
@@ -132,6 +132,29 @@ def run_rank(cfg: dict) -> dict | None:
         "mean_acceptance_length": float(1 + accepted_per_pos.sum() / num_drafts) if num_drafts else 1.0,
         "wall_s": wall,
     }
+
+
+def progress_line(sched, step: int, last_said: float) -> float:
+    """Rank 0's progress after ``step``: new tokens so far and prompt tokens prefilled so far.
+
+    Started by ``pcpviz.run`` (``PCPVIZ_PROGRESS=pipe``) it prints one machine line per step,
+    ``PCPVIZ_PROGRESS {"step": 3, "tokens": 12, "prefill": [20001, 20001]}``, for the launcher's
+    progress bar; started by torchrun, a line for people at most every 2 s and at the end:
+    ``pcpviz rank 0: step 3, prefill 20001/20001 prompt tokens, 12/32 new tokens``.
+    Returns the time of the last line for people."""
+    done = sum(len(r.output) for r in sched.requests)
+    prefill = [sum(min(r.num_computed, len(r.prompt)) for r in sched.requests),
+               sum(len(r.prompt) for r in sched.requests)]
+    if os.environ.get("PCPVIZ_PROGRESS") == "pipe":
+        print("PCPVIZ_PROGRESS " + json.dumps({"step": step, "tokens": done, "prefill": prefill}), flush=True)
+        return last_said
+    now = time.monotonic()
+    if now - last_said >= 2.0 or sched.done:
+        total = sum(r.max_new_tokens for r in sched.requests)
+        print(f"pcpviz rank 0: step {step}, prefill {prefill[0]}/{prefill[1]} prompt tokens, "
+              f"{done}/{total} new tokens", flush=True)
+        return now
+    return last_said
 
 
 def _shutdown_process_group() -> None:

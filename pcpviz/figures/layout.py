@@ -9,7 +9,7 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from pcpviz.figures.palette import request_colorscale, PAD_COLOR
+from pcpviz.figures.palette import PAD_COLOR, heat_z, request_colorscale
 from pcpviz.layout import PCPLayout
 
 __all__ = ["lanes_matrix", "layout_figure"]
@@ -86,7 +86,7 @@ def layout_figure(
     text = np.where(req >= 0, chunk.astype(str), np.where(req == -1, "·", ""))
     fig.add_trace(
         go.Heatmap(
-            z=z, y=labels, x=np.arange(req.shape[1]),
+            z=heat_z(z), y=labels, x=np.arange(req.shape[1]),
             colorscale=request_colorscale(max(r, 1), dim_below_zero=highlight_req is not None),
             zmin=-0.5 if highlight_req is not None else 0, zmax=max(r - 1, 1),
             showscale=False, xgap=1, ygap=3, text=text, texttemplate="%{text}" if req.shape[1] <= 96 else None,
@@ -97,7 +97,7 @@ def layout_figure(
     # padding as grey cells on the same axes
     pad = np.where(req == -1, 1.0, np.nan)
     fig.add_trace(
-        go.Heatmap(z=pad, y=labels, x=np.arange(req.shape[1]), colorscale=[[0, PAD_COLOR], [1, PAD_COLOR]],
+        go.Heatmap(z=heat_z(pad), y=labels, x=np.arange(req.shape[1]), colorscale=[[0, PAD_COLOR], [1, PAD_COLOR]],
                    showscale=False, xgap=1, ygap=3, hoverinfo="skip", name="padding"),
         row=1, col=1,
     )

@@ -1,7 +1,9 @@
-"""Colours shared by every pcpviz figure: one colour per request, grey padding."""
+"""Colours shared by every pcpviz figure: one colour per request, grey padding, and the
+empty (uncoloured) heatmap cell."""
 
 from __future__ import annotations
 
+import numpy as np
 import plotly.colors as pc
 
 PAD_COLOR = "#d9d9d9"
@@ -34,3 +36,14 @@ def request_colorscale(num_reqs: int, dim_below_zero: bool = False) -> list[list
         scale.append([max(0.0, min(1.0, start)), color])
         scale.append([max(0.0, min(1.0, end)), color])
     return scale
+
+
+def heat_z(z) -> list:
+    """A heatmap's ``z`` with empty cells as ``None`` (JSON ``null``, drawn as a gap) instead of
+    NaN: a ``FigureWidget`` sends its traces to the browser as JSON, where NaN is not a value
+    (the kernel then warns "Out of range float values are not JSON compliant" under the cell).
+
+    ``heat_z(np.array([[0.0, np.nan]]))`` -> ``[[0.0, None]]``.
+    """
+    z = np.asarray(z, dtype=float)
+    return np.where(np.isfinite(z), z, None).tolist()

@@ -50,7 +50,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from pcpviz.figures.palette import DIM_COLOR, PAD_COLOR, request_color
+from pcpviz.figures.palette import DIM_COLOR, PAD_COLOR, heat_z, request_color
 from pcpviz.trace.schema import SEGMENT_DTYPE
 
 __all__ = [
@@ -428,7 +428,7 @@ def _heat(z, edges, labels, text=None, hover=None, show_text=True, name="", font
     when hidden) so consecutive figures of a view keep the same properties and update in place."""
     show = text is not None and show_text
     return dict(
-        type="heatmap", z=z, x=edges, y=labels, colorscale=_LEVEL_SCALE, showscale=False, xgap=xgap, ygap=ygap,
+        type="heatmap", z=heat_z(z), x=edges, y=labels, colorscale=_LEVEL_SCALE, showscale=False, xgap=xgap, ygap=ygap,
         hovertext=hover if hover is not None else [], hoverinfo="text" if hover is not None else "skip",
         name=name, text=text if show else [], texttemplate="%{text}" if show else "",
         textfont=dict(size=font_size), **_LEVEL_RANGE,

@@ -394,6 +394,19 @@ def _patch_forward_context_per_rank_thread() -> None:
     fc.is_forward_context_available = is_forward_context_available
 
 
+def _quiet_kernel_import() -> None:
+    """vLLM warns "Failed to import from vllm._C" when it is imported without its compiled
+    kernels; on CPU they are never called, so that one line is dropped (at its logger, which
+    vLLM's own logging set-up leaves alone), not every vLLM warning."""
+    import logging
+
+    class _DropKernelImport(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not str(record.msg).startswith("Failed to import from vllm._C")
+
+    logging.getLogger("vllm.platforms.interface").addFilter(_DropKernelImport())
+
+
 def apply_cpu_patches() -> None:
     """Prepare this process to run vLLM 0.33.0's PCP worker code on CPU.
 
@@ -406,6 +419,7 @@ def apply_cpu_patches() -> None:
             return
         _check_not_imported_too_early()
         _set_environment()
+        _quiet_kernel_import()
         _check_version()
         _patch_pin_memory()
         _patch_uva_buffer()
