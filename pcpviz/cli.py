@@ -416,10 +416,6 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         raise UsageError(f"pcpviz replay: pcp must be an int >= 2 (PCP is off at 1), got {args.pcp}")
     if args.mtp > 4:
         raise UsageError(f"pcpviz replay: mtp (num_speculative_tokens) must be an int in 1..4, got {args.mtp}")
-    from pcpviz.vllm.cpu_patches import apply_cpu_patches
-
-    apply_cpu_patches()  # before vLLM is imported: also drops its "no compiled kernels" line
-
     from pcpviz.trace import claim
     from pcpviz.trace.owner import check_target
 
