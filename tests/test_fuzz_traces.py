@@ -107,11 +107,26 @@ def delete(rng: random.Random, d: Path, base: Path) -> str:
     return "every rank file"
 
 
+def _refutable(base: Path, other: Path) -> bool:
+    a, b = (json.loads((p / "run.json").read_text()) for p in (base, other))
+    keys = ("pcp", "num_speculative_tokens", "block_size")
+    if any(a.get(k) != b.get(k) for k in keys):
+        return True
+    return "prompt_token_ids" in b and b.get("prompt_token_ids") != a.get("prompt_token_ids")
+
+
 def swap(rng: random.Random, d: Path, base: Path) -> str:
     """Files exchanged or mixed in: rank files swapped, a rank file of another run, a rank
     file copied under the next rank's name, run.json of another run."""
     other = rng.choice([p for p in SHIPPED if p.name != base.name] or SHIPPED)
     how = rng.choice(("swap ranks", "foreign rank", "extra rank", "foreign run.json"))
+    if how == "foreign run.json":
+        # only a run.json the data can refute: another PCP size, K, block size or prompt list
+        refutable = [p for p in SHIPPED if p.name != base.name and _refutable(base, p)]
+        if not refutable:
+            how = "swap ranks"
+        else:
+            other = rng.choice(refutable)
     files = _rank_files(d)
     if how == "swap ranks":
         a, b = files[0], files[-1]
@@ -202,6 +217,8 @@ def hostile_meta(rng: random.Random, d: Path, base: Path) -> str:
     if how == "drop":
         key = rng.choice(("producer", "pcp", "block_size", "num_speculative_tokens"))
         meta.pop(key, None)
+        if key == "block_size":
+            meta.pop("block_sizes", None)  # the plugin also writes the per-group list: drop the value, not a copy
         path.write_text(json.dumps(meta))
         return f"drop {key}"
     if how == "deep":
