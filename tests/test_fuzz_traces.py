@@ -112,7 +112,14 @@ def _refutable(base: Path, other: Path) -> bool:
     keys = ("pcp", "num_speculative_tokens", "block_size")
     if any(a.get(k) != b.get(k) for k in keys):
         return True
-    return "prompt_token_ids" in b and b.get("prompt_token_ids") != a.get("prompt_token_ids")
+    if "prompt_token_ids" not in b:
+        return False
+    mine = a.get("prompt_token_ids")
+    if mine is None and isinstance(a.get("prompts"), list):  # a vLLM recording keeps the text
+        from pcpviz.engine.tokenizer import encode
+
+        mine = [encode(t) for t in a["prompts"]]
+    return mine is not None and b["prompt_token_ids"] != mine
 
 
 def swap(rng: random.Random, d: Path, base: Path) -> str:

@@ -364,8 +364,14 @@ def _check_prompts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, 
             for i, rid in enumerate(rids):
                 prompt = by_id.get(str(rid))
                 head = str(rid).split("-", 1)[0]
-                if prompt is None and head.isdigit() and "-" in str(rid):
-                    prompt = by_index.get(int(head))
+                index = int(head) if head.isdigit() and "-" in str(rid) else (
+                    int(str(rid)[3:]) if str(rid).startswith("req") and str(rid)[3:].isdigit() else None)
+                if prompt is None and index is not None:
+                    prompt = by_index.get(index)
+                    if prompt is None and by_index:
+                        invalid("prompt_token_ids", f"{len(by_index)} prompts, but step {step} rank {r} serves "
+                                f"request {rid} (prompt {index}; the run.json of another run?)")
+                        return
                 lo, hi = int(qsl[i]), int(qsl[i + 1])
                 if prompt is None or not 0 <= lo <= hi <= ids.size:
                     continue
