@@ -21,6 +21,8 @@ import os
 import sys
 from typing import Any, Callable
 
+from pcpviz.jsonlimits import loads_bounded
+
 __all__ = ["EXIT_INCOMPLETE", "EXIT_PIPE", "EXIT_CODES_HELP", "bounded_int", "seconds",
            "check_output_file", "read_json_file", "trace_verdict", "exit_code"]
 
@@ -83,7 +85,7 @@ def read_json_file(path: str, option: str) -> Any:
             data = f.read(MAX_JSON_INPUT_BYTES + 1)
         if len(data) > MAX_JSON_INPUT_BYTES:
             raise ValueError(f"larger than {MAX_JSON_INPUT_BYTES} bytes")
-        return json.loads(data.decode("utf-8"))
+        return loads_bounded(data)
     except RecursionError:
         raise ValueError(f"{where}: nested too deeply") from None
     except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors

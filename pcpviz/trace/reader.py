@@ -41,6 +41,7 @@ import pyarrow as pa
 
 from . import schema as S
 from .errors import TraceError, TraceWarning
+from pcpviz.jsonlimits import loads_bounded
 
 __all__ = ["open", "Trace", "Record", "RankFile"]
 
@@ -185,7 +186,7 @@ def _read_meta(run_dir: Path) -> dict[str, Any]:
         if path.stat().st_size > MAX_META_BYTES:
             raise TraceError(f"{path}: {path.stat().st_size} bytes, more than the "
                              f"{MAX_META_BYTES} a run.json may have")
-        meta = json.loads(path.read_bytes().decode("utf-8"))
+        meta = loads_bounded(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TraceError(f"{path}: not valid JSON ({_one_line(exc)})") from None
     except RecursionError:
