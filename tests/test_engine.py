@@ -102,6 +102,13 @@ def test_recorded_layout_equals_plan_layout(pcp2_run):
         assert str(trace.record(step, 0, "draft_1")["view"]) == "replicated"
 
 
+def test_recorded_views_are_declared_in_the_schema(pcp1_run, pcp2_run):
+    from pcpviz.trace.validate import undeclared_views
+
+    for run in (pcp1_run, pcp2_run):
+        assert undeclared_views(pt.open(run.trace_path)) == []
+
+
 def test_recording_does_not_change_tokens(pcp2_run):
     res = pcpviz.run(PROMPTS, pcp=2, num_speculative_tokens=2, **MIXED)
     assert res.trace_path is None

@@ -106,6 +106,14 @@ def test_mixed_trace_records_the_engines_view_names_per_rank_and_step(mixed):
     assert t.phases(5, 0) == ["dummy"]
 
 
+def test_replay_views_are_declared_in_the_schema(mixed, decode_only, dspark):
+    from pcpviz.trace.validate import undeclared_views
+
+    for run in (mixed, decode_only, dspark):
+        assert undeclared_views(run.trace) == [], run.scenario
+    assert "dummy" in mixed.trace.phases(5, 0)  # the dummy run's views are held to it too
+
+
 def test_mixed_covers_fresh_chunked_decodes_drafts_and_rejections(mixed):
     t = mixed.trace
     kinds = set()
