@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from pcpviz.trace.schema import causal_phase_key
+from pcpviz.trace.schema import GLOBAL, causal_phase_key, phase_class, view_spec
 from pcpviz.blocks import PAD_SLOT_ID, compute_slot_mappings
 from pcpviz.layout import plan_layout, replicated_requests
 from pcpviz.trace import SEGMENT_DTYPE, Trace, draft_index, segments_table
@@ -52,8 +52,6 @@ __all__ = [
 
 PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
 
-TIMING_VIEWS = frozenset({"t_start_us", "t_end_us"})
-DIGEST_VIEWS = frozenset({"top1_token", "hidden_hash"})
 
 
 # --------------------------------------------------------------------------- report records
@@ -1149,23 +1147,16 @@ def drafts_fed_back(c: _Ctx) -> None:
                expected=_fmt(exp[i, jj]), actual=short_repr(ids, (tok,)))
 
 
-_AGREE = {
-    "target": frozenset({"req_ids", "idx_mapping", "num_scheduled_tokens", "num_computed_tokens",
-                         "query_start_loc", "positions", "input_ids", "seq_lens", "is_prefilling",
-                         "prefill_len", "logits_indices", "segments", "per_rank_num_tokens",
-                         "padded_gather_idx", "hidden_restore_idx", "kv_write_mask",
-                         "block_table_global", "slot_mapping_global", "slot_mapping_gathered"}),
-    "draft_0": frozenset({"view", "draft_tokens", "draft_last_token_indices", "draft_global_input_ids"}),
-}
-
-
 def _agreeing_views(phase: str, names) -> list[str]:
-    if phase in _AGREE:
-        return [v for v in names if v in _AGREE[phase]]
-    k = draft_index(phase)
-    if phase == "verify" or (k is not None and k >= 1):
-        return [v for v in names if v not in TIMING_VIEWS and v not in DIGEST_VIEWS]
-    return []
+    """The views of ``phase`` every rank must record identically: those the schema declares
+    with scope ``GLOBAL``; in the replicated phases (verify, draft_k) also undeclared ones."""
+    replicated = phase_class(phase) in ("verify", "draft_k")
+    out = []
+    for v in names:
+        spec = view_spec(phase, v)
+        if (spec.scope == GLOBAL) if spec is not None else replicated:
+            out.append(v)
+    return out
 
 
 @_check("ranks_agree",

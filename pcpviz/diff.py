@@ -40,7 +40,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pcpviz.trace.schema import causal_phase_key
+from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
 from pcpviz.checks import first_difference, short_repr
 from pcpviz.trace import Trace, draft_index
 from pcpviz.trace import open as open_trace
@@ -48,10 +48,10 @@ from pcpviz.trace import open as open_trace
 __all__ = ["Acceptance", "RequestAcceptance", "StepAcceptance", "acceptance", "Divergence",
            "DiffReport", "diff_traces", "DEFAULT_IGNORE"]
 
-DEFAULT_IGNORE = frozenset({"t_start_us", "t_end_us", "hidden_hash", "idx_mapping", "local_idx_mapping"})
-"""Views that differ between two correct runs: timestamps, hashes, and ``idx_mapping`` (the row of
-vLLM's persistent request-state table a request got, allocated per run; the block-table rows and
-slot mappings it selects are compared)."""
+DEFAULT_IGNORE = RUN_SPECIFIC_VIEWS
+"""Views that differ between two correct runs (the schema's ``run_specific`` ones): timestamps,
+hashes, and ``idx_mapping`` (the row of vLLM's persistent request-state table a request got,
+allocated per run; the block-table rows and slot mappings it selects are compared)."""
 
 
 # --------------------------------------------------------------------------- acceptance
@@ -293,35 +293,13 @@ def _acceptance_table(a: Acceptance, b: Acceptance) -> str:
     return "\n".join(f"  {r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]}" for r in rows)
 
 
-# view -> how it is aligned by request: ("req", axis) rows are requests; ("tok", axis) columns
-# are global tokens; "qsl" query_start_loc; "tokidx" values are global token indices (sorted
-# set); "tokidx_req" one global token index per request; "scalar" compared as is.
-_TARGET_GLOBAL = {
-    "req_ids": ("req", 0), "idx_mapping": ("req", 0), "num_scheduled_tokens": ("req", 0),
-    "num_computed_tokens": ("req", 0), "seq_lens": ("req", 0), "is_prefilling": ("req", 0),
-    "prefill_len": ("req", 0), "block_table_global": ("req", -2), "positions": ("tok", 0),
-    "input_ids": ("tok", 0), "slot_mapping_global": ("tok", -1), "query_start_loc": ("qsl",),
-    "logits_indices": ("tokidx",), "sampled_logits_rows": ("tokidx",), "sampled_from": ("scalar",),
-}
-_DRAFT0_GLOBAL = {"draft_tokens": ("req", 0), "draft_last_token_indices": ("tokidx_req",),
-                  "draft_global_input_ids": ("tok", 0)}
-_DRAFTK_GLOBAL = {"view": ("scalar",), "draft_input_ids": ("req", 0), "draft_positions": ("req", 0),
-                  "draft_seq_lens": ("req", 0), "draft_tokens": ("req", 0),
-                  "block_table_draft": ("req", -2), "slot_mapping_draft": ("req", -1)}
-
-
 def _kind(phase: str, view: str) -> tuple | None:
-    """How a view aligns across runs; None for a local (rank-dependent) view."""
-    if phase == "target":
-        return _TARGET_GLOBAL.get(view)
-    if phase == "verify":
-        return ("req", 0)
-    k = draft_index(phase)
-    if k == 0:
-        return _DRAFT0_GLOBAL.get(view)
-    if k is not None:
-        return _DRAFTK_GLOBAL.get(view)
-    return None
+    """How a view aligns across runs (the schema's ``ViewSpec.align``); None for a local
+    (rank-dependent) view. Undeclared verify views are per request."""
+    spec = view_spec(phase, view)
+    if spec is not None:
+        return spec.align
+    return ("req", 0) if phase == "verify" else None
 
 
 @dataclass

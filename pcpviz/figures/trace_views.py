@@ -51,7 +51,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from pcpviz.figures.palette import DIM_COLOR, PAD_COLOR, heat_z, request_color
-from pcpviz.trace.schema import SEGMENT_DTYPE
+from pcpviz.trace.schema import SEGMENT_DTYPE, view_panel
 
 __all__ = [
     "TOKEN_LIMIT", "MAX_CELLS", "TEXT_LIMIT", "BLOCK_COLUMNS",
@@ -1259,25 +1259,10 @@ def acceptance_figure(stats: AcceptanceStats, *, step: int | None = None, highli
     )
 
 
-_VIEW_OF = {
-    "segments": "token_order", "per_rank_num_tokens": "token_order", "padded_gather_idx": "token_order",
-    "hidden_restore_idx": "token_order", "kv_write_mask": "slot_mappings",
-    "block_table_global": "block_tables", "block_table_local": "block_tables", "block_table_draft": "block_tables",
-    "slot_mapping_global": "slot_mappings", "slot_mapping_gathered": "slot_mappings",
-    "slot_mapping_draft": "slot_mappings",
-}
-
-
-def violation_view(view: str | None) -> str:
+def violation_view(view: str | None, phase: str | None = None) -> str:
     """The figure (``token_order``, ``timeline``, ``block_tables``, ``slot_mappings``) a violated
-    trace view is drawn on."""
-    if view is None:
-        return "timeline"
-    if view in _VIEW_OF:
-        return _VIEW_OF[view]
-    if view.startswith("local_"):
-        return "token_order"
-    return "timeline"
+    trace view is drawn on: its ``panel`` in the schema."""
+    return view_panel(view, phase)
 
 
 def violation_marks(violations: Iterable[Any], view: str, step: int, rank: int,
@@ -1287,7 +1272,7 @@ def violation_marks(violations: Iterable[Any], view: str, step: int, rank: int,
     show that draft phase."""
     out = []
     for v in violations:
-        if v.step != step or (v.rank is not None and v.rank != rank) or violation_view(v.view) != view:
+        if v.step != step or (v.rank is not None and v.rank != rank) or violation_view(v.view, v.phase) != view:
             continue
         if view in ("block_tables", "slot_mappings") and v.phase and v.phase.startswith("draft_") \
                 and v.phase != draft_phase:

@@ -65,7 +65,7 @@ __all__ = [
     "GLOBAL_BATCH_VIEWS", "LAYOUT_VIEWS", "LOCAL_BATCH_VIEWS", "BLOCK_TABLE_VIEWS",
     "SLOT_MAPPING_VIEWS", "DRAFT_VIEWS", "VERIFY_VIEWS", "DIGEST_VIEWS", "VIEW_GROUPS", "VIEWS",
     "KNOWN_VIEWS", "PHASE_CLASSES", "GLOBAL", "RANK", "ViewSpec", "VIEW_SPECS", "phase_class", "view_spec",
-    "phase_views", "undeclared_views", "views_markdown", "RUN_SPECIFIC_VIEWS", "TIMING_VIEWS", "DRAFT_VIEW_RANK_LOCAL", "DRAFT_VIEW_REPLICATED", "PAD_SLOT", "SEGMENT_DTYPE",
+    "phase_views", "view_panel", "undeclared_views", "views_markdown", "RUN_SPECIFIC_VIEWS", "TIMING_VIEWS", "DRAFT_VIEW_RANK_LOCAL", "DRAFT_VIEW_REPLICATED", "PAD_SLOT", "SEGMENT_DTYPE",
     "segments_table", "is_valid_view_name", "ARROW_SCHEMA", "arrow_schema",
 ]
 
@@ -363,7 +363,7 @@ VIEW_SPECS: tuple[ViewSpec, ...] = tuple(
     + _specs("block tables", (_D0, _DK), [
         ("block_table_draft_stale_tail", "int64", "[]", "vLLM only: non-zero entries past num_blocks "
          "dropped from block_table_draft"),
-    ], scope=RANK, panel="block_tables")
+    ], scope=RANK)
     + _specs("DSpark draft", (_D0,), [
         ("draft_block_tokens", "int64", "[R, K]", "all K tokens DSpark's one replicated forward proposed"),
         ("draft_query_start_loc", "int32|int64", "[R+1]", "cumulative starts of the DSpark query rows"),
@@ -434,6 +434,16 @@ def phase_views(phase: str) -> dict[str, ViewSpec]:
     """Every view declared for ``phase``'s class, by name."""
     cls = phase_class(phase)
     return {name: s for (p, name), s in _SPEC_INDEX.items() if p == cls}
+
+
+def view_panel(name: str | None, phase: str | None = None) -> str:
+    """The Workbench figure that draws view ``name`` (of ``phase``, or its first declaration):
+    ``token_order``, ``block_tables``, ``slot_mappings``, else ``timeline``."""
+    if name is None:
+        return "timeline"
+    spec = view_spec(phase, name) if phase is not None and is_valid_phase(phase) else None
+    spec = spec or next((s for s in VIEW_SPECS if s.name == name), None)
+    return "timeline" if spec is None else spec.panel
 
 
 def undeclared_views(phases: Mapping[str, Mapping[str, Any]]) -> list[str]:
