@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -119,6 +121,7 @@ def test_no_speculation_mode(pcp1_run):
     res = pcpviz.run(PROMPTS[:1], pcp=2, num_speculative_tokens=0, **MIXED)
     assert res.output_token_ids == pcp1_run.output_token_ids[:1]
     assert res.num_drafts == 0
+    assert math.isnan(res.mean_acceptance_length) and res.summary()["mean_acceptance_length"] is None
 
 
 def test_dead_rank_is_named_and_does_not_hang(tmp_path, monkeypatch):
