@@ -34,7 +34,7 @@ import numpy as np
 
 from pcpviz.acceptance import Acceptance, RequestAcceptance, StepAcceptance, acceptance
 from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
-from pcpviz.checks import first_difference, short_repr
+from pcpviz.compare import first_difference, short_repr
 from pcpviz.trace import Trace, draft_index
 from pcpviz.trace import open as open_trace
 
