@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Callable, Sequence
 
@@ -166,8 +167,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     doc = res.summary()
     for i, text in enumerate(res.texts):
         print(f"--- request {i} ({len(res.output_token_ids[i])} tokens)\n{text}")
-    rates = ", ".join(f"{r:.2f}" for r in res.acceptance_rate_per_pos)
-    print(f"acceptance per position [{rates}]  mean acceptance length {res.mean_acceptance_length:.2f}  "
+    num = lambda x: "-" if math.isnan(x) else f"{x:.2f}"  # noqa: E731 - NaN: nothing was drafted
+    rates = ", ".join(num(r) for r in res.acceptance_rate_per_pos)
+    print(f"acceptance per position [{rates}]  mean acceptance length {num(res.mean_acceptance_length)}  "
           f"steps {res.num_steps}  {res.wall_s:.1f}s" + (f"  trace {res.trace_path}" if res.trace_path else ""),
           flush=True)
     if args.json:

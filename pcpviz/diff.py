@@ -19,15 +19,8 @@ reductions differ across PCP sizes).
 The report names the first divergence — step, phase, view, ranks, request, first differing
 index, expected (run A) vs actual (run B) — and puts both runs' acceptance side by side.
 
-Acceptance uses vLLM's definitions (``SpecDecodingStats``): a *draft* is one request in one
-step that carried draft tokens (``num_draft_tokens > 0`` in verify)::
-
-    num_drafts                       number of such (request, step) verify events
-    num_accepted_tokens_per_pos[k]   events whose draft at position k was accepted
-                                     (k < num_accepted), k = 0..K-1
-    acceptance rate at position k    num_accepted_tokens_per_pos[k] / num_drafts
-    acceptance rate                  num_accepted_tokens / num_draft_tokens
-    mean acceptance length           1 + num_accepted_tokens / num_drafts
+Acceptance (vLLM's definitions, NaN when nothing was drafted) is ``pcpviz.acceptance``;
+``acceptance`` and its records are re-exported here.
 """
 
 from __future__ import annotations
@@ -35,157 +28,27 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Mapping
 
 import numpy as np
 
-from pcpviz.trace.schema import causal_phase_key
-from pcpviz.checks import first_difference, short_repr
+from pcpviz.acceptance import Acceptance, RequestAcceptance, StepAcceptance, acceptance
+from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
+from pcpviz.compare import first_difference, short_repr
 from pcpviz.trace import Trace, draft_index
 from pcpviz.trace import open as open_trace
 
 __all__ = ["Acceptance", "RequestAcceptance", "StepAcceptance", "acceptance", "Divergence",
            "DiffReport", "diff_traces", "DEFAULT_IGNORE"]
 
-DEFAULT_IGNORE = frozenset({"t_start_us", "t_end_us", "hidden_hash", "idx_mapping", "local_idx_mapping"})
-"""Views that differ between two correct runs: timestamps, hashes, and ``idx_mapping`` (the row of
-vLLM's persistent request-state table a request got, allocated per run; the block-table rows and
-slot mappings it selects are compared)."""
-
-
-# --------------------------------------------------------------------------- acceptance
-
-@dataclass(frozen=True)
-class RequestAcceptance:
-    req_id: str
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_position: tuple[int, ...]
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else math.nan
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else math.nan
-
-
-@dataclass(frozen=True)
-class StepAcceptance:
-    step: int
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-
-
-@dataclass(frozen=True)
-class Acceptance:
-    """Speculative-decoding acceptance of one run (vLLM's definitions; see the module doc)."""
-
-    num_speculative_tokens: int  # K
-    num_drafts: int
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_position: tuple[int, ...]  # length K
-    rate_per_position: tuple[float, ...]  # accepted_per_position[k] / num_drafts
-    acceptance_rate: float  # num_accepted_tokens / num_draft_tokens
-    mean_acceptance_length: float  # 1 + num_accepted_tokens / num_drafts
-    per_request: Mapping[str, RequestAcceptance]
-    per_step: tuple[StepAcceptance, ...]
-    rank: int | None  # the rank whose verify records were read
-
-    def to_dict(self) -> dict[str, Any]:
-        f = lambda x: None if isinstance(x, float) and math.isnan(x) else x  # noqa: E731
-        return {
-            "num_speculative_tokens": self.num_speculative_tokens, "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens, "num_accepted_tokens": self.num_accepted_tokens,
-            "num_accepted_tokens_per_pos": list(self.accepted_per_position),
-            "acceptance_rate_per_pos": [f(x) for x in self.rate_per_position],
-            "acceptance_rate": f(self.acceptance_rate), "mean_acceptance_length": f(self.mean_acceptance_length),
-            "rank": self.rank,
-            "per_request": {k: {"num_drafts": v.num_drafts, "num_draft_tokens": v.num_draft_tokens,
-                                "num_accepted_tokens": v.num_accepted_tokens,
-                                "num_accepted_tokens_per_pos": list(v.accepted_per_position),
-                                "mean_acceptance_length": f(v.mean_acceptance_length)}
-                            for k, v in self.per_request.items()},
-        }
+DEFAULT_IGNORE = RUN_SPECIFIC_VIEWS
+"""Views that differ between two correct runs (the schema's ``run_specific`` ones): timestamps,
+hashes, and ``idx_mapping`` (the row of vLLM's persistent request-state table a request got,
+allocated per run; the block-table rows and slot mappings it selects are compared)."""
 
 
 def _open(trace: Trace | str | os.PathLike) -> Trace:
     return trace if isinstance(trace, (Trace, _RenamedRequests)) else open_trace(trace)
-
-
-def acceptance(trace: Trace | str | os.PathLike, *, rank: int | None = None) -> Acceptance:
-    """Acceptance statistics from the verify records of ``rank`` (default: the lowest rank).
-
-    Per request and step, ``num_draft_tokens`` is read from verify (or, if not recorded,
-    ``num_accepted + num_rejected``). K is run.json's ``num_speculative_tokens``, else the
-    width of ``sampled_token_ids`` minus one.
-    """
-    trace = _open(trace)
-    if rank is None:
-        rank = trace.ranks[0] if trace.ranks else None
-    k_meta = trace.meta.get("num_speculative_tokens")
-    k = int(k_meta) if isinstance(k_meta, (int, float)) and not isinstance(k_meta, bool) else None
-    per_pos = np.zeros(max(k or 0, 0), dtype=np.int64)
-    per_req: dict[str, list] = {}
-    steps = []
-    tot_drafts = tot_tokens = tot_acc = 0
-    for step in ([] if rank is None else trace.rank_steps(rank)):
-        if not trace.has(step, rank, "verify"):
-            continue
-        rec = trace.record(step, rank, "verify")
-        if "num_accepted" not in rec:
-            continue
-        nacc = np.asarray(rec["num_accepted"], dtype=np.int64)
-        if "num_draft_tokens" in rec:
-            nd = np.asarray(rec["num_draft_tokens"], dtype=np.int64)
-        elif "num_rejected" in rec:
-            nd = nacc + np.asarray(rec["num_rejected"], dtype=np.int64)
-        else:
-            continue
-        if k is None and "sampled_token_ids" in rec and rec["sampled_token_ids"].ndim == 2:
-            k = rec["sampled_token_ids"].shape[1] - 1
-        has = nd > 0
-        width = int(nacc[has].max()) if has.any() else 0
-        if width > per_pos.shape[0]:
-            per_pos = np.concatenate([per_pos, np.zeros(width - per_pos.shape[0], np.int64)])
-        pos = np.arange(per_pos.shape[0])
-        per_pos += ((pos[None, :] < nacc[:, None]) & has[:, None]).sum(axis=0)
-        nd_s, acc_s = int(nd[has].sum()), int(nacc[has].sum())
-        steps.append(StepAcceptance(int(step), int(has.sum()), nd_s, acc_s))
-        tot_drafts += int(has.sum())
-        tot_tokens += nd_s
-        tot_acc += acc_s
-        ids = rec["req_ids"].tolist() if "req_ids" in rec else [f"row{i}" for i in range(nd.shape[0])]
-        for i in np.flatnonzero(has):
-            entry = per_req.setdefault(str(ids[i]), [0, 0, 0, []])
-            a = int(nacc[i])
-            entry[0] += 1
-            entry[1] += int(nd[i])
-            entry[2] += a
-            if len(entry[3]) < a:
-                entry[3].extend([0] * (a - len(entry[3])))
-            for j in range(a):
-                entry[3][j] += 1
-    k = int(k or 0)
-    if per_pos.shape[0] < k:
-        per_pos = np.concatenate([per_pos, np.zeros(k - per_pos.shape[0], np.int64)])
-    width = per_pos.shape[0]
-    requests = {rid: RequestAcceptance(rid, e[0], e[1], e[2], tuple(e[3] + [0] * (width - len(e[3]))))
-                for rid, e in per_req.items()}
-    nan = math.nan
-    return Acceptance(
-        num_speculative_tokens=k, num_drafts=tot_drafts, num_draft_tokens=tot_tokens,
-        num_accepted_tokens=tot_acc, accepted_per_position=tuple(int(x) for x in per_pos),
-        rate_per_position=tuple((int(x) / tot_drafts) if tot_drafts else nan for x in per_pos),
-        acceptance_rate=tot_acc / tot_tokens if tot_tokens else nan,
-        mean_acceptance_length=1.0 + tot_acc / tot_drafts if tot_drafts else nan,
-        per_request=MappingProxyType(requests), per_step=tuple(steps), rank=rank,
-    )
 
 
 # --------------------------------------------------------------------------- divergences
@@ -293,35 +156,13 @@ def _acceptance_table(a: Acceptance, b: Acceptance) -> str:
     return "\n".join(f"  {r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]}" for r in rows)
 
 
-# view -> how it is aligned by request: ("req", axis) rows are requests; ("tok", axis) columns
-# are global tokens; "qsl" query_start_loc; "tokidx" values are global token indices (sorted
-# set); "tokidx_req" one global token index per request; "scalar" compared as is.
-_TARGET_GLOBAL = {
-    "req_ids": ("req", 0), "idx_mapping": ("req", 0), "num_scheduled_tokens": ("req", 0),
-    "num_computed_tokens": ("req", 0), "seq_lens": ("req", 0), "is_prefilling": ("req", 0),
-    "prefill_len": ("req", 0), "block_table_global": ("req", -2), "positions": ("tok", 0),
-    "input_ids": ("tok", 0), "slot_mapping_global": ("tok", -1), "query_start_loc": ("qsl",),
-    "logits_indices": ("tokidx",), "sampled_logits_rows": ("tokidx",), "sampled_from": ("scalar",),
-}
-_DRAFT0_GLOBAL = {"draft_tokens": ("req", 0), "draft_last_token_indices": ("tokidx_req",),
-                  "draft_global_input_ids": ("tok", 0)}
-_DRAFTK_GLOBAL = {"view": ("scalar",), "draft_input_ids": ("req", 0), "draft_positions": ("req", 0),
-                  "draft_seq_lens": ("req", 0), "draft_tokens": ("req", 0),
-                  "block_table_draft": ("req", -2), "slot_mapping_draft": ("req", -1)}
-
-
 def _kind(phase: str, view: str) -> tuple | None:
-    """How a view aligns across runs; None for a local (rank-dependent) view."""
-    if phase == "target":
-        return _TARGET_GLOBAL.get(view)
-    if phase == "verify":
-        return ("req", 0)
-    k = draft_index(phase)
-    if k == 0:
-        return _DRAFT0_GLOBAL.get(view)
-    if k is not None:
-        return _DRAFTK_GLOBAL.get(view)
-    return None
+    """How a view aligns across runs (the schema's ``ViewSpec.align``); None for a local
+    (rank-dependent) view. Undeclared verify views are per request."""
+    spec = view_spec(phase, view)
+    if spec is not None:
+        return spec.align
+    return ("req", 0) if phase == "verify" else None
 
 
 @dataclass

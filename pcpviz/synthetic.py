@@ -466,8 +466,8 @@ def generate(
                         dur = 20.0 + 0.05 * layout.padded_num_tokens
                     else:
                         dur = 5.0 + 0.1 * num_r
-                    views["t_start_us"] = np.array(tt)
-                    views["t_end_us"] = np.array(tt + dur)
+                    views["t_start_us"] = np.array(round(tt), dtype=np.int64)  # int64 µs, as declared
+                    views["t_end_us"] = np.array(round(tt + dur), dtype=np.int64)
                     tt += dur + 1.0
                 clock = max(clock, tt + 10.0)
             per_rank.append(phases)

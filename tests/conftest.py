@@ -1,23 +1,33 @@
 """Session set-up shared by every test module.
 
-The conformance tier drives the real vLLM 0.33.0 on CPU, which needs
-TRITON_INTERPRET=1 and CUDA_VISIBLE_DEVICES="" *before* triton or vLLM is first
-imported (see pcpviz/vllm/cpu_patches.py). Applying the patches once, here, makes
-the outcome independent of test order.
+The conformance tier drives the real vLLM 0.33.0 on CPU: vLLM's worker modules must be first
+imported under ``pcpviz.vllm.cpu_patches`` (Triton kernels interpreted). Applying the patches
+once, here, makes the outcome independent of test order; they change vLLM's own objects only
+and leave the process environment as it was (``cpu_environment()`` is scoped), so no GPU is
+hidden from the other tests. A session that selects the GPU tier (``-m gpu``) skips them.
 """
 
 import json
 
 import pytest
 
-from pcpviz.vllm import cpu_patches
 
-cpu_patches.apply_cpu_patches()
+def _gpu_tier(config) -> bool:
+    return "gpu" in (config.getoption("markexpr", "") or "")
+
+
+def pytest_configure(config):
+    if not _gpu_tier(config):
+        from pcpviz.vllm import cpu_patches
+
+        cpu_patches.apply_cpu_patches()
 
 
 def pytest_collection_modifyitems(config, items):
-    """Deselect the GPU tier (marker ``gpu``): this session hides GPUs (CUDA_VISIBLE_DEVICES="")
-    and CI has none. It runs on the GPU machine with ``pytest --noconftest -m gpu``."""
+    """Deselect the GPU tier (marker ``gpu``) unless it was asked for: CI has no GPU. On the GPU
+    machine: ``pytest -m gpu`` (the normal conftest)."""
+    if _gpu_tier(config):
+        return
     keep = [i for i in items if i.get_closest_marker("gpu") is None]
     dropped = [i for i in items if i.get_closest_marker("gpu") is not None]
     if dropped:

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -102,6 +104,13 @@ def test_recorded_layout_equals_plan_layout(pcp2_run):
         assert str(trace.record(step, 0, "draft_1")["view"]) == "replicated"
 
 
+def test_recorded_views_are_declared_in_the_schema(pcp1_run, pcp2_run):
+    from pcpviz.trace.validate import undeclared_views
+
+    for run in (pcp1_run, pcp2_run):
+        assert undeclared_views(pt.open(run.trace_path)) == []
+
+
 def test_recording_does_not_change_tokens(pcp2_run):
     res = pcpviz.run(PROMPTS, pcp=2, num_speculative_tokens=2, **MIXED)
     assert res.trace_path is None
@@ -112,6 +121,7 @@ def test_no_speculation_mode(pcp1_run):
     res = pcpviz.run(PROMPTS[:1], pcp=2, num_speculative_tokens=0, **MIXED)
     assert res.output_token_ids == pcp1_run.output_token_ids[:1]
     assert res.num_drafts == 0
+    assert math.isnan(res.mean_acceptance_length) and res.summary()["mean_acceptance_length"] is None
 
 
 def test_dead_rank_is_named_and_does_not_hang(tmp_path, monkeypatch):

@@ -1,15 +1,13 @@
 """Triton kernels (pcpviz_kernels) against their torch references and pcpviz.blocks.
 
 On CPU every kernel runs under the Triton interpreter (``TRITON_INTERPRET=1``,
-set here before the kernels are imported; if another test module imported
-them compiled, they are re-imported interpreted). Triton's own library
+set here before the kernels are first imported). Triton's own library
 functions (``tl.max``, ...) are interpreted only if the variable was set before
 ``triton`` itself was imported; when an earlier module imported triton without
 it, the CPU tests run once more in a fresh ``pytest`` subprocess instead. With
 a usable GPU and no interpreter requested, the ``test_gpu_*`` variants run the
-compiled kernels on sm_90: ``python -m pytest --noconftest tests/test_kernels.py -k gpu``
-(``--noconftest``: the suite's conftest prepares the CPU vLLM replay, which hides
-the GPU with ``CUDA_VISIBLE_DEVICES=""``).
+compiled kernels on sm_90: ``python -m pytest -m gpu tests/test_kernels.py`` (the suite's
+conftest leaves the GPUs visible: the CPU vLLM patches are scoped and skipped for ``-m gpu``).
 """
 
 from __future__ import annotations
@@ -31,18 +29,9 @@ import pytest  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels"))
 
 
-def _load_kernels():
-    import pcpviz_kernels
+import pcpviz_kernels as K  # noqa: E402
 
-    if pcpviz_kernels.INTERPRET == GPU:  # imported earlier under the other mode: import afresh
-        for name in [m for m in sys.modules if m == "pcpviz_kernels" or m.startswith("pcpviz_kernels.")]:
-            del sys.modules[name]
-        import pcpviz_kernels
-    assert pcpviz_kernels.INTERPRET == (not GPU)
-    return pcpviz_kernels
-
-
-K = _load_kernels()
+assert K.INTERPRET == (not GPU), "pcpviz_kernels was imported earlier in this process in the other mode"
 
 
 def _interpreter_works() -> bool:
@@ -68,7 +57,7 @@ from pcpviz.layout import plan_layout  # noqa: E402
 
 cpu_only = pytest.mark.skipif(GPU or SUBPROCESS, reason="kernels compiled for the GPU in this process"
                               if GPU else "triton imported without the interpreter: run in a subprocess")
-# The GPU tier runs on the GPU machine (`pytest --noconftest tests/test_kernels.py -m gpu`);
+# The GPU tier runs on the GPU machine (`pytest -m gpu tests/test_kernels.py`);
 # tests/conftest.py deselects it on CPU machines (CI has no GPU), so nothing is silently skipped.
 gpu_only = pytest.mark.gpu
 DEV = "cuda" if GPU else "cpu"

@@ -41,7 +41,7 @@ SCRIPT_ENABLE = r"""
 import json, logging, os, sys, time
 out, trace_dir = sys.argv[1], sys.argv[2]
 from pcpviz.vllm import cpu_patches
-cpu_patches.apply_cpu_patches()
+cpu_patches.apply_cpu_patches()  # imports the worker modules (cpu_patches.WORKER_MODULES)
 import vllm, vllm.plugins
 warnings = []
 class Grab(logging.Handler):
@@ -100,7 +100,7 @@ SCRIPT_HOOK = r"""
 import json, logging, os, sys
 out = sys.argv[1]
 from pcpviz.vllm import cpu_patches
-cpu_patches.apply_cpu_patches()
+cpu_patches.cpu_environment().__enter__()  # vLLM importable on CPU; the worker modules not imported yet
 import vllm.plugins
 warnings = []
 class Grab(logging.Handler):
@@ -320,8 +320,8 @@ def test_run_refuses_an_existing_trace(tmp_path):
         launch.run("m", ["x"], trace_dir=tmp_path / "t")
 
 
-def test_run_without_gpus_fails_in_one_line(tmp_path):
-    assert os.environ.get("CUDA_VISIBLE_DEVICES") == ""  # the CPU patches hide every GPU
+def test_run_without_gpus_fails_in_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "_visible_gpus", lambda: 0)  # a machine without GPUs
     with pytest.raises(launch.LaunchError) as e:
         launch.run("data/models/pcpviz-tiny-dsv3", ["x"], pcp=2, tp=2, trace_dir=tmp_path / "t", progress=False)
     assert str(e.value).startswith("pcp*tp = 4 GPUs needed, torch sees 0") and "\n" not in str(e.value)

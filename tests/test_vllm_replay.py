@@ -106,6 +106,14 @@ def test_mixed_trace_records_the_engines_view_names_per_rank_and_step(mixed):
     assert t.phases(5, 0) == ["dummy"]
 
 
+def test_replay_views_are_declared_in_the_schema(mixed, decode_only, dspark):
+    from pcpviz.trace.validate import undeclared_views
+
+    for run in (mixed, decode_only, dspark):
+        assert undeclared_views(run.trace) == [], run.scenario
+    assert "dummy" in mixed.trace.phases(5, 0)  # the dummy run's views are held to it too
+
+
 def test_mixed_covers_fresh_chunked_decodes_drafts_and_rejections(mixed):
     t = mixed.trace
     kinds = set()
@@ -359,3 +367,27 @@ def test_recording_overhead_per_step(mixed, mixed_off, capsys):
         print(f"\nreplay step: recording on {on * 1e3:.0f} ms, off {off * 1e3:.0f} ms (median of "
               f"{len(mixed.step_seconds)}); hooks {hooks * 1e3:.1f} ms per rank per step")
     assert hooks < 0.5 * off
+
+
+def test_importing_the_replay_leaves_the_process_environment_alone():
+    """The CPU patches are scoped: after importing the replay and the oracle (and replaying),
+    CUDA_VISIBLE_DEVICES and TRITON_INTERPRET are what they were (a notebook kernel that later
+    launches vLLM on GPUs keeps them)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
+    env["CUDA_VISIBLE_DEVICES"] = "0,1"
+    code = ("import os\n"
+            "from pcpviz.vllm import oracle, replay\n"
+            "r = replay.replay(pcp=2, mtp=1, scenario='decode_only', record=False)\n"
+            "print(len(r.steps), repr(os.environ.get('CUDA_VISIBLE_DEVICES')), "
+            "repr(os.environ.get('TRITON_INTERPRET')))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps, cuda, interp = proc.stdout.split()[-3:]
+    assert int(steps) > 0 and (cuda, interp) == ("'0,1'", "None")

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pcpviz.acceptance import json_ratio
+
 __all__ = ["run", "RunResult", "RankError", "build_config", "start_trace"]
 
 MAX_CPU_RANKS = 32
@@ -37,6 +39,11 @@ MAX_CPU_RANKS = 32
 MAX_BLOCK_SIZE = 4096
 MAX_BATCHED_TOKENS = 1 << 20
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def _ratio(x: float | None) -> float:
+    """A ratio from a rank's result JSON: null (nothing drafted) is NaN (pcpviz.acceptance's policy)."""
+    return math.nan if x is None else float(x)
 
 
 class RankError(RuntimeError):
@@ -53,7 +60,7 @@ class RunResult:
     output_token_ids: list[list[int]]
     texts: list[str]
     num_accepted_tokens_per_pos: list[int]
-    acceptance_rate_per_pos: list[float]
+    acceptance_rate_per_pos: list[float]  # pcpviz.acceptance: NaN where nothing was drafted
     acceptance_rate: float
     mean_acceptance_length: float
     num_drafts: int
@@ -70,10 +77,10 @@ class RunResult:
                 {"prompt_token_ids": p, "output_token_ids": o, "text": t}
                 for p, o, t in zip(self.prompt_token_ids, self.output_token_ids, self.texts)
             ],
-            "acceptance_rate": self.acceptance_rate,
-            "acceptance_rate_per_pos": self.acceptance_rate_per_pos,
+            "acceptance_rate": json_ratio(self.acceptance_rate),
+            "acceptance_rate_per_pos": [json_ratio(x) for x in self.acceptance_rate_per_pos],
             "num_accepted_tokens_per_pos": self.num_accepted_tokens_per_pos,
-            "mean_acceptance_length": self.mean_acceptance_length,
+            "mean_acceptance_length": json_ratio(self.mean_acceptance_length),
             "num_drafts": self.num_drafts,
             "num_steps": self.num_steps,
             "wall_s": self.wall_s,
@@ -459,9 +466,9 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
         output_token_ids=outs,
         texts=[decode(o) for o in outs],
         num_accepted_tokens_per_pos=res["num_accepted_tokens_per_pos"],
-        acceptance_rate_per_pos=res["acceptance_rate_per_pos"],
-        acceptance_rate=res["acceptance_rate"],
-        mean_acceptance_length=res["mean_acceptance_length"],
+        acceptance_rate_per_pos=[_ratio(x) for x in res["acceptance_rate_per_pos"]],
+        acceptance_rate=_ratio(res["acceptance_rate"]),
+        mean_acceptance_length=_ratio(res["mean_acceptance_length"]),
         num_drafts=res["num_drafts"],
         num_steps=res["num_steps"],
         wall_s=res["wall_s"],

@@ -25,9 +25,9 @@ __all__ = ["main", "run_rank"]
 
 
 def run_rank(cfg: dict) -> dict | None:
-    import numpy as np
     import torch
 
+    from pcpviz.acceptance import Counts, count, json_ratio
     from pcpviz.engine.dist import init_process_group
     from pcpviz.engine.model import load_model
     from pcpviz.engine.scheduler import Scheduler, SchedulerOutput
@@ -81,8 +81,7 @@ def run_rank(cfg: dict) -> dict | None:
         debug_exit = (int(r), int(s))
     k = ecfg.num_speculative_tokens
     last_said = 0.0
-    accepted_per_pos = np.zeros(max(k, 0), dtype=np.int64)
-    num_drafts = 0
+    counts = Counts().widened(max(k, 0))
     steps = 0
     t_start = time.perf_counter()
     while True:
@@ -104,8 +103,7 @@ def run_rank(cfg: dict) -> dict | None:
         steps += 1
         if sched is not None:
             sched.update(plan, res.per_request)
-            num_drafts += res.num_drafts
-            accepted_per_pos += np.asarray(res.accepted_per_pos, dtype=np.int64)
+            counts = counts + count(res.num_accepted, res.num_draft_tokens)
             last_said = progress_line(sched, plan.step, last_said)
     if device_kind == "cuda":
         torch.cuda.synchronize()
@@ -118,18 +116,19 @@ def run_rank(cfg: dict) -> dict | None:
         json.dump(info, f)
     if sched is None:
         return None
-    rates = (accepted_per_pos / num_drafts).tolist() if num_drafts else [0.0] * k
     return {
         "requests": [
             {"req_id": r.req_id, "prompt_token_ids": r.prompt, "output_token_ids": r.output}
             for r in sched.requests
         ],
         "num_steps": steps,
-        "num_drafts": num_drafts,
-        "num_accepted_tokens_per_pos": accepted_per_pos.tolist(),
-        "acceptance_rate_per_pos": rates,
-        "acceptance_rate": float(accepted_per_pos.sum() / (num_drafts * k)) if num_drafts and k else 0.0,
-        "mean_acceptance_length": float(1 + accepted_per_pos.sum() / num_drafts) if num_drafts else 1.0,
+        # pcpviz.acceptance's definitions; None (JSON null) where nothing was drafted
+        "num_drafts": counts.num_drafts,
+        "num_draft_tokens": counts.num_draft_tokens,
+        "num_accepted_tokens_per_pos": list(counts.accepted_per_position),
+        "acceptance_rate_per_pos": [json_ratio(x) for x in counts.rate_per_position],
+        "acceptance_rate": json_ratio(counts.acceptance_rate),
+        "mean_acceptance_length": json_ratio(counts.mean_acceptance_length),
         "wall_s": wall,
     }
 

@@ -73,8 +73,8 @@ class RequestState:
 @dataclass
 class StepResult:
     per_request: dict[str, tuple[list[int], int]]  # req_id -> (sampled tokens, num_rejected)
-    num_drafts: int
-    accepted_per_pos: list[int]
+    num_accepted: np.ndarray  # int64[R]: drafts accepted per request (pcpviz.acceptance.count)
+    num_draft_tokens: np.ndarray  # int64[R]: drafts verified per request
     record: StepRecord | None
 
 
@@ -225,7 +225,7 @@ class Worker:
         per_request = {
             rid: (verify.sampled[i], int(verify.num_rejected[i])) for i, rid in enumerate(batch.req_ids)
         }
-        return StepResult(per_request, int((num_draft > 0).sum()), verify.accepted_per_pos.tolist(), rec)
+        return StepResult(per_request, verify.num_accepted.astype(np.int64), num_draft.astype(np.int64), rec)
 
     # ------------------------------------------------------------------------------ helpers
     def _write_input_block_tables(self, table: np.ndarray, idx_mapping: np.ndarray) -> None:

@@ -51,7 +51,8 @@ import numpy as np
 import plotly.graph_objects as go
 
 from pcpviz.figures.palette import DIM_COLOR, PAD_COLOR, heat_z, request_color
-from pcpviz.trace.schema import SEGMENT_DTYPE
+from pcpviz.acceptance import Acceptance, Counts, acceptance, acceptance_from_records, ratio
+from pcpviz.trace.schema import SEGMENT_DTYPE, view_panel
 
 __all__ = [
     "TOKEN_LIMIT", "MAX_CELLS", "TEXT_LIMIT", "BLOCK_COLUMNS",
@@ -1067,9 +1068,8 @@ def draft_timeline_figure(phases: Mapping[str, Rec], *, step: int | None = None,
 
 @dataclass(frozen=True)
 class AcceptanceStats:
-    """Acceptance of a run, vLLM's definition: rate[k] = accepted_per_pos[k] / num_drafts,
-    where num_drafts counts request-steps that carried drafts (``num_draft_tokens > 0`` in
-    ``verify``) and accepted_per_pos[k] those whose first k+1 drafts were accepted."""
+    """A run's acceptance as the figure draws it: ``pcpviz.acceptance.Acceptance`` (vLLM's
+    definitions, NaN when nothing was drafted) as arrays per position, request and step."""
 
     num_speculative_tokens: int
     num_drafts: int
@@ -1081,94 +1081,50 @@ class AcceptanceStats:
     steps: np.ndarray  # int64[S]
     step_draft_tokens: np.ndarray  # int64[S]
     step_accepted: np.ndarray  # int64[S]
-    source: str = "pcpviz.figures.trace_views"
+    source: str = "pcpviz.acceptance"
     rank: int = 0
     extra: dict = field(default_factory=dict)
 
     @property
+    def counts(self) -> Counts:
+        return Counts(self.num_drafts, int(self.req_draft_tokens.sum()), int(self.req_accepted.sum()),
+                      tuple(int(x) for x in self.accepted_per_pos))
+
+    @property
     def rate_per_pos(self) -> np.ndarray:
-        return self.accepted_per_pos / self.num_drafts if self.num_drafts else np.zeros_like(
-            self.accepted_per_pos, dtype=float)
+        return np.array(self.counts.rate_per_position, dtype=float)
 
     @property
     def acceptance_rate(self) -> float:
-        k = self.num_speculative_tokens
-        return float(self.accepted_per_pos.sum() / (self.num_drafts * k)) if self.num_drafts and k else 0.0
+        return self.counts.acceptance_rate
 
     @property
     def mean_acceptance_length(self) -> float:
-        return float(1 + self.accepted_per_pos.sum() / self.num_drafts) if self.num_drafts else 1.0
+        return self.counts.mean_acceptance_length
 
     @property
     def req_rate(self) -> np.ndarray:
-        d = self.req_draft_tokens
-        return np.divide(self.req_accepted, d, out=np.zeros(d.shape, dtype=float), where=d > 0)
+        return np.array([ratio(int(a), int(d)) for a, d in zip(self.req_accepted, self.req_draft_tokens)],
+                        dtype=float)
 
 
 def acceptance_stats(verify_records: Iterable[tuple[int, Rec]], num_speculative_tokens: int) -> AcceptanceStats:
     """``AcceptanceStats`` from ``(step, verify record)`` pairs."""
-    k = int(num_speculative_tokens)
-    acc_pos = np.zeros(k, dtype=np.int64)
-    num_drafts = 0
-    per_req: dict[str, list[int]] = {}
-    steps, sdraft, sacc = [], [], []
-    for step, rec in verify_records:
-        acc = np.asarray(rec.get("num_accepted", np.zeros(0)), dtype=np.int64)
-        nd = rec.get("num_draft_tokens")
-        if nd is None:  # older producers: a row carried drafts if it was verified with K slots
-            nd = np.where(np.asarray(rec.get("num_sampled", acc + 1)) > 0, k, 0)
-        nd = np.asarray(nd, dtype=np.int64)
-        ids = [str(x) for x in np.asarray(rec.get("req_ids", np.arange(acc.shape[0]).astype(str))).ravel()]
-        carried = nd > 0
-        num_drafts += int(carried.sum())
-        for j in range(min(k, int(acc.max(initial=0)))):
-            acc_pos[j] += int(((acc > j) & carried).sum())
-        for rid, a, d in zip(ids, acc, nd):
-            e = per_req.setdefault(rid, [0, 0, 0])
-            e[0] += int(d > 0)
-            e[1] += int(d)
-            e[2] += int(a) if d > 0 else 0
-        steps.append(int(step))
-        sdraft.append(int(nd.sum()))
-        sacc.append(int(acc[carried].sum()))
-    ids = tuple(per_req)
-    arr = np.array([per_req[r] for r in ids], dtype=np.int64).reshape(-1, 3)
-    return AcceptanceStats(k, num_drafts, acc_pos, ids, arr[:, 0], arr[:, 1], arr[:, 2],
-                           np.array(steps, dtype=np.int64), np.array(sdraft, dtype=np.int64),
-                           np.array(sacc, dtype=np.int64))
+    return from_diff_acceptance(acceptance_from_records(verify_records, k=int(num_speculative_tokens)))
 
 
 def trace_acceptance(trace: Any, rank: int | None = None) -> AcceptanceStats:
-    """Acceptance of a whole trace from one rank's ``verify`` phases (default: the first rank;
-    verify is identical on every rank unless a fault made them diverge)."""
-    rank = trace.ranks[0] if rank is None else rank
-    k = int(trace.meta.get("num_speculative_tokens", 0) or 0)
-    recs = []
-    for s in trace.steps:
-        try:
-            if "verify" in trace.phases(s, rank):
-                recs.append((s, trace.record(s, rank, "verify")))
-        except (KeyError, ValueError):
-            continue
-    if not k:
-        k = max((int(np.asarray(r.get("num_draft_tokens", [0])).max(initial=0)) for _, r in recs), default=0)
-    out = acceptance_stats(recs, k)
-    return AcceptanceStats(**{**out.__dict__, "rank": rank})
+    """Acceptance of a whole trace from one rank's ``verify`` phases (default: the first rank)."""
+    return from_diff_acceptance(acceptance(trace, rank=rank))
 
 
 def load_acceptance(trace: Any) -> AcceptanceStats:
-    """Acceptance of ``trace``: ``pcpviz.diff.acceptance`` when that module is importable (the
-    run-vs-run tool's numbers), else ``trace_views.trace_acceptance``; both implement vLLM's
-    definition over the ``verify`` phases of the first rank."""
-    try:
-        from pcpviz.diff import acceptance  # noqa: PLC0415 (optional)
-    except ImportError:
-        return trace_acceptance(trace)
-    return from_diff_acceptance(acceptance(trace))
+    """Acceptance of ``trace`` (``pcpviz.acceptance.acceptance``, the first rank's verify)."""
+    return trace_acceptance(trace)
 
 
-def from_diff_acceptance(acc: Any) -> AcceptanceStats:
-    """``pcpviz.diff.Acceptance`` as the ``AcceptanceStats`` the figures draw."""
+def from_diff_acceptance(acc: Acceptance) -> AcceptanceStats:
+    """``pcpviz.acceptance.Acceptance`` as the ``AcceptanceStats`` the figures draw."""
     reqs = list(acc.per_request.values())
     steps = list(acc.per_step)
     i64 = lambda xs: np.array(list(xs), dtype=np.int64)  # noqa: E731
@@ -1183,17 +1139,14 @@ def from_diff_acceptance(acc: Any) -> AcceptanceStats:
         steps=i64(st.step for st in steps),
         step_draft_tokens=i64(st.num_draft_tokens for st in steps),
         step_accepted=i64(st.num_accepted_tokens for st in steps),
-        source="pcpviz.diff.acceptance",
         rank=acc.rank if acc.rank is not None else 0,
     )
 
 
 def load_check_report(trace: Any) -> Any | None:
-    """``pcpviz.checks.run_checks(trace)``, or None when the module is not available."""
-    try:
-        from pcpviz.checks import run_checks  # noqa: PLC0415 (optional)
-    except ImportError:
-        return None
+    """``pcpviz.checks.run_checks(trace)`` (imported on first use: the figures alone do not need it)."""
+    from pcpviz.checks import run_checks  # noqa: PLC0415
+
     return run_checks(trace)
 
 
@@ -1220,6 +1173,14 @@ def acceptance_step_marker(step: int | None) -> list[dict]:
                  fillcolor="rgba(0,0,0,0.10)", line=dict(color="#111", width=1.5), name="current step")]
 
 
+def _gaps(x: np.ndarray) -> list:
+    return [None if np.isnan(v) else float(v) for v in np.asarray(x, dtype=float)]
+
+
+def _num(x: float, digits: int) -> str:
+    return "-" if np.isnan(x) else f"{x:.{digits}f}"
+
+
 def acceptance_figure(stats: AcceptanceStats, *, step: int | None = None, highlight: str | None = None,
                       colors: Mapping[str, int] | None = None) -> go.Figure:
     """Acceptance rate per draft position (text = accepted / drafts), per request (accepted /
@@ -1229,7 +1190,7 @@ def acceptance_figure(stats: AcceptanceStats, *, step: int | None = None, highli
                   subplot_titles=(f"rate per draft position ({stats.num_drafts} drafts)",
                                   "per request (accepted / drafted tokens)",
                                   "per step: drafted vs accepted tokens"))
-    rates = stats.rate_per_pos
+    rates = _gaps(stats.rate_per_pos)  # NaN (nothing drafted) is a gap, and JSON-safe
     fig.add(dict(type="bar", x=[f"pos {j}" for j in range(k)], y=rates, marker=dict(color="#1f77b4"),
                  text=[f"{a}/{stats.num_drafts}" for a in stats.accepted_per_pos], textposition="outside",
                  hovertemplate="%{x}: rate %{y:.3f}<extra></extra>", name="rate per position", showlegend=False),
@@ -1237,7 +1198,7 @@ def acceptance_figure(stats: AcceptanceStats, *, step: int | None = None, highli
     fig.axis("y", 1, 1, range=[0, 1.15], title=dict(text="acceptance rate"))
     cidx = colors or request_color_index(stats.req_ids)
     rc = [request_color(cidx.get(r, i)) if highlight in (None, r) else DIM_COLOR for i, r in enumerate(stats.req_ids)]
-    fig.add(dict(type="bar", x=list(stats.req_ids), y=stats.req_rate,
+    fig.add(dict(type="bar", x=list(stats.req_ids), y=_gaps(stats.req_rate),
                  marker=dict(color=rc, line=dict(color=["#111" if r == highlight else "rgba(0,0,0,0)"
                                                         for r in stats.req_ids], width=2)),
                  text=[f"{a}/{d}" for a, d in zip(stats.req_accepted, stats.req_draft_tokens)],
@@ -1252,32 +1213,17 @@ def acceptance_figure(stats: AcceptanceStats, *, step: int | None = None, highli
     fig.shapes.extend(acceptance_step_marker(step))
     return fig.figure(
         barmode="overlay", bargap=0.15, height=330, margin=dict(l=60, r=20, t=80, b=40),
-        title=dict(text=f"acceptance: mean length {stats.mean_acceptance_length:.2f}, "
-                        f"rate {stats.acceptance_rate:.3f} (rank {stats.rank}'s verify)",
+        title=dict(text=f"acceptance: mean length {_num(stats.mean_acceptance_length, 2)}, "
+                        f"rate {_num(stats.acceptance_rate, 3)} (rank {stats.rank}'s verify)",
                    font=dict(size=13)),
         legend=dict(orientation="h", x=1, xanchor="right", y=1.22), showlegend=True,
     )
 
 
-_VIEW_OF = {
-    "segments": "token_order", "per_rank_num_tokens": "token_order", "padded_gather_idx": "token_order",
-    "hidden_restore_idx": "token_order", "kv_write_mask": "slot_mappings",
-    "block_table_global": "block_tables", "block_table_local": "block_tables", "block_table_draft": "block_tables",
-    "slot_mapping_global": "slot_mappings", "slot_mapping_gathered": "slot_mappings",
-    "slot_mapping_draft": "slot_mappings",
-}
-
-
-def violation_view(view: str | None) -> str:
+def violation_view(view: str | None, phase: str | None = None) -> str:
     """The figure (``token_order``, ``timeline``, ``block_tables``, ``slot_mappings``) a violated
-    trace view is drawn on."""
-    if view is None:
-        return "timeline"
-    if view in _VIEW_OF:
-        return _VIEW_OF[view]
-    if view.startswith("local_"):
-        return "token_order"
-    return "timeline"
+    trace view is drawn on: its ``panel`` in the schema."""
+    return view_panel(view, phase)
 
 
 def violation_marks(violations: Iterable[Any], view: str, step: int, rank: int,
@@ -1287,7 +1233,7 @@ def violation_marks(violations: Iterable[Any], view: str, step: int, rank: int,
     show that draft phase."""
     out = []
     for v in violations:
-        if v.step != step or (v.rank is not None and v.rank != rank) or violation_view(v.view) != view:
+        if v.step != step or (v.rank is not None and v.rank != rank) or violation_view(v.view, v.phase) != view:
             continue
         if view in ("block_tables", "slot_mappings") and v.phase and v.phase.startswith("draft_") \
                 and v.phase != draft_phase:

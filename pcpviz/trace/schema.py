@@ -1,4 +1,5 @@
-"""The pcpviz trace schema: names (phases, views), the on-disk layout, and the value codec.
+"""The pcpviz trace schema: names (phases, and every view with its dtype, shape, padding and
+meaning: ``VIEW_SPECS``) and the on-disk layout; the value codec is in ``codec`` (re-exported).
 
 A run is a directory::
 
@@ -44,9 +45,7 @@ Why this layout:
 
 from __future__ import annotations
 
-import json
 import re
-import zlib
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Iterable, Mapping
@@ -54,13 +53,19 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import pyarrow as pa
 
+from .codec import (  # noqa: F401 - the value codec, re-exported (``schema.encode_value`` ...)
+    ALIGN, STR_TAG, STRUCT_PREFIX, Encoded, check_shape, decode_payload, encode_value, padded_size,
+    parse_dtype_tag, row_crc32, step_crc32,
+)
+
 __all__ = [
     "SCHEMA_VERSION", "META_SCHEMA_KEY", "META_RANK_KEY", "RUN_META_FILE", "rank_file_name",
     "PHASE_TARGET", "PHASE_VERIFY", "PHASE_DUMMY", "DRAFT_PHASE_PREFIX", "PHASES",
     "draft_phase", "draft_index", "is_valid_phase", "phase_sort_key", "causal_phase_key",
     "GLOBAL_BATCH_VIEWS", "LAYOUT_VIEWS", "LOCAL_BATCH_VIEWS", "BLOCK_TABLE_VIEWS",
     "SLOT_MAPPING_VIEWS", "DRAFT_VIEWS", "VERIFY_VIEWS", "DIGEST_VIEWS", "VIEW_GROUPS", "VIEWS",
-    "KNOWN_VIEWS", "DRAFT_VIEW_RANK_LOCAL", "DRAFT_VIEW_REPLICATED", "PAD_SLOT", "SEGMENT_DTYPE",
+    "KNOWN_VIEWS", "PHASE_CLASSES", "GLOBAL", "RANK", "ViewSpec", "VIEW_SPECS", "phase_class", "view_spec",
+    "phase_views", "view_panel", "undeclared_views", "views_markdown", "RUN_SPECIFIC_VIEWS", "TIMING_VIEWS", "DRAFT_VIEW_RANK_LOCAL", "DRAFT_VIEW_REPLICATED", "PAD_SLOT", "SEGMENT_DTYPE",
     "segments_table", "is_valid_view_name", "ARROW_SCHEMA", "arrow_schema",
 ]
 
@@ -152,95 +157,347 @@ def phase_sort_key(phase: str) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------- views
+#
+# Every view a producer writes is declared once, here, per phase class (``target``, ``verify``,
+# ``draft_0``, ``draft_k`` for k >= 1, ``dummy``). Checks, diff and the figures read a view's
+# scope, alignment and panel from these specs; the tests hold every shipped and freshly recorded
+# trace to them. Shape letters (a PCP=2 step of the shipped engine trace in brackets):
+#
+#   R  requests of the global batch          [2]     T  global tokens (sum of q)      [48]
+#   N  PCP ranks                              [2]     P  padded local rows per rank    [26]
+#   r  local request rows of this rank        [2]     G  KV-cache groups               [1]
+#   W  block-table columns (trimmed to use)           K  num_speculative_tokens        [2]
+#   S  sampled rows: sum(1 + num_draft_tokens)        Q  DSpark query rows per request
+#   S' segments of all ranks (rows of ``segments``)
 
-GLOBAL_BATCH_VIEWS: dict[str, str] = {
-    "req_ids": "str[R]: request ids in global (scheduler) order",
-    "num_scheduled_tokens": "int[R]: query tokens scheduled per request this step",
-    "query_start_loc": "int[R+1]: cumulative query starts on the global token axis",
-    "positions": "int[T]: position of each global token",
-    "input_ids": "int[T]: token id of each global token",
-    "seq_lens": "int[R]: sequence length per request after this step's tokens",
-    "is_prefilling": "bool[R]: request is (still) prefilling",
-    "logits_indices": "int[S]: global token rows whose logits are sampled",
-}
-"""Global batch: the scheduler-ordered batch, identical on every rank."""
+PHASE_CLASSES = (PHASE_TARGET, "draft_0", "draft_k", PHASE_VERIFY, PHASE_DUMMY)
+"""The phase classes views are declared for: ``draft_k`` stands for every draft phase k >= 1."""
 
-LAYOUT_VIEWS: dict[str, str] = {
-    "segments": "struct[S] (SEGMENT_DTYPE): every rank's DualChunkSwap segments",
-    "per_rank_num_tokens": "int[N]: real (unpadded) local tokens per rank",
-    "padded_gather_idx": "int64[N*P]: gathered row -> global token (pad -> 0)",
-    "hidden_restore_idx": "int64[T]: global token -> gathered row of its written copy",
-    "kv_write_mask": "bool[N*P]: gathered rows whose KV this step writes",
-}
-"""PCP layout of the step (``pcpviz.layout.PCPLayout``)."""
+GLOBAL = "global"
+"""Scope of a view every rank records identically (``ranks_agree`` compares them)."""
+RANK = "rank"
+"""Scope of a view that is this rank's own (its local rows, its buffers, its clock)."""
 
-LOCAL_BATCH_VIEWS: dict[str, str] = {
-    "local_input_ids": "int[P]: token ids of this rank's local rows",
-    "local_positions": "int[P]: positions of this rank's local rows (from the global positions)",
-    "local_query_start_loc": "int[r+1]: cumulative starts of the local segments",
-    "local_seq_lens": "int[r]: last local position + 1 per local segment",
-    "local_logits_indices": "int[r]: local_query_start_loc[1:] - 1 (never sampled)",
-    "local_is_padding": "bool[P]: local row is padding",
-    "local_is_prefilling": "bool[r]: local segment belongs to a prefilling request",
-    "local_req_ids": "str[r]: request id of each local segment",
-}
-"""Rank-local batch: this rank's rows (decodes first), padded to P."""
+_DTYPE_KINDS = {"int64": "i", "int32": "i", "bool": "b", "str": "U", "uint64": "u", "struct": "V"}
 
-BLOCK_TABLE_VIEWS: dict[str, str] = {
-    "block_table_global": "int32[G, R, W] or [R, W]: rows in global request order",
-    "block_table_local": "int32[G, r, W] or [r, W]: rows per local segment",
-    "block_table_draft": "int32[G, R, W] or [R, W]: rows the draft step used",
-}
-"""Block tables (a leading G axis when there are several KV-cache groups)."""
 
-SLOT_MAPPING_VIEWS: dict[str, str] = {
-    "slot_mapping_global": "int64[G, T]: KV slot of each global token",
-    "slot_mapping_gathered": "int64[G, N*P]: KV slot of each gathered row, PAD_SLOT on padding",
-    "slot_mapping_draft": "int64[R] (or [G, R]): draft step slots, unexpanded",
-}
-"""Slot mappings."""
+@dataclass(frozen=True)
+class ViewSpec:
+    """One view of one phase class.
 
-DRAFT_VIEWS: dict[str, str] = {
-    "view": "str 0-d: 'rank_local' (draft_0 under MTP) or 'replicated'",
-    "draft_input_ids": "int[*]: token ids fed to this draft step",
-    "draft_positions": "int[*]: positions fed to this draft step",
-    "draft_seq_lens": "int[R or r]: sequence lengths this draft step attends over",
-    "draft_tokens": "int[R]: tokens proposed by this draft step",
-    "draft_last_token_indices": "int[R]: rows whose hidden state feeds the next draft step",
-}
-"""Draft step views."""
+    ``dtype``: ``int64``, ``int32|int64`` (producer-dependent width), ``bool``, ``str``,
+    ``uint64`` or ``struct``; ``shape``: e.g. ``[N*P]`` (``[]`` for 0-d; ``or`` separates
+    alternatives); ``pad``: what padding or missing entries hold; ``scope``: ``GLOBAL`` or
+    ``RANK``; ``align``: how ``pcpviz.diff`` lines the view up across two runs — ``("req", axis)``
+    rows are requests, ``("tok", axis)`` global tokens, ``("qsl",)`` a query_start_loc,
+    ``("tokidx",)`` a set of global token indices, ``("tokidx_req",)`` one token index per
+    request, ``("scalar",)`` as is; None: a rank-local view, compared only between runs with the
+    same PCP layout. ``run_specific``: why two correct runs differ in it (diff ignores it by
+    default); ``panel``: the Workbench figure that draws it.
+    """
 
-VERIFY_VIEWS: dict[str, str] = {
-    "sampled_token_ids": "int[R, K+1]: sampled tokens per request (-1 past the accepted ones)",
-    "num_sampled": "int[R]: tokens sampled per request",
-    "num_rejected": "int[R]: draft tokens rejected per request",
-    "num_accepted": "int[R]: draft tokens accepted per request",
-}
-"""Verify (sampling/rejection) views."""
+    name: str
+    phases: tuple[str, ...]
+    dtype: str
+    shape: str
+    meaning: str
+    group: str
+    pad: str = ""
+    scope: str = GLOBAL
+    align: tuple | None = None
+    run_specific: str = ""
+    panel: str = "timeline"
 
-DIGEST_VIEWS: dict[str, str] = {
-    "top1_token": "int[rows]: per-row argmax token, for divergence hunting",
-    "hidden_hash": "uint64[rows]: per-row hash of the hidden states",
-}
-"""Optional digests for divergence hunting."""
+    @property
+    def decl(self) -> str:
+        """``int64[N*P]``: the shape comment."""
+        return f"{self.dtype}{self.shape}"
 
-VIEW_GROUPS: dict[str, dict[str, str]] = {
-    "global batch": GLOBAL_BATCH_VIEWS,
-    "layout": LAYOUT_VIEWS,
-    "rank-local batch": LOCAL_BATCH_VIEWS,
-    "block tables": BLOCK_TABLE_VIEWS,
-    "slot mappings": SLOT_MAPPING_VIEWS,
-    "draft step": DRAFT_VIEWS,
-    "verify": VERIFY_VIEWS,
-    "digests": DIGEST_VIEWS,
-}
-"""Known views by group, in display order."""
+    @property
+    def kinds(self) -> str:
+        """NumPy dtype kinds a recorded value may have (``"i"``, ``"b"``, ``"U"``, ...)."""
+        return "".join(_DTYPE_KINDS[d] for d in self.dtype.split("|"))
+
+    @property
+    def ndims(self) -> frozenset[int]:
+        """The ranks (numbers of axes) the shape allows."""
+        alts = [a.strip() for a in self.shape.split(" or ")]
+        return frozenset(0 if a == "[]" else a.count(",") + 1 for a in alts)
+
+    def problem(self, value: Any) -> str | None:
+        """Why a recorded value does not fit this spec (None if it does)."""
+        a = np.asarray(value)
+        kind = "V" if a.dtype.names is not None else a.dtype.kind
+        if kind not in self.kinds:
+            return f"dtype {a.dtype} is not {self.dtype}"
+        if a.ndim not in self.ndims:
+            return f"{a.ndim}-d, declared {self.shape}"
+        return None
+
+
+_T, _V, _D0, _DK, _DU = PHASE_TARGET, PHASE_VERIFY, "draft_0", "draft_k", PHASE_DUMMY
+_ALL = (_T, _D0, _DK, _V, _DU)
+_REQ, _TOK = ("req", 0), ("tok", 0)
+_PER_RUN_ROW = ("the row of vLLM's persistent request-state table a request got (allocated per "
+                "run); the block-table rows and slot mappings it selects are compared instead")
+
+
+def _specs(group: str, phases: tuple[str, ...], rows: list[tuple], **common: Any) -> list[ViewSpec]:
+    return [ViewSpec(name, phases, dtype, shape, meaning, group, **{**common, **extra})
+            for name, dtype, shape, meaning, *more in rows for extra in (more[0] if more else {},)]
+
+
+VIEW_SPECS: tuple[ViewSpec, ...] = tuple(
+    _specs("global batch", (_T,), [
+        ("req_ids", "str", "[R]", "request ids in global (scheduler) order", dict(align=_REQ)),
+        ("idx_mapping", "int64", "[R]", "row of each request in the persistent request-state table",
+         dict(align=_REQ, run_specific=_PER_RUN_ROW)),
+        ("num_scheduled_tokens", "int64", "[R]", "query tokens scheduled per request this step (q)",
+         dict(align=_REQ)),
+        ("num_computed_tokens", "int64", "[R]", "the CPU cursor: tokens the scheduler counts as computed "
+         "before this step (an upper bound of the GPU cursor while drafts are rejected)", dict(align=_REQ)),
+        ("query_start_loc", "int32|int64", "[R+1]", "cumulative query starts on the global token axis",
+         dict(align=("qsl",))),
+        ("positions", "int64", "[T]", "position of each global token (from the GPU cursor)", dict(align=_TOK)),
+        ("input_ids", "int32|int64", "[T]", "token id of each global token", dict(align=_TOK)),
+        ("seq_lens", "int32|int64", "[R]", "sequence length per request after this step's tokens",
+         dict(align=_REQ)),
+        ("is_prefilling", "bool", "[R]", "the request is (still) prefilling its prompt", dict(align=_REQ)),
+        ("prefill_len", "int64", "[R]", "prompt tokens to prefill per request", dict(align=_REQ)),
+        ("logits_indices", "int64", "[S]", "global token rows whose logits are sampled: each request's "
+         "last 1 + num_draft_tokens rows", dict(align=("tokidx",))),
+        ("num_draft_tokens", "int64", "[R]", "draft tokens scheduled per request (vLLM's "
+         "num_draft_tokens_per_req; zeros when vLLM has none)", dict(align=_REQ)),
+    ])
+    + _specs("layout", (_T,), [
+        ("segments", "struct", "[S']", "every rank's DualChunkSwap segments (SEGMENT_DTYPE rows, by rank)",
+         dict(panel="token_order")),
+        ("per_rank_num_tokens", "int64", "[N]", "real (unpadded) local rows per rank",
+         dict(panel="token_order")),
+        ("padded_gather_idx", "int64", "[N*P]", "gathered row -> the global token it holds",
+         dict(pad="0 on padding rows (rows past per_rank_num_tokens of their rank)", panel="token_order")),
+        ("hidden_restore_idx", "int64", "[T]", "global token -> the gathered row of its written copy",
+         dict(panel="token_order")),
+        ("kv_write_mask", "bool", "[N*P]", "gathered rows whose KV this step writes (one per global token)",
+         dict(pad="False on padding rows", panel="slot_mappings")),
+    ])
+    + _specs("rank-local batch", (_T,), [
+        ("local_req_ids", "str", "[r]", "request id of each local segment (decodes first)"),
+        ("local_idx_mapping", "int64", "[r]", "request-state row of each local segment",
+         dict(run_specific=_PER_RUN_ROW)),
+        ("local_input_ids", "int32|int64", "[P]", "token ids of this rank's local rows",
+         dict(pad="rows past per_rank_num_tokens[rank] are padding (local_is_padding)")),
+        ("local_positions", "int64", "[P]", "positions of the local rows (taken from the global positions)",
+         dict(pad="rows past per_rank_num_tokens[rank] are padding")),
+        ("local_query_start_loc", "int32|int64", "[r+1]", "cumulative starts of the local segments",
+         dict(pad="padded request rows repeat the last start")),
+        ("local_seq_lens", "int32|int64", "[r]", "last local position + 1 per local segment"),
+        ("local_logits_indices", "int32|int64", "[r]", "local_query_start_loc[1:] - 1 (never sampled)"),
+        ("local_is_padding", "bool", "[P]", "the local row is padding"),
+        ("moe_is_padding", "bool", "[N*P]", "vLLM's rank-major gathered MoE padding mask (recorded when "
+         "the MoE gathers tokens; local_is_padding is this rank's block of it)"),
+        ("local_is_prefilling", "bool", "[r]", "the local segment belongs to a prefilling request"),
+        ("local_num_computed_tokens", "int64", "[r]", "num_computed_tokens of each local segment's request"),
+    ], scope=RANK, panel="token_order")
+    + _specs("block tables", (_T,), [
+        ("block_table_global", "int32", "[G, R, W] or [R, W]", "block-table rows in global request order",
+         dict(align=("req", -2))),
+        ("block_table_local", "int32", "[G, r, W] or [r, W]", "block-table rows per local segment",
+         dict(scope=RANK)),
+        ("block_table_global_stale_tail", "int64", "[]", "vLLM only: non-zero entries past a request's "
+         "num_blocks dropped from block_table_global (a previous occupant's, never read)",
+         dict(scope=RANK, panel="timeline")),
+        ("block_table_local_stale_tail", "int64", "[]", "vLLM only: the same for block_table_local",
+         dict(scope=RANK, panel="timeline")),
+    ], pad="0: unused columns (the null block); columns past the widest row are trimmed",
+        panel="block_tables")
+    + _specs("slot mappings", (_T,), [
+        ("slot_mapping_global", "int64", "[G, T] or [T]", "KV slot of each global token",
+         dict(align=("tok", -1))),
+        ("slot_mapping_gathered", "int64", "[G, N*P] or [N*P]", "KV slot of each gathered row, "
+         "where kv_write_mask", dict(pad="PAD_SLOT (-1) on rows not written")),
+    ], panel="slot_mappings")
+    + _specs("sampling", (_T,), [
+        ("sampled_logits_rows", "int64", "[S]", "rows of the hidden states the sampler read",
+         dict(align=("tokidx",))),
+        ("sampled_from", "str", "[]", "'global' (the restored global hidden states) or 'local'",
+         dict(align=("scalar",))),
+        ("num_aux_hidden_states_restored", "int64", "[]", "vLLM only: auxiliary hidden states restored "
+         "with the sampling rows"),
+        ("warmup", "bool", "[]", "vLLM only: a synthetic warm-up step (recorded with PCPVIZ_RECORD_DUMMY=1)"),
+    ], scope=RANK)
+    + _specs("draft step", (_D0, _DK), [
+        ("draft_tokens", "int64", "[R]", "the token each request's draft step proposed", dict(align=_REQ)),
+    ])
+    + _specs("draft step", (_D0,), [
+        ("view", "str", "[]", "'rank_local' (the MTP draft prefill on the target's local rows) or "
+         "'replicated' (DSpark, or PCP=1 under vLLM)", dict(scope=GLOBAL)),
+        ("draft_input_ids", "int32|int64", "[P] or [R*Q]", "token ids fed to the draft prefill (its "
+         "local rows; DSpark: its query rows)", dict(pad="rows past per_rank_num_tokens[rank] are padding")),
+        ("draft_positions", "int64", "[P] or [R*Q]", "positions fed to the draft prefill"),
+        ("draft_seq_lens", "int32|int64", "[r] or [R]", "sequence lengths the draft prefill attends over"),
+        ("draft_last_token_indices", "int64", "[R]", "global row of each request's last accepted token "
+         "(its hidden state feeds draft_1)", dict(scope=GLOBAL, align=("tokidx_req",))),
+        ("draft_global_input_ids", "int32|int64", "[T]", "the global shifted draft ids before the gather: "
+         "target ids shifted left by one, the sampled token on the last accepted row",
+         dict(scope=GLOBAL, align=_TOK, pad="rows past q - num_rejected keep stale ids (never read)")),
+        ("draft_prefill_restored", "bool", "[]", "vLLM only: restore_draft_prefill ran on a rank-local "
+         "draft batch"),
+        ("block_table_draft", "int32", "[G, r, W] or [G, R, W] or [r, W]", "block-table rows the draft "
+         "prefill used (MTP: the target's local rows)", dict(pad="0: unused columns", panel="block_tables")),
+        ("slot_mapping_draft", "int64", "[G, N*P] or [G, R*Q] or [N*P]", "KV slots the draft prefill "
+         "writes (MTP: the target's gathered mapping, expanded)",
+         dict(pad="PAD_SLOT (-1) on rows not written", panel="slot_mappings")),
+    ], scope=RANK)
+    + _specs("draft step", (_DK,), [
+        ("view", "str", "[]", "'replicated': draft decodes run on the global batch", dict(align=("scalar",))),
+        ("draft_input_ids", "int32|int64", "[R]", "token ids fed to draft step k: draft_{k-1}'s tokens",
+         dict(align=_REQ)),
+        ("draft_positions", "int64", "[R]", "positions fed to draft step k", dict(align=_REQ)),
+        ("draft_seq_lens", "int32|int64", "[R]", "sequence lengths draft step k attends over", dict(align=_REQ)),
+        ("block_table_draft", "int32", "[G, R, W] or [R, W]", "block-table rows draft step k used (the "
+         "global rows)", dict(align=("req", -2), pad="0: unused columns", panel="block_tables")),
+        ("slot_mapping_draft", "int64", "[G, R] or [R]", "KV slots draft step k writes, unexpanded (one per "
+         "request)", dict(align=("req", -1), pad="PAD_SLOT (-1) on rows not written", panel="slot_mappings")),
+    ])
+    + _specs("block tables", (_D0, _DK), [
+        ("block_table_draft_stale_tail", "int64", "[]", "vLLM only: non-zero entries past num_blocks "
+         "dropped from block_table_draft"),
+    ], scope=RANK)
+    + _specs("DSpark draft", (_D0,), [
+        ("draft_block_tokens", "int64", "[R, K]", "all K tokens DSpark's one replicated forward proposed"),
+        ("draft_query_start_loc", "int32|int64", "[R+1]", "cumulative starts of the DSpark query rows"),
+        ("draft_context_positions", "int64", "[T]", "positions of the context rows DSpark writes"),
+        ("draft_context_slot_mapping", "int64", "[G, T]", "KV slots of the context rows"),
+        ("block_table_gathers", "int64", "[]", "block-table gathers the propose call ran"),
+        ("slot_mapping_draft_no_gather", "int64", "[G, R*Q]", "replay only: slot_mapping_draft had "
+         "propose skipped its block-table gather"),
+        ("draft_context_slot_mapping_no_gather", "int64", "[G, T]", "replay only: the context slots "
+         "without the gather"),
+        ("block_table_draft_no_gather", "int32", "[G, R, W]", "replay only: the rows prepare_dflash_inputs "
+         "reads without the gather"),
+    ], scope=RANK)
+    + _specs("verify", (_V,), [
+        ("req_ids", "str", "[R]", "request ids of the verified rows (the target's global order)"),
+        ("idx_mapping", "int32|int64", "[R]", "request-state row of each verified request",
+         dict(pad="-1 marks a masked row (vLLM's post_update skips it)", run_specific=_PER_RUN_ROW)),
+        ("num_draft_tokens", "int64", "[R]", "draft tokens verified per request (0: none carried)"),
+        ("sampled_token_ids", "int64", "[R, K+1]", "tokens sampled per request: the accepted drafts, then "
+         "the bonus or correction token", dict(pad="-1 past num_sampled")),
+        ("num_sampled", "int64", "[R]", "tokens sampled per request (0 or num_accepted + 1)"),
+        ("num_rejected", "int64", "[R]", "draft tokens rejected per request"),
+        ("num_accepted", "int64", "[R]", "draft tokens accepted per request"),
+    ], align=_REQ)
+    + _specs("digests", (_T,), [
+        ("top1_token", "int64", "[S]", "engine only: argmax token of each sampled row"),
+        ("hidden_hash", "uint64|str", "[T] or []", "engine only: per-token hash of the restored hidden "
+         "states (older traces: one hex digest of the step, a str)",
+         dict(run_specific="float reductions differ across PCP sizes")),
+    ], scope=RANK)
+    + _specs("dummy run", (_DU,), [
+        ("num_reqs", "int64", "[]", "requests of the dummy batch"),
+        ("draft_forwards", "int64", "[]", "draft forwards propose(dummy_run=True) ran"),
+        ("block_table_gathers", "int64", "[]", "block-table gathers it ran"),
+        ("compute_slot_mapping_calls", "int64", "[]", "compute_slot_mappings calls it made"),
+        ("pcp_hidden_all_gathers", "int64", "[]", "PCP hidden-state all-gathers it made"),
+        ("all_gathers", "int64", "[]", "replay only: collectives of this rank's fake PCP group"),
+        ("draft_tokens", "int64", "[R, K]", "what the dummy propose returned"),
+    ], scope=RANK)
+    + _specs("timing", _ALL, [
+        ("t_start_us", "int64", "[]", "wall clock when the phase started (µs since the epoch)"),
+        ("t_end_us", "int64", "[]", "wall clock when the phase ended (µs since the epoch)"),
+    ], scope=RANK, run_specific="wall-clock time")
+)
+"""Every view producers write, per phase class (see ``ViewSpec``)."""
+
+
+def phase_class(phase: str) -> str:
+    """The class a phase's views are declared under: ``draft_3`` -> ``draft_k``."""
+    k = draft_index(phase)
+    return phase if k is None else ("draft_0" if k == 0 else "draft_k")
+
+
+_SPEC_INDEX: dict[tuple[str, str], ViewSpec] = {}
+for _s in VIEW_SPECS:
+    for _p in _s.phases:
+        if (_p, _s.name) in _SPEC_INDEX:
+            raise AssertionError(f"view {_s.name!r} declared twice for phase {_p}")
+        _SPEC_INDEX[(_p, _s.name)] = _s
+
+
+def view_spec(phase: str, name: str) -> ViewSpec | None:
+    """The spec of view ``name`` in ``phase`` (any draft_k), None if it is not declared."""
+    return _SPEC_INDEX.get((phase_class(phase), name))
+
+
+def phase_views(phase: str) -> dict[str, ViewSpec]:
+    """Every view declared for ``phase``'s class, by name."""
+    cls = phase_class(phase)
+    return {name: s for (p, name), s in _SPEC_INDEX.items() if p == cls}
+
+
+def view_panel(name: str | None, phase: str | None = None) -> str:
+    """The Workbench figure that draws view ``name`` (of ``phase``, or its first declaration):
+    ``token_order``, ``block_tables``, ``slot_mappings``, else ``timeline``."""
+    if name is None:
+        return "timeline"
+    spec = view_spec(phase, name) if phase is not None and is_valid_phase(phase) else None
+    spec = spec or next((s for s in VIEW_SPECS if s.name == name), None)
+    return "timeline" if spec is None else spec.panel
+
+
+def undeclared_views(phases: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """``"phase/view: why"`` for every view of one step's ``{phase: {view: value}}`` that the
+    schema does not declare or whose dtype kind or number of axes does not fit."""
+    out = []
+    for phase, views in phases.items():
+        for name, value in views.items():
+            spec = view_spec(phase, name)
+            why = "not declared in pcpviz.trace.schema" if spec is None else spec.problem(value)
+            if why:
+                out.append(f"{phase}/{name}: {why}")
+    return out
+
+
+def views_markdown() -> str:
+    """The view table as Markdown (one row per declared view), for the docs."""
+    lines = ["| phase | view | type | meaning | padding |", "|---|---|---|---|---|"]
+    for s in VIEW_SPECS:
+        lines.append(f"| {', '.join(s.phases)} | `{s.name}` | `{s.decl}` | {s.meaning} | {s.pad} |")
+    return "\n".join(lines)
+
+
+def _group(name: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for s in VIEW_SPECS:
+        if s.group == name:
+            out.setdefault(s.name, f"{s.decl}: {s.meaning}")
+    return out
+
+
+VIEW_GROUPS: dict[str, dict[str, str]] = {g: _group(g) for g in dict.fromkeys(s.group for s in VIEW_SPECS)}
+"""Declared views by group, in display order: name -> ``"dtype[shape]: meaning"``."""
+
+GLOBAL_BATCH_VIEWS = VIEW_GROUPS["global batch"]
+LAYOUT_VIEWS = VIEW_GROUPS["layout"]
+LOCAL_BATCH_VIEWS = VIEW_GROUPS["rank-local batch"]
+BLOCK_TABLE_VIEWS = VIEW_GROUPS["block tables"]
+SLOT_MAPPING_VIEWS = VIEW_GROUPS["slot mappings"]
+DRAFT_VIEWS = VIEW_GROUPS["draft step"]
+VERIFY_VIEWS = VIEW_GROUPS["verify"]
+DIGEST_VIEWS = VIEW_GROUPS["digests"]
 
 VIEWS: dict[str, str] = {name: doc for group in VIEW_GROUPS.values() for name, doc in group.items()}
-"""Every known view name -> one-line doc (other identifiers are storable too)."""
+"""Every declared view name -> one-line doc (its first declaration)."""
 
 KNOWN_VIEWS: frozenset[str] = frozenset(VIEWS)
-"""The set of known view names."""
+"""The set of declared view names."""
+
+RUN_SPECIFIC_VIEWS: frozenset[str] = frozenset(s.name for s in VIEW_SPECS if s.run_specific)
+"""Views two correct runs differ in (timestamps, hashes, request-state rows): diff ignores them."""
+
+TIMING_VIEWS: frozenset[str] = frozenset(s.name for s in VIEW_SPECS if s.group == "timing")
+"""Wall-clock views."""
 
 DRAFT_VIEW_RANK_LOCAL = "rank_local"
 """Value of the ``view`` view for a draft step that ran on the rank-local rows."""
@@ -315,189 +572,6 @@ def arrow_schema(rank: int) -> pa.Schema:
         META_RANK_KEY: str(int(rank)),
         "pcpviz_version": __version__,
     })
-
-
-ALIGN = 8
-"""Stored payloads are padded to a multiple of this, keeping every payload aligned."""
-
-STR_TAG = "str"
-STRUCT_PREFIX = "struct:"
-_NUMERIC_KINDS = "biufc"
-_SIMPLE_TAG_RE = re.compile(r"^[<|][biufc][0-9]+$")
-
-
-# --------------------------------------------------------------------------- value codec
-
-@dataclass(frozen=True)
-class Encoded:
-    """One view ready to store: dtype tag, shape, and the unpadded payload bytes."""
-
-    tag: str
-    shape: tuple[int, ...]
-    payload: memoryview  # uint8[nbytes]
-
-
-def _flat_items(value: Any) -> Iterable[Any]:
-    if isinstance(value, np.ndarray):
-        yield from value.ravel().tolist()
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _flat_items(v)
-    else:
-        yield value
-
-
-def _check_struct_fields(dt: np.dtype) -> None:
-    for name in dt.names:
-        sub = dt.fields[name][0]
-        base = sub.subdtype[0] if sub.subdtype else sub
-        if base.names is not None:
-            _check_struct_fields(base)
-        elif base.kind not in _NUMERIC_KINDS:
-            raise ValueError(f"structured field {name!r} has dtype {base.str!r}; "
-                             "only int/uint/float/bool/complex fields are supported")
-
-
-def encode_value(value: Any) -> Encoded:
-    """Encode a view value (array-like) for storage; ValueError says what is not supported."""
-    try:
-        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
-    except (TypeError, ValueError, RuntimeError) as exc:  # ragged lists, bfloat16/CUDA tensors
-        raise ValueError(f"cannot convert {type(value).__name__} to a NumPy array "
-                         f"({' '.join(str(exc).split())})") from None
-    if arr.dtype.kind == "O" or (arr.dtype.kind == "U" and not isinstance(value, (str, np.ndarray))):
-        # Only strings may arrive as objects; np.asarray([1, "a"]) would silently stringify 1.
-        items = arr.ravel().tolist() if arr.dtype.kind == "O" else _flat_items(value)
-        for x in items:
-            if not isinstance(x, str):
-                raise ValueError(f"holds {type(x).__name__} {x!r}; "
-                                 "only arrays of str may hold Python objects")
-        arr = np.array(arr.tolist(), dtype=str).reshape(arr.shape)
-    shape = tuple(int(d) for d in arr.shape)
-    if arr.dtype.kind == "U":
-        text = json.dumps(arr.ravel().tolist(), ensure_ascii=False, separators=(",", ":"))
-        return Encoded(STR_TAG, shape, memoryview(text.encode("utf-8")))
-    dt = arr.dtype
-    if dt.names is not None:
-        _check_struct_fields(dt)
-        le = dt.newbyteorder("<")
-        tag = STRUCT_PREFIX + json.dumps(_struct_to_json(le), separators=(",", ":"))
-    elif dt.kind in _NUMERIC_KINDS and dt.subdtype is None:
-        le = dt.newbyteorder("<")
-        tag = le.str
-    else:
-        raise ValueError(f"dtype {dt.str!r} is not supported "
-                         "(int/uint/float/bool/complex, str, or structured)")
-    flat = np.ascontiguousarray(arr.astype(le, copy=False)).reshape(-1)
-    return Encoded(tag, shape, memoryview(flat.view(np.uint8)))
-
-
-def _struct_to_json(dt: np.dtype) -> Any:
-    """A structured dtype as JSON: NumPy's dict form (names/formats/offsets/itemsize), nested.
-
-    The dict form keeps padding and field offsets exactly (``dtype.descr`` does not round-trip
-    padding: it comes back as fields named ``f1``...). Subarray fields are ``{"sub", "shape"}``.
-    """
-    if dt.subdtype is not None:
-        return {"sub": _struct_to_json(dt.subdtype[0]), "shape": list(dt.subdtype[1])}
-    if dt.names is not None:
-        return {"names": list(dt.names),
-                "formats": [_struct_to_json(dt.fields[n][0]) for n in dt.names],
-                "offsets": [int(dt.fields[n][1]) for n in dt.names],
-                "itemsize": int(dt.itemsize)}
-    return dt.str
-
-
-def _struct_from_json(obj: Any) -> np.dtype:
-    if isinstance(obj, str):
-        if not _SIMPLE_TAG_RE.match(obj):
-            raise ValueError(obj)
-        return np.dtype(obj)
-    if set(obj) == {"sub", "shape"}:
-        return np.dtype((_struct_from_json(obj["sub"]), tuple(int(d) for d in obj["shape"])))
-    if set(obj) != {"names", "formats", "offsets", "itemsize"}:
-        raise ValueError(obj)
-    return np.dtype({"names": [str(n) for n in obj["names"]],
-                     "formats": [_struct_from_json(f) for f in obj["formats"]],
-                     "offsets": [int(o) for o in obj["offsets"]],
-                     "itemsize": int(obj["itemsize"])})
-
-
-@lru_cache(maxsize=4096)
-def parse_dtype_tag(tag: str) -> np.dtype | None:
-    """NumPy dtype of a stored tag (None for ``"str"``); ValueError if not understood."""
-    if tag == STR_TAG:
-        return None
-    try:
-        if tag.startswith(STRUCT_PREFIX):
-            dt = _struct_from_json(json.loads(tag[len(STRUCT_PREFIX):]))
-            if dt.names is None:
-                raise ValueError
-            _check_struct_fields(dt)
-            return dt
-        if _SIMPLE_TAG_RE.match(tag):
-            dt = np.dtype(tag)
-            if dt.kind in _NUMERIC_KINDS and dt.str == tag:
-                return dt
-    except (ValueError, TypeError, IndexError, KeyError, AttributeError, RecursionError):
-        pass
-    raise ValueError(f"dtype {tag!r} not understood")
-
-
-def padded_size(nbytes: int) -> int:
-    """Stored size of a payload of ``nbytes`` (rounded up to ``ALIGN``)."""
-    return -(-nbytes // ALIGN) * ALIGN
-
-
-def row_crc32(step: int, phase: str, view: str, tag: str, shape: tuple[int, ...], stored) -> int:
-    """crc32 of a row: its identity, type, shape and stored (padded) bytes."""
-    head = f"{step}\0{phase}\0{view}\0{tag}\0{','.join(map(str, shape))}\0".encode("utf-8")
-    return zlib.crc32(stored, zlib.crc32(head)) & 0xFFFFFFFF
-
-
-def step_crc32(step: int, rows: Iterable[tuple[str, str, str, Any, int, int]]) -> int:
-    """crc32 of a step's index: every row's (phase, view, dtype tag, shape, stored size, row
-    crc32), in order."""
-    rows = list(rows)
-    crc = zlib.crc32(f"{step}\0{len(rows)}\0".encode("utf-8"))
-    for phase, view, tag, shape, size, row_crc in rows:
-        crc = zlib.crc32(f"{phase}\0{view}\0{tag}\0{','.join(map(str, shape))}\0{size}\0"
-                         f"{row_crc}\0".encode("utf-8"), crc)
-    return crc & 0xFFFFFFFF
-
-
-def decode_payload(tag: str, shape: tuple[int, ...], stored) -> np.ndarray:
-    """The array a row holds; ``stored`` is its (padded) bytes. Read-only, zero-copy if numeric.
-
-    Raises ValueError when the bytes do not fit the dtype and shape.
-    """
-    dt = parse_dtype_tag(tag)
-    count = int(np.prod(shape, dtype=np.int64))
-    if dt is None:
-        try:
-            items = json.loads(bytes(stored).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"string payload is not JSON ({exc})") from None
-        if not isinstance(items, list) or len(items) != count or not all(isinstance(x, str) for x in items):
-            raise ValueError(f"string payload is not a list of {count} strings")
-        out = np.array(items, dtype=str) if items else np.empty(0, dtype="<U1")
-        out = out.reshape(shape)
-    else:
-        nbytes = count * dt.itemsize
-        if len(stored) != padded_size(nbytes):
-            raise ValueError(f"{len(stored)} stored bytes do not fit {tag} {list(shape)} "
-                             f"({nbytes} bytes)")
-        out = np.frombuffer(stored, dtype=dt, count=count).reshape(shape)
-    out.flags.writeable = False
-    return out
-
-
-def check_shape(shape: Any) -> tuple[int, ...]:
-    """A stored shape as a tuple of non-negative ints; ValueError otherwise."""
-    shape = tuple(shape) if isinstance(shape, (list, tuple)) else None
-    if shape is None or not all(type(d) is int and d >= 0 for d in shape):
-        raise ValueError(f"shape {shape!r} is not a list of non-negative ints")
-    return shape
 
 
 def run_meta_with_version(meta: Mapping[str, Any]) -> dict[str, Any]:

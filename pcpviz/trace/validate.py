@@ -38,7 +38,7 @@ from . import schema as S
 from .errors import TraceError
 
 __all__ = ["INVALID", "INCOMPLETE", "Problem", "TraceStatus", "META_SCHEMA", "validate_meta",
-           "validate", "trusted_meta", "MAX_WORLD_SIZE", "MAX_SPECULATIVE_TOKENS", "MAX_BLOCK_SIZE"]
+           "validate", "trusted_meta", "undeclared_views", "MAX_WORLD_SIZE", "MAX_SPECULATIVE_TOKENS", "MAX_BLOCK_SIZE"]
 
 INVALID, INCOMPLETE = "invalid", "incomplete"
 
@@ -472,3 +472,22 @@ def check_or_raise(trace: Any) -> TraceStatus:
         raise TraceError(bad[0].message + more)
     return st
 
+
+
+def undeclared_views(trace: Any) -> list[str]:
+    """Every view of ``trace`` the schema (``schema.VIEW_SPECS``) does not declare for its phase,
+    or whose dtype kind or number of axes does not fit the declaration: one line per (phase
+    class, view, reason), naming the first rank and step it occurs at. Empty for a trace every
+    pcpviz producer writes. Not part of ``validate``: a producer of one's own may store more."""
+    seen: dict[tuple[str, str, str], str] = {}
+    for rank in trace.ranks:
+        for step in trace.rank_steps(rank):
+            for phase in trace.phases(step, rank):
+                rec = trace.record(step, rank, phase)
+                for name in rec.keys():
+                    spec = S.view_spec(phase, name)
+                    why = "not declared in pcpviz.trace.schema" if spec is None else spec.problem(rec[name])
+                    key = (S.phase_class(phase), name, why or "")
+                    if why and key not in seen:
+                        seen[key] = f"rank {rank} step {step} {phase}/{name}: {why}"
+    return list(seen.values())

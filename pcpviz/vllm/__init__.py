@@ -17,10 +17,13 @@
 
 Importing this package does not import vLLM (or torch): ``apply_cpu_patches()`` must
 run before vLLM is first imported, so it is the caller who decides when that happens
-(``replay`` applies the patches when first used).
+(``replay`` and ``oracle`` apply the patches when imported; the process environment is left
+as it was).
 """
 
 SUPPORTED_VLLM_VERSION = "0.33.0"
+"""The one vLLM version pcpviz drives, records and replays (the plugin, the launcher and the CPU
+patches check it)."""
 
 
 def __getattr__(name):

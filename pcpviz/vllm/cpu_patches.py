@@ -5,7 +5,11 @@ Triton kernels) is plain PyTorch + Triton. On a machine without an accelerator a
 few things stand in the way; ``apply_cpu_patches()`` removes exactly those and
 nothing else, so the code that runs afterwards is vLLM's own.
 
-1. environment: ``TRITON_INTERPRET=1``, ``CUDA_VISIBLE_DEVICES=""``;
+1. environment: ``TRITON_INTERPRET=1``, ``CUDA_VISIBLE_DEVICES=""`` -- only inside
+   ``cpu_environment()`` (while vLLM's modules are imported and the patches applied; the
+   replay and the oracle import their vLLM modules inside it), then restored, so the rest
+   of the process (a notebook kernel that later launches vLLM on GPUs, the GPU test tier)
+   keeps its GPUs and compiles its own Triton kernels;
 2. ``PIN_MEMORY = False`` (a CPU-only torch cannot pin);
 3. ``UvaBuffer`` -> vLLM's own CPU stand-in (the "device view" is the host tensor);
 4. a lock around Triton interpreter launches (ranks are threads);
@@ -21,7 +25,8 @@ speculator plumbing belongs to whoever drives ``propose``, and einops is in
 
     from pcpviz.vllm import cpu_patches
     cpu_patches.apply_cpu_patches()          # before anything imports vllm.v1.*
-    from vllm.v1.worker.gpu.pcp_manager import PCPManager
+    with cpu_patches.cpu_environment():      # vLLM modules imported here get interpreted kernels
+        from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
 PCP ranks are simulated as threads of one process sharing a ``FakePCPGroup``::
 
@@ -37,13 +42,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-SUPPORTED_VLLM_VERSION = "0.33.0"
+from pcpviz.vllm import SUPPORTED_VLLM_VERSION
 
 _apply_lock = threading.Lock()
 _applied = False
@@ -159,16 +165,53 @@ def run_ranks(group: FakePCPGroup, fn: Callable[[int], Any]) -> list[Any]:
 # --- the patches ----------------------------------------------------------------------------------
 
 
-def _set_environment() -> None:
-    # TRITON_INTERPRET=1: every @triton.jit kernel vLLM defines becomes an
-    # InterpretedFunction that runs on CPU tensors (checked at decoration time).
-    # CUDA_VISIBLE_DEVICES="": vllm/triton_utils/importing.py finds 0 active Triton
-    # drivers on a CPU box and would set HAS_TRITON=False (every kernel[grid](...)
-    # then hits a TritonPlaceholder); an *empty* variable takes its lenient
-    # "distributed environment" branch instead. It also hides any GPU from torch,
-    # so everything stays on the CPU.
-    os.environ["TRITON_INTERPRET"] = "1"
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+CPU_ENVIRONMENT = {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+"""What vLLM's worker modules must see when they are imported on CPU.
+
+TRITON_INTERPRET=1: every @triton.jit kernel vLLM defines becomes an InterpretedFunction that
+runs on CPU tensors (checked at decoration time). CUDA_VISIBLE_DEVICES="": vllm/triton_utils/
+importing.py finds 0 active Triton drivers on a CPU box and would set HAS_TRITON=False (every
+kernel[grid](...) then hits a TritonPlaceholder); an *empty* variable takes its lenient
+"distributed environment" branch instead."""
+
+WORKER_MODULES = (
+    "vllm.v1.worker.gpu.model_runner",  # and through it the worker tree: block tables, batches, samplers
+    "vllm.v1.worker.gpu.spec_decode.mtp.speculator",
+    "vllm.v1.worker.gpu.spec_decode.dspark.speculator",
+    "vllm.v1.worker.gpu.spec_decode.dflash.speculator",
+    "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator",
+    "vllm.v1.attention.ops.pcp",
+)
+"""vLLM modules ``apply_cpu_patches`` imports inside ``cpu_environment()``: every Triton kernel
+the replay, the oracle and the teaching helpers call is defined in them (or below them), so a
+later plain ``from vllm.v1.worker.gpu... import ...`` finds them interpreted."""
+
+_env_lock = threading.RLock()
+_env_depth = 0
+_env_saved: dict[str, str | None] = {}
+
+
+@contextlib.contextmanager
+def cpu_environment() -> Iterator[None]:
+    """``CPU_ENVIRONMENT`` set in ``os.environ`` for the duration, the previous values restored
+    afterwards (re-entrant; process-wide while open, as environment variables are)."""
+    global _env_depth, _env_saved
+    with _env_lock:
+        if _env_depth == 0:
+            _env_saved = {k: os.environ.get(k) for k in CPU_ENVIRONMENT}
+            os.environ.update(CPU_ENVIRONMENT)
+        _env_depth += 1
+    try:
+        yield
+    finally:
+        with _env_lock:
+            _env_depth -= 1
+            if _env_depth == 0:
+                for key, value in _env_saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
 
 
 def _check_not_imported_too_early() -> None:
@@ -193,11 +236,15 @@ def _check_version() -> None:
         )
 
 
+def _interpreted(kernel: Any) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
+
+
 def _check_kernels_interpreted() -> None:
     # Kernels decorated while TRITON_INTERPRET was unset are compiled JITFunctions
     # that need a GPU driver; nothing can convert them afterwards.
-    from triton.runtime.interpreter import InterpretedFunction
-
     from vllm.triton_utils import HAS_TRITON
     from vllm.v1.worker.gpu import block_table
 
@@ -206,7 +253,7 @@ def _check_kernels_interpreted() -> None:
             "vLLM disabled Triton (vllm.triton_utils.HAS_TRITON=False) even with "
             'TRITON_INTERPRET=1 and CUDA_VISIBLE_DEVICES=""; is triton installed?'
         )
-    if not isinstance(block_table._compute_slot_mappings_kernel, InterpretedFunction):
+    if not _interpreted(block_table._compute_slot_mappings_kernel):
         raise RuntimeError(
             "vLLM's Triton kernels were created before TRITON_INTERPRET=1 was set "
             "(vllm.v1.worker.gpu.* imported before apply_cpu_patches()); they cannot run on CPU. "
@@ -408,26 +455,34 @@ def _quiet_kernel_import() -> None:
 
 
 def apply_cpu_patches() -> None:
-    """Prepare this process to run vLLM 0.33.0's PCP worker code on CPU.
+    """Prepare vLLM 0.33.0's PCP worker code to run on CPU (``cpu_environment()`` around it).
 
-    Idempotent. Raises RuntimeError if the installed vLLM is not 0.33.0 or if
-    vLLM/Triton were imported earlier in a way that cannot be repaired.
+    Changes vLLM's own objects only (items 2-7 of the module doc; 6 and 7 act on threads bound
+    to a ``FakePCPGroup`` only), and leaves the process environment as it found it: import
+    further vLLM worker modules inside ``cpu_environment()``. Idempotent. Raises RuntimeError if
+    the installed vLLM is not ``SUPPORTED_VLLM_VERSION`` or if vLLM/Triton were imported earlier
+    in a way that cannot be repaired.
     """
     global _applied
     with _apply_lock:
         if _applied:
             return
         _check_not_imported_too_early()
-        _set_environment()
-        _quiet_kernel_import()
-        _check_version()
-        _patch_pin_memory()
-        _patch_uva_buffer()
-        _patch_triton_interpreter_lock()
-        _patch_triton_interpreter_int1_masks()
-        _patch_get_pcp_group()
-        _patch_forward_context_per_rank_thread()
-        _check_kernels_interpreted()
+        with cpu_environment():
+            _quiet_kernel_import()
+            _check_version()
+            from vllm.platforms import current_platform
+
+            current_platform.device_type  # noqa: B018 - resolved under the CPU environment, as before
+            for name in WORKER_MODULES:
+                importlib.import_module(name)
+            _patch_pin_memory()
+            _patch_uva_buffer()
+            _patch_triton_interpreter_lock()
+            _patch_triton_interpreter_int1_masks()
+            _patch_get_pcp_group()
+            _patch_forward_context_per_rank_thread()
+            _check_kernels_interpreted()
         _applied = True
 
 
@@ -437,8 +492,11 @@ def patches_applied() -> bool:
 
 __all__: Sequence[str] = [
     "SUPPORTED_VLLM_VERSION",
+    "CPU_ENVIRONMENT",
+    "WORKER_MODULES",
     "FakePCPGroup",
     "apply_cpu_patches",
+    "cpu_environment",
     "patches_applied",
     "run_ranks",
 ]

@@ -44,10 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pcpviz.vllm import SUPPORTED_VLLM_VERSION  # the one definition
+
 __all__ = ["run", "build_vllm_launch", "VllmLaunch", "LaunchError", "preflight", "gpus_missing", "CUDAGRAPH_MODES"]
 
 CUDAGRAPH_MODES = ("PIECEWISE", "NONE")
-SUPPORTED_VLLM_VERSION = "0.33.0"
 ENV_TRACE_DIR = "PCPVIZ_TRACE_DIR"
 
 

@@ -6,7 +6,8 @@ its docstring; nothing of vLLM's logic is re-implemented. The conformance tests
 compare ``pcpviz.layout`` / ``pcpviz.blocks`` against these. Exceptions raised by
 vLLM propagate unchanged (same type, same message).
 
-Importing this module applies ``pcpviz.vllm.cpu_patches`` (and so imports vLLM).
+Importing this module applies ``pcpviz.vllm.cpu_patches`` (and so imports vLLM); the process
+environment is left as it was (``cpu_patches.cpu_environment``).
 
 Scenario A of ``docs/vllm-0.33-pcp-mtp.md`` (PCP=2, sharded decodes): rows d0, d1 (decodes of
 4 tokens), p1 (10 prefill tokens), p0 (13)::
@@ -27,17 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from pcpviz.vllm.cpu_patches import apply_cpu_patches
+from pcpviz.vllm.cpu_patches import apply_cpu_patches, cpu_environment
 
 apply_cpu_patches()
 
-import torch  # noqa: E402
+with cpu_environment():  # vLLM modules imported here define interpreted (CPU) Triton kernels
+    import torch  # noqa: E402
 
-from vllm.config import CUDAGraphMode  # noqa: E402
-from vllm.v1.worker.gpu.block_table import BlockTables  # noqa: E402
-from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor  # noqa: E402
-from vllm.v1.worker.gpu.input_batch import InputBatch  # noqa: E402
-from vllm.v1.worker.gpu.pcp_manager import PCPManager  # noqa: E402
+    from vllm.config import CUDAGraphMode  # noqa: E402
+    from vllm.v1.worker.gpu.block_table import BlockTables  # noqa: E402
+    from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor  # noqa: E402
+    from vllm.v1.worker.gpu.input_batch import InputBatch  # noqa: E402
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager  # noqa: E402
 
 CPU = torch.device("cpu")
 

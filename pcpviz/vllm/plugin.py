@@ -50,9 +50,10 @@ import sys
 import threading
 from typing import Any
 
+from pcpviz.vllm import SUPPORTED_VLLM_VERSION  # the one definition
+
 __all__ = ["register", "status", "SUPPORTED_VLLM_VERSION", "ENV_TRACE_DIR", "RUNNER_MODULE"]
 
-SUPPORTED_VLLM_VERSION = "0.33.0"
 ENV_TRACE_DIR = "PCPVIZ_TRACE_DIR"
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 

@@ -64,34 +64,35 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from pcpviz.vllm.cpu_patches import FakePCPGroup, apply_cpu_patches, run_ranks
+from pcpviz.vllm.cpu_patches import FakePCPGroup, apply_cpu_patches, cpu_environment, run_ranks
 
 apply_cpu_patches()
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+with cpu_environment():  # vLLM modules imported here define interpreted (CPU) Triton kernels
+    import numpy as np  # noqa: E402
+    import torch  # noqa: E402
 
-import vllm  # noqa: E402
-from vllm.config import CUDAGraphMode  # noqa: E402
-from vllm.forward_context import BatchDescriptor, get_forward_context, set_forward_context  # noqa: E402
-from vllm.v1.attention.backends.utils import split_decodes_and_prefills  # noqa: E402
-from vllm.v1.attention.ops.pcp import maybe_gather_mla_latent_cache_inputs  # noqa: E402
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
-from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer  # noqa: E402
-from vllm.v1.worker.gpu.block_table import BlockTables  # noqa: E402
-from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp  # noqa: E402
-from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers, get_num_sampled_and_rejected  # noqa: E402
-from vllm.v1.worker.gpu.model_runner import GPUModelRunner  # noqa: E402
-from vllm.v1.worker.gpu.model_states.default import DefaultModelState  # noqa: E402
-from vllm.v1.worker.gpu.pcp_manager import PCPManager, maybe_build_pcp_manager  # noqa: E402
-from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_speculator  # noqa: E402
-from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator  # noqa: E402
-from vllm.v1.worker.gpu.spec_decode.mtp.speculator import MTPSpeculator  # noqa: E402
-from vllm.v1.worker.gpu.spec_decode.utils import get_drafter_hidden_states  # noqa: E402
-from vllm.v1.worker.gpu.states import RequestState  # noqa: E402
+    import vllm  # noqa: E402
+    from vllm.config import CUDAGraphMode  # noqa: E402
+    from vllm.forward_context import BatchDescriptor, get_forward_context, set_forward_context  # noqa: E402
+    from vllm.v1.attention.backends.utils import split_decodes_and_prefills  # noqa: E402
+    from vllm.v1.attention.ops.pcp import maybe_gather_mla_latent_cache_inputs  # noqa: E402
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+    from vllm.v1.worker.gpu.attn_utils import build_slot_mappings_by_layer  # noqa: E402
+    from vllm.v1.worker.gpu.block_table import BlockTables  # noqa: E402
+    from vllm.v1.worker.gpu.dp_utils import dispatch_cg_and_sync_dp  # noqa: E402
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers, get_num_sampled_and_rejected  # noqa: E402
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner  # noqa: E402
+    from vllm.v1.worker.gpu.model_states.default import DefaultModelState  # noqa: E402
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager, maybe_build_pcp_manager  # noqa: E402
+    from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_speculator  # noqa: E402
+    from vllm.v1.worker.gpu.spec_decode.dspark.speculator import DSparkSpeculator  # noqa: E402
+    from vllm.v1.worker.gpu.spec_decode.mtp.speculator import MTPSpeculator  # noqa: E402
+    from vllm.v1.worker.gpu.spec_decode.utils import get_drafter_hidden_states  # noqa: E402
+    from vllm.v1.worker.gpu.states import RequestState  # noqa: E402
 
-from pcpviz.vllm import recording  # noqa: E402
-from pcpviz.vllm.recording import RecordingPCPManager  # noqa: E402
+    from pcpviz.vllm import recording  # noqa: E402
+    from pcpviz.vllm.recording import RecordingPCPManager  # noqa: E402
 
 __all__ = ["replay", "ReplayResult", "Scenario", "ScenarioRequest", "SCENARIOS", "MODELS_DECLARATION",
            "STAND_INS", "DSPARK_STATUS", "PRODUCER"]

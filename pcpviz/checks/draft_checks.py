@@ -1,0 +1,199 @@
+"""The draft phases' checks: the rank-local MTP draft prefill (draft_0) and the replicated draft
+decodes (draft_k, k >= 1)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+from .context import Ctx, Skip, check, _g2, _g3, _str0, _token_rows
+
+@check("draft_prefill_rank_local",
+        "draft_0 is rank_local: it reuses the target's local rows (draft_positions == "
+        "local_positions, draft_seq_lens == local_seq_lens, block_table_draft == "
+        "block_table_local) and the target's gathered slot mapping ([G, N*P])")
+def draft_prefill_rank_local(c: Ctx) -> None:
+    if not c.has("draft_0"):
+        raise Skip("no draft_0 phase")
+    if c.cfg.speculative_method == "dspark":
+        # DSpark drafts replicated from its first step (its drafter is built with PCP=1).
+        raise Skip("DSpark has no rank-local draft prefill")
+    view = c.get("draft_0", "view")
+    checked = False
+    if view is not None and c.pcp() > 1:
+        checked = True
+        if _str0(view) != "rank_local":
+            c.fail("draft_0", "view", "the MTP draft prefill runs on the rank-local rows",
+                   expected="'rank_local'", actual=repr(_str0(view)))
+    pairs = [("slot_mapping_draft", "slot_mapping_gathered", _g2),
+             ("draft_positions", "local_positions", np.asarray),
+             ("draft_seq_lens", "local_seq_lens", np.asarray),
+             ("block_table_draft", "block_table_local", _g3)]
+    for dview, tview, norm in pairs:
+        d, t = c.get("draft_0", dview), c.get("target", tview)
+        if d is None or t is None:
+            continue
+        checked = True
+        d, t = norm(d), norm(t)
+        if dview == "slot_mapping_draft" and d.shape[-1] != t.shape[-1]:
+            c.fail("draft_0", dview, f"length {d.shape[-1]}, expected the expanded N*P="
+                   f"{t.shape[-1]} (the target's gathered mapping)")
+        c.expect("draft_0", dview, t, d, f"{dview} != the target's {tview}")
+    if not checked:
+        raise Skip("no slot_mapping_draft")
+
+
+@check("draft_last_token_indices",
+        "draft_0's draft_last_token_indices[i] == query_start_loc[i] + q[i] - num_rejected[i] - 1 "
+        "(global rows; the last accepted token of each request)")
+def draft_last_token_indices(c: Ctx) -> None:
+    lti = c.need("draft_0", "draft_last_token_indices")
+    rej = c.need("verify", "num_rejected").astype(np.int64)
+    qsl, q = c.qsl(), c.q()
+    if lti.shape != q.shape or rej.shape != q.shape:
+        c.fail("draft_0", "draft_last_token_indices", f"length {lti.shape}, expected R={q.shape[0]}")
+    has = np.flatnonzero(q > 0)
+    c.expect("draft_0", "draft_last_token_indices", (qsl[:-1] + q - rej - 1)[has],
+             lti.astype(np.int64)[has], "not the last accepted row of its request",
+             index_map=lambda i: (int(has[i[0]]),))
+
+
+@check("draft_input_ids",
+        "draft_0's draft_global_input_ids are the target ids shifted left by one within the "
+        "accepted rows, the last accepted row holding the sampled token; its local "
+        "draft_input_ids are their gather; draft_k (k >= 1) inputs are draft_{k-1}'s tokens")
+def draft_input_ids(c: Ctx) -> None:
+    drafts = c.draft_phases()
+    if not drafts:
+        raise Skip("no draft_0 phase")
+    checked = False
+    dgi = c.get("draft_0", "draft_global_input_ids")
+    if dgi is not None:
+        ids = c.t("input_ids").astype(np.int64)
+        qsl, q = c.qsl(), c.q()
+        rej = c.need("verify", "num_rejected").astype(np.int64)
+        ns = c.need("verify", "num_sampled").astype(np.int64)
+        sampled = _g2(c.need("verify", "sampled_token_ids")).astype(np.int64)
+        if dgi.shape != ids.shape:
+            c.fail("draft_0", "draft_global_input_ids", f"length {dgi.shape}, expected T={ids.shape[0]}")
+        checked = True
+        t = ids.shape[0]
+        row = _token_rows(qsl)
+        off = np.arange(t) - qsl[row]
+        valid = (q - rej)[row]
+        shifted = off < valid - 1
+        exp = np.full(t, -1, dtype=np.int64)
+        exp[:-1][shifted[:-1]] = ids[1:][shifted[:-1]]
+        last = (off == valid - 1) & (ns[row] > 0)
+        if last.any():
+            rl = row[last]
+            exp[last] = sampled[rl, ns[rl] - 1]
+        m = np.flatnonzero(shifted | last)
+        c.expect("draft_0", "draft_global_input_ids", exp[m], dgi.astype(np.int64)[m],
+                 "draft prefill input is not the next target token (or the sampled one)",
+                 index_map=lambda i: (int(m[i[0]]),))
+        dii = c.get("draft_0", "draft_input_ids")
+        if dii is not None and c.get("target", "padded_gather_idx") is not None:
+            n = c.num_local()
+            c.expect("draft_0", "draft_input_ids", dgi[c.rank_rows()].astype(np.int64),
+                     dii[:n].astype(np.int64), "local draft input != draft_global_input_ids of its token")
+    prev_tokens = None
+    for k, phase in drafts:
+        if k >= 1 and prev_tokens is not None:
+            dii = c.get(phase, "draft_input_ids")
+            if dii is not None:
+                checked = True
+                c.expect(phase, "draft_input_ids", prev_tokens.astype(np.int64), dii.astype(np.int64),
+                         f"draft_{k} input != draft_{k - 1}'s tokens")
+        prev_tokens = c.get(phase, "draft_tokens")
+    if not checked:
+        raise Skip("no draft_global_input_ids")
+
+
+@check("draft_decode_replicated",
+        "draft_k (k >= 1) is replicated on the global rows: view 'replicated', slot_mapping_draft "
+        "unexpanded ([G, R]) and equal to the slots of block_table_global's rows at draft_positions, "
+        "none in the null block 0")
+def draft_decode_replicated(c: Ctx) -> None:
+    phases = c.draft_phases(1)
+    if not phases:
+        raise Skip("no draft_1 phase")
+    r = c.num_reqs()
+    for k, phase in phases:
+        view = c.get(phase, "view")
+        if view is not None and _str0(view) != "replicated":
+            c.fail(phase, "view", "draft decodes run replicated on the global batch",
+                   expected="'replicated'", actual=repr(_str0(view)))
+        for v in ("draft_input_ids", "draft_positions", "draft_seq_lens", "draft_tokens"):
+            a = c.get(phase, v)
+            if a is not None and a.shape != (r,):
+                c.fail(phase, v, f"shape {list(a.shape)}, expected one row per request [{r}]")
+        smd = c.get(phase, "slot_mapping_draft")
+        if smd is None:
+            raise Skip("no slot_mapping_draft")
+        smd = _g2(smd)
+        if smd.shape[-1] != r:
+            c.fail(phase, "slot_mapping_draft", f"length {smd.shape[-1]}, expected R={r}: draft decode "
+                   "slot mappings are unexpanded (the attention layer writes locally)",
+                   expected=f"[G, {r}]", actual=str(list(smd.shape)))
+        pos, table = c.get(phase, "draft_positions"), c.get("target", "block_table_global")
+        if pos is None or table is None or c.cfg.block_sizes is None:
+            continue
+        pos = pos.astype(np.int64)
+        exp = c.slots(_g3(table), np.arange(r + 1, dtype=np.int64), pos)
+        c.expect(phase, "slot_mapping_draft", exp, smd,
+                 "slot differs from the global row's block at draft_positions")
+        c.no_null_block(phase, "slot_mapping_draft", exp, smd, pos)
+
+
+@check("draft_block_tables_global",
+        "draft_k (k >= 1) block_table_draft == block_table_global (the block tables were gathered "
+        "back to global order before the replicated decodes)")
+def draft_block_tables_global(c: Ctx) -> None:
+    phases = c.draft_phases(1)
+    if not phases:
+        raise Skip("no draft_1 phase")
+    btg = _g3(c.t("block_table_global"))
+    checked = False
+    for k, phase in phases:
+        btd = c.get(phase, "block_table_draft")
+        if btd is None:
+            continue
+        checked = True
+        c.expect(phase, "block_table_draft", btg, _g3(btd),
+                 "draft decode block-table row != the request's global row (gather skipped?)")
+    if not checked:
+        raise Skip("no block_table_draft")
+
+
+@check("draft_positions_advance",
+        "draft_1 positions == positions[draft_last_token_indices] + 1, draft_k == draft_{k-1} + 1, "
+        "and draft_seq_lens == draft_positions + 1 (k >= 1)")
+def draft_positions_advance(c: Ctx) -> None:
+    phases = c.draft_phases(1)
+    if not phases:
+        raise Skip("no draft_1 phase")
+    q = c.q()
+    has = np.flatnonzero(q > 0)
+    imap = lambda i: (int(has[i[0]]),)  # noqa: E731
+    prev = None
+    if phases[0][0] == 1:
+        lti = c.need("draft_0", "draft_last_token_indices").astype(np.int64)
+        pos = c.t("positions").astype(np.int64)
+        if has.size and (lti[has].min() < 0 or lti[has].max() >= pos.shape[0]):
+            c.fail("draft_0", "draft_last_token_indices", "indexes outside the global tokens")
+        prev = np.zeros(q.shape[0], dtype=np.int64)
+        prev[has] = pos[lti[has]]
+    for k, phase in phases:
+        dp = c.need(phase, "draft_positions").astype(np.int64)
+        if dp.shape != q.shape:
+            c.fail(phase, "draft_positions", f"shape {list(dp.shape)}, expected [{q.shape[0]}]")
+        if prev is not None:
+            what = ("!= positions[draft_last_token_indices] + 1" if k == 1
+                    else f"!= draft_{k - 1} positions + 1")
+            c.expect(phase, "draft_positions", (prev + 1)[has], dp[has], what, index_map=imap)
+        dsl = c.get(phase, "draft_seq_lens")
+        if dsl is not None:
+            c.expect(phase, "draft_seq_lens", (dp + 1)[has], dsl.astype(np.int64)[has],
+                     "draft seq_len != draft position + 1", index_map=imap)
+        prev = dp

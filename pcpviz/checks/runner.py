@@ -1,0 +1,118 @@
+"""``run_checks(trace) -> CheckReport``: every check over every (step, rank), one step of history
+kept. The checks run, and are reported, in ``CHECK_MODULES`` order, then definition order."""
+
+from __future__ import annotations
+
+import os
+import time
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from pcpviz.trace import Trace
+from pcpviz.trace import open as open_trace
+from pcpviz.trace.validate import trusted_meta
+from pcpviz.trace.validate import validate as validate_trace
+
+from . import layout_checks  # noqa: I001 - each import registers its checks
+from . import draft_checks
+from . import step_checks
+from .context import DEFS, Config, Fail, Skip, Ctx, StepView
+from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
+
+CHECK_MODULES = (layout_checks, draft_checks, step_checks)
+"""Where the checks are defined, in report order."""
+
+ORDERED_DEFS = tuple(d for m in CHECK_MODULES for d in DEFS if d.fn.__module__ == m.__name__)
+"""Every registered check: by ``CHECK_MODULES``, then in definition order."""
+
+CHECKS: Mapping[str, str] = MappingProxyType({d.name: d.description for d in ORDERED_DEFS})
+"""Every check name -> its one-line meaning, in the order they run and are reported."""
+
+class _Stats:
+    __slots__ = ("evaluated", "failed", "skipped", "skip_reason", "first")
+
+    def __init__(self) -> None:
+        self.evaluated = self.failed = self.skipped = 0
+        self.skip_reason: str | None = None
+        self.first: Violation | None = None
+
+
+def _meta_summary(meta: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "shard_decode_requests",
+            "model", "vllm_version")
+    return {k: meta.get(k) for k in keys if k in meta}
+
+
+def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | None = None) -> CheckReport:
+    """Run every check (or the named ones) over every step and rank of ``trace``.
+
+    ``trace`` is a ``pcpviz.trace.Trace`` or a run directory (opened with
+    ``pcpviz.trace.open``; a ``TraceError`` propagates). A check whose inputs a step lacks is
+    skipped there; a check that could run on no step at all gets the verdict ``skipped``.
+    ``report.status`` is ``pcpviz.trace.validate(trace)``: an invalid run.json or an incomplete
+    trace (lost steps, missing ranks) makes ``report.ok`` false even when every check passes.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(trace, Trace):
+        trace = open_trace(trace)
+    defs = list(ORDERED_DEFS)
+    if checks is not None:
+        unknown = [n for n in checks if n not in CHECKS]
+        if unknown:
+            raise ValueError(f"unknown check {unknown[0]!r}; known: {', '.join(CHECKS)}")
+        defs = [d for d in ORDERED_DEFS if d.name in set(checks)]
+    status = validate_trace(trace)  # run.json schema, run.json vs the data, completeness
+    cfg = Config.from_meta(trusted_meta(trace.meta, status))
+    stats = {d.name: _Stats() for d in defs}
+    ranks = trace.ranks
+    last_step = {r: (trace.rank_steps(r)[-1] if trace.rank_steps(r) else None) for r in ranks}
+    rank_steps = {r: set(trace.rank_steps(r)) for r in ranks}
+    prev: StepView | None = None
+    for step in trace.steps:
+        recs = {}
+        for r in ranks:
+            if step in rank_steps[r]:
+                recs[r] = {ph: trace.record(step, r, ph) for ph in trace.phases(step, r)}
+        missing = tuple(r for r in ranks if step not in rank_steps[r]
+                        and last_step[r] is not None and last_step[r] > step)
+        sv = StepView(step, recs, prev, missing)
+        for r in recs:
+            for d in defs:
+                st = stats[d.name]
+                try:
+                    d.fn(Ctx(cfg, sv, r, d.name))
+                    st.evaluated += 1
+                except Skip as s:
+                    st.skipped += 1
+                    if st.skip_reason is None:
+                        st.skip_reason = f"step {step} rank {r}: {s}"
+                except Fail as f:
+                    st.evaluated += 1
+                    st.failed += 1
+                    if st.first is None:
+                        st.first = Violation(**f.kw)
+                except (IndexError, ValueError, TypeError, KeyError) as exc:
+                    st.evaluated += 1
+                    st.failed += 1
+                    if st.first is None:
+                        msg = " ".join(str(exc).split())
+                        st.first = Violation(d.name, step, r, None, None,
+                                             f"could not evaluate (malformed views?): "
+                                             f"{type(exc).__name__}: {msg}")
+        if prev is not None:
+            prev.prev = None  # keep only one step of history
+        prev = sv
+    results = {}
+    for d in defs:
+        st = stats[d.name]
+        if st.failed:
+            verdict = FAIL
+        elif st.evaluated:
+            verdict = PASS
+        else:
+            verdict = SKIPPED
+        reason = st.skip_reason if st.skip_reason is not None or trace.steps else "the trace has no steps"
+        results[d.name] = CheckResult(d.name, d.description, verdict, st.evaluated, st.failed,
+                                      st.skipped, reason, st.first)
+    return CheckReport(str(trace.path), MappingProxyType(_meta_summary(trace.meta)), len(trace.steps),
+                       tuple(ranks), MappingProxyType(results), time.perf_counter() - t0, status)
