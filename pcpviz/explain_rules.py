@@ -170,11 +170,15 @@ def _stale_rows(f: Findings) -> list[tuple[float, str]]:
     return [(-6, "row 0 is wrong too: not rows left past a launch's capacity")]
 
 
+_NO_SLOT_MISMATCH = (-4, "every draft-decode slot is the slot of its position in the request's global row: "
+                        "draft_decode_replicated fails for another reason (a null block, a shape)")
+
+
 def _fold(f: Findings) -> list[tuple[float, str]]:
     k = f.draft_slot_mismatches()
     bad = sum(k.values())
     if not bad:
-        return []
+        return [_NO_SLOT_MISMATCH] if f.failed("draft_decode_replicated") else []
     if k["pad"] == bad:
         return [(4, f"all {bad} wrong draft-decode slots are PAD (-1): their KV was never written")]
     return [(-6, f"{bad - k['pad']} of {bad} wrong draft-decode slots are real slots, not PAD")]
@@ -184,7 +188,7 @@ def _slot_seq_len(f: Findings) -> list[tuple[float, str]]:
     k = f.draft_slot_mismatches()
     bad = sum(k.values())
     if not bad:
-        return []
+        return [_NO_SLOT_MISMATCH] if f.failed("draft_decode_replicated") else []
     if k["next_block"] == bad:
         return [(4, f"all {bad} wrong draft-decode slots sit one position before a block boundary "
                     f"(position % {f.block_size} == {f.block_size - 1}) and land in the next block")]
@@ -198,6 +202,8 @@ def _drift(f: Findings) -> list[tuple[float, str]]:
     offs = f.draft_position_offsets()
     shifted = {r: o for r, o in offs.items() if any(x != 0 for x in o)}
     if not shifted:
+        if f.failed("draft_positions_advance"):
+            out.append((-4, "draft_1 starts right after the last accepted token everywhere: no cursor drift"))
         return out
     grows = [r for r, o in shifted.items() if all(b >= a for a, b in zip(o, o[1:])) and min(o) >= 0]
     if len(grows) == len(shifted):
@@ -221,11 +227,12 @@ def _hidden_local(f: Findings) -> list[tuple[float, str]]:
 
 
 def _rank_divergent(f: Findings) -> list[tuple[float, str]]:
-    others = [c for c in f.report.failed if c != "ranks_agree"]
+    v = f.first("ranks_agree")
+    # Checks failing no later than the ranks first disagree point at a cause; later ones follow the fork.
+    others = [c for c in f.report.failed if c != "ranks_agree" and (v is None or f.first(c).step <= v.step)]
     out: list[tuple[float, str]] = []
     if others:
-        out.append((-6, f"other checks fail ({', '.join(others[:3])}): ranks disagreeing is their consequence"))
-    v = f.first("ranks_agree")
+        out.append((-6, f"other checks fail by then ({', '.join(others[:3])}): ranks disagreeing is their consequence"))
     if v is not None and v.phase == "verify":
         out.append((3, f"ranks first disagree in verify (step {v.step}, {v.view}) while every per-rank check passes"
                     if not others else f"ranks first disagree in verify (step {v.step}, {v.view})"))
