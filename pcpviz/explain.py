@@ -76,7 +76,7 @@ class Explanation:
     @property
     def ok(self) -> bool:
         """Nothing wrong: checks pass and acceptance did not drop (exit code 0)."""
-        return self.verdict == CLEAN
+        return self.verdict == CLEAN and self.symptoms.complete
 
     @property
     def top(self) -> Hypothesis | None:
@@ -194,6 +194,8 @@ def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | No
     f = Findings(tb, report)
     hyps = _rank([_score(name, f, sym) for name in FAULTS])
     verdict, headline = _verdict(report, sym, hyps)
+    if not report.complete:
+        headline += "; the trace is INCOMPLETE (data lost): this covers only the steps that are left"
     return Explanation(str(tb.path), verdict, headline, sym, hyps)
 
 

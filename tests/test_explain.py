@@ -161,3 +161,16 @@ def test_workbench_explain_panel():
     ex = wb.show_explain(TRACES / "vllm-h200x2-pcp2-mtp2")
     assert ex.verdict == ACCEPTANCE_REGRESSION and wb.explanation is ex
     assert wb.explain_panel in wb.children and "no registered fault matches" in wb.explain_panel.get_title(0)
+
+
+def test_cli_incomplete_trace_exits_3(tmp_path):
+    import shutil
+
+    path = tmp_path / "t"
+    shutil.copytree(TRACES / "cpu-pcp2-mtp2", path)
+    f = path / "rank1.arrow"
+    f.write_bytes(f.read_bytes()[:-40])  # a writer killed inside its last step
+    r = _cli(str(path), "--no-rerun")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert r.stderr and all(ln.startswith("pcpviz explain: incomplete: ") for ln in r.stderr.splitlines())
+    assert "verdict:" in r.stdout
