@@ -209,6 +209,17 @@ def _pos0(sym: Symptoms) -> str:
     return f"; position 0: {_rate(sym.rate_per_position[0])} vs {_rate(sym.reference_rate_per_position[0])}"
 
 
+def _where(sym: Symptoms) -> str:
+    d = sym.drafts_first_differ
+    if d is None:
+        return ""
+    out = f". The drafts first differ at step {d['step']} ({d['phase']})"
+    if sym.only_layout_before_drafts and sym.differs_before_drafts:
+        out += (", after differences only in the rank-local layout and its padding; suspect an input the "
+                "trace does not record (the drafter's hidden states, a graph replayed over padded rows)")
+    return out
+
+
 def _verdict(report, sym: Symptoms, hyps: tuple[Hypothesis, ...]) -> tuple[str, str]:
     top = hyps[0] if hyps and hyps[0].status == "matches" else None
     unknown = [h.fault for h in hyps if h.status == "cannot be ruled out"]
@@ -223,7 +234,7 @@ def _verdict(report, sym: Symptoms, hyps: tuple[Hypothesis, ...]) -> tuple[str, 
         same = {True: ", same outputs", False: ", outputs differ", None: ""}[sym.outputs_same]
         return ACCEPTANCE_REGRESSION, (
             f"acceptance dropped (rate {_rate(sym.acceptance_rate)} vs {_rate(sym.reference_acceptance_rate)} in the "
-            f"reference{_pos0(sym)}{same}) and every check passes: no registered fault matches{tail}")
+            f"reference{_pos0(sym)}{same}) and every check passes: no registered fault matches{tail}{_where(sym)}")
     return CLEAN, "every check passes" + (
         f" and acceptance is level with the reference ({_rate(sym.acceptance_rate)} vs "
         f"{_rate(sym.reference_acceptance_rate)})" if sym.reference_acceptance_rate is not None else

@@ -30,6 +30,12 @@ ACCEPTANCE_DROP = 0.10
 POSITION_DROP = 0.15
 """... or the rate at one draft position fell by at least this much."""
 
+LAYOUT_VIEWS = frozenset({"padded_gather_idx", "hidden_restore_idx", "kv_write_mask", "per_rank_num_tokens", "segments",
+                          "slot_mapping_gathered", "moe_is_padding", "local_input_ids", "local_positions",
+                          "local_is_padding", "local_seq_lens", "local_query_start_loc", "local_logits_indices",
+                          "draft_input_ids", "draft_positions", "draft_seq_lens", "slot_mapping_draft"})
+"""Views that change with the rank-local layout and its padding alone (draft_0's are rank-local too)."""
+
 _KV_VIEWS = {"target": ("input_ids", "positions", "slot_mapping_gathered"),
              "draft": ("draft_input_ids", "draft_positions", "slot_mapping_draft")}
 
@@ -61,7 +67,15 @@ class Symptoms:
     requests_dropped: tuple[tuple[str, float | None, float | None], ...]  # (request, rate, reference rate)
     outputs_same: bool | None
     diff_first: dict | None  # pcpviz.diff.Divergence.to_dict()
+    drafts_first_differ: dict | None  # the diff's first divergence in draft_tokens
+    differs_before_drafts: tuple[str, ...]  # the views that differ before it ("phase.view")
     notes: tuple[str, ...]
+
+    @property
+    def only_layout_before_drafts(self) -> bool:
+        """The drafts differ after differences only in the rank-local layout / padding views."""
+        return self.drafts_first_differ is not None and all(
+            v.split(".", 1)[1] in LAYOUT_VIEWS for v in self.differs_before_drafts)
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)
@@ -86,6 +100,11 @@ class Symptoms:
             out.append(f"reference ({self.reference_kind}): {self.reference}")
             out.append("diff: " + ("SAME" if self.diff_first is None else
                                    "first divergence at step {step}, phase {phase}, view {view}".format(**self.diff_first)))
+            if self.drafts_first_differ is not None:
+                d = self.drafts_first_differ
+                out.append(f"drafts first differ at step {d['step']}, phase {d['phase']}"
+                           + (f"; before that: {', '.join(self.differs_before_drafts[:6])}"
+                              if self.differs_before_drafts else ""))
         acc = f"acceptance: {r(self.acceptance_rate)}"
         if self.reference is not None:
             acc += f" vs {r(self.reference_acceptance_rate)} in the reference" + (
@@ -177,12 +196,20 @@ def gather_symptoms(trace, report, diff=None, *, reference_trace=None, reference
     req_drop: list = []
     dropped = False
     outputs_same = None
-    diff_first = None
+    diff_first = drafts_first = None
+    before: list[str] = []
     if diff is not None:
         ra = diff.acceptance_a
         ref_rate, ref_pos = _f(ra.acceptance_rate), tuple(_f(x) for x in ra.rate_per_position)
         notes += [n for n in diff.notes if "matched to a's" in n or "producer" in n]
         diff_first = None if diff.first is None else diff.first.to_dict()
+        for d in diff.divergences:
+            if d.view == "draft_tokens":
+                drafts_first = d.to_dict()
+                break
+            name = f"{d.phase}.{d.view}"
+            if name not in before:
+                before.append(name)
         if ra.num_drafts and acc.num_drafts:
             dropped_pos = tuple(k for k, (a, b) in enumerate(zip(acc.rate_per_position, ra.rate_per_position))
                                 if b - a >= POSITION_DROP)
@@ -210,6 +237,8 @@ def gather_symptoms(trace, report, diff=None, *, reference_trace=None, reference
         kv_replicas_agree=None if len(ranks) < 2 else kv_first is None, kv_first_divergence=kv_first,
         reference=None if reference_trace is None else str(reference_trace.path), reference_kind=reference_kind, reference_acceptance_rate=ref_rate,
         reference_rate_per_position=ref_pos, acceptance_dropped=dropped, dropped_positions=dropped_pos,
-        requests_dropped=tuple(req_drop[:3]), outputs_same=outputs_same, diff_first=diff_first, notes=tuple(notes),
+        requests_dropped=tuple(req_drop[:3]), outputs_same=outputs_same, diff_first=diff_first,
+        drafts_first_differ=drafts_first, differs_before_drafts=tuple(before) if drafts_first else (),
+        notes=tuple(notes),
     )
 

@@ -115,6 +115,8 @@ def test_piecewise_collapse_is_an_acceptance_regression_no_fault_explains():
     assert s.rate_per_position[0] < 0.3 < 0.8 < s.reference_rate_per_position[0]
     assert s.kv_replicas_agree and s.ranks_acceptance_agree
     assert "no registered fault matches" in e.headline
+    # README's finding: the drafts differ from step 0 on, after differences only in the padded layout
+    assert s.drafts_first_differ["step"] == 0 and s.only_layout_before_drafts
     assert all(h.status == "ruled out" for h in e.hypotheses)
 
 
