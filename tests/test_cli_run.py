@@ -39,7 +39,10 @@ def test_list_faults_names_each_check():
     for name in ("skip_draft_block_table_gather", "fold_slot_mapping_without_shape_check",
                  "positions_from_cpu_cursor", "sample_local_logits", "rank_divergent_acceptance"):
         assert name in r.stdout
-    assert r.stdout.count("caught by:") == 5
+    from pcpviz.engine.faults import FAULTS
+
+    assert all(name in r.stdout for name in FAULTS)
+    assert r.stdout.count("caught by:") == len(FAULTS) == 9
 
 
 def test_bad_run_input_exits_2_with_one_line(tmp_path):

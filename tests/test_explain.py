@@ -1,7 +1,9 @@
-"""`pcpviz explain` held to account: every registered fault is injected under several settings
-(PCP 2 and 4, K 2 and 3, three prompt sets, onset at steps 0 to 2) and `explain` must rank the
-injected fault first in at least 90% of the cases and never blame a clean run — neither the
-engine's nor the shipped real vLLM traces. The confusion matrix is printed (``pytest -s``).
+"""`pcpviz explain` held to account: every registered fault is injected under two settings
+(PCP 2 with K 2, PCP 4 with K 3; a prompt set each; the step of onset varied from 0 to 2 across the
+faults) and `explain` must rank the injected fault first in at least 90% of the cases and never
+blame a clean run — neither the engine's (explained against an engine re-run of its prompts) nor
+the shipped real vLLM traces. The confusion matrix is printed (``pytest -s``). Each engine run
+costs one Python + torch start per rank, so the matrix is kept to 2 x 9 faulty runs.
 
 The real acceptance collapse under PIECEWISE CUDA graphs (data/traces/vllm-h200x2-pcp2-mtp2-piecewise:
 same tokens, 0.26 vs 0.89 at position 0) passes every check: `explain` must say acceptance
@@ -28,18 +30,16 @@ TRACES = ROOT / "data" / "traces"
 
 A = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\ndef main(argv):\n    parser = ",
      "class Stack:\n    def __init__(self):\n        self.items = []\n"]
-B = ["for i in range(10):\n    ", "x = [", "def add(a, b):\n    return ", "import json\n\nwith open("]
 C = ["while True:\n    line = ", "print(", "def area(r):\n    return 3.14 * ", "if __name__ == '__main__':\n    "]
-SETTINGS = {  # name: (pcp, K, block size, prompts, step of onset)
-    "pcp2-k2": (2, 2, 16, A, 0),
-    "pcp2-k3": (2, 3, 8, B, 2),
-    "pcp4-k3": (4, 3, 8, C, 1),
+SETTINGS = {  # name: (pcp, K, block size, prompts)
+    "pcp2-k2": (2, 2, 8, A),
+    "pcp4-k3": (4, 3, 8, C),
 }
 RUN = dict(max_new_tokens=16, max_num_batched_tokens=48, progress=False)
 
 
 def _run(d: Path, setting: str, inject: list[str]) -> str:
-    pcp, k, bs, prompts, _ = SETTINGS[setting]
+    pcp, k, bs, prompts = SETTINGS[setting]
     pcpviz.run(prompts, pcp=pcp, num_speculative_tokens=k, block_size=bs, trace_dir=str(d), inject=inject, **RUN)
     return str(d)
 
@@ -47,13 +47,15 @@ def _run(d: Path, setting: str, inject: list[str]) -> str:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
     """{(setting, injected fault or "clean"): explanation}; faulty runs against the clean run of
-    their setting, clean runs against an engine re-run of their prompts (no GOOD given)."""
+    their setting (the fault starting at step 0, 1 or 2), the first clean run against an engine
+    re-run of its prompts (no GOOD given), the other with no reference."""
     root = tmp_path_factory.mktemp("explain")
     out = {}
-    for s, (_, _, _, _, onset) in SETTINGS.items():
+    for j, s in enumerate(SETTINGS):
         clean = _run(root / s / "clean", s, [])
-        out[(s, "clean")] = explain(clean)  # GOOD omitted: re-runs the prompts
-        for name in sorted(FAULTS):
+        out[(s, "clean")] = explain(clean, rerun=j == 0)
+        for i, name in enumerate(sorted(FAULTS)):
+            onset = (i + j) % 3
             bad = _run(root / s / name, s, [f"{name}@{onset}"])
             out[(s, name)] = explain(bad, clean)
     return out
@@ -79,19 +81,24 @@ def test_explain_ranks_the_injected_fault_first(matrix):
     print(f"top-1 accuracy {len(hits)}/{len(cases)} = {accuracy:.2%}")
     assert len(cases) == len(SETTINGS) * len(FAULTS)
     assert accuracy >= 0.9, table
-    for c in cases:  # the injected fault is always among the hypotheses that match or partly match
+    for c in cases:
         e = matrix[c]
+        if e.symptoms.diff_first is None:  # the fault never fired (the run equals the clean one)
+            assert e.verdict == CLEAN, (c, e.format())
+            continue
+        # a fault that fired is found, and the injected one always matches or partly matches
         assert e.verdict == FAULT and e.top is not None, (c, e.format())
         assert any(h.fault == c[1] and h.status in ("matches", "partial") for h in e.hypotheses), (c, e.format())
 
 
 def test_explain_never_blames_a_clean_run(matrix):
-    for s in SETTINGS:
+    for j, s in enumerate(SETTINGS):
         e = matrix[(s, "clean")]
         assert e.verdict == CLEAN and e.ok and e.top is None, e.format()
-        assert e.symptoms.reference_kind == "rerun" and e.symptoms.outputs_same is True
-        assert e.symptoms.diff_first is None  # the engine is deterministic: the re-run is the same run
         assert all(h.status == "ruled out" for h in e.hypotheses)
+        if j == 0:
+            assert e.symptoms.reference_kind == "rerun" and e.symptoms.outputs_same is True
+            assert e.symptoms.diff_first is None  # the engine is deterministic: the re-run is the same run
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in TRACES.iterdir() if (p / "run.json").exists()
