@@ -166,7 +166,8 @@ def _rerun(trace: Trace, out_dir: str) -> tuple[str | None, str]:
     if m.get("dtype") in ("float32", "bfloat16"):
         opts["dtype"] = m["dtype"]
     try:
-        pcpviz.run(prompts, pcp=int(m.get("pcp") or 1), num_speculative_tokens=int(m.get("num_speculative_tokens") or 0),
+        pcpviz.run(prompts, pcp=int(m.get("pcp") or 1),
+                   num_speculative_tokens=int(m.get("num_speculative_tokens") or 0),
                    block_size=int(m.get("block_size") or 16), max_new_tokens=int(max_new or 32),
                    trace_dir=out_dir, progress=False, **opts)
     except (ValueError, RuntimeError, OSError) as e:

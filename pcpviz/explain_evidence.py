@@ -98,8 +98,9 @@ class Symptoms:
         out += [f"note: {x}" for x in self.notes]
         if self.reference is not None:
             out.append(f"reference ({self.reference_kind}): {self.reference}")
-            out.append("diff: " + ("SAME" if self.diff_first is None else
-                                   "first divergence at step {step}, phase {phase}, view {view}".format(**self.diff_first)))
+            d = self.diff_first
+            out.append("diff: " + ("SAME" if d is None else
+                                   f"first divergence at step {d['step']}, phase {d['phase']}, view {d['view']}"))
             if self.drafts_first_differ is not None:
                 d = self.drafts_first_differ
                 out.append(f"drafts first differ at step {d['step']}, phase {d['phase']}"
@@ -235,7 +236,8 @@ def gather_symptoms(trace, report, diff=None, *, reference_trace=None, reference
         acceptance_rate=_f(acc.acceptance_rate), rate_per_position=tuple(_f(x) for x in acc.rate_per_position),
         step_trend=_step_trend(acc), ranks_acceptance_agree=per_rank,
         kv_replicas_agree=None if len(ranks) < 2 else kv_first is None, kv_first_divergence=kv_first,
-        reference=None if reference_trace is None else str(reference_trace.path), reference_kind=reference_kind, reference_acceptance_rate=ref_rate,
+        reference=None if reference_trace is None else str(reference_trace.path), reference_kind=reference_kind,
+        reference_acceptance_rate=ref_rate,
         reference_rate_per_position=ref_pos, acceptance_dropped=dropped, dropped_positions=dropped_pos,
         requests_dropped=tuple(req_drop[:3]), outputs_same=outputs_same, diff_first=diff_first,
         drafts_first_differ=drafts_first, differs_before_drafts=tuple(before) if drafts_first else (),
