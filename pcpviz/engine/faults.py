@@ -47,7 +47,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
         "TargetDependentARSpeculator.propose: block_tables.gather_block_tables before prepare_decode_inputs",
         "draft_block_tables_global",
         models="draft decodes attending the wrong KV blocks: acceptance falls from draft position 1 on",
-        source="the vLLM 0.33.0 PCP + MTP pull request's review (docs/vllm-0.33-pcp-mtp.md)",
+        source="the review of vLLM 0.33.0's PCP + MTP pull request (pcpviz.review, notebook 06)",
         signature="block_table_draft differs from block_table_global from batch row 0 on (every row "
                   "stale, typically the null block); position-0 acceptance level, positions >= 1 drop; "
                   "outputs unchanged",
@@ -64,7 +64,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
         "draft_decode_replicated",
         faithful=False,
         models="a shape-unchecked fold of an unexpanded slot mapping: most requests' draft KV never written",
-        source="the vLLM 0.33.0 PCP + MTP pull request's review (sparse indexer fold)",
+        source="the review of vLLM 0.33.0's PCP + MTP pull request: the sparse indexer's fold "
+               "(pcpviz.review)",
         signature="slot_mapping_draft of draft_k (k >= 1) is PAD (-1) from row R // N on, at every draft "
                   "position; acceptance from draft position 2 on drops (K >= 3); outputs unchanged",
     ),
@@ -75,7 +76,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
         "PCPManager.partition_batch: index_select(global_batch.positions, local_gather_idx)",
         "local_positions_are_global",
         models="positions from the CPU cursor after a rejection: RoPE and KV slots off by the rejected count",
-        source="the vLLM 0.33.0 PCP + MTP pull request's review (PCPManager.partition_batch)",
+        source="the review of vLLM 0.33.0's PCP + MTP pull request: PCPManager.partition_batch "
+               "(pcpviz.review)",
         signature="local_positions exceed the global positions by the previous step's rejections, only "
                   "on steps after a rejection; target KV is corrupted, so outputs change",
     ),
@@ -86,7 +88,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
         "GPUModelRunner.sample_tokens: pcp_manager.restore_for_sampling",
         "local_logits_not_sampled",
         models="sampling from rank-local rows: wrong target tokens, ranks disagree",
-        source="the vLLM 0.33.0 PCP + MTP pull request's review (restore_for_sampling)",
+        source="the review of vLLM 0.33.0's PCP + MTP pull request: restore_for_sampling (pcpviz.review)",
         signature="sampled_logits_rows != logits_indices (clamped to the rank's rows), sampled_from "
                   "'local'; outputs change and ranks disagree from verify on",
     ),
@@ -97,7 +99,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
         "rejection sampling must be identical on every PCP rank",
         "ranks_agree",
         models="ranks forking silently after a rejection",
-        source="the vLLM 0.33.0 PCP + MTP design notes (rejection sampling must be rank-identical)",
+        source="vLLM 0.33.0's design: every PCP rank runs the rejection sampler and must agree "
+               "(the ranks_agree check)",
         signature="ranks_agree first fails at a verify (num_accepted differs on ranks > 0) while every "
                   "per-rank check passes; KV replicas diverge and outputs change",
     ),
