@@ -8,7 +8,7 @@ differing index, expected and actual (short windows around that index). The name
 stable — tests, the engine's fault catalogue (``pcpviz.engine.faults``) and users rely on
 them; ``CHECKS`` maps each name to its one-line meaning.
 
-The rules are vLLM 0.33.0's (``docs/vllm-0.33-pcp-mtp.md`` §1.2-1.6). A PCP=2 step that
+The rules are vLLM 0.33.0's (``docs/vllm-0.33-pcp-mtp.md#invariants``). A PCP=2 step that
 passes everything, drawn (K=2, block_size 4; rank 0 shown)::
 
     global      d0: positions 20..22 (1 + 2 drafts)   p1: fresh prefill 0..8        T = 12

@@ -5,7 +5,7 @@ No model runs here: token ids come from a seeded hash, and whether a draft is
 *structural* view, though, is produced by the same reference code the checks
 compare against — ``pcpviz.layout.plan_layout`` / ``partition_batch`` for the
 DualChunkSwap layout and local batch, ``pcpviz.blocks`` for block tables and slot
-mappings — and the step semantics follow vLLM 0.33.0 (``vllm-0.33-pcp-mtp.md`` §1):
+mappings — and the step semantics follow vLLM 0.33.0 (``docs/vllm-0.33-pcp-mtp.md``):
 
 * positions start at the GPU cursor; the CPU cursor (``num_computed_tokens``) runs
   ahead by the previous step's rejected drafts;

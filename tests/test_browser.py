@@ -38,7 +38,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 JUPYTER = Path(sys.executable).parent / "jupyter"
 SHOTS = REPO / "artifacts" / "browser"
-TRACE = REPO / "data" / "traces" / "cpu-pcp2-mtp2"
+TRACE = REPO / "data" / "traces" / "vllm-h200x2-pcp2-mtp2"  # what 00_quickstart opens
 CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
 
@@ -260,7 +260,7 @@ def test_workbench_renders_and_moves_in_jupyterlab(lab):
                 page.wait_for_timeout(300)
             assert after["svgText"][0] != state["svgText"][0]  # the token-order figure was redrawn
             assert after["svgText"][2] != state["svgText"][2]  # so were the block tables
-            assert "requests req0, req2, req1" in after["titles"][0]  # step 1's batch
+            assert "requests 0-b416d835" in after["titles"][0]  # step 1's batch: request 0 alone
             page.wait_for_timeout(800)
             wb.screenshot(path=str(SHOTS / "00_quickstart_workbench_step1.png"))
             assert not [e for e in errors if "plotly" in e.lower() or "anywidget" in e.lower()], errors

@@ -83,7 +83,7 @@ def test_clean_traces_pass_every_check(tmp_path, kw):
 
 
 def test_vllm_worked_example_passes(tmp_path):
-    """The note's §1.7 step with the numbers vLLM 0.33.0 produced (not from pcpviz.layout)."""
+    """Scenario A (docs/vllm-0.33-pcp-mtp.md): the numbers vLLM 0.33.0 produced, not pcpviz.layout's."""
     run = worked_example_run()
     rank0 = run.views(7, 0, "draft_0")["draft_input_ids"]
     assert rank0.tolist() == [41, 42, 43, 60, 81, 82, 83, 90, 56, 57, 58, 59, 73] + [41] * 5

@@ -107,11 +107,33 @@ def delete(rng: random.Random, d: Path, base: Path) -> str:
     return "every rank file"
 
 
+def _refutable(base: Path, other: Path) -> bool:
+    a, b = (json.loads((p / "run.json").read_text()) for p in (base, other))
+    keys = ("pcp", "num_speculative_tokens", "block_size")
+    if any(a.get(k) != b.get(k) for k in keys):
+        return True
+    if "prompt_token_ids" not in b:
+        return False
+    mine = a.get("prompt_token_ids")
+    if mine is None and isinstance(a.get("prompts"), list):  # a vLLM recording keeps the text
+        from pcpviz.engine.tokenizer import encode
+
+        mine = [encode(t) for t in a["prompts"]]
+    return mine is not None and b["prompt_token_ids"] != mine
+
+
 def swap(rng: random.Random, d: Path, base: Path) -> str:
     """Files exchanged or mixed in: rank files swapped, a rank file of another run, a rank
     file copied under the next rank's name, run.json of another run."""
     other = rng.choice([p for p in SHIPPED if p.name != base.name] or SHIPPED)
     how = rng.choice(("swap ranks", "foreign rank", "extra rank", "foreign run.json"))
+    if how == "foreign run.json":
+        # only a run.json the data can refute: another PCP size, K, block size or prompt list
+        refutable = [p for p in SHIPPED if p.name != base.name and _refutable(base, p)]
+        if not refutable:
+            how = "swap ranks"
+        else:
+            other = rng.choice(refutable)
     files = _rank_files(d)
     if how == "swap ranks":
         a, b = files[0], files[-1]
@@ -202,6 +224,8 @@ def hostile_meta(rng: random.Random, d: Path, base: Path) -> str:
     if how == "drop":
         key = rng.choice(("producer", "pcp", "block_size", "num_speculative_tokens"))
         meta.pop(key, None)
+        if key == "block_size":
+            meta.pop("block_sizes", None)  # the plugin also writes the per-group list: drop the value, not a copy
         path.write_text(json.dumps(meta))
         return f"drop {key}"
     if how == "deep":

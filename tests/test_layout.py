@@ -32,7 +32,7 @@ def test_module_docstring_example_pcp2_prefill_and_two_decodes():
 
 
 def test_design_note_scenario_a_sharded_decodes():
-    # vllm-0.33-pcp-mtp.md §1.7: d0 (4), d1 (4), p1 continued (10), p0 fresh (13).
+    # docs/vllm-0.33-pcp-mtp.md#worked-example-scenario-a: d0 (4), d1 (4), p1 continued (10), p0 fresh (13).
     lay = plan_layout([4, 4, 10, 13], [False, False, True, True], 2)
     assert lay.per_rank_num_tokens == (13, 18)
     assert lay.padded_gather_idx.tolist() == (

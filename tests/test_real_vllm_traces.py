@@ -87,3 +87,24 @@ def test_serve_trace():
     assert "serve" in meta["command"] and "--prefill-context-parallel-size 2" in meta["command"]
     assert len(meta["serve"]["completions"]) == 3
     assert any("spec_decode_num_accepted_tokens_per_pos" in m for m in meta["serve"]["spec_decode_metrics"])
+
+
+@pytest.mark.parametrize("inject,reference", [
+    ((), "vllm-h200x2-pcp2-mtp2"),
+    (("draft_prefill_reads_captured_buffers",), "vllm-h200x2-pcp2-mtp2-piecewise"),
+])
+def test_engine_reproduces_vllm_step0_drafts(inject, reference, tmp_path):
+    """vLLM ran request 0 alone at step 0. The clean engine drafts what eager vLLM drafted; with
+    the draft prefill reading the speculator's global-order buffers (the PIECEWISE bug,
+    docs/findings/piecewise-draft-prefill.md) it drafts exactly what PIECEWISE vLLM drafted."""
+    import pcpviz
+
+    ref = pt.open(ROOT / reference)
+    prompt = ref.meta["prompts"][0]
+    pcpviz.run([prompt], pcp=2, num_speculative_tokens=2, device="cpu", max_new_tokens=4,
+               block_size=ref.meta["block_size"], trace_dir=str(tmp_path / "run"), inject=inject, progress=False)
+    ours = pt.open(tmp_path / "run")
+    assert ours.record(0, 0, "target")["per_rank_num_tokens"].tolist() == \
+        ref.record(0, 0, "target")["per_rank_num_tokens"].tolist()
+    for phase in ("draft_0", "draft_1"):
+        assert ours.record(0, 0, phase)["draft_tokens"].tolist() == ref.record(0, 0, phase)["draft_tokens"].tolist()

@@ -1,5 +1,5 @@
-"""The vLLM oracle really runs vLLM 0.33.0 on CPU, and reproduces the design
-note's worked example (vllm-0.33-pcp-mtp.md §1.7, Scenario A: PCP=2, K=3,
+"""The vLLM oracle really runs vLLM 0.33.0 on CPU, and reproduces the worked
+example of docs/vllm-0.33-pcp-mtp.md#worked-example-scenario-a (PCP=2, K=3,
 block_size=4, sharded decodes) from vLLM's own PCPManager / BlockTables.
 
 Nothing here is skipped: a missing or wrong vLLM fails loudly.
@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from pcpviz.vllm import oracle  # noqa: E402
 
-# --- Scenario A: the global batch of §1.7 ----------------------------------------------------------
+# --- Scenario A: the global batch of docs/vllm-0.33-pcp-mtp.md#worked-example-scenario-a -----------
 #
 #   row  kind                       query  positions (GPU cursor)      global tokens  req-state slot
 #   d0   decode + 3 drafts          4      20..23 (CPU cursor 21)      0:4            7
@@ -41,7 +41,7 @@ SCENARIO_A = dict(
     shard_decode_requests=True,
 )
 
-# Block-id rows per request-state slot (block_size=4) that give the note's slots:
+# Block-id rows per request-state slot (block_size=4) that give the worked example's slots:
 # d0 pos 20..23 -> 24..27 and 24 -> 28; d1 11..14 -> 47..50; p1 12..21 -> 72..81; p0 0..12 -> 92..104.
 BLOCK_ROWS = [[], [], [], [], [23, 24, 25, 26], [15, 16, 17, 18, 19, 20], [9, 10, 11, 12], [1, 2, 3, 4, 5, 6, 7]]
 

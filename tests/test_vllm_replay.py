@@ -1,6 +1,6 @@
 """The CPU replay drives vLLM 0.33.0's own PCP + MTP classes (ranks as threads) and records a
 trace through pcpviz.vllm.recording; the trace must pass pcpviz.checks and show what the
-design note (vllm-0.33-pcp-mtp.md §1, §5, §6) says the real code does.
+docs/vllm-0.33-pcp-mtp.md says the real code does.
 
 Nothing is skipped: a missing or wrong vLLM fails loudly.
 """

@@ -8,7 +8,7 @@ Faulty traces are built two ways:
   follows from the faulty value, as a real producer's would);
 * ``corrupt(run, step, phase, view, fn, ranks=...)``: a targeted edit of recorded views.
 
-``worked_example_run()`` is the note's §1.7 PCP=2 step (``vllm-0.33-pcp-mtp.md``) with the
+``worked_example_run()`` is Scenario A, the PCP=2 step of ``docs/vllm-0.33-pcp-mtp.md``, with the
 numbers vLLM 0.33.0 produced, written literally — an oracle independent of pcpviz.layout.
 """
 
@@ -63,7 +63,7 @@ def first_step(run: SyntheticRun, pred: Callable[[dict], bool], rank: int = 0) -
 
 
 def worked_example_run() -> SyntheticRun:
-    """The §1.7 step (PCP=2, K=3, block_size 4, sharded decodes) with vLLM's numbers.
+    """Scenario A (PCP=2, K=3, block_size 4, sharded decodes) with vLLM's numbers.
 
     Global rows: d0 decode+3 drafts at 20..23 (GPU cursor 20, CPU cursor 21), d1 decode at
     11..14 (2 of its 3 drafts rejected), p1 continued chunk 12..21, p0 fresh prefill 0..12.
@@ -72,7 +72,7 @@ def worked_example_run() -> SyntheticRun:
     q = np.array([4, 4, 10, 13])
     qsl = np.array([0, 4, 8, 18, 31])
     positions = np.concatenate([np.arange(20, 24), np.arange(11, 15), np.arange(12, 22), np.arange(0, 13)])
-    # input ids chosen so that the draft prefill ids match the note's rank-0 list
+    # input ids chosen so that the draft prefill ids match the worked example's rank-0 list
     input_ids = np.array([40, 41, 42, 43, 50, 51, 52, 53,
                           80, 81, 82, 83, 84, 85, 86, 87, 88, 89,
                           55, 56, 57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67])

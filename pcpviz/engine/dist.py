@@ -82,23 +82,15 @@ def init_process_group(device: str, timeout_s: float, store_file: str | None = N
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return SingleRank()
-    if store_file is not None:
-        backend = "nccl" if device == "cuda" else "gloo"
-        kwargs = {}
-        if device == "cuda":
-            local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
-            torch.cuda.set_device(local)
-            kwargs["device_id"] = torch.device("cuda", local)
-        tdist.init_process_group(backend=backend, store=tdist.FileStore(store_file, world),
-                                 rank=int(os.environ["RANK"]), world_size=world,
-                                 timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-        return ProcessGroupPCP()
     backend = "nccl" if device == "cuda" else "gloo"
-    kwargs = {}
+    kwargs: dict = {"timeout": datetime.timedelta(seconds=timeout_s)}
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
         torch.cuda.set_device(local)
         kwargs["device_id"] = torch.device("cuda", local)
-    tdist.init_process_group(backend=backend, init_method="env://",
-                             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    if store_file is not None:
+        kwargs.update(store=tdist.FileStore(store_file, world), rank=int(os.environ["RANK"]), world_size=world)
+    else:
+        kwargs["init_method"] = "env://"
+    tdist.init_process_group(backend=backend, **kwargs)
     return ProcessGroupPCP()

@@ -93,6 +93,19 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
                   "'local'; outputs change and ranks disagree from verify on",
     ),
     Fault(
+        "draft_prefill_reads_captured_buffers",
+        "under PIECEWISE CUDA graphs the draft prefill replays a graph captured on the speculator's "
+        "own input_ids / positions buffers, so the MTP layer embeds and rotates the first P rows of "
+        "the *global* shifted ids and positions (prepare_prefill_inputs writes them there) instead "
+        "of this rank's DualChunkSwap rows, which get_draft_input_buffers hands to the model: "
+        "hidden states, attention metadata and slots stay right, tokens stay right, acceptance "
+        "collapses. The hypothesis for the collapse in data/traces/vllm-h200x2-pcp2-mtp2-piecewise; "
+        "the engine records the ids the drafter consumed, vLLM's recorder the ids it was handed",
+        "TargetDependentARSpeculator._run_model: pcp_manager.get_draft_input_buffers under "
+        "CUDAGraphWrapper's replay by captured address (compilation/cuda_graph.py)",
+        "draft_input_ids",
+    ),
+    Fault(
         "rank_divergent_acceptance",
         "ranks other than 0 accept one draft fewer than rank 0, so their request cursors, draft "
         "inputs and KV caches fork silently while the scheduler follows rank 0",

@@ -78,13 +78,23 @@ def propose(worker, batch, layout, local, local_positions, local_seq_lens, bt_lo
     # -- draft step 0: rank-local rows, gathered slot mapping -------------------------------
     t0 = time.perf_counter_ns() // 1000
     local_ids = draft_ids[local.gather_idx] if draft_ids.size else np.zeros(local.num_tokens_padded, np.int64)
+    model_positions = local_positions
+    if "draft_prefill_reads_captured_buffers" in worker.faults and n > 1:
+        # The draft prefill's captured graph reads the speculator's own buffers (global order,
+        # written by prepare_prefill_inputs), not the rank-local batch handed to the model.
+        p = local.num_tokens_padded
+        local_ids = np.zeros(p, np.int64)
+        model_positions = np.zeros(p, np.int64)
+        m = min(p, draft_ids.shape[0])
+        local_ids[:m] = draft_ids[:m]
+        model_positions[:m] = batch.positions[:m]
     attn = PagedAttention(
         model, worker.cache, group, expanded=True, slots=_t(slots_gathered[0], dev),
         block_rows=_t(bt_local, dev, torch.int32), query_start_loc=_t(local.query_start_loc, dev),
         positions=_t(local_positions, dev), seq_lens=_t(local_seq_lens, dev),
     )
     with torch.no_grad():
-        mtp_local = model.mtp_forward(_t(local_ids, dev), _t(local_positions, dev), hidden_local, attn)
+        mtp_local = model.mtp_forward(_t(local_ids, dev), _t(model_positions, dev), hidden_local, attn)
         mtp_global = group.all_gather(mtp_local)[_t(layout.hidden_restore_idx, dev)]  # [T, H]
         read_idx = last_idx
         if "draft_hidden_rank_local" in worker.faults and n > 1:

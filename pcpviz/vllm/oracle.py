@@ -8,7 +8,7 @@ vLLM propagate unchanged (same type, same message).
 
 Importing this module applies ``pcpviz.vllm.cpu_patches`` (and so imports vLLM).
 
-Scenario A of the design note (PCP=2, sharded decodes): rows d0, d1 (decodes of
+Scenario A of ``docs/vllm-0.33-pcp-mtp.md`` (PCP=2, sharded decodes): rows d0, d1 (decodes of
 4 tokens), p1 (10 prefill tokens), p0 (13)::
 
     >>> lay = vllm_build_batch_layout([4, 4, 10, 13], [False, False, True, True], 2,

@@ -37,7 +37,7 @@ Behaviour of ``register()``:
   (recording is disabled on that rank with a warning): use a fresh directory per run.
 
 Record with ``cudagraph_mode`` ``NONE`` or ``PIECEWISE``: a FULL CUDA-graph replay runs no
-Python, so the hooks would not fire for the steps it replays (design note §4.3).
+Python, so the hooks would not fire for the steps it replays (``docs/vllm-0.33-pcp-mtp.md#cuda-graphs``).
 """
 
 from __future__ import annotations

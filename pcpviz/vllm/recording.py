@@ -3,7 +3,7 @@
 Shared by the CPU replay (``pcpviz.vllm.replay``) and the plugin
 (``pcpviz.vllm.plugin``): both use exactly these classes, so a trace made on a laptop
 and one made on a GPU cluster come from the same code. Where each view is taken
-(the design note's §4.2 table):
+(``docs/design.md#where-each-view-is-recorded-in-vllm``):
 
 =====================  ==========================================================
 view(s)                hook

@@ -10,7 +10,7 @@ through the *same* recording classes the plugin installs in a real deployment
     res = replay(pcp=2, mtp=2, trace_dir="runs/replay", scenario="mixed")
     res.trace.record(1, 0, "draft_1")["slot_mapping_draft"]     # unexpanded, length R
 
-What runs is vLLM's (the design note ``vllm-0.33-pcp-mtp.md`` §5):
+What runs is vLLM's (``docs/vllm-0.33-pcp-mtp.md#running-the-pcp-code-on-cpu``):
 
 * ``RequestState``, ``BlockTables`` and their Triton kernels (``TRITON_INTERPRET=1``);
 * ``GPUModelRunner.finish_requests / add_requests / update_requests /
@@ -128,7 +128,7 @@ STAND_INS = {
 }
 DSPARK_STATUS = (
     "DSpark (replicated drafter, scenario 'dspark'): real = DSparkSpeculator.__init__ (with a real "
-    "vllm.config.ParallelConfig: the design note's TypeError came from vllm.config.replace on a namespace "
+    "vllm.config.ParallelConfig: vllm.config.replace raises TypeError on a namespace "
     "ParallelConfig) and DFlashSpeculator.propose on the global batch: the block-table gather into "
     "input_block_tables, the Triton prepare_dflash_inputs (query/context positions and slots, unexpanded, "
     "drafter PCP=1), _store_hidden_states on the aux hidden states restored by restore_for_sampling, "
@@ -173,7 +173,7 @@ SCENARIOS: dict[str, Scenario] = {
     "mixed": Scenario(
         "mixed",
         "fresh and chunked prefills next to decodes carrying K drafts, with full, partial and no "
-        "rejections (the design note's Scenario A over several steps)",
+        "rejections (docs/vllm-0.33-pcp-mtp.md's Scenario A over several steps)",
         (ScenarioRequest("d0", 13), ScenarioRequest("p1", 26, chunk=10), ScenarioRequest("d2", 5, arrive=1),
          ScenarioRequest("p3", 17, arrive=2), ScenarioRequest("d4", 7, arrive=3)),
         num_steps=5,
@@ -797,8 +797,8 @@ def replay(
 
     ``decodes="sharded"`` is vLLM's default for PCP without DCP; ``"replicated"`` runs
     decodes on every rank with rank 0 as the canonical KV writer (what vLLM does under
-    DCP > 1; the replay sets the flag directly with DCP kept at 1, as the design note's
-    Scenario B did). ``record=False`` builds plain ``PCPManager``s (the recording-off
+    DCP > 1; the replay sets the flag directly with DCP kept at 1, as in Scenario B of
+    ``docs/vllm-0.33-pcp-mtp.md``). ``record=False`` builds plain ``PCPManager``s (the recording-off
     baseline). ``dummy`` appends a profile run (``propose(dummy_run=True)``) as the last
     step, phase ``dummy``; it must do no block-table gather and no collective (asserted).
     Raises ValueError for bad arguments.

@@ -53,7 +53,7 @@ def _die(msg: str) -> None:
     sys.exit(2)
 
 
-def _sha256(path: Path) -> str:
+def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -75,7 +75,7 @@ def store(part: Path) -> dict:
             src = part / c["name"]
             if not src.exists():
                 continue
-            if _sha256(src) != c["sha256"]:
+            if sha256(src) != c["sha256"]:
                 _die(f"{src}: sha256 differs from the manifest (a damaged transfer: send the part again)")
             shutil.copyfile(src, chunks / c["name"])
     return manifest
@@ -92,7 +92,7 @@ def _assemble(name: str, entry: dict, dest: Path) -> Path:
         for c in entry["chunks"]:
             with (HOME / "chunks" / c["name"]).open("rb") as fi:
                 shutil.copyfileobj(fi, fo, 1 << 22)
-    if _sha256(out) != entry["sha256"]:
+    if sha256(out) != entry["sha256"]:
         _die(f"{name}: reassembled file's sha256 differs from the manifest")
     return out
 

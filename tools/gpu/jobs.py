@@ -129,6 +129,31 @@ def _piecewise(_: dict) -> dict:
                        timeout_s=540)
 
 
+@job("piecewise-address-check")
+def _piecewise_address_check(_: dict) -> dict:
+    """trace-piecewise with VLLM_LOGGING_LEVEL=DEBUG, which makes vLLM's CUDAGraphWrapper assert
+    that every replay gets the input addresses its graph was captured with
+    (compilation/cuda_graph.py). Reports the first assertion and the frames that led to it."""
+    os.environ["VLLM_LOGGING_LEVEL"] = "DEBUG"
+    try:
+        try:
+            result = _vllm_trace("vllm-h200x2-pcp2-mtp2-piecewise-debug", job_name="piecewise-address-check", k=2,
+                                 prompts=TRACE_PROMPTS, mode="PIECEWISE", timeout_s=540)
+        except Exception as exc:  # noqa: BLE001 - the assertion is the expected outcome
+            result = {"run": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    finally:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    log = (RESULTS / "logs" / "vllm-h200x2-pcp2-mtp2-piecewise-debug.log").read_text().splitlines()
+    hits = [i for i, ln in enumerate(log) if "Input addresses for cudagraphs are different" in ln]
+    frames = []
+    if hits:
+        start = max(0, hits[0] - 60)
+        frames = [ln.strip()[:200] for ln in log[start:hits[0] + 1]
+                  if 'File "' in ln or "Input addresses" in ln or "_run_model" in ln or "propose" in ln]
+    (RESULTS / "logs" / "piecewise-address-check.txt").write_text("\n".join(frames))
+    return {**result, "assertions": len(hits), "frames": frames[-14:]}
+
+
 @job("engine")
 def _engine(_: dict) -> dict:
     """Our engine on the 2 GPUs (NCCL), the same prompts and budget as trace-k2."""

@@ -29,7 +29,6 @@ file's chunks and sha256; ``install.py`` refuses a part whose chunk does not mat
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import lzma
 import shutil
@@ -38,6 +37,8 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
+
+from install import sha256  # tools/gpu/install.py (this script's folder is on sys.path)
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_VERSION = "0.33.0"
@@ -48,14 +49,6 @@ LEFT_OUT = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libt
             "vllm/third_party/deep_gemm/_C_extension.abi3.so", "vllm/vllm-rs", "vllm/_flashkda_C.abi3.so")
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "any")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _pip_download(args: list[str], dest: Path) -> None:
@@ -162,13 +155,13 @@ def write_parts(parts: list[list[tuple[Path, int, int]]], out: Path) -> dict:
         d = out / f"part{i}"
         d.mkdir(parents=True)
         for f, off, n in chunks:
-            entry = manifest["files"].setdefault(f.name, {"sha256": _sha256(f), "size": f.stat().st_size,
+            entry = manifest["files"].setdefault(f.name, {"sha256": sha256(f), "size": f.stat().st_size,
                                                           "chunks": []})
             chunk = d / f"{f.name}.{len(entry['chunks']):02d}"
             with f.open("rb") as fi, chunk.open("wb") as fo:
                 fi.seek(off)
                 fo.write(fi.read(n))
-            entry["chunks"].append({"part": i, "name": chunk.name, "sha256": _sha256(chunk)})
+            entry["chunks"].append({"part": i, "name": chunk.name, "sha256": sha256(chunk)})
     for i in range(1, len(parts) + 1):
         (out / f"part{i}" / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
