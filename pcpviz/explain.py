@@ -7,7 +7,9 @@ given, an engine re-run of the trace's prompts with the same PCP size, K and blo
 (``pcpviz.diff.acceptance``), whether the ranks' KV writes agree, and the step of the first
 violation. Each fault of the registry (``pcpviz.engine.faults.FAULTS``) is a hypothesis: its
 check failing scores 10, its signature rules (``pcpviz.explain_rules``) add or take away, and
-the hypotheses are ranked. When nothing matches, it says so.
+the hypotheses are ranked. When nothing matches, it says so. A fault the recording can hide
+from its check (``pcpviz.explain_rules.UNSEEN``: vLLM's recorder logs the ids a drafter was
+handed, not what a replayed CUDA graph read) is called ``consistent`` when the symptoms fit it.
 
 PCP=2 worked example (``pcpviz run --inject stale_draft_block_table_rows`` on 3 prompts)::
 
@@ -34,7 +36,7 @@ from pcpviz.checks import run_checks
 from pcpviz.diff import diff_traces
 from pcpviz.engine.faults import FAULTS
 from pcpviz.explain_evidence import Symptoms, gather_symptoms
-from pcpviz.explain_rules import CHANGES_OUTPUTS, RULES, Findings
+from pcpviz.explain_rules import CHANGES_OUTPUTS, RULES, UNSEEN, Findings
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 
@@ -52,7 +54,7 @@ class Hypothesis:
 
     fault: str
     score: float
-    status: str  # "matches" | "partial" | "ruled out" | "cannot be ruled out"
+    status: str  # "matches" | "partial" | "consistent" | "cannot be ruled out" | "ruled out"
     caught_by: str
     models: str
     source: str
@@ -116,6 +118,11 @@ def _score(name: str, f: Findings, sym: Symptoms) -> Hypothesis:
         return Hypothesis(name, 0.0, "cannot be ruled out", fault.caught_by, fault.models, fault.source,
                           (), (f"{fault.caught_by} could not run ({why})",))
     if res.verdict != "fail":
+        unseen = UNSEEN[name](f, sym) if name in UNSEEN else []
+        if unseen:  # the recording cannot show this fault to its check; the symptoms fit
+            return Hypothesis(name, float(sum(w for w, _ in unseen)), "consistent", fault.caught_by, fault.models,
+                              fault.source, tuple(why for _, why in unseen),
+                              (f"{fault.caught_by} passes on {res.evaluated} (step, rank)",))
         return Hypothesis(name, 0.0, "ruled out", fault.caught_by, fault.models, fault.source, (),
                           (f"{fault.caught_by} passes on {res.evaluated} (step, rank)",))
     score = MATCH_SCORE
@@ -144,7 +151,7 @@ def _score(name: str, f: Findings, sym: Symptoms) -> Hypothesis:
     return Hypothesis(name, float(score), status, fault.caught_by, fault.models, fault.source, tuple(pro), tuple(con))
 
 
-_ORDER = {"matches": 0, "partial": 1, "cannot be ruled out": 2, "ruled out": 3}
+_ORDER = {"matches": 0, "partial": 1, "consistent": 2, "cannot be ruled out": 3, "ruled out": 4}
 
 
 def _rank(hyps: list[Hypothesis]) -> tuple[Hypothesis, ...]:
@@ -217,14 +224,18 @@ def _where(sym: Symptoms) -> str:
     out = f". The drafts first differ at step {d['step']} ({d['phase']})"
     if sym.only_layout_before_drafts and sym.differs_before_drafts:
         out += (", after differences only in the rank-local layout and its padding; suspect an input the "
-                "trace does not record (the drafter's hidden states, a graph replayed over padded rows)")
+                "trace does not record (what the drafter consumed rather than what it was handed)")
     return out
 
 
 def _verdict(report, sym: Symptoms, hyps: tuple[Hypothesis, ...]) -> tuple[str, str]:
     top = hyps[0] if hyps and hyps[0].status == "matches" else None
     unknown = [h.fault for h in hyps if h.status == "cannot be ruled out"]
+    fits = [h.fault for h in hyps if h.status == "consistent"]
     tail = f"; cannot be ruled out (their check could not run): {', '.join(unknown)}" if unknown else ""
+    if fits:
+        tail += (f"; consistent with {', '.join(fits)} (the symptoms fit, and this recording cannot show "
+                 f"it to its check)")
     if top is not None:
         return FAULT, (f"most likely {top.fault} — {top.models} ({top.source.split(' (')[0]}); "
                        f"caught by {top.caught_by}")
@@ -235,7 +246,8 @@ def _verdict(report, sym: Symptoms, hyps: tuple[Hypothesis, ...]) -> tuple[str, 
         same = {True: ", same outputs", False: ", outputs differ", None: ""}[sym.outputs_same]
         return ACCEPTANCE_REGRESSION, (
             f"acceptance dropped (rate {_rate(sym.acceptance_rate)} vs {_rate(sym.reference_acceptance_rate)} in the "
-            f"reference{_pos0(sym)}{same}) and every check passes: no registered fault matches{tail}{_where(sym)}")
+            f"reference{_pos0(sym)}{same}) and every check passes: no registered fault matches (none's check "
+            f"fails){tail}{_where(sym)}")
     return CLEAN, "every check passes" + (
         f" and acceptance is level with the reference ({_rate(sym.acceptance_rate)} vs "
         f"{_rate(sym.reference_acceptance_rate)})" if sym.reference_acceptance_rate is not None else

@@ -23,7 +23,7 @@ import numpy as np
 
 from pcpviz.trace import draft_index
 
-__all__ = ["Findings", "RULES", "CHANGES_OUTPUTS"]
+__all__ = ["Findings", "RULES", "UNSEEN", "CHANGES_OUTPUTS"]
 
 CHANGES_OUTPUTS = frozenset({"positions_from_cpu_cursor", "sample_local_logits", "rank_divergent_acceptance",
                              "draft_hidden_rank_local"})
@@ -241,6 +241,54 @@ def _rank_divergent(f: Findings) -> list[tuple[float, str]]:
     return out
 
 
+def _captured_buffers(f: Findings) -> list[tuple[float, str]]:
+    """draft_0's local ids equal the first rows of the global shifted ids, not the rank's rows."""
+    t = f.trace
+    seen = wrong = 0
+    for r in t.ranks:
+        for step in t.rank_steps(r):
+            if not (t.has(step, r, "draft_0") and t.has(step, r, "target")):
+                continue
+            d0, tgt = t.record(step, r, "draft_0"), t.record(step, r, "target")
+            if not all(v in d0 for v in ("draft_input_ids", "draft_global_input_ids")) or \
+                    not all(v in tgt for v in ("padded_gather_idx", "per_rank_num_tokens")):
+                continue
+            dii, dgi = np.asarray(d0["draft_input_ids"]), np.asarray(d0["draft_global_input_ids"])
+            p = dii.shape[0]
+            n = int(np.asarray(tgt["per_rank_num_tokens"])[r])
+            rows = np.asarray(tgt["padded_gather_idx"])[r * p: r * p + n]
+            if rows.size and rows.max() < dgi.shape[0] and np.array_equal(dii[:n], dgi[rows]):
+                continue
+            wrong += 1
+            m = min(p, dgi.shape[0])
+            seen += bool(np.array_equal(dii[:m], dgi[:m]))
+    if not wrong:
+        return []
+    if seen == wrong:
+        return [(4, f"on {wrong} (step, rank) draft_0's ids are the first rows of the global shifted ids, "
+                    "not the rank's rows: the buffers a captured graph reads")]
+    return [(-6, f"{wrong - seen} of {wrong} wrong draft_0 inputs are not the global buffer's first rows")]
+
+
+def _captured_buffers_unseen(f: Findings, sym) -> list[tuple[float, str]]:
+    """The recording cannot show this fault when the recorder logs the ids the drafter was handed
+    (vLLM's plugin): then the symptoms alone say whether it fits."""
+    meta = f.trace.meta
+    pcp = meta.get("pcp")
+    if meta.get("producer") == "pcpviz-engine" or not (isinstance(pcp, int) and pcp > 1):
+        return []
+    if not (sym.acceptance_dropped and 0 in sym.dropped_positions and sym.outputs_same
+            and sym.only_layout_before_drafts):
+        return []
+    d = sym.drafts_first_differ
+    return [(5, f"the recorder ({meta.get('producer')}) logs the ids the drafter was handed, not what a "
+                "replayed graph read: draft_input_ids cannot see this fault here"),
+            (0, "acceptance collapses from position 0 with the same outputs"),
+            (0, f"drafts first differ at step {d['step']} ({d['phase']}) after differences only in the "
+                f"padded rank-local layout" + (f" (cudagraph_mode {meta['cudagraph_mode']})"
+                                               if meta.get("cudagraph_mode") else ""))]
+
+
 def _none(f: Findings) -> list[tuple[float, str]]:
     return []
 
@@ -255,5 +303,12 @@ RULES: dict[str, Rule] = {
     "draft_slot_from_seq_len": _slot_seq_len,
     "draft_cursor_drift_after_rejection": _drift,
     "draft_hidden_rank_local": _hidden_local,
+    "draft_prefill_reads_captured_buffers": _captured_buffers,
 }
 """Fault name -> its signature rule (every registered fault has one; tests/test_explain.py checks)."""
+
+UNSEEN: dict[str, Callable[[Findings, Any], list[tuple[float, str]]]] = {
+    "draft_prefill_reads_captured_buffers": _captured_buffers_unseen,
+}
+"""Faults a recording can hide from their check: name -> rule over the symptoms, consulted when the
+check passes; evidence there makes the fault ``consistent`` instead of ``ruled out``."""

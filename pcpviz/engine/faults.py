@@ -104,6 +104,13 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
         "TargetDependentARSpeculator._run_model: pcp_manager.get_draft_input_buffers under "
         "CUDAGraphWrapper's replay by captured address (compilation/cuda_graph.py)",
         "draft_input_ids",
+        models="acceptance collapsing from draft position 0 with the same tokens, only with PIECEWISE "
+               "CUDA graphs and PCP > 1",
+        source="pcpviz's own finding on 2 x H200 (docs/findings/piecewise-draft-prefill.md)",
+        signature="draft_0's local draft_input_ids are the first P global shifted ids instead of the "
+                  "rank's rows (an engine trace; vLLM's recorder logs the ids the drafter was handed, so "
+                  "there the check passes); drafts differ from step 0 after differences only in the "
+                  "padded layout; every position collapses, outputs unchanged",
     ),
     Fault(
         "rank_divergent_acceptance",
