@@ -7,6 +7,7 @@
     pcpviz run --list-faults
     pcpviz check runs/demo                            # every invariant, first violation named
     pcpviz diff runs/demo runs/bad                    # first divergence + acceptance
+    pcpviz explain runs/bad runs/demo                 # the most likely cause, with the evidence
     pcpviz export runs/demo --html runs/demo.html
     pcpviz replay --pcp 2 --mtp 2 --trace runs/vllm   # the real vLLM code on CPU
 
@@ -383,6 +384,37 @@ def _add_export(sub) -> None:
 
 
 SUBCOMMANDS += [_add_check, _add_diff, _add_export]
+
+
+def _add_explain(sub) -> None:
+    def run(args: argparse.Namespace) -> int:
+        from pcpviz.explain import explain
+
+        bad, status = _open_trace(args.bad, "explain", require_steps=True)
+        good = None if args.good is None else _open_trace(args.good, "explain", require_steps=True)[0]
+        try:
+            report = explain(bad, good, rerun=not args.no_rerun)
+        except ValueError as e:  # a payload that fails its checksum while being read
+            raise UsageError(f"pcpviz explain: {' '.join(str(e).split())}") from None
+        print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
+        return exit_code(status, report.ok)
+
+    p = sub.add_parser("explain", help="from 'acceptance dropped' to the most likely cause",
+                       description="Rank the registered faults (pcpviz run --list-faults) against the "
+                                   "evidence: the checks, the diff against GOOD (a good run of the same "
+                                   "prompts; without GOOD, an engine re-run of BAD's prompts with the same "
+                                   "PCP, K and block size), acceptance per position / request / step / "
+                                   "rank, KV replica agreement and the step of the first violation. Says "
+                                   "plainly when nothing matches. Exit 0 nothing wrong, 1 a cause found or "
+                                   "acceptance dropped, 2 bad input, 3 incomplete trace.")
+    p.add_argument("bad", help="run directory to explain")
+    p.add_argument("good", nargs="?", default=None, help="a good run of the same prompts (the reference)")
+    p.add_argument("--no-rerun", action="store_true", help="without GOOD, do not re-run the prompts on the engine")
+    p.add_argument("--json", action="store_true", help="print the explanation as JSON")
+    p.set_defaults(func=run)
+
+
+SUBCOMMANDS.append(_add_explain)
 
 
 def build_parser() -> argparse.ArgumentParser:

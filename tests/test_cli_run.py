@@ -41,6 +41,7 @@ def test_list_faults_names_each_check():
         assert name in r.stdout
     from pcpviz.engine.faults import FAULTS
 
+    assert all(name in r.stdout for name in FAULTS)
     assert r.stdout.count("caught by:") == len(FAULTS)
 
 

@@ -77,7 +77,7 @@ def _one(tour, prefix: str):
 
 def test_every_tour_command_exits_as_its_comment_says(tour):
     for cmd, r in tour[0].items():
-        expected = 1 if cmd.startswith(("pcpviz diff", "pcpviz check runs/bad")) else 0
+        expected = 1 if cmd.startswith(("pcpviz diff", "pcpviz check runs/bad", "pcpviz explain")) else 0
         assert r.returncode == expected, f"{cmd!r} exited {r.returncode}:\n{r.stderr[-2000:]}"
         assert "Traceback" not in r.stderr and "Failed to import" not in r.stdout + r.stderr, cmd
 
@@ -88,6 +88,11 @@ def test_the_fault_demo_compares_matching_runs(tour):
     assert bad.replace("\\\n", " ").split("--inject")[0].split("--trace")[0] == \
         clean.split("--trace")[0], "the faulty run must repeat the clean run's prompt, PCP and K"
     assert "--inject skip_draft_block_table_gather" in bad
+
+
+def test_explain_names_the_injected_fault(tour):
+    out = _one(tour, "pcpviz explain").stdout
+    assert "verdict: FAULT: most likely skip_draft_block_table_gather" in out, out
 
 
 def test_diff_names_the_injected_faults_view_and_the_acceptance_it_costs(tour):

@@ -28,6 +28,7 @@ import torch
 
 from pcpviz.blocks import compute_slot_mappings, gather_block_table_rows
 from pcpviz.engine.attention import PagedAttention
+from pcpviz.engine.faults import STALE_ROWS_PER_LAUNCH
 
 __all__ = ["propose", "draft_prefill_inputs"]
 
@@ -95,23 +96,35 @@ def propose(worker, batch, layout, local, local_positions, local_seq_lens, bt_lo
     with torch.no_grad():
         mtp_local = model.mtp_forward(_t(local_ids, dev), _t(model_positions, dev), hidden_local, attn)
         mtp_global = group.all_gather(mtp_local)[_t(layout.hidden_restore_idx, dev)]  # [T, H]
-        last_t = _t(last_idx, dev)
-        h_last = mtp_global[last_t]
+        read_idx = last_idx
+        if "draft_hidden_rank_local" in worker.faults and n > 1:
+            # The fault: the rank-local MTP output read at the global rows (clamped to the rank's).
+            read_idx = np.minimum(last_idx, max(local.num_tokens_padded - 1, 0))
+            h_last = mtp_local[_t(read_idx, dev)]
+        else:
+            h_last = mtp_global[_t(last_idx, dev)]
         drafts[:, 0] = model.mtp_logits(h_last).argmax(-1).cpu().numpy() if r else []
     t1 = time.perf_counter_ns() // 1000
     if rec is not None:
         rec.draft_prefill(local_ids, local_positions, local_seq_lens, bt_local, slots_gathered,
-                          last_idx, drafts[:, 0], draft_ids, t0, t1)
+                          read_idx, drafts[:, 0], draft_ids, t0, t1)
     if k <= 1:
         return drafts
 
     # -- gather block tables back to global order (the PR's fix) ----------------------------
     if "skip_draft_block_table_gather" not in worker.faults:
-        worker._write_input_block_tables(table, batch.idx_mapping)
+        cap = STALE_ROWS_PER_LAUNCH if "stale_draft_block_table_rows" in worker.faults else None
+        worker._write_input_block_tables(table, batch.idx_mapping, max_rows=cap)
     block_rows = worker.input_block_tables[:r].copy()
 
     # -- draft steps 1..K-1: replicated, unexpanded slot mapping -----------------------------
     positions = batch.positions[last_idx].copy() if r else np.zeros(0, np.int64)
+    if "draft_cursor_drift_after_rejection" in worker.faults and r:
+        # The fault: the drafter's own cursor, ahead by every rejection so far (kept inside the
+        # model's context so RoPE and the block table can still be indexed).
+        drift = np.array([worker.draft_drift.get(rid, 0) for rid in batch.req_ids], dtype=np.int64)
+        limit = model.config.max_position_embeddings - k - 1
+        positions = np.minimum(positions + drift, np.maximum(positions, limit))
     hidden = model.mtp_recycle_hidden(h_last)
     ids = drafts[:, 0].copy()
     qsl = np.arange(r + 1, dtype=np.int64)
@@ -122,6 +135,11 @@ def propose(worker, batch, layout, local, local_positions, local_seq_lens, bt_lo
         # Slots come from the persistent block tables by request slot (always right);
         # attention reads input_block_tables (wrong when the gather was skipped).
         slots = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping, qsl, positions)[0]
+        if "draft_slot_from_seq_len" in worker.faults and r:
+            # The fault: the block from seq_len // block_size; one slot before a block boundary
+            # that is the next block (the null block when it is not allocated yet).
+            blocks = table[batch.idx_mapping, np.minimum((positions + 1) // cfg.block_size, table.shape[1] - 1)]
+            slots = blocks.astype(np.int64) * cfg.block_size + positions % cfg.block_size
         attn = PagedAttention(
             model, worker.cache, group, expanded=False, slots=_t(slots, dev),
             block_rows=_t(block_rows, dev, torch.int32), query_start_loc=_t(qsl, dev),

@@ -102,12 +102,16 @@ class Worker:
         self.cache = LatentKVCache(num_cache_layers, cfg.num_blocks, cfg.block_size, mc.kv_lora_rank,
                                    mc.qk_rope_head_dim, cfg.dtype, device)
         self.states: dict[str, RequestState] = {}
-        self.faults = cfg.faults
+        self._fault_specs = cfg.faults  # NAME or NAME@STEP (pcpviz.engine.faults.parse_fault)
+        self.faults: frozenset[str] = frozenset()  # the names active at the current step
+        # draft_cursor_drift_after_rejection: how far each request's drafter cursor runs ahead
+        self.draft_drift: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------ inputs
     def _apply_scheduler_output(self, sched: SchedulerOutput) -> None:
         for req_id, slot in sched.finished:
             self.states.pop(req_id, None)
+            self.draft_drift.pop(req_id, None)
             self.table.clear(slot)
         for row in sched.rows:
             if row.is_new:
@@ -157,6 +161,10 @@ class Worker:
     def step(self, sched: SchedulerOutput) -> StepResult:
         cfg, n, rank = self.cfg, self.group.world_size, self.rank
         rec = StepRecord(sched.step, rank) if self.record else None
+        if self._fault_specs:
+            from pcpviz.engine.faults import active_faults
+
+            self.faults = active_faults(self._fault_specs, sched.step)
         self._apply_scheduler_output(sched)
         t0 = _now_us()
         batch, logits_indices, num_draft = self._global_batch(sched)
@@ -228,13 +236,18 @@ class Worker:
         return StepResult(per_request, verify.num_accepted.astype(np.int64), num_draft.astype(np.int64), rec)
 
     # ------------------------------------------------------------------------------ helpers
-    def _write_input_block_tables(self, table: np.ndarray, idx_mapping: np.ndarray) -> None:
+    def _write_input_block_tables(self, table: np.ndarray, idx_mapping: np.ndarray,
+                                  max_rows: int | None = None) -> None:
         """``BlockTables.gather_block_tables(idx_mapping, R)`` with out=None: rows of the batch in
-        global order, and rows left by a larger earlier batch cleared."""
+        global order, and rows left by a larger earlier batch cleared. ``max_rows`` (the fault
+        ``stale_draft_block_table_rows``): one launch writes only that many rows; the rest of
+        the buffer keeps what it held."""
         r = idx_mapping.shape[0]
         rows = gather_block_table_rows(table, idx_mapping, max(r, self._dirty_rows))
+        if max_rows is not None:
+            rows = rows[:max_rows]
         self.input_block_tables[: rows.shape[0]] = rows
-        self._dirty_rows = r
+        self._dirty_rows = r if max_rows is None else min(r, max_rows)
 
     def _verify(self, sched, batch, num_draft, targets):
         from pcpviz.engine.verify import greedy_verify
@@ -246,6 +259,8 @@ class Worker:
             st = self.states[req_id]
             st.num_computed += int(batch.num_scheduled_tokens[i]) - int(v.num_rejected[i])
             st.cpu_lag = int(v.num_rejected[i])
+            if "draft_cursor_drift_after_rejection" in self.faults:
+                self.draft_drift[req_id] = self.draft_drift.get(req_id, 0) + int(v.num_rejected[i])
             if v.num_sampled[i] > 0:
                 st.last_sampled = int(v.sampled[i][-1])
         return v

@@ -99,7 +99,8 @@ class Workbench(W.VBox):
     (view name -> renders so far), ``last_update_s`` (seconds of the last control change),
     ``check_report`` (or None), ``violations`` (first violation of each failed check),
     ``flags`` (zero/stale draft block-table rows of the current step, rank and draft phase),
-    ``acceptance`` (``AcceptanceStats``) and ``jump_to(violation)``.
+    ``acceptance`` (``AcceptanceStats``) and ``jump_to(violation)``; ``show_explain(good)`` adds
+    the ``pcpviz.explain`` panel (then ``explanation`` and ``explain_panel``).
 
     ``width`` is the figures' width in px (None: plotly's autosize).
     """
@@ -270,6 +271,32 @@ class Workbench(W.VBox):
         """Move the controls to a check violation (step, rank, phase)."""
         rank = violation.rank if violation.rank is not None else self.rank.value
         self.set(step=violation.step, rank=rank, phase=violation.phase)
+
+    def show_explain(self, good: Trace | str | os.PathLike | None = None, *, rerun: bool = False) -> Any:
+        """Add the ``pcpviz.explain`` panel under the checks (the verdict as its title, the
+        evidence and the ranked hypotheses inside, a *jump* to the top hypothesis's first
+        violation) and return the ``Explanation``. ``good``/``rerun`` as for ``explain``."""
+        from pcpviz.explain import explain
+
+        ex = explain(self.trace, good, rerun=rerun)
+        body = [W.HTML(f"<pre style='font-size:11px;white-space:pre-wrap'>{html.escape(ex.format())}</pre>")]
+        top = ex.top
+        first = None if top is None or self.check_report is None else \
+            self.check_report.results[top.caught_by].first_violation
+        if first is not None:
+            b = W.Button(description=f"jump: {top.fault} (step {first.step}, {first.phase})",
+                         button_style="danger", layout=W.Layout(width="auto"))
+            b.on_click(lambda _b, v=first: self.jump_to(v))
+            body.insert(0, b)
+        panel = W.Accordion(children=[W.VBox(body)])
+        what = top.fault if top is not None else "nothing to blame" if ex.ok else "no registered fault matches"
+        panel.set_title(0, ("✓ " if ex.ok else "✗ ") + f"explain: {ex.verdict}: {what}")
+        panel.selected_index = None if ex.ok else 0
+        self.explain_panel, self.explanation = panel, ex
+        kids = list(self.children)
+        kids.insert(kids.index(self.status) + 1 + (self.checks_box is not None), panel)
+        self.children = tuple(kids)
+        return ex
 
     # ------------------------------------------------------------------ rendering
 
