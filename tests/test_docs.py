@@ -64,7 +64,7 @@ def _text_files() -> dict[str, str]:
 
 def test_the_scan_sees_the_repository():
     files = _text_files()
-    for must in ("README.md", "docs/design.md", "docs/vllm-0.33-pcp-mtp.md", "pcpviz/checks.py",
+    for must in ("README.md", "docs/design.md", "docs/vllm-0.33-pcp-mtp.md", "pcpviz/layout.py",
                  "notebooks/05_vllm.ipynb", "tests/test_docs.py"):
         assert must in files, must
 
