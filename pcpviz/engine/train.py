@@ -108,7 +108,11 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--pos-skip-max", type=int, default=32768,
                    help="largest position a skipped window reaches")
     p.add_argument("--long-eval-tokens", type=int, default=8192,
-                   help="held-out loss by position bucket over one sequence of this many tokens")
+                   help="held-out loss by position bucket over sequences of this many tokens")
+    p.add_argument("--long-eval-seqs", type=int, default=1,
+                   help="how many such held-out sequences to average")
+    p.add_argument("--eval-only", action="store_true",
+                   help="with --init-from: evaluate that model (no training) and write eval.json in --out")
     # architecture (defaults = the shipped model)
     d = TinyDSV3Config()
     p.add_argument("--hidden-size", type=int, default=d.hidden_size)
@@ -218,25 +222,68 @@ def skip_positions(B: int, L: int, prob: float, max_pos: int, gen: torch.Generat
     return pos
 
 
+LONG_SHORT_BUCKET = (0, 2048)  # "below 2k"
+LONG_FAR_BUCKET = (8192, 32768)  # "8k-32k": the long-context target is far/short <= 1.10
+
+
 @torch.no_grad()
-def evaluate_long(model: TinyDSV3, stream: torch.Tensor, length: int, device, autocast) -> dict:
-    """Main/MTP held-out loss by position bucket over one long sequence (the held-out stream's start)."""
+def evaluate_long(model: TinyDSV3, stream: torch.Tensor, length: int, device, autocast,
+                  *, num_seqs: int = 1) -> dict:
+    """Main/MTP held-out loss by position bucket, averaged over ``num_seqs`` long sequences.
+
+    Sequence i is the held-out stream's tokens ``[i*(length+2), (i+1)*(length+2))`` at positions
+    ``0..length-1`` (several held-out modules concatenated, as a long prompt would be). Buckets
+    double from 1024 (``0-1024``, ``1024-2048``, ``2048-4096``, ...). Averaging over several
+    sequences keeps one easy or hard module from deciding a bucket. The summary compares
+    ``LONG_FAR_BUCKET`` with ``LONG_SHORT_BUCKET``: e.g. ``{"below_2k": 1.31, "8k_32k": 1.38,
+    "far_over_short": 1.05}`` for a 32768-token evaluation.
+    """
     model.eval()
     length = min(length, stream.numel() - 2)
-    w = stream[: length + 2].unsqueeze(0).to(device)
-    with autocast():
-        _, _, _, lg, mlg = _losses(model, w, 0.0)
-    main = F.cross_entropy(lg[0].float(), w[0, 1:length + 1], reduction="none")
-    mtp = F.cross_entropy(mlg[0].float(), w[0, 2:], reduction="none")
-    out = {}
-    a = 0
-    b = 1024
+    num_seqs = max(1, min(num_seqs, stream.numel() // (length + 2)))
+    main_sum = torch.zeros(length, dtype=torch.float64)
+    mtp_sum = torch.zeros(length, dtype=torch.float64)
+    for i in range(num_seqs):
+        w = stream[i * (length + 2):(i + 1) * (length + 2)].unsqueeze(0).to(device)
+        with autocast():
+            _, _, _, lg, mlg = _losses(model, w, 0.0)
+        main_sum += F.cross_entropy(lg[0].float(), w[0, 1:length + 1], reduction="none").double().cpu()
+        mtp_sum += F.cross_entropy(mlg[0].float(), w[0, 2:], reduction="none").double().cpu()
+        del lg, mlg
+    main, mtp = main_sum / num_seqs, mtp_sum / num_seqs
+    out: dict = {"sequences": num_seqs, "length": length, "buckets": {}}
+    a, b = 0, 1024
     while a < length:
         hi = min(b, length)
-        out[f"{a}-{hi}"] = {"main": round(main[a:hi].mean().item(), 4), "mtp": round(mtp[a:hi].mean().item(), 4)}
+        out["buckets"][f"{a}-{hi}"] = {"main": round(main[a:hi].mean().item(), 4),
+                                       "mtp": round(mtp[a:hi].mean().item(), 4)}
         a, b = hi, b * 2
+    lo, hi = LONG_SHORT_BUCKET
+    short = main[lo:min(hi, length)].mean().item()
+    summary = {"below_2k": round(short, 4)}
+    flo, fhi = LONG_FAR_BUCKET
+    if length > flo:
+        far = main[flo:min(fhi, length)].mean().item()
+        summary.update({"8k_32k": round(far, 4), "far_over_short": round(far / short, 4)})
+    out["summary"] = summary
     model.train()
     return out
+
+
+def _eval_only(model, held_stream, args, device, autocast, corpus_summary) -> dict:
+    """``--eval-only``: the held-out figures of ``--init-from`` as they are, in ``OUT/eval.json``."""
+    ev = evaluate(model, held_stream, args.seq_len, args.eval_tokens, device, autocast)
+    ev_long = (evaluate_long(model, held_stream, args.long_eval_tokens, device, autocast,
+                             num_seqs=args.long_eval_seqs) if args.long_eval_tokens else None)
+    record = {"producer": "pcpviz.engine.train --eval-only", "model": args.init_from,
+              "device": str(device), "heldout": ev, "heldout_by_position": ev_long,
+              "corpus": {"corpus_hash": corpus_summary["corpus_hash"]}}
+    print(json.dumps(record, indent=1), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "eval.json"), "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
+    return record
 
 
 def write_generation_config(out_dir: str) -> None:
@@ -292,6 +339,11 @@ def main(argv=None) -> dict:
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())  # unique (tied counted once)
     print(f"params {n_params} (unique, MTP embed/head tied)", flush=True)
+
+    if args.eval_only:
+        if not args.init_from:
+            raise SystemExit("pcpviz.engine.train: --eval-only needs --init-from MODEL_DIR")
+        return _eval_only(model, held_stream, args, device, autocast, summary)
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -366,7 +418,8 @@ def main(argv=None) -> dict:
 
     ev = evaluate(model, held_stream, args.seq_len, args.eval_tokens, device, autocast)
     print("held-out:", json.dumps(ev), flush=True)
-    ev_long = evaluate_long(model, held_stream, args.long_eval_tokens, device, autocast) if args.long_eval_tokens else None
+    ev_long = (evaluate_long(model, held_stream, args.long_eval_tokens, device, autocast,
+                             num_seqs=args.long_eval_seqs) if args.long_eval_tokens else None)
     print("held-out by position:", json.dumps(ev_long), flush=True)
 
     out = args.out
