@@ -127,9 +127,10 @@ def _reproduce_command(args, steps: int) -> str:
     skip = {"time_budget_s", "steps", "out"}
     parts = ["python -m pcpviz.engine.train", "--out", "OUT", "--steps", str(steps)]
     for k, v in vars(args).items():
-        if k in skip or v is None:
+        if k in skip or v is None or v is False:
             continue
-        parts += [f"--{k.replace('_', '-')}", str(v)]
+        flag = f"--{k.replace('_', '-')}"
+        parts += [flag] if v is True else [flag, str(v)]
     return " ".join(parts)
 
 
