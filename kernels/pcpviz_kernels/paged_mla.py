@@ -1,4 +1,4 @@
-"""Paged MLA attention over the latent KV cache, absorbed form (decode, draft decode, prefill).
+"""Paged MLA attention over the latent KV cache, absorbed form (decode, draft decode, short rows).
 
 MLA caches one latent row per token: ``kv_c`` (``R`` = kv_lora_rank, 512) then
 the roped ``k_pe`` (``DR`` = 64), so a cache layer is ``[num_slots, R + DR]``.
@@ -8,7 +8,9 @@ In the absorbed form every head scores the *same* latent rows::
     ctx[q, h]      = softmax_k(score[q, h, :]) @ kv_c                  # [R]
 
 with ``q_lat = q_nope @ W_UK`` computed by the caller, and ``ctx @ W_UV`` left to
-the caller too. Batch row ``b`` owns queries ``query_start_loc[b]:query_start_loc[b+1]``
+the caller too. The engine sends rows of up to ``decode_max_query_len()`` queries here and
+longer (prefill) rows to ``mla_prefill`` (expanded K/V: 3.4x fewer flops per pair); this
+kernel stays correct for any row length. Batch row ``b`` owns queries ``query_start_loc[b]:query_start_loc[b+1]``
 and reads its context through its block-table row ``block_rows[b]``: key ``k``
 lives in slot ``block_rows[b, k // block_size] * block_size + k % block_size``.
 A query at position ``p`` sees keys ``0 .. min(p, seq_lens[b] - 1)`` (causal by
