@@ -174,25 +174,24 @@ def test_paged_mla_attention_split_k(num_splits):
 
 
 @cpu_only
-@pytest.mark.parametrize("kernel", ["n", "t"])
+@pytest.mark.parametrize("reload", [True, False])
 @pytest.mark.parametrize("name", ["decode", "prefill_pcp2_r1", "chunk_many_heads"])
-def test_paged_mla_attention_kernel_variants(kernel, name):
-    """Both kernel layouts (query rows as MMA M, or keys as M) on the same cases."""
+def test_paged_mla_attention_reload_variants(reload, name):
+    """Key chunks re-read for the second product (fp32 default) or kept (a bf16 option)."""
     rng = np.random.default_rng(len(name))
     case = _attn_case(rng, r=64, dr=16, block_size=4, **ATTN_CASES[name])
-    cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "KERNEL": kernel}
+    cfg = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "RELOAD": reload}
     _check_attention(case, config=cfg)
     _check_attention(case, config=cfg, num_splits=3)
 
 
 @cpu_only
-@pytest.mark.parametrize("kernel", ["n", "t"])
-def test_paged_mla_attention_split_ends_inside_a_tile(kernel):
+def test_paged_mla_attention_split_ends_inside_a_tile():
     """A split of 48 keys with 32-key tiles: the tile straddling the split's end must not
     count the next split's keys (found on the H200 at 32k context, split length 1008)."""
     rng = np.random.default_rng(5)
     case = _attn_case(rng, rows=[([95], 96), ([70], 71)], num_heads=4, r=64, dr=16, block_size=8)
-    cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1, "KERNEL": kernel}
+    cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
     assert K.paged_mla.plan(4, 2, 1, 96, torch.device("cpu"), 2)[5] == 48
     _check_attention(case, config=cfg, num_splits=2)
 
@@ -234,6 +233,101 @@ def test_paged_mla_attention_empty_inputs():
     assert torch.all(K.paged_mla_attention(**case) == 0)
     with pytest.raises(ValueError, match="power of two"):
         K.paged_mla_attention(**dict(case, q_lat=case["q_lat"][..., :48], cache=case["cache"][:, :64]))
+
+
+# ------------------------------------------------------------------------------- prefill (flash)
+def _prefill_case(rng, rows, *, num_heads, dn=32, dr=16, dv=32, dtype=torch.float32, dev=DEV):
+    """rows: (positions, kv_len) per batch row; flat K/V, row i's keys from kv_start_loc[i]; 2 pad queries."""
+    g = torch.Generator().manual_seed(int(rng.integers(1 << 30)))
+    qsl = np.concatenate([[0], np.cumsum([len(p) for p, _ in rows])])
+    pos = np.concatenate([np.asarray(p, np.int64) for p, _ in rows] + [np.zeros(2, np.int64)])
+    lens = np.array([n for _, n in rows], np.int64)
+    nq, nk = pos.size, int(lens.sum())
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(dtype).to(dev)  # noqa: E731
+    return dict(q_nope=rnd(nq, num_heads, dn), q_pe=rnd(nq, num_heads, dr), k_nope=rnd(nk, num_heads, dn),
+                k_pe=rnd(nk, dr), v=rnd(nk, num_heads, dv), query_start_loc=_t(qsl, dev=dev),
+                positions=_t(pos, dev=dev), kv_start_loc=_t(np.concatenate([[0], np.cumsum(lens)[:-1]]), dev=dev),
+                kv_lens=_t(lens, dev=dev), scale=1.0 / (dn + dr) ** 0.5)
+
+
+PREFILL_CASES = {
+    # fresh prompts: one longer than a query tile (16 under the interpreter), one short
+    "varlen": [(list(range(37)), 37), (list(range(5)), 5)],
+    # chunked prefill: chunks whose earlier positions are already cached
+    "chunked": [(list(range(20, 45)), 45), (list(range(3, 6)), 6)],
+    # DualChunkSwap, PCP=2: rank 0's head + tail chunks (after 7 cached tokens), rank 1's middle pair
+    "pcp2_r0": _dual_chunk_rows(50, 2, 0, cached=7),
+    "pcp2_r1": _dual_chunk_rows(50, 2, 1),
+    # decode and MTP-verify rows mixed in, a row without queries, a context capped below position + 1
+    "mixed": [([30], 31), ([10, 11, 12], 13), ([], 9), ([5, 6, 7, 8, 9, 10], 8), ([0], 1)],
+}
+
+
+@cpu_only
+@pytest.mark.parametrize("name", sorted(PREFILL_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_prefill_attention_matches_reference(name, dtype):
+    case = _prefill_case(np.random.default_rng(len(name)), PREFILL_CASES[name], num_heads=3, dtype=dtype)
+    got = K.mla_prefill_attention(**case)
+    torch.testing.assert_close(got, K.mla_prefill_attention_ref(**case), atol=2e-5, rtol=2e-5)
+    assert torch.all(got[-2:] == 0)  # padding queries
+
+
+@cpu_only
+def test_mla_prefill_attention_rows_subset_in_place():
+    """Only the listed rows are written (in the order given, longest first in the engine)."""
+    rows = PREFILL_CASES["mixed"] + PREFILL_CASES["varlen"]
+    case = _prefill_case(np.random.default_rng(1), rows, num_heads=2)
+    sel = torch.tensor([5, 3, 1])
+    sub = dict(case, kv_start_loc=case["kv_start_loc"][sel], kv_lens=case["kv_lens"][sel])
+    got = torch.full((case["q_nope"].shape[0], 2, 32), 7.0)
+    K.mla_prefill_attention(**sub, rows=sel, out=got)
+    want = K.mla_prefill_attention_ref(**sub, rows=sel, out=torch.full_like(got, 7.0))
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    qsl = case["query_start_loc"].tolist()
+    written = np.zeros(got.shape[0], bool)
+    for b in sel.tolist():
+        written[qsl[b]:qsl[b + 1]] = True
+    assert torch.all(got[torch.from_numpy(~written)] == 7.0) and not torch.any(got[torch.from_numpy(written)] == 7.0)
+    with pytest.raises(ValueError, match="power of two"):
+        K.mla_prefill_attention(**dict(case, q_nope=case["q_nope"][..., :24], k_nope=case["k_nope"][..., :24]))
+
+
+def test_prefill_flops_counts_visible_pairs():
+    from pcpviz_kernels.mla_prefill import prefill_flops
+
+    rows = [(range(0, 5), 5), (range(12, 16), 16), (range(5, 11), 8), (range(3, 3), 4)]
+    pairs = sum(min(p + 1, n) for pos, n in rows for p in pos)
+    assert prefill_flops([p for p, _ in rows], [n for _, n in rows], 4, 128, 64, 128) == pairs * 4 * 2 * 320
+
+
+def _engine_case(rng, rows, dtype, dev=DEV):
+    case = _attn_case(rng, rows=rows, num_heads=4, r=64, dr=16, block_size=4, cache_dtype=dtype, dev=dev)
+    g = torch.Generator().manual_seed(5)
+    nq = case["q_lat"].shape[0]
+    w = lambda *shape: (torch.randn(*shape, generator=g) / 4).to(dtype).to(dev)  # noqa: E731
+    return (w(nq, 4, 16), case["q_pe"].to(dtype), case["cache"], case["block_rows"], case["query_start_loc"],
+            case["positions"], case["seq_lens"], w(4, 16, 64), w(4, 32, 64), case["block_size"], case["scale"])
+
+
+ENGINE_ROWS = (_dual_chunk_rows(41, 2, 0, cached=3) + [([17], 18), ([20, 21, 22], 23), ([], 6)]
+               + [(list(range(9, 30)), 30)])
+
+
+@cpu_only
+@pytest.mark.parametrize("decode_max", [0, 3, 1000])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_engine_kernel_path_matches_torch_path(decode_max, dtype, atol):
+    """The CUDA dispatch (absorbed kernel for short rows, gather + up-projection + flash kernel
+    for long ones, any split of one mixed batch) equals the engine's CPU path."""
+    args = _engine_case(np.random.default_rng(9), ENGINE_ROWS, dtype)
+    want = engine_kv.paged_mla_attention(*args)  # CPU: the torch reference
+    got = engine_kv.paged_mla_attention_kernels(K, *args, decode_max=decode_max)
+    torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+    host = engine_kv.lens_on_host(args[4], args[6])
+    again = engine_kv.paged_mla_attention_kernels(K, *args, decode_max=decode_max, host_lens=host,
+                                                  max_query_len=int(np.diff(host[0]).max()), max_seq_len=30)
+    assert torch.equal(again, got)
 
 
 # ------------------------------------------------------------------------------- KV write
@@ -395,16 +489,15 @@ def test_gpu_paged_mla_attention(precision, heads, block_size, atol):
 
 
 @gpu_only
-@pytest.mark.parametrize("kernel", ["n", "t"])
+@pytest.mark.parametrize("reload", [True, False])
 @pytest.mark.parametrize("precision,dtype,atol", [("tf32x3", torch.float32, 5e-5), ("tf32", torch.float32, 5e-3),
                                                   ("tf32", torch.bfloat16, 2e-2)])
-def test_gpu_paged_mla_attention_variants_and_split_ends(kernel, precision, dtype, atol):
-    """Each kernel layout, with splits that end inside a 32-key tile (split length 1008)."""
+def test_gpu_paged_mla_attention_variants_and_split_ends(reload, precision, dtype, atol):
+    """Both RELOAD variants, with splits that end inside a 32-key tile (split length 1008)."""
     rng = np.random.default_rng(4)
     rows = [([p], p + 1) for p in (31, 1500, 32767)] + _dual_chunk_rows(200, 2, 1, cached=40)
     case = _attn_case(rng, rows=rows, num_heads=16, r=512, dr=64, block_size=64, cache_dtype=dtype)
-    cfg = {"BLOCK_N": 32, "num_warps": 8 if kernel == "t" else 4, "num_stages": 2,
-           "RELOAD": kernel == "n", "KERNEL": kernel}
+    cfg = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2 if reload else 3, "RELOAD": reload}
     assert K.paged_mla.plan(16, len(rows), 1, 32768, torch.device(DEV), 33)[5] == 1008
     for splits in (None, 33):
         got = K.paged_mla_attention(**case, config=cfg, num_splits=splits, input_precision=precision)
@@ -419,6 +512,28 @@ def test_gpu_paged_mla_attention_bf16():
     case = _attn_case(rng, rows=rows, num_heads=16, r=512, dr=64, block_size=64, cache_dtype=torch.bfloat16)
     got = K.paged_mla_attention(**case)
     torch.testing.assert_close(got, K.paged_mla_attention_ref(**case), atol=2e-2, rtol=2e-2)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype,precision,atol", [(torch.bfloat16, "tf32x3", 2e-2), (torch.float32, "tf32x3", 5e-5),
+                                                  (torch.float32, "tf32", 5e-3)])
+def test_gpu_mla_prefill_attention(dtype, precision, atol):
+    """Engine head sizes; DualChunkSwap pairs, chunked prefill with prior context, decode rows."""
+    rows = (_dual_chunk_rows(3000, 2, 0) + _dual_chunk_rows(700, 2, 1, cached=900) + [([4000], 4001)]
+            + [(list(range(100, 333)), 333)])
+    case = _prefill_case(np.random.default_rng(6), rows, num_heads=4, dn=128, dr=64, dv=128, dtype=dtype)
+    got = K.mla_prefill_attention(**case, input_precision=precision)
+    torch.testing.assert_close(got, K.mla_prefill_attention_ref(**case), atol=atol, rtol=atol)
+    assert torch.all(got[-2:] == 0)
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 5e-5), (torch.bfloat16, 3e-2)])
+def test_gpu_engine_kernel_path_matches_torch_path(dtype, atol, monkeypatch):
+    args = _engine_case(np.random.default_rng(9), ENGINE_ROWS + [(list(range(2000)), 2000)], dtype)
+    got = engine_kv.paged_mla_attention(*args)
+    monkeypatch.setenv("PCPVIZ_KERNELS", "0")
+    torch.testing.assert_close(got, engine_kv.paged_mla_attention(*args), atol=atol, rtol=atol)
 
 
 @gpu_only

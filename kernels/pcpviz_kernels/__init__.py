@@ -5,8 +5,10 @@ that is its oracle in the tests:
 
 ================================  =====================================================
 ``paged_mla_attention``           absorbed-MLA attention over the paged latent cache
-                                  (decode, draft decode, causal-by-position prefill);
-                                  split-K (flash-decoding) for long contexts
+                                  (decode, draft decode, short rows); split-K
+                                  (flash-decoding) for long contexts
+``mla_prefill_attention``         causal flash attention of prefill rows (DualChunkSwap
+                                  chunks, chunked prefill) over up-projected K/V
 ``write_kv_cache``                latent rows into the cache by slot mapping, PAD skipped
 ``gather_block_table_rows``       block-table rows by ``idx_mapping``, padded rows zero
 ``compute_slot_mapping``          positions -> slots through block-table rows (DCP optional)
@@ -26,6 +28,7 @@ import os
 from pcpviz_kernels._util import INTERPRET
 from pcpviz_kernels.block_table import gather_block_table_rows, gather_block_table_rows_ref
 from pcpviz_kernels.kv_write import write_kv_cache, write_kv_cache_ref
+from pcpviz_kernels.mla_prefill import mla_prefill_attention, mla_prefill_attention_ref
 from pcpviz_kernels.paged_mla import paged_mla_attention, paged_mla_attention_ref
 from pcpviz_kernels.restore import restore_hidden, restore_hidden_ref
 from pcpviz_kernels.slot_mapping import (
@@ -42,6 +45,8 @@ __all__ = [
     "enabled",
     "paged_mla_attention",
     "paged_mla_attention_ref",
+    "mla_prefill_attention",
+    "mla_prefill_attention_ref",
     "write_kv_cache",
     "write_kv_cache_ref",
     "gather_block_table_rows",

@@ -1,4 +1,4 @@
-"""Paged MLA attention over the latent KV cache, absorbed form (decode, draft decode, prefill).
+"""Paged MLA attention over the latent KV cache, absorbed form (decode, draft decode, short rows).
 
 MLA caches one latent row per token: ``kv_c`` (``R`` = kv_lora_rank, 512) then
 the roped ``k_pe`` (``DR`` = 64), so a cache layer is ``[num_slots, R + DR]``.
@@ -8,7 +8,9 @@ In the absorbed form every head scores the *same* latent rows::
     ctx[q, h]      = softmax_k(score[q, h, :]) @ kv_c                  # [R]
 
 with ``q_lat = q_nope @ W_UK`` computed by the caller, and ``ctx @ W_UV`` left to
-the caller too. Batch row ``b`` owns queries ``query_start_loc[b]:query_start_loc[b+1]``
+the caller too. The engine sends rows of up to ``decode_max_query_len()`` queries here and
+longer (prefill) rows to ``mla_prefill`` (expanded K/V: 3.4x fewer flops per pair); this
+kernel stays correct for any row length. Batch row ``b`` owns queries ``query_start_loc[b]:query_start_loc[b+1]``
 and reads its context through its block-table row ``block_rows[b]``: key ``k``
 lives in slot ``block_rows[b, k // block_size] * block_size + k % block_size``.
 A query at position ``p`` sees keys ``0 .. min(p, seq_lens[b] - 1)`` (causal by
@@ -50,8 +52,8 @@ rows per program the ``mma.sync`` products are small, every warp re-reads the
 whole query tile from shared memory for each key tile, and the fp32 tiles need
 ~180-220 KB of shared memory, so one program per SM with one warp per scheduler
 has little to hide latency with. A bf16 cache with Hopper ``wgmma`` over 64-row
-tiles (several queries per program) would be the next step. ``_paged_mla_kernel_t``
-(keys as the MMA's M dimension) was measured slower and is kept as an option.
+tiles (several queries per program) would be the next step. (A transposed layout, keys
+as the MMA's M dimension, was measured slower on the H200 and removed.)
 """
 
 from __future__ import annotations
@@ -216,8 +218,8 @@ def _paged_mla_kernel(
         row = cache_ptr + slot[:, None] * stride_cache  # [N, 1] row pointers
         if RELOAD:  # distinct eviction hints keep the two reads of a chunk from being merged
             k_0, k_1, k_2, k_3 = _kv_tile(row, k_ok, RC, LOWP, "evict_last")  # 4 x [N, RC]
-        else:
-            k_0, k_1, k_2, k_3 = _kv_tile(row, k_ok, RC, LOWP, "")
+        else:  # read once: the latents are streamed, not reused (keep L2 for the block table)
+            k_0, k_1, k_2, k_3 = _kv_tile(row, k_ok, RC, LOWP, "evict_first")
         k_p = _kv_chunk(row, k_ok, R, DR, LOWP, "")  # [N, DR]
         s = tl.dot(q_0, tl.trans(k_0), input_precision=PRECISION)  # [M, N]
         s = tl.dot(q_1, tl.trans(k_1), acc=s, input_precision=PRECISION)
@@ -259,112 +261,6 @@ def _paged_mla_kernel(
 
 
 @triton.jit
-def _store_chunk_t(ptr, qi, hi, row_ok, stride_q, stride_h, acc_t, inv_l, OFF: tl.constexpr, W: tl.constexpr):
-    d = OFF + tl.arange(0, W)
-    tl.store(ptr + qi[None, :] * stride_q + hi[None, :] * stride_h + d[:, None], acc_t * inv_l[None, :],
-             mask=row_ok[None, :])
-
-
-@triton.jit
-def _paged_mla_kernel_t(
-    q_lat_ptr, q_pe_ptr, cache_ptr, block_rows_ptr, qsl_ptr, pos_ptr, seq_lens_ptr,
-    out_ptr, lse_ptr,
-    num_heads, num_head_tiles, block_size, split_len, scale_log2,
-    stride_lq, stride_lh, stride_pq, stride_ph, stride_cache, stride_bt,
-    stride_oq, stride_os, stride_oh, stride_lseq, stride_lses,
-    R: tl.constexpr, DR: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, LOWP: tl.constexpr, PRECISION: tl.constexpr,
-    RELOAD: tl.constexpr, RC: tl.constexpr,
-):
-    # The same computation with the products transposed: keys are the MMA's M dimension
-    # (split over warps, so no warp re-reads another's keys) and the query-head rows its
-    # N dimension:  s^T[N, M] = K q^T,  ctx^T[R, M] += V^T p^T.
-    b = tl.program_id(0)
-    q_tile = tl.program_id(1) // num_head_tiles
-    h_tile = tl.program_id(1) % num_head_tiles
-    split = tl.program_id(2)
-
-    q_lo = tl.load(qsl_ptr + b).to(tl.int64)
-    q_hi = tl.load(qsl_ptr + b + 1).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
-    q0 = q_lo + q_tile * BLOCK_Q
-    m = tl.arange(0, BLOCK_Q * BLOCK_H)
-    qi = q0 + m // BLOCK_H  # int64[M]
-    hi = h_tile * BLOCK_H + m % BLOCK_H  # int32[M]
-    row_ok = (qi < q_hi) & (hi < num_heads)
-    pos = tl.load(pos_ptr + qi, mask=row_ok, other=-1).to(tl.int64)
-    kv_len = tl.minimum(pos + 1, seq_len)
-    kv_len = tl.where(row_ok & (kv_len > 0), kv_len, 0)  # int64[M]
-    tile_len = tl.max(kv_len, axis=0)
-    if SPLIT:
-        k_lo = split.to(tl.int64) * split_len
-        k_hi = tl.minimum(k_lo + split_len, tile_len)
-    else:
-        k_lo = tile_len * 0
-        k_hi = tile_len
-    lim = tl.minimum(kv_len, k_hi)  # int64[M]
-
-    q_0 = _q_chunk(q_lat_ptr, qi, hi, row_ok, stride_lq, stride_lh, cache_ptr, 0, RC, LOWP)  # [M, RC]
-    q_1 = _q_chunk(q_lat_ptr, qi, hi, row_ok, stride_lq, stride_lh, cache_ptr, RC, RC, LOWP)
-    q_2 = _q_chunk(q_lat_ptr, qi, hi, row_ok, stride_lq, stride_lh, cache_ptr, 2 * RC, RC, LOWP)
-    q_3 = _q_chunk(q_lat_ptr, qi, hi, row_ok, stride_lq, stride_lh, cache_ptr, 3 * RC, RC, LOWP)
-    q_p = _q_chunk(q_pe_ptr, qi, hi, row_ok, stride_pq, stride_ph, cache_ptr, 0, DR, LOWP)  # [M, DR]
-
-    m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_Q * BLOCK_H], tl.float32)
-    a_0 = tl.zeros([RC, BLOCK_Q * BLOCK_H], tl.float32)  # ctx^T chunks
-    a_1 = tl.zeros([RC, BLOCK_Q * BLOCK_H], tl.float32)
-    a_2 = tl.zeros([RC, BLOCK_Q * BLOCK_H], tl.float32)
-    a_3 = tl.zeros([RC, BLOCK_Q * BLOCK_H], tl.float32)
-    bt_row = block_rows_ptr + b * stride_bt
-    for start in range(k_lo, k_hi, BLOCK_N):
-        kn = start + tl.arange(0, BLOCK_N)
-        k_ok = kn < k_hi
-        blk = tl.load(bt_row + kn // block_size, mask=k_ok, other=0).to(tl.int64)
-        slot = blk * block_size + kn % block_size
-        row = cache_ptr + slot[:, None] * stride_cache
-        if RELOAD:
-            k_0, k_1, k_2, k_3 = _kv_tile(row, k_ok, RC, LOWP, "evict_last")
-        else:
-            k_0, k_1, k_2, k_3 = _kv_tile(row, k_ok, RC, LOWP, "")
-        k_p = _kv_chunk(row, k_ok, R, DR, LOWP, "")
-        s = tl.dot(k_0, tl.trans(q_0), input_precision=PRECISION)  # [N, M]
-        s = tl.dot(k_1, tl.trans(q_1), acc=s, input_precision=PRECISION)
-        s = tl.dot(k_2, tl.trans(q_2), acc=s, input_precision=PRECISION)
-        s = tl.dot(k_3, tl.trans(q_3), acc=s, input_precision=PRECISION)
-        s = tl.dot(k_p, tl.trans(q_p), acc=s, input_precision=PRECISION)
-        s = s * scale_log2
-        s = tl.where(kn[:, None] < lim[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])  # [N, M]
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        p = p.to(k_p.dtype)
-        if RELOAD:
-            k_0, k_1, k_2, k_3 = _kv_tile(row, k_ok, RC, LOWP, "evict_first")
-        a_0 = tl.dot(tl.trans(k_0), p, acc=a_0 * alpha[None, :], input_precision=PRECISION)  # [RC, M]
-        a_1 = tl.dot(tl.trans(k_1), p, acc=a_1 * alpha[None, :], input_precision=PRECISION)
-        a_2 = tl.dot(tl.trans(k_2), p, acc=a_2 * alpha[None, :], input_precision=PRECISION)
-        a_3 = tl.dot(tl.trans(k_3), p, acc=a_3 * alpha[None, :], input_precision=PRECISION)
-        m_i = m_new
-
-    has = l_i > 0.0
-    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    if SPLIT:
-        o_ptr = out_ptr + split * stride_os
-    else:
-        o_ptr = out_ptr
-    _store_chunk_t(o_ptr, qi, hi, row_ok, stride_oq, stride_oh, a_0, inv_l, 0, RC)
-    _store_chunk_t(o_ptr, qi, hi, row_ok, stride_oq, stride_oh, a_1, inv_l, RC, RC)
-    _store_chunk_t(o_ptr, qi, hi, row_ok, stride_oq, stride_oh, a_2, inv_l, 2 * RC, RC)
-    _store_chunk_t(o_ptr, qi, hi, row_ok, stride_oq, stride_oh, a_3, inv_l, 3 * RC, RC)
-    if SPLIT:
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + qi * stride_lseq + split * stride_lses + hi, lse, mask=row_ok)
-
-
-@triton.jit
 def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, num_heads, num_splits,
     stride_pq, stride_ps, stride_ph, stride_lq, stride_ls, stride_oq, stride_oh,
@@ -392,22 +288,21 @@ def _merge_splits_kernel(
 def _configs(lowp: bool, block_rows: int, precision: str, config: dict | None) -> list[dict]:
     """Launch configs to try in order (the first the GPU can hold runs).
 
-    ``KERNEL`` "n" is ``_paged_mla_kernel`` (query-head rows as the MMA's M), "t" the
-    transposed ``_paged_mla_kernel_t`` (keys as M; slower on the H200, kept as an option).
-    The defaults are the fastest of the H200 sweep in data/bench/kernels_h200.json (batch 16,
+    The defaults are the fastest of the H200 sweeps in data/bench/kernels_h200.json (batch 16,
     32k context, 16 heads), all of which fit sm_90's 227 KB of shared memory. ``RELOAD``
     re-reads each key chunk for the second product (an L2 hit), so that both products
-    stream their operands through shared memory instead of holding [N, R] in registers."""
+    stream their operands through shared memory instead of holding [N, R] in registers
+    (needed for fp32 tiles; a bf16 tile is half the bytes and may keep its keys)."""
     if config is not None:
-        return [dict({"RELOAD": True, "KERNEL": "n"}, **config)]
+        return [dict({"RELOAD": True}, **config)]
     if INTERPRET:
-        return [{"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "RELOAD": True, "KERNEL": "n"}]
-    c = lambda n, w, st: {"BLOCK_N": n, "num_warps": w, "num_stages": st, "RELOAD": True,  # noqa: E731
-                          "KERNEL": "n"}
-    if block_rows > 16:  # prefill tiles of 32+ rows
+        return [{"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "RELOAD": True}]
+    c = lambda n, w, st, reload=True: {"BLOCK_N": n, "num_warps": w, "num_stages": st,  # noqa: E731
+                                       "RELOAD": reload}
+    if block_rows > 16:  # tiles of 32+ query-head rows (benchmarks; the engine uses 16)
         return [c(16, 8, 2), c(32, 8, 1), c(16, 4, 1)]
-    if lowp:  # bf16 / fp16 cache: 354 us at batch 16 x 32k
-        return [c(32, 8, 2), c(16, 4, 1)]
+    if lowp:  # bf16 / fp16 cache
+        return [c(32, 8, 2), c(32, 4, 3, False), c(16, 4, 1)]
     if precision == "tf32":  # 743-806 us
         return [c(32, 4, 2), c(32, 8, 2), c(16, 4, 1)]
     return [c(32, 8, 2), c(32, 4, 2), c(16, 4, 1)]  # tf32x3 (1109-1126 us), ieee
@@ -451,7 +346,7 @@ def paged_mla_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,  # None: enough KV splits to fill the GPU
     input_precision: str | None = None,  # fp32 latents: "tf32x3" (default), "ieee", "tf32"
-    config: dict | None = None,  # {"BLOCK_N", "num_warps", "num_stages", "RELOAD", "KERNEL"} (benchmarks)
+    config: dict | None = None,  # {"BLOCK_N", "num_warps", "num_stages", "RELOAD"} (benchmarks)
     block_m: int | None = None,  # rows (queries x heads) per program (default 16)
     max_block_h: int = 16,
 ) -> torch.Tensor:  # float32[Q, H, R]
@@ -505,9 +400,8 @@ def paged_mla_attention(
         lse = torch.full((num_q, splits, num_h), float("-inf"), dtype=torch.float32, device=dev)
         so = (target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1))
 
-    def launch(BLOCK_N, num_warps, num_stages, PRECISION, RELOAD, KERNEL):
-        kernel = _paged_mla_kernel_t if KERNEL == "t" else _paged_mla_kernel
-        kernel[grid](
+    def launch(BLOCK_N, num_warps, num_stages, PRECISION, RELOAD):
+        _paged_mla_kernel[grid](
             q_lat, q_pe, cache, bt, qsl, pos, lens, target, lse,
             num_h, head_tiles, block_size, split_len, scale_log2,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), bt.stride(0),

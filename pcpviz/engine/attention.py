@@ -14,7 +14,9 @@ regardless of the mapping's shape. vLLM's pre-fix fold was in the sparse indexer
 write and truncated only ``k``; this model has no indexer.
 
 On CUDA the KV write and the attention run Triton kernels (``pcpviz_kernels``,
-see ``kv_cache.kernels_for``); on CPU, or with ``PCPVIZ_KERNELS=0``, the torch reference.
+see ``kv_cache.kernels_for``): decode-sized rows the absorbed paged kernel, prefill rows
+the flash prefill kernel over up-projected K/V (``kv_cache.paged_mla_attention_kernels``);
+on CPU, or with ``PCPVIZ_KERNELS=0``, the torch reference.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from pcpviz.engine.dist import PCPGroup
-from pcpviz.engine.kv_cache import LatentKVCache, kernels_for, paged_mla_attention
+import numpy as np
+
+from pcpviz.engine.kv_cache import LatentKVCache, kernels_for, lens_on_host, paged_mla_attention
 
 __all__ = ["PagedAttention"]
 
@@ -42,6 +46,9 @@ class PagedAttention:
     seq_lens: torch.Tensor  # int[B]
     fold_without_shape_check: bool = False
     num_kv_rows_written: int = 0
+    # (query_start_loc, seq_lens) on the host, if the caller has them (saves a device sync);
+    # else read once per forward on CUDA
+    host_lens: tuple[np.ndarray, np.ndarray] | None = None
     _bounds: tuple[int, int] | None = None  # (max query len, max seq len), once per forward
 
     def __call__(self, layer_idx, q_nope, q_pe, kv_c, k_pe):
@@ -59,10 +66,12 @@ class PagedAttention:
         kw = {}
         if kernels_for(self.cache.layers[layer_idx]) is not None:  # CUDA: Triton kernels
             if self._bounds is None:
-                qsl = self.query_start_loc
-                self._bounds = (int((qsl[1:] - qsl[:-1]).max()) if qsl.numel() > 1 else 0,
-                                int(self.seq_lens.max()) if self.seq_lens.numel() else 0)
-            kw = {"max_query_len": self._bounds[0], "max_seq_len": self._bounds[1]}
+                if self.host_lens is None:
+                    self.host_lens = lens_on_host(self.query_start_loc, self.seq_lens)
+                qsl, lens = self.host_lens
+                self._bounds = (int(np.diff(qsl).max()) if len(qsl) > 1 else 0,
+                                int(np.max(lens)) if len(lens) else 0)
+            kw = {"max_query_len": self._bounds[0], "max_seq_len": self._bounds[1], "host_lens": self.host_lens}
         out = paged_mla_attention(
             q_nope, q_pe, self.cache.layers[layer_idx], self.block_rows, self.query_start_loc,
             self.positions, self.seq_lens, w_uk, w_uv, self.cache.block_size,

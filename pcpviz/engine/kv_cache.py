@@ -15,9 +15,13 @@ query rows (``seq_len == 0``) produce zeros.
 
 On CUDA the write and the attention run the Triton kernels of ``pcpviz_kernels``
 (``kernels/`` in the repository); the torch code here is the CPU path and their
-oracle. ``PCPVIZ_KERNELS=0`` forces the torch path on CUDA too (A/B runs), and
-batches whose longest row has more than ``kernel_max_query_len()`` queries (long
-prefill chunks) attend in torch, which is faster there (see that function).
+oracle. ``PCPVIZ_KERNELS=0`` forces the torch path on CUDA too (A/B runs). A batch
+is split by rows as vLLM's MLA backends split it: rows of at most
+``decode_max_query_len()`` queries (decode, MTP verify and draft rows, tiny chunks) attend
+in the absorbed form over the paged latents (``paged_mla_attention``); longer rows
+(prefill chunks, DualChunkSwap chunk pairs) gather their context's latents, up-project
+them to per-head K/V with ``W_UK``/``W_UV`` and run causal flash attention
+(``mla_prefill_attention``), 3.4x fewer flops per (query, key) pair.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import warnings
 import numpy as np
 import torch
 
-__all__ = ["LatentKVCache", "paged_mla_attention", "context_slots", "kernels_for", "kernel_max_query_len"]
+__all__ = ["LatentKVCache", "paged_mla_attention", "paged_mla_attention_kernels", "context_slots", "kernels_for",
+           "decode_max_query_len", "lens_on_host"]
 
 _KERNELS = None  # the pcpviz_kernels module once imported; False if it cannot be
 
@@ -54,15 +59,19 @@ def _import_kernels():
     return _KERNELS
 
 
-def kernel_max_query_len() -> int:
-    """Rows with more queries than this (long prefill chunks) take the torch path on CUDA.
+def decode_max_query_len() -> int:
+    """Rows with at most this many queries take the absorbed (decode) kernel on CUDA, longer
+    rows the expanded flash prefill kernel.
 
-    Measured on the H200 (data/bench/kernels_h200.json): decode and draft decode are 4.5-11x
-    faster in the kernel, but a 2048-query DualChunkSwap segment at the engine's
-    near-fp32 precision (tf32x3) runs at 0.65x of the torch path's cuBLAS fp32 GEMMs.
-    The crossover between was not measured; 256 is a guess. ``PCPVIZ_KERNELS_MAX_QUERY_LEN``
-    overrides it."""
-    return int(os.environ.get("PCPVIZ_KERNELS_MAX_QUERY_LEN", "256"))
+    Per key, the expanded form first pays the up-projection (``2 * R * H * (Dn + Dv)`` flops,
+    1 MFLOP at the shipped sizes) and then 640 flops per query and head instead of the absorbed
+    form's 2176: it wins from a few dozen queries a row, and the absorbed form is also
+    bandwidth-optimal for decode (one 576-wide latent read per key). vLLM's FlashMLA backend
+    sends rows of up to 128 queries down its decode path; this engine's 4-head model has a
+    cheaper up-projection, so the default is 16 (MTP verify rows have 1 + K <= 16 queries).
+    ``PCPVIZ_DECODE_MAX_QUERY_LEN`` overrides it (0: every row with queries takes the prefill
+    kernel)."""
+    return int(os.environ.get("PCPVIZ_DECODE_MAX_QUERY_LEN", "16"))
 
 
 def kernels_for(t: torch.Tensor):
@@ -156,26 +165,20 @@ def paged_mla_attention(
     query_block: int = 2048,
     max_query_len: int | None = None,  # host-known bounds (kernel path: saves a device sync)
     max_seq_len: int | None = None,
+    *,
+    host_lens: tuple[np.ndarray, np.ndarray] | None = None,  # (query_start_loc, seq_lens) on the host
 ) -> torch.Tensor:  # [Q, H, Dv]
-    """MLA over the paged latent cache, in the *absorbed* form vLLM's MLA decode uses:
-    ``q_lat = q_nope @ W_UK`` scores against the latent directly, and the output
-    ``softmax(...) @ kv_c`` is projected back with ``W_UV``. Mathematically equal
-    to expanding K/V through ``kv_b_proj``.
-
-    On CUDA (rows of at most ``kernel_max_query_len()`` queries): ``q_lat`` and the ``W_UV``
-    projection in torch, the attention itself in ``pcpviz_kernels.paged_mla_attention``
-    (fp32 accumulation, tf32x3 products: about fp32 accuracy)."""
+    """MLA over the paged latent cache. The torch path (CPU, ``PCPVIZ_KERNELS=0``) uses the
+    *absorbed* form vLLM's MLA decode uses: ``q_lat = q_nope @ W_UK`` scores against the
+    latent directly, and the output ``softmax(...) @ kv_c`` is projected back with ``W_UV``.
+    Mathematically equal to expanding K/V through ``kv_b_proj``, which the CUDA path does for
+    long rows: see :func:`paged_mla_attention_kernels`."""
     r = w_uk.shape[-1]
     k = kernels_for(cache)
-    if k is not None and max_query_len is None:
-        lens = query_start_loc[1:] - query_start_loc[:-1]
-        max_query_len = int(lens.max()) if lens.numel() else 0
-    if k is not None and max_query_len <= kernel_max_query_len():
-        q_lat = torch.einsum("qhd,hdr->qhr", q_nope.float(), w_uk.float())  # [Q, H, R]
-        ctx = k.paged_mla_attention(q_lat, q_pe.float(), cache, block_rows, query_start_loc, positions,
-                                    seq_lens, block_size, scale, max_query_len=max_query_len,
-                                    max_seq_len=max_seq_len)  # float32[Q, H, R]
-        return torch.einsum("qhr,hvr->qhv", ctx, w_uv.float())
+    if k is not None:
+        return paged_mla_attention_kernels(
+            k, q_nope, q_pe, cache, block_rows, query_start_loc, positions, seq_lens, w_uk, w_uv,
+            block_size, scale, max_query_len=max_query_len, max_seq_len=max_seq_len, host_lens=host_lens)
     out = torch.zeros(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1], dtype=torch.float32,
                       device=q_nope.device)
     qsl = query_start_loc.tolist()
@@ -194,4 +197,102 @@ def paged_mla_attention(
             ctx = min(n, int(pos.max()) + 1)
             out[qlo:qhi] = _attend(q_nope[qlo:qhi], q_pe[qlo:qhi], kv_c[:ctx], k_pe[:ctx], pos,
                                    w_uk, w_uv, scale)
+    return out
+
+
+def lens_on_host(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """(int64[B+1], int64[B]) on the host: one device sync for both."""
+    both = torch.cat([query_start_loc.reshape(-1).long(), seq_lens.reshape(-1).long()]).cpu().numpy()
+    n = query_start_loc.numel()
+    return both[:n], both[n:]
+
+
+def paged_mla_attention_kernels(
+    k,  # the pcpviz_kernels module
+    q_nope: torch.Tensor,  # [Q, H, Dn]
+    q_pe: torch.Tensor,  # [Q, H, Dr]
+    cache: torch.Tensor,  # [num_slots, R + Dr]
+    block_rows: torch.Tensor,  # int32[B, W]
+    query_start_loc: torch.Tensor,  # int[B+1]
+    positions: torch.Tensor,  # int64[Q]
+    seq_lens: torch.Tensor,  # int[B]
+    w_uk: torch.Tensor,  # [H, Dn, R]
+    w_uv: torch.Tensor,  # [H, Dv, R]
+    block_size: int,
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    host_lens: tuple[np.ndarray, np.ndarray] | None = None,
+    decode_max: int | None = None,  # default decode_max_query_len()
+) -> torch.Tensor:  # float32[Q, H, Dv]
+    """The CUDA path: rows split by query count as vLLM's MLA backends split them.
+
+    * rows of at most ``decode_max`` queries: absorbed attention over the paged latents
+      (``k.paged_mla_attention``), ``q_lat`` and the ``W_UV`` projection in torch;
+    * longer rows: their context's latents are gathered (one flat ``[sum seq_lens, R + Dr]``
+      tensor, longest row first), up-projected by ``kv_b_proj`` (``W_UK``/``W_UV`` stacked) in
+      the cache's dtype, and ``k.mla_prefill_attention`` writes their queries' outputs in place.
+
+    PCP=2 example: rank 0's rows are the head chunk (positions 0..8191, seq_len 8192) and the
+    tail chunk (24576..32767, seq_len 32768) of a 32k prompt: both are prefill rows; 40960
+    latents are gathered (the head's context is the tail's prefix, gathered twice: 25% more
+    up-projection, small next to the attention). A decode-only batch (``max_query_len <=
+    decode_max``) needs no host copy of the lengths (CUDA-graph friendly); a batch with a
+    prefill row reads them once (``host_lens``, or one sync here).
+
+    Precision: fp32 caches up-project in fp32 and run ``tl.dot`` at ``PCPVIZ_KERNELS_PRECISION``
+    (tf32x3, about fp32: the greedy tokens equal the CPU path's); bf16/fp16 caches run both
+    kernels with 16-bit products and fp32 accumulation."""
+    num_q, num_h, dn = q_nope.shape
+    r, dv = w_uk.shape[-1], w_uv.shape[1]
+    thr = decode_max_query_len() if decode_max is None else int(decode_max)
+    if max_query_len is None:
+        host_lens = host_lens if host_lens is not None else lens_on_host(query_start_loc, seq_lens)
+        q_lens = np.diff(host_lens[0])
+        max_query_len = int(q_lens.max()) if q_lens.size else 0
+    lowp = cache.dtype in (torch.bfloat16, torch.float16)
+    prec = "tf32" if lowp else k.paged_mla.default_precision()
+
+    def absorbed(lens: torch.Tensor, max_q: int) -> torch.Tensor:
+        q_lat = torch.einsum("qhd,hdr->qhr", q_nope.float(), w_uk.float())  # [Q, H, R]
+        ctx = k.paged_mla_attention(q_lat, q_pe.float(), cache, block_rows, query_start_loc, positions, lens,
+                                    block_size, scale, max_query_len=max_q, max_seq_len=max_seq_len)
+        return torch.einsum("qhr,hvr->qhv", ctx, w_uv.float())  # float32[Q, H, Dv]
+
+    if max_query_len <= thr:
+        return absorbed(seq_lens, max_query_len)
+    if host_lens is None:
+        host_lens = lens_on_host(query_start_loc, seq_lens)
+    qsl_h, lens_h = (np.asarray(x, np.int64) for x in host_lens)
+    q_lens = np.diff(qsl_h)
+    pre = (q_lens > thr) & (lens_h > 0)
+    dec = ~pre & (q_lens > 0) & (lens_h > 0)
+    if dec.any():
+        is_pre = (query_start_loc[1:] - query_start_loc[:-1]) > thr  # the same split, on the device
+        out = absorbed(torch.where(is_pre, torch.zeros_like(seq_lens), seq_lens), int(q_lens[dec].max()))
+    else:
+        out = torch.zeros(num_q, num_h, dv, dtype=torch.float32, device=q_nope.device)
+    if not pre.any():
+        return out
+
+    rows = np.nonzero(pre)[0]
+    rows = rows[np.argsort(-lens_h[rows], kind="stable")]  # longest context first
+    lens_p = lens_h[rows]
+    starts = np.concatenate([[0], np.cumsum(lens_p)[:-1]])
+    total = int(lens_p.sum())
+    dev = q_nope.device
+    meta = torch.as_tensor(np.stack([rows, starts, lens_p]), dtype=torch.int64).to(dev, non_blocking=True)
+    rows_t, starts_t, lens_t = meta[0], meta[1], meta[2]
+    owner = torch.repeat_interleave(torch.arange(rows.size, device=dev), lens_t, output_size=total)  # int64[K]
+    key = torch.arange(total, device=dev) - starts_t[owner]  # position of each gathered key
+    slots = block_rows[rows_t[owner], key // block_size].long() * block_size + key % block_size
+    lat = cache.index_select(0, slots)  # [K, R + Dr]
+    cdt = cache.dtype if lowp else torch.float32
+    w_kv = torch.cat([w_uk, w_uv], dim=1).reshape(num_h * (dn + dv), r).to(cdt)  # kv_b_proj.weight
+    kv = torch.nn.functional.linear(lat[:, :r].to(cdt), w_kv).view(total, num_h, dn + dv)
+    k.mla_prefill_attention(
+        q_nope.to(cdt), q_pe.to(cdt), kv[..., :dn], lat[:, r:].to(cdt), kv[..., dn:], query_start_loc,
+        positions, starts_t, lens_t, scale, rows=rows_t, out=out, max_query_len=int(q_lens[rows].max()),
+        input_precision=prec)
     return out
