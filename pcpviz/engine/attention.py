@@ -41,8 +41,10 @@ class PagedAttention:
     positions: torch.Tensor  # int64[Q]
     seq_lens: torch.Tensor  # int[B]
     fold_without_shape_check: bool = False
-    num_kv_rows_written: int = 0
-    _bounds: tuple[int, int] | None = None  # (max query len, max seq len), once per forward
+    # (max query len, max seq len), known on the host from the batch (the worker passes them:
+    # no device sync); None: computed from the tensors once per forward (a sync)
+    bounds: tuple[int, int] | None = None
+    slots_checked: bool = False  # the worker checked every slot < num_slots on the host
 
     def __call__(self, layer_idx, q_nope, q_pe, kv_c, k_pe):
         latent = torch.cat([kv_c, k_pe], dim=-1)
@@ -53,16 +55,15 @@ class PagedAttention:
             # The bug: "num_tokens //= world_size" applied to an unexpanded mapping.
             keep = slots.shape[0] // self.group.world_size
             slots, latent = slots[:keep], latent[:keep]
-        self.cache.write(layer_idx, slots, latent)
-        self.num_kv_rows_written = int((slots >= 0).sum())
+        self.cache.write(layer_idx, slots, latent, checked=self.slots_checked)
         w_uk, w_uv = self.model.mla_up_weights(layer_idx)
         kw = {}
         if kernels_for(self.cache.layers[layer_idx]) is not None:  # CUDA: Triton kernels
-            if self._bounds is None:
+            if self.bounds is None:
                 qsl = self.query_start_loc
-                self._bounds = (int((qsl[1:] - qsl[:-1]).max()) if qsl.numel() > 1 else 0,
-                                int(self.seq_lens.max()) if self.seq_lens.numel() else 0)
-            kw = {"max_query_len": self._bounds[0], "max_seq_len": self._bounds[1]}
+                self.bounds = (int((qsl[1:] - qsl[:-1]).max()) if qsl.numel() > 1 else 0,
+                               int(self.seq_lens.max()) if self.seq_lens.numel() else 0)
+            kw = {"max_query_len": self.bounds[0], "max_seq_len": self.bounds[1]}
         out = paged_mla_attention(
             q_nope, q_pe, self.cache.layers[layer_idx], self.block_rows, self.query_start_loc,
             self.positions, self.seq_lens, w_uk, w_uv, self.cache.block_size,
