@@ -30,6 +30,7 @@ Tokens are the same in all three (tests/test_engine_perf.py on CPU; the bench on
 
 from __future__ import annotations
 
+import sys
 from contextlib import nullcontext as _null
 from dataclasses import dataclass
 from typing import Callable
@@ -86,24 +87,35 @@ def pad(a: np.ndarray, n: int, fill: int = 0) -> np.ndarray:
 
 
 class StaticInputs:
-    """Persistent device tensors of fixed shapes (a graph's inputs) and a pinned staging copy;
-    ``fill`` writes new values into them with one non-blocking copy per tensor."""
+    """Persistent device tensors of fixed shapes (a graph's inputs), packed in one buffer per
+    dtype, and a pinned staging copy of them; ``fill`` writes new values with one non-blocking
+    copy per dtype. The views never move, so a captured graph reads whatever ``fill`` wrote."""
 
     def __init__(self, spec: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.views = {k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in spec.items()}
-        self._host = {k: torch.zeros(shape, dtype=dt, pin_memory=self.cuda) for k, (shape, dt) in spec.items()}
+        sizes: dict[torch.dtype, int] = {}
+        where = {}
+        for name, (shape, dt) in spec.items():
+            n = int(np.prod(shape, dtype=np.int64))
+            where[name] = (dt, sizes.get(dt, 0), n, tuple(shape))
+            sizes[dt] = sizes.get(dt, 0) + n
+        self._dev = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
+        self._host = {dt: torch.zeros(n, dtype=dt, pin_memory=self.cuda) for dt, n in sizes.items()}
+        self._host_np = {dt: t.numpy() for dt, t in self._host.items()}
+        self._where = where
+        self.views = {name: self._dev[dt][off: off + n].view(shape) for name, (dt, off, n, shape) in where.items()}
         self._event = None
 
     def fill(self, arrays: dict[str, np.ndarray]) -> None:
         if self._event is not None:
             self._event.synchronize()  # the staging copy of the previous fill has left
         for name, a in arrays.items():
-            host = self._host[name]
-            if tuple(np.shape(a)) != tuple(host.shape):
-                raise ValueError(f"static input {name}: shape {np.shape(a)}, captured {tuple(host.shape)}")
-            host.numpy()[...] = a
-            self.views[name].copy_(host, non_blocking=self.cuda)
+            dt, off, n, shape = self._where[name]
+            if tuple(np.shape(a)) != shape:
+                raise ValueError(f"static input {name}: shape {np.shape(a)}, captured {shape}")
+            self._host_np[dt][off: off + n] = np.asarray(a).reshape(-1)
+        for dt, dev in self._dev.items():
+            dev.copy_(self._host[dt], non_blocking=self.cuda)
         if self.cuda:
             self._event = torch.cuda.Event()
             self._event.record()
@@ -125,6 +137,7 @@ class GraphRunner:
         self.timer = None  # a PhaseTimer: suspended while capturing, the capture timed as "capture"
         self.num_captures = 0
         self.num_replays = 0
+        self.failed: dict[object, str] = {}  # key -> why its capture failed (then run directly)
 
     def inputs(self, key, spec: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> StaticInputs:
         s = self._inputs.get(key)
@@ -139,7 +152,7 @@ class GraphRunner:
         """``fn()``'s outputs: run directly (eager), or replayed from the graph captured for
         ``key`` (captured on first use, after one warm-up run; the warm-up's effects, such as KV
         writes, are those of the replay that follows, so running both is harmless)."""
-        if self.mode == "eager":
+        if self.mode == "eager" or key in self.failed:
             return fn()
         entry = self._graphs.get(key)
         if entry is None:
@@ -149,6 +162,13 @@ class GraphRunner:
                     timer.suspended = True
                 try:
                     entry = self._graphs[key] = self._capture(fn)
+                except Exception as e:  # noqa: BLE001 - this shape runs padded without a graph
+                    line = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+                    self.failed[key] = line
+                    print(f"pcpviz: CUDA graph capture of {key[0]} failed, running it without a graph "
+                          f"({line})", file=sys.stderr, flush=True)
+                    torch.cuda.synchronize()
+                    return fn()
                 finally:
                     if timer:
                         timer.suspended = False

@@ -128,6 +128,8 @@ def run_rank(cfg: dict) -> dict | None:
     if worker.graphs is not None:
         info["graphs"] = {"mode": worker.graphs.mode, "captures": worker.graphs.num_captures,
                           "replays": worker.graphs.num_replays}
+        if worker.graphs.failed:
+            info["graphs"]["capture_failed"] = sorted({v for v in worker.graphs.failed.values()})
     _shutdown_process_group()
     with open(os.path.join(cfg["work_dir"], f"rank{rank}.json"), "w") as f:
         json.dump(info, f)
