@@ -98,7 +98,7 @@ def test_untimed_run_has_no_breakdown(runs):
 
 def test_decode_graph_path_gives_the_eager_tokens(runs):
     eager, graphs = runs
-    assert graphs.graphs == {"mode": "eager", "captures": 0, "replays": 0}
+    assert graphs.graphs == {"mode": "eager", "captures": 0, "replays": 0, "capture_s": 0.0}
     assert eager.graphs is None
     assert graphs.output_token_ids == eager.output_token_ids
     assert graphs.num_accepted_tokens_per_pos == eager.num_accepted_tokens_per_pos
@@ -226,11 +226,11 @@ def test_a_step_makes_one_host_sync_in_the_engine(monkeypatch):
     from pcpviz.engine.worker import EngineConfig, Worker
 
     model = load_model(dtype=torch.float32)
-    cfg = EngineConfig(pcp=1, num_speculative_tokens=2, block_size=16, num_blocks=64, max_num_seqs=4,
+    cfg = EngineConfig(pcp=1, num_speculative_tokens=2, block_size=16, num_blocks=64, max_num_seqs=2,
                        max_num_batched_tokens=64)
     worker = Worker(model, SingleRank(), cfg, torch.device("cpu"))
-    sched = Scheduler([encode(p) for p in PROMPTS[:2]], 8, num_speculative_tokens=2, block_size=16,
-                      num_blocks=64, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=4096)
+    sched = Scheduler([encode(p) for p in PROMPTS], 8, num_speculative_tokens=2, block_size=16,
+                      num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=4096)
     calls: list[str] = []
     main = threading.get_ident()
     for name in _SYNCS:
@@ -250,6 +250,7 @@ def test_a_step_makes_one_host_sync_in_the_engine(monkeypatch):
         res = worker.step(plan)
         per_step.append(list(calls))
         sched.update(plan, res.per_request)
+        np.testing.assert_array_equal(worker._table, worker.table.as_array())  # kept incrementally
     assert len(per_step) > 3
     for syncs in per_step:  # the sampled tokens' copy to the host, nothing else
         assert len(syncs) == 1 and syncs[0].startswith("cpu worker.py"), syncs

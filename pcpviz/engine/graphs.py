@@ -31,6 +31,7 @@ Tokens are the same in all three (tests/test_engine_perf.py on CPU; the bench on
 from __future__ import annotations
 
 import sys
+import time
 from contextlib import nullcontext as _null
 from dataclasses import dataclass
 from typing import Callable
@@ -138,6 +139,7 @@ class GraphRunner:
         self.num_captures = 0
         self.num_replays = 0
         self.failed: dict[object, str] = {}  # key -> why its capture failed (then run directly)
+        self.capture_s = 0.0  # wall time spent capturing (warm-up runs included)
 
     def inputs(self, key, spec: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> StaticInputs:
         s = self._inputs.get(key)
@@ -160,6 +162,7 @@ class GraphRunner:
             with timer.phase("capture") if timer else _null():
                 if timer:
                     timer.suspended = True
+                t0 = time.perf_counter()
                 try:
                     entry = self._graphs[key] = self._capture(fn)
                 except Exception as e:  # noqa: BLE001 - this shape runs padded without a graph
@@ -170,6 +173,7 @@ class GraphRunner:
                     torch.cuda.synchronize()
                     return fn()
                 finally:
+                    self.capture_s += time.perf_counter() - t0
                     if timer:
                         timer.suspended = False
             self.num_captures += 1

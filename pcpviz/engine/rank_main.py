@@ -98,8 +98,10 @@ def run_rank(cfg: dict) -> dict | None:
                     if not plan.rows:
                         raise RuntimeError(f"step {plan.step}: the scheduler found nothing to run "
                                            "(max_num_batched_tokens too small for a decode of 1+K tokens?)")
-                doc = group.broadcast_json(None if plan is None else plan.to_json())
-                if doc is not None:
+                # Rank 0 keeps its own plan; the others rebuild it from the broadcast JSON.
+                doc = group.broadcast_json(None if plan is None else plan.to_json()) \
+                    if group.world_size > 1 else plan
+                if doc is not None and plan is None:
                     plan = SchedulerOutput.from_json(doc)
             if doc is None:
                 step_info["kind"] = None  # the closing broadcast: not a step
@@ -127,7 +129,7 @@ def run_rank(cfg: dict) -> dict | None:
             "phases": timer.summary()}
     if worker.graphs is not None:
         info["graphs"] = {"mode": worker.graphs.mode, "captures": worker.graphs.num_captures,
-                          "replays": worker.graphs.num_replays}
+                          "replays": worker.graphs.num_replays, "capture_s": worker.graphs.capture_s}
         if worker.graphs.failed:
             info["graphs"]["capture_failed"] = sorted({v for v in worker.graphs.failed.values()})
     _shutdown_process_group()

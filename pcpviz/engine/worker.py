@@ -132,6 +132,8 @@ class Worker:
         mc = model.config
         width = -(-(mc.max_position_embeddings + cfg.num_speculative_tokens) // cfg.block_size)
         self.table = BlockTable(cfg.max_num_seqs, width)
+        # The dense table (BlockTable.as_array()), kept up to date as blocks come and go.
+        self._table = np.zeros((cfg.max_num_seqs, width), dtype=np.int32)
         # vLLM's BlockTables.input_block_tables: the rows attention reads. Under PCP the
         # target writes its own local tables, so only the drafter's gather refreshes these.
         self.input_block_tables = np.zeros((cfg.max_num_seqs, width), dtype=np.int32)
@@ -157,11 +159,14 @@ class Worker:
             self.states.pop(req_id, None)
             self.draft_drift.pop(req_id, None)
             self.table.clear(slot)
+            self._table[slot] = 0
         for row in sched.rows:
             if row.is_new:
                 self.states[row.req_id] = RequestState(slot=row.slot, prompt_len=row.prompt_len)
             if row.new_blocks:
+                start = self.table.num_blocks(row.slot)
                 self.table.append(row.slot, row.new_blocks)
+                self._table[row.slot, start: start + len(row.new_blocks)] = row.new_blocks
 
     def _global_batch(self, sched: SchedulerOutput) -> tuple[GlobalBatch, np.ndarray, np.ndarray]:
         rows = sched.rows
@@ -227,7 +232,7 @@ class Worker:
         else:
             local_seq_lens = local.seq_lens
 
-        table = self.table.as_array()
+        table = self._table  # == self.table.as_array(), read-only here
         bt_local = gather_block_table_rows(table, local.idx_mapping, local.num_reqs_padded)
         slots_global = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping, batch.query_start_loc,
                                              batch.positions)
