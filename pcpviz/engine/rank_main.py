@@ -89,37 +89,47 @@ def run_rank(cfg: dict) -> dict | None:
     counts = Counts().widened(max(k, 0))
     steps = 0
     t_start = time.perf_counter()
-    while True:
-        with timer.step() as step_info:
-            with timer.phase("schedule"):
-                plan = None
-                if sched is not None and not sched.done:
-                    plan = sched.schedule()
-                    if not plan.rows:
-                        raise RuntimeError(f"step {plan.step}: the scheduler found nothing to run "
-                                           "(max_num_batched_tokens too small for a decode of 1+K tokens?)")
-                # Rank 0 keeps its own plan; the others rebuild it from the broadcast JSON.
-                doc = group.broadcast_json(None if plan is None else plan.to_json()) \
-                    if group.world_size > 1 else plan
-                if doc is not None and plan is None:
-                    plan = SchedulerOutput.from_json(doc)
-            if doc is None:
-                step_info["kind"] = None  # the closing broadcast: not a step
-                break
-            if debug_exit == (rank, plan.step):
-                os._exit(17)  # test hook: a rank that dies without a word (PCPVIZ_DEBUG_EXIT_RANK=r@step)
-            if not any(row.is_prefilling for row in plan.rows):
-                step_info["kind"] = "decode"
-            res = worker.step(plan)
-            if writer is not None:
-                with timer.phase("record"):
-                    writer.submit(plan.step, res.record.phases)
-            steps += 1
-            if sched is not None:
+    try:
+        while True:
+            with timer.step() as step_info:
                 with timer.phase("schedule"):
-                    sched.update(plan, res.per_request)
-                    counts = counts + count(res.num_accepted, res.num_draft_tokens)
-                    last_said = progress_line(sched, plan.step, last_said)
+                    plan = None
+                    if sched is not None and not sched.done:
+                        plan = sched.schedule()
+                        if not plan.rows:
+                            raise RuntimeError(f"step {plan.step}: the scheduler found nothing to run "
+                                               "(max_num_batched_tokens too small for a decode of 1+K tokens?)")
+                    # Rank 0 keeps its own plan; the others rebuild it from the broadcast JSON.
+                    doc = group.broadcast_json(None if plan is None else plan.to_json()) \
+                        if group.world_size > 1 else plan
+                    if doc is not None and plan is None:
+                        plan = SchedulerOutput.from_json(doc)
+                if doc is None:
+                    step_info["kind"] = None  # the closing broadcast: not a step
+                    break
+                if debug_exit == (rank, plan.step):
+                    if writer is not None:
+                        writer.flush()  # its completed steps on disk, as an inline writer would leave them
+                    os._exit(17)  # test hook: a rank that dies without a word (PCPVIZ_DEBUG_EXIT_RANK=r@step)
+                if not any(row.is_prefilling for row in plan.rows):
+                    step_info["kind"] = "decode"
+                res = worker.step(plan)
+                if writer is not None:
+                    with timer.phase("record"):
+                        writer.submit(plan.step, res.record.phases)
+                steps += 1
+                if sched is not None:
+                    with timer.phase("schedule"):
+                        sched.update(plan, res.per_request)
+                        counts = counts + count(res.num_accepted, res.num_draft_tokens)
+                        last_said = progress_line(sched, plan.step, last_said)
+    except BaseException:
+        if writer is not None:  # the steps this rank completed reach the disk before it fails
+            try:
+                writer.close()
+            except BaseException:  # noqa: BLE001 - the step's own error is the one to report
+                pass
+        raise
     if device_kind == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t_start

@@ -11,6 +11,10 @@ pinned-memory pool, reused once written). A step arriving while ``depth`` are qu
 for the oldest one to be written, so nothing is dropped and memory stays bounded; the wait
 is the only way disk speed can reach the engine loop.
 
+A rank killed outright (SIGKILL, ``os._exit``) loses the steps still queued, at most ``depth``
+(an inline writer would lose the one being written); a rank failing with an exception closes
+the recorder first (``rank_main``), so every step it completed is on disk.
+
 Errors: the first failure of the writer thread (a full disk, a bad value) is kept, later
 steps are not written, and ``submit`` and ``close`` raise it as one line naming the file and
 the step, e.g. ``OSError: runs/t/rank0.arrow: step 7: cannot write (No space left on
@@ -66,6 +70,10 @@ class AsyncRecorder:
             event.record()
         self._queue.put((step, phases, copies, event))
 
+    def flush(self) -> None:
+        """Wait until every submitted step is written (or the writer has failed)."""
+        self._queue.join()
+
     def close(self) -> None:
         """Write what is queued, stop the thread, close the file; raise the writer's error."""
         if self._closed:
@@ -93,16 +101,20 @@ class AsyncRecorder:
     def _run(self) -> None:
         while True:
             item = self._queue.get()
-            if item is _STOP:
-                return
-            if self._error is not None:
-                continue  # drain: the failure is reported, nothing after it is written
-            step, phases, copies, event = item
             try:
-                if event is not None:
-                    event.synchronize()
-                for phase, view, pending, host in copies:
-                    phases[phase][view] = pending.resolve(np.asarray(host.numpy()))
-                self.writer.write_step(step, phases)
-            except BaseException as e:  # noqa: BLE001 - reported by submit/close
-                self._error, self._error_step = e, step
+                if item is _STOP:
+                    return
+                if self._error is None:  # after a failure nothing more is written
+                    self._write(*item)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, step, phases, copies, event) -> None:
+        try:
+            if event is not None:
+                event.synchronize()
+            for phase, view, pending, host in copies:
+                phases[phase][view] = pending.resolve(np.asarray(host.numpy()))
+            self.writer.write_step(step, phases)
+        except BaseException as e:  # noqa: BLE001 - reported by submit/close
+            self._error, self._error_step = e, step

@@ -36,7 +36,6 @@ from pcpviz.blocks import compute_slot_mappings
 from pcpviz.engine.attention import PagedAttention
 from pcpviz.engine.faults import STALE_ROWS_PER_LAUNCH
 from pcpviz.engine.graphs import pad
-from pcpviz.engine.record import Pending
 
 __all__ = ["propose", "draft_prefill_inputs"]
 
