@@ -19,7 +19,9 @@ Measures (every figure from the same invocation):
                               captures (vLLM captures at start-up), beside real vLLM's
                               ``decode_ms_per_token`` in ``data/bench/vllm_h200x2.json``;
 * ``graphs``                  decode steps from CUDA graphs against the eager path: tok/s both ways
-                              and whether the tokens are the same (CUDA only).
+                              and whether the tokens are the same (CUDA only);
+* ``beside_vllm``             decode ms/token at PCP=2 batch 1 (K=0, K=2) and the prefill step at PCP=1
+                              and 2, the engine's next to real vLLM's (``data/bench/vllm_h200x2.json``).
 Times are the engine loop's wall time (process start and model load excluded; one warm-up
 forward first). Each configuration runs ``--repeat`` times and the minimum is kept; its last
 repeat runs with the phase timer on and gives ``phases`` (and ``phases_wall_s``: the timer's
@@ -48,6 +50,31 @@ def best(fn, repeat):
     timer on (the same run when ``repeat`` is 1)."""
     results = [fn(i == repeat - 1) for i in range(repeat)]
     return min(results, key=steady_s), results[-1]
+
+
+def beside_vllm(out: dict) -> dict:
+    """The engine's figures next to real vLLM's (``data/bench/vllm_h200x2.json``, eager), each
+    with its configuration; {} when that file is missing."""
+    path = os.path.join(ROOT, "data", "bench", "vllm_h200x2.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        v = json.load(f)
+    runs = v.get("runs", {})
+    get = lambda run, key: runs.get(run, {}).get(key)  # noqa: E731
+    pre = out.get("prefill_step_s", {})
+    dec2 = out.get("decode_ms_per_token_pcp2", {})
+    return {
+        "decode_ms_per_token_pcp2_k0": {"engine": dec2.get("k0"), "vllm": get("pcp2_k0", "decode_ms_per_token")},
+        "decode_ms_per_token_pcp2_k2": {"engine": dec2.get("k2"), "vllm": get("pcp2_k2", "decode_ms_per_token")},
+        "prefill_step_ms_pcp1": {"engine": 1e3 * pre["pcp1"][-1] if pre.get("pcp1") else None,
+                                 "vllm": 1e3 * get("pcp1_k2", "prefill_s") if get("pcp1_k2", "prefill_s") else None,
+                                 "tokens": {"engine": out.get("long_prompt_tokens"), "vllm": v.get("prefill_tokens")}},
+        "prefill_step_ms_pcp2": {"engine": 1e3 * pre["pcp2"][-1] if pre.get("pcp2") else None,
+                                 "vllm": 1e3 * get("pcp2_k2", "prefill_s") if get("pcp2_k2", "prefill_s") else None,
+                                 "tokens": {"engine": out.get("long_prompt_tokens"), "vllm": v.get("prefill_tokens")}},
+        "vllm_source": "data/bench/vllm_h200x2.json (" + str(v.get("what", "")) + ")",
+    }
 
 
 def steady_s(res) -> float:
@@ -194,6 +221,16 @@ def main() -> None:
 
     section('mtp_decode', _mtp_decode)
 
+    # -- decode at PCP=2, batch 1: the configuration real vLLM's decode figures were taken in ---
+    def _decode_pcp2():
+        ms = {}
+        for k in (0, 2):
+            res = pcpviz.run(short[:1], num_speculative_tokens=k, **dict(dec, pcp=2))
+            ms[f"k{k}"] = 1e3 * steady_s(res) / args.decode_tokens
+        out["decode_ms_per_token_pcp2"] = ms
+
+    section("decode_pcp2", _decode_pcp2)
+
     # -- decode steps from CUDA graphs against the eager path (same tokens?) ---------------------
     def _graphs():
         off = {}
@@ -243,6 +280,7 @@ def main() -> None:
 
     section('recording', _recording)
 
+    out["beside_vllm"] = beside_vllm(out)
     print(json.dumps(out, indent=1))
     print("  ".join(f"{k} {out[k]:.3f}" if isinstance(out.get(k), float) else f"{k} n/a"
                     for k in ("prefill_pcp2_over_pcp1", "mtp_decode_speedup", "recording_overhead")))
