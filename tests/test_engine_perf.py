@@ -71,10 +71,11 @@ def test_phase_timer_off_records_nothing_and_rejects_unknown_names():
 
 # ---------------------------------------------------------------------------- the engine, timed
 @pytest.fixture(scope="module")
-def runs():
-    """PCP=2, K=2 mixed batches: eager (timed), and the decode-graph path without capture."""
+def runs(tmp_path_factory):
+    """PCP=2, K=2 mixed batches: eager (timed), and the decode-graph path without capture (traced)."""
     eager = pcpviz.run(PROMPTS, pcp=2, num_speculative_tokens=2, cuda_graphs=False, time_phases=True, **MIXED)
-    graphs = pcpviz.run(PROMPTS, pcp=2, num_speculative_tokens=2, cuda_graphs=True, **MIXED)
+    graphs = pcpviz.run(PROMPTS, pcp=2, num_speculative_tokens=2, cuda_graphs=True,
+                        trace_dir=str(tmp_path_factory.mktemp("graphs")), **MIXED)
     return eager, graphs
 
 
@@ -102,6 +103,22 @@ def test_decode_graph_path_gives_the_eager_tokens(runs):
     assert eager.graphs is None
     assert graphs.output_token_ids == eager.output_token_ids
     assert graphs.num_accepted_tokens_per_pos == eager.num_accepted_tokens_per_pos
+
+
+def test_trace_recorded_on_the_graph_path_passes_every_check(runs):
+    """Padded decode steps (as vLLM records them under FULL graphs) are still a valid PCP step."""
+    import pcpviz.trace as pt
+    from pcpviz.checks import run_checks
+
+    trace = pt.open(runs[1].trace_path)
+    decode = [s for s in trace.steps if not trace.record(s, 0, "target")["is_prefilling"].any()]
+    assert decode
+    for s in decode:  # padded to B requests (a capture size) over 2 ranks, 1 + K tokens each
+        rec = trace.record(s, 0, "target")
+        b = next(c for c in capture_sizes(16) if c >= len(rec["req_ids"]))
+        assert rec["padded_gather_idx"].shape[0] == 2 * (-(-b // 2)) * 3, s
+    report = run_checks(trace)
+    assert report.ok and not report.failed, report.format()
 
 
 @pytest.mark.parametrize("k", [1, 3])
