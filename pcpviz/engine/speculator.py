@@ -108,7 +108,7 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
             with timer.phase("gather"):
                 worker._write_input_block_tables(h.table, batch.idx_mapping, max_rows=cap)
         block_rows = worker.input_block_tables[:r].copy()
-        decode = _draft_decode_inputs(worker, batch, h.table, last_idx, k)
+        decode = _draft_decode_inputs(worker, batch, h.table, last_idx=last_idx, k=k)
         arrays.update({
             "block_rows": (pad(block_rows, rows), torch.int32),
             "dpos": (np.stack([pad(p, rows) for p in decode["positions"]]), torch.int64),
@@ -123,7 +123,8 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     t0 = _now_us()
     with timer.phase("draft_0"):
         tok0, h_last = worker.run_forward(
-            ("draft_0", shape), lambda: _draft_prefill(worker, dev, dt, hidden_local, h.bounds, hidden_rank_local))
+            ("draft_0", shape), lambda: _draft_prefill(worker, dev, dt, hidden_local=hidden_local, bounds=h.bounds,
+                                   hidden_rank_local=hidden_rank_local))
     t1 = _now_us()
     if rec is not None:
         with timer.phase("record"):
@@ -141,7 +142,8 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     t0 = _now_us()
     with timer.phase("draft_k"):
         drafts = worker.run_forward(
-            ("draft_k", shape), lambda: _draft_decodes(worker, dt, tok0, h_last, k, bounds, fold, marks))
+            ("draft_k", shape), lambda: _draft_decodes(worker, dt, tok0=tok0, h_last=h_last, k=k, bounds=bounds, fold=fold,
+                                   marks=marks))
     t1 = _now_us()
     if len(marks) != k:  # replayed from a graph: one window for every draft step
         marks = [t0] + [t1] * (k - 1)
@@ -157,7 +159,7 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     return drafts[:r]
 
 
-def _draft_decode_inputs(worker, batch, table, last_idx, k) -> dict[str, list[np.ndarray]]:
+def _draft_decode_inputs(worker, batch, table, *, last_idx, k) -> dict[str, list[np.ndarray]]:
     """Positions, seq_lens and slots (int64[R] each) of draft steps 1..K-1."""
     model, cfg, faults = worker.model, worker.cfg, worker.faults
     r = batch.num_reqs
@@ -187,7 +189,7 @@ def _draft_decode_inputs(worker, batch, table, last_idx, k) -> dict[str, list[np
     return out
 
 
-def _draft_prefill(worker, d, dt, hidden_local, bounds, hidden_rank_local):
+def _draft_prefill(worker, d, dt, *, hidden_local, bounds, hidden_rank_local):
     """The MTP layer on the rank-local rows -> (draft token 0 int64[R'], its hidden [R', H])."""
     model = worker.model
     attn = PagedAttention(model, worker.cache, worker.group, expanded=True, slots=d["slots"],
@@ -202,7 +204,7 @@ def _draft_prefill(worker, d, dt, hidden_local, bounds, hidden_rank_local):
         return model.mtp_logits(h_last).argmax(-1), h_last
 
 
-def _draft_decodes(worker, dt, tok0, h_last, k, bounds, fold, marks):
+def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks):
     """Draft steps 1..K-1, each feeding the next on the device -> int64[R', K]."""
     model = worker.model
     marks.append(_now_us())

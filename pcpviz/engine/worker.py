@@ -389,7 +389,7 @@ class Worker:
         from pcpviz.engine.verify import greedy_verify
 
         divergent = "rank_divergent_acceptance" in self.faults and self.rank != 0
-        v = greedy_verify(batch, num_draft, targets, self.states, self.cfg.num_speculative_tokens,
+        v = greedy_verify(batch, num_draft, targets, states=self.states, k=self.cfg.num_speculative_tokens,
                           accept_one_less=divergent)
         drift = "draft_cursor_drift_after_rejection" in self.faults
         for i, req_id in enumerate(batch.req_ids):
