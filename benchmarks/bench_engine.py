@@ -280,7 +280,8 @@ def main() -> None:
 
     section('recording', _recording)
 
-    out["beside_vllm"] = beside_vllm(out)
+    if dev == "cuda":  # vLLM's figures are from the H200s: no peer for a CPU run
+        out["beside_vllm"] = beside_vllm(out)
     print(json.dumps(out, indent=1))
     print("  ".join(f"{k} {out[k]:.3f}" if isinstance(out.get(k), float) else f"{k} n/a"
                     for k in ("prefill_pcp2_over_pcp1", "mtp_decode_speedup", "recording_overhead")))
