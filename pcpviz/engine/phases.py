@@ -34,14 +34,17 @@ import time
 __all__ = ["PhaseTimer", "PHASES"]
 
 PHASES = (
-    "schedule",  # rank 0's scheduler, the plan's broadcast, applying the verdict (host)
+    "schedule",  # rank 0's scheduler, the plan's broadcast (PCP > 1: also the wait for the
+    #              slowest rank to reach it), applying the verdict (host)
     "batch",  # global batch, PCP layout, rank-local batch, slot mappings (host)
     "h2d",  # packing the step's inputs and copying them to the device
     "target",  # the target forward, logits and the sampled tokens' copy to the host
     "gather",  # all-gathers (KV latents, hidden states) and the draft block-table gather
+    #            (inside a replayed CUDA graph they count in the graph's phase)
     "verify",  # greedy verification (host)
     "draft_0",  # the draft prefill (MTP layer on the rank-local rows)
-    "draft_k",  # the replicated draft decodes 1..K-1
+    "draft_k",  # the replicated draft decodes 1..K-1, and the next step's wait for the drafts'
+    #             copy to the host (draft_0 when K = 1)
     "record",  # assembling the step's trace record and handing it to the writer
     "capture",  # capturing a CUDA graph (first use of a decode shape; warm-up run included)
     "other",  # time inside a step outside every phase
