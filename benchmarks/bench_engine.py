@@ -11,8 +11,24 @@ Measures (every figure from the same invocation):
 * ``acceptance_rate_per_pos`` for K=2 and K=3 on held-out Python source;
 * ``tokens_equal``            the same prompts on CPU (gloo) and on the device (NCCL) give the same
                               tokens, and match ``data/bench/expected_tokens.json`` (made on CPU here).
+* ``phases``                  per configuration, where each step's time goes (``pcpviz.engine.phases``):
+                              schedule, batch, h2d, target, gather, verify, draft_0, draft_k, record,
+                              capture, other, per step (``per_step``: host ms, and device ms from CUDA
+                              events on CUDA), over all steps and over decode steps only;
+* ``decode_ms_per_token``     batch 1, from the loop's wall time (K=0 and K=2) less the one-time graph
+                              captures (vLLM captures at start-up), beside real vLLM's
+                              ``decode_ms_per_token`` in ``data/bench/vllm_h200x2.json``;
+* ``graphs``                  decode steps from CUDA graphs against the eager path: tok/s both ways
+                              and whether the tokens are the same (CUDA only);
+* ``beside_vllm``             decode ms/token at PCP=2 batch 1 (K=0, K=2) and the prefill step at PCP=1
+                              and 2, the engine's next to real vLLM's (``data/bench/vllm_h200x2.json``).
 Times are the engine loop's wall time (process start and model load excluded; one warm-up
-forward first). Each configuration runs ``--repeat`` times and the minimum is kept.
+forward first). Each configuration runs ``--repeat`` times and the minimum is kept; its last
+repeat runs with the phase timer on and gives ``phases`` (and ``phases_wall_s``: the timer's
+own cost is the difference to the untimed best).
+
+``--out`` keeps the keys an existing file has that this run does not write (e.g. ``kernels``,
+merged from ``bench_kernels.py``).
 """
 
 from __future__ import annotations
@@ -30,8 +46,59 @@ import pcpviz  # noqa: E402
 
 
 def best(fn, repeat):
-    results = [fn() for _ in range(repeat)]
-    return min(results, key=lambda r: r.wall_s)
+    """The fastest of ``repeat`` runs ``fn(time_phases)``, and the last one, run with the phase
+    timer on (the same run when ``repeat`` is 1)."""
+    results = [fn(i == repeat - 1) for i in range(repeat)]
+    return min(results, key=steady_s), results[-1]
+
+
+def beside_vllm(out: dict) -> dict:
+    """The engine's figures next to real vLLM's (``data/bench/vllm_h200x2.json``, eager), each
+    with its configuration; {} when that file is missing."""
+    path = os.path.join(ROOT, "data", "bench", "vllm_h200x2.json")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        v = json.load(f)
+    runs = v.get("runs", {})
+    get = lambda run, key: runs.get(run, {}).get(key)  # noqa: E731
+    pre = out.get("prefill_step_s", {})
+    dec2 = out.get("decode_ms_per_token_pcp2", {})
+    return {
+        "decode_ms_per_token_pcp2_k0": {"engine": dec2.get("k0"), "vllm": get("pcp2_k0", "decode_ms_per_token")},
+        "decode_ms_per_token_pcp2_k2": {"engine": dec2.get("k2"), "vllm": get("pcp2_k2", "decode_ms_per_token")},
+        "prefill_step_ms_pcp1": {"engine": 1e3 * pre["pcp1"][-1] if pre.get("pcp1") else None,
+                                 "vllm": 1e3 * get("pcp1_k2", "prefill_s") if get("pcp1_k2", "prefill_s") else None,
+                                 "tokens": {"engine": out.get("long_prompt_tokens"), "vllm": v.get("prefill_tokens")}},
+        "prefill_step_ms_pcp2": {"engine": 1e3 * pre["pcp2"][-1] if pre.get("pcp2") else None,
+                                 "vllm": 1e3 * get("pcp2_k2", "prefill_s") if get("pcp2_k2", "prefill_s") else None,
+                                 "tokens": {"engine": out.get("long_prompt_tokens"), "vllm": v.get("prefill_tokens")}},
+        "vllm_source": "data/bench/vllm_h200x2.json (" + str(v.get("what", "")) + ")",
+    }
+
+
+def steady_s(res) -> float:
+    """The loop's wall time less the one-time CUDA graph captures (vLLM captures at start-up,
+    outside its decode figures; the engine captures a decode shape on first use)."""
+    return res.wall_s - ((res.graphs or {}).get("capture_s") or 0.0)
+
+
+def phase_summary(res) -> dict:
+    """The timed run's breakdown: wall time, and per step kind the steps, their summed time and
+    each phase's time per step (host ms; device ms on CUDA)."""
+    out = {"wall_s": res.wall_s, "graphs": res.graphs}
+    for kind, s in res.phases.items():
+        out[kind] = {"steps": s["steps"], "step_ms": s["step_ms"], "per_step": s["per_step"]}
+    return out
+
+
+def print_phases(name: str, summary: dict) -> None:
+    s = summary.get("decode") if summary.get("decode", {}).get("steps") else summary.get("all")
+    if not s:
+        return
+    clock = "device_ms" if "device_ms" in next(iter(s["per_step"].values())) else "host_ms"
+    cells = "  ".join(f"{p} {v[clock]:.3f}" for p, v in s["per_step"].items() if v[clock] >= 0.0005)
+    print(f"[phases {name}] {s['steps']} steps, ms/step ({clock}): {cells}", file=sys.stderr, flush=True)
 
 
 def main() -> None:
@@ -53,8 +120,8 @@ def main() -> None:
 
     long_ids = encode(prompts["long"])[: args.long_tokens]
     short = prompts["short"][:3]
-    out: dict = {"device": dev, "long_prompt_tokens": len(long_ids),
-                 "kernels": os.environ.get("PCPVIZ_KERNELS", "1") != "0"}
+    out: dict = {"device": dev, "long_prompt_tokens": len(long_ids), "decode_tokens": args.decode_tokens,
+                 "engine_kernels": os.environ.get("PCPVIZ_KERNELS", "1") != "0", "phases": {}}
     if dev == "cuda":
         import torch
 
@@ -115,7 +182,9 @@ def main() -> None:
         secs, toks = {}, {}
         for pcp in (1, 2):
             with tempfile.TemporaryDirectory() as d:
-                res = pcpviz.run([long_ids, second], pcp=pcp, trace_dir=d, **pre)
+                res = pcpviz.run([long_ids, second], pcp=pcp, trace_dir=d, time_phases=True, **pre)
+                out["phases"][f"prefill_pcp{pcp}"] = phase_summary(res)
+                print_phases(f"prefill_pcp{pcp}", out["phases"][f"prefill_pcp{pcp}"])
                 t = pt.open(d)
                 durations = []
                 for step in t.steps:
@@ -131,15 +200,54 @@ def main() -> None:
     section('prefill', _prefill)
 
     # -- MTP decode speed at batch 1 -------------------------------------------------------------
+    dec = dict(max_new_tokens=args.decode_tokens, device=dev, progress=False, pcp=1)
+    decode_runs = {}
+
     def _mtp_decode():
-        dec = dict(max_new_tokens=args.decode_tokens, device=dev, progress=False, pcp=1)
-        k0 = best(lambda: pcpviz.run(short[:1], num_speculative_tokens=0, **dec), args.repeat)
-        k2 = best(lambda: pcpviz.run(short[:1], num_speculative_tokens=2, **dec), args.repeat)
-        out["decode_tok_s"] = {"k0": args.decode_tokens / k0.wall_s, "k2": args.decode_tokens / k2.wall_s}
-        out["mtp_decode_speedup"] = k0.wall_s / k2.wall_s
+        for k in (0, 2):
+            res, timed = best(lambda tp: pcpviz.run(short[:1], num_speculative_tokens=k, time_phases=tp, **dec),
+                              args.repeat)
+            decode_runs[k] = res
+            out["phases"][f"decode_k{k}"] = dict(phase_summary(timed), untimed_best_wall_s=res.wall_s)
+            print_phases(f"decode_k{k}", out["phases"][f"decode_k{k}"])
+        k0, k2 = decode_runs[0], decode_runs[2]
+        loop = {k: steady_s(r) for k, r in decode_runs.items()}
+        out["decode_tok_s"] = {"k0": args.decode_tokens / loop[0], "k2": args.decode_tokens / loop[2]}
+        out["decode_ms_per_token"] = {"k0": 1e3 * loop[0] / args.decode_tokens,
+                                      "k2": 1e3 * loop[2] / args.decode_tokens}
+        out["decode_graphs"] = {"k0": k0.graphs, "k2": k2.graphs}
+        out["mtp_decode_speedup"] = loop[0] / loop[2]
         out["mtp_tokens_equal"] = k0.output_token_ids == k2.output_token_ids
 
     section('mtp_decode', _mtp_decode)
+
+    # -- decode at PCP=2, batch 1: the configuration real vLLM's decode figures were taken in ---
+    def _decode_pcp2():
+        ms = {}
+        for k in (0, 2):
+            res = pcpviz.run(short[:1], num_speculative_tokens=k, **dict(dec, pcp=2))
+            ms[f"k{k}"] = 1e3 * steady_s(res) / args.decode_tokens
+        out["decode_ms_per_token_pcp2"] = ms
+
+    section("decode_pcp2", _decode_pcp2)
+
+    # -- decode steps from CUDA graphs against the eager path (same tokens?) ---------------------
+    def _graphs():
+        off = {}
+        for k in (0, 2):
+            res = pcpviz.run(short[:1], num_speculative_tokens=k, cuda_graphs=False, time_phases=True, **dec)
+            off[k] = res
+            out["phases"][f"decode_k{k}_graphs_off"] = phase_summary(res)
+            print_phases(f"decode_k{k}_graphs_off", out["phases"][f"decode_k{k}_graphs_off"])
+        out["graphs"] = {
+            "decode_tok_s_graphs_off": {f"k{k}": args.decode_tokens / r.wall_s for k, r in off.items()},
+            "mtp_decode_speedup_graphs_off": off[0].wall_s / off[2].wall_s,
+            "tokens_equal_graphs_on_off": all(off[k].output_token_ids == decode_runs[k].output_token_ids
+                                              for k in off if k in decode_runs),
+        }
+
+    if dev == "cuda":
+        section("graphs", _graphs)
 
     # -- acceptance per position on held-out source, K=2 and K=3 ----------------------------------
     def _acceptance():
@@ -159,22 +267,38 @@ def main() -> None:
 
         rec = dict(pcp=2, num_speculative_tokens=2, device=dev, max_new_tokens=args.decode_tokens // 2,
                    progress=False)
-        off = best(lambda: pcpviz.run(short, **rec), args.repeat)
+        off, off_timed = best(lambda tp: pcpviz.run(short, time_phases=tp, **rec), args.repeat)
         with tempfile.TemporaryDirectory() as d:
-            on = best(lambda: pcpviz.run(short, trace_dir=d, **rec), args.repeat)
-        out["loop_s"] = {"trace_off": off.wall_s, "trace_on": on.wall_s}
-        out["recording_overhead"] = on.wall_s / off.wall_s
+            on, on_timed = best(lambda tp: pcpviz.run(short, trace_dir=d, overwrite=True, time_phases=tp, **rec),
+                                args.repeat)
+        for name, r, timed in (("trace_off", off, off_timed), ("trace_on", on, on_timed)):
+            out["phases"][f"recording_{name}"] = dict(phase_summary(timed), untimed_best_wall_s=r.wall_s)
+            print_phases(f"recording_{name}", out["phases"][f"recording_{name}"])
+        out["loop_s"] = {"trace_off": steady_s(off), "trace_on": steady_s(on)}
+        out["recording_overhead"] = steady_s(on) / steady_s(off)
         out["recording_tokens_equal"] = on.output_token_ids == off.output_token_ids
 
     section('recording', _recording)
 
+    if dev == "cuda":  # vLLM's figures are from the H200s: no peer for a CPU run
+        out["beside_vllm"] = beside_vllm(out)
     print(json.dumps(out, indent=1))
     print("  ".join(f"{k} {out[k]:.3f}" if isinstance(out.get(k), float) else f"{k} n/a"
                     for k in ("prefill_pcp2_over_pcp1", "mtp_decode_speedup", "recording_overhead")))
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        merged = {}
+        if os.path.exists(args.out):
+            try:
+                with open(args.out) as f:
+                    merged = json.load(f)
+            except (OSError, ValueError):
+                merged = {}
+        merged.update(out)
+        if "errors" not in out:
+            merged.pop("errors", None)  # an earlier run's errors are not this run's
         with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(merged, f, indent=1)
 
 
 if __name__ == "__main__":

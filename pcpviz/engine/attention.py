@@ -28,7 +28,7 @@ import torch
 from pcpviz.engine.dist import PCPGroup
 import numpy as np
 
-from pcpviz.engine.kv_cache import LatentKVCache, kernels_for, lens_on_host, paged_mla_attention
+from pcpviz.engine.kv_cache import LatentKVCache, kernels_for, paged_mla_attention
 
 __all__ = ["PagedAttention"]
 
@@ -45,11 +45,13 @@ class PagedAttention:
     positions: torch.Tensor  # int64[Q]
     seq_lens: torch.Tensor  # int[B]
     fold_without_shape_check: bool = False
-    num_kv_rows_written: int = 0
-    # (query_start_loc, seq_lens) on the host, if the caller has them (saves a device sync);
-    # else read once per forward on CUDA
+    # (max query len, max seq len), known on the host from the batch (the worker passes them:
+    # no device sync); None: computed from the tensors once per forward (a sync)
+    bounds: tuple[int, int] | None = None
+    slots_checked: bool = False  # the worker checked every slot < num_slots on the host
+    # (query_start_loc int64[B+1], seq_lens int64[B]) on the host, if the caller has them: the
+    # kernel path splits decode rows from prefill rows with them (else one sync per forward)
     host_lens: tuple[np.ndarray, np.ndarray] | None = None
-    _bounds: tuple[int, int] | None = None  # (max query len, max seq len), once per forward
 
     def __call__(self, layer_idx, q_nope, q_pe, kv_c, k_pe):
         latent = torch.cat([kv_c, k_pe], dim=-1)
@@ -60,18 +62,15 @@ class PagedAttention:
             # The bug: "num_tokens //= world_size" applied to an unexpanded mapping.
             keep = slots.shape[0] // self.group.world_size
             slots, latent = slots[:keep], latent[:keep]
-        self.cache.write(layer_idx, slots, latent)
-        self.num_kv_rows_written = int((slots >= 0).sum())
+        self.cache.write(layer_idx, slots, latent, checked=self.slots_checked)
         w_uk, w_uv = self.model.mla_up_weights(layer_idx)
         kw = {}
         if kernels_for(self.cache.layers[layer_idx]) is not None:  # CUDA: Triton kernels
-            if self._bounds is None:
-                if self.host_lens is None:
-                    self.host_lens = lens_on_host(self.query_start_loc, self.seq_lens)
-                qsl, lens = self.host_lens
-                self._bounds = (int(np.diff(qsl).max()) if len(qsl) > 1 else 0,
-                                int(np.max(lens)) if len(lens) else 0)
-            kw = {"max_query_len": self._bounds[0], "max_seq_len": self._bounds[1], "host_lens": self.host_lens}
+            if self.bounds is None:
+                qsl = self.query_start_loc
+                self.bounds = (int((qsl[1:] - qsl[:-1]).max()) if qsl.numel() > 1 else 0,
+                               int(self.seq_lens.max()) if self.seq_lens.numel() else 0)
+            kw = {"max_query_len": self.bounds[0], "max_seq_len": self.bounds[1], "host_lens": self.host_lens}
         out = paged_mla_attention(
             q_nope, q_pe, self.cache.layers[layer_idx], self.block_rows, self.query_start_loc,
             self.positions, self.seq_lens, w_uk, w_uv, self.cache.block_size,

@@ -22,6 +22,7 @@ class PCPGroup:
     rank: int = 0
     world_size: int = 1
     num_collectives: int = 0
+    timer = None  # a pcpviz.engine.phases.PhaseTimer: all-gathers are timed as "gather"
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [M, ...] -> [N*M, ...]
         raise NotImplementedError
@@ -41,8 +42,23 @@ class ProcessGroupPCP(PCPGroup):
     def __init__(self) -> None:
         self.rank = tdist.get_rank()
         self.world_size = tdist.get_world_size()
+        # The step's plan travels on a CPU (gloo) group, as vLLM's engine core sends it over
+        # shared memory: on NCCL a broadcast of host data would copy to the device and back
+        # and synchronise the stream every step.
+        self._control = None
+        if tdist.get_backend() == "nccl":
+            try:
+                self._control = tdist.new_group(backend="gloo")
+            except Exception:  # noqa: BLE001 - no gloo here: the plan goes over NCCL as before
+                self._control = None
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.timer:
+            with self.timer.phase("gather"):
+                return self._all_gather(x)
+        return self._all_gather(x)
+
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self.num_collectives += 1
         x = x.contiguous()
         out = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype,
@@ -60,16 +76,17 @@ class ProcessGroupPCP(PCPGroup):
         """``doc`` (plain JSON data) from rank ``src`` on every rank: its UTF-8 JSON text goes
         as a length then a uint8 tensor, so nothing is unpickled (``broadcast_object_list``
         would run pickle on what the network delivered)."""
-        dev = torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" \
-            else torch.device("cpu")
+        group = self._control
+        dev = torch.device("cuda", torch.cuda.current_device()) \
+            if group is None and tdist.get_backend() == "nccl" else torch.device("cpu")
         data = json.dumps(doc, separators=(",", ":")).encode("utf-8") if self.rank == src else b""
         size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-        tdist.broadcast(size, src=src)
+        tdist.broadcast(size, src=src, group=group)
         if self.rank == src:
             buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
         else:
             buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-        tdist.broadcast(buf, src=src)
+        tdist.broadcast(buf, src=src, group=group)
         return doc if self.rank == src else json.loads(bytes(buf.cpu().numpy()).decode("utf-8"))
 
 

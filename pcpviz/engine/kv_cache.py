@@ -102,15 +102,16 @@ class LatentKVCache:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
-    def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
+    def write(self, layer: int, slots: torch.Tensor, latent: torch.Tensor, *, checked: bool = False) -> None:
         """Write ``latent[i]`` to ``slots[i]``; PAD (-1) rows are skipped.
 
-        ``slots``: int64[M]; ``latent``: [M, kv_lora_rank + rope_dim]."""
+        ``slots``: int64[M]; ``latent``: [M, kv_lora_rank + rope_dim]. ``checked``: the caller
+        has checked ``slots < num_slots`` on the host, so the kernel path skips its device sync."""
         if slots.shape[0] != latent.shape[0]:
             raise ValueError(f"slot mapping has {slots.shape[0]} rows, latent has {latent.shape[0]}")
         k = kernels_for(self.layers[layer])
         if k is not None:
-            if slots.numel() and int(slots.max()) >= self.num_slots:
+            if not checked and slots.numel() and int(slots.max()) >= self.num_slots:
                 raise IndexError(f"KV slot {int(slots.max())} beyond the cache ({self.num_slots} slots)")
             k.write_kv_cache(self.layers[layer], slots, latent)
             return

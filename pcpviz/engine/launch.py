@@ -69,6 +69,8 @@ class RunResult:
     trace_path: str | None
     kv_cache_digests: list[str] = field(default_factory=list)
     config: dict = field(default_factory=dict)
+    phases: dict = field(default_factory=dict)  # rank 0's PhaseTimer.summary() (time_phases=True)
+    graphs: dict | None = None  # {"mode", "captures", "replays"} when decode graphs were on
 
     def summary(self) -> dict:
         """The ``--json`` document: requests with their ids, acceptance overall and per position."""
@@ -114,8 +116,13 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
                  max_num_batched_tokens: int = 2048, max_num_seqs: int = 16, num_blocks: int | None = None,
                  shard_decode_requests: bool | None = None, seed: int = 0, timeout_s: float = 300.0,
                  stop_at_eos: bool = False, overwrite: bool = False, dtype: str = "float32",
-                 count_local_devices: bool = True) -> dict:
+                 count_local_devices: bool = True, cuda_graphs: bool | None = None,
+                 time_phases: bool = False) -> dict:
     """Validate the arguments and build the rank config (a JSON-able dict).
+
+    ``cuda_graphs``: decode steps from CUDA graphs (None: on for CUDA; True on the CPU runs
+    the same padded path without capture, see ``pcpviz.engine.graphs``). ``time_phases``: the
+    per-phase breakdown of the loop (``RunResult.phases``, ``pcpviz.engine.phases``).
 
     ``overwrite``: replace the trace already in ``trace_dir`` (its run.json and rank files
     only); without it a non-empty ``trace_dir`` is refused. ``count_local_devices=False`` skips
@@ -135,6 +142,8 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
     _positive("max_num_batched_tokens", max_num_batched_tokens)
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if cuda_graphs not in (None, True, False):
+        raise ValueError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if device == "cpu" and pcp > MAX_CPU_RANKS:
@@ -194,6 +203,7 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
         "shard_decode_requests": shard_decode_requests, "seed": seed, "timeout_s": float(timeout_s),
         "prompt_token_ids": ids, "eos_token_id": EOS_ID if stop_at_eos else None, "dtype": dtype,
         "overwrite": bool(overwrite),
+        "cuda_graphs": None if cuda_graphs is None else bool(cuda_graphs), "time_phases": bool(time_phases),
     }
 
 
@@ -279,8 +289,8 @@ def _rank_env(cfg: dict, rank: int, port: int) -> dict:
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cfg["pcp"]), LOCAL_RANK=str(rank),
                LOCAL_WORLD_SIZE=str(cfg["pcp"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), PCPVIZ_PROGRESS="pipe")
-    if cfg["device"] == "cpu":
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: gloo's sockets on loopback only
+    # one host: gloo's sockets (the CPU group; on CUDA the plan's control group) on loopback only
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
 
 
@@ -448,7 +458,8 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
     prefill budget), ``max_num_seqs``, ``num_blocks``, ``shard_decode_requests``,
     ``seed``, ``timeout_s``, ``stop_at_eos``, ``overwrite`` (replace the trace in a non-empty
     ``trace_dir``; without it such a directory is refused, and one another run is writing is
-    refused either way).
+    refused either way), ``cuda_graphs`` (decode steps from CUDA graphs; on for CUDA by
+    default), ``time_phases`` (``RunResult.phases``: where the loop's time goes).
     """
     from pcpviz.engine.tokenizer import decode
 
@@ -474,5 +485,7 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
         wall_s=res["wall_s"],
         trace_path=cfg["trace_dir"],
         kv_cache_digests=res["kv_cache_digests"],
+        phases=res.get("phases") or {},
+        graphs=res.get("graphs"),
         config={k: v for k, v in cfg.items() if k != "prompt_token_ids"},
     )

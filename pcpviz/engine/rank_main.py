@@ -30,6 +30,8 @@ def run_rank(cfg: dict) -> dict | None:
     from pcpviz.acceptance import Counts, count, json_ratio
     from pcpviz.engine.dist import init_process_group
     from pcpviz.engine.model import load_model
+    from pcpviz.engine.phases import PhaseTimer
+    from pcpviz.engine.recorder import AsyncRecorder
     from pcpviz.engine.scheduler import Scheduler, SchedulerOutput
     from pcpviz.engine.worker import EngineConfig, Worker
     from pcpviz.trace import TraceWriter
@@ -61,11 +63,14 @@ def run_rank(cfg: dict) -> dict | None:
         block_size=cfg["block_size"], num_blocks=cfg["num_blocks"], max_num_seqs=cfg["max_num_seqs"],
         max_num_batched_tokens=cfg["max_num_batched_tokens"],
         shard_decode_requests=cfg.get("shard_decode_requests"), faults=frozenset(cfg["inject"]), dtype=dtype,
+        cuda_graphs=cfg.get("cuda_graphs"),
     )
-    worker = Worker(model, group, ecfg, device, record=cfg.get("trace_dir") is not None)
+    timer = PhaseTimer(bool(cfg.get("time_phases")), device)
+    worker = Worker(model, group, ecfg, device, record=cfg.get("trace_dir") is not None, timer=timer)
     # The launcher claimed the directory and cleared it (pcpviz.trace.owner); the rank file is
-    # created exclusively, so a file this run did not create is never replaced.
-    writer = TraceWriter(cfg["trace_dir"], rank, owner=cfg.get("trace_owner")) \
+    # created exclusively, so a file this run did not create is never replaced. Steps are
+    # written by a background thread (pcpviz.engine.recorder): the loop never waits on disk.
+    writer = AsyncRecorder(TraceWriter(cfg["trace_dir"], rank, owner=cfg.get("trace_owner"))) \
         if cfg.get("trace_dir") else None
     sched = None
     if rank == 0:
@@ -84,33 +89,59 @@ def run_rank(cfg: dict) -> dict | None:
     counts = Counts().widened(max(k, 0))
     steps = 0
     t_start = time.perf_counter()
-    while True:
-        plan = None
-        if sched is not None and not sched.done:
-            plan = sched.schedule()
-            if not plan.rows:
-                raise RuntimeError(f"step {plan.step}: the scheduler found nothing to run "
-                                   "(max_num_batched_tokens too small for a decode of 1+K tokens?)")
-        doc = group.broadcast_json(None if plan is None else plan.to_json())
-        if doc is None:
-            break
-        plan = SchedulerOutput.from_json(doc)
-        if debug_exit == (rank, plan.step):
-            os._exit(17)  # test hook: a rank that dies without a word (PCPVIZ_DEBUG_EXIT_RANK=r@step)
-        res = worker.step(plan)
-        if writer is not None:
-            writer.write_step(plan.step, res.record.phases)
-        steps += 1
-        if sched is not None:
-            sched.update(plan, res.per_request)
-            counts = counts + count(res.num_accepted, res.num_draft_tokens)
-            last_said = progress_line(sched, plan.step, last_said)
+    try:
+        while True:
+            with timer.step() as step_info:
+                with timer.phase("schedule"):
+                    plan = None
+                    if sched is not None and not sched.done:
+                        plan = sched.schedule()
+                        if not plan.rows:
+                            raise RuntimeError(f"step {plan.step}: the scheduler found nothing to run "
+                                               "(max_num_batched_tokens too small for a decode of 1+K tokens?)")
+                    # Rank 0 keeps its own plan; the others rebuild it from the broadcast JSON.
+                    doc = group.broadcast_json(None if plan is None else plan.to_json()) \
+                        if group.world_size > 1 else plan
+                    if doc is not None and plan is None:
+                        plan = SchedulerOutput.from_json(doc)
+                if doc is None:
+                    step_info["kind"] = None  # the closing broadcast: not a step
+                    break
+                if debug_exit == (rank, plan.step):
+                    if writer is not None:
+                        writer.flush()  # its completed steps on disk, as an inline writer would leave them
+                    os._exit(17)  # test hook: a rank that dies without a word (PCPVIZ_DEBUG_EXIT_RANK=r@step)
+                if not any(row.is_prefilling for row in plan.rows):
+                    step_info["kind"] = "decode"
+                res = worker.step(plan)
+                if writer is not None:
+                    with timer.phase("record"):
+                        writer.submit(plan.step, res.record.phases)
+                steps += 1
+                if sched is not None:
+                    with timer.phase("schedule"):
+                        sched.update(plan, res.per_request)
+                        counts = counts + count(res.num_accepted, res.num_draft_tokens)
+                        last_said = progress_line(sched, plan.step, last_said)
+    except BaseException:
+        if writer is not None:  # the steps this rank completed reach the disk before it fails
+            try:
+                writer.close()
+            except BaseException:  # noqa: BLE001 - the step's own error is the one to report
+                pass
+        raise
     if device_kind == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t_start
     if writer is not None:
-        writer.close()
-    info = {"rank": rank, "kv_cache_digest": worker.cache.digest(), "num_collectives": group.num_collectives}
+        writer.close()  # waits for the queued steps; a writer failure is raised here (one line)
+    info = {"rank": rank, "kv_cache_digest": worker.cache.digest(), "num_collectives": group.num_collectives,
+            "phases": timer.summary()}
+    if worker.graphs is not None:
+        info["graphs"] = {"mode": worker.graphs.mode, "captures": worker.graphs.num_captures,
+                          "replays": worker.graphs.num_replays, "capture_s": worker.graphs.capture_s}
+        if worker.graphs.failed:
+            info["graphs"]["capture_failed"] = sorted({v for v in worker.graphs.failed.values()})
     _shutdown_process_group()
     with open(os.path.join(cfg["work_dir"], f"rank{rank}.json"), "w") as f:
         json.dump(info, f)
@@ -130,6 +161,8 @@ def run_rank(cfg: dict) -> dict | None:
         "acceptance_rate": json_ratio(counts.acceptance_rate),
         "mean_acceptance_length": json_ratio(counts.mean_acceptance_length),
         "wall_s": wall,
+        "phases": info["phases"],
+        "graphs": info.get("graphs"),
     }
 
 

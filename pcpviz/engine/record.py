@@ -3,24 +3,56 @@
 The engine hands over the arrays it actually used — recording never recomputes
 — so a fault shows up in the trace exactly as it happened. Copies are taken;
 recording on or off runs the same arithmetic.
+
+Values still on the device (sampled and draft tokens, the hidden states behind
+``hidden_hash``) are held as ``Pending``: the recorder (``pcpviz.engine.recorder``)
+copies them into pinned host memory without waiting and finishes them on its
+writer thread, so recording adds no device sync to a step. Every method takes
+keyword arguments only (``rec.verify(req_ids=..., num_draft=..., ...)``).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from pcpviz.trace.schema import segments_table
 
-__all__ = ["StepRecord"]
+__all__ = ["StepRecord", "Pending", "row_hashes"]
+
+
+class Pending:
+    """A view whose value is a device tensor: the recorder copies ``tensor`` to the host and
+    stores ``finish(array)`` (``int64`` by default; ``row_hashes`` for hidden states)."""
+
+    __slots__ = ("tensor", "finish")
+
+    def __init__(self, tensor, finish=None) -> None:
+        self.tensor = tensor.detach()
+        self.finish = finish or _as_int64
+
+    def resolve(self, host: np.ndarray):
+        return self.finish(host)
+
+
+def _as_int64(a: np.ndarray) -> np.ndarray:
+    return np.asarray(a, dtype=np.int64).copy()
+
+
+def _ints(x) -> np.ndarray | Pending:
+    """An int64 copy of a host array; a device tensor stays ``Pending``."""
+    return Pending(x) if isinstance(x, torch.Tensor) else np.asarray(x, dtype=np.int64).copy()
 
 
 _ROW_HASH_WEIGHTS: dict[int, np.ndarray] = {}
 
 
 def row_hashes(t) -> np.ndarray:
-    """uint64[rows]: a per-row hash of a float tensor's bits (multiply-add, wrapping mod 2**64),
-    so two runs can be compared row by row without storing hidden states."""
-    a = np.ascontiguousarray(t.detach().float().cpu().numpy())
+    """uint64[rows]: a per-row hash of a float tensor's (or float32 array's) bits
+    (multiply-add, wrapping mod 2**64), so two runs can be compared row by row without
+    storing hidden states."""
+    a = np.ascontiguousarray(t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor)
+                             else np.asarray(t, dtype=np.float32))
     bits = a.view(np.uint32).reshape(a.shape[0], -1).astype(np.uint64)
     w = _ROW_HASH_WEIGHTS.get(bits.shape[1])
     if w is None:
@@ -36,9 +68,11 @@ class StepRecord:
         self.rank = rank
         self.phases: dict[str, dict] = {}
 
-    def target(self, batch, logits_indices, layout, local, local_positions, local_seq_lens, bt_local,
+    def target(self, *, batch, logits_indices, layout, local, local_positions, local_seq_lens, bt_local,
                table, slots_global, slots_gathered, sampled_rows, sampled_from, top1, hidden_global,
                t0, t1) -> None:
+        """``hidden_global``: the restored hidden states [T, H] (a device tensor, hashed on the
+        recorder's thread); ``top1``: the sampled token per sampled row (host or device)."""
         nr = local.num_reqs
         rows = table[batch.idx_mapping]
         used = np.flatnonzero(rows.any(axis=0)) if rows.size else np.zeros(0, np.int64)
@@ -82,13 +116,14 @@ class StepRecord:
             # sampling
             "sampled_logits_rows": np.asarray(sampled_rows, dtype=np.int64).copy(),
             "sampled_from": np.array(sampled_from),
-            "top1_token": np.asarray(top1, dtype=np.int64).copy(),
-            "hidden_hash": row_hashes(hidden_global),
+            "top1_token": _ints(top1),
+            "hidden_hash": Pending(hidden_global.float(), row_hashes)
+            if isinstance(hidden_global, torch.Tensor) else row_hashes(hidden_global),
             "t_start_us": np.array(t0, dtype=np.int64),
             "t_end_us": np.array(t1, dtype=np.int64),
         }
 
-    def verify(self, req_ids, num_draft, v, k, t0, t1) -> None:
+    def verify(self, *, req_ids, num_draft, v, k, t0, t1) -> None:
         self.phases["verify"] = {
             "req_ids": np.array(req_ids, dtype=str),
             "num_draft_tokens": np.asarray(num_draft, dtype=np.int64).copy(),
@@ -100,7 +135,7 @@ class StepRecord:
             "t_end_us": np.array(t1, dtype=np.int64),
         }
 
-    def draft_prefill(self, local_ids, local_positions, local_seq_lens, bt_local, slots_gathered,
+    def draft_prefill(self, *, local_ids, local_positions, local_seq_lens, bt_local, slots_gathered,
                       last_idx, tokens, global_ids, t0, t1) -> None:
         nr = len(self.phases["target"]["local_req_ids"])
         self.phases["draft_0"] = {
@@ -111,21 +146,21 @@ class StepRecord:
             "block_table_draft": bt_local[:nr, : self.width][None].astype(np.int32),
             "slot_mapping_draft": np.asarray(slots_gathered, dtype=np.int64).copy(),
             "draft_last_token_indices": np.asarray(last_idx, dtype=np.int64).copy(),
-            "draft_tokens": np.asarray(tokens, dtype=np.int64).copy(),
+            "draft_tokens": _ints(tokens),
             "draft_global_input_ids": np.asarray(global_ids, dtype=np.int64).copy(),
             "t_start_us": np.array(t0, dtype=np.int64),
             "t_end_us": np.array(t1, dtype=np.int64),
         }
 
-    def draft_decode(self, step, ids, positions, seq_lens, block_rows, slots, tokens, t0, t1) -> None:
+    def draft_decode(self, *, step, ids, positions, seq_lens, block_rows, slots, tokens, t0, t1) -> None:
         self.phases[f"draft_{step}"] = {
             "view": np.array("replicated"),
-            "draft_input_ids": np.asarray(ids, dtype=np.int64).copy(),
+            "draft_input_ids": _ints(ids),
             "draft_positions": np.asarray(positions, dtype=np.int64).copy(),
             "draft_seq_lens": np.asarray(seq_lens, dtype=np.int64).copy(),
             "block_table_draft": np.asarray(block_rows, dtype=np.int32)[:, : self.width][None].copy(),
             "slot_mapping_draft": np.asarray(slots, dtype=np.int64)[None].copy(),
-            "draft_tokens": np.asarray(tokens, dtype=np.int64).copy(),
+            "draft_tokens": _ints(tokens),
             "t_start_us": np.array(t0, dtype=np.int64),
             "t_end_us": np.array(t1, dtype=np.int64),
         }

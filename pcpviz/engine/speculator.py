@@ -17,6 +17,12 @@ rejected) and rank 0 holding it::
     gather               input_block_tables[:R] = global rows
     draft_1  replicated  positions [23], seq_lens [24], slots [slot(d0, 23)]
     draft_2  replicated  positions [24], seq_lens [25]
+
+Every input of the K draft forwards is known on the host once verification is done, so
+they go to the device in one copy; the draft tokens stay on the device (each step feeds the
+next) and reach the host only at the next step's batch building (``Worker``), without a
+sync inside this step. In a decode step under graphs (``pcpviz.engine.graphs``) the inputs
+are padded to the step's ``DecodeShape`` and draft_0 and draft_1..K-1 are two graphs.
 """
 
 from __future__ import annotations
@@ -26,11 +32,16 @@ import time
 import numpy as np
 import torch
 
-from pcpviz.blocks import compute_slot_mappings, gather_block_table_rows
+from pcpviz.blocks import compute_slot_mappings
 from pcpviz.engine.attention import PagedAttention
 from pcpviz.engine.faults import STALE_ROWS_PER_LAUNCH
+from pcpviz.engine.graphs import pad
 
 __all__ = ["propose", "draft_prefill_inputs"]
+
+
+def _now_us() -> int:
+    return time.perf_counter_ns() // 1000
 
 
 def draft_prefill_inputs(batch, verify, next_prompt_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -48,38 +59,32 @@ def draft_prefill_inputs(batch, verify, next_prompt_tokens: np.ndarray) -> tuple
     if ids.size:
         out[:-1] = ids[1:]
         out[-1] = ids[-1]
-    last = np.zeros(batch.num_reqs, dtype=np.int64)
-    for i in range(batch.num_reqs):
-        valid = int(batch.num_scheduled_tokens[i]) - int(verify.num_rejected[i])
-        j = int(qsl[i]) + valid - 1
-        last[i] = j
-        if valid <= 0:
-            continue
-        out[j] = verify.sampled[i][-1] if verify.num_sampled[i] > 0 else next_prompt_tokens[i]
+    valid = batch.num_scheduled_tokens.astype(np.int64) - np.asarray(verify.num_rejected, dtype=np.int64)
+    last = (qsl[:-1] + valid - 1).astype(np.int64)  # int64[R]
+    sampled_last = np.array([s[-1] if len(s) else -1 for s in verify.sampled], dtype=np.int64)
+    tok = np.where(np.asarray(verify.num_sampled) > 0, sampled_last, np.asarray(next_prompt_tokens, np.int64))
+    ok = valid > 0
+    out[last[ok]] = tok[ok]
     return out, last
 
 
-def _t(a, device, dtype=torch.int64):
-    return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
-
-
-def propose(worker, batch, layout, local, local_positions, local_seq_lens, bt_local, table,
-            slots_gathered, hidden_local, verify, sched, rec) -> np.ndarray:
-    """Returns draft tokens int64[R, K]."""
-    model, group, cfg, dev = worker.model, worker.group, worker.cfg, worker.device
-    k = cfg.num_speculative_tokens
-    n = group.world_size
+def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor:
+    """Draft tokens int64[R, K] on the device. ``h``: the step's host inputs (``Worker``),
+    ``dev``: the target's device inputs (reused by draft_0), ``hidden_local``: the target's
+    rank-local hidden states."""
+    model, group, cfg = worker.model, worker.group, worker.cfg
+    timer, faults = worker.timer, worker.faults
+    k, n = cfg.num_speculative_tokens, group.world_size
+    batch, local, shape = h.batch, h.local, h.shape
     r = batch.num_reqs
-    mtp_layer = model.config.num_layers
+    rows = shape.num_reqs if shape is not None else r  # draft decode rows (padded under graphs)
+
+    # -- host inputs of every draft forward ---------------------------------------------------
     next_prompt = np.array([row.next_prompt_token for row in sched.rows], dtype=np.int64)
     draft_ids, last_idx = draft_prefill_inputs(batch, verify, next_prompt)
-    drafts = np.zeros((r, k), dtype=np.int64)
-
-    # -- draft step 0: rank-local rows, gathered slot mapping -------------------------------
-    t0 = time.perf_counter_ns() // 1000
     local_ids = draft_ids[local.gather_idx] if draft_ids.size else np.zeros(local.num_tokens_padded, np.int64)
-    model_positions = local_positions
-    if "draft_prefill_reads_captured_buffers" in worker.faults and n > 1:
+    model_positions = h.positions
+    if "draft_prefill_reads_captured_buffers" in faults and n > 1:
         # The draft prefill's captured graph reads the speculator's own buffers (global order,
         # written by prepare_prefill_inputs), not the rank-local batch handed to the model.
         p = local.num_tokens_padded
@@ -88,74 +93,132 @@ def propose(worker, batch, layout, local, local_positions, local_seq_lens, bt_lo
         m = min(p, draft_ids.shape[0])
         local_ids[:m] = draft_ids[:m]
         model_positions[:m] = batch.positions[:m]
-    attn = PagedAttention(
-        model, worker.cache, group, expanded=True, slots=_t(slots_gathered[0], dev),
-        block_rows=_t(bt_local, dev, torch.int32), query_start_loc=_t(local.query_start_loc, dev),
-        positions=_t(local_positions, dev), seq_lens=_t(local_seq_lens, dev),
-    )
-    with torch.no_grad():
-        mtp_local = model.mtp_forward(_t(local_ids, dev), _t(model_positions, dev), hidden_local, attn)
-        mtp_global = group.all_gather(mtp_local)[_t(layout.hidden_restore_idx, dev)]  # [T, H]
-        read_idx = last_idx
-        if "draft_hidden_rank_local" in worker.faults and n > 1:
-            # The fault: the rank-local MTP output read at the global rows (clamped to the rank's).
-            read_idx = np.minimum(last_idx, max(local.num_tokens_padded - 1, 0))
-            h_last = mtp_local[_t(read_idx, dev)]
-        else:
-            h_last = mtp_global[_t(last_idx, dev)]
-        drafts[:, 0] = model.mtp_logits(h_last).argmax(-1).cpu().numpy() if r else []
-    t1 = time.perf_counter_ns() // 1000
-    if rec is not None:
-        rec.draft_prefill(local_ids, local_positions, local_seq_lens, bt_local, slots_gathered,
-                          read_idx, drafts[:, 0], draft_ids, t0, t1)
-    if k <= 1:
-        return drafts
+    read_idx = last_idx
+    hidden_rank_local = "draft_hidden_rank_local" in faults and n > 1
+    if hidden_rank_local:
+        # The fault: the rank-local MTP output read at the global rows (clamped to the rank's).
+        read_idx = np.minimum(last_idx, max(local.num_tokens_padded - 1, 0))
+    arrays = {"ids": (local_ids, torch.int64), "positions": (model_positions, torch.int64),
+              "read_idx": (pad(read_idx, rows), torch.int64)}
 
-    # -- gather block tables back to global order (the PR's fix) ----------------------------
-    if "skip_draft_block_table_gather" not in worker.faults:
-        cap = STALE_ROWS_PER_LAUNCH if "stale_draft_block_table_rows" in worker.faults else None
-        worker._write_input_block_tables(table, batch.idx_mapping, max_rows=cap)
-    block_rows = worker.input_block_tables[:r].copy()
+    decode = None
+    if k > 1:
+        if "skip_draft_block_table_gather" not in faults:
+            cap = STALE_ROWS_PER_LAUNCH if "stale_draft_block_table_rows" in faults else None
+            with timer.phase("gather"):
+                worker._write_input_block_tables(h.table, batch.idx_mapping, max_rows=cap)
+        block_rows = worker.input_block_tables[:r].copy()
+        decode = _draft_decode_inputs(worker, batch, h.table, last_idx=last_idx, k=k)
+        arrays.update({
+            "block_rows": (pad(block_rows, rows), torch.int32),
+            "dpos": (np.stack([pad(p, rows) for p in decode["positions"]]), torch.int64),
+            "dseq": (np.stack([pad(s, rows) for s in decode["seq_lens"]]), torch.int64),
+            "dslots": (np.stack([pad(s, rows, -1) for s in decode["slots"]]), torch.int64),
+            "qsl": (np.arange(rows + 1, dtype=np.int64), torch.int64),
+        })
+    with timer.phase("h2d"):
+        dt = worker.upload_inputs(("draft", shape), arrays)
+
+    # -- draft step 0: rank-local rows, gathered slot mapping -------------------------------
+    t0 = _now_us()
+    with timer.phase("draft_0"):
+        tok0, h_last = worker.run_forward(
+            ("draft_0", shape), lambda: _draft_prefill(worker, dev, dt, hidden_local=hidden_local, bounds=h.bounds,
+                                                       host_lens=h.host_lens, hidden_rank_local=hidden_rank_local))
+    t1 = _now_us()
+    if rec is not None:
+        with timer.phase("record"):
+            rec.draft_prefill(local_ids=local_ids, local_positions=h.positions, local_seq_lens=h.seq_lens,
+                              bt_local=h.bt_local, slots_gathered=h.slots_gathered, last_idx=read_idx,
+                              tokens=tok0[:r], global_ids=draft_ids, t0=t0, t1=t1)
+    if k <= 1:
+        return tok0[:r, None]
 
     # -- draft steps 1..K-1: replicated, unexpanded slot mapping -----------------------------
+    fold = "fold_slot_mapping_without_shape_check" in faults
+    bounds = [(1, shape.max_seq_len) if shape is not None else (1, int(s.max()) if s.size else 0)
+              for s in decode["seq_lens"]]
+    marks: list[int] = []
+    t0 = _now_us()
+    with timer.phase("draft_k"):
+        drafts = worker.run_forward(
+            ("draft_k", shape), lambda: _draft_decodes(worker, dt, tok0=tok0, h_last=h_last, k=k, bounds=bounds, fold=fold,
+                                   marks=marks))
+    t1 = _now_us()
+    if len(marks) != k:  # replayed from a graph: one window for every draft step
+        marks = [t0] + [t1] * (k - 1)
+    if rec is not None:
+        with timer.phase("record"):
+            for j in range(1, k):
+                written = decode["slots"][j - 1].copy()
+                if fold and n > 1:
+                    written[r // n:] = -1  # what the faulty fold actually wrote
+                rec.draft_decode(step=j, ids=drafts[:r, j - 1], positions=decode["positions"][j - 1],
+                                 seq_lens=decode["seq_lens"][j - 1], block_rows=block_rows, slots=written,
+                                 tokens=drafts[:r, j], t0=marks[j - 1], t1=marks[j] if j < k - 1 else t1)
+    return drafts[:r]
+
+
+def _draft_decode_inputs(worker, batch, table, *, last_idx, k) -> dict[str, list[np.ndarray]]:
+    """Positions, seq_lens and slots (int64[R] each) of draft steps 1..K-1."""
+    model, cfg, faults = worker.model, worker.cfg, worker.faults
+    r = batch.num_reqs
     positions = batch.positions[last_idx].copy() if r else np.zeros(0, np.int64)
-    if "draft_cursor_drift_after_rejection" in worker.faults and r:
+    if "draft_cursor_drift_after_rejection" in faults and r:
         # The fault: the drafter's own cursor, ahead by every rejection so far (kept inside the
         # model's context so RoPE and the block table can still be indexed).
         drift = np.array([worker.draft_drift.get(rid, 0) for rid in batch.req_ids], dtype=np.int64)
         limit = model.config.max_position_embeddings - k - 1
         positions = np.minimum(positions + drift, np.maximum(positions, limit))
-    hidden = model.mtp_recycle_hidden(h_last)
-    ids = drafts[:, 0].copy()
     qsl = np.arange(r + 1, dtype=np.int64)
-    for step in range(1, k):
-        t0 = time.perf_counter_ns() // 1000
+    out: dict[str, list[np.ndarray]] = {"positions": [], "seq_lens": [], "slots": []}
+    for _ in range(1, k):
         positions = positions + 1
-        seq_lens = positions + 1
         # Slots come from the persistent block tables by request slot (always right);
         # attention reads input_block_tables (wrong when the gather was skipped).
         slots = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping, qsl, positions)[0]
-        if "draft_slot_from_seq_len" in worker.faults and r:
+        if "draft_slot_from_seq_len" in faults and r:
             # The fault: the block from seq_len // block_size; one slot before a block boundary
             # that is the next block (the null block when it is not allocated yet).
             blocks = table[batch.idx_mapping, np.minimum((positions + 1) // cfg.block_size, table.shape[1] - 1)]
             slots = blocks.astype(np.int64) * cfg.block_size + positions % cfg.block_size
-        attn = PagedAttention(
-            model, worker.cache, group, expanded=False, slots=_t(slots, dev),
-            block_rows=_t(block_rows, dev, torch.int32), query_start_loc=_t(qsl, dev),
-            positions=_t(positions, dev), seq_lens=_t(seq_lens, dev),
-            fold_without_shape_check="fold_slot_mapping_without_shape_check" in worker.faults,
-        )
-        with torch.no_grad():
-            mtp_h = model.mtp_forward(_t(ids, dev), _t(positions, dev), hidden, attn)
-            nxt = model.mtp_logits(mtp_h).argmax(-1).cpu().numpy()
+        worker.check_slots(slots)
+        out["positions"].append(positions)
+        out["seq_lens"].append(positions + 1)
+        out["slots"].append(slots)
+    return out
+
+
+def _draft_prefill(worker, d, dt, *, hidden_local, bounds, hidden_rank_local, host_lens=None):
+    """The MTP layer on the rank-local rows -> (draft token 0 int64[R'], its hidden [R', H])."""
+    model = worker.model
+    attn = PagedAttention(model, worker.cache, worker.group, expanded=True, slots=d["slots"],
+                          block_rows=d["block_rows"], query_start_loc=d["qsl"], positions=d["positions"],
+                          seq_lens=d["seq_lens"], bounds=bounds, slots_checked=True, host_lens=host_lens)
+    with torch.no_grad():
+        mtp_local = model.mtp_forward(dt["ids"], dt["positions"], hidden_local, attn)
+        if hidden_rank_local:
+            h_last = mtp_local[dt["read_idx"]]
+        else:
+            h_last = worker.group.all_gather(mtp_local)[d["restore"]][dt["read_idx"]]  # [R', H]
+        return model.mtp_logits(h_last).argmax(-1), h_last
+
+
+def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks):
+    """Draft steps 1..K-1, each feeding the next on the device -> int64[R', K]."""
+    model = worker.model
+    marks.append(_now_us())
+    with torch.no_grad():
+        hidden = model.mtp_recycle_hidden(h_last)
+        ids, cols = tok0, [tok0]
+        for j in range(1, k):
+            attn = PagedAttention(model, worker.cache, worker.group, expanded=False, slots=dt["dslots"][j - 1],
+                                  block_rows=dt["block_rows"], query_start_loc=dt["qsl"],
+                                  positions=dt["dpos"][j - 1], seq_lens=dt["dseq"][j - 1],
+                                  fold_without_shape_check=fold, bounds=bounds[j - 1], slots_checked=True)
+            mtp_h = model.mtp_forward(ids, dt["dpos"][j - 1], hidden, attn)
+            ids = model.mtp_logits(mtp_h).argmax(-1)
             hidden = model.mtp_recycle_hidden(mtp_h)
-        drafts[:, step] = nxt
-        t1 = time.perf_counter_ns() // 1000
-        if rec is not None:
-            written = slots.copy()
-            if attn.fold_without_shape_check and n > 1:
-                written[r // n :] = -1  # what the faulty fold actually wrote
-            rec.draft_decode(step, ids, positions, seq_lens, block_rows, written, nxt, t0, t1)
-        ids = nxt.astype(np.int64)
-    return drafts
+            cols.append(ids)
+            marks.append(_now_us())
+        return torch.stack(cols, dim=1)

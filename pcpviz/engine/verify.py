@@ -27,7 +27,7 @@ class Verification:
     accepted_per_pos: np.ndarray  # int64[K]: rows whose draft at position k was accepted
 
 
-def greedy_verify(batch, num_draft: np.ndarray, targets: np.ndarray, states, k: int,
+def greedy_verify(batch, num_draft: np.ndarray, targets: np.ndarray, *, states, k: int,
                   accept_one_less: bool = False) -> Verification:
     r = batch.num_reqs
     sampled_ids = np.full((r, k + 1), -1, dtype=np.int64)

@@ -18,6 +18,14 @@ and a fresh 9-token prefill p1; rank 0 of 2::
     draft_0          rank-local rows again (MTP layer), hidden restored to the 12 global rows
     gather           input_block_tables[:2] = rows of d0, p1 (global order)
     draft_1          2 rows on every rank, unexpanded slot mapping of length 2
+
+What runs on the host and what on the device: batch building is NumPy on the host; each
+step's inputs go to the device in one pinned, non-blocking copy (``pcpviz.engine.inputs``);
+the only sync inside a step is the sampled tokens' copy to the host (vLLM has it too: the
+scheduler needs them). Draft tokens stay on the device and come back with a non-blocking
+copy that the *next* step waits for when it builds its batch. Decode steps can be replayed
+from CUDA graphs (``EngineConfig.cuda_graphs``; ``pcpviz.engine.graphs``), and every phase
+can be timed (``pcpviz.engine.phases``).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pcpviz.batch import GlobalBatch
+from pcpviz.batch import GlobalBatch, LocalBatch
 from pcpviz.blocks import (
     BlockTable,
     compute_slot_mappings,
@@ -37,10 +45,13 @@ from pcpviz.blocks import (
 )
 from pcpviz.engine.attention import PagedAttention
 from pcpviz.engine.dist import PCPGroup
+from pcpviz.engine.graphs import DecodeShape, GraphRunner, decode_shape, pad
+from pcpviz.engine.inputs import Uploader
 from pcpviz.engine.kv_cache import LatentKVCache
+from pcpviz.engine.phases import PhaseTimer
 from pcpviz.engine.record import StepRecord
 from pcpviz.engine.scheduler import SchedulerOutput
-from pcpviz.layout import partition_batch, plan_layout
+from pcpviz.layout import PCPLayout, partition_batch, plan_layout
 
 __all__ = ["EngineConfig", "RequestState", "Worker", "StepResult"]
 
@@ -56,6 +67,10 @@ class EngineConfig:
     shard_decode_requests: bool | None = None  # None: vLLM's default (True when DCP == 1)
     faults: frozenset[str] = frozenset()
     dtype: torch.dtype = torch.float32  # the model's and the latent KV cache's
+    # Decode steps padded to a bucket and replayed from CUDA graphs. None: on for CUDA, off on
+    # the CPU; True on the CPU runs the same padded buffers without capture (the tests' way of
+    # checking the graph path's bookkeeping); False: the unpadded eager path.
+    cuda_graphs: bool | None = None
 
 
 @dataclass
@@ -67,7 +82,7 @@ class RequestState:
     num_computed: int = 0  # GPU cursor: corrected by rejections immediately
     cpu_lag: int = 0  # how far the optimistic CPU mirror runs ahead (last step's rejections)
     last_sampled: int = -1
-    drafts: list[int] = field(default_factory=list)
+    drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64[K] or empty
 
 
 @dataclass
@@ -78,22 +93,50 @@ class StepResult:
     record: StepRecord | None
 
 
+@dataclass(frozen=True)
+class StepInputs:
+    """One step's host-side inputs (what the target and the drafter read), built by
+    ``Worker.prepare``; under graphs padded to ``shape`` (None: unpadded)."""
+
+    batch: GlobalBatch
+    logits_indices: np.ndarray  # int64[S]: global rows sampled
+    num_draft: np.ndarray  # int64[R]
+    layout: PCPLayout
+    local: LocalBatch
+    positions: np.ndarray  # int64[P]: local positions (the fault positions_from_cpu_cursor rewrites them)
+    seq_lens: np.ndarray  # int[R_loc_pad]
+    table: np.ndarray  # int32[max_num_seqs, W]
+    bt_local: np.ndarray  # int32[R_loc_pad, W]
+    slots_global: np.ndarray  # int64[1, T]
+    slots_gathered: np.ndarray  # int64[1, N*P]
+    sample_rows: np.ndarray  # int64[S]: rows of the hidden states sampled (global, or local under a fault)
+    shape: DecodeShape | None
+    bounds: tuple[int, int]  # (max query len, max seq len) of the target forward
+    # (query_start_loc int64[B+1], seq_lens int64[B]) of the rank-local rows on the host, for the
+    # kernels' decode/prefill row split (None on the decode-graph path: every row is short)
+    host_lens: tuple[np.ndarray, np.ndarray] | None = None
+
+
 def _now_us() -> int:
     return time.perf_counter_ns() // 1000
 
 
 class Worker:
     def __init__(self, model, group: PCPGroup, cfg: EngineConfig, device: torch.device,
-                 record: bool = False) -> None:
+                 record: bool = False, timer: PhaseTimer | None = None) -> None:
         self.model = model
         self.group = group
         self.cfg = cfg
         self.device = device
         self.rank = group.rank
         self.record = record
+        self.timer = timer or PhaseTimer(False)
+        group.timer = self.timer if self.timer else None
         mc = model.config
         width = -(-(mc.max_position_embeddings + cfg.num_speculative_tokens) // cfg.block_size)
         self.table = BlockTable(cfg.max_num_seqs, width)
+        # The dense table (BlockTable.as_array()), kept up to date as blocks come and go.
+        self._table = np.zeros((cfg.max_num_seqs, width), dtype=np.int32)
         # vLLM's BlockTables.input_block_tables: the rows attention reads. Under PCP the
         # target writes its own local tables, so only the drafter's gather refreshes these.
         self.input_block_tables = np.zeros((cfg.max_num_seqs, width), dtype=np.int32)
@@ -106,6 +149,12 @@ class Worker:
         self.faults: frozenset[str] = frozenset()  # the names active at the current step
         # draft_cursor_drift_after_rejection: how far each request's drafter cursor runs ahead
         self.draft_drift: dict[str, int] = {}
+        self.uploader = Uploader(device)
+        graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.type == "cuda"
+        self.graphs = GraphRunner("capture" if device.type == "cuda" else "eager", device) if graphs else None
+        if self.graphs is not None:
+            self.graphs.timer = self.timer if self.timer else None
+        self._pending_drafts = None  # (host int64[R, K], event, req_ids, keep bool[R]) of the last step
 
     # ------------------------------------------------------------------------------ inputs
     def _apply_scheduler_output(self, sched: SchedulerOutput) -> None:
@@ -113,64 +162,69 @@ class Worker:
             self.states.pop(req_id, None)
             self.draft_drift.pop(req_id, None)
             self.table.clear(slot)
+            self._table[slot] = 0
         for row in sched.rows:
             if row.is_new:
                 self.states[row.req_id] = RequestState(slot=row.slot, prompt_len=row.prompt_len)
             if row.new_blocks:
+                start = self.table.num_blocks(row.slot)
                 self.table.append(row.slot, row.new_blocks)
+                self._table[row.slot, start: start + len(row.new_blocks)] = row.new_blocks
 
     def _global_batch(self, sched: SchedulerOutput) -> tuple[GlobalBatch, np.ndarray, np.ndarray]:
-        ids, pos, q, cpu, plen, pref, slots, ndraft = [], [], [], [], [], [], [], []
-        for row in sched.rows:
-            st = self.states[row.req_id]
+        rows = sched.rows
+        r = len(rows)
+        states = [self.states[row.req_id] for row in rows]
+        q = np.fromiter((row.num_tokens for row in rows), np.int64, r)
+        pref = np.fromiter((row.is_prefilling for row in rows), np.bool_, r)
+        gpu = np.fromiter((st.num_computed for st in states), np.int64, r)
+        lag = np.fromiter((st.cpu_lag for st in states), np.int64, r)
+        qsl = np.zeros(r + 1, dtype=np.int64)
+        np.cumsum(q, out=qsl[1:])
+        ndraft = np.where(pref, 0, q - 1)
+        ids = np.empty(int(qsl[-1]), dtype=np.int64)
+        for i, (row, st) in enumerate(zip(rows, states)):
+            lo, hi = int(qsl[i]), int(qsl[i + 1])
             if row.is_prefilling:
-                toks = list(row.prompt_chunk)
-                drafts = 0
-            else:
-                drafts = row.num_tokens - 1
-                toks = [st.last_sampled] + st.drafts[:drafts]
-                if len(toks) != row.num_tokens:
-                    raise RuntimeError(f"rank {self.rank}: {row.req_id} has {len(st.drafts)} drafts, "
-                                       f"scheduled {row.num_tokens} tokens")
-            ids += toks
-            pos += range(st.num_computed, st.num_computed + row.num_tokens)
-            q.append(row.num_tokens)
-            cpu.append(st.num_computed + st.cpu_lag)
-            plen.append(row.prompt_len)
-            pref.append(row.is_prefilling)
-            slots.append(st.slot)
-            ndraft.append(drafts)
+                ids[lo:hi] = row.prompt_chunk
+                continue
+            d = hi - lo - 1
+            if st.drafts.shape[0] < d:
+                raise RuntimeError(f"rank {self.rank}: {row.req_id} has {st.drafts.shape[0]} drafts, "
+                                   f"scheduled {row.num_tokens} tokens")
+            ids[lo] = st.last_sampled
+            ids[lo + 1:hi] = st.drafts[:d]
         batch = GlobalBatch(
-            req_ids=tuple(r.req_id for r in sched.rows),
-            idx_mapping=np.array(slots, dtype=np.int64),
-            num_scheduled_tokens=np.array(q, dtype=np.int64),
-            num_computed_tokens=np.array(cpu, dtype=np.int64),
-            positions=np.array(pos, dtype=np.int64),
-            input_ids=np.array(ids, dtype=np.int64),
-            prefill_len=np.array(plen, dtype=np.int64),
-            is_prefilling=np.array(pref, dtype=np.bool_),
+            req_ids=tuple(row.req_id for row in rows),
+            idx_mapping=np.fromiter((st.slot for st in states), np.int64, r),
+            num_scheduled_tokens=q,
+            num_computed_tokens=gpu + lag,
+            positions=np.repeat(gpu - qsl[:-1], q) + np.arange(int(qsl[-1]), dtype=np.int64),
+            input_ids=ids,
+            prefill_len=np.fromiter((row.prompt_len for row in rows), np.int64, r),
+            is_prefilling=pref,
         )
-        qsl = batch.query_start_loc
         # the last 1 + n_draft rows of each request are sampled
-        logits_indices = np.concatenate(
-            [np.arange(qsl[i + 1] - 1 - d, qsl[i + 1]) for i, d in enumerate(ndraft)] or [[]]
-        ).astype(np.int64)
-        return batch, logits_indices, np.array(ndraft, dtype=np.int64)
+        n = ndraft + 1
+        logits_indices = np.repeat(qsl[1:] - n, n) + (np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n))
+        return batch, logits_indices.astype(np.int64), ndraft.astype(np.int64)
 
-    # ------------------------------------------------------------------------------ the step
-    def step(self, sched: SchedulerOutput) -> StepResult:
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        """The step's host inputs: global batch, layout, local batch, block tables, slots."""
         cfg, n, rank = self.cfg, self.group.world_size, self.rank
-        rec = StepRecord(sched.step, rank) if self.record else None
-        if self._fault_specs:
-            from pcpviz.engine.faults import active_faults
-
-            self.faults = active_faults(self._fault_specs, sched.step)
-        self._apply_scheduler_output(sched)
-        t0 = _now_us()
         batch, logits_indices, num_draft = self._global_batch(sched)
+        shard = cfg.shard_decode_requests if cfg.shard_decode_requests is not None else n > 1
+        shape = None
+        if self.graphs is not None and not self.faults:
+            shape = decode_shape(batch.num_scheduled_tokens, batch.is_prefilling,
+                                 int(batch.seq_lens.max()) if batch.num_reqs else 0, pcp=n,
+                                 k=cfg.num_speculative_tokens, max_num_seqs=cfg.max_num_seqs,
+                                 shard_decode_requests=shard)
         layout = plan_layout(batch.num_scheduled_tokens, batch.is_prefilling, n,
-                             shard_decode_requests=cfg.shard_decode_requests)
-        local = partition_batch(batch, rank, n, layout=layout)
+                             shard_decode_requests=cfg.shard_decode_requests,
+                             padded_num_tokens=None if shape is None else shape.local_tokens)
+        local = partition_batch(batch, rank, n, layout=layout,
+                                padded_num_reqs=None if shape is None else shape.local_reqs)
         local_positions = local.positions
         if "positions_from_cpu_cursor" in self.faults:
             local_positions = _positions_from_cpu_cursor(local)
@@ -181,59 +235,146 @@ class Worker:
         else:
             local_seq_lens = local.seq_lens
 
-        table = self.table.as_array()
+        table = self._table  # == self.table.as_array(), read-only here
         bt_local = gather_block_table_rows(table, local.idx_mapping, local.num_reqs_padded)
-        qsl = batch.query_start_loc
-        slots_global = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping, qsl, batch.positions)
+        slots_global = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping, batch.query_start_loc,
+                                             batch.positions)
         slots_gathered = gathered_slot_mapping(slots_global, layout)
+        self.check_slots(slots_gathered)
         if n == 1:
             # Without PCP the target's gather writes the shared input block tables.
             self._write_input_block_tables(table, batch.idx_mapping)
+        if "sample_local_logits" in self.faults:
+            sample_rows = np.minimum(logits_indices, max(local.num_tokens_padded - 1, 0))
+        else:
+            sample_rows = logits_indices
+        if shape is not None:
+            bounds = (1 + cfg.num_speculative_tokens, shape.max_seq_len)
+        else:
+            qsl = local.query_start_loc
+            bounds = (int(np.diff(qsl).max()) if qsl.shape[0] > 1 else 0,
+                      int(local_seq_lens.max()) if local_seq_lens.shape[0] else 0)
+        return StepInputs(batch=batch, logits_indices=logits_indices, num_draft=num_draft, layout=layout,
+                          local=local, positions=local_positions, seq_lens=local_seq_lens, table=table,
+                          bt_local=bt_local, slots_global=slots_global, slots_gathered=slots_gathered,
+                          sample_rows=sample_rows, shape=shape, bounds=bounds,
+                          host_lens=None if shape is not None else (local.query_start_loc, local_seq_lens))
 
-        dev = self.device
-        t = lambda a, dt=torch.int64: torch.as_tensor(np.ascontiguousarray(a), dtype=dt, device=dev)  # noqa: E731
-        attn = PagedAttention(
-            self.model, self.cache, self.group, expanded=True, slots=t(slots_gathered[0]),
-            block_rows=t(bt_local, torch.int32), query_start_loc=t(local.query_start_loc),
-            positions=t(local_positions), seq_lens=t(local_seq_lens),
-        )
-        ids_local = t(local.input_ids)
-        pos_local = t(local_positions)
-        with torch.no_grad():
-            hidden_local = self.model.forward_hidden(ids_local, pos_local, attn)  # [P, H]
-            restore_idx = t(layout.hidden_restore_idx)
-            hidden_global = self.group.all_gather(hidden_local)[restore_idx]  # [T, H]
-            if "sample_local_logits" in self.faults:
-                rows = np.minimum(logits_indices, max(local.num_tokens_padded - 1, 0))
-                sample_hidden = hidden_local[t(rows)]
-            else:
-                rows = logits_indices
-                sample_hidden = hidden_global[t(logits_indices)]
-            targets = self.model.logits(sample_hidden).argmax(-1).cpu().numpy()
+    def check_slots(self, slots: np.ndarray) -> None:
+        """The KV cache's bound check, on the host (the device write then needs no sync)."""
+        if slots.size and int(slots.max()) >= self.cache.num_slots:
+            raise IndexError(f"KV slot {int(slots.max())} beyond the cache ({self.cache.num_slots} slots)")
+
+    def upload_inputs(self, key, arrays: dict[str, tuple[np.ndarray, torch.dtype]]) -> dict[str, torch.Tensor]:
+        """Device tensors of ``arrays``: the graph's static buffers for ``key = (phase, shape)``
+        when ``shape`` is a DecodeShape, else one packed upload (``Uploader``)."""
+        if key[1] is None:
+            return self.uploader.upload(arrays)
+        spec = {name: (tuple(np.shape(a)), dt) for name, (a, dt) in arrays.items()}
+        static = self.graphs.inputs(key, spec)
+        static.fill({name: a for name, (a, _) in arrays.items()})
+        return static.views
+
+    def run_forward(self, key, fn):
+        """``fn()``: replayed from a graph when ``key = (phase, shape)`` has a DecodeShape."""
+        return fn() if key[1] is None else self.graphs.run(key, fn)
+
+    # ------------------------------------------------------------------------------ the step
+    def step(self, sched: SchedulerOutput) -> StepResult:
+        cfg, timer = self.cfg, self.timer
+        k = cfg.num_speculative_tokens
+        rec = StepRecord(sched.step, self.rank) if self.record else None
+        if self._fault_specs:
+            from pcpviz.engine.faults import active_faults
+
+            self.faults = active_faults(self._fault_specs, sched.step)
+        with timer.phase("draft_k" if k > 1 else "draft_0"):
+            self._resolve_drafts()  # the last step's drafts (a wait for the device, if any)
+        with timer.phase("batch"):
+            self._apply_scheduler_output(sched)
+            t0 = _now_us()
+            h = self.prepare(sched)
+        shape, local, layout = h.shape, h.local, h.layout
+        with timer.phase("h2d"):
+            tokens = shape.tokens if shape is not None else h.sample_rows.shape[0]
+            dev = self.upload_inputs(("target", shape), {
+                "ids": (local.input_ids, torch.int64), "positions": (h.positions, torch.int64),
+                "slots": (h.slots_gathered[0], torch.int64), "block_rows": (h.bt_local, torch.int32),
+                "qsl": (local.query_start_loc, torch.int64), "seq_lens": (h.seq_lens, torch.int64),
+                "restore": (pad(layout.hidden_restore_idx, max(tokens, layout.num_tokens)), torch.int64),
+                "sample_rows": (pad(h.sample_rows, tokens), torch.int64)})
+        local_logits = "sample_local_logits" in self.faults
+        with timer.phase("target"):
+            top1, hidden_global, hidden_local = self.run_forward(
+                ("target", shape), lambda: self._target(dev, h.bounds, local_logits, host_lens=h.host_lens))
+            num_sampled_rows = h.sample_rows.shape[0]
+            targets = top1[:num_sampled_rows].cpu().numpy()  # the step's one sync (as in vLLM)
         t1 = _now_us()
         if rec is not None:
-            rec.target(batch, logits_indices, layout, local, local_positions, local_seq_lens, bt_local,
-                       table, slots_global, slots_gathered, rows,
-                       "local" if "sample_local_logits" in self.faults else "global",
-                       targets, hidden_global, t0, t1)
+            with timer.phase("record"):
+                rec.target(batch=h.batch, logits_indices=h.logits_indices, layout=layout, local=local,
+                           local_positions=h.positions, local_seq_lens=h.seq_lens, bt_local=h.bt_local,
+                           table=h.table, slots_global=h.slots_global, slots_gathered=h.slots_gathered,
+                           sampled_rows=h.sample_rows, sampled_from="local" if local_logits else "global",
+                           top1=targets, hidden_global=hidden_global[: layout.num_tokens], t0=t0, t1=t1)
 
-        verify = self._verify(sched, batch, num_draft, targets)
+        with timer.phase("verify"):
+            verify = self._verify(sched, h.batch, h.num_draft, targets)
         t2 = _now_us()
         if rec is not None:
-            rec.verify(batch.req_ids, num_draft, verify, cfg.num_speculative_tokens, t1, t2)
+            with timer.phase("record"):
+                rec.verify(req_ids=h.batch.req_ids, num_draft=h.num_draft, v=verify, k=k, t0=t1, t1=t2)
 
-        if cfg.num_speculative_tokens > 0:
+        if k > 0 and h.batch.num_reqs:
             from pcpviz.engine.speculator import propose
 
-            drafts = propose(self, batch, layout, local, local_positions, local_seq_lens, bt_local,
-                             table, slots_gathered, hidden_local, verify, sched, rec)
-            for i, req_id in enumerate(batch.req_ids):
-                st = self.states[req_id]
-                st.drafts = [] if verify.num_sampled[i] == 0 else [int(x) for x in drafts[i]]
+            drafts = propose(self, h=h, dev=dev, hidden_local=hidden_local, verify=verify, sched=sched, rec=rec)
+            self._defer_drafts(drafts, h.batch.req_ids, verify.num_sampled > 0)
         per_request = {
-            rid: (verify.sampled[i], int(verify.num_rejected[i])) for i, rid in enumerate(batch.req_ids)
+            rid: (verify.sampled[i], int(verify.num_rejected[i])) for i, rid in enumerate(h.batch.req_ids)
         }
-        return StepResult(per_request, verify.num_accepted.astype(np.int64), num_draft.astype(np.int64), rec)
+        return StepResult(per_request, verify.num_accepted.astype(np.int64), h.num_draft.astype(np.int64), rec)
+
+    def _target(self, d: dict[str, torch.Tensor], bounds: tuple[int, int], local_logits: bool, *,
+                host_lens=None):
+        """The target forward on device inputs -> (top-1 token per sampled row, restored hidden
+        states [T, H], rank-local hidden states [P, H]). Reads only ``d`` (graph-capturable)."""
+        attn = PagedAttention(self.model, self.cache, self.group, expanded=True, slots=d["slots"],
+                              block_rows=d["block_rows"], query_start_loc=d["qsl"], positions=d["positions"],
+                              seq_lens=d["seq_lens"], bounds=bounds, slots_checked=True, host_lens=host_lens)
+        with torch.no_grad():
+            hidden_local = self.model.forward_hidden(d["ids"], d["positions"], attn)  # [P, H]
+            hidden_global = self.group.all_gather(hidden_local)[d["restore"]]  # [T, H]
+            src = hidden_local if local_logits else hidden_global
+            top1 = self.model.logits(src[d["sample_rows"]]).argmax(-1)
+        return top1, hidden_global, hidden_local
+
+    # ------------------------------------------------------------------------------ drafts
+    def _defer_drafts(self, drafts: torch.Tensor, req_ids, keep: np.ndarray) -> None:
+        """Start the drafts' copy to the host; the next step waits for it (``_resolve_drafts``)."""
+        event = None
+        if drafts.is_cuda:
+            host = torch.empty(drafts.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(drafts, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = drafts.to(torch.int64).clone()
+        self._pending_drafts = (host, event, req_ids, keep)
+
+    def _resolve_drafts(self) -> None:
+        if self._pending_drafts is None:
+            return
+        host, event, req_ids, keep = self._pending_drafts
+        self._pending_drafts = None
+        if event is not None:
+            event.synchronize()
+        a = host.numpy()
+        empty = np.zeros(0, np.int64)
+        for i, req_id in enumerate(req_ids):
+            st = self.states.get(req_id)
+            if st is not None:
+                st.drafts = a[i].copy() if keep[i] else empty
 
     # ------------------------------------------------------------------------------ helpers
     def _write_input_block_tables(self, table: np.ndarray, idx_mapping: np.ndarray,
@@ -253,14 +394,16 @@ class Worker:
         from pcpviz.engine.verify import greedy_verify
 
         divergent = "rank_divergent_acceptance" in self.faults and self.rank != 0
-        v = greedy_verify(batch, num_draft, targets, self.states, self.cfg.num_speculative_tokens,
+        v = greedy_verify(batch, num_draft, targets, states=self.states, k=self.cfg.num_speculative_tokens,
                           accept_one_less=divergent)
+        drift = "draft_cursor_drift_after_rejection" in self.faults
         for i, req_id in enumerate(batch.req_ids):
             st = self.states[req_id]
-            st.num_computed += int(batch.num_scheduled_tokens[i]) - int(v.num_rejected[i])
-            st.cpu_lag = int(v.num_rejected[i])
-            if "draft_cursor_drift_after_rejection" in self.faults:
-                self.draft_drift[req_id] = self.draft_drift.get(req_id, 0) + int(v.num_rejected[i])
+            rejected = int(v.num_rejected[i])
+            st.num_computed += int(batch.num_scheduled_tokens[i]) - rejected
+            st.cpu_lag = rejected
+            if drift:
+                self.draft_drift[req_id] = self.draft_drift.get(req_id, 0) + rejected
             if v.num_sampled[i] > 0:
                 st.last_sampled = int(v.sampled[i][-1])
         return v

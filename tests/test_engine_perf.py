@@ -1,0 +1,273 @@
+"""The engine's performance machinery, held to behaviour on CPU (no timing assertions):
+
+* the phase timer partitions every step (its phases sum to the step, the steps to at most the
+  loop) and names every phase, off it records nothing;
+* the decode-graph path (buckets, padding, static buffers), run without capture on CPU, gives
+  the eager path's tokens;
+* the asynchronous recorder writes byte-identical trace files, and a writer failure surfaces
+  as one line naming the file and step, with nothing after it written;
+* inside a step the engine's own modules make one host sync (the sampled tokens' copy).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import pcpviz
+from pcpviz.engine.graphs import GraphRunner, StaticInputs, capture_sizes, decode_shape
+from pcpviz.engine.inputs import Uploader
+from pcpviz.engine.phases import PHASES, PhaseTimer
+from pcpviz.engine.record import Pending, StepRecord, row_hashes
+from pcpviz.engine.recorder import AsyncRecorder
+from pcpviz.trace import TraceWriter
+
+PROMPTS = [
+    "def fibonacci(n):\n    ",
+    "import os\nimport sys\n\n\ndef main(argv):\n    parser = ",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
+]
+MIXED = dict(max_new_tokens=16, max_num_batched_tokens=40, progress=False)
+
+
+# ---------------------------------------------------------------------------- phase timer
+def test_phase_timer_partitions_steps_and_nests():
+    t = PhaseTimer(True)
+    for kind in ("prefill", "decode", "decode"):
+        with t.step() as info:
+            info["kind"] = kind
+            with t.phase("batch"):
+                pass
+            with t.phase("target"):
+                with t.phase("gather"):
+                    sum(range(1000))
+    with t.step() as info:
+        info["kind"] = None  # not a step: dropped
+    s = t.summary()
+    assert set(s) == {"all", "decode"}
+    assert s["all"]["steps"] == 3 and s["decode"]["steps"] == 2
+    for kind in s.values():
+        assert list(kind["phases"]) == list(PHASES) == list(kind["per_step"])
+        total = sum(p["host_ms"] for p in kind["phases"].values())
+        assert total == pytest.approx(kind["step_ms"], rel=1e-9, abs=1e-9)
+        assert kind["phases"]["gather"]["host_ms"] > 0 and kind["phases"]["draft_0"]["host_ms"] == 0
+        assert "device_ms" not in kind["phases"]["target"]  # CPU: host clock only
+
+
+def test_phase_timer_off_records_nothing_and_rejects_unknown_names():
+    off = PhaseTimer(False)
+    assert not off and off.summary() == {}
+    with off.step():
+        assert off.phase("target") is off.phase("batch")  # one shared no-op
+    on = PhaseTimer(True)
+    with on.step():
+        with pytest.raises(ValueError, match="unknown phase 'targets'"):
+            on.phase("targets")
+
+
+# ---------------------------------------------------------------------------- the engine, timed
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """PCP=2, K=2 mixed batches: eager (timed), and the decode-graph path without capture (traced)."""
+    eager = pcpviz.run(PROMPTS, pcp=2, num_speculative_tokens=2, cuda_graphs=False, time_phases=True, **MIXED)
+    graphs = pcpviz.run(PROMPTS, pcp=2, num_speculative_tokens=2, cuda_graphs=True,
+                        trace_dir=str(tmp_path_factory.mktemp("graphs")), **MIXED)
+    return eager, graphs
+
+
+def test_engine_phase_breakdown_names_every_phase_and_fits_the_loop(runs):
+    eager, _ = runs
+    s = eager.phases
+    assert s["all"]["steps"] == eager.num_steps and 0 < s["decode"]["steps"] < eager.num_steps
+    for kind in s.values():
+        assert list(kind["phases"]) == list(PHASES)
+        total = sum(p["host_ms"] for p in kind["phases"].values())
+        assert total == pytest.approx(kind["step_ms"], rel=1e-6)
+        assert kind["step_ms"] <= eager.wall_s * 1e3
+    ran = {p for p, v in s["all"]["phases"].items() if v["host_ms"] > 0}
+    assert {"schedule", "batch", "h2d", "target", "gather", "verify", "draft_0", "draft_k"} <= ran
+    assert s["all"]["phases"]["record"]["host_ms"] == 0 and s["all"]["phases"]["capture"]["host_ms"] == 0
+
+
+def test_untimed_run_has_no_breakdown(runs):
+    assert runs[1].phases == {}
+
+
+def test_decode_graph_path_gives_the_eager_tokens(runs):
+    eager, graphs = runs
+    assert graphs.graphs == {"mode": "eager", "captures": 0, "replays": 0, "capture_s": 0.0}
+    assert eager.graphs is None
+    assert graphs.output_token_ids == eager.output_token_ids
+    assert graphs.num_accepted_tokens_per_pos == eager.num_accepted_tokens_per_pos
+
+
+def test_trace_recorded_on_the_graph_path_passes_every_check(runs):
+    """Padded decode steps (as vLLM records them under FULL graphs) are still a valid PCP step."""
+    import pcpviz.trace as pt
+    from pcpviz.checks import run_checks
+
+    trace = pt.open(runs[1].trace_path)
+    decode = [s for s in trace.steps if not trace.record(s, 0, "target")["is_prefilling"].any()]
+    assert decode
+    for s in decode:  # padded to B requests (a capture size) over 2 ranks, 1 + K tokens each
+        rec = trace.record(s, 0, "target")
+        b = next(c for c in capture_sizes(16) if c >= len(rec["req_ids"]))
+        assert rec["padded_gather_idx"].shape[0] == 2 * (-(-b // 2)) * 3, s
+    report = run_checks(trace)
+    assert report.ok and not report.failed, report.format()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_decode_graph_path_at_pcp1_and_other_k(k):
+    kw = dict(pcp=1, num_speculative_tokens=k, max_new_tokens=10, max_num_batched_tokens=64, progress=False)
+    a = pcpviz.run(PROMPTS[:2], cuda_graphs=False, **kw)
+    b = pcpviz.run(PROMPTS[:2], cuda_graphs=True, **kw)
+    assert a.output_token_ids == b.output_token_ids
+
+
+def test_decode_shape_buckets_and_eligibility():
+    assert capture_sizes(16) == (1, 2, 4, 8, 16) and capture_sizes(12) == (1, 2, 4, 8, 12)
+    s = decode_shape(np.array([3, 3, 1]), np.array([False] * 3), 300, pcp=2, k=2, max_num_seqs=16,
+                     shard_decode_requests=True)
+    assert (s.num_reqs, s.local_reqs, s.local_tokens, s.tokens, s.max_seq_len) == (4, 2, 6, 12, 512)
+    assert decode_shape(np.array([3]), np.array([False]), 10, pcp=1, k=2, max_num_seqs=4,
+                        shard_decode_requests=False).max_seq_len == 256
+    # not a decode step: a prefill row, or a row longer than 1 + K
+    assert decode_shape(np.array([3, 5]), np.array([False, True]), 9, pcp=2, k=2, max_num_seqs=16,
+                        shard_decode_requests=True) is None
+    assert decode_shape(np.array([4]), np.array([False]), 9, pcp=2, k=2, max_num_seqs=16,
+                        shard_decode_requests=True) is None
+
+
+def test_static_inputs_keep_their_tensors_and_refuse_other_shapes():
+    s = StaticInputs({"ids": ((4,), torch.int64), "bt": ((2, 3), torch.int32)}, torch.device("cpu"))
+    ids = s.views["ids"]
+    s.fill({"ids": np.arange(4), "bt": np.ones((2, 3))})
+    assert s.views["ids"] is ids and ids.tolist() == [0, 1, 2, 3] and s.views["bt"].dtype == torch.int32
+    with pytest.raises(ValueError, match=r"static input ids: shape \(5,\), captured \(4,\)"):
+        s.fill({"ids": np.arange(5)})
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        GraphRunner("capture", torch.device("cpu"))
+
+
+def test_uploader_on_cpu_converts_dtypes():
+    up = Uploader(torch.device("cpu"))
+    t = up.upload({"a": (np.array([1, 2], np.int32), torch.int64), "b": (np.zeros((2, 2)), torch.int32)})
+    assert t["a"].dtype == torch.int64 and t["a"].tolist() == [1, 2] and t["b"].shape == (2, 2)
+
+
+# ---------------------------------------------------------------------------- recording
+def _steps():
+    rng = np.random.default_rng(0)
+    out = []
+    for step in range(6):
+        hidden = torch.tensor(rng.standard_normal((5, 8)), dtype=torch.float32)
+        toks = torch.tensor(rng.integers(0, 264, 5))
+        out.append((step, {
+            "target": {"input_ids": rng.integers(0, 264, 5), "top1_token": Pending(toks),
+                       "hidden_hash": Pending(hidden, row_hashes), "t_start_us": np.array(step, np.int64)},
+            "draft_0": {"view": np.array("rank_local"), "draft_tokens": Pending(toks[:3])},
+        }))
+    return out
+
+
+def _resolved(phases):
+    return {ph: {v: (x.resolve(x.tensor.numpy()) if isinstance(x, Pending) else x) for v, x in views.items()}
+            for ph, views in phases.items()}
+
+
+def test_async_recorder_writes_byte_identical_files(tmp_path):
+    inline = TraceWriter(tmp_path / "a", 0)
+    for step, phases in _steps():
+        inline.write_step(step, _resolved(phases))
+    inline.close()
+    rec = AsyncRecorder(TraceWriter(tmp_path / "b", 0), depth=2)  # a small queue: back-pressure
+    for step, phases in _steps():
+        rec.submit(step, phases)
+    rec.close()
+    a = (tmp_path / "a" / "rank0.arrow").read_bytes()
+    assert a == (tmp_path / "b" / "rank0.arrow").read_bytes() and len(a) > 1000
+
+
+class _FailingWriter:
+    def __init__(self, path, fail_at):
+        self.path, self.fail_at, self.written, self.closed = path, fail_at, [], False
+
+    def write_step(self, step, phases):
+        if step == self.fail_at:
+            raise OSError(28, f"{self.path}: cannot write (No space left on device)")
+        assert all(not isinstance(v, Pending) for views in phases.values() for v in views.values())
+        self.written.append(step)
+
+    def close(self):
+        self.closed = True
+
+
+def test_async_recorder_failure_is_one_line_and_nothing_after_it_is_written():
+    w = _FailingWriter("runs/t/rank0.arrow", fail_at=2)
+    rec = AsyncRecorder(w)
+    for step, phases in _steps()[:4]:
+        try:
+            rec.submit(step, phases)
+        except OSError:
+            break  # the failure surfaced early: fine too
+    with pytest.raises(OSError) as err:
+        rec.close()
+    line = str(err.value)
+    assert "\n" not in line and "runs/t/rank0.arrow" in line and "step 2" in line and "No space" in line
+    assert w.written == [0, 1] and w.closed
+
+
+def test_step_record_takes_keyword_arguments_only():
+    rec = StepRecord(0, 0)
+    with pytest.raises(TypeError):
+        rec.verify(("r0",), np.zeros(1), None, 2, 0, 1)  # noqa: the positional form is gone
+
+
+# ---------------------------------------------------------------------------- host syncs
+_SYNCS = ("cpu", "item", "tolist", "__int__", "__bool__", "__float__")
+_ENGINE = ("worker.py", "speculator.py", "record.py", "recorder.py", "inputs.py", "graphs.py", "attention.py")
+
+
+def test_a_step_makes_one_host_sync_in_the_engine(monkeypatch):
+    """In-process PCP=1 engine: count tensor -> host conversions made *by the engine's modules*
+    while stepping (the CPU-only torch attention reference is not on the CUDA path)."""
+    from pcpviz.engine.dist import SingleRank
+    from pcpviz.engine.model import load_model
+    from pcpviz.engine.scheduler import Scheduler
+    from pcpviz.engine.tokenizer import encode
+    from pcpviz.engine.worker import EngineConfig, Worker
+
+    model = load_model(dtype=torch.float32)
+    cfg = EngineConfig(pcp=1, num_speculative_tokens=2, block_size=16, num_blocks=64, max_num_seqs=2,
+                       max_num_batched_tokens=64)
+    worker = Worker(model, SingleRank(), cfg, torch.device("cpu"))
+    sched = Scheduler([encode(p) for p in PROMPTS], 8, num_speculative_tokens=2, block_size=16,
+                      num_blocks=64, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=4096)
+    calls: list[str] = []
+    main = threading.get_ident()
+    for name in _SYNCS:
+        orig = getattr(torch.Tensor, name)
+
+        def wrapped(self, *a, _orig=orig, _name=name, **kw):
+            f = sys._getframe(1)
+            if threading.get_ident() == main and f.f_code.co_filename.endswith(_ENGINE):
+                calls.append(f"{_name} {f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_lineno}")
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapped)
+    per_step = []
+    while not sched.done:
+        plan = sched.schedule()
+        calls.clear()
+        res = worker.step(plan)
+        per_step.append(list(calls))
+        sched.update(plan, res.per_request)
+        np.testing.assert_array_equal(worker._table, worker.table.as_array())  # kept incrementally
+    assert len(per_step) > 3
+    for syncs in per_step:  # the sampled tokens' copy to the host, nothing else
+        assert len(syncs) == 1 and syncs[0].startswith("cpu worker.py"), syncs
