@@ -4,7 +4,7 @@
     export_html("data/traces/cpu-pcp2-mtp2", "report.html")      # CLI: pcpviz export TRACE --html OUT
 
 One file: plotly.js is inlined (no CDN, nothing fetched), the figures of every (step, rank) are
-precomputed with ``pcpviz.figures.trace_views`` (the functions the Workbench draws with) and
+precomputed with ``pcpviz.figures`` (the functions the Workbench draws with) and
 embedded as JSON, and a few lines of inline JavaScript swap them when the step slider
 (``<input type=range>``) or the rank ``<select>`` changes. Views: token order (global vs local rows,
 gather/restore maps, write mask), draft-step timeline, block tables (zero/stale draft rows outlined),
@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from pcpviz.figures import trace_views as tv
+from pcpviz import figures as fg
 from pcpviz.trace import Trace, phase_sort_key
 from pcpviz.trace import open as open_trace
 
@@ -95,7 +95,7 @@ def _status(step: int, rank: int, recs: dict, draft_phase: str | None, flags: li
     parts = [f"<b>step {step}</b> · rank {rank} · phases {', '.join(sorted(recs, key=phase_sort_key))}"]
     target = recs.get("target")
     if target is not None and "per_rank_num_tokens" in target:
-        sl = tv.step_layout(target)
+        sl = fg.step_layout(target)
         parts.append(f"T={sl.num_tokens}, R={sl.num_reqs}, P={sl.padded}, per-rank {sl.per_rank_num_tokens.tolist()}")
     if draft_phase:
         parts.append(f"draft panels show <b>{draft_phase}</b>")
@@ -143,12 +143,12 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
     unknown = [r for r in ranks if r not in trace.ranks]
     if unknown or not ranks:
         raise ValueError(f"rank {unknown[0] if unknown else '(none)'} not in the trace's ranks {trace.ranks}")
-    req_ids = tv.trace_req_ids(trace)
-    colors = tv.request_color_index(req_ids)
-    report = tv.load_check_report(trace) if checks else None
+    req_ids = fg.trace_req_ids(trace)
+    colors = fg.request_color_index(req_ids)
+    report = fg.load_check_report(trace) if checks else None
     violations = [r.first_violation for r in report.results.values()
                   if r.first_violation is not None] if report is not None else []
-    acceptance = tv.load_acceptance(trace)
+    acceptance = fg.load_acceptance(trace)
 
     entries: list[str] = []
     for step in trace.steps:
@@ -157,25 +157,25 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
                 continue
             recs = {p: trace.record(step, rank, p) for p in trace.phases(step, rank) if p != "dummy"}
             target = recs["target"]
-            dp = tv.draft_source_phase(recs, None)
+            dp = fg.draft_source_phase(recs, None)
             draft = recs.get(dp) if dp else None
-            flags = tv.draft_block_table_flags(target, draft)
+            flags = fg.draft_block_table_flags(target, draft)
             figs = {
-                "token_order": tv.token_order_figure(target, rank=rank, colors=colors),
-                "timeline": tv.draft_timeline_figure(recs, step=step, rank=rank, selected_phase=dp),
-                "block_tables": tv.block_tables_figure(target, draft, draft_phase=dp, rank=rank, colors=colors,
+                "token_order": fg.token_order_figure(target, rank=rank, colors=colors),
+                "timeline": fg.draft_timeline_figure(recs, step=step, rank=rank, selected_phase=dp),
+                "block_tables": fg.block_tables_figure(target, draft, draft_phase=dp, rank=rank, colors=colors,
                                                        flags=flags),
-                "slot_mappings": tv.slot_mappings_figure(target, draft, draft_phase=dp, colors=colors),
+                "slot_mappings": fg.slot_mappings_figure(target, draft, draft_phase=dp, colors=colors),
             }
             marks_all = []
             for name, fig in figs.items():
-                for m in tv.violation_marks(violations, name, step, rank, dp):
-                    tv.mark_violation(fig, m)
+                for m in fg.violation_marks(violations, name, step, rank, dp):
+                    fg.mark_violation(fig, m)
                     marks_all.append(m)
             body = ",".join(f"{json.dumps(n)}:{_fig_json(f)}" for n, f in figs.items())
             status = json.dumps(_status(step, rank, recs, dp, flags, marks_all))
             entries.append(f"{json.dumps(f'{step},{rank}')}:{{{body},\"status\":{status}}}")
-    acc_fig = tv.acceptance_figure(acceptance, step=None, colors=colors)
+    acc_fig = fg.acceptance_figure(acceptance, step=None, colors=colors)
     data = (f'{{"steps":{json.dumps(list(trace.steps))},"ranks":{json.dumps(ranks)},'
             f'"views":{json.dumps(list(STEP_VIEWS))},"acceptance":{_fig_json(acc_fig)},'
             f'"figs":{{{",".join(entries)}}}}}')

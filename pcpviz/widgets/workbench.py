@@ -7,7 +7,7 @@
 Controls (all linked): **step** slider, **phase** toggle (only the phases the step has on
 the selected rank: target, draft_0 .. draft_{K-1}, verify), **rank** dropdown, **highlight**
 (a request id; the others are dimmed). Views (``wb.figures``, plotly ``FigureWidget``s drawn by
-``pcpviz.figures.trace_views``):
+``pcpviz.figures``, one module per view):
 
 * ``token_order``   global batch vs each rank's local rows, gather/restore maps, KV write mask
 * ``timeline``      target → draft_0 (rank-local) → block-table gather → draft_1.. (replicated)
@@ -22,7 +22,7 @@ check that moves the controls to its first violation (which is also marked on th
 
 A control change re-renders only the views that depend on it (``AFFECTS``) and updates each
 ``FigureWidget`` in place under ``batch_update()``; figures are aggregated on the Python side
-(see ``trace_views``), so one update stays interactive on a 32k-token PCP=4 trace.
+(see ``pcpviz.figures.aggregate``), so one update stays interactive on a 32k-token PCP=4 trace.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.graph_objects import FigureWidget  # noqa: F401  (import cost paid at import, not at first build)
 
-from pcpviz.figures import trace_views as tv
+from pcpviz import figures as fg
+from pcpviz.figures.step_data import _str0
 from pcpviz.trace import Trace, draft_index, phase_sort_key
 from pcpviz.trace import open as open_trace
 
@@ -54,13 +55,13 @@ AFFECTS: dict[str, frozenset[str]] = {
 }
 """Which views a control change re-renders (``acceptance_marker`` moves the step shading only)."""
 
-violation_view = tv.violation_view
+violation_view = fg.violation_view
 
 
-load_acceptance = tv.load_acceptance
-from_diff_acceptance = tv.from_diff_acceptance
-load_check_report = tv.load_check_report
-_trace_req_ids = tv.trace_req_ids
+load_acceptance = fg.load_acceptance
+from_diff_acceptance = fg.from_diff_acceptance
+load_check_report = fg.load_check_report
+_trace_req_ids = fg.trace_req_ids
 
 
 def _trace_key_set(trace: go.BaseTraceType | dict) -> frozenset:
@@ -72,7 +73,7 @@ def push_figure(fw: go.FigureWidget, fig: go.Figure, width: int | None = None) -
     """Make ``fw`` show ``fig``, in place: one ``batch_update`` restyling each trace when the
     trace structure is unchanged (same count, types and properties), replacing the traces
     otherwise; the layout is replaced (its top-level containers are complete in every
-    figure ``trace_views`` draws, so the front end keeps nothing stale)."""
+    figure ``pcpviz.figures`` draws, so the front end keeps nothing stale)."""
     new = [t.to_plotly_json() for t in fig.data]
     layout = fig.layout.to_plotly_json()
     layout.setdefault("shapes", [])
@@ -114,10 +115,10 @@ class Workbench(W.VBox):
             raise ValueError(f"trace {t.path} has no complete step")
         self.meta = dict(t.meta)
         self.req_ids = _trace_req_ids(t)
-        self.colors = tv.request_color_index(self.req_ids)
+        self.colors = fg.request_color_index(self.req_ids)
         self.render_counts: Counter[str] = Counter()
         self.last_update_s = 0.0
-        self.flags: list[tv.RowFlag] = []
+        self.flags: list[fg.RowFlag] = []
         self._suspend = False
         # Figure width in px. FigureWidget sizes itself once, before JupyterLab attaches it, and
         # falls back to plotly's 700 px; an explicit width is what reliably fills a notebook cell.
@@ -139,12 +140,12 @@ class Workbench(W.VBox):
         if phase is not None:
             self.phase.value = phase
         else:
-            self.phase.value = tv.draft_source_phase(self.phase.options, None) or self.phase.options[0]
+            self.phase.value = fg.draft_source_phase(self.phase.options, None) or self.phase.options[0]
         self.header = W.HTML(self._header_html())
         self.status = W.HTML()
         # An explicit small template: the default one costs ~60 ms per FigureWidget to set up.
         self.figures: dict[str, go.FigureWidget] = {
-            name: go.FigureWidget(layout={"template": tv.TEMPLATE, "height": 300}) for name in VIEW_NAMES}
+            name: go.FigureWidget(layout={"template": fg.TEMPLATE, "height": 300}) for name in VIEW_NAMES}
         self.acceptance = load_acceptance(t)
 
         t0 = time.perf_counter()
@@ -194,7 +195,7 @@ class Workbench(W.VBox):
     @property
     def draft_phase(self) -> str | None:
         """The draft step the block-table and slot-mapping panels show."""
-        return tv.draft_source_phase(self.phase.options, self.phase.value)
+        return fg.draft_source_phase(self.phase.options, self.phase.value)
 
     # ------------------------------------------------------------------ controls
 
@@ -207,7 +208,7 @@ class Workbench(W.VBox):
             self._suspend = True
             try:
                 self.phase.options = opts
-                self.phase.value = keep if keep in opts else (tv.draft_source_phase(opts, None) or opts[0])
+                self.phase.value = keep if keep in opts else (fg.draft_source_phase(opts, None) or opts[0])
             finally:
                 self._suspend = False
         self._render(affected)
@@ -258,7 +259,7 @@ class Workbench(W.VBox):
             if phase is not None and phase in opts:
                 self.phase.value = phase
             elif self.phase.value not in opts:
-                self.phase.value = tv.draft_source_phase(opts, None) or opts[0]
+                self.phase.value = fg.draft_source_phase(opts, None) or opts[0]
             if highlight is not None:
                 self.highlight.unobserve(self._on_highlight, names="value")
                 self.highlight.value = highlight
@@ -304,7 +305,7 @@ class Workbench(W.VBox):
         return self.highlight.value or None
 
     def _marks(self, view: str, step: int, rank: int, draft_phase: str | None) -> list[str]:
-        return tv.violation_marks(self.violations, view, step, rank, draft_phase)
+        return fg.violation_marks(self.violations, view, step, rank, draft_phase)
 
     def _build(self, view: str) -> go.Figure:
         step, rank, hl = self.step.value, self.rank.value, self._hl()
@@ -313,26 +314,26 @@ class Workbench(W.VBox):
         dp = self.draft_phase
         draft = recs.get(dp) if dp else None
         if view == "acceptance":
-            return tv.acceptance_figure(self.acceptance, step=step, highlight=hl, colors=self.colors)
+            return fg.acceptance_figure(self.acceptance, step=step, highlight=hl, colors=self.colors)
         if target is None:
             fig = go.Figure()
             fig.update_layout(title=f"step {step} rank {rank}: no target phase recorded", height=160)
             return fig
         if view == "token_order":
-            fig = tv.token_order_figure(target, rank=rank, highlight=hl, colors=self.colors)
+            fig = fg.token_order_figure(target, rank=rank, highlight=hl, colors=self.colors)
         elif view == "timeline":
-            fig = tv.draft_timeline_figure(recs, step=step, rank=rank, selected_phase=self.phase.value,
+            fig = fg.draft_timeline_figure(recs, step=step, rank=rank, selected_phase=self.phase.value,
                                            highlight=hl)
         elif view == "block_tables":
-            self.flags = tv.draft_block_table_flags(target, draft)
-            fig = tv.block_tables_figure(target, draft, draft_phase=dp, rank=rank, highlight=hl, colors=self.colors,
+            self.flags = fg.draft_block_table_flags(target, draft)
+            fig = fg.block_tables_figure(target, draft, draft_phase=dp, rank=rank, highlight=hl, colors=self.colors,
                                          flags=self.flags)
         elif view == "slot_mappings":
-            fig = tv.slot_mappings_figure(target, draft, draft_phase=dp, highlight=hl, colors=self.colors)
+            fig = fg.slot_mappings_figure(target, draft, draft_phase=dp, highlight=hl, colors=self.colors)
         else:
             raise KeyError(view)
         for text in self._marks(view, step, rank, dp):
-            tv.mark_violation(fig, text)
+            fg.mark_violation(fig, text)
         return fig
 
     def _build_or_explain(self, view: str) -> go.Figure:
@@ -341,7 +342,7 @@ class Workbench(W.VBox):
         try:
             return self._build(view)
         except KeyError as e:
-            fig = go.Figure(layout={"template": tv.TEMPLATE})
+            fig = go.Figure(layout={"template": fg.TEMPLATE})
             fig.update_layout(height=120, title=dict(text=f"{view}: cannot draw step {self.step.value} rank "
                                                           f"{self.rank.value}: view {e} not recorded"))
             return fig
@@ -355,7 +356,7 @@ class Workbench(W.VBox):
         if "acceptance_marker" in views and "acceptance" not in views:
             fw = self.figures["acceptance"]
             with fw.batch_update():
-                fw.layout.shapes = tv.acceptance_step_marker(self.step.value)
+                fw.layout.shapes = fg.acceptance_step_marker(self.step.value)
             self.render_counts["acceptance_marker"] += 1
         self.status.value = self._status_html()
 
@@ -375,10 +376,10 @@ class Workbench(W.VBox):
         parts = [f"<b>step {step}</b> · rank {rank} · phase <b>{html.escape(str(ph))}</b>"]
         rec = recs.get(ph)
         if rec is not None and "view" in rec:
-            parts[-1] += f" ({html.escape(tv._str0(rec['view']))})"
+            parts[-1] += f" ({html.escape(_str0(rec['view']))})"
         target = recs.get("target")
         if target is not None and "per_rank_num_tokens" in target:
-            sl = tv.step_layout(target)
+            sl = fg.step_layout(target)
             parts.append(f"T={sl.num_tokens}, R={sl.num_reqs}, P={sl.padded}, per-rank "
                          f"{sl.per_rank_num_tokens.tolist()}")
         if self.draft_phase:
