@@ -2,8 +2,10 @@
 view), drawn from the recorded views only.
 
 Pure functions: each takes the record mappings ``trace.record(step, rank, phase)`` returns (view
-name -> NumPy array) and gives back a ``go.Figure``. The ``Workbench`` widget pushes them into
-``FigureWidget``s; ``pcpviz.export_html`` serialises them.
+name -> NumPy array) and gives back a ``go.Figure``; its ``*_spec`` twin gives the same figure as
+plain data (``{"data": [...], "layout": {...}}``, ``as_figure`` wraps one). The ``Workbench``
+widget pushes specs into its ``FigureWidget``s (only what changed); ``pcpviz.export_html``
+serialises the figures.
 
 * ``token_order_figure``    (``token_order.py``) global batch vs each rank's local rows,
                             gather/restore maps, KV write mask
@@ -29,17 +31,17 @@ tokens, req1 25)::
     figures.token_order_figure(t.record(0, 0, "target"), rank=0)   # N=2, P=26, 48 global tokens
 """
 
-from pcpviz.figures.acceptance import (AcceptanceStats, acceptance_figure, acceptance_stats, acceptance_step_marker,
-                                       from_diff_acceptance, load_acceptance, trace_acceptance)
+from pcpviz.figures.acceptance import (AcceptanceStats, acceptance_figure, acceptance_spec, acceptance_stats,
+                                       acceptance_step_marker, from_diff_acceptance, load_acceptance, trace_acceptance)
 from pcpviz.figures.aggregate import cell_edges, run_edges
-from pcpviz.figures.block_tables import RowFlag, block_tables_figure, draft_block_table_flags
+from pcpviz.figures.block_tables import RowFlag, block_tables_figure, block_tables_spec, draft_block_table_flags
 from pcpviz.figures.canvas import (BLOCK_COLUMNS, DIM_COLOR, FLAG_COLOR, MAX_CELLS, TEMPLATE, TEXT_LIMIT, TOKEN_LIMIT,
-                                   request_color_index, validate_figure)
-from pcpviz.figures.slot_mappings import slot_mappings_figure
+                                   as_figure, request_color_index, validate_figure)
+from pcpviz.figures.slot_mappings import slot_mappings_figure, slot_mappings_spec
 from pcpviz.figures.step_data import (Rec, StepLayout, draft_source_phase, load_check_report, step_layout,
                                       trace_req_ids)
-from pcpviz.figures.timeline import draft_timeline_figure
-from pcpviz.figures.token_order import token_order_figure
+from pcpviz.figures.timeline import draft_timeline_figure, draft_timeline_spec
+from pcpviz.figures.token_order import token_order_figure, token_order_spec
 from pcpviz.figures.violations import mark_violation, violation_marks, violation_view
 
 __all__ = [
@@ -51,4 +53,5 @@ __all__ = [
     "draft_timeline_figure", "acceptance_figure", "acceptance_step_marker", "mark_violation",
     "violation_view", "violation_marks", "validate_figure", "load_acceptance", "from_diff_acceptance",
     "load_check_report", "trace_req_ids", "request_color_index",
+    "token_order_spec", "block_tables_spec", "slot_mappings_spec", "draft_timeline_spec", "acceptance_spec", "as_figure",
 ]

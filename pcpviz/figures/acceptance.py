@@ -14,11 +14,11 @@ import numpy as np
 import plotly.graph_objects as go
 
 from pcpviz.acceptance import Acceptance, Counts, acceptance, acceptance_from_records, ratio
-from pcpviz.figures.canvas import DIM_COLOR, _Canvas, request_color, request_color_index
+from pcpviz.figures.canvas import DIM_COLOR, _Canvas, as_figure, request_color, request_color_index
 from pcpviz.figures.step_data import Rec
 
 __all__ = ["AcceptanceStats", "acceptance_stats", "trace_acceptance", "load_acceptance", "from_diff_acceptance",
-           "acceptance_figure", "acceptance_step_marker"]
+           "acceptance_spec", "acceptance_figure", "acceptance_step_marker"]
 
 
 @dataclass(frozen=True)
@@ -115,8 +115,8 @@ def _num(x: float, digits: int) -> str:
     return "-" if np.isnan(x) else f"{x:.{digits}f}"
 
 
-def acceptance_figure(stats: AcceptanceStats, *, step: int | None = None, highlight: str | None = None,
-                      colors: Mapping[str, int] | None = None) -> go.Figure:
+def acceptance_spec(stats: AcceptanceStats, *, step: int | None = None, highlight: str | None = None,
+                    colors: Mapping[str, int] | None = None) -> dict:
     """Acceptance rate per draft position (text = accepted / drafts), per request (accepted /
     drafted tokens) and accepted tokens per step (the current step shaded)."""
     k = stats.num_speculative_tokens
@@ -145,10 +145,16 @@ def acceptance_figure(stats: AcceptanceStats, *, step: int | None = None, highli
                  marker=dict(color="#2ca02c")), 1, 3)
     fig.axis("x", 1, 3, title=dict(text="step"))
     fig.shapes.extend(acceptance_step_marker(step))
-    return fig.figure(
+    return fig.spec(
         barmode="overlay", bargap=0.15, height=330, margin=dict(l=60, r=20, t=80, b=40),
         title=dict(text=f"acceptance: mean length {_num(stats.mean_acceptance_length, 2)}, "
                         f"rate {_num(stats.acceptance_rate, 3)} (rank {stats.rank}'s verify)",
                    font=dict(size=13)),
         legend=dict(orientation="h", x=1, xanchor="right", y=1.22), showlegend=True,
     )
+
+
+def acceptance_figure(stats: AcceptanceStats, *, step: int | None = None, highlight: str | None = None,
+                      colors: Mapping[str, int] | None = None) -> go.Figure:
+    """``acceptance_spec`` as a ``go.Figure``."""
+    return as_figure(acceptance_spec(stats, step=step, highlight=highlight, colors=colors))

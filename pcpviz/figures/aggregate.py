@@ -19,7 +19,7 @@ import numpy as np
 
 from pcpviz.figures.canvas import MAX_CELLS, TOKEN_LIMIT
 
-__all__ = ["run_edges", "cell_edges"]
+__all__ = ["run_edges", "cell_edges", "merge_runs"]
 
 
 def run_edges(n: int, keys: Sequence[np.ndarray] = (), arith: Sequence[np.ndarray] = (),
@@ -55,13 +55,19 @@ def cell_edges(n: int, keys: Sequence[np.ndarray] = (), arith: Sequence[np.ndarr
     runs (``run_edges``), merged down to ``max_cells`` cells if there are more."""
     if n <= token_limit:
         return np.arange(n + 1, dtype=np.int64), np.ones(n, dtype=np.int64)
-    e = run_edges(n, keys, arith, arith_valid)
+    return merge_runs(run_edges(n, keys, arith, arith_valid), max_cells=max_cells)
+
+
+def merge_runs(edges: np.ndarray, *, max_cells: int = MAX_CELLS) -> tuple[np.ndarray, np.ndarray]:
+    """``(edges, runs_per_cell)`` of the runs ``edges`` (int64[m+1]), merged down to at most
+    ``max_cells`` cells of about equally many runs; ``merge_runs([0, 4, 6, 9], max_cells=2)`` ->
+    ``([0, 6, 9], [2, 1])``."""
+    e = np.asarray(edges, dtype=np.int64)
     m = e.shape[0] - 1
     if m <= max_cells:
         return e, np.ones(m, dtype=np.int64)
     pick = np.unique(np.round(np.linspace(0, m, max_cells + 1)).astype(np.int64))
     return e[pick], np.diff(pick)
-
 
 
 def _run_lines(x: np.ndarray, y: np.ndarray, sel: np.ndarray) -> tuple[list, list]:

@@ -16,11 +16,11 @@ from typing import Mapping, Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from pcpviz.figures.canvas import (_L_NULL, BLOCK_COLUMNS, FLAG_COLOR, TEXT_LIMIT, _Canvas, _heat, _range_text,
-                                   _req_levels, _text_fits)
+from pcpviz.figures.canvas import (BLOCK_COLUMNS, FLAG_COLOR, TEXT_LIMIT, _Canvas, _L_NULL, _heat, _range_text,
+                                   _req_levels, _text_fits, as_figure)
 from pcpviz.figures.step_data import Rec, _arr, _g3, _is_replicated
 
-__all__ = ["RowFlag", "draft_block_table_flags", "block_tables_figure"]
+__all__ = ["RowFlag", "draft_block_table_flags", "block_tables_spec", "block_tables_figure"]
 
 
 @dataclass(frozen=True)
@@ -119,10 +119,10 @@ def _block_heat(table: np.ndarray, row_ids: Sequence[str], row_labels: Sequence[
     return _heat(z, bins, list(row_labels), text, hover, show, font_size=9 if w > 16 else 10, ygap=2)
 
 
-def block_tables_figure(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
-                        rank: int | None = None, highlight: str | None = None,
-                        colors: Mapping[str, int] | None = None, group: int = 0,
-                        flags: list[RowFlag] | None = None) -> go.Figure:
+def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
+                      rank: int | None = None, highlight: str | None = None,
+                      colors: Mapping[str, int] | None = None, group: int = 0,
+                      flags: list[RowFlag] | None = None) -> dict:
     """Three heatmaps (text = block id, white = null block 0): ``block_table_global`` (one row
     per request, global order), this rank's ``block_table_local`` (one row per local segment)
     and the draft step's ``block_table_draft``. Draft rows that are zero or differ from the
@@ -183,5 +183,14 @@ def block_tables_figure(target: Rec, draft: Rec | None = None, *, draft_phase: s
              if bins.shape[0] - 1 == w else dict(tickvals=None, ticktext=None))
     fig.axis("x", len(panels), 1, title=dict(text=col_title), **{k: v for k, v in ticks.items() if v is not None})
     total_rows = sum(t.shape[0] for _, t, _, _ in panels)
-    return fig.figure(height=int(200 + 24 * total_rows + 40 * len(panels)), margin=dict(l=90, r=20, t=60, b=60),
+    return fig.spec(height=int(200 + 24 * total_rows + 40 * len(panels)), margin=dict(l=90, r=20, t=60, b=60),
                       title=dict(text=f"block tables (group {group}; W = {w} used columns)"))
+
+
+def block_tables_figure(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
+                        rank: int | None = None, highlight: str | None = None,
+                        colors: Mapping[str, int] | None = None, group: int = 0,
+                        flags: list[RowFlag] | None = None) -> go.Figure:
+    """``block_tables_spec`` as a ``go.Figure``."""
+    return as_figure(block_tables_spec(target, draft, draft_phase=draft_phase, rank=rank, highlight=highlight,
+                                       colors=colors, group=group, flags=flags))

@@ -23,7 +23,7 @@ from pcpviz.figures.palette import DIM_COLOR, PAD_COLOR, heat_z, request_color
 
 __all__ = ["TOKEN_LIMIT", "MAX_CELLS", "TEXT_LIMIT", "BLOCK_COLUMNS", "TEMPLATE", "FLAG_COLOR",
            "WRITTEN_COLOR", "REPLICA_COLOR", "NULL_COLOR", "DIM_COLOR", "PAD_COLOR",
-           "request_color_index", "validate_figure"]
+           "request_color_index", "validate_figure", "as_figure"]
 
 TOKEN_LIMIT = 1024
 """Strips up to this many entries are drawn one cell (or marker) per token."""
@@ -163,9 +163,15 @@ class _Canvas:
         name = xa if which == "x" else ya
         self.layout[f"{which}axis{name[1:]}"].update(props)
 
-    def figure(self, **layout) -> go.Figure:
+    def spec(self, **layout) -> dict:
+        """The figure as plain data: ``{"data": [trace dicts], "layout": {...}}``."""
         lay = {"autosize": True, **self.layout, **layout, "shapes": self.shapes, "annotations": self.annotations}
-        return go.Figure({"data": self.data, "layout": lay}, _validate=False)
+        return {"data": self.data, "layout": lay}
+
+
+def as_figure(spec: dict) -> go.Figure:
+    """A figure spec (``{"data", "layout"}`` of plain dicts) as a ``go.Figure``, not re-validated."""
+    return go.Figure(spec, _validate=False)
 
 
 def validate_figure(fig: go.Figure) -> go.Figure:

@@ -15,11 +15,11 @@ import numpy as np
 import plotly.graph_objects as go
 
 from pcpviz.figures.aggregate import cell_edges, run_edges
-from pcpviz.figures.canvas import (_L_NULL, _L_PAD, _L_REPLICA, _L_WRITTEN, FLAG_COLOR, TEXT_LIMIT, _Canvas,
-                                   _heat, _range_text, _req_levels, _run_labels, _text_fits, _vline)
+from pcpviz.figures.canvas import (FLAG_COLOR, TEXT_LIMIT, _Canvas, _L_NULL, _L_PAD, _L_REPLICA, _L_WRITTEN, _heat,
+                                   _range_text, _req_levels, _run_labels, _text_fits, _vline, as_figure)
 from pcpviz.figures.step_data import Rec, _arr, _g2, _is_replicated, step_layout
 
-__all__ = ["slot_mappings_figure"]
+__all__ = ["slot_mappings_spec", "slot_mappings_figure"]
 
 
 def _slot_strip(slots: np.ndarray, req: np.ndarray, status: np.ndarray | None, levels: np.ndarray,
@@ -67,9 +67,9 @@ def _slot_strip(slots: np.ndarray, req: np.ndarray, status: np.ndarray | None, l
     return z[None, :], edges, text[None, :], hover[None, :], show, labels
 
 
-def slot_mappings_figure(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
-                         highlight: str | None = None, colors: Mapping[str, int] | None = None,
-                         group: int = 0) -> go.Figure:
+def slot_mappings_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
+                       highlight: str | None = None, colors: Mapping[str, int] | None = None,
+                       group: int = 0) -> dict:
     """Slot mappings of one step: ``slot_mapping_global`` [G, T] (global order),
     ``slot_mapping_gathered`` [G, N*P] (rank-major gathered rows, PAD = -1 grey) with the
     KV write mask under it, and the draft step's ``slot_mapping_draft`` — ``[G, N*P]``
@@ -151,6 +151,14 @@ def slot_mappings_figure(target: Rec, draft: Rec | None = None, *, draft_phase: 
         annots.append(dict(text=flag_note, xref="paper", yref="paper", x=1, y=-0.08, xanchor="right",
                            showarrow=False, font=dict(color=FLAG_COLOR, size=13), bgcolor="#fff3f3",
                            bordercolor=FLAG_COLOR))
-    return fig.figure(height=130 + 105 * len(strips), margin=dict(l=30, r=20, t=70, b=40),
+    return fig.spec(height=130 + 105 * len(strips), margin=dict(l=30, r=20, t=70, b=40),
                       title=dict(text=f"slot mappings (group {group}; PCP={n}, P={p}, T={t}, R={r}; "
                                       "text = slot id)"))
+
+
+def slot_mappings_figure(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
+                         highlight: str | None = None, colors: Mapping[str, int] | None = None,
+                         group: int = 0) -> go.Figure:
+    """``slot_mappings_spec`` as a ``go.Figure``."""
+    return as_figure(slot_mappings_spec(target, draft, draft_phase=draft_phase, highlight=highlight, colors=colors,
+                                        group=group))

@@ -10,11 +10,13 @@ DualChunkSwap chunk of each of the 48 global tokens (chunks of ceil(23/4) = 6 an
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from pcpviz.trace.reader import Record
 from pcpviz.trace.schema import SEGMENT_DTYPE
 
 __all__ = ["Rec", "StepLayout", "step_layout", "draft_source_phase", "trace_req_ids", "load_check_report"]
@@ -87,8 +89,31 @@ class StepLayout:
         return np.where(self.kv_write_mask, 2, np.where(self.row_real, 1, 0)).astype(np.int8)
 
 
+_LAYOUT_CACHE_SIZE = 16
+_layouts: OrderedDict[int, tuple[Record, StepLayout]] = OrderedDict()
+
+
 def step_layout(target: Rec) -> StepLayout:
-    """``StepLayout`` of a ``target`` record (needs the global-batch and layout views)."""
+    """``StepLayout`` of a ``target`` record (needs the global-batch and layout views).
+
+    A trace's ``Record`` is read-only, so its layout is computed once and kept for the last
+    ``_LAYOUT_CACHE_SIZE`` records (each figure of a step asks for it); other mappings are
+    recomputed on every call.
+    """
+    if not isinstance(target, Record):
+        return _step_layout(target)
+    hit = _layouts.get(id(target))
+    if hit is not None and hit[0] is target:
+        _layouts.move_to_end(id(target))
+        return hit[1]
+    sl = _step_layout(target)
+    _layouts[id(target)] = (target, sl)
+    while len(_layouts) > _LAYOUT_CACHE_SIZE:
+        _layouts.popitem(last=False)
+    return sl
+
+
+def _step_layout(target: Rec) -> StepLayout:
     req_ids = tuple(str(x) for x in np.asarray(target["req_ids"]).ravel())
     q = np.asarray(target["num_scheduled_tokens"], dtype=np.int64)
     qsl = _arr(target, "query_start_loc")

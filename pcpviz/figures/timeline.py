@@ -14,10 +14,10 @@ import numpy as np
 import plotly.graph_objects as go
 
 from pcpviz.figures.block_tables import draft_block_table_flags
-from pcpviz.figures.canvas import DIM_COLOR, _Canvas, _range_text, _stepped_colorscale, _vline
+from pcpviz.figures.canvas import DIM_COLOR, _Canvas, _range_text, _stepped_colorscale, _vline, as_figure
 from pcpviz.figures.step_data import Rec, _arr, _g2, _is_replicated, step_layout
 
-__all__ = ["draft_timeline_figure"]
+__all__ = ["draft_timeline_spec", "draft_timeline_figure"]
 
 _KIND_COLORS = {  # timeline cell backgrounds
     "global": "#e3e9f3",
@@ -29,9 +29,9 @@ _KIND_COLORS = {  # timeline cell backgrounds
 }
 
 
-def draft_timeline_figure(phases: Mapping[str, Rec], *, step: int | None = None, rank: int | None = None,
-                          selected_phase: str | None = None, highlight: str | None = None,
-                          group: int = 0) -> go.Figure:
+def draft_timeline_spec(phases: Mapping[str, Rec], *, step: int | None = None, rank: int | None = None,
+                        selected_phase: str | None = None, highlight: str | None = None,
+                        group: int = 0) -> dict:
     """One step as columns target → draft_0 → gather → draft_1 … → verify, one row per request
     (global order). A cell says what the phase fed that request: positions and seq_lens
     (draft_0: this rank's local rows only), the proposed token, the verify outcome. Orange =
@@ -175,8 +175,16 @@ def draft_timeline_figure(phases: Mapping[str, Rec], *, step: int | None = None,
                            line=dict(color="#111", width=2, dash="dot")))
     where = ", ".join(x for x in (f"step {step}" if step is not None else "",
                                   f"rank {rank}" if rank is not None else "") if x)
-    return fig.figure(
+    return fig.spec(
         title=dict(text=f"draft-step timeline ({where}): orange rank-local, blue replicated, grey global",
                    y=0.99, yanchor="top"),
         height=200 + 58 * max(r, 1), margin=dict(l=70, r=20, t=120, b=40),
     )
+
+
+def draft_timeline_figure(phases: Mapping[str, Rec], *, step: int | None = None, rank: int | None = None,
+                          selected_phase: str | None = None, highlight: str | None = None,
+                          group: int = 0) -> go.Figure:
+    """``draft_timeline_spec`` as a ``go.Figure``."""
+    return as_figure(draft_timeline_spec(phases, step=step, rank=rank, selected_phase=selected_phase,
+                                         highlight=highlight, group=group))

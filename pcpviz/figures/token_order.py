@@ -17,49 +17,82 @@ from typing import Mapping
 import numpy as np
 import plotly.graph_objects as go
 
-from pcpviz.figures.aggregate import _run_lines, cell_edges, run_edges
-from pcpviz.figures.canvas import (_L_PAD, _L_REPLICA, _L_WRITTEN, DIM_COLOR, PAD_COLOR, REPLICA_COLOR,
-                                   TEXT_LIMIT, TOKEN_LIMIT, WRITTEN_COLOR, _Canvas, _heat, _hline,
-                                   _range_text, _req_levels, _run_labels, _text_fits, _vline)
+from pcpviz.figures.aggregate import _run_lines, cell_edges, merge_runs, run_edges
+from pcpviz.figures.canvas import (DIM_COLOR, PAD_COLOR, REPLICA_COLOR, TEXT_LIMIT, TOKEN_LIMIT, WRITTEN_COLOR,
+                                   _Canvas, _L_PAD, _L_REPLICA, _L_WRITTEN, _heat, _hline, _range_text,
+                                   _req_levels, _run_labels, _text_fits, _vline, as_figure)
 from pcpviz.figures.step_data import Rec, StepLayout, step_layout
 
-__all__ = ["token_order_figure"]
+__all__ = ["token_order_spec", "token_order_figure"]
+
+
+def _lane_rows(sl: StepLayout) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per lane (0 = global, 1+r = rank r) ``(req, chunk, gtok)``, each int64 over the lane's own
+    length: T for the global lane, P for a rank (``req`` -1 and the others -1 on padding)."""
+    n, p, t = sl.pcp, sl.padded, sl.num_tokens
+    out = [(sl.token_req, sl.token_chunk, np.arange(t, dtype=np.int64))]
+    g = np.clip(sl.padded_gather_idx.reshape(n, p), 0, max(t - 1, 0))
+    real = sl.row_real.reshape(n, p) & (t > 0)
+    for k in range(n):
+        gk, rk = g[k], real[k]
+        out.append((np.where(rk, sl.token_req[gk] if t else -1, -1), np.where(rk, sl.token_chunk[gk] if t else -1, -1),
+                    np.where(rk, gk, -1)))
+    return out
 
 
 def _lanes(sl: StepLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(req, chunk, gtok)`` each int64[N+1, width]: lane 0 = global, lane 1+r = rank r.
     ``req`` -1 = padding, -2 = beyond the lane."""
-    n, p, t = sl.pcp, sl.padded, sl.num_tokens
-    width = max(t, p, 1)
-    req = np.full((n + 1, width), -2, dtype=np.int64)
-    chunk = np.full((n + 1, width), -1, dtype=np.int64)
-    gtok = np.full((n + 1, width), -1, dtype=np.int64)
-    req[0, :t] = sl.token_req
-    chunk[0, :t] = sl.token_chunk
-    gtok[0, :t] = np.arange(t)
-    if p and t:
-        g = np.clip(sl.padded_gather_idx.reshape(n, p), 0, t - 1)
-        real = sl.row_real.reshape(n, p)
-        req[1:, :p] = np.where(real, sl.token_req[g], -1)
-        chunk[1:, :p] = np.where(real, sl.token_chunk[g], -1)
-        gtok[1:, :p] = np.where(real, g, -1)
-    elif p:
-        req[1:, :p] = -1
+    rows = _lane_rows(sl)
+    width = max(sl.num_tokens, sl.padded, 1)
+    req = np.full((len(rows), width), -2, dtype=np.int64)
+    chunk = np.full((len(rows), width), -1, dtype=np.int64)
+    gtok = np.full((len(rows), width), -1, dtype=np.int64)
+    for li, (rq, ck, gt) in enumerate(rows):
+        req[li, :rq.shape[0]], chunk[li, :ck.shape[0]], gtok[li, :gt.shape[0]] = rq, ck, gt
     return req, chunk, gtok
 
 
+def _lane_runs(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], width: int) -> list[np.ndarray]:
+    """Run edges of each lane over ``[0, width)``: where its request or chunk changes or its global
+    token index stops continuing by +1, and where the lane ends (the rest of the strip is one
+    more, empty run)."""
+    out = []
+    for rq, ck, gt in rows:
+        e = run_edges(rq.shape[0], keys=[rq, ck], arith=[gt], arith_valid=[gt >= 0])
+        out.append(np.append(e, width) if rq.shape[0] < width else e)
+    return out
 
-def token_order_figure(target: Rec, *, rank: int | None = None, highlight: str | None = None,
-                       colors: Mapping[str, int] | None = None, title: str | None = None) -> go.Figure:
+
+def _at(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], pos: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``(req, chunk, gtok)`` int64[lanes, len(pos)] at the strip positions ``pos`` (-2, -1, -1
+    beyond a lane's end)."""
+    out = [np.empty((len(rows), pos.shape[0]), dtype=np.int64) for _ in range(3)]
+    for li, lane in enumerate(rows):
+        inside = pos < lane[0].shape[0]
+        at = np.minimum(pos, max(lane[0].shape[0] - 1, 0))
+        for arr, a, beyond in zip(out, lane, (-2, -1, -1)):
+            arr[li] = np.where(inside, a[at], beyond) if a.shape[0] else beyond
+    return tuple(out)
+
+
+def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | None = None,
+                     colors: Mapping[str, int] | None = None, title: str | None = None) -> dict:
     """Lanes (global batch vs each rank's local rows, colour = request, text = chunk, grey =
     padding), the gather/restore index maps and the KV write mask of one step's ``target``."""
     sl = step_layout(target)
     n, p, t, r = sl.pcp, sl.padded, sl.num_tokens, sl.num_reqs
-    req, chunk, gtok = _lanes(sl)
-    width = req.shape[1]
-    edges, merged = cell_edges(width, keys=[req, chunk], arith=[gtok], arith_valid=[gtok >= 0])
+    rows = _lane_rows(sl)
+    width = max(t, p, 1)
+    # Runs are found lane by lane, over each lane's own length (T, or P per rank), and a strip
+    # cell ends wherever any lane's run ends: the same cells as runs over all lanes at once.
+    lane_runs = _lane_runs(rows, width) if width > TOKEN_LIMIT else None
+    if lane_runs is None:
+        edges, merged = np.arange(width + 1, dtype=np.int64), np.ones(width, dtype=np.int64)
+    else:
+        edges, merged = merge_runs(np.unique(np.concatenate(lane_runs)))
     starts, stops = edges[:-1], edges[1:]
-    creq, cchunk, cg = req[:, starts], chunk[:, starts], gtok[:, starts]
+    creq, cchunk, cg = _at(rows, starts)
     levels = _req_levels(sl.req_ids, colors, highlight)
     z = np.where(creq >= 0, levels[np.clip(creq, 0, max(r - 1, 0))] if r else _L_PAD,
                  np.where(creq == -1, _L_PAD, np.nan)).astype(float)
@@ -101,10 +134,10 @@ def token_order_figure(target: Rec, *, rank: int | None = None, highlight: str |
     fig.add(_heat(z, edges, labels, text, hover, cell_text, "lanes"), 1, 1)
     if not cell_text:  # label each run of each lane once: request and chunk
         xa, ya = fig.ref(1, 1)
-        for li in range(req.shape[0]):
-            e = run_edges(width, keys=[req[li], chunk[li]], arith=[gtok[li]], arith_valid=[gtok[li] >= 0])
+        for li, e in enumerate(lane_runs if lane_runs is not None else _lane_runs(rows, width)):
             a, b = e[:-1], e[1:]
-            rq, ck = req[li, a], chunk[li, a]
+            rq, ck = _at([rows[li]], a)[:2]
+            rq, ck = rq[0], ck[0]
             texts = [f"{sl.req_ids[q]} c{c}" if q >= 0 else ("pad" if q == -1 else "") for q, c in zip(rq, ck)]
             short = [f"c{c}" if q >= 0 else ("·" if q == -1 else "") for q, c in zip(rq, ck)]
             lab = _run_labels(xa, ya, a, b, texts, li, width)
@@ -131,33 +164,29 @@ def token_order_figure(target: Rec, *, rank: int | None = None, highlight: str |
     cols = {2: WRITTEN_COLOR, 1: REPLICA_COLOR, 0: PAD_COLOR}
     big = n * p > TOKEN_LIMIT
     gvals = sl.padded_gather_idx
+
+    def points(x: np.ndarray, y: np.ndarray, sel: np.ndarray, lines: bool) -> tuple:
+        return _run_lines(x, y, sel) if lines else (x[sel], y[sel])
+
+    # The same five scatter traces, with the same properties, at every step (one per row status,
+    # the rows of the requests a highlight dims, the restore map): the Workbench then restyles
+    # them in place. Long maps are drawn as one line segment per run instead of one marker per row.
     for s in (2, 1, 0):
-        sel = status == s
-        if hl_rows is not None:
-            sel_dim = sel & ~hl_rows
-            sel = sel & hl_rows
-        if big:
-            x, y = _run_lines(rows, gvals, sel)
-            fig.add(dict(type="scatter", x=x, y=y, mode="lines", line=dict(color=cols[s], width=3),
-                         name=f"gather: {names[s]}", hoverinfo="x+y"), 2, 1)
-        else:
-            fig.add(dict(type="scatter", x=rows[sel], y=gvals[sel], mode="markers", marker=dict(color=cols[s], size=5),
-                         name=f"gather: {names[s]}",
-                         hovertemplate="gathered row %{x}<br>global token %{y}<extra>" + names[s] + "</extra>"), 2, 1)
-        if hl_rows is not None and sel_dim.any():
-            x, y = (_run_lines(rows, gvals, sel_dim) if big else (rows[sel_dim], gvals[sel_dim]))
-            fig.add(dict(type="scatter", x=x, y=y, mode="lines" if big else "markers",
-                         marker=dict(color=DIM_COLOR, size=5), line=dict(color=DIM_COLOR, width=3),
-                         showlegend=False, hoverinfo="skip"), 2, 1)
+        sel = status == s if hl_rows is None else (status == s) & hl_rows
+        x, y = points(rows, gvals, sel, big)
+        fig.add(dict(type="scatter", x=x, y=y, mode="lines" if big else "markers", marker=dict(color=cols[s], size=5),
+                     line=dict(color=cols[s], width=3), name=f"gather: {names[s]}", showlegend=True,
+                     hovertemplate="gathered row %{x}<br>global token %{y}<extra>" + names[s] + "</extra>"), 2, 1)
+    dim = ~hl_rows if hl_rows is not None else np.zeros(n * p, dtype=bool)
+    x, y = points(rows, gvals, dim, big)
+    fig.add(dict(type="scatter", x=x, y=y, mode="lines" if big else "markers", marker=dict(color=DIM_COLOR, size=5),
+                 line=dict(color=DIM_COLOR, width=3), name="gather: other requests", showlegend=False,
+                 hovertemplate="gathered row %{x}<br>global token %{y}<extra>other request</extra>"), 2, 1)
     tok = np.arange(t)
-    if t > TOKEN_LIMIT:
-        x, y = _run_lines(tok, sl.hidden_restore_idx, np.ones(t, dtype=bool))
-        fig.add(dict(type="scatter", x=x, y=y, mode="lines", line=dict(color="#2ca02c", width=3), name="restore"),
-                2, 2)
-    else:
-        fig.add(dict(type="scatter", x=tok, y=sl.hidden_restore_idx, mode="markers",
-                     marker=dict(color="#2ca02c", size=5), name="restore",
-                     hovertemplate="global token %{x} ← gathered row %{y}<extra></extra>"), 2, 2)
+    x, y = points(tok, sl.hidden_restore_idx, np.ones(t, dtype=bool), t > TOKEN_LIMIT)
+    fig.add(dict(type="scatter", x=x, y=y, mode="lines" if t > TOKEN_LIMIT else "markers",
+                 marker=dict(color="#2ca02c", size=5), line=dict(color="#2ca02c", width=3), name="restore",
+                 showlegend=True, hovertemplate="global token %{x} ← gathered row %{y}<extra></extra>"), 2, 2)
     for k in range(1, n):
         shapes.append(_vline(x2r, y2r, k * p - 0.5, color="#888", dash="dot"))
         shapes.append(_hline(x3r, y3r, k * p - 0.5, color="#888", dash="dot"))
@@ -175,9 +204,15 @@ def token_order_figure(target: Rec, *, rank: int | None = None, highlight: str |
     fig.add(_heat(mz, medges, ["write"], hover=mhover, name="kv_write_mask", ygap=0), 3, 1)
     for k in range(1, n):
         shapes.append(_vline(x4r, y4r, k * p, color="#555", width=1))
-    return fig.figure(
+    return fig.spec(
         height=560 + 26 * n, margin=dict(l=70, r=20, t=70, b=30),
         title=dict(text=title or (f"step layout: PCP={n}, T={t}, P={p}, per-rank tokens "
                                   f"{sl.per_rank_num_tokens.tolist()}, requests {', '.join(sl.req_ids)}")),
         legend=dict(orientation="h", y=-0.06), showlegend=True,
     )
+
+
+def token_order_figure(target: Rec, *, rank: int | None = None, highlight: str | None = None,
+                       colors: Mapping[str, int] | None = None, title: str | None = None) -> go.Figure:
+    """``token_order_spec`` as a ``go.Figure``."""
+    return as_figure(token_order_spec(target, rank=rank, highlight=highlight, colors=colors, title=title))

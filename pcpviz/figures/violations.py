@@ -40,9 +40,14 @@ def violation_marks(violations: Iterable[Any], view: str, step: int, rank: int,
     return out
 
 
-def mark_violation(fig: go.Figure, text: str) -> go.Figure:
-    """Add a red banner to ``fig`` (a check's violation located on this view)."""
+def mark_violation(fig: go.Figure | dict, text: str) -> go.Figure | dict:
+    """Add a red banner to ``fig`` (a check's violation located on this view). A ``go.Figure`` is
+    changed in place; a spec (plain dict) is returned as a new spec, the given one left as it was
+    (the Workbench caches specs)."""
     ann = dict(text="✗ " + text, xref="paper", yref="paper", x=0, y=1, xanchor="left", yanchor="bottom",
                yshift=28, showarrow=False, align="left", font=dict(color="#fff", size=12), bgcolor=FLAG_COLOR)
+    if isinstance(fig, dict):
+        layout = fig["layout"]
+        return {**fig, "layout": {**layout, "annotations": [*layout.get("annotations", ()), ann]}}
     fig.layout.annotations = tuple(fig.layout.annotations) + (ann,)
     return fig
