@@ -13,7 +13,7 @@ import pytest
 import pcpviz.trace as pt
 from pcpviz import acceptance as A
 from pcpviz.diff import Acceptance, acceptance
-from pcpviz.figures import trace_views as tv
+from pcpviz import figures as fg
 
 from tracegen import clean_run
 
@@ -59,14 +59,14 @@ def test_one_implementation_behind_diff_and_the_figures(tmp_path):
     trace = pt.open(clean_run().write(tmp_path / "t"))
     acc = acceptance(trace)
     assert acceptance is A.acceptance and Acceptance is A.Acceptance
-    stats = tv.trace_acceptance(trace)
+    stats = fg.trace_acceptance(trace)
     assert stats.num_drafts == acc.num_drafts > 0
     assert stats.accepted_per_pos.tolist() == list(acc.accepted_per_position)
     assert stats.rate_per_pos.tolist() == pytest.approx(list(acc.rate_per_position))
     assert stats.acceptance_rate == pytest.approx(acc.acceptance_rate)
     assert stats.mean_acceptance_length == pytest.approx(acc.mean_acceptance_length)
     recs = [(s, trace.record(s, 0, "verify")) for s in trace.steps]
-    assert tv.acceptance_stats(recs, 3).accepted_per_pos.tolist() == list(acc.accepted_per_position)
+    assert fg.acceptance_stats(recs, 3).accepted_per_pos.tolist() == list(acc.accepted_per_position)
     per_req = sum((A.Counts(r.num_drafts, r.num_draft_tokens, r.num_accepted_tokens, r.accepted_per_position)
                    for r in acc.per_request.values()), A.Counts())
     assert per_req.accepted_per_position == acc.accepted_per_position
@@ -76,9 +76,9 @@ def test_a_run_without_drafts_draws_gaps_not_nan(tmp_path):
     with pt.TraceWriter(tmp_path, 0, meta={"producer": "test", "pcp": 1, "num_speculative_tokens": 2}) as w:
         w.write_step(0, {"verify": {"req_ids": np.array(["a"]), "num_accepted": np.zeros(1, np.int64),
                                     "num_draft_tokens": np.zeros(1, np.int64)}})
-    stats = tv.trace_acceptance(pt.open(tmp_path))
+    stats = fg.trace_acceptance(pt.open(tmp_path))
     assert stats.num_drafts == 0 and math.isnan(stats.mean_acceptance_length)
-    fig = tv.acceptance_figure(stats)
+    fig = fg.acceptance_figure(stats)
     assert list(fig.data[0].y) == [None, None]
     assert "mean length -" in fig.layout.title.text
     json.dumps(fig.to_plotly_json()["data"][0]["y"], allow_nan=False)

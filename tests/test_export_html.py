@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pcpviz.export_html import STEP_VIEWS, export_html
+from pcpviz.export_html import STEP_VIEWS, embedded_data, export_html, pack, unpack
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO / "data" / "traces" / "cpu-pcp2-mtp2"
@@ -55,14 +55,44 @@ def test_export_is_one_self_contained_file(exported):
     assert "Plotly.newPlot" in text or "Plotly.react" in text
     assert len(text) > 3_000_000, "plotly.js must be inlined (several MB)"
     # the embedded data: every step of every rank, each with the four step views
-    m = re.search(r'<script type="application/json" id="pcpviz-data">(.*?)</script>', text, re.S)
-    data = json.loads(m.group(1))
+    data = embedded_data(text)
     assert data["steps"] == list(range(13)) and data["ranks"] == [0, 1]
     assert set(data["figs"]) == {f"{s},{r}" for s in range(13) for r in (0, 1)}
     for entry in data["figs"].values():
         assert set(STEP_VIEWS) <= set(entry)
     # the step views differ between steps (step 0: 2 requests, step 1: 3)
     assert data["figs"]["0,0"]["token_order"]["layout"]["title"] != data["figs"]["1,0"]["token_order"]["layout"]["title"]
+
+
+def test_pack_stores_repeated_subtrees_once_and_unpacks_to_the_same_values():
+    scale = [[0.0, "#d9d9d9"], [0.5, "#d9d9d9"], [0.5, "#1f77b4"], [1.0, "#1f77b4"]]
+    hover = "req0 · chunk 3<br>global token 18–22"
+    obj = {"figs": [{"colorscale": scale, "hovertext": [hover, "pad"], "z": [[6.0, None]]},
+                    {"colorscale": scale, "hovertext": [hover, "x"], "z": [[7.0, None]], "nan": None},
+                    {"$r": 0, "other": 1}],  # a key named like a reference is kept as it is
+           "n": 3, "s": "short"}
+    packed, shared = pack(obj, min_chars=24)
+    assert unpack(packed, shared) == obj
+    text = json.dumps(packed)
+    assert json.dumps(scale) not in text and sum(json.dumps(x) == json.dumps(scale) for x in shared) == 1
+    assert hover not in text and shared.count(hover) == 1
+    assert packed["figs"][2] == {"$r": 0, "other": 1}
+    assert pack({"a": [1, 2, 3], "b": [1, 2, 3]}, min_chars=5) == ({"a": {"$r": 0}, "b": {"$r": 0}}, [[1, 2, 3]])
+    assert pack({"a": [1, 2, 3], "b": [1, 2]}, min_chars=5) == ({"a": [1, 2, 3], "b": [1, 2]}, [])
+
+
+def test_exported_figures_equal_the_figures_the_workbench_draws(exported):
+    from pcpviz import figures
+    from pcpviz.trace import open as open_trace
+
+    data = embedded_data(exported.read_text(encoding="utf-8"))
+    t = open_trace(TRACE)
+    colors = figures.request_color_index(figures.trace_req_ids(t))
+    fig = figures.token_order_figure(t.record(1, 1, "target"), rank=1, colors=colors)
+    expected = json.loads(fig.to_json())
+    got = data["figs"]["1,1"]["token_order"]
+    assert got["data"] == [{k: v for k, v in tr.items() if k != "uid"} for tr in expected["data"]]
+    assert got["layout"]["title"] == expected["layout"]["title"]
 
 
 def test_export_rejects_unknown_rank(tmp_path):

@@ -15,6 +15,8 @@ TRACES = sorted(p for p in (Path(__file__).resolve().parents[1] / "data" / "trac
 GPU_TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "h200x2-nccl-pcp2-mtp2"
 
 
+EXPORT_LIMIT_BYTES = 8_000_000
+
 # With K = 1 vLLM's propose returns before the block-table gather: no replicated draft steps.
 K1_SKIPS = {"draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance"}
 
@@ -39,6 +41,8 @@ def test_shipped_trace_renders(path, tmp_path):
     out = tmp_path / "review.html"
     export_html(path, out)
     assert out.stat().st_size > 100_000 and b"plotly" in out.read_bytes()[:2_000_000]
+    # issue 15: every shipped trace's self-contained review stays under 8 MB (plotly.js is ~4.8 MB)
+    assert out.stat().st_size < EXPORT_LIMIT_BYTES, f"{path.name}: {out.stat().st_size / 1e6:.2f} MB"
     wb = Workbench(pt.open(path))
     assert wb is not None
 

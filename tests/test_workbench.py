@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 import pcpviz.trace as pt
-from pcpviz.figures import trace_views as tv
+from pcpviz import figures as fg
+from pcpviz.figures.token_order import _lanes
 from pcpviz.widgets import Workbench
 from pcpviz.widgets.workbench import AFFECTS, VIEW_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = REPO / "data" / "traces" / "cpu-pcp2-mtp2"
-L_DIM = 1  # trace_views' level of a dimmed cell
+L_DIM = 1  # pcpviz.figures.canvas' level of a dimmed cell
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +147,8 @@ def test_highlight_dims_the_other_requests(wb, trace):
     assert not np.any(z[0] == L_DIM)
     bars = wb.figures["acceptance"].data[1]
     colors = list(bars.marker.color)
-    assert colors[list(bars.x).index("req2")] != tv.DIM_COLOR
-    assert all(c == tv.DIM_COLOR for x, c in zip(bars.x, colors) if x != "req2")
+    assert colors[list(bars.x).index("req2")] != fg.DIM_COLOR
+    assert all(c == fg.DIM_COLOR for x, c in zip(bars.x, colors) if x != "req2")
     wb.highlight.value = ""
     assert np.array_equal(_lane_z(wb.figures["token_order"]), z, equal_nan=True)
 
@@ -162,22 +163,22 @@ def test_set_moves_several_controls_with_one_render(wb):
 # --------------------------------------------------------------------------- figures
 
 def test_every_figure_of_every_step_is_valid_plotly(trace):
-    colors = tv.request_color_index(tv.trace_req_ids(trace))
+    colors = fg.request_color_index(fg.trace_req_ids(trace))
     for s in trace.steps:
         for r in trace.ranks:
             recs = {p: trace.record(s, r, p) for p in trace.phases(s, r)}
             for dp in ("draft_0", "draft_1"):
-                for f in (tv.token_order_figure(recs["target"], rank=r, highlight="req1", colors=colors),
-                          tv.block_tables_figure(recs["target"], recs[dp], draft_phase=dp, rank=r),
-                          tv.slot_mappings_figure(recs["target"], recs[dp], draft_phase=dp),
-                          tv.draft_timeline_figure(recs, step=s, rank=r, selected_phase=dp, highlight="req0")):
-                    tv.validate_figure(f)
-    tv.validate_figure(tv.acceptance_figure(tv.trace_acceptance(trace), step=3, highlight="req0"))
+                for f in (fg.token_order_figure(recs["target"], rank=r, highlight="req1", colors=colors),
+                          fg.block_tables_figure(recs["target"], recs[dp], draft_phase=dp, rank=r),
+                          fg.slot_mappings_figure(recs["target"], recs[dp], draft_phase=dp),
+                          fg.draft_timeline_figure(recs, step=s, rank=r, selected_phase=dp, highlight="req0")):
+                    fg.validate_figure(f)
+    fg.validate_figure(fg.acceptance_figure(fg.trace_acceptance(trace), step=3, highlight="req0"))
 
 
 def test_slot_mapping_views_show_pad_mask_and_unexpanded_draft(trace):
     t, d0, d1 = (trace.record(0, 0, p) for p in ("target", "draft_0", "draft_1"))
-    fig = tv.slot_mappings_figure(t, d1, draft_phase="draft_1")
+    fig = fg.slot_mappings_figure(t, d1, draft_phase="draft_1")
     titles = [a.text for a in fig.layout.annotations]
     assert any("slot_mapping_gathered [G=1, N*P=52]" in x for x in titles)
     assert any("unexpanded, one slot per request (R = 2)" in x for x in titles)
@@ -186,7 +187,7 @@ def test_slot_mapping_views_show_pad_mask_and_unexpanded_draft(trace):
     assert "PAD (-1)" in hover  # rank 0 pads 22 -> 26 rows
     # the draft strip holds exactly the recorded R slots
     assert np.asarray(fig.data[3].z).shape == (1, 2)
-    fig0 = tv.slot_mappings_figure(t, d0, draft_phase="draft_0")
+    fig0 = fg.slot_mappings_figure(t, d0, draft_phase="draft_0")
     assert any("expanded N*P" in a.text for a in fig0.layout.annotations)
 
 
@@ -223,44 +224,44 @@ def _big_step():
 def test_large_steps_are_aggregated():
     t, d1 = _big_step()
     n_tokens = int(t["num_scheduled_tokens"].sum())
-    assert n_tokens > 4 * tv.TOKEN_LIMIT
-    fig = tv.token_order_figure(t, rank=0)
+    assert n_tokens > 4 * fg.TOKEN_LIMIT
+    fig = fg.token_order_figure(t, rank=0)
     z = np.asarray(fig.data[0].z)
     assert z.shape[1] <= 64, z.shape  # a few dozen runs, not 6300 cells
     assert len(fig.data[0].x) == z.shape[1] + 1  # variable-width bricks (edges)
     assert fig.data[0].texttemplate == ""  # no per-cell text; runs are labelled instead
     assert any(a.text.startswith("long c") or a.text.startswith("c") for a in fig.layout.annotations)
     # every brick is exact: each lane is constant over it
-    req, chunk, _ = tv._lanes(tv.step_layout(t))
+    req, chunk, _ = _lanes(fg.step_layout(t))
     edges = np.asarray(fig.data[0].x, dtype=np.int64)
     assert edges[-1] == req.shape[1]
     for a, b in zip(edges[:-1], edges[1:]):
         assert (req[:, a:b] == req[:, a:a + 1]).all() and (chunk[:, a:b] == chunk[:, a:a + 1]).all()
-    slots = tv.slot_mappings_figure(t, d1, draft_phase="draft_1")
+    slots = fg.slot_mappings_figure(t, d1, draft_phase="draft_1")
     assert np.asarray(slots.data[0].z).shape[1] <= 16  # 6300 global slots: a handful of contiguous runs
-    bt = tv.block_tables_figure(t, d1, draft_phase="draft_1", rank=0)
-    assert np.asarray(bt.data[0].z).shape[1] <= tv.BLOCK_COLUMNS  # 377 used columns, binned
-    assert tv.draft_block_table_flags(t, d1) == []
-    for f in (fig, slots, bt, tv.draft_timeline_figure({"target": t, "draft_1": d1}, step=0, rank=0)):
-        tv.validate_figure(f)
+    bt = fg.block_tables_figure(t, d1, draft_phase="draft_1", rank=0)
+    assert np.asarray(bt.data[0].z).shape[1] <= fg.BLOCK_COLUMNS  # 377 used columns, binned
+    assert fg.draft_block_table_flags(t, d1) == []
+    for f in (fig, slots, bt, fg.draft_timeline_figure({"target": t, "draft_1": d1}, step=0, rank=0)):
+        fg.validate_figure(f)
         assert len(f.to_json()) < 150_000
 
 
 def test_run_edges_breaks_on_keys_and_broken_progressions():
     keys = np.array([0, 0, 0, 1, 1, 1, 1])
     slots = np.array([10, 11, 12, 13, 20, 21, -1])
-    e = tv.run_edges(7, keys=[keys], arith=[slots], arith_valid=[slots >= 0])
+    e = fg.run_edges(7, keys=[keys], arith=[slots], arith_valid=[slots >= 0])
     assert e.tolist() == [0, 3, 4, 7]  # 13 -> 20 breaks; 21 -> PAD is not a progression pair
-    e = tv.run_edges(7, keys=[keys, slots < 0], arith=[slots], arith_valid=[slots >= 0])
+    e = fg.run_edges(7, keys=[keys, slots < 0], arith=[slots], arith_valid=[slots >= 0])
     assert e.tolist() == [0, 3, 4, 6, 7]
-    edges, merged = tv.cell_edges(5000, keys=[np.arange(5000) // 7], max_cells=100)
+    edges, merged = fg.cell_edges(5000, keys=[np.arange(5000) // 7], max_cells=100)
     assert edges[0] == 0 and edges[-1] == 5000 and len(edges) - 1 <= 100 and merged.sum() == -(-5000 // 7)
 
 
 # --------------------------------------------------------------------------- acceptance
 
 def test_acceptance_follows_vllms_definition(trace):
-    acc = tv.trace_acceptance(trace)
+    acc = fg.trace_acceptance(trace)
     num_drafts, per_pos = 0, np.zeros(2, dtype=np.int64)
     for s in trace.steps:
         v = trace.record(s, 0, "verify")
@@ -276,7 +277,7 @@ def test_acceptance_follows_vllms_definition(trace):
 
 def test_acceptance_equals_what_the_engine_reported(faulty_run):
     res, path = faulty_run
-    acc = tv.trace_acceptance(pt.open(path))
+    acc = fg.trace_acceptance(pt.open(path))
     assert acc.num_drafts == res.num_drafts
     assert acc.accepted_per_pos.tolist() == list(res.num_accepted_tokens_per_pos)
     assert acc.rate_per_pos.tolist() == pytest.approx(list(res.acceptance_rate_per_pos))
@@ -301,7 +302,7 @@ def test_skipped_gather_flags_zero_draft_block_table_rows(faulty_run):
     assert {f.kind for f in wb.flags} == {"zero"}
     assert [f.row for f in wb.flags] == [i for i in range(glob.shape[0]) if glob[i].any()]
     fig = wb.figures["block_tables"]
-    red = [s for s in fig.layout.shapes if s.line.color == tv.FLAG_COLOR]
+    red = [s for s in fig.layout.shapes if s.line.color == fg.FLAG_COLOR]
     assert len(red) == len(wb.flags)
     assert any("all-zero" in a.text for a in fig.layout.annotations)
     assert "zero/stale" in wb.status.value

@@ -7,7 +7,7 @@
 Controls (all linked): **step** slider, **phase** toggle (only the phases the step has on
 the selected rank: target, draft_0 .. draft_{K-1}, verify), **rank** dropdown, **highlight**
 (a request id; the others are dimmed). Views (``wb.figures``, plotly ``FigureWidget``s drawn by
-``pcpviz.figures.trace_views``):
+``pcpviz.figures``, one module per view):
 
 * ``token_order``   global batch vs each rank's local rows, gather/restore maps, KV write mask
 * ``timeline``      target → draft_0 (rank-local) → block-table gather → draft_1.. (replicated)
@@ -20,9 +20,13 @@ the selected rank: target, draft_0 .. draft_{K-1}, verify), **rank** dropdown, *
 and, when ``pcpviz.checks`` is importable, the check verdicts with a *jump* button per failed
 check that moves the controls to its first violation (which is also marked on the view).
 
-A control change re-renders only the views that depend on it (``AFFECTS``) and updates each
-``FigureWidget`` in place under ``batch_update()``; figures are aggregated on the Python side
-(see ``trace_views``), so one update stays interactive on a 32k-token PCP=4 trace.
+A control change re-renders only the views that depend on it (``AFFECTS``). Each view's figure
+is built as a plain spec (``pcpviz.figures.*_spec``, aggregated on the Python side: see
+``pcpviz.figures.aggregate``), kept in a cache keyed by what the view depends on (step, rank,
+phase or draft phase, highlight; ``clear_cache()`` empties it, replacing ``trace`` drops it), and
+pushed to its ``FigureWidget`` as the difference from what it shows (``pcpviz.widgets.push``).
+On a 128k-token, PCP=8, K=3 trace a control change takes a few tens of milliseconds on a 2-core
+CPU (``benchmarks/bench_workbench.py``, ``data/bench/workbench_cpu.json``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from __future__ import annotations
 import html
 import os
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any, Iterable, Mapping
 
 import ipywidgets as W
@@ -38,8 +42,10 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.graph_objects import FigureWidget  # noqa: F401  (import cost paid at import, not at first build)
 
-from pcpviz.figures import trace_views as tv
-from pcpviz.trace import Trace, draft_index, phase_sort_key
+from pcpviz import figures as fg
+from pcpviz.figures.step_data import _str0
+from pcpviz.widgets.push import push_spec
+from pcpviz.trace import Trace, phase_sort_key
 from pcpviz.trace import open as open_trace
 
 __all__ = ["Workbench", "AFFECTS", "VIEW_NAMES", "load_acceptance", "load_check_report", "violation_view"]
@@ -54,41 +60,18 @@ AFFECTS: dict[str, frozenset[str]] = {
 }
 """Which views a control change re-renders (``acceptance_marker`` moves the step shading only)."""
 
-violation_view = tv.violation_view
+violation_view = fg.violation_view
 
 
-load_acceptance = tv.load_acceptance
-from_diff_acceptance = tv.from_diff_acceptance
-load_check_report = tv.load_check_report
-_trace_req_ids = tv.trace_req_ids
+load_acceptance = fg.load_acceptance
+from_diff_acceptance = fg.from_diff_acceptance
+load_check_report = fg.load_check_report
+_trace_req_ids = fg.trace_req_ids
 
 
-def _trace_key_set(trace: go.BaseTraceType | dict) -> frozenset:
-    d = trace if isinstance(trace, dict) else trace.to_plotly_json()
-    return frozenset(k for k in d if k != "uid")
-
-
-def push_figure(fw: go.FigureWidget, fig: go.Figure, width: int | None = None) -> None:
-    """Make ``fw`` show ``fig``, in place: one ``batch_update`` restyling each trace when the
-    trace structure is unchanged (same count, types and properties), replacing the traces
-    otherwise; the layout is replaced (its top-level containers are complete in every
-    figure ``trace_views`` draws, so the front end keeps nothing stale)."""
-    new = [t.to_plotly_json() for t in fig.data]
-    layout = fig.layout.to_plotly_json()
-    layout.setdefault("shapes", [])
-    layout.setdefault("annotations", [])
-    if width:
-        layout["width"] = width
-    same = len(fw.data) == len(new) and all(
-        old.type == n.get("type") and _trace_key_set(old) == _trace_key_set(n) for old, n in zip(fw.data, new))
-    with fw.batch_update():
-        if same:
-            for old, n in zip(fw.data, new):
-                old.update({k: v for k, v in n.items() if k != "type"}, overwrite=True)
-        else:
-            fw.data = ()
-            fw.add_traces(new)
-        fw.layout = layout
+SPEC_CACHE_SIZE = 256
+"""Figure specs kept per Workbench (least recently used dropped first): moving back to a step,
+rank, draft phase or highlight shown before costs a dictionary look-up."""
 
 
 class Workbench(W.VBox):
@@ -114,11 +97,15 @@ class Workbench(W.VBox):
             raise ValueError(f"trace {t.path} has no complete step")
         self.meta = dict(t.meta)
         self.req_ids = _trace_req_ids(t)
-        self.colors = tv.request_color_index(self.req_ids)
+        self.colors = fg.request_color_index(self.req_ids)
         self.render_counts: Counter[str] = Counter()
         self.last_update_s = 0.0
-        self.flags: list[tv.RowFlag] = []
+        self.flags: list[fg.RowFlag] = []
         self._suspend = False
+        self._specs: OrderedDict[tuple, dict] = OrderedDict()  # (view, step, rank, ...) -> spec
+        self._flag_cache: dict[tuple, list[fg.RowFlag]] = {}
+        self._shown: dict[str, dict | None] = {}  # view -> the spec its FigureWidget shows
+        self._cached_for: Trace | None = None
         # Figure width in px. FigureWidget sizes itself once, before JupyterLab attaches it, and
         # falls back to plotly's 700 px; an explicit width is what reliably fills a notebook cell.
         self.width = width
@@ -139,12 +126,12 @@ class Workbench(W.VBox):
         if phase is not None:
             self.phase.value = phase
         else:
-            self.phase.value = tv.draft_source_phase(self.phase.options, None) or self.phase.options[0]
+            self.phase.value = fg.draft_source_phase(self.phase.options, None) or self.phase.options[0]
         self.header = W.HTML(self._header_html())
         self.status = W.HTML()
         # An explicit small template: the default one costs ~60 ms per FigureWidget to set up.
         self.figures: dict[str, go.FigureWidget] = {
-            name: go.FigureWidget(layout={"template": tv.TEMPLATE, "height": 300}) for name in VIEW_NAMES}
+            name: go.FigureWidget(layout={"template": fg.TEMPLATE, "height": 300}) for name in VIEW_NAMES}
         self.acceptance = load_acceptance(t)
 
         t0 = time.perf_counter()
@@ -194,7 +181,7 @@ class Workbench(W.VBox):
     @property
     def draft_phase(self) -> str | None:
         """The draft step the block-table and slot-mapping panels show."""
-        return tv.draft_source_phase(self.phase.options, self.phase.value)
+        return fg.draft_source_phase(self.phase.options, self.phase.value)
 
     # ------------------------------------------------------------------ controls
 
@@ -207,7 +194,7 @@ class Workbench(W.VBox):
             self._suspend = True
             try:
                 self.phase.options = opts
-                self.phase.value = keep if keep in opts else (tv.draft_source_phase(opts, None) or opts[0])
+                self.phase.value = keep if keep in opts else (fg.draft_source_phase(opts, None) or opts[0])
             finally:
                 self._suspend = False
         self._render(affected)
@@ -258,7 +245,7 @@ class Workbench(W.VBox):
             if phase is not None and phase in opts:
                 self.phase.value = phase
             elif self.phase.value not in opts:
-                self.phase.value = tv.draft_source_phase(opts, None) or opts[0]
+                self.phase.value = fg.draft_source_phase(opts, None) or opts[0]
             if highlight is not None:
                 self.highlight.unobserve(self._on_highlight, names="value")
                 self.highlight.value = highlight
@@ -304,59 +291,102 @@ class Workbench(W.VBox):
         return self.highlight.value or None
 
     def _marks(self, view: str, step: int, rank: int, draft_phase: str | None) -> list[str]:
-        return tv.violation_marks(self.violations, view, step, rank, draft_phase)
+        return fg.violation_marks(self.violations, view, step, rank, draft_phase)
 
-    def _build(self, view: str) -> go.Figure:
+    def clear_cache(self) -> None:
+        """Forget every figure built so far (the next change of each control rebuilds its views)."""
+        self._specs.clear()
+        self._flag_cache.clear()
+
+    def _caches(self) -> None:
+        """Drop every cached spec when ``trace`` was replaced since they were built."""
+        if self._cached_for is not self.trace:
+            self.clear_cache()
+            self._cached_for = self.trace
+
+    def _draft_flags(self, step: int, rank: int, draft_phase: str | None) -> list[fg.RowFlag]:
+        """Zero/stale rows of the draft step's block table (cached per step, rank, draft phase)."""
+        key = (step, rank, draft_phase)
+        if key not in self._flag_cache:
+            recs = self.records(step, rank)
+            target = recs.get("target")
+            draft = recs.get(draft_phase) if draft_phase else None
+            self._flag_cache[key] = fg.draft_block_table_flags(target, draft) if target is not None else []
+        return self._flag_cache[key]
+
+    def _spec_key(self, view: str) -> tuple:
+        """What ``view`` depends on: the step, rank and highlight, and the selected phase (timeline)
+        or the draft phase the draft panels show (block tables, slot mappings); acceptance depends
+        on the highlight only (the step marker is laid over it)."""
+        hl = self._hl()
+        if view == "acceptance":
+            return (view, hl)
+        step, rank = self.step.value, self.rank.value
+        if view == "timeline":
+            return (view, step, rank, self.phase.value, hl)
+        if view in ("block_tables", "slot_mappings"):
+            return (view, step, rank, self.draft_phase, hl)
+        return (view, step, rank, hl)
+
+    def _spec(self, view: str) -> dict:
+        """The spec ``view`` shows for the current controls: built once, then cached."""
+        self._caches()
+        key = self._spec_key(view)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._build_or_explain(view)
+            self._specs[key] = spec
+            while len(self._specs) > SPEC_CACHE_SIZE:
+                self._specs.popitem(last=False)
+        else:
+            self._specs.move_to_end(key)
+        if view == "acceptance":
+            spec = {**spec, "layout": {**spec["layout"], "shapes": fg.acceptance_step_marker(self.step.value)}}
+        return spec
+
+    def _build(self, view: str) -> dict:
         step, rank, hl = self.step.value, self.rank.value, self._hl()
+        if view == "acceptance":
+            return fg.acceptance_spec(self.acceptance, step=None, highlight=hl, colors=self.colors)
         recs = self.records(step, rank)
         target = recs.get("target")
         dp = self.draft_phase
         draft = recs.get(dp) if dp else None
-        if view == "acceptance":
-            return tv.acceptance_figure(self.acceptance, step=step, highlight=hl, colors=self.colors)
         if target is None:
-            fig = go.Figure()
-            fig.update_layout(title=f"step {step} rank {rank}: no target phase recorded", height=160)
-            return fig
+            return _message_spec(f"step {step} rank {rank}: no target phase recorded", height=160)
         if view == "token_order":
-            fig = tv.token_order_figure(target, rank=rank, highlight=hl, colors=self.colors)
+            spec = fg.token_order_spec(target, rank=rank, highlight=hl, colors=self.colors)
         elif view == "timeline":
-            fig = tv.draft_timeline_figure(recs, step=step, rank=rank, selected_phase=self.phase.value,
-                                           highlight=hl)
+            spec = fg.draft_timeline_spec(recs, step=step, rank=rank, selected_phase=self.phase.value,
+                                          highlight=hl)
         elif view == "block_tables":
-            self.flags = tv.draft_block_table_flags(target, draft)
-            fig = tv.block_tables_figure(target, draft, draft_phase=dp, rank=rank, highlight=hl, colors=self.colors,
-                                         flags=self.flags)
+            spec = fg.block_tables_spec(target, draft, draft_phase=dp, rank=rank, highlight=hl, colors=self.colors,
+                                        flags=self._draft_flags(step, rank, dp))
         elif view == "slot_mappings":
-            fig = tv.slot_mappings_figure(target, draft, draft_phase=dp, highlight=hl, colors=self.colors)
+            spec = fg.slot_mappings_spec(target, draft, draft_phase=dp, highlight=hl, colors=self.colors)
         else:
             raise KeyError(view)
         for text in self._marks(view, step, rank, dp):
-            tv.mark_violation(fig, text)
-        return fig
+            spec = fg.mark_violation(spec, text)
+        return spec
 
-    def _build_or_explain(self, view: str) -> go.Figure:
+    def _build_or_explain(self, view: str) -> dict:
         """``_build``, or a placeholder naming the missing view when this producer did not record
         one the figure needs (traces from other producers may omit views)."""
         try:
             return self._build(view)
         except KeyError as e:
-            fig = go.Figure(layout={"template": tv.TEMPLATE})
-            fig.update_layout(height=120, title=dict(text=f"{view}: cannot draw step {self.step.value} rank "
-                                                          f"{self.rank.value}: view {e} not recorded"))
-            return fig
+            return _message_spec(f"{view}: cannot draw step {self.step.value} rank {self.rank.value}: "
+                                 f"view {e} not recorded", height=120)
 
     def _render(self, views: Iterable[str]) -> None:
         views = set(views)
+        self.flags = self._draft_flags(self.step.value, self.rank.value, self.draft_phase)
         for name in VIEW_NAMES:
-            if name in views:
-                push_figure(self.figures[name], self._build_or_explain(name), self.width)
-                self.render_counts[name] += 1
-        if "acceptance_marker" in views and "acceptance" not in views:
-            fw = self.figures["acceptance"]
-            with fw.batch_update():
-                fw.layout.shapes = tv.acceptance_step_marker(self.step.value)
-            self.render_counts["acceptance_marker"] += 1
+            if name in views or (name == "acceptance" and "acceptance_marker" in views):
+                self._shown[name] = push_spec(self.figures[name], self._spec(name), self._shown.get(name),
+                                              width=self.width)
+                self.render_counts[name if name in views else "acceptance_marker"] += 1
         self.status.value = self._status_html()
 
     # ------------------------------------------------------------------ text panels
@@ -375,10 +405,10 @@ class Workbench(W.VBox):
         parts = [f"<b>step {step}</b> · rank {rank} · phase <b>{html.escape(str(ph))}</b>"]
         rec = recs.get(ph)
         if rec is not None and "view" in rec:
-            parts[-1] += f" ({html.escape(tv._str0(rec['view']))})"
+            parts[-1] += f" ({html.escape(_str0(rec['view']))})"
         target = recs.get("target")
         if target is not None and "per_rank_num_tokens" in target:
-            sl = tv.step_layout(target)
+            sl = fg.step_layout(target)
             parts.append(f"T={sl.num_tokens}, R={sl.num_reqs}, P={sl.padded}, per-rank "
                          f"{sl.per_rank_num_tokens.tolist()}")
         if self.draft_phase:
@@ -445,3 +475,9 @@ class Workbench(W.VBox):
         except ImportError:
             return True
         return False
+
+
+def _message_spec(text: str, *, height: int) -> dict:
+    """A figure spec holding only a title (a view that cannot be drawn for this step)."""
+    return {"data": [], "layout": {"template": fg.TEMPLATE, "height": height, "title": {"text": text},
+                                   "shapes": [], "annotations": []}}

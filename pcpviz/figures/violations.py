@@ -1,0 +1,53 @@
+"""Violation routing: which figure a violated trace view is drawn on (its ``panel`` in the
+schema), the banner texts of the ``pcpviz.checks`` violations at a (step, rank), and the red
+banner itself.
+
+PCP=2 example: a ``slot_mapping_draft`` violation of ``draft_1`` at step 3, rank 0 is marked on
+the slot-mapping figure at step 3, rank 0 — only while the draft panels show ``draft_1``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import plotly.graph_objects as go
+
+from pcpviz.figures.canvas import FLAG_COLOR
+from pcpviz.trace.schema import view_panel
+
+__all__ = ["violation_view", "violation_marks", "mark_violation"]
+
+
+def violation_view(view: str | None, phase: str | None = None) -> str:
+    """The figure (``token_order``, ``timeline``, ``block_tables``, ``slot_mappings``) a violated
+    trace view is drawn on: its ``panel`` in the schema."""
+    return view_panel(view, phase)
+
+
+def violation_marks(violations: Iterable[Any], view: str, step: int, rank: int,
+                    draft_phase: str | None) -> list[str]:
+    """Banner texts for the ``pcpviz.checks`` violations located on ``view`` at (step, rank); a
+    violation of a draft phase's view is marked on the block-table/slot panels only while they
+    show that draft phase."""
+    out = []
+    for v in violations:
+        if v.step != step or (v.rank is not None and v.rank != rank) or violation_view(v.view, v.phase) != view:
+            continue
+        if view in ("block_tables", "slot_mappings") and v.phase and v.phase.startswith("draft_") \
+                and v.phase != draft_phase:
+            continue
+        out.append(f"{v.check}: {v.message} ({v.where()})")
+    return out
+
+
+def mark_violation(fig: go.Figure | dict, text: str) -> go.Figure | dict:
+    """Add a red banner to ``fig`` (a check's violation located on this view). A ``go.Figure`` is
+    changed in place; a spec (plain dict) is returned as a new spec, the given one left as it was
+    (the Workbench caches specs)."""
+    ann = dict(text="✗ " + text, xref="paper", yref="paper", x=0, y=1, xanchor="left", yanchor="bottom",
+               yshift=28, showarrow=False, align="left", font=dict(color="#fff", size=12), bgcolor=FLAG_COLOR)
+    if isinstance(fig, dict):
+        layout = fig["layout"]
+        return {**fig, "layout": {**layout, "annotations": [*layout.get("annotations", ()), ann]}}
+    fig.layout.annotations = tuple(fig.layout.annotations) + (ann,)
+    return fig
