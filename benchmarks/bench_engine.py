@@ -110,6 +110,13 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="tiny sizes for a CPU smoke run")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="model and KV-cache dtype of every section but tokens (vLLM runs bfloat16)")
+    ap.add_argument("--sections", nargs="+", default=None, metavar="NAME",
+                    help="run only these sections (tokens warmup prefill mtp_decode decode_pcp2 graphs "
+                         "acceptance recording); default all")
+    ap.add_argument("--partial", default=None,
+                    help="rewrite this JSON after every section (what a killed run keeps)")
     args = ap.parse_args()
     if args.small:
         args.long_tokens, args.decode_tokens, args.repeat = 600, 24, 1
@@ -120,7 +127,7 @@ def main() -> None:
 
     long_ids = encode(prompts["long"])[: args.long_tokens]
     short = prompts["short"][:3]
-    out: dict = {"device": dev, "long_prompt_tokens": len(long_ids), "decode_tokens": args.decode_tokens,
+    out: dict = {"device": dev, "dtype": args.dtype, "long_prompt_tokens": len(long_ids), "decode_tokens": args.decode_tokens,
                  "engine_kernels": os.environ.get("PCPVIZ_KERNELS", "1") != "0", "phases": {}}
     if dev == "cuda":
         import torch
@@ -128,15 +135,24 @@ def main() -> None:
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         out["torch"] = torch.__version__
 
+    def run_(*a, **kw):  # every section but tokens runs at --dtype
+        return pcpviz.run(*a, dtype=args.dtype, **kw)
+
     def section(name, fn):
         # One failing measurement must not lose the others: record the error and go on.
+        if args.sections is not None and name not in args.sections:
+            return
         t0 = time.time()
         try:
             fn()
         except Exception as e:  # noqa: BLE001
             out.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
             print(f"[{name}] FAILED: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        out.setdefault("section_s", {})[name] = round(time.time() - t0, 1)
         print(f"[{name}] {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+        if args.partial:
+            with open(args.partial, "w") as f:
+                json.dump(out, f, indent=1)
 
     # -- tokens: CPU (gloo) vs device (NCCL), and vs the expected file made on CPU here -----------
     def _tokens():
@@ -163,7 +179,7 @@ def main() -> None:
     # -- warm-up: compile the Triton kernels once (their disk cache is shared by the rank processes)
     def _warmup():
         for pcp, k in ((1, 0), (1, 2), (2, 2)):
-            pcpviz.run(short[:1], pcp=pcp, num_speculative_tokens=k, max_new_tokens=8, device=dev, progress=False)
+            run_(short[:1], pcp=pcp, num_speculative_tokens=k, max_new_tokens=8, device=dev, progress=False)
 
     section("warmup", _warmup)
 
@@ -182,7 +198,7 @@ def main() -> None:
         secs, toks = {}, {}
         for pcp in (1, 2):
             with tempfile.TemporaryDirectory() as d:
-                res = pcpviz.run([long_ids, second], pcp=pcp, trace_dir=d, time_phases=True, **pre)
+                res = run_([long_ids, second], pcp=pcp, trace_dir=d, time_phases=True, **pre)
                 out["phases"][f"prefill_pcp{pcp}"] = phase_summary(res)
                 print_phases(f"prefill_pcp{pcp}", out["phases"][f"prefill_pcp{pcp}"])
                 t = pt.open(d)
@@ -205,7 +221,7 @@ def main() -> None:
 
     def _mtp_decode():
         for k in (0, 2):
-            res, timed = best(lambda tp: pcpviz.run(short[:1], num_speculative_tokens=k, time_phases=tp, **dec),
+            res, timed = best(lambda tp: run_(short[:1], num_speculative_tokens=k, time_phases=tp, **dec),
                               args.repeat)
             decode_runs[k] = res
             out["phases"][f"decode_k{k}"] = dict(phase_summary(timed), untimed_best_wall_s=res.wall_s)
@@ -225,7 +241,7 @@ def main() -> None:
     def _decode_pcp2():
         ms = {}
         for k in (0, 2):
-            res = pcpviz.run(short[:1], num_speculative_tokens=k, **dict(dec, pcp=2))
+            res = run_(short[:1], num_speculative_tokens=k, **dict(dec, pcp=2))
             ms[f"k{k}"] = 1e3 * steady_s(res) / args.decode_tokens
         out["decode_ms_per_token_pcp2"] = ms
 
@@ -235,7 +251,7 @@ def main() -> None:
     def _graphs():
         off = {}
         for k in (0, 2):
-            res = pcpviz.run(short[:1], num_speculative_tokens=k, cuda_graphs=False, time_phases=True, **dec)
+            res = run_(short[:1], num_speculative_tokens=k, cuda_graphs=False, time_phases=True, **dec)
             off[k] = res
             out["phases"][f"decode_k{k}_graphs_off"] = phase_summary(res)
             print_phases(f"decode_k{k}_graphs_off", out["phases"][f"decode_k{k}_graphs_off"])
@@ -253,7 +269,7 @@ def main() -> None:
     def _acceptance():
         acc = {}
         for k in (2, 3):
-            r = pcpviz.run(prompts["short"], pcp=2, num_speculative_tokens=k, device=dev,
+            r = run_(prompts["short"], pcp=2, num_speculative_tokens=k, device=dev,
                            max_new_tokens=args.decode_tokens // 2, progress=False)
             acc[f"k{k}"] = {"per_pos": r.acceptance_rate_per_pos, "mean_acceptance_length": r.mean_acceptance_length,
                             "num_drafts": r.num_drafts}
@@ -267,9 +283,9 @@ def main() -> None:
 
         rec = dict(pcp=2, num_speculative_tokens=2, device=dev, max_new_tokens=args.decode_tokens // 2,
                    progress=False)
-        off, off_timed = best(lambda tp: pcpviz.run(short, time_phases=tp, **rec), args.repeat)
+        off, off_timed = best(lambda tp: run_(short, time_phases=tp, **rec), args.repeat)
         with tempfile.TemporaryDirectory() as d:
-            on, on_timed = best(lambda tp: pcpviz.run(short, trace_dir=d, overwrite=True, time_phases=tp, **rec),
+            on, on_timed = best(lambda tp: run_(short, trace_dir=d, overwrite=True, time_phases=tp, **rec),
                                 args.repeat)
         for name, r, timed in (("trace_off", off, off_timed), ("trace_on", on, on_timed)):
             out["phases"][f"recording_{name}"] = dict(phase_summary(timed), untimed_best_wall_s=r.wall_s)
