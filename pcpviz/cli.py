@@ -135,9 +135,9 @@ def _add_layout(sub) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.list_faults:
-        from pcpviz.engine.faults import FAULTS
+        from pcpviz.faults import ENGINE, faults_of
 
-        for fault in FAULTS.values():
+        for fault in faults_of(ENGINE).values():
             print(f"{fault.name}\n    {fault.summary}\n    vLLM: {fault.where}\n    caught by: {fault.caught_by}")
         return EXIT_OK
     from pcpviz.engine.launch import RankError, run

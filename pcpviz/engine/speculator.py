@@ -26,9 +26,9 @@ import time
 import numpy as np
 import torch
 
+from pcpviz import faults as F
 from pcpviz.blocks import compute_slot_mappings, gather_block_table_rows
 from pcpviz.engine.attention import PagedAttention
-from pcpviz.engine.faults import STALE_ROWS_PER_LAUNCH
 
 __all__ = ["propose", "draft_prefill_inputs"]
 
@@ -79,7 +79,7 @@ def propose(worker, batch, layout, local, local_positions, local_seq_lens, bt_lo
     t0 = time.perf_counter_ns() // 1000
     local_ids = draft_ids[local.gather_idx] if draft_ids.size else np.zeros(local.num_tokens_padded, np.int64)
     model_positions = local_positions
-    if "draft_prefill_reads_captured_buffers" in worker.faults and n > 1:
+    if F.DRAFT_PREFILL_READS_CAPTURED_BUFFERS in worker.faults and n > 1:
         # The draft prefill's captured graph reads the speculator's own buffers (global order,
         # written by prepare_prefill_inputs), not the rank-local batch handed to the model.
         p = local.num_tokens_padded
@@ -97,7 +97,7 @@ def propose(worker, batch, layout, local, local_positions, local_seq_lens, bt_lo
         mtp_local = model.mtp_forward(_t(local_ids, dev), _t(model_positions, dev), hidden_local, attn)
         mtp_global = group.all_gather(mtp_local)[_t(layout.hidden_restore_idx, dev)]  # [T, H]
         read_idx = last_idx
-        if "draft_hidden_rank_local" in worker.faults and n > 1:
+        if F.DRAFT_HIDDEN_RANK_LOCAL in worker.faults and n > 1:
             # The fault: the rank-local MTP output read at the global rows (clamped to the rank's).
             read_idx = np.minimum(last_idx, max(local.num_tokens_padded - 1, 0))
             h_last = mtp_local[_t(read_idx, dev)]
@@ -112,14 +112,14 @@ def propose(worker, batch, layout, local, local_positions, local_seq_lens, bt_lo
         return drafts
 
     # -- gather block tables back to global order (the PR's fix) ----------------------------
-    if "skip_draft_block_table_gather" not in worker.faults:
-        cap = STALE_ROWS_PER_LAUNCH if "stale_draft_block_table_rows" in worker.faults else None
+    if F.SKIP_DRAFT_BLOCK_TABLE_GATHER not in worker.faults:
+        cap = F.STALE_ROWS_PER_LAUNCH if F.STALE_DRAFT_BLOCK_TABLE_ROWS in worker.faults else None
         worker._write_input_block_tables(table, batch.idx_mapping, max_rows=cap)
     block_rows = worker.input_block_tables[:r].copy()
 
     # -- draft steps 1..K-1: replicated, unexpanded slot mapping -----------------------------
     positions = batch.positions[last_idx].copy() if r else np.zeros(0, np.int64)
-    if "draft_cursor_drift_after_rejection" in worker.faults and r:
+    if F.DRAFT_CURSOR_DRIFT_AFTER_REJECTION in worker.faults and r:
         # The fault: the drafter's own cursor, ahead by every rejection so far (kept inside the
         # model's context so RoPE and the block table can still be indexed).
         drift = np.array([worker.draft_drift.get(rid, 0) for rid in batch.req_ids], dtype=np.int64)
@@ -135,7 +135,7 @@ def propose(worker, batch, layout, local, local_positions, local_seq_lens, bt_lo
         # Slots come from the persistent block tables by request slot (always right);
         # attention reads input_block_tables (wrong when the gather was skipped).
         slots = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping, qsl, positions)[0]
-        if "draft_slot_from_seq_len" in worker.faults and r:
+        if F.DRAFT_SLOT_FROM_SEQ_LEN in worker.faults and r:
             # The fault: the block from seq_len // block_size; one slot before a block boundary
             # that is the next block (the null block when it is not allocated yet).
             blocks = table[batch.idx_mapping, np.minimum((positions + 1) // cfg.block_size, table.shape[1] - 1)]
@@ -144,7 +144,7 @@ def propose(worker, batch, layout, local, local_positions, local_seq_lens, bt_lo
             model, worker.cache, group, expanded=False, slots=_t(slots, dev),
             block_rows=_t(block_rows, dev, torch.int32), query_start_loc=_t(qsl, dev),
             positions=_t(positions, dev), seq_lens=_t(seq_lens, dev),
-            fold_without_shape_check="fold_slot_mapping_without_shape_check" in worker.faults,
+            fold_without_shape_check=F.FOLD_SLOT_MAPPING_WITHOUT_SHAPE_CHECK in worker.faults,
         )
         with torch.no_grad():
             mtp_h = model.mtp_forward(_t(ids, dev), _t(positions, dev), hidden, attn)

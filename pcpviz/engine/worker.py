@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pcpviz import faults as F
 from pcpviz.batch import GlobalBatch
 from pcpviz.blocks import (
     BlockTable,
@@ -102,7 +103,7 @@ class Worker:
         self.cache = LatentKVCache(num_cache_layers, cfg.num_blocks, cfg.block_size, mc.kv_lora_rank,
                                    mc.qk_rope_head_dim, cfg.dtype, device)
         self.states: dict[str, RequestState] = {}
-        self._fault_specs = cfg.faults  # NAME or NAME@STEP (pcpviz.engine.faults.parse_fault)
+        self._fault_specs = cfg.faults  # NAME or NAME@STEP (pcpviz.faults.parse_fault)
         self.faults: frozenset[str] = frozenset()  # the names active at the current step
         # draft_cursor_drift_after_rejection: how far each request's drafter cursor runs ahead
         self.draft_drift: dict[str, int] = {}
@@ -162,7 +163,7 @@ class Worker:
         cfg, n, rank = self.cfg, self.group.world_size, self.rank
         rec = StepRecord(sched.step, rank) if self.record else None
         if self._fault_specs:
-            from pcpviz.engine.faults import active_faults
+            from pcpviz.faults import active_faults
 
             self.faults = active_faults(self._fault_specs, sched.step)
         self._apply_scheduler_output(sched)
@@ -172,7 +173,7 @@ class Worker:
                              shard_decode_requests=cfg.shard_decode_requests)
         local = partition_batch(batch, rank, n, layout=layout)
         local_positions = local.positions
-        if "positions_from_cpu_cursor" in self.faults:
+        if F.POSITIONS_FROM_CPU_CURSOR in self.faults:
             local_positions = _positions_from_cpu_cursor(local)
             local_seq_lens = local.seq_lens.copy()
             ends = local.query_start_loc[1 : local.num_reqs + 1] - 1
@@ -203,7 +204,7 @@ class Worker:
             hidden_local = self.model.forward_hidden(ids_local, pos_local, attn)  # [P, H]
             restore_idx = t(layout.hidden_restore_idx)
             hidden_global = self.group.all_gather(hidden_local)[restore_idx]  # [T, H]
-            if "sample_local_logits" in self.faults:
+            if F.SAMPLE_LOCAL_LOGITS in self.faults:
                 rows = np.minimum(logits_indices, max(local.num_tokens_padded - 1, 0))
                 sample_hidden = hidden_local[t(rows)]
             else:
@@ -214,7 +215,7 @@ class Worker:
         if rec is not None:
             rec.target(batch, logits_indices, layout, local, local_positions, local_seq_lens, bt_local,
                        table, slots_global, slots_gathered, rows,
-                       "local" if "sample_local_logits" in self.faults else "global",
+                       "local" if F.SAMPLE_LOCAL_LOGITS in self.faults else "global",
                        targets, hidden_global, t0, t1)
 
         verify = self._verify(sched, batch, num_draft, targets)
@@ -252,14 +253,14 @@ class Worker:
     def _verify(self, sched, batch, num_draft, targets):
         from pcpviz.engine.verify import greedy_verify
 
-        divergent = "rank_divergent_acceptance" in self.faults and self.rank != 0
+        divergent = F.RANK_DIVERGENT_ACCEPTANCE in self.faults and self.rank != 0
         v = greedy_verify(batch, num_draft, targets, self.states, self.cfg.num_speculative_tokens,
                           accept_one_less=divergent)
         for i, req_id in enumerate(batch.req_ids):
             st = self.states[req_id]
             st.num_computed += int(batch.num_scheduled_tokens[i]) - int(v.num_rejected[i])
             st.cpu_lag = int(v.num_rejected[i])
-            if "draft_cursor_drift_after_rejection" in self.faults:
+            if F.DRAFT_CURSOR_DRIFT_AFTER_REJECTION in self.faults:
                 self.draft_drift[req_id] = self.draft_drift.get(req_id, 0) + int(v.num_rejected[i])
             if v.num_sampled[i] > 0:
                 st.last_sampled = int(v.sampled[i][-1])
