@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from pcpviz.vllm import cpu_patches
 from pcpviz.vllm.recording.host import block_rows, now_us
 
 if TYPE_CHECKING:
@@ -33,12 +34,7 @@ __all__ = ["DraftContext", "first_layer_slots", "fake_group_all_gathers"]
 
 def fake_group_all_gathers() -> int | None:
     """all_gathers of the calling thread's rank in the replay's FakePCPGroup (None on GPUs)."""
-    try:
-        from pcpviz.vllm import cpu_patches
-
-        group = cpu_patches._current_fake_group()
-    except Exception:  # noqa: BLE001
-        return None
+    group = cpu_patches._current_fake_group()
     if group is None:
         return None
     return int(group.all_gather_calls[group.rank_in_group])

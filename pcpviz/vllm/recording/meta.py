@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 import torch
+import vllm
 
 __all__ = ["environment_meta", "speculator_meta"]
 
@@ -39,13 +40,7 @@ def speculator_meta(spec: Any) -> dict[str, Any]:
     ``vllm_config`` has them, ``model``, ``cudagraph_mode`` and ``tp``."""
     meta: dict[str, Any] = {"num_speculative_tokens": int(spec.num_speculative_steps),
                             "speculative_method": str(getattr(spec, "method", "")),
-                            "speculator": type(spec).__name__}
-    try:
-        import vllm
-
-        meta["vllm_version"] = vllm.__version__
-    except Exception:  # noqa: BLE001
-        pass
+                            "speculator": type(spec).__name__, "vllm_version": vllm.__version__}
     cfg = getattr(spec, "vllm_config", None)
     model = getattr(getattr(cfg, "model_config", None), "model", None)
     if isinstance(model, str):
