@@ -18,8 +18,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pcpviz.batch import GlobalBatch
-
 __all__ = ["BatchSpec", "parse_batch_spec", "row_name"]
 
 _ROW = re.compile(r"^(?P<kind>[pd])(?P<tokens>\d+)(?:@(?P<computed>\d+))?$")
@@ -41,21 +39,6 @@ class BatchSpec:
     @property
     def is_prefilling(self) -> tuple[bool, ...]:
         return tuple(k == "p" for k in self.kinds)
-
-    def to_global_batch(self) -> GlobalBatch:
-        """Request ids A, B, ... (``row_name``); a prefill's prompt ends with its chunk, a
-        decode's prompt is taken to end before its cursor."""
-        prefill_len = [
-            c + q if k == "p" else max(c - 1, 0)
-            for k, q, c in zip(self.kinds, self.num_scheduled_tokens, self.num_computed_tokens)
-        ]
-        return GlobalBatch.build(
-            self.num_scheduled_tokens,
-            self.num_computed_tokens,
-            prefill_len=prefill_len,
-            is_prefilling=self.is_prefilling,
-            req_ids=[row_name(i) for i in range(len(self.kinds))],
-        )
 
 
 def parse_batch_spec(spec: str) -> BatchSpec:

@@ -135,9 +135,9 @@ def _add_layout(sub) -> None:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.list_faults:
-        from pcpviz.engine.faults import FAULTS
+        from pcpviz.faults import ENGINE, faults_of
 
-        for fault in FAULTS.values():
+        for fault in faults_of(ENGINE).values():
             print(f"{fault.name}\n    {fault.summary}\n    vLLM: {fault.where}\n    caught by: {fault.caught_by}")
         return EXIT_OK
     from pcpviz.engine.launch import RankError, run
@@ -326,32 +326,20 @@ def _add_diff(sub) -> None:
     p.set_defaults(func=_cmd_diff)
 
 
-# Export formats: flag -> (help, providers). A provider is "module:function" called as
-# function(trace, out) -> path or list of paths; the first importable one wins, so a format
-# whose module is not written yet answers "not available yet" (exit 2).
-EXPORT_FORMATS: dict[str, tuple[str, tuple[str, ...]]] = {
+# Export formats: flag -> (help, "module:function"); the function is called as
+# function(trace, out) -> path or list of paths.
+EXPORT_FORMATS: dict[str, tuple[str, str]] = {
     "chrome": ("Chrome trace for Perfetto / HTA: OUT.json = one merged file, otherwise a "
-               "directory of rank<r>.json", ("pcpviz.export_chrome:export_chrome",)),
-    "html": ("self-contained HTML report", ("pcpviz.export_html:export_html",
-                                             "pcpviz.export:export_html")),
+               "directory of rank<r>.json", "pcpviz.export_chrome:export_chrome"),
+    "html": ("self-contained HTML report", "pcpviz.export_html:export_html"),
 }
 
 
 def _exporter(fmt: str):
     import importlib
 
-    for spec in EXPORT_FORMATS[fmt][1]:
-        module, func = spec.split(":")
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name is not None and module.startswith(e.name):
-                continue  # the provider's module does not exist (yet)
-            raise UsageError(f"pcpviz export: --{fmt}: {module} cannot be imported ({e})") from None
-        fn = getattr(mod, func, None)
-        if callable(fn):
-            return fn
-    raise UsageError(f"pcpviz export: --{fmt} is not available yet")
+    module, func = EXPORT_FORMATS[fmt][1].split(":")
+    return getattr(importlib.import_module(module), func)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:

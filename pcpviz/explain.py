@@ -5,7 +5,7 @@ against a good run of the same prompts (``pcpviz.diff.diff_traces``) — when no
 given, an engine re-run of the trace's prompts with the same PCP size, K and block size
 (``pcpviz.run``) — acceptance per position, per request, per step and per rank
 (``pcpviz.diff.acceptance``), whether the ranks' KV writes agree, and the step of the first
-violation. Each fault of the registry (``pcpviz.engine.faults.FAULTS``) is a hypothesis: its
+violation. Each fault the engine injects (``pcpviz.faults.faults_of(ENGINE)``) is a hypothesis: its
 check failing scores 10, its signature rules (``pcpviz.explain_rules``) add or take away, and
 the hypotheses are ranked. When nothing matches, it says so. A fault the recording can hide
 from its check (``pcpviz.explain_rules.UNSEEN``: vLLM's recorder logs the ids a drafter was
@@ -34,9 +34,9 @@ from typing import Any
 
 from pcpviz.checks import run_checks
 from pcpviz.diff import diff_traces
-from pcpviz.engine.faults import FAULTS
 from pcpviz.explain_evidence import Symptoms, gather_symptoms
-from pcpviz.explain_rules import CHANGES_OUTPUTS, RULES, UNSEEN, Findings
+from pcpviz.explain_rules import RULES, UNSEEN, Findings
+from pcpviz.faults import ENGINE, FAULTS, faults_of
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 
@@ -140,7 +140,7 @@ def _score(name: str, f: Findings, sym: Symptoms) -> Hypothesis:
         score += weight
         (pro if weight > 0 else con).append(why)
     if sym.outputs_same is not None:
-        if (name in CHANGES_OUTPUTS) != (not sym.outputs_same):
+        if fault.changes_outputs != (not sym.outputs_same):
             score -= 1
             con.append("outputs " + ("are the same" if sym.outputs_same else "differ")
                        + " against the reference; the signature says otherwise")
@@ -200,7 +200,7 @@ def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | No
         diff = None if ta is None else diff_traces(ta, tb)
         sym = gather_symptoms(tb, report, diff, reference_trace=ta, reference_kind=kind, note=note)
     f = Findings(tb, report)
-    hyps = _rank([_score(name, f, sym) for name in FAULTS])
+    hyps = _rank([_score(name, f, sym) for name in faults_of(ENGINE)])
     verdict, headline = _verdict(report, sym, hyps)
     if not report.complete:
         headline += "; the trace is INCOMPLETE (data lost): this covers only the steps that are left"

@@ -2,7 +2,7 @@
 
 ``pcpviz.explain`` scores a fault hypothesis by the check that catches it (``Fault.caught_by``)
 and then by these rules, each a small reading of the trace that a fault's ``signature``
-(``pcpviz.engine.faults``) predicts. A positive weight supports the fault, a negative one
+(``pcpviz.faults``) predicts. A positive weight supports the fault, a negative one
 contradicts it; the text says what was seen. ``Findings`` computes each reading once.
 
 Worked PCP=2 example (K=2, block_size 16, 3 requests decoding): under
@@ -21,13 +21,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from pcpviz import faults as F
 from pcpviz.trace import draft_index
 
-__all__ = ["Findings", "RULES", "UNSEEN", "CHANGES_OUTPUTS"]
-
-CHANGES_OUTPUTS = frozenset({"positions_from_cpu_cursor", "sample_local_logits", "rank_divergent_acceptance",
-                             "draft_hidden_rank_local"})
-"""Faults whose signature includes changed outputs (the others only cost acceptance)."""
+__all__ = ["Findings", "RULES", "UNSEEN"]
 
 
 def _g(a: Any) -> np.ndarray:
@@ -294,21 +291,22 @@ def _none(f: Findings) -> list[tuple[float, str]]:
 
 
 RULES: dict[str, Rule] = {
-    "skip_draft_block_table_gather": _skip_gather,
-    "fold_slot_mapping_without_shape_check": _fold,
-    "positions_from_cpu_cursor": _none,  # its check is the only one that reads local positions
-    "sample_local_logits": _none,  # likewise for the sampled rows
-    "rank_divergent_acceptance": _rank_divergent,
-    "stale_draft_block_table_rows": _stale_rows,
-    "draft_slot_from_seq_len": _slot_seq_len,
-    "draft_cursor_drift_after_rejection": _drift,
-    "draft_hidden_rank_local": _hidden_local,
-    "draft_prefill_reads_captured_buffers": _captured_buffers,
+    F.SKIP_DRAFT_BLOCK_TABLE_GATHER: _skip_gather,
+    F.FOLD_SLOT_MAPPING_WITHOUT_SHAPE_CHECK: _fold,
+    F.POSITIONS_FROM_CPU_CURSOR: _none,  # its check is the only one that reads local positions
+    F.SAMPLE_LOCAL_LOGITS: _none,  # likewise for the sampled rows
+    F.RANK_DIVERGENT_ACCEPTANCE: _rank_divergent,
+    F.STALE_DRAFT_BLOCK_TABLE_ROWS: _stale_rows,
+    F.DRAFT_SLOT_FROM_SEQ_LEN: _slot_seq_len,
+    F.DRAFT_CURSOR_DRIFT_AFTER_REJECTION: _drift,
+    F.DRAFT_HIDDEN_RANK_LOCAL: _hidden_local,
+    F.DRAFT_PREFILL_READS_CAPTURED_BUFFERS: _captured_buffers,
 }
-"""Fault name -> its signature rule (every registered fault has one; tests/test_explain.py checks)."""
+"""Fault name -> its signature rule: one for every fault the engine injects
+(``pcpviz.faults.faults_of(ENGINE)``; tests/test_fault_registry.py checks)."""
 
 UNSEEN: dict[str, Callable[[Findings, Any], list[tuple[float, str]]]] = {
-    "draft_prefill_reads_captured_buffers": _captured_buffers_unseen,
+    F.DRAFT_PREFILL_READS_CAPTURED_BUFFERS: _captured_buffers_unseen,
 }
 """Faults a recording can hide from their check: name -> rule over the symptoms, consulted when the
 check passes; evidence there makes the fault ``consistent`` instead of ``ruled out``."""

@@ -8,7 +8,7 @@ them true), whether pcpviz models it, and the evidence (a check, a fault, a note
 ``PCPManager.validate_config`` over the configurations the review discusses.
 
 Evidence vocabulary: ``check:NAME`` (``pcpviz.checks``), ``fault:NAME``
-(``pcpviz.engine.faults``), ``notebook:NN``, ``test:PATH::NAME``, ``teach:NAME``
+(``pcpviz.faults``), ``notebook:NN``, ``test:PATH::NAME``, ``teach:NAME``
 (``pcpviz.teach``), ``replay:SCENARIO`` (``pcpviz.vllm.replay``).
 """
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from pcpviz import faults as F
 from pcpviz.checks import CHECKS, FAIL, PASS, SKIPPED, first_difference, run_checks, short_repr
 from tracegen import (
-    FAULTS,
     RequestSpec,
     clean_run,
     corrupt,
@@ -116,7 +117,7 @@ def _shift_rows(a):
 
 
 def case_layout(_):
-    run = clean_run(2, faults=["layout_no_swap"])
+    run = clean_run(2, faults=[F.LAYOUT_NO_SWAP])
     return run, {"layout_matches_plan"}, (0, 0, "target", "segments")
 
 
@@ -129,7 +130,7 @@ def case_restore(_):
 def case_kv_once(_):
     reqs = [RequestSpec("x", 6, 6), RequestSpec("y", 7, 6), RequestSpec("z", 30, 5, 1)]
     run = generate(reqs, pcp=2, num_speculative_tokens=2, block_size=4, max_num_batched_tokens=24,
-                   faults=["shared_kv_block"])
+                   faults=[F.SHARED_KV_BLOCK])
     return run, {"kv_written_once"}, (0, 0, "target", "slot_mapping_gathered")
 
 
@@ -156,14 +157,14 @@ def case_global_slots(_):
 
 
 def case_null_block(_):
-    run = clean_run(2, faults=["null_block_write"])
+    run = clean_run(2, faults=[F.NULL_BLOCK_WRITE])
     # later steps' first row is a decode whose draft positions share that block
     return run, {"global_slots_match_block_table", "draft_decode_replicated"}, \
         (0, 0, "target", "slot_mapping_global")
 
 
 def case_write_mask(_):
-    run = clean_run(2, shard_decode_requests=False, faults=["replicated_writer_not_rank0"])
+    run = clean_run(2, shard_decode_requests=False, faults=[F.REPLICATED_WRITER_NOT_RANK0])
     s = first_step(run, lambda ph: (~ph["target"]["is_prefilling"]).any())
     return run, {"layout_matches_plan", "kv_write_mask_canonical"}, (s, 0, "target", "kv_write_mask")
 
@@ -188,8 +189,8 @@ def case_local_positions(_):
 
 
 def case_local_positions_cpu(_):
-    """The engine's positions_from_cpu_cursor: local rows rebuilt from the CPU cursor."""
-    run = clean_run(2, faults=["local_positions_from_cpu_cursor"])
+    """positions_from_cpu_cursor (the engine's too): local rows rebuilt from the CPU cursor."""
+    run = clean_run(2, faults=[F.POSITIONS_FROM_CPU_CURSOR])
     s = first_step(run, lambda ph: ph["verify"]["num_rejected"].any())
     nxt = run.step_ids[run.step_ids.index(s) + 1]
     prev = run.views(s, 0, "verify")
@@ -210,7 +211,7 @@ def case_local_seq_lens(_):
 
 
 def case_local_logits(_):
-    run = clean_run(2, faults=["sample_local_logits"])
+    run = clean_run(2, faults=[F.SAMPLE_LOCAL_LOGITS])
     return run, {"local_logits_not_sampled"}, (0, 0, "target", "sampled_logits_rows")
 
 
@@ -223,7 +224,7 @@ def case_draft_prefill(_):
 
 
 def case_last_token(_):
-    run = clean_run(2, faults=["last_token_ignores_rejections"])
+    run = clean_run(2, faults=[F.LAST_TOKEN_IGNORES_REJECTIONS])
     s = first_step(run, lambda ph: ph["verify"]["num_rejected"].any())
     return run, {"draft_last_token_indices"}, (s, 0, "draft_0", "draft_last_token_indices")
 
@@ -235,7 +236,7 @@ def case_draft_inputs(_):
 
 
 def case_draft_decode_expanded(_):
-    run = clean_run(2, faults=["expanded_draft_slot_mapping"])
+    run = clean_run(2, faults=[F.EXPANDED_DRAFT_SLOT_MAPPING])
     return run, {"draft_decode_replicated"}, (0, 0, "draft_1", "slot_mapping_draft")
 
 
@@ -252,12 +253,12 @@ def case_draft_decode_folded(_):
 
 
 def case_draft_block_tables(_):
-    run = clean_run(2, faults=["skip_draft_block_table_gather"])
+    run = clean_run(2, faults=[F.SKIP_DRAFT_BLOCK_TABLE_GATHER])
     return run, {"draft_block_tables_global"}, (0, 0, "draft_1", "block_table_draft")
 
 
 def case_draft_positions(_):
-    run = clean_run(2, faults=["draft_positions_not_advanced"])
+    run = clean_run(2, faults=[F.DRAFT_POSITIONS_NOT_ADVANCED])
     return run, {"draft_positions_advance"}, (0, 0, "draft_2", "draft_positions")
 
 
@@ -307,7 +308,7 @@ def case_rank_missing_step(_):
 
 
 def case_positions(_):
-    run = clean_run(2, faults=["global_positions_from_cpu_cursor"])
+    run = clean_run(2, faults=[F.GLOBAL_POSITIONS_FROM_CPU_CURSOR])
     s = first_step(run, lambda ph: ph["verify"]["num_rejected"].any())
     nxt = run.step_ids[run.step_ids.index(s) + 1]
     return run, {"positions_consistent"}, (nxt, 0, "target", "positions")
@@ -368,11 +369,10 @@ def test_fault_fails_its_check_at_the_right_place(tmp_path, name, case):
 
 
 def test_generator_faults_are_all_exercised():
-    used = {"layout_no_swap", "shared_kv_block", "replicated_writer_not_rank0", "sample_local_logits",
-            "last_token_ignores_rejections", "expanded_draft_slot_mapping", "skip_draft_block_table_gather",
-            "draft_positions_not_advanced", "global_positions_from_cpu_cursor", "null_block_write",
-            "local_positions_from_cpu_cursor"}
-    assert used == set(FAULTS)
+    """Every fault the synthetic producer declares is injected by a case above."""
+    src = Path(__file__).read_text()
+    used = {name for name in F.FAULTS if f"faults=[F.{name.upper()}]" in src}
+    assert used == set(F.faults_of(F.SYNTHETIC))
 
 
 # --------------------------------------------------------------------------- skips, malformed input
@@ -415,7 +415,7 @@ def test_malformed_view_fails_instead_of_crashing(tmp_path):
 
 
 def test_report_json_round_trip(tmp_path):
-    run = clean_run(2, faults=["skip_draft_block_table_gather"])
+    run = clean_run(2, faults=[F.SKIP_DRAFT_BLOCK_TABLE_GATHER])
     report = check(run, tmp_path)
     doc = json.loads(json.dumps(report.to_dict()))
     assert doc["ok"] is False and doc["summary"]["failed"] == 1
@@ -443,7 +443,7 @@ def pcpviz(*args):
 
 def test_cli_check_exit_codes(tmp_path):
     good = clean_run(2).write(tmp_path / "good")
-    bad = clean_run(2, faults=["global_positions_from_cpu_cursor"]).write(tmp_path / "bad")
+    bad = clean_run(2, faults=[F.GLOBAL_POSITIONS_FROM_CPU_CURSOR]).write(tmp_path / "bad")
     r = pcpviz("check", str(good))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "result: OK" in r.stdout

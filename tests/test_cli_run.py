@@ -39,10 +39,10 @@ def test_list_faults_names_each_check():
     for name in ("skip_draft_block_table_gather", "fold_slot_mapping_without_shape_check",
                  "positions_from_cpu_cursor", "sample_local_logits", "rank_divergent_acceptance"):
         assert name in r.stdout
-    from pcpviz.engine.faults import FAULTS
+    from pcpviz.faults import ENGINE, faults_of
 
-    assert all(name in r.stdout for name in FAULTS)
-    assert r.stdout.count("caught by:") == len(FAULTS)
+    assert all(name in r.stdout for name in faults_of(ENGINE))
+    assert r.stdout.count("caught by:") == len(faults_of(ENGINE))
 
 
 def test_bad_run_input_exits_2_with_one_line(tmp_path):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import pcpviz.trace as pt
+from pcpviz import faults as F
 from pcpviz.diff import acceptance, diff_traces
 from tracegen import clean_run, corrupt, first_step
 
@@ -98,7 +99,7 @@ def test_other_row_order_is_aligned_by_request(tmp_path):
 
 def test_faulty_run_diverges_where_the_fault_bites(tmp_path):
     good = clean_run(2)
-    bad = clean_run(2, faults=["global_positions_from_cpu_cursor"])
+    bad = clean_run(2, faults=[F.GLOBAL_POSITIONS_FROM_CPU_CURSOR])
     s = first_step(good, lambda ph: ph["verify"]["num_rejected"].any())
     nxt = good.step_ids[good.step_ids.index(s) + 1]
     rep = diff_traces(good.write(tmp_path / "a"), bad.write(tmp_path / "b"))
@@ -212,7 +213,7 @@ def pcpviz(*args):
 def test_cli_diff_exit_codes(tmp_path):
     a = clean_run(1).write(tmp_path / "a")
     b = clean_run(2).write(tmp_path / "b")
-    c = clean_run(2, faults=["global_positions_from_cpu_cursor"]).write(tmp_path / "c")
+    c = clean_run(2, faults=[F.GLOBAL_POSITIONS_FROM_CPU_CURSOR]).write(tmp_path / "c")
     r = pcpviz("diff", str(a), str(b))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "result: SAME" in r.stdout

@@ -183,9 +183,32 @@ def test_docs_citations_in_code_tests_and_notebooks_resolve():
     assert not broken, "\n".join(broken)
 
 
-def test_design_doc_names_every_check():
-    from pcpviz.checks import CHECKS
+def test_generated_pages_are_up_to_date():
+    """docs/trace-format.md and docs/checks-and-faults.md are generated from the schema, the checks
+    and the fault registry (``pcpviz.docgen``): regenerate with ``python -m pcpviz.docgen docs``."""
+    from pcpviz.docgen import PAGES
 
-    text = (DOCS / "design.md").read_text(encoding="utf-8")
-    missing = [name for name in CHECKS if f"`{name}`" not in text]
-    assert not missing, f"docs/design.md does not name the checks {missing}"
+    stale = [name for name, page in PAGES.items()
+             if not (DOCS / name).is_file() or (DOCS / name).read_text(encoding="utf-8") != page()]
+    assert not stale, f"regenerate {stale}: python -m pcpviz.docgen docs"
+
+
+def test_the_generated_pages_name_every_check_view_and_fault():
+    from pcpviz.checks import CHECKS
+    from pcpviz.faults import FAULTS
+    from pcpviz.trace.schema import VIEW_SPECS
+
+    checks = (DOCS / "checks-and-faults.md").read_text(encoding="utf-8")
+    fmt = (DOCS / "trace-format.md").read_text(encoding="utf-8")
+    assert not [n for n in list(CHECKS) + list(FAULTS) if f"`{n}`" not in checks]
+    assert not [s.name for s in VIEW_SPECS if f"`{s.name}`" not in fmt]
+
+
+def test_readme_module_map_names_every_module():
+    """README's "What is here" names every module and package of pcpviz."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("## What is here"):text.index("\n## ", text.index("## What is here") + 1)]
+    names = sorted(p.stem if p.suffix == ".py" else p.name for p in (ROOT / "pcpviz").iterdir()
+                   if not p.name.startswith("_") and (p.suffix == ".py" or (p / "__init__.py").is_file()))
+    missing = [n for n in names if not re.search(rf"`(pcpviz/)?{re.escape(n)}(\.py|/)?[`,]", table)]
+    assert not missing, f"README's module map leaves out {missing}"

@@ -9,7 +9,7 @@ import pcpviz
 import pcpviz.trace as pt
 from pcpviz.checks import run_checks
 from pcpviz.diff import acceptance, diff_traces
-from pcpviz.engine.faults import FAULTS
+from pcpviz.faults import ENGINE, FAULTS, RANK_DIVERGENT_ACCEPTANCE, faults_of
 
 PROMPTS = [
     "def fibonacci(n):\n    ",
@@ -31,7 +31,7 @@ def test_clean_run_passes_every_check(clean):
     assert report.ok and not report.failed, report.format()
 
 
-@pytest.mark.parametrize("name", sorted(FAULTS))
+@pytest.mark.parametrize("name", sorted(faults_of(ENGINE)))
 def test_fault_is_caught_by_its_named_check_and_located_by_diff(name, clean, tmp_path):
     clean_res, clean_trace = clean
     res = pcpviz.run(PROMPTS, trace_dir=str(tmp_path), inject=[name], **RUN)
@@ -58,5 +58,5 @@ def test_fault_is_caught_by_its_named_check_and_located_by_diff(name, clean, tmp
         for ph in trace.phases(s, 0) if ph.startswith("draft_") and clean_trace.has(s, 0, ph)
     )
     assert changed_acceptance or changed_outputs or forked or changed_drafts
-    assert changed_drafts or name == "rank_divergent_acceptance" and forked
+    assert changed_drafts or name == RANK_DIVERGENT_ACCEPTANCE and forked
     assert acceptance(trace).num_drafts > 0

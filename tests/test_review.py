@@ -9,7 +9,7 @@ import pytest
 
 from pcpviz import review
 from pcpviz.checks import CHECKS
-from pcpviz.engine.faults import FAULTS
+from pcpviz.faults import FAULTS
 
 ROOT = Path(__file__).resolve().parents[1]
 REVIEW_KEYS = {f"impl {i}" for i in range(1, 7)} | {f"comment {i}" for i in range(1, 4)} | {

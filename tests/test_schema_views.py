@@ -12,6 +12,7 @@ import pytest
 
 import pcpviz.trace as pt
 from pcpviz import synthetic
+from pcpviz.faults import SYNTHETIC, faults_of
 from pcpviz.trace import schema as S
 from pcpviz.trace.validate import undeclared_views
 
@@ -34,7 +35,7 @@ def test_shipped_trace_views_are_declared(path):
 def test_synthetic_runs_write_declared_views(tmp_path):
     assert undeclared_views(pt.open(clean_run().write(tmp_path / "clean"))) == []
     reqs = [synthetic.RequestSpec(f"req{i}", n, 6) for i, n in enumerate((19, 3, 11))]
-    for fault in synthetic.FAULTS:
+    for fault in faults_of(SYNTHETIC):
         run = synthetic.generate(reqs, pcp=2, num_speculative_tokens=2, faults=[fault], timestamps=True)
         assert undeclared_views(pt.open(run.write(tmp_path / fault))) == [], fault
 

@@ -181,13 +181,13 @@ def test_enabled_plugin_swaps_in_the_recording_manager(enable_run):
     res, _ = enable_run
     en = res["enabled"]
     assert en["status"] == "enabled"
-    assert en["cls"] == "pcpviz.vllm.recording.RecordingPCPManager" and en["is_subclass"]
+    assert en["cls"] == "pcpviz.vllm.recording.manager.RecordingPCPManager" and en["is_subclass"]
     assert en["propose_wrapped"] and en["postprocess_wrapped"]
 
 
 def test_replay_through_the_plugins_classes_records_a_passing_trace(enable_run):
     res, trace_dir = enable_run
-    assert res["replay"]["manager_class"] == "pcpviz.vllm.recording.RecordingPCPManager"
+    assert res["replay"]["manager_class"] == "pcpviz.vllm.recording.manager.RecordingPCPManager"
     assert Path(res["replay"]["trace_path"]) == trace_dir
     t = open_trace(trace_dir)
     assert t.meta["producer"] == "vllm-plugin" and t.meta["vllm_version"] == "0.33.0"
@@ -221,9 +221,9 @@ def test_only_tp_rank_zero_records(monkeypatch, tmp_path):
     from pcpviz.vllm import recording
 
     s = recording.TraceSession(tmp_path, producer="vllm-plugin")
-    monkeypatch.setattr(recording, "_tp_rank", lambda: 1)
+    monkeypatch.setattr(recording.sessions, "_tp_rank", lambda: 1)
     assert s.recorder_for(_Manager()) is None
-    monkeypatch.setattr(recording, "_tp_rank", lambda: 0)
+    monkeypatch.setattr(recording.sessions, "_tp_rank", lambda: 0)
     assert s.recorder_for(_Manager()) is not None
 
 

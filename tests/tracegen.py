@@ -19,11 +19,11 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from pcpviz.synthetic import FAULTS, RequestSpec, SyntheticRun, generate, long_prompt_run
+from pcpviz.synthetic import RequestSpec, SyntheticRun, generate, long_prompt_run
 from pcpviz.trace import SEGMENT_DTYPE
 
 __all__ = [
-    "FAULTS", "RequestSpec", "SyntheticRun", "generate", "long_prompt_run", "REQUESTS",
+    "RequestSpec", "SyntheticRun", "generate", "long_prompt_run", "REQUESTS",
     "clean_run", "corrupt", "first_step", "worked_example_run",
 ]
 

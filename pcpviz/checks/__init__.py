@@ -5,7 +5,7 @@ from that rank's phases (and, for the cross-step and cross-rank checks, the prev
 or the other ranks), and either passes, is *skipped* because an input view was not
 recorded (``"no <view>"``), or reports a violation: step, rank, phase, view, the first
 differing index, expected and actual (short windows around that index). The names are
-stable — tests, the engine's fault catalogue (``pcpviz.engine.faults``) and users rely on
+stable — tests, the fault registry (``pcpviz.faults``) and users rely on
 them; ``CHECKS`` maps each name to its one-line meaning.
 
 The rules are vLLM 0.33.0's (``docs/vllm-0.33-pcp-mtp.md#invariants``). A PCP=2 step that

@@ -129,7 +129,7 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
     "this host has ``pcp`` GPUs" for a config that torchrun starts on other hosts
     (``pcpviz run --write-config``). Raises ValueError with a one-line
     reason naming the option."""
-    from pcpviz.engine.faults import validate_faults
+    from pcpviz.faults import validate_faults
     from pcpviz.engine.model import check_model_dir, default_model_dir
     from pcpviz.engine.tokenizer import EOS_ID, encode
     from pcpviz.trace.owner import check_target
@@ -453,7 +453,7 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
     """Run the tiny DeepSeek-V3 model on ``pcp`` ranks with MTP (K = ``num_speculative_tokens``).
 
     ``prompts`` are strings (byte-level tokenized, with BOS) or token-id lists.
-    ``inject`` names faults from ``pcpviz.engine.faults.FAULTS``. Other options:
+    ``inject`` names faults from ``pcpviz.faults.faults_of(ENGINE)``. Other options:
     ``model_dir``, ``block_size`` (16), ``max_num_batched_tokens`` (2048, chunked
     prefill budget), ``max_num_seqs``, ``num_blocks``, ``shard_decode_requests``,
     ``seed``, ``timeout_s``, ``stop_at_eos``, ``overwrite`` (replace the trace in a non-empty

@@ -34,7 +34,7 @@ import torch
 
 from pcpviz.blocks import compute_slot_mappings
 from pcpviz.engine.attention import PagedAttention
-from pcpviz.engine.faults import STALE_ROWS_PER_LAUNCH
+from pcpviz import faults as F
 from pcpviz.engine.graphs import pad
 
 __all__ = ["propose", "draft_prefill_inputs"]
@@ -84,7 +84,7 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     draft_ids, last_idx = draft_prefill_inputs(batch, verify, next_prompt)
     local_ids = draft_ids[local.gather_idx] if draft_ids.size else np.zeros(local.num_tokens_padded, np.int64)
     model_positions = h.positions
-    if "draft_prefill_reads_captured_buffers" in faults and n > 1:
+    if F.DRAFT_PREFILL_READS_CAPTURED_BUFFERS in faults and n > 1:
         # The draft prefill's captured graph reads the speculator's own buffers (global order,
         # written by prepare_prefill_inputs), not the rank-local batch handed to the model.
         p = local.num_tokens_padded
@@ -94,7 +94,7 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
         local_ids[:m] = draft_ids[:m]
         model_positions[:m] = batch.positions[:m]
     read_idx = last_idx
-    hidden_rank_local = "draft_hidden_rank_local" in faults and n > 1
+    hidden_rank_local = F.DRAFT_HIDDEN_RANK_LOCAL in faults and n > 1
     if hidden_rank_local:
         # The fault: the rank-local MTP output read at the global rows (clamped to the rank's).
         read_idx = np.minimum(last_idx, max(local.num_tokens_padded - 1, 0))
@@ -103,8 +103,8 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
 
     decode = None
     if k > 1:
-        if "skip_draft_block_table_gather" not in faults:
-            cap = STALE_ROWS_PER_LAUNCH if "stale_draft_block_table_rows" in faults else None
+        if F.SKIP_DRAFT_BLOCK_TABLE_GATHER not in faults:
+            cap = F.STALE_ROWS_PER_LAUNCH if F.STALE_DRAFT_BLOCK_TABLE_ROWS in faults else None
             with timer.phase("gather"):
                 worker._write_input_block_tables(h.table, batch.idx_mapping, max_rows=cap)
         block_rows = worker.input_block_tables[:r].copy()
@@ -135,7 +135,7 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
         return tok0[:r, None]
 
     # -- draft steps 1..K-1: replicated, unexpanded slot mapping -----------------------------
-    fold = "fold_slot_mapping_without_shape_check" in faults
+    fold = F.FOLD_SLOT_MAPPING_WITHOUT_SHAPE_CHECK in faults
     bounds = [(1, shape.max_seq_len) if shape is not None else (1, int(s.max()) if s.size else 0)
               for s in decode["seq_lens"]]
     marks: list[int] = []
@@ -164,7 +164,7 @@ def _draft_decode_inputs(worker, batch, table, *, last_idx, k) -> dict[str, list
     model, cfg, faults = worker.model, worker.cfg, worker.faults
     r = batch.num_reqs
     positions = batch.positions[last_idx].copy() if r else np.zeros(0, np.int64)
-    if "draft_cursor_drift_after_rejection" in faults and r:
+    if F.DRAFT_CURSOR_DRIFT_AFTER_REJECTION in faults and r:
         # The fault: the drafter's own cursor, ahead by every rejection so far (kept inside the
         # model's context so RoPE and the block table can still be indexed).
         drift = np.array([worker.draft_drift.get(rid, 0) for rid in batch.req_ids], dtype=np.int64)
@@ -177,7 +177,7 @@ def _draft_decode_inputs(worker, batch, table, *, last_idx, k) -> dict[str, list
         # Slots come from the persistent block tables by request slot (always right);
         # attention reads input_block_tables (wrong when the gather was skipped).
         slots = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping, qsl, positions)[0]
-        if "draft_slot_from_seq_len" in faults and r:
+        if F.DRAFT_SLOT_FROM_SEQ_LEN in faults and r:
             # The fault: the block from seq_len // block_size; one slot before a block boundary
             # that is the next block (the null block when it is not allocated yet).
             blocks = table[batch.idx_mapping, np.minimum((positions + 1) // cfg.block_size, table.shape[1] - 1)]

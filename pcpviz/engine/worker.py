@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pcpviz import faults as F
 from pcpviz.batch import GlobalBatch, LocalBatch
 from pcpviz.blocks import (
     BlockTable,
@@ -145,7 +146,7 @@ class Worker:
         self.cache = LatentKVCache(num_cache_layers, cfg.num_blocks, cfg.block_size, mc.kv_lora_rank,
                                    mc.qk_rope_head_dim, cfg.dtype, device)
         self.states: dict[str, RequestState] = {}
-        self._fault_specs = cfg.faults  # NAME or NAME@STEP (pcpviz.engine.faults.parse_fault)
+        self._fault_specs = cfg.faults  # NAME or NAME@STEP (pcpviz.faults.parse_fault)
         self.faults: frozenset[str] = frozenset()  # the names active at the current step
         # draft_cursor_drift_after_rejection: how far each request's drafter cursor runs ahead
         self.draft_drift: dict[str, int] = {}
@@ -226,7 +227,7 @@ class Worker:
         local = partition_batch(batch, rank, n, layout=layout,
                                 padded_num_reqs=None if shape is None else shape.local_reqs)
         local_positions = local.positions
-        if "positions_from_cpu_cursor" in self.faults:
+        if F.POSITIONS_FROM_CPU_CURSOR in self.faults:
             local_positions = _positions_from_cpu_cursor(local)
             local_seq_lens = local.seq_lens.copy()
             ends = local.query_start_loc[1 : local.num_reqs + 1] - 1
@@ -244,7 +245,7 @@ class Worker:
         if n == 1:
             # Without PCP the target's gather writes the shared input block tables.
             self._write_input_block_tables(table, batch.idx_mapping)
-        if "sample_local_logits" in self.faults:
+        if F.SAMPLE_LOCAL_LOGITS in self.faults:
             sample_rows = np.minimum(logits_indices, max(local.num_tokens_padded - 1, 0))
         else:
             sample_rows = logits_indices
@@ -285,7 +286,7 @@ class Worker:
         k = cfg.num_speculative_tokens
         rec = StepRecord(sched.step, self.rank) if self.record else None
         if self._fault_specs:
-            from pcpviz.engine.faults import active_faults
+            from pcpviz.faults import active_faults
 
             self.faults = active_faults(self._fault_specs, sched.step)
         with timer.phase("draft_k" if k > 1 else "draft_0"):
@@ -303,7 +304,7 @@ class Worker:
                 "qsl": (local.query_start_loc, torch.int64), "seq_lens": (h.seq_lens, torch.int64),
                 "restore": (pad(layout.hidden_restore_idx, max(tokens, layout.num_tokens)), torch.int64),
                 "sample_rows": (pad(h.sample_rows, tokens), torch.int64)})
-        local_logits = "sample_local_logits" in self.faults
+        local_logits = F.SAMPLE_LOCAL_LOGITS in self.faults
         with timer.phase("target"):
             top1, hidden_global, hidden_local = self.run_forward(
                 ("target", shape), lambda: self._target(dev, h.bounds, local_logits, host_lens=h.host_lens))
@@ -393,10 +394,10 @@ class Worker:
     def _verify(self, sched, batch, num_draft, targets):
         from pcpviz.engine.verify import greedy_verify
 
-        divergent = "rank_divergent_acceptance" in self.faults and self.rank != 0
+        divergent = F.RANK_DIVERGENT_ACCEPTANCE in self.faults and self.rank != 0
         v = greedy_verify(batch, num_draft, targets, states=self.states, k=self.cfg.num_speculative_tokens,
                           accept_one_less=divergent)
-        drift = "draft_cursor_drift_after_rejection" in self.faults
+        drift = F.DRAFT_CURSOR_DRIFT_AFTER_REJECTION in self.faults
         for i, req_id in enumerate(batch.req_ids):
             st = self.states[req_id]
             rejected = int(v.num_rejected[i])

@@ -159,7 +159,7 @@ def _token_ids(v: Any) -> str | None:
 
 META_SCHEMA: Mapping[str, tuple[Callable[[Any], str | None], bool, str]] = {
     # key: (check, required, meaning)
-    "producer": (_str, True, "what wrote the trace (pcpviz-engine, pcpviz-vllm-replay, the plugin)"),
+    "producer": (_str, True, "what wrote the trace (pcpviz-engine, pcpviz-synthetic, vllm-replay, vllm-plugin)"),
     "pcp": (_int(1, MAX_WORLD_SIZE), True, "PCP world size: one rank file per PCP rank"),
     "dcp": (_int(1, MAX_WORLD_SIZE), False, "DCP world size"),
     "dcp_rank": (_int(0, MAX_WORLD_SIZE - 1), False, "DCP rank of the recorded ranks"),
@@ -178,7 +178,7 @@ META_SCHEMA: Mapping[str, tuple[Callable[[Any], str | None], bool, str]] = {
     "max_model_len": (_int(1, _MAX_COUNT), False, "context length"),
     "vocab_size": (_int(1, _MAX_COUNT), False, "vocabulary size"),
     "seed": (_int(-_INT64, _INT64 - 1), False, "random seed"),
-    "inject": (_str_list, False, "injected faults (pcpviz.engine.faults)"),
+    "inject": (_str_list, False, "injected faults (pcpviz.faults)"),
     "model": (_str, False, "model name or path"),
     "device": (_str, False, "cpu or cuda"),
     "vllm_version": (_str, False, "vLLM version of the producer"),

@@ -7,9 +7,11 @@
   results; the conformance tests compare pcpviz's re-implementation against them.
 - ``pcpviz.vllm.replay(pcp=2, mtp=2, trace_dir=..., scenario="mixed")``: a multi-step
   PCP + MTP (or DSpark) scenario through vLLM's own classes on CPU, recorded as a trace
-  (the ``replay`` module is itself callable).
+  (the ``replay`` package is itself callable; scenarios, stand-ins, ranks, scheduler, step
+  and driver are its modules).
 - ``pcpviz.vllm.recording``: the recording ``PCPManager`` subclass and speculator wrappers,
-  shared by the replay and the plugin.
+  shared by the replay and the plugin (sessions, recorder, drafts, manager, wrappers, host,
+  meta are its modules).
 - ``pcpviz.vllm.plugin``: the ``vllm.general_plugins`` entry point (inert unless
   ``PCPVIZ_TRACE_DIR`` is set).
 - ``pcpviz.vllm.run(model, prompts, pcp=2, ...)``: real vLLM on GPUs with the plugin

@@ -1,0 +1,199 @@
+"""What one ``propose`` call records on one PCP rank: a phase per draft forward.
+
+``TargetDependentARSpeculator.propose`` (MTP) runs one forward per draft step: ``_prefill``
+(``draft_0``) then one ``_generate_draft`` per decode step (``draft_1`` ... ``draft_{K-1}``).
+A ``DraftContext`` is opened by the ``propose`` wrapper (``recording.wrappers``) and fed by the
+hooks that fire inside it on the same thread: the ``_run_model`` entry (``on_forward``: the
+inputs of the forward about to run), ``BlockTables.compute_slot_mappings`` and
+``gather_block_tables`` on the speculator's instance, the PCP manager's draft-prefill hooks
+and, for DSpark/DFlash, ``prepare_dflash_inputs`` (``on_dflash_inputs``).
+
+PCP=2, K=2, two decode requests: ``draft_0`` runs on the target's rank-local rows (view
+``rank_local``: this rank's share of the global batch, ``draft_global_input_ids`` the shifted
+ids before the gather); ``draft_1`` runs replicated on the global batch (view ``replicated``,
+``slot_mapping_draft`` of length R = 2, unexpanded); ``finish`` adds ``draft_tokens`` ``int64[R]``
+to each phase from the ``int64[R, K]`` that ``propose`` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from pcpviz.vllm import cpu_patches
+from pcpviz.vllm.recording.host import block_rows, now_us
+
+if TYPE_CHECKING:
+    from pcpviz.vllm.recording.recorder import RankRecorder
+
+__all__ = ["DraftContext", "first_layer_slots", "fake_group_all_gathers"]
+
+
+def fake_group_all_gathers() -> int | None:
+    """all_gathers of the calling thread's rank in the replay's FakePCPGroup (None on GPUs)."""
+    group = cpu_patches._current_fake_group()
+    if group is None:
+        return None
+    return int(group.all_gather_calls[group.rank_in_group])
+
+
+def first_layer_slots(slot_mappings: Any, spec: Any) -> torch.Tensor | None:
+    """[G, n] from a per-layer slot-mapping dict: one layer per KV-cache group (the drafter's
+    own layer where the group has one)."""
+    if not isinstance(slot_mappings, Mapping) or not slot_mappings:
+        return None
+    cfg = getattr(spec, "kv_cache_config", None)
+    groups = getattr(cfg, "kv_cache_groups", None)
+    draft_layers = getattr(spec, "draft_attn_layer_names", None) or set()
+    rows = []
+    if groups:
+        for group in groups:
+            names = [n for n in group.layer_names if n in slot_mappings]
+            if not names:
+                continue
+            pick = next((n for n in names if n in draft_layers), names[0])
+            rows.append(slot_mappings[pick])
+    if not rows:
+        rows = [next(iter(slot_mappings.values()))]
+    n = min(r.shape[0] for r in rows)
+    return torch.stack([r[:n] for r in rows]).clone()
+
+
+class DraftContext:
+    """What one ``propose`` call on one rank recorded: a phase per draft forward."""
+
+    def __init__(self, rec: RankRecorder, spec: Any, input_batch: Any, dummy: bool) -> None:
+        self.rec, self.spec, self.input_batch, self.dummy = rec, spec, input_batch, dummy
+        self.num_reqs = int(input_batch.num_reqs)
+        self.phases: list[str] = []
+        self.block_table_gathers = 0
+        self.compute_slot_calls = 0
+        self.last_slots: torch.Tensor | None = None
+        self.global_draft_ids: torch.Tensor | None = None
+        self.dflash_inputs: dict[str, Any] | None = None
+        self.t0 = now_us()
+        self.all_gathers_before = fake_group_all_gathers()
+        self.hidden_gathers = 0
+
+    def phase_name(self, k: int) -> str:
+        return "dummy" if self.dummy else f"draft_{k}"
+
+    def on_forward(self, num_tokens: int, slot_mappings: Any) -> None:
+        """Snapshot the inputs of the draft forward that is about to run."""
+        spec, rec = self.spec, self.rec
+        now = now_us()
+        if self.phases and not self.dummy:
+            rec.phase(self.phases[-1])["t_end_us"] = np.array(now, dtype=np.int64)
+        # propose runs one forward per draft step, in order: _prefill (step 0) then one
+        # _generate_draft per decode step (counted here rather than read from the device
+        # tensor current_draft_step, which would synchronize).
+        k = len(self.phases)
+        name = self.phase_name(k)
+        r = self.num_reqs
+        manager = spec.pcp_manager
+        local = getattr(manager, "draft_prefill_batch", None)
+        views: dict[str, Any] = {"t_start_us": np.array(now, dtype=np.int64)}
+        if self.dummy:
+            self.phases.append(name)
+            views = {"draft_forwards": np.array(len(self.phases), dtype=np.int64)}
+            rec.put(name, **views)
+            return
+        self.phases.append(name)
+        if local is not None:
+            # draft_0 under PCP: the target's rank-local rows, attention metadata and gathered
+            # slot mapping (pcp_manager.get_draft_input_buffers returns this batch).
+            nr = local.num_reqs
+            rows, stale = block_rows(spec.block_tables,
+                                     [t[: local.num_reqs_after_padding] for t in manager._local_block_tables],
+                                     local.idx_mapping[:nr])
+            views.update(view=np.array("rank_local"), draft_input_ids=local.input_ids[:num_tokens],
+                         draft_positions=local.positions[:num_tokens], draft_seq_lens=local.seq_lens[:nr],
+                         block_table_draft=rows, block_table_draft_stale_tail=stale)
+            if self.global_draft_ids is not None:
+                views["draft_global_input_ids"] = self.global_draft_ids
+        else:
+            buf = spec.input_buffers
+            rows, stale = block_rows(spec.block_tables, [t[:r] for t in spec.block_tables.input_block_tables],
+                                     self.input_batch.idx_mapping[:r])
+            views.update(view=np.array("replicated"), draft_input_ids=buf.input_ids[:num_tokens][:r],
+                         draft_positions=buf.positions[:num_tokens][:r], draft_seq_lens=buf.seq_lens[:r],
+                         block_table_draft=rows, block_table_draft_stale_tail=stale)
+        if k == 0:
+            views["draft_last_token_indices"] = spec.last_token_indices[:r]
+        slots = None
+        if local is None and self.last_slots is not None:
+            slots = self.last_slots[:, :r]  # compute_slot_mappings of this decode step: unexpanded
+        if slots is None:
+            slots = first_layer_slots(slot_mappings, spec)
+            if slots is not None and local is None:
+                slots = slots[:, :r]
+        if slots is not None:
+            views["slot_mapping_draft"] = slots
+        rec.put(name, **views)
+
+    def on_compute_slot_mappings(self, out: torch.Tensor) -> None:
+        self.compute_slot_calls += 1
+        self.last_slots = out.detach().clone()
+
+    def on_gather_block_tables(self) -> None:
+        self.block_table_gathers += 1
+
+    def on_dflash_inputs(self, input_buffers: Any, query_slots: torch.Tensor, context_positions: torch.Tensor,
+                         context_slots: torch.Tensor) -> None:
+        """DSpark/DFlash's replicated drafter inputs on the global batch (one draft forward),
+        what ``prepare_dflash_inputs`` just wrote."""
+        spec, batch = self.spec, self.input_batch
+        r, t = int(batch.num_reqs), int(batch.num_tokens)
+        nq = r * int(spec.num_query_per_req)
+        self.dflash_inputs = dict(
+            view=np.array("replicated"),
+            draft_input_ids=input_buffers.input_ids[:nq],
+            draft_positions=input_buffers.positions[:nq],
+            draft_seq_lens=input_buffers.seq_lens[:r],
+            draft_query_start_loc=input_buffers.query_start_loc[: r + 1],
+            slot_mapping_draft=query_slots[:nq].unsqueeze(0),
+            draft_context_positions=context_positions[:t],
+            draft_context_slot_mapping=context_slots[:t].unsqueeze(0),
+            block_table_draft=block_rows(spec.block_tables, [b[:r] for b in spec.block_tables.input_block_tables],
+                                         batch.idx_mapping[:r])[0],
+            t_start_us=np.array(self.t0, dtype=np.int64),
+        )
+        self.phases = ["draft_0"]
+
+    def finish(self, draft_tokens: torch.Tensor | None) -> None:
+        """Close the last phase and add the proposed tokens (``int64[R, K]``), one column per phase."""
+        rec = self.rec
+        now = np.array(now_us(), dtype=np.int64)
+        if self.dummy:
+            rec.put("dummy", num_reqs=np.array(self.num_reqs, dtype=np.int64),
+                    block_table_gathers=np.array(self.block_table_gathers, dtype=np.int64),
+                    compute_slot_mapping_calls=np.array(self.compute_slot_calls, dtype=np.int64),
+                    pcp_hidden_all_gathers=np.array(self.hidden_gathers, dtype=np.int64),
+                    t_start_us=np.array(self.t0, dtype=np.int64), t_end_us=now)
+            group_gathers = fake_group_all_gathers()
+            if group_gathers is not None and self.all_gathers_before is not None:
+                rec.put("dummy", all_gathers=np.array(group_gathers - self.all_gathers_before, dtype=np.int64))
+            if draft_tokens is not None:
+                rec.put("dummy", draft_tokens=draft_tokens)
+            return
+        if self.phases:
+            rec.phase(self.phases[-1])["t_end_us"] = now
+        if self.dflash_inputs is not None:
+            rec.put("draft_0", **self.dflash_inputs)
+            rec.put("draft_0", block_table_gathers=np.array(self.block_table_gathers, dtype=np.int64))
+        if draft_tokens is None:
+            return
+        dt = draft_tokens.detach()
+        if self.dflash_inputs is not None:
+            # DSpark/DFlash: one replicated forward proposes all K tokens of a request. The
+            # view contract is one token per request per draft phase: draft_tokens is the first
+            # of them, draft_block_tokens all K.
+            rec.put("draft_0", draft_tokens=dt[:, 0], draft_block_tokens=dt)
+            return
+        for name in self.phases:
+            k = int(name.split("_")[1])
+            if k < dt.shape[1]:
+                rec.put(name, draft_tokens=dt[:, k])

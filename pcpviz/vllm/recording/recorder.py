@@ -1,0 +1,264 @@
+"""One PCP rank's recorder: the views of the step being recorded, written at its end.
+
+A ``RankRecorder`` collects the phases of one scheduler step (``target``, ``verify``,
+``draft_0`` ... ``draft_{K-1}``, or ``dummy``) as the hooks fire, each view a copy taken at
+that moment (``recording.host``), and writes the step as one record batch of
+``rank{r}.arrow`` when the next step begins or ``propose`` returns (``flush``). The target
+phase's hooks are methods here (``on_layout``, ``on_partition``, ``on_prepare_attn``,
+``on_slot_mappings``, ``on_restore_for_sampling``), as is verify (``on_postprocess_sampled``);
+the draft phases go through a ``recording.drafts.DraftContext`` per ``propose`` call.
+
+PCP=2, K=2, a decode ``d0`` (1 token + 2 drafts) and a prefill ``p1`` (5 tokens): rank 0's
+``target`` phase holds the global batch (``req_ids = ["d0", "p1"]``, ``num_scheduled_tokens =
+[3, 5]``, ``input_ids`` ``int32[8]``), the layout (``segments``, ``per_rank_num_tokens``), its
+rank-local batch (``local_input_ids`` ``int32[P]``) and the block tables / slot mappings;
+``verify`` holds ``sampled_token_ids`` ``int64[2, 3]`` (-1 past ``num_sampled``).
+
+Error policy (``guard``): a lenient session (the plugin) logs the first exception of a hook
+and switches recording off for that rank; a strict one (the replay) re-raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from pcpviz.trace import TraceWriter, segments_table, write_run_meta
+from pcpviz.vllm.recording.drafts import DraftContext
+from pcpviz.vllm.recording.host import block_rows, copy_now, host_all, now_us, trim_block_tables
+from pcpviz.vllm.recording.meta import environment_meta, speculator_meta
+from pcpviz.vllm.recording.wrappers import install_instance_wrappers, warming_up
+
+if TYPE_CHECKING:
+    from pcpviz.vllm.recording.manager import RecordingPCPManager
+    from pcpviz.vllm.recording.sessions import TraceSession
+
+__all__ = ["RankRecorder"]
+
+logger = logging.getLogger("vllm.pcpviz")
+
+
+class RankRecorder:
+    """One PCP rank's steps: the phases of the step being recorded, written at its end."""
+
+    def __init__(self, session: TraceSession, pcp_rank: int, pcp_world_size: int) -> None:
+        self.session = session
+        self.rank = pcp_rank
+        self.pcp_world_size = pcp_world_size
+        self.step = 0
+        self.phases: dict[str, dict[str, Any]] | None = None
+        self.writer: TraceWriter | None = None
+        self.meta: dict[str, Any] = {}
+        self.disabled = False
+        self.closed = False
+        self.seconds = 0.0  # time spent inside recording hooks
+        self.steps_written = 0
+        self.global_batch: Any = None  # the step's global InputBatch (verify rows)
+        self._layout: tuple[list, list[int]] | None = None
+        self._lock = threading.Lock()
+
+    # -- error policy
+    def guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Run a recording action; lenient sessions log and disable on error."""
+        if self.disabled:
+            return None
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if self.session.strict:
+                raise
+            self.disabled = True
+            logger.warning("pcpviz: recording disabled on PCP rank %d after an error in %s: %s: %s "
+                           "(vLLM continues unaffected)", self.rank, getattr(fn, "__name__", fn),
+                           type(exc).__name__, exc)
+            return None
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    # -- steps and phases
+    def begin_step(self) -> None:
+        if self.phases is not None:
+            self.flush()
+        self.phases = {}
+
+    def phase(self, name: str) -> dict[str, Any]:
+        if self.phases is None:
+            self.phases = {}
+        return self.phases.setdefault(name, {})
+
+    def put(self, phase: str, **views: Any) -> None:
+        ph = self.phase(phase)
+        for name, value in views.items():
+            ph[name] = copy_now(value)
+
+    def flush(self) -> None:
+        """Write the pending step (if any) as one record batch."""
+        with self._lock:
+            phases, self.phases = self.phases, None
+            if not phases or self.closed:
+                return
+            out = host_all(phases)
+            trim_block_tables(out)
+            if self.writer is None:
+                self._open_writer()
+            self.writer.write_step(self.step, out)
+            self.step += 1
+            self.steps_written += 1
+
+    def _open_writer(self) -> None:
+        s = self.session
+        meta = None
+        if self.rank == 0:
+            self.meta.update(environment_meta())
+            meta = {**s.meta, **self.meta}
+        self.writer = TraceWriter(s.run_dir, self.rank, meta=meta, overwrite=s.overwrite)
+
+    def update_meta(self, **meta: Any) -> None:
+        fresh = {k: v for k, v in meta.items() if self.meta.get(k) != v}
+        if not fresh:
+            return
+        self.meta.update(fresh)
+        if self.writer is not None and self.rank == 0:
+            write_run_meta(self.session.run_dir, {**self.session.meta, **self.meta})
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            if not self.disabled:
+                self.flush()
+        except Exception as exc:  # noqa: BLE001
+            if self.session.strict:
+                raise
+            logger.warning("pcpviz: could not write the last step on PCP rank %d: %s", self.rank, exc)
+        finally:
+            self.closed = True
+            if self.writer is not None:
+                self.writer.close()
+
+    # -- target: global batch, layout, local batch
+    def on_layout(self, segments_by_rank: list, per_rank_num_tokens: list[int]) -> None:
+        self._layout = (segments_by_rank, list(per_rank_num_tokens))
+
+    def on_partition(self, manager: RecordingPCPManager, global_batch: Any, local: Any, t0: int) -> None:
+        self.global_batch = global_batch
+        g, r, t = global_batch, global_batch.num_reqs, global_batch.num_tokens
+        nr = local.num_reqs
+        p = local.num_tokens_after_padding
+        segs, per_rank = self._layout or ([], [])
+        self._layout = None
+        is_padding = local.is_padding
+        views: dict[str, Any] = dict(
+            # global batch
+            req_ids=np.array(g.req_ids, dtype=str),
+            idx_mapping=g.idx_mapping[:r],
+            num_scheduled_tokens=np.asarray(g.num_scheduled_tokens[:r], dtype=np.int64),
+            num_computed_tokens=np.asarray(g.num_computed_tokens_np[:r], dtype=np.int64),
+            query_start_loc=g.query_start_loc[: r + 1],
+            positions=g.positions[:t],
+            input_ids=g.input_ids[:t],
+            seq_lens=g.seq_lens[:r],
+            is_prefilling=np.asarray(g.is_prefilling_np[:r], dtype=bool),
+            prefill_len=np.asarray(g.prefill_len_np[:r], dtype=np.int64),
+            logits_indices=g.logits_indices,
+            num_draft_tokens=(np.zeros(r, dtype=np.int64) if g.num_draft_tokens_per_req is None
+                              else np.asarray(g.num_draft_tokens_per_req[:r], dtype=np.int64)),
+            # layout
+            segments=segments_table(
+                [[(s.global_batch_req_idx, s.global_batch_slice.start, s.global_batch_slice.stop,
+                   s.rank_local_batch_slice.start, s.rank_local_batch_slice.stop) for s in rank_segs]
+                 for rank_segs in segs]),
+            per_rank_num_tokens=np.asarray(per_rank, dtype=np.int64),
+            padded_gather_idx=manager._padded_gather_idx,
+            hidden_restore_idx=manager._hidden_restore_idx,
+            kv_write_mask=manager._gathered_kv_write_mask,
+            # rank-local batch (input_ids cloned now: the draft prefill overwrites them in place)
+            local_req_ids=np.array(local.req_ids, dtype=str),
+            local_idx_mapping=local.idx_mapping[:nr],
+            local_input_ids=local.input_ids[:p],
+            local_positions=local.positions[:p],
+            local_query_start_loc=local.query_start_loc[: nr + 1],
+            local_seq_lens=local.seq_lens[:nr],
+            local_logits_indices=local.logits_indices[:nr],
+            local_is_prefilling=np.asarray(local.is_prefilling_np[:nr], dtype=bool),
+            local_num_computed_tokens=np.asarray(local.num_computed_tokens_np[:nr], dtype=np.int64),
+            t_start_us=np.array(t0, dtype=np.int64),
+        )
+        if warming_up():
+            views["warmup"] = np.array(True)  # a synthetic warm-up step (PCPVIZ_RECORD_DUMMY=1)
+        if is_padding.shape[0] == p:
+            views["local_is_padding"] = is_padding[:p]
+        else:
+            # moe_gathers_tokens (EP off): vLLM hands the rank-major [N*P] gathered MoE mask;
+            # this rank's own rows are its block of it.
+            views["local_is_padding"] = is_padding[self.rank * p:(self.rank + 1) * p]
+            views["moe_is_padding"] = is_padding
+        self.put("target", **views)
+        self.update_meta(pcp=manager.pcp_world_size, dcp=manager.dcp_world_size,
+                         shard_decode_requests=bool(manager.shard_decode_requests))
+
+    def on_prepare_attn(self, manager: RecordingPCPManager, local: Any, block_tables: Any) -> None:
+        bt = manager._block_tables
+        g = manager._global_batch
+        idx = g.idx_mapping[: g.num_reqs]
+        local_rows, local_stale = block_rows(bt, [t[: local.num_reqs_after_padding] for t in block_tables],
+                                              local.idx_mapping[: local.num_reqs])
+        global_rows, global_stale = block_rows(bt, [b.gpu[idx] for b in bt.block_tables], idx)
+        self.put("target", block_table_local=local_rows, block_table_global=global_rows,
+                 block_table_local_stale_tail=local_stale, block_table_global_stale_tail=global_stale)
+        self.update_meta(block_size=int(bt.block_sizes[0]), block_sizes=[int(b) for b in bt.block_sizes],
+                         dcp_rank=int(manager.dcp_rank), dcp_interleave=int(manager.cp_interleave))
+
+    def on_slot_mappings(self, manager: RecordingPCPManager, gathered: torch.Tensor) -> None:
+        g = manager._global_batch
+        self.put("target", slot_mapping_global=manager._global_batch_slot_mappings[:, : g.num_tokens],
+                 slot_mapping_gathered=gathered)
+
+    def on_restore_for_sampling(self, manager: RecordingPCPManager, batch: Any, num_aux: int) -> None:
+        self.put("target", sampled_logits_rows=batch.logits_indices,
+                 sampled_from=np.array("global" if batch is manager._global_batch else "local"),
+                 num_aux_hidden_states_restored=np.array(num_aux, dtype=np.int64),
+                 t_end_us=np.array(now_us(), dtype=np.int64))
+
+    # -- verify
+    def on_postprocess_sampled(self, idx_mapping: torch.Tensor, sampled: torch.Tensor, num_sampled: torch.Tensor,
+                               num_rejected: torch.Tensor, t0: int) -> None:
+        """The verify phase: ``sampled_token_ids`` ``int64[R, K+1]`` (PAD = -1 past
+        ``num_sampled``), ``num_sampled`` / ``num_rejected`` / ``num_accepted`` ``int64[R]`` and
+        ``idx_mapping`` ``int32[R]`` (-1 marks a masked row, which vLLM's ``post_update`` skips)."""
+        g = self.global_batch
+        r = num_sampled.shape[0]
+        views: dict[str, Any] = {}
+        if g is not None and g.num_reqs == r:
+            views["req_ids"] = np.array(g.req_ids, dtype=str)
+            views["num_draft_tokens"] = (np.zeros(r, dtype=np.int64) if g.num_draft_tokens_per_req is None
+                                         else np.asarray(g.num_draft_tokens_per_req[:r], dtype=np.int64))
+        ns = num_sampled.to(torch.int64)
+        # vLLM writes sampled_tokens[i, :num_sampled[i]] only: on a GPU the rest of the row is
+        # whatever the buffer held (a rejected draft, an older step). Recorded as -1 (no sync).
+        cols = torch.arange(sampled.shape[-1], device=sampled.device)
+        sampled = sampled.masked_fill(cols.unsqueeze(0) >= ns.to(sampled.device).unsqueeze(-1), -1)
+        views["idx_mapping"] = idx_mapping
+        self.put("verify", **views, sampled_token_ids=sampled, num_sampled=ns,
+                 num_rejected=num_rejected.to(torch.int64), num_accepted=(ns - 1).clamp_(min=0),
+                 t_start_us=np.array(t0, dtype=np.int64), t_end_us=np.array(now_us(), dtype=np.int64))
+
+    # -- drafts
+    def begin_propose(self, spec: Any, input_batch: Any, dummy: bool) -> DraftContext:
+        if dummy:
+            # A dummy/profile run is its own step (no partition_batch precedes it).
+            self.begin_step()
+        install_instance_wrappers(spec)
+        self.update_meta(**speculator_meta(spec))
+        return DraftContext(self, spec, input_batch, dummy)
+
+    def end_propose(self, ctx: DraftContext, draft_tokens: torch.Tensor | None) -> None:
+        ctx.finish(draft_tokens)
+        self.flush()

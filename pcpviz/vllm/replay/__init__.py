@@ -1,0 +1,97 @@
+"""Replay vLLM 0.33.0's PCP + MTP step on CPU with the real vLLM classes, and record it.
+
+``replay(pcp=2, mtp=2, trace_dir=..., scenario="mixed")`` runs a scripted multi-step
+scenario through vLLM's own code, N PCP ranks as threads sharing a ``FakePCPGroup``
+(``pcpviz.vllm.cpu_patches``), and writes a pcpviz trace (producer ``"vllm-replay"``)
+through the *same* recording classes the plugin installs in a real deployment
+(``pcpviz.vllm.recording``)::
+
+    from pcpviz.vllm import replay
+    res = replay(pcp=2, mtp=2, trace_dir="runs/replay", scenario="mixed")
+    res.trace.record(1, 0, "draft_1")["slot_mapping_draft"]     # unexpanded, length R
+
+What runs is vLLM's (``docs/vllm-0.33-pcp-mtp.md#running-the-pcp-code-on-cpu``):
+
+* ``RequestState``, ``BlockTables`` and their Triton kernels (``TRITON_INTERPRET=1``);
+* ``GPUModelRunner.finish_requests / add_requests / update_requests /
+  gather_batch_req_state / prepare_inputs / prepare_attn / postprocess_sampled``, called
+  unbound on a stand-in ``self`` (a ``SimpleNamespace`` holding the real request state,
+  block tables, input buffers and PCP manager; ``GPUModelRunner.__init__`` needs CUDA);
+* ``dispatch_cg_and_sync_dp(need_eager=True)``, ``maybe_build_pcp_manager(...,
+  cls=RecordingPCPManager)`` and ``validate_config``, ``partition_batch``,
+  ``prepare_attn``, ``restore_for_sampling``, ``prepare_draft_prefill``,
+  ``get_draft_input_buffers``, ``restore_draft_prefill``;
+* ``DefaultModelState.prepare_attn`` -> ``build_attn_metadata`` -> the real
+  ``CommonAttentionMetadata``; ``set_forward_context`` / ``build_slot_mappings_by_layer``;
+* ``MTPSpeculator.__init__`` and ``TargetDependentARSpeculator.propose`` (with
+  ``is_profile=True``, which forces ``CUDAGraphMode.NONE``: there are no CUDA-graph
+  managers on CPU) including its Triton ``prepare_prefill_inputs``,
+  ``prepare_decode_inputs``, ``update_draft_inputs``, the block-table gather and the
+  per-step ``compute_slot_mappings`` / ``_build_attn_metadata`` (with
+  ``draft_is_prefilling``);
+* ``get_num_sampled_and_rejected`` (the sampler's chunked-prefill rule);
+* ``maybe_gather_mla_latent_cache_inputs`` (the MLA KV-write gather) and
+  ``split_decodes_and_prefills`` (the MLA builder's decode/prefill split, with
+  ``treat_short_extends_as_decodes=False`` as under PCP);
+* ``InputBatch.make_dummy`` + ``prepare_inputs_for_capture_or_profile`` +
+  ``propose(dummy_run=True)`` for the dummy (profile) run;
+* for the ``dspark`` scenario: the block-table gather and ``prepare_dflash_inputs``
+  (see ``DSPARK_STATUS``).
+
+What is a stand-in (declared in the trace's ``run.json`` under ``"models"`` and
+``"stand_ins"``): the target and MTP models (deterministic functions of token and
+position, no weights: the target predicts ``(5*token + 3*position + 7) % vocab`` for the
+next position, the MTP module the same one position further; both emulate the MLA KV
+write into a per-rank cache through the real ``maybe_gather_mla_latent_cache_inputs``),
+the attention backend (a metadata builder that only calls ``split_decodes_and_prefills``),
+the rejection outcome (scripted per scenario: accepted drafts are the scheduled drafts,
+the bonus token is the target's top-1), the scheduler (scripted: async scheduling, so the
+CPU cursor runs ahead by the last step's rejected drafts), the vLLM config
+(``SimpleNamespace`` with the fields the code reads; a stand-in model registry resolves
+the architecture to the stand-in target) and the runner's sampler/model-state
+bookkeeping (no-ops).
+
+The package, one concern per module:
+
+================  ================================================================
+``scenarios``     ``Scenario``, ``ScenarioRequest``, ``SCENARIOS`` (plain data)
+``stand_ins``     the stand-in models and attention group; what run.json declares
+``ranks``         ``RankState``: one rank's vLLM objects; the stand-in ``VllmConfig``
+``scheduler``     ``ScriptedScheduler``: ``SchedulerOutput`` per step
+``step``          one step on one rank (``rank_step``), the profile run (``dummy_step``)
+``driver``        ``replay()`` and ``ReplayResult``
+================  ================================================================
+
+Importing this package applies ``pcpviz.vllm.cpu_patches`` and imports vLLM (about 15 s); its
+modules import vLLM inside ``cpu_environment()`` (interpreted Triton kernels), and the process
+environment is left as it was.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from pcpviz.vllm.cpu_patches import apply_cpu_patches, cpu_environment
+
+apply_cpu_patches()
+
+with cpu_environment():  # vLLM modules imported here define interpreted (CPU) Triton kernels
+    from pcpviz.vllm.replay.driver import PRODUCER, ReplayResult, replay
+    from pcpviz.vllm.replay.scenarios import SCENARIOS, Scenario, ScenarioRequest
+    from pcpviz.vllm.replay.stand_ins import DSPARK_STATUS, MODELS_DECLARATION, STAND_INS
+
+__all__ = ["replay", "ReplayResult", "Scenario", "ScenarioRequest", "SCENARIOS", "MODELS_DECLARATION",
+           "STAND_INS", "DSPARK_STATUS", "PRODUCER"]
+
+
+class _CallableModule(types.ModuleType):
+    """``pcpviz.vllm.replay(...)`` calls ``replay()``: the package attribute ``replay`` is this
+    package once it is imported, so the package itself is made callable."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ReplayResult:
+        return replay(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

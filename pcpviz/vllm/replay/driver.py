@@ -1,0 +1,216 @@
+"""``replay()``: run a scenario on N PCP rank threads and record it; ``ReplayResult``.
+
+    res = replay(pcp=2, mtp=2, trace_dir="runs/replay", scenario="mixed")
+    len(res.steps), len(res.steps[0])        # (5, 2): five steps, two ranks
+    res.trace.record(1, 0, "draft_1")["slot_mapping_draft"]     # unexpanded, length R
+
+Every step runs on all ranks at once (``run_ranks``); the driver checks that the ranks agree on
+what they sampled and drafted, and that the dummy (profile) run does no block-table gather and
+no collective.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import vllm
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+from vllm.v1.worker.gpu.pcp_manager import PCPManager
+
+from pcpviz.vllm import recording
+from pcpviz.vllm.cpu_patches import FakePCPGroup, run_ranks
+from pcpviz.vllm.recording import RecordingPCPManager
+from pcpviz.vllm.replay.ranks import RankState, ReplayConfig, stand_in_vllm_config
+from pcpviz.vllm.replay.scenarios import SCENARIOS, Scenario
+from pcpviz.vllm.replay.scheduler import ScriptedScheduler
+from pcpviz.vllm.replay.stand_ins import DSPARK_MODEL_DECLARATION, DSPARK_STATUS, MODELS_DECLARATION, STAND_INS
+from pcpviz.vllm.replay.step import StepOut, dummy_step, rank_step
+
+__all__ = ["PRODUCER", "ReplayResult", "replay"]
+
+PRODUCER = "vllm-replay"
+
+
+@dataclass
+class ReplayResult:
+    """What a replay did. ``trace_path`` is None when nothing was recorded."""
+
+    trace_path: Path | None
+    scenario: str
+    pcp: int
+    num_speculative_tokens: int
+    shard_decode_requests: bool
+    steps: list[list[StepOut]]  # [step][rank]
+    dummy: list[dict[str, Any]] | None  # per rank
+    kv_target: list[np.ndarray]  # per rank, [slots, 2] (token, position) or -1
+    kv_draft: list[np.ndarray]
+    all_gathers: list[int]  # per rank, every collective of the run
+    seconds: float
+    step_seconds: list[float]
+    recording_seconds: float
+    meta: dict[str, Any]
+    manager_class: type = PCPManager  # the PCPManager (sub)class every rank was built with
+
+    @property
+    def trace(self):
+        """The recorded trace (``pcpviz.trace.open(trace_path)``)."""
+        if self.trace_path is None:
+            raise ValueError("this replay recorded no trace (record=False or no trace_dir)")
+        from pcpviz.trace import open as open_trace
+
+        return open_trace(self.trace_path)
+
+    def draft_tokens(self, rank: int = 0) -> list[np.ndarray | None]:
+        return [s[rank].draft_tokens for s in self.steps]
+
+
+def _validate(pcp: int, mtp: int, scenario: str, decodes: str, block_size: int) -> Scenario:
+    if not isinstance(pcp, int) or pcp < 2:
+        raise ValueError(f"pcp must be an int >= 2 (PCP is off at 1), got {pcp!r}")
+    if pcp > 8:
+        raise ValueError(f"pcp={pcp}: the CPU replay runs ranks as threads; use at most 8")
+    if not isinstance(mtp, int) or not 1 <= mtp <= 4:
+        raise ValueError(f"mtp (num_speculative_tokens) must be an int in 1..4, got {mtp!r}")
+    if scenario not in SCENARIOS:
+        raise ValueError(f"unknown scenario {scenario!r}; known: {', '.join(SCENARIOS)}")
+    if decodes not in ("sharded", "replicated"):
+        raise ValueError(f"decodes must be 'sharded' or 'replicated', got {decodes!r}")
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if SCENARIOS[scenario].drafter == "dspark" and decodes != "sharded":
+        raise ValueError("the dspark scenario runs with a real ParallelConfig, whose pcp_shard_decode_requests "
+                         "is PCP > 1 and DCP == 1: decodes are sharded")
+    return SCENARIOS[scenario]
+
+
+def replay(
+    pcp: int = 2,
+    mtp: int = 2,
+    trace_dir: str | os.PathLike | None = None,
+    scenario: str = "mixed",
+    decodes: str = "sharded",
+    *,
+    record: bool = True,
+    block_size: int = 4,
+    dummy: bool = True,
+    overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> ReplayResult:
+    """Run ``scenario`` through vLLM 0.33.0's real PCP + MTP code on CPU, ``pcp`` ranks as
+    threads, ``mtp`` speculative tokens; record a trace into ``trace_dir`` (when given and
+    ``record``) through ``RecordingPCPManager`` and the speculator wrappers.
+
+    ``decodes="sharded"`` is vLLM's default for PCP without DCP; ``"replicated"`` runs
+    decodes on every rank with rank 0 as the canonical KV writer (what vLLM does under
+    DCP > 1; the replay sets the flag directly with DCP kept at 1, as in Scenario B of
+    ``docs/vllm-0.33-pcp-mtp.md``). ``record=False`` builds plain ``PCPManager``s (the recording-off
+    baseline). ``dummy`` appends a profile run (``propose(dummy_run=True)``) as the last
+    step, phase ``dummy``; it must do no block-table gather and no collective (asserted).
+    Raises ValueError for bad arguments.
+    """
+    sc = _validate(pcp, mtp, scenario, decodes, block_size)
+    c = ReplayConfig(pcp=pcp, k=mtp, shard=decodes == "sharded", block_size=block_size, max_num_reqs=8,
+                max_num_tokens=96, max_model_len=128, vocab=97, hidden=8)
+    recording.install_wrappers()
+    sched = ScriptedScheduler(sc, c)
+    vllm_config = stand_in_vllm_config(c, sc.drafter)
+    if not record:
+        manager_cls: type[PCPManager] = PCPManager
+    elif trace_dir is not None:
+        manager_cls = RecordingPCPManager
+    else:
+        # What GPUModelRunner.__init__ would build: its pcp_manager_cls property (the plugin's
+        # RecordingPCPManager when the plugin is enabled), recording into the plugin's session.
+        manager_cls = GPUModelRunner.__dict__["pcp_manager_cls"].fget(None)
+    meta = {
+        "producer": PRODUCER, "vllm_version": vllm.__version__, "pcp": pcp, "dcp": 1,
+        "num_speculative_tokens": mtp, "block_size": block_size, "block_sizes": [block_size],
+        "shard_decode_requests": c.shard, "scenario": sc.name, "scenario_description": sc.description,
+        "speculative_method": "dspark" if sc.drafter == "dspark" else "mtp",
+        "models": MODELS_DECLARATION, "stand_ins": STAND_INS, "model": "pcpviz stand-in (no weights)",
+        "max_num_seqs": c.max_num_reqs, "max_num_batched_tokens": c.max_num_tokens,
+        "max_model_len": c.max_model_len, "vocab_size": c.vocab, "cudagraph_mode": "NONE",
+        "prompt_token_ids": {rid: p for rid, p in sched.prompts.items()},
+    }
+    if sc.drafter == "dspark":
+        meta["dspark_status"] = DSPARK_STATUS
+        meta["models"] = MODELS_DECLARATION + "; " + DSPARK_MODEL_DECLARATION
+        meta["stand_ins"] = {**STAND_INS, "dspark_model": DSPARK_MODEL_DECLARATION}
+    group = FakePCPGroup(pcp, timeout=120.0)
+    t_start = time.perf_counter()
+    states: list[RankState | None] = [None] * pcp
+    steps: list[list[StepOut]] = []
+    step_seconds: list[float] = []
+    dummy_out = None
+
+    def build(rank: int) -> None:
+        states[rank] = RankState(c, vllm_config, manager_cls, sched.num_slots, sc.drafter)
+
+    def run_all(sess: recording.TraceSession | None) -> None:
+        nonlocal dummy_out
+        run_ranks(group, build)
+        for step in range(sc.num_steps):
+            t0 = time.perf_counter()
+            out, _ = sched.schedule(step, True)
+            outs = run_ranks(group, lambda rank: rank_step(states[rank], out, step, sched))
+            step_seconds.append(time.perf_counter() - t0)
+            ref = outs[0]
+            for rank, o in enumerate(outs[1:], start=1):
+                for name in ("num_sampled", "num_rejected", "sampled"):
+                    if not np.array_equal(getattr(ref, name), getattr(o, name)):
+                        raise RuntimeError(f"step {step}: rank {rank} {name} differs from rank 0's")
+                if not np.array_equal(ref.draft_tokens, o.draft_tokens):
+                    raise RuntimeError(f"step {step}: rank {rank} drafted other tokens than rank 0")
+            sched.update(out, ref.req_ids, ref.num_sampled, ref.num_rejected)
+            steps.append(outs)
+            if progress is not None:
+                progress(f"step {step}: {len(ref.req_ids)} requests, local tokens "
+                         f"{[o.local_num_tokens for o in outs]}, drafts "
+                         f"{ref.draft_tokens.tolist()}")
+        if dummy:
+            dummy_out = run_ranks(group, lambda rank: dummy_step(states[rank], group))
+            for rank, d in enumerate(dummy_out):
+                bad = {k: v for k, v in d.items() if k != "draft_tokens" and v not in (0, True)}
+                if bad:
+                    raise RuntimeError(f"dummy run on rank {rank}: {bad} (expected no block-table gather, "
+                                       "no all_gather, idx_mapping all -1)")
+
+    trace_path = None
+    rec_seconds = 0.0
+    if record and trace_dir is not None:
+        trace_path = Path(trace_dir)
+        _check_run_dir(trace_path, overwrite)
+        with recording.session(trace_path, producer=PRODUCER, meta=meta, strict=True, record_dummy=True,
+                               overwrite=overwrite) as sess:
+            run_all(sess)
+        rec_seconds = sess.seconds_recording
+    else:
+        run_all(None)
+        ambient = recording.active_session() if issubclass(manager_cls, RecordingPCPManager) else None
+        mine = [recording.recorder_of(s.manager) or getattr(s.manager, "_pcpviz_recorder", None) for s in states]
+        if ambient is not None and any(r is not None for r in mine):
+            for r in mine:
+                if r is not None:
+                    r.close()
+            trace_path = ambient.run_dir
+            rec_seconds = sum(r.seconds for r in mine if r is not None)
+    return ReplayResult(
+        trace_path=trace_path, scenario=sc.name, pcp=pcp, num_speculative_tokens=mtp, shard_decode_requests=c.shard,
+        steps=steps, dummy=dummy_out,
+        kv_target=[s.kv_target.numpy().copy() for s in states], kv_draft=[s.kv_draft.numpy().copy() for s in states],
+        all_gathers=list(group.all_gather_calls), seconds=time.perf_counter() - t_start, step_seconds=step_seconds,
+        recording_seconds=rec_seconds, meta=meta, manager_class=type(states[0].manager))
+
+
+def _check_run_dir(path: Path, overwrite: bool) -> None:
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"trace dir {path} exists and is not a directory")
+    if path.is_dir() and not overwrite and any(path.glob("rank*.arrow")):
+        raise ValueError(f"trace dir {path} already holds a trace; pass overwrite=True or choose a new directory")
