@@ -271,3 +271,11 @@ def test_a_step_makes_one_host_sync_in_the_engine(monkeypatch):
     assert len(per_step) > 3
     for syncs in per_step:  # the sampled tokens' copy to the host, nothing else
         assert len(syncs) == 1 and syncs[0].startswith("cpu worker.py"), syncs
+
+
+def test_graphs_default_on_cuda_at_pcp1_only():
+    from pcpviz.engine.worker import graphs_by_default
+
+    assert graphs_by_default(torch.device("cuda"), 1)
+    assert not graphs_by_default(torch.device("cuda"), 2)  # hung at exit on 2 x H200, not diagnosed
+    assert not graphs_by_default(torch.device("cpu"), 1)

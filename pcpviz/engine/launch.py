@@ -120,7 +120,8 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
                  time_phases: bool = False) -> dict:
     """Validate the arguments and build the rank config (a JSON-able dict).
 
-    ``cuda_graphs``: decode steps from CUDA graphs (None: on for CUDA; True on the CPU runs
+    ``cuda_graphs``: decode steps from CUDA graphs (None: on for CUDA at PCP=1, see
+    ``EngineConfig.cuda_graphs`` for why not yet at PCP > 1; True on the CPU runs
     the same padded path without capture, see ``pcpviz.engine.graphs``). ``time_phases``: the
     per-phase breakdown of the loop (``RunResult.phases``, ``pcpviz.engine.phases``).
 
@@ -458,8 +459,8 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
     prefill budget), ``max_num_seqs``, ``num_blocks``, ``shard_decode_requests``,
     ``seed``, ``timeout_s``, ``stop_at_eos``, ``overwrite`` (replace the trace in a non-empty
     ``trace_dir``; without it such a directory is refused, and one another run is writing is
-    refused either way), ``cuda_graphs`` (decode steps from CUDA graphs; on for CUDA by
-    default), ``time_phases`` (``RunResult.phases``: where the loop's time goes).
+    refused either way), ``cuda_graphs`` (decode steps from CUDA graphs; on for CUDA at
+    PCP=1 by default), ``time_phases`` (``RunResult.phases``: where the loop's time goes).
     """
     from pcpviz.engine.tokenizer import decode
 

@@ -68,10 +68,17 @@ class EngineConfig:
     shard_decode_requests: bool | None = None  # None: vLLM's default (True when DCP == 1)
     faults: frozenset[str] = frozenset()
     dtype: torch.dtype = torch.float32  # the model's and the latent KV cache's
-    # Decode steps padded to a bucket and replayed from CUDA graphs. None: on for CUDA, off on
-    # the CPU; True on the CPU runs the same padded buffers without capture (the tests' way of
-    # checking the graph path's bookkeeping); False: the unpadded eager path.
+    # Decode steps padded to a bucket and replayed from CUDA graphs. None: on for CUDA at PCP=1,
+    # off otherwise (at PCP=2 on 2 x H200 the one run with graphs produced every token and then
+    # never returned: not yet diagnosed, so PCP > 1 takes graphs only when asked); True on the
+    # CPU runs the same padded buffers without capture (the tests' way of checking the graph
+    # path's bookkeeping); False: the unpadded eager path.
     cuda_graphs: bool | None = None
+
+
+def graphs_by_default(device: torch.device, pcp: int) -> bool:
+    """``EngineConfig.cuda_graphs=None``: CUDA graphs on CUDA at PCP=1 only (see the field)."""
+    return device.type == "cuda" and pcp == 1
 
 
 @dataclass
@@ -151,7 +158,7 @@ class Worker:
         # draft_cursor_drift_after_rejection: how far each request's drafter cursor runs ahead
         self.draft_drift: dict[str, int] = {}
         self.uploader = Uploader(device)
-        graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else device.type == "cuda"
+        graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else graphs_by_default(device, cfg.pcp)
         self.graphs = GraphRunner("capture" if device.type == "cuda" else "eager", device) if graphs else None
         if self.graphs is not None:
             self.graphs.timer = self.timer if self.timer else None
