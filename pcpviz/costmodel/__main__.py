@@ -84,30 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _ms(s: float) -> str:
-    return f"{s:.3g} s" if s >= 1 else f"{s * 1e3:.3g} ms"
-
-
 def cmd_fit(args) -> int:
     from pcpviz.cli_guard import check_output_file
-    from pcpviz.costmodel.fit import fit, write_fit
+    from pcpviz.costmodel.fit import fit, format_fit, write_fit
 
     out = os.path.join(_repo_root(), DEFAULT_FIT) if args.out is None else args.out
     if out != "-":
         check_output_file(out, "--out")
     f = fit()
-    for row in f.rows:
-        unit = (lambda x: f"{x:.3f}") if row["kind"] == "ratio" else _ms
-        print(f"{row['factor']:5.2f}x  measured {unit(row['measured']):>9}  predicted {unit(row['predicted']):>9}  "
-              f"{row['name']}  [{row['source']}]")
-    for u in f.unchecked:
-        print(f"  unchecked: {u['name']}: {u['why']}")
-    print(f"{len(f.rows)} points, worst factor {f.worst_factor:.2f}, rms log error {f.rms_log_error:.3f}, "
-          f"{f.iterations} iterations")
-    for s in sorted({k.split(".")[0] for k in f.values}):
-        vals = "  ".join(f"{k.split('.')[1]}={v:.3g}" for k, v in sorted(f.values.items()) if k.startswith(s + "."))
-        print(f"  {s}: {vals}")
-    print(f"  constrained by the data more than by their priors: {', '.join(f.constrained) or 'none'}")
+    print(format_fit(f))
     if out != "-":
         write_fit(f, out)
         print(f"wrote {os.path.relpath(out)}")
@@ -119,8 +104,9 @@ def cmd_predict(args) -> int:
 
     from pcpviz.costmodel.answers import pcp_breakeven
     from pcpviz.costmodel.fit import load_fit
-    from pcpviz.costmodel.step import (decode_step, expected_accepted_tokens, geometric_acceptance,
-                                       prefill_step, prefill_time)
+    from pcpviz.costmodel.step import (decode_step, expected_accepted_tokens, geometric_acceptance, prefill_step,
+                                       prefill_time)
+    from pcpviz.costmodel.step import seconds_text as _ms
 
     path = args.fit or os.path.join(_repo_root(), DEFAULT_FIT)
     systems = load_fit(path)

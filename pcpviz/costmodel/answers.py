@@ -2,9 +2,9 @@
 
 Plain functions over ``step``; the notebook and ``python -m pcpviz.costmodel predict`` print
 them. With the shipped fit (docs/cost-model.md has the table), PCP=2 prefill beats PCP=1 by
-1.5x only beyond a few hundred thousand tokens for the tiny model under vLLM eager (its
-per-token PCP host work is as large as its attention until then), but at about 8k tokens for
-DeepSeek-V3, whose attention dwarfs every fixed cost.
+1.5x only from ~130k tokens for the tiny model under vLLM (four times the 32k positions it
+has; until then its per-token PCP host work is as large as the attention PCP halves), but
+from ~3k tokens for DeepSeek-V3 on TP=8, whose attention dwarfs every fixed cost.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ from pcpviz.costmodel.points import Case, Points, load_points
 from pcpviz.costmodel.specs import H200, Hardware, ModelSpec, System, tiny_model
 from pcpviz.costmodel.step import decode_time_per_token, prefill_time
 
-__all__ = ["PRIORS", "SYSTEM_KEYS", "Fit", "fit", "predict_case", "systems_from", "load_fit", "fit_to_json"]
+__all__ = ["PRIORS", "SYSTEM_KEYS", "Fit", "fit", "predict_case", "systems_from", "load_fit", "fit_to_json",
+           "format_fit", "write_fit"]
 
 PRIOR_WEIGHT = 0.1
 OVERHEADS = ("step_s", "layer_s", "draft_s", "token_s", "pcp_token_s")
@@ -184,6 +185,26 @@ def _summarise(values: dict[str, float], points: Points, model: ModelSpec, hw: H
                worst_factor=max(r["factor"] for r in rows),
                rms_log_error=math.sqrt(sum(x * x for x in logs) / len(logs)), iterations=it,
                constrained=constrained)
+
+
+def format_fit(f: Fit) -> str:
+    """The fit as text: one line per point (factor, measured, predicted, name, source), the
+    unchecked figures, the summary, the parameters by system."""
+    from pcpviz.costmodel.step import seconds_text
+
+    lines = []
+    for row in f.rows:
+        unit = (lambda x: f"{x:.3f}") if row["kind"] == "ratio" else seconds_text
+        lines.append(f"{row['factor']:5.2f}x  measured {unit(row['measured']):>9}  predicted "
+                     f"{unit(row['predicted']):>9}  {row['name']}  [{row['source']}]")
+    lines += [f"  unchecked: {u['name']}: {u['why']}" for u in f.unchecked]
+    lines.append(f"{len(f.rows)} points, worst factor {f.worst_factor:.2f}, rms log error {f.rms_log_error:.3f}, "
+                 f"{f.iterations} iterations")
+    for s in sorted({k.split(".")[0] for k in f.values}):
+        vals = "  ".join(f"{k.split('.')[1]}={v:.3g}" for k, v in sorted(f.values.items()) if k.startswith(s + "."))
+        lines.append(f"  {s}: {vals}")
+    lines.append(f"  pulled by the data more than by their priors: {', '.join(f.constrained) or 'none'}")
+    return "\n".join(lines)
 
 
 def fit_to_json(f: Fit, hw: Hardware = H200) -> dict:

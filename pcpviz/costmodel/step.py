@@ -15,10 +15,11 @@ does follows vLLM 0.33.0 (docs/vllm-0.33-pcp-mtp.md):
   forwards of the one MTP layer, the first over the verified tokens (local rows, KV gathered
   like the target's), the other K-1 over one token per request, replicated on every rank.
 
-Worked example (tiny model, vLLM eager fit, 16,384-token prefill): attention is ~0.7 TFLOP
-(target) + 0.35 (MTP layer), a millisecond or two at the fitted efficiency, while the per-step
-overhead and per-token host work are ~10 ms. PCP=2 halves the first, not the second, and adds
-its own per-token work: a ratio near (and above) 1, as measured.
+Worked example (tiny model, the shipped vLLM-eager fit, a 16,384-token prefill with K=2): at
+PCP=1 the step is ~17.6 ms: overhead 4.9 ms, target attention 5.4 ms (0.69 TFLOP at the fitted
+13% of peak), the draft 7.2 ms (its fixed costs plus one more layer of attention), GEMMs
+0.17 ms. PCP=2 halves the attention (2.7 ms) and the draft's, but adds 6.8 ms of per-token PCP
+host work: 20.5 ms, slower, as measured (18.5 and 21.1 ms in the two runs).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import math
 
 from pcpviz.costmodel.specs import Hardware, ModelSpec, System
 
-__all__ = ["StepCost", "causal_pairs", "prefill_step", "prefill_time", "decode_step",
+__all__ = ["StepCost", "seconds_text", "causal_pairs", "prefill_step", "prefill_time", "decode_step",
            "expected_accepted_tokens", "conditional_from_vllm", "geometric_acceptance",
            "decode_time_per_token", "mtp_speedup", "pcp_prefill_speedup"]
 
@@ -49,6 +50,22 @@ class StepCost:
 
     def __add__(self, other: "StepCost") -> "StepCost":
         return StepCost(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
+
+    def describe(self) -> str:
+        """One line: the total and each term with its share, e.g. ``17.6 ms = overhead 4.87 ms
+        (28%) + GEMM 0.171 ms (1%) + attention 5.38 ms (31%) + ...``."""
+        total = self.total_s
+        parts = [(n, getattr(self, f)) for n, f in (("overhead", "overhead_s"), ("GEMM", "gemm_s"),
+                 ("attention", "attention_s"), ("collectives", "comm_s"), ("draft", "draft_s"))]
+        return f"{seconds_text(total)} = " + " + ".join(
+            f"{n} {seconds_text(v)} ({v / total:.0%})" for n, v in parts if v > 0)
+
+
+def seconds_text(s: float) -> str:
+    """3 significant digits in s, ms or us: 0.0176 -> '17.6 ms'."""
+    if s >= 1:
+        return f"{s:.3g} s"
+    return f"{s * 1e3:.3g} ms" if s >= 1e-3 else f"{s * 1e6:.3g} us"
 
 
 def causal_pairs(query: float, context: float = 0) -> float:
