@@ -220,6 +220,15 @@ def test_mtp_pays_less_at_large_batch_for_deepseek_v3(fitted, models):
     assert 1.3 < small < cm.expected_accepted_tokens(acc) and large < small
 
 
+def test_bad_sizes_are_refused(models):
+    s = cm.systems_from({})["vllm-eager"]
+    for kw in (dict(tokens=0), dict(tokens=10, chunk=0), dict(tokens=10, pcp=0)):
+        with pytest.raises(ValueError, match="must be >= 1"):
+            cm.prefill_time(models["tiny"], cm.H200, s, **kw)
+    with pytest.raises(ValueError, match="context must be >= 0"):
+        cm.decode_step(models["tiny"], cm.H200, s, batch=1, context=-1)
+
+
 def test_system_refuses_bad_parameters():
     with pytest.raises(ValueError, match="attn_eff must be in"):
         cm.System(name="x", step_s=0, layer_s=0, draft_s=0, token_s=0, pcp_token_s=0, attn_eff=1.5,

@@ -6,7 +6,8 @@ Sources (all 2 x H200, the shipped tiny model):
   real vLLM 0.33.0): a 16,384-token prefill at PCP=1 and 2 (``generate`` with
   ``max_tokens=1``, K=2: one step, the draft included) and decode ms per token at batch 1,
   K=0 and K=2. Runs with the recording plugin on are left out (the model has no recording
-  term); a run with ``enforce_eager`` off is system ``vllm-graphs``.
+  term); a run with ``enforce_eager`` off is system ``vllm-graphs``; a decode run may record
+  its own ``acceptance_rate_per_pos`` (vLLM's per-position rates).
 * ``data/bench/h200x2.json`` (``benchmarks/bench_engine.py``, this repo's engine): the target
   forward of a 32,000-token prefill at PCP=1 and 2 (the second, warm step) and decode
   tokens/s at batch 1, K=0 and K=2.
@@ -111,6 +112,8 @@ def _engine_acceptance(doc: dict, where: str) -> tuple[float, ...]:
 
 
 def _vllm(doc: dict, src: str, acceptance: tuple[float, ...]) -> list[MeasuredPoint]:
+    from pcpviz.costmodel.step import conditional_from_vllm
+
     out = []
     runs = doc.get("runs")
     if not isinstance(runs, dict):
@@ -132,9 +135,10 @@ def _vllm(doc: dict, src: str, acceptance: tuple[float, ...]) -> list[MeasuredPo
             out.append(MeasuredPoint(f"{name} prefill {tokens}", src, case,
                                      _num(run["prefill_s"], f"{src}: runs.{name}.prefill_s")))
         if "decode_ms_per_token" in run:
-            acc = tuple(run["acceptance"]) if "acceptance" in run else (acceptance if k else ())
+            own = run.get("acceptance_rate_per_pos")  # vLLM's per-position rates, if a run records them
+            acc = conditional_from_vllm([float(x) for x in own]) if own else (acceptance if k else ())
             case = Case(system, "decode_token", DECODE_CONTEXT, pcp=pcp, k=k, acceptance=acc[:k])
-            note = "acceptance: the engine's (same model)" if k and "acceptance" not in run else ""
+            note = "acceptance: the engine's (same model)" if k and not own else ""
             out.append(MeasuredPoint(f"{name} decode", src, case,
                                      _num(run["decode_ms_per_token"], f"{src}: runs.{name}.decode_ms_per_token") / 1e3,
                                      note))
@@ -189,8 +193,8 @@ def _reported(doc: dict, src: str, acceptance: tuple[float, ...]):
 
 def load_points(root: str | None = None, sources: tuple[str, ...] = DEFAULT_SOURCES) -> Points:
     """Every measured point in ``sources`` (paths relative to the repo ``root``); ValueError
-    naming the file for a missing or malformed one. The engine file comes first in reading
-    order only for its acceptance, which the vLLM decode points borrow."""
+    naming the file for a missing or malformed one. The engine's file (``h200x2.json``) must be
+    among them: its K=2 acceptance is lent to decode points that record none."""
     from pcpviz.cli_guard import read_json_file
 
     root = root or _repo_root()

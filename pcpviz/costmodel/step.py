@@ -129,7 +129,7 @@ def _check(**kw: float) -> None:
     for name, v in kw.items():
         if not (isinstance(v, (int, float)) and math.isfinite(v)):
             raise ValueError(f"{name} must be a finite number, got {v!r}")
-    for name in ("tokens", "batch", "pcp", "tp"):
+    for name in ("tokens", "batch", "pcp", "tp", "chunk"):
         if name in kw and kw[name] < 1:
             raise ValueError(f"{name} must be >= 1, got {kw[name]}")
     for name in ("context", "k"):
