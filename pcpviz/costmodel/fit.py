@@ -76,7 +76,7 @@ def systems_from(values: dict[str, float]) -> dict[str, System]:
     return {s: System(name=s, **{f: table[key] for f, key in keys.items()}) for s, keys in SYSTEM_KEYS.items()}
 
 
-def predict_case(case: Case, systems: dict[str, System], model: ModelSpec, hw: Hardware = H200) -> float:
+def predict_case(case: Case, systems: dict[str, System], model: ModelSpec, *, hw: Hardware = H200) -> float:
     """Predicted seconds for one measured configuration."""
     sysm = systems[case.system]
     if case.kind == "decode_token":
@@ -123,8 +123,8 @@ def fit(points: Points | None = None, model: ModelSpec | None = None, hw: Hardwa
 
     def residuals(u: np.ndarray) -> np.ndarray:
         sysms = systems_from({k: _from_u(k, x) for k, x in zip(keys, u)})
-        r = [math.log(predict_case(p.case, sysms, model, hw) / p.seconds) for p in points.measured]
-        r += [math.log(predict_case(q.num, sysms, model, hw) / predict_case(q.den, sysms, model, hw) / q.value)
+        r = [math.log(predict_case(p.case, sysms, model, hw=hw) / p.seconds) for p in points.measured]
+        r += [math.log(predict_case(q.num, sysms, model, hw=hw) / predict_case(q.den, sysms, model, hw=hw) / q.value)
               for q in points.ratios]
         return np.concatenate([np.array(r), PRIOR_WEIGHT * (u - u0)])
 
@@ -162,20 +162,20 @@ def fit(points: Points | None = None, model: ModelSpec | None = None, hw: Hardwa
         col = (residuals(u + du)[:n_data] - r[:n_data]) / 1e-6
         if float(np.linalg.norm(col)) > PRIOR_WEIGHT:
             pulled.append(key)
-    return _summarise(values, points, model, hw, it, tuple(pulled))
+    return _summarise(values, points, model, hw=hw, it=it, constrained=tuple(pulled))
 
 
-def _summarise(values: dict[str, float], points: Points, model: ModelSpec, hw: Hardware, it: int,
+def _summarise(values: dict[str, float], points: Points, model: ModelSpec, *, hw: Hardware, it: int,
                constrained: tuple[str, ...]) -> Fit:
     sysms = systems_from(values)
     rows = []
     for p in points.measured:
-        pred = predict_case(p.case, sysms, model, hw)
+        pred = predict_case(p.case, sysms, model, hw=hw)
         rows.append({"name": p.name, "source": p.source, "system": p.case.system, "kind": p.case.kind,
                      "tokens": p.case.tokens, "pcp": p.case.pcp, "k": p.case.k, "measured": p.seconds,
                      "predicted": pred, "factor": max(pred / p.seconds, p.seconds / pred), "note": p.note})
     for q in points.ratios:
-        pred = predict_case(q.num, sysms, model, hw) / predict_case(q.den, sysms, model, hw)
+        pred = predict_case(q.num, sysms, model, hw=hw) / predict_case(q.den, sysms, model, hw=hw)
         rows.append({"name": q.name, "source": q.source, "system": q.num.system, "kind": "ratio",
                      "measured": q.value, "predicted": pred, "factor": max(pred / q.value, q.value / pred),
                      "note": q.note})

@@ -79,11 +79,11 @@ def causal_pairs(query: float, context: float = 0) -> float:
     return float(query) * context + query * (query + 1) / 2.0
 
 
-def _roofline(flops: float, nbytes: float, hw: Hardware, eff: float, sysm: System) -> float:
+def _roofline(flops: float, nbytes: float, hw: Hardware, *, eff: float, sysm: System) -> float:
     return max(flops / (hw.flops_per_s * eff), nbytes / (hw.hbm_bytes_per_s * sysm.bw_eff))
 
 
-def _collective(nbytes: float, gpus: int, hw: Hardware, count: int = 1) -> float:
+def _collective(nbytes: float, gpus: int, hw: Hardware, *, count: int = 1) -> float:
     """``count`` all-gathers / all-reduces moving ``nbytes`` into each GPU."""
     if gpus <= 1 or count == 0:
         return 0.0
@@ -103,7 +103,7 @@ def _gemm(model: ModelSpec, hw: Hardware, sysm: System, *, tokens: float, kv_b_t
     per_tok = dense - kv_b + n_moe * model.experts_per_token * model.expert_params
     flops = 2.0 * (per_tok * tokens + kv_b * kv_b_tokens + model.lm_head_params * sampled)
     weights = dense + n_moe * model.touched_experts(tokens) * model.expert_params + model.lm_head_params
-    return _roofline(flops / tp, weights * model.weight_bytes / tp, hw, sysm.gemm_eff, sysm)
+    return _roofline(flops / tp, weights * model.weight_bytes / tp, hw, eff=sysm.gemm_eff, sysm=sysm)
 
 
 def _prefill_attention(model: ModelSpec, hw: Hardware, sysm: System, *, pairs: float, context: float,
@@ -112,7 +112,7 @@ def _prefill_attention(model: ModelSpec, hw: Hardware, sysm: System, *, pairs: f
     heads = model.heads / tp
     flops = 2.0 * heads * (model.qk_nope_dim + model.qk_rope_dim + model.v_head_dim) * pairs * layers
     nbytes = context * model.latent_dim * model.kv_bytes * layers
-    return _roofline(flops, nbytes, hw, sysm.attn_eff, sysm)
+    return _roofline(flops, nbytes, hw, eff=sysm.attn_eff, sysm=sysm)
 
 
 def _decode_attention(model: ModelSpec, hw: Hardware, sysm: System, *, reqs: float, queries: float,
@@ -122,7 +122,7 @@ def _decode_attention(model: ModelSpec, hw: Hardware, sysm: System, *, reqs: flo
     heads = model.heads / tp
     flops = 2.0 * heads * (2 * model.kv_lora_rank + model.qk_rope_dim) * context * queries * reqs * layers
     nbytes = reqs * context * model.latent_dim * model.kv_bytes * layers
-    return _roofline(flops, nbytes, hw, sysm.attn_eff, sysm)
+    return _roofline(flops, nbytes, hw, eff=sysm.attn_eff, sysm=sysm)
 
 
 def _check(**kw: float) -> None:
