@@ -69,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=_int_range(1, 1 << 24), required=True,
                    help="prompt tokens to prefill, and the positions a decode step attends to")
     p.add_argument("--pcp", type=_int_range(1, 64), default=2)
-    p.add_argument("--tp", type=_int_range(1, 64), default=None, help="tensor parallel (default: 1 tiny, 8 deepseek-v3)")
+    p.add_argument("--tp", type=_int_range(1, 64), default=None,
+                   help="tensor parallel (default: 1 tiny, 8 deepseek-v3)")
     p.add_argument("--k", type=_int_range(0, 16), default=2, help="MTP draft tokens")
     acc = p.add_mutually_exclusive_group()
     acc.add_argument("--alpha", type=_fraction, default=None,
