@@ -42,7 +42,7 @@ def test_every_measured_point_is_predicted_within_the_factor(fitted):
     points = cm.load_points()
     assert len(fitted.rows) == len(points.measured) + len(points.ratios) >= 20
     sources = {r["source"] for r in fitted.rows}
-    assert sources == {"data/bench/vllm_h200x2.json", "data/bench/vllm_h200x2_run1.json", "data/bench/h200x2.json",
+    assert sources == {"data/bench/vllm_h200x2.json", "data/bench/vllm_h200x2_run1.json", "data/bench/h200x2_engine_v1.json",
                        "data/bench/reported_h200x2.json"}
     worst = max(fitted.rows, key=lambda r: r["factor"])
     print(f"worst factor {worst['factor']:.3f}: {worst['name']} [{worst['source']}]; "
@@ -65,11 +65,11 @@ def test_the_points_are_the_ones_in_the_files():
             assert ("data/bench/vllm_h200x2.json", f"{run} prefill 16384") in names
         if "decode_ms_per_token" in body:
             assert ("data/bench/vllm_h200x2.json", f"{run} decode") in names
-    engine = [p for p in pts.measured if p.source == "data/bench/h200x2.json"]
+    engine = [p for p in pts.measured if p.source == "data/bench/h200x2_engine_v1.json"]
     assert {(p.case.kind, p.case.pcp, p.case.k) for p in engine} == {
         ("prefill_forward", 1, 0), ("prefill_forward", 2, 0), ("decode_token", 1, 0), ("decode_token", 1, 2)}
     # vLLM's K=2 decode borrows the engine's acceptance: L = 1 + 0.873 + 0.349
-    doc = json.loads((ROOT / "data/bench/h200x2.json").read_text())
+    doc = json.loads((ROOT / "data/bench/h200x2_engine_v1.json").read_text())
     assert cm.expected_accepted_tokens(pts.engine_acceptance) == pytest.approx(
         doc["acceptance_rate_per_pos"]["k2"]["mean_acceptance_length"], rel=1e-9)
     assert len(pts.unchecked) == 3 and all(u.why for u in pts.unchecked)
@@ -90,17 +90,17 @@ def test_the_fit_is_deterministic(fitted):
 
 
 def test_a_point_naming_an_unknown_system_is_refused(tmp_path):
-    for rel in ("vllm_h200x2.json", "h200x2.json"):
+    for rel in ("vllm_h200x2.json", "h200x2_engine_v1.json"):
         (tmp_path / rel).write_text((ROOT / "data/bench" / rel).read_text())
     (tmp_path / "reported.json").write_text(json.dumps({"points": [
         {"name": "x", "system": "sglang", "kind": "prefill", "tokens": 10, "seconds": 0.01}]}))
-    pts = cm.load_points(str(tmp_path), ("vllm_h200x2.json", "h200x2.json", "reported.json"))
+    pts = cm.load_points(str(tmp_path), ("vllm_h200x2.json", "h200x2_engine_v1.json", "reported.json"))
     with pytest.raises(ValueError, match="unknown systems: sglang"):
         cm.fit(pts)
     (tmp_path / "reported.json").write_text(json.dumps({"points": [
         {"name": "x", "system": "engine", "kind": "prefill", "tokens": 10, "seconds": -1}]}))
     with pytest.raises(ValueError, match=r"reported.json: points\[0\]: expected a positive number"):
-        cm.load_points(str(tmp_path), ("vllm_h200x2.json", "h200x2.json", "reported.json"))
+        cm.load_points(str(tmp_path), ("vllm_h200x2.json", "h200x2_engine_v1.json", "reported.json"))
 
 
 # ------------------------------------------------------------------------------ model shapes

@@ -8,7 +8,8 @@ Sources (all 2 x H200, the shipped tiny model):
   K=0 and K=2. Runs with the recording plugin on are left out (the model has no recording
   term); a run with ``enforce_eager`` off is system ``vllm-graphs``; a decode run may record
   its own ``acceptance_rate_per_pos`` (vLLM's per-position rates).
-* ``data/bench/h200x2.json`` (``benchmarks/bench_engine.py``, this repo's engine): the target
+* ``data/bench/h200x2_engine_v1.json`` (``benchmarks/bench_engine.py``, this repo's engine before
+  its decode graphs and flash prefill kernel; ``h200x2.json`` is the newer engine, not fitted): the target
   forward of a 32,000-token prefill at PCP=1 and 2 (the second, warm step) and decode
   tokens/s at batch 1, K=0 and K=2.
 * ``data/bench/reported_h200x2.json``: figures quoted in the project's performance issue whose
@@ -16,7 +17,7 @@ Sources (all 2 x H200, the shipped tiny model):
   re-run), with the assumptions each needs.
 
 No vLLM file records acceptance, so its K=2 decode points use the engine's acceptance on
-held-out source (``h200x2.json``, 0.873 / 0.349 per position, L = 2.22): the same model with
+held-out source (``h200x2_engine_v1.json``, 0.873 / 0.349 per position, L = 2.22): the same model with
 greedy sampling, and the README's parity table shows vLLM and the engine agreeing (0.89 / 0.29
 vs 0.90 / 0.30 on the same prompts).
 """
@@ -33,7 +34,7 @@ __all__ = ["Case", "MeasuredPoint", "RatioPoint", "Unchecked", "Points", "load_p
 
 KINDS = ("prefill", "prefill_forward", "decode_token")
 DEFAULT_SOURCES = ("data/bench/vllm_h200x2.json", "data/bench/vllm_h200x2_run1.json",
-                   "data/bench/h200x2.json", "data/bench/reported_h200x2.json")
+                   "data/bench/h200x2_engine_v1.json", "data/bench/reported_h200x2.json")
 DECODE_CONTEXT = 384  # a 256-token prompt plus half of the 256 decoded tokens (mean position)
 
 
@@ -193,7 +194,7 @@ def _reported(doc: dict, src: str, acceptance: tuple[float, ...]):
 
 def load_points(root: str | None = None, sources: tuple[str, ...] = DEFAULT_SOURCES) -> Points:
     """Every measured point in ``sources`` (paths relative to the repo ``root``); ValueError
-    naming the file for a missing or malformed one. The engine's file (``h200x2.json``) must be
+    naming the file for a missing or malformed one. The engine's file (``h200x2_engine_v1.json``) must be
     among them: its K=2 acceptance is lent to decode points that record none."""
     from pcpviz.cli_guard import read_json_file
 
@@ -203,9 +204,9 @@ def load_points(root: str | None = None, sources: tuple[str, ...] = DEFAULT_SOUR
         docs[rel] = read_json_file(os.path.join(root, rel), "points file")
         if not isinstance(docs[rel], dict):
             raise ValueError(f"points file {rel}: expected a JSON object")
-    engine_rel = next((r for r in sources if os.path.basename(r) == "h200x2.json"), None)
+    engine_rel = next((r for r in sources if os.path.basename(r) == "h200x2_engine_v1.json"), None)
     if engine_rel is None:
-        raise ValueError("points: data/bench/h200x2.json (the engine's figures and acceptance) is required")
+        raise ValueError("points: data/bench/h200x2_engine_v1.json (the engine's figures and acceptance) is required")
     acceptance = _engine_acceptance(docs[engine_rel], engine_rel)
     measured, ratios, unchecked = [], [], []
     for rel, doc in docs.items():
