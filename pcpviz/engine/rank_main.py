@@ -142,9 +142,13 @@ def run_rank(cfg: dict) -> dict | None:
                           "replays": worker.graphs.num_replays, "capture_s": worker.graphs.capture_s}
         if worker.graphs.failed:
             info["graphs"]["capture_failed"] = sorted({v for v in worker.graphs.failed.values()})
-    _shutdown_process_group()
     with open(os.path.join(cfg["work_dir"], f"rank{rank}.json"), "w") as f:
-        json.dump(info, f)
+        json.dump(info, f)  # on disk before the group goes: a stuck teardown loses nothing
+    if worker.graphs is not None:
+        worker.graphs = None  # captured graphs hold NCCL work: free them before the communicator
+        if device_kind == "cuda":
+            torch.cuda.synchronize()
+    _shutdown_process_group()
     if sched is None:
         return None
     return {
@@ -189,13 +193,33 @@ def progress_line(sched, step: int, last_said: float) -> float:
     return last_said
 
 
-def _shutdown_process_group() -> None:
-    """Leave the group cleanly: a barrier (no peer is still talking to us), then destroy it."""
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def _shutdown_process_group(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    """Leave the group cleanly: a barrier (no peer is still talking to us), then destroy it.
+
+    Bounded: the teardown runs in a daemon thread and the rank goes on after ``timeout_s``
+    (everything is on disk by then and the rank leaves with ``os._exit``). On 2 x H200 one PCP=2
+    run with CUDA graphs produced every token and never returned; a teardown stuck on the NCCL
+    communicator is the suspect, so it can no longer hold the run."""
+    import threading
+
     import torch.distributed as tdist
 
-    if tdist.is_available() and tdist.is_initialized():
+    if not (tdist.is_available() and tdist.is_initialized()):
+        return
+
+    def leave() -> None:
         tdist.barrier()
         tdist.destroy_process_group()
+
+    t = threading.Thread(target=leave, name="pcpviz-shutdown", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        print(f"pcpviz: process-group teardown still running after {timeout_s:.0f} s; leaving without it",
+              file=sys.stderr, flush=True)
 
 
 def _exit_now(code: int) -> None:
