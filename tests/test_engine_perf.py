@@ -279,3 +279,17 @@ def test_graphs_default_on_cuda_at_pcp1_only():
     assert graphs_by_default(torch.device("cuda"), 1)
     assert not graphs_by_default(torch.device("cuda"), 2)  # hung at exit on 2 x H200, not diagnosed
     assert not graphs_by_default(torch.device("cpu"), 1)
+
+
+def test_a_stuck_process_group_teardown_cannot_hold_the_rank(monkeypatch, capsys):
+    import torch.distributed as tdist
+
+    from pcpviz.engine import rank_main
+
+    release = threading.Event()
+    monkeypatch.setattr(tdist, "is_initialized", lambda: True)
+    monkeypatch.setattr(tdist, "barrier", lambda *a, **k: release.wait())  # never returns on its own
+    monkeypatch.setattr(tdist, "destroy_process_group", lambda *a, **k: None)
+    rank_main._shutdown_process_group(timeout_s=0.2)
+    release.set()
+    assert "teardown still running after 0 s" in capsys.readouterr().err
