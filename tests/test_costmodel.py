@@ -1,7 +1,7 @@
 """The cost model (pcpviz.costmodel): checked against every measured point, and its structure.
 
-* Every measured time and ratio in data/bench/ (vLLM's two bench files, the engine's, the
-  figures reported in the performance issue) is predicted within FACTOR by one fit; the worst
+* Every measured time and ratio in data/bench/ (vLLM's two bench files, the engine's before
+  and after its performance work, the figures reported in the performance issue) is predicted within FACTOR by one fit; the worst
   factor is printed. The shipped data/bench/costmodel_fit.json is that fit.
 * Structure: times grow with prompt length, context and batch; the PCP prefill speedup tends
   to P for huge prompts and is below 1 for the tiny model at 16k under vLLM (as measured); the
@@ -43,7 +43,7 @@ def test_every_measured_point_is_predicted_within_the_factor(fitted):
     assert len(fitted.rows) == len(points.measured) + len(points.ratios) >= 20
     sources = {r["source"] for r in fitted.rows}
     assert sources == {"data/bench/vllm_h200x2.json", "data/bench/vllm_h200x2_run1.json", "data/bench/h200x2_engine_v1.json",
-                       "data/bench/reported_h200x2.json"}
+                       "data/bench/h200x2.json", "data/bench/reported_h200x2.json"}
     worst = max(fitted.rows, key=lambda r: r["factor"])
     print(f"worst factor {worst['factor']:.3f}: {worst['name']} [{worst['source']}]; "
           f"rms log error {fitted.rms_log_error:.3f}")
@@ -68,6 +68,20 @@ def test_the_points_are_the_ones_in_the_files():
     engine = [p for p in pts.measured if p.source == "data/bench/h200x2_engine_v1.json"]
     assert {(p.case.kind, p.case.pcp, p.case.k) for p in engine} == {
         ("prefill_forward", 1, 0), ("prefill_forward", 2, 0), ("decode_token", 1, 0), ("decode_token", 1, 2)}
+    # the engine after its performance work: warm prefill steps, steady-state decode from "derived"
+    new = json.loads((ROOT / "data/bench/h200x2.json").read_text())
+    v2 = {(p.case.kind, p.case.pcp, p.case.k): p for p in pts.measured if p.source == "data/bench/h200x2.json"}
+    assert set(v2) == {("prefill_forward", 1, 0), ("prefill_forward", 2, 0), ("decode_token", 1, 0),
+                       ("decode_token", 1, 2)}
+    assert all(p.case.system == "engine-v2" for p in v2.values())
+    for pcp in (1, 2):
+        assert v2[("prefill_forward", pcp, 0)].seconds == new["prefill_step_s"][f"pcp{pcp}"][-1]
+    for k in (0, 2):
+        point = v2[("decode_token", 1, k)]
+        assert point.seconds == pytest.approx(new["derived"][f"decode_ms_per_token_k{k}"] / 1e3, rel=1e-12)
+        assert point.seconds < 0.2 / new["decode_tok_s"][f"k{k}"]  # not the wall time, which has the JIT in it
+    assert cm.expected_accepted_tokens(v2[("decode_token", 1, 2)].case.acceptance) == pytest.approx(
+        new["derived"]["tokens_per_decode_step_k2"], rel=1e-12)
     # vLLM's K=2 decode borrows the engine's acceptance: L = 1 + 0.873 + 0.349
     doc = json.loads((ROOT / "data/bench/h200x2_engine_v1.json").read_text())
     assert cm.expected_accepted_tokens(pts.engine_acceptance) == pytest.approx(
@@ -101,6 +115,20 @@ def test_a_point_naming_an_unknown_system_is_refused(tmp_path):
         {"name": "x", "system": "engine", "kind": "prefill", "tokens": 10, "seconds": -1}]}))
     with pytest.raises(ValueError, match=r"reported.json: points\[0\]: expected a positive number"):
         cm.load_points(str(tmp_path), ("vllm_h200x2.json", "h200x2_engine_v1.json", "reported.json"))
+
+
+def test_the_new_engine_file_without_its_derived_decode_is_refused(tmp_path):
+    (tmp_path / "h200x2_engine_v1.json").write_text((ROOT / "data/bench/h200x2_engine_v1.json").read_text())
+    doc = json.loads((ROOT / "data/bench/h200x2.json").read_text())
+    del doc["derived"]
+    (tmp_path / "h200x2.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="h200x2.json: no 'derived' object"):
+        cm.load_points(str(tmp_path), ("h200x2_engine_v1.json", "h200x2.json"))
+    doc = json.loads((ROOT / "data/bench/h200x2.json").read_text())
+    doc["derived"]["tokens_per_decode_step_k2"] = 3.5   # more than K + 1 = 3 tokens a step
+    (tmp_path / "h200x2.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="h200x2.json: derived.tokens_per_decode_step_k2 3.5"):
+        cm.load_points(str(tmp_path), ("h200x2_engine_v1.json", "h200x2.json"))
 
 
 # ------------------------------------------------------------------------------ model shapes
@@ -139,7 +167,7 @@ def test_causal_pairs_do_not_depend_on_chunking():
     assert cm.causal_pairs(c) + cm.causal_pairs(n - c, c) == cm.causal_pairs(n) == n * (n + 1) / 2
 
 
-@pytest.mark.parametrize("system", ["vllm-eager", "vllm-graphs", "engine"])
+@pytest.mark.parametrize("system", ["vllm-eager", "vllm-graphs", "engine", "engine-v2"])
 @pytest.mark.parametrize("model", ["tiny", "deepseek-v3"])
 def test_times_grow_with_length_context_and_batch(fitted, models, system, model):
     s, m = fitted.systems[system], models[model]
@@ -154,7 +182,7 @@ def test_times_grow_with_length_context_and_batch(fitted, models, system, model)
     assert cm.prefill_time(m, cm.H200, s, tokens=30000, chunk=16384) > one  # a second step's overhead
 
 
-@pytest.mark.parametrize("system", ["vllm-eager", "engine"])
+@pytest.mark.parametrize("system", ["vllm-eager", "engine", "engine-v2"])
 @pytest.mark.parametrize("pcp", [2, 4])
 def test_pcp_speedup_tends_to_pcp_for_huge_prefills(fitted, models, system, pcp):
     s = fitted.systems[system]
@@ -188,7 +216,7 @@ def test_expected_accepted_tokens_counts_like_vllm():
         cm.expected_accepted_tokens([1.2])
 
 
-@pytest.mark.parametrize("system", ["vllm-eager", "vllm-graphs", "engine"])
+@pytest.mark.parametrize("system", ["vllm-eager", "vllm-graphs", "engine", "engine-v2"])
 @pytest.mark.parametrize("model", ["tiny", "deepseek-v3"])
 def test_mtp_speedup_is_bounded_and_below_one_without_acceptance(fitted, models, system, model):
     s, m = fitted.systems[system], models[model]
@@ -275,5 +303,5 @@ def test_cli_fit_writes_the_fit(tmp_path):
     r = _cli("fit", "--out", str(out))
     assert r.returncode == 0, r.stderr
     doc = json.loads(out.read_text())
-    assert doc["worst_factor"] <= FACTOR and set(doc["systems"]) == {"vllm-eager", "vllm-graphs", "engine"}
+    assert doc["worst_factor"] <= FACTOR and set(doc["systems"]) == {"vllm-eager", "vllm-graphs", "engine", "engine-v2"}
     assert "worst factor" in r.stdout

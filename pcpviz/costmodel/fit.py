@@ -11,7 +11,7 @@ same kernels (``vllm.attn_eff`` ...) and the same host code per token (``vllm.to
 ``vllm.pcp_token_s``); graphs change only the fixed costs (``step_s``, ``layer_s``,
 ``draft_s``).
 
-Worked numbers: 18 measured times and 4 measured ratios for 19 parameters. The priors carry
+Worked numbers: 22 measured times and 4 measured ratios for 27 parameters. The priors carry
 the parameters the tiny model cannot reveal (every bandwidth efficiency: its decode steps
 read ~6.5 MB, 1.4 us of HBM time inside a ~4 ms step), so the DeepSeek-V3 decode predictions
 rest on stated bandwidth efficiencies, not fitted ones; ``Fit.constrained`` lists the rest.
@@ -58,6 +58,16 @@ PRIORS = {
     "engine.attn_eff": 0.03,       # kernels_h200.json: the DualChunkSwap prefill kernel at ~30 TFLOP/s
     "engine.gemm_eff": 0.5,
     "engine.bw_eff": 0.36,         # kernels_h200.json: paged MLA decode at 41% of the 4.19 TB/s copy rate
+    # engine-v2: the engine after its performance work (h200x2.json): decode replays CUDA graphs,
+    # prefill runs eager with the flash MLA kernel.
+    "engine-v2.step_s": 1e-3,      # host schedule / batch / upload a step (packed uploads, async recorder)
+    "engine-v2.layer_s": 2e-5,     # decode: a captured graph replays a layer's kernels back to back
+    "engine-v2.draft_s": 3e-4,     # a graph-replayed draft forward's sampling and bookkeeping
+    "engine-v2.token_s": 1e-7,     # vectorised batch building
+    "engine-v2.pcp_token_s": 1e-7,
+    "engine-v2.attn_eff": 0.42,    # kernels_h200.json: the engine's prefill attention, 1.37 TFLOP in 3.27 ms at 32k
+    "engine-v2.gemm_eff": 0.5,
+    "engine-v2.bw_eff": 0.48,      # kernels_h200.json: paged MLA bf16 decode at 55.5% of the 4.16 TB/s copy rate
 }
 
 
@@ -67,7 +77,7 @@ def _keys(system: str) -> dict[str, str]:
     return {f: f"{system}.{f}" for f in OVERHEADS + EFFS}
 
 
-SYSTEM_KEYS = {s: _keys(s) for s in ("vllm-eager", "vllm-graphs", "engine")}
+SYSTEM_KEYS = {s: _keys(s) for s in ("vllm-eager", "vllm-graphs", "engine", "engine-v2")}
 
 
 def systems_from(values: dict[str, float]) -> dict[str, System]:

@@ -9,9 +9,15 @@ Sources (all 2 x H200, the shipped tiny model):
   term); a run with ``enforce_eager`` off is system ``vllm-graphs``; a decode run may record
   its own ``acceptance_rate_per_pos`` (vLLM's per-position rates).
 * ``data/bench/h200x2_engine_v1.json`` (``benchmarks/bench_engine.py``, this repo's engine before
-  its decode graphs and flash prefill kernel; ``h200x2.json`` is the newer engine, not fitted): the target
+  its performance work: eager decode, torch prefill attention; system ``engine``): the target
   forward of a 32,000-token prefill at PCP=1 and 2 (the second, warm step) and decode
   tokens/s at batch 1, K=0 and K=2.
+* ``data/bench/h200x2.json`` (the same bench after the performance work: decode from CUDA
+  graphs at PCP=1, the flash MLA prefill kernel; system ``engine-v2``): the same two prefill
+  target forwards (20.6 and 31.0 ms: PCP=2 is slower) and, from its ``derived`` block, the
+  steady-state decode ms per token at batch 1, PCP=1, K=0 (1.201) and K=2 (0.773, 2.228
+  tokens a step). Its wall-time ``decode_tok_s`` include one-time Triton JIT compilation and
+  are not used.
 * ``data/bench/reported_h200x2.json``: figures quoted in the project's performance issue whose
   raw output is not in the repo (vLLM 30k-token prefill, CUDA-graph decode, the engine's
   re-run), with the assumptions each needs.
@@ -34,7 +40,7 @@ __all__ = ["Case", "MeasuredPoint", "RatioPoint", "Unchecked", "Points", "load_p
 
 KINDS = ("prefill", "prefill_forward", "decode_token")
 DEFAULT_SOURCES = ("data/bench/vllm_h200x2.json", "data/bench/vllm_h200x2_run1.json",
-                   "data/bench/h200x2_engine_v1.json", "data/bench/reported_h200x2.json")
+                   "data/bench/h200x2_engine_v1.json", "data/bench/h200x2.json", "data/bench/reported_h200x2.json")
 DECODE_CONTEXT = 384  # a 256-token prompt plus half of the 256 decoded tokens (mean position)
 
 
@@ -146,16 +152,22 @@ def _vllm(doc: dict, src: str, acceptance: tuple[float, ...]) -> list[MeasuredPo
     return out
 
 
-def _engine(doc: dict, src: str, acceptance: tuple[float, ...]) -> list[MeasuredPoint]:
+def _engine_prefill(doc: dict, src: str, system: str) -> list[MeasuredPoint]:
+    """The target forward of the second (warm) long-prompt step at PCP=1 and 2."""
     out = []
     tokens = int(doc["long_prompt_tokens"])
     for pcp in (1, 2):
         steps = doc.get("prefill_step_s", {}).get(f"pcp{pcp}")
         if steps:
-            out.append(MeasuredPoint(f"engine prefill {tokens} pcp{pcp}", src,
-                                     Case("engine", "prefill_forward", tokens, pcp=pcp),
+            out.append(MeasuredPoint(f"{system} prefill {tokens} pcp{pcp}", src,
+                                     Case(system, "prefill_forward", tokens, pcp=pcp),
                                      _num(steps[-1], f"{src}: prefill_step_s.pcp{pcp}[-1]"),
                                      "target forward of the second (warm) long-prompt step"))
+    return out
+
+
+def _engine(doc: dict, src: str, acceptance: tuple[float, ...]) -> list[MeasuredPoint]:
+    out = _engine_prefill(doc, src, "engine")
     for k in (0, 2):
         tps = doc.get("decode_tok_s", {}).get(f"k{k}")
         if tps:
@@ -163,6 +175,32 @@ def _engine(doc: dict, src: str, acceptance: tuple[float, ...]) -> list[Measured
                                      Case("engine", "decode_token", DECODE_CONTEXT, k=k, acceptance=acceptance[:k]),
                                      1.0 / _num(tps, f"{src}: decode_tok_s.k{k}"),
                                      "loop wall time over tokens (one short prefill included)"))
+    return out
+
+
+def _engine_v2(doc: dict, src: str, acceptance: tuple[float, ...]) -> list[MeasuredPoint]:
+    """The engine after its performance work (``h200x2.json``): prefill as for ``engine``;
+    decode ms per token from the ``derived`` block (device time of the steady-state steps,
+    CUDA graphs replayed, captures left out), never the wall-time ``decode_tok_s`` (they
+    include one-time Triton JIT). The K=2 point keeps the engine's first-position acceptance
+    and sets the second so that ``1 + a1 + a1 a2`` is the measured tokens a step: only that
+    sum enters the prediction. PCP=2 example: none (decode was measured at PCP=1 only)."""
+    out = _engine_prefill(doc, src, "engine-v2")
+    derived = doc.get("derived")
+    if not isinstance(derived, dict):
+        raise ValueError(f"{src}: no 'derived' object (steady-state decode figures)")
+    per_step = _num(derived.get("tokens_per_decode_step_k2"), f"{src}: derived.tokens_per_decode_step_k2")
+    a1 = acceptance[0]
+    a2 = (per_step - 1 - a1) / a1
+    if not 0 <= a2 <= 1:
+        raise ValueError(f"{src}: derived.tokens_per_decode_step_k2 {per_step} is not 1 + {a1:.3f} + {a1:.3f} x a2 "
+                         f"for an acceptance a2 in [0, 1]")
+    for k, acc in ((0, ()), (2, (a1, a2))):
+        ms = _num(derived.get(f"decode_ms_per_token_k{k}"), f"{src}: derived.decode_ms_per_token_k{k}")
+        note = "steady-state device time per step over tokens a step (derived)"
+        out.append(MeasuredPoint(f"engine-v2 decode k{k}", src,
+                                 Case("engine-v2", "decode_token", DECODE_CONTEXT, k=k, acceptance=acc),
+                                 ms / 1e3, note + (f", {per_step} tokens a step" if k else "")))
     return out
 
 
@@ -215,6 +253,8 @@ def load_points(root: str | None = None, sources: tuple[str, ...] = DEFAULT_SOUR
                 measured += _vllm(doc, rel, acceptance)
             elif rel == engine_rel:
                 measured += _engine(doc, rel, acceptance)
+            elif os.path.basename(rel) == "h200x2.json":
+                measured += _engine_v2(doc, rel, acceptance)
             else:
                 m, r, u = _reported(doc, rel, acceptance)
                 measured, ratios, unchecked = measured + m, ratios + r, unchecked + u
