@@ -13,6 +13,7 @@ import math
 import os
 import sys
 
+from pcpviz.cli_guard import bounded_int
 from pcpviz.costmodel.specs import H200, MODEL_NAMES, _repo_root, model_by_name
 
 DEFAULT_FIT = os.path.join("data", "bench", "costmodel_fit.json")
@@ -23,19 +24,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2 (argparse would print usage too)
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)
-
-
-def _int_range(lo: int, hi: int):
-    def parse(text: str) -> int:
-        try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {text!r}") from None
-        if not lo <= v <= hi:
-            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {v}")
-        return v
-    parse.__name__ = "integer"
-    return parse
 
 
 def _fraction(text: str) -> float:
@@ -66,19 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--out", default=None, help=f"fit file to write (default {DEFAULT_FIT}; '-' writes none)")
     p = sub.add_parser("predict", help="prefill (PCP) and decode (MTP) predictions for one configuration")
     p.add_argument("--model", choices=MODEL_NAMES, default="deepseek-v3")
-    p.add_argument("--context", type=_int_range(1, 1 << 24), required=True,
+    p.add_argument("--context", type=bounded_int(1, 1 << 24), required=True,
                    help="prompt tokens to prefill, and the positions a decode step attends to")
-    p.add_argument("--pcp", type=_int_range(1, 64), default=2)
-    p.add_argument("--tp", type=_int_range(1, 64), default=None,
+    p.add_argument("--pcp", type=bounded_int(1, 64), default=2)
+    p.add_argument("--tp", type=bounded_int(1, 64), default=None,
                    help="tensor parallel (default: 1 tiny, 8 deepseek-v3)")
-    p.add_argument("--k", type=_int_range(0, 16), default=2, help="MTP draft tokens")
+    p.add_argument("--k", type=bounded_int(0, 16), default=2, help="MTP draft tokens")
     acc = p.add_mutually_exclusive_group()
     acc.add_argument("--alpha", type=_fraction, default=None,
                      help="conditional acceptance at every draft position (default 0.8)")
     acc.add_argument("--acceptance", type=_fractions, default=None,
                      help="conditional acceptance per draft position, comma-separated (K of them)")
-    p.add_argument("--batch", type=_int_range(1, 1 << 16), default=1)
-    p.add_argument("--chunk", type=_int_range(1, 1 << 24), default=None, help="prefill token budget per step")
+    p.add_argument("--batch", type=bounded_int(1, 1 << 16), default=1)
+    p.add_argument("--chunk", type=bounded_int(1, 1 << 24), default=None, help="prefill token budget per step")
     p.add_argument("--system", default="vllm-graphs", help="a system of the fit file (vllm-eager, vllm-graphs, engine, engine-v2)")
     p.add_argument("--attn-eff", type=_efficiency, default=None, help="override the system's attention efficiency")
     p.add_argument("--fit", default=None, help=f"fit file (default {DEFAULT_FIT})")
