@@ -73,7 +73,6 @@ def main() -> None:
             r = pcpviz.run(prompts, pcp=args.pcp, num_speculative_tokens=k, device=args.device,
                            max_new_tokens=args.new_tokens, max_num_batched_tokens=args.chunk,
                            model_dir=os.path.join(ROOT, MODELS[name]), dtype=args.dtype,
-                           num_blocks=(sum(len(p) for p in prompts) + 64 * (args.new_tokens + 8)) // 16 + 64,
                            progress=False, timeout_s=900)
             out["runs"][f"{name}/k{k}"] = {
                 "acceptance_rate_per_pos": r.acceptance_rate_per_pos,

@@ -281,11 +281,17 @@ def evaluate_long(model: TinyDSV3, stream: torch.Tensor, length: int, device, au
     return out
 
 
-def _eval_only(model, held_stream, args, device, autocast, corpus_summary) -> dict:
-    """``--eval-only``: the held-out figures of ``--init-from`` as they are, in ``OUT/eval.json``."""
+def _heldout_figures(model, held_stream, args, device, autocast) -> tuple[dict, dict | None]:
+    """(windowed held-out metrics, loss by position bucket or None) as the arguments ask."""
     ev = evaluate(model, held_stream, args.seq_len, args.eval_tokens, device, autocast)
     ev_long = (evaluate_long(model, held_stream, args.long_eval_tokens, device, autocast,
                              num_seqs=args.long_eval_seqs) if args.long_eval_tokens else None)
+    return ev, ev_long
+
+
+def _eval_only(model, held_stream, args, device, autocast, corpus_summary) -> dict:
+    """``--eval-only``: the held-out figures of ``--init-from`` as they are, in ``OUT/eval.json``."""
+    ev, ev_long = _heldout_figures(model, held_stream, args, device, autocast)
     record = {"producer": "pcpviz.engine.train --eval-only", "model": args.init_from,
               "device": str(device), "heldout": ev, "heldout_by_position": ev_long,
               "corpus": {"corpus_hash": corpus_summary["corpus_hash"]}}
@@ -427,10 +433,8 @@ def main(argv=None) -> dict:
         ema = cur if ema is None else (0.95 * ema[0] + 0.05 * cur[0], 0.95 * ema[1] + 0.05 * cur[1])
     train_time = time.time() - t_train
 
-    ev = evaluate(model, held_stream, args.seq_len, args.eval_tokens, device, autocast)
+    ev, ev_long = _heldout_figures(model, held_stream, args, device, autocast)
     print("held-out:", json.dumps(ev), flush=True)
-    ev_long = (evaluate_long(model, held_stream, args.long_eval_tokens, device, autocast,
-                             num_seqs=args.long_eval_seqs) if args.long_eval_tokens else None)
     print("held-out by position:", json.dumps(ev_long), flush=True)
 
     out = args.out
