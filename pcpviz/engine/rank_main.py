@@ -229,7 +229,7 @@ def _exit_now(code: int) -> None:
     of torch/gloo; a gloo or store thread still joinable when its ``std::thread`` is destroyed
     there calls ``std::terminate`` ("terminate called without an active exception", SIGABRT,
     exit -6) although all work is done. Nothing is left to clean up by then (files written
-    and closed, the group destroyed), so the rank flushes its streams and ``os._exit``\s."""
+    and closed, the group destroyed), so the rank flushes its streams and calls ``os._exit``."""
     try:
         sys.stdout.flush()
         sys.stderr.flush()
