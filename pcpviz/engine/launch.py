@@ -117,13 +117,17 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
                  shard_decode_requests: bool | None = None, seed: int = 0, timeout_s: float = 300.0,
                  stop_at_eos: bool = False, overwrite: bool = False, dtype: str = "float32",
                  count_local_devices: bool = True, cuda_graphs: bool | None = None,
-                 time_phases: bool = False) -> dict:
+                 time_phases: bool = False, profile_dir: str | None = None) -> dict:
     """Validate the arguments and build the rank config (a JSON-able dict).
 
     ``cuda_graphs``: decode steps from CUDA graphs (None: on for CUDA at PCP=1, see
     ``EngineConfig.cuda_graphs`` for why not yet at PCP > 1; True on the CPU runs
     the same padded path without capture, see ``pcpviz.engine.graphs``). ``time_phases``: the
     per-phase breakdown of the loop (``RunResult.phases``, ``pcpviz.engine.phases``).
+    ``profile_dir``: a torch.profiler profile of every step after the first (which carries the
+    one-time JIT and allocator costs) per rank, the phases as labelled ranges:
+    ``profile_rank<r>.txt`` (operators by device time) and ``profile_rank<r>.json`` (a Chrome
+    trace for Perfetto / chrome://tracing); implies ``time_phases``.
 
     ``overwrite``: replace the trace already in ``trace_dir`` (its run.json and rank files
     only); without it a non-empty ``trace_dir`` is refused. ``count_local_devices=False`` skips
@@ -160,6 +164,8 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
         raise ValueError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {timeout_s!r}")
     if trace_dir is not None:
         check_target(trace_dir, overwrite=overwrite)
+    if profile_dir is not None:
+        profile_dir = _profile_target(profile_dir)
     if device == "cuda" and count_local_devices:
         import torch
 
@@ -204,8 +210,26 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
         "shard_decode_requests": shard_decode_requests, "seed": seed, "timeout_s": float(timeout_s),
         "prompt_token_ids": ids, "eos_token_id": EOS_ID if stop_at_eos else None, "dtype": dtype,
         "overwrite": bool(overwrite),
-        "cuda_graphs": None if cuda_graphs is None else bool(cuda_graphs), "time_phases": bool(time_phases),
+        "cuda_graphs": None if cuda_graphs is None else bool(cuda_graphs),
+        "time_phases": bool(time_phases or profile_dir), "profile_dir": profile_dir,
     }
+
+
+def _profile_target(path) -> str:
+    """``profile_dir`` made absolute and created; ValueError (one line) when it cannot hold the
+    profiles (a file, not creatable, not writable)."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"profile_dir must be a directory path, got {path!r}")
+    path = os.path.abspath(os.fspath(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"profile_dir {path}: not a directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"profile_dir {path}: cannot create it ({exc.strerror or exc})") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"profile_dir {path}: not writable")
+    return path
 
 
 def start_trace(cfg: dict, command: str = "pcpviz run"):
@@ -460,7 +484,8 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
     ``seed``, ``timeout_s``, ``stop_at_eos``, ``overwrite`` (replace the trace in a non-empty
     ``trace_dir``; without it such a directory is refused, and one another run is writing is
     refused either way), ``cuda_graphs`` (decode steps from CUDA graphs; on for CUDA at
-    PCP=1 by default), ``time_phases`` (``RunResult.phases``: where the loop's time goes).
+    PCP=1 by default), ``time_phases`` (``RunResult.phases``: where the loop's time goes),
+    ``profile_dir`` (a torch.profiler profile per rank, see ``build_config``).
     """
     from pcpviz.engine.tokenizer import decode
 

@@ -64,6 +64,7 @@ class PhaseTimer:
         self._steps: list[tuple[str, list]] = []  # (kind, marks of the step)
         self._in_step = False
         self.suspended = False  # set while a CUDA graph is captured: no marks, no events
+        self.labels = False  # also open a torch.profiler range "phase:<name>" (pcpviz.engine.profile)
 
     def __bool__(self) -> bool:
         return self.enabled
@@ -90,9 +91,17 @@ class PhaseTimer:
     def _phase(self, name: str):
         self._stack.append(name)
         self._mark(name)
+        label = None
+        if self.labels:
+            import torch.profiler
+
+            label = torch.profiler.record_function(f"phase:{name}")
+            label.__enter__()
         try:
             yield
         finally:
+            if label is not None:
+                label.__exit__(None, None, None)
             self._stack.pop()
             self._mark(self._stack[-1] if self._stack else None)
 

@@ -66,6 +66,12 @@ def run_rank(cfg: dict) -> dict | None:
         cuda_graphs=cfg.get("cuda_graphs"),
     )
     timer = PhaseTimer(bool(cfg.get("time_phases")), device)
+    profiler = None
+    if cfg.get("profile_dir"):
+        from pcpviz.engine.profile import StepProfiler
+
+        profiler = StepProfiler(cfg["profile_dir"], rank, device_kind)
+        timer.labels = True
     worker = Worker(model, group, ecfg, device, record=cfg.get("trace_dir") is not None, timer=timer)
     # The launcher claimed the directory and cleared it (pcpviz.trace.owner); the rank file is
     # created exclusively, so a file this run did not create is never replaced. Steps are
@@ -113,6 +119,8 @@ def run_rank(cfg: dict) -> dict | None:
                     os._exit(17)  # test hook: a rank that dies without a word (PCPVIZ_DEBUG_EXIT_RANK=r@step)
                 if not any(row.is_prefilling for row in plan.rows):
                     step_info["kind"] = "decode"
+                if profiler is not None:
+                    profiler.before_step(steps)
                 res = worker.step(plan)
                 if writer is not None:
                     with timer.phase("record"):
@@ -133,6 +141,8 @@ def run_rank(cfg: dict) -> dict | None:
     if device_kind == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - t_start
+    if profiler is not None:
+        profiler.close()
     if writer is not None:
         writer.close()  # waits for the queued steps; a writer failure is raised here (one line)
     info = {"rank": rank, "kv_cache_digest": worker.cache.digest(), "num_collectives": group.num_collectives,
@@ -222,6 +232,24 @@ def _shutdown_process_group(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
               file=sys.stderr, flush=True)
 
 
+def _stack_dumps(rank: int) -> None:
+    """Debug hook for a rank that hangs: ``PCPVIZ_STACK_DUMP=DIR[:SECONDS]`` writes every
+    thread's Python stack to ``DIR/stacks_rank<r>.txt`` every SECONDS (default 60) while the
+    rank lives (``faulthandler``; the file is appended to, newest dump last)."""
+    spec = os.environ.get("PCPVIZ_STACK_DUMP")
+    if not spec:
+        return
+    import faulthandler
+
+    d, _, secs = spec.partition(":")
+    try:
+        os.makedirs(d, exist_ok=True)
+        f = open(os.path.join(d, f"stacks_rank{rank}.txt"), "a")  # noqa: SIM115 - lives with the process
+        faulthandler.dump_traceback_later(float(secs or 60), repeat=True, file=f)
+    except (OSError, ValueError) as exc:
+        print(f"pcpviz: rank {rank}: PCPVIZ_STACK_DUMP={spec!r} ignored: {exc}", file=sys.stderr, flush=True)
+
+
 def _exit_now(code: int) -> None:
     """Leave the process without interpreter teardown, once every result is on disk.
 
@@ -246,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = json.load(f)
     rank = int(os.environ.get("RANK", "0"))
     out_dir = cfg["work_dir"]
+    _stack_dumps(rank)
     try:
         result = run_rank(cfg)
         if result is not None:
