@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -293,3 +295,44 @@ def test_a_stuck_process_group_teardown_cannot_hold_the_rank(monkeypatch, capsys
     rank_main._shutdown_process_group(timeout_s=0.2)
     release.set()
     assert "teardown still running after 0 s" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- profiles
+def test_profile_dir_writes_a_table_and_a_trace_per_rank_with_the_phases(tmp_path):
+    import json as _json
+
+    d = tmp_path / "prof"
+    res = pcpviz.run(PROMPTS[:1], pcp=2, num_speculative_tokens=2, max_new_tokens=4, profile_dir=str(d),
+                     progress=False)
+    assert res.phases["all"]["steps"] == res.num_steps  # profile_dir implies time_phases
+    for r in (0, 1):
+        table = (d / f"profile_rank{r}.txt").read_text()
+        assert table.startswith(f"rank {r}: {res.num_steps - 1} steps profiled")
+        for name in ("phase:target", "phase:batch", "phase:gather"):
+            assert name in table
+        events = _json.loads((d / f"profile_rank{r}.json").read_text())["traceEvents"]
+        assert any(e.get("name") == "phase:draft_0" for e in events)
+
+
+@pytest.mark.parametrize("kind,why", [("file", "not a directory"), ("under_file", "cannot create it")])
+def test_profile_dir_that_cannot_hold_profiles_is_one_line_naming_the_option(tmp_path, kind, why):
+    (tmp_path / "x").write_text("")
+    p = tmp_path / "x" if kind == "file" else tmp_path / "x" / "prof"
+    with pytest.raises(ValueError, match=rf"^profile_dir {p}: {why}"):
+        pcpviz.run(PROMPTS[:1], pcp=1, max_new_tokens=2, profile_dir=str(p), progress=False)
+    assert (tmp_path / "x").read_text() == ""  # nothing lost
+
+
+def test_stack_dump_hook_writes_every_threads_stack(tmp_path, monkeypatch):
+    import faulthandler
+
+    from pcpviz.engine import rank_main
+
+    monkeypatch.setenv("PCPVIZ_STACK_DUMP", f"{tmp_path / 'stacks'}:0.2")
+    rank_main._stack_dumps(3)
+    try:
+        time.sleep(0.6)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    text = (tmp_path / "stacks" / "stacks_rank3.txt").read_text()
+    assert "test_stack_dump_hook_writes_every_threads_stack" in text

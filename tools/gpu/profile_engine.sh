@@ -1,3 +1,5 @@
+# Profile the engine on 2 x H200, one case per process, each bounded by timeout (issue 15):
+#   device run: bash tools/gpu/profile_engine.sh   -> $OUT/log.txt, $OUT/p.tgz, $OUT/stacks/
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=$PWD:$PWD/kernels
 export PCPVIZ_STACK_DUMP=$OUT/stacks:40
 nvidia-smi --query-gpu=name,memory.used --format=csv > $OUT/smi.txt 2>&1
