@@ -222,17 +222,22 @@ def compute_slot_mappings(
             is_local = np.where(sharded[gi], owned, True)
         blk_idx = local_p // bs if enabled[gi] else np.zeros_like(local_p)
         ok = is_local & real
-        if ok.any() and int(blk_idx[ok].max()) >= table.shape[1]:
+        every = bool(ok.all())  # the common case (no DCP, no padding rows): no masked copies
+        if ok.any() and int((blk_idx if every else blk_idx[ok]).max()) >= table.shape[1]:
             bad = int(np.flatnonzero(ok & (blk_idx >= table.shape[1]))[0])
             raise ValueError(
                 f"token {bad} (row {int(row[bad])}, position {int(p[bad])}) needs block "
                 f"index {int(blk_idx[bad])} but the block table has {table.shape[1]} columns"
             )
+        if not enabled[gi]:
+            out[gi, :num_tokens] = PAD_SLOT_ID
+            continue
+        if every:
+            out[gi, :num_tokens] = table[req, blk_idx].astype(np.int64) * bs + local_p % bs
+            continue
         blocks = np.zeros_like(p)
         blocks[ok] = table[req[ok], blk_idx[ok]]
-        slots = blocks * bs + local_p % bs
-        slots = np.where(ok & enabled[gi], slots, PAD_SLOT_ID)
-        out[gi, :num_tokens] = slots
+        out[gi, :num_tokens] = np.where(ok, blocks * bs + local_p % bs, PAD_SLOT_ID)
     return out[:, :padded]
 
 

@@ -336,3 +336,46 @@ def test_stack_dump_hook_writes_every_threads_stack(tmp_path, monkeypatch):
         faulthandler.cancel_dump_traceback_later()
     text = (tmp_path / "stacks" / "stacks_rank3.txt").read_text()
     assert "test_stack_dump_hook_writes_every_threads_stack" in text
+
+
+def test_plan_broadcast_carries_a_prompt_once_and_round_trips():
+    """vLLM's NewRequestData: a request's prompt travels on its first row only (base64 int32),
+    later chunks name their start; the JSON document gives back the same plan."""
+    import json as _json
+
+    from pcpviz.engine.scheduler import Scheduler, SchedulerOutput
+
+    prompts = [list(range(1, 41)), [7, 8, 9]]
+    sched = Scheduler(prompts, 2, num_speculative_tokens=2, block_size=16, num_blocks=64, max_num_seqs=4,
+                      max_num_batched_tokens=24, max_model_len=4096)
+    first = sched.schedule()
+    doc = _json.loads(_json.dumps(first.to_json()))
+    back = SchedulerOutput.from_json(doc)
+    assert back == first  # the prompt arrays are left out of ==, so compare them too
+    [row] = back.rows  # the budget of 24 takes a chunk of the first prompt only
+    assert row.is_new and row.prompt_start == 0 and row.num_tokens == 24 and row.next_prompt_token == 25
+    assert row.prompt_token_ids.tolist() == prompts[0]
+    sched.update(first, {row.req_id: ([], 0)})
+    second = SchedulerOutput.from_json(_json.loads(_json.dumps(sched.schedule().to_json())))
+    by_id = {r.req_id: r for r in second.rows}
+    assert by_id["req0"].prompt_start == 24 and by_id["req0"].prompt_token_ids is None  # not sent again
+    assert by_id["req1"].prompt_token_ids.tolist() == [7, 8, 9]
+    bad = _json.loads(_json.dumps(first.to_json()))
+    bad["rows"][0]["prompt_len"] = 41
+    with pytest.raises(ValueError, match="req0: prompt of 40 tokens, prompt_len 41"):
+        SchedulerOutput.from_json(bad)
+
+
+def test_every_run_times_its_steps_and_reads_the_steady_decode_step(runs):
+    eager, graphs = runs
+    for res in (eager, graphs):
+        kinds = [k for k, _ in res.step_ms]
+        assert len(res.step_ms) == res.num_steps and all(t > 0 for _, t in res.step_ms)
+        assert kinds[0] == "prefill" and "decode" in kinds and set(kinds) == {"prefill", "decode"}
+    decode = [t for k, t in eager.step_ms if k == "decode"]
+    assert eager.phases["decode"]["steps"] == len(decode)  # the same split as the phase breakdown
+    mid = sorted(decode)
+    median = (mid[(len(mid) - 1) // 2] + mid[len(mid) // 2]) / 2
+    assert eager.steady_decode_ms(skip=0) == pytest.approx(median)
+    assert min(decode) <= eager.steady_decode_ms(skip=1) <= max(decode)
+    assert eager.steady_decode_ms(skip=len(decode)) is None

@@ -71,6 +71,17 @@ class RunResult:
     config: dict = field(default_factory=dict)
     phases: dict = field(default_factory=dict)  # rank 0's PhaseTimer.summary() (time_phases=True)
     graphs: dict | None = None  # {"mode", "captures", "replays"} when decode graphs were on
+    # rank 0's wall time of every step, (kind, ms) with kind "prefill" (any prefill row) or
+    # "decode": always measured (two clock reads a step); steady_decode_ms() reads it
+    step_ms: list[tuple[str, float]] = field(default_factory=list)
+
+    def steady_decode_ms(self, skip: int = 8) -> float | None:
+        """Median wall time of a decode step after the first ``skip`` decode steps (which pay for
+        Triton JIT, graph captures and allocator growth); None when no decode step is left."""
+        import statistics
+
+        ms = [t for kind, t in self.step_ms if kind == "decode"][skip:]
+        return float(statistics.median(ms)) if ms else None
 
     def summary(self) -> dict:
         """The ``--json`` document: requests with their ids, acceptance overall and per position."""
@@ -513,5 +524,6 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
         kv_cache_digests=res["kv_cache_digests"],
         phases=res.get("phases") or {},
         graphs=res.get("graphs"),
+        step_ms=[(str(k), float(t)) for k, t in res.get("step_ms", [])],
         config={k: v for k, v in cfg.items() if k != "prompt_token_ids"},
     )

@@ -94,9 +94,11 @@ def run_rank(cfg: dict) -> dict | None:
     last_said = 0.0
     counts = Counts().widened(max(k, 0))
     steps = 0
+    step_ms: list[tuple[str, float]] = []  # (kind, wall ms) of every step, from the plan to the verdict
     t_start = time.perf_counter()
     try:
         while True:
+            t_step = time.perf_counter()
             with timer.step() as step_info:
                 with timer.phase("schedule"):
                     plan = None
@@ -117,7 +119,8 @@ def run_rank(cfg: dict) -> dict | None:
                     if writer is not None:
                         writer.flush()  # its completed steps on disk, as an inline writer would leave them
                     os._exit(17)  # test hook: a rank that dies without a word (PCPVIZ_DEBUG_EXIT_RANK=r@step)
-                if not any(row.is_prefilling for row in plan.rows):
+                kind = "prefill" if any(row.is_prefilling for row in plan.rows) else "decode"
+                if kind == "decode":
                     step_info["kind"] = "decode"
                 if profiler is not None:
                     profiler.before_step(steps)
@@ -131,6 +134,7 @@ def run_rank(cfg: dict) -> dict | None:
                         sched.update(plan, res.per_request)
                         counts = counts + count(res.num_accepted, res.num_draft_tokens)
                         last_said = progress_line(sched, plan.step, last_said)
+            step_ms.append((kind, 1e3 * (time.perf_counter() - t_step)))
     except BaseException:
         if writer is not None:  # the steps this rank completed reach the disk before it fails
             try:
@@ -175,6 +179,7 @@ def run_rank(cfg: dict) -> dict | None:
         "acceptance_rate": json_ratio(counts.acceptance_rate),
         "mean_acceptance_length": json_ratio(counts.mean_acceptance_length),
         "wall_s": wall,
+        "step_ms": step_ms,
         "phases": info["phases"],
         "graphs": info.get("graphs"),
     }

@@ -19,7 +19,10 @@ Policy (a compact version of vLLM's):
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from pcpviz.blocks import BlockAllocator
 
@@ -38,6 +41,9 @@ class SchedRequest:
     has_drafts: bool = False
     finished: bool = False
 
+    def __post_init__(self) -> None:
+        self.prompt_ids = np.asarray(self.prompt, dtype=np.int64)  # int64[prompt_len], sent once
+
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed < len(self.prompt)
@@ -49,11 +55,14 @@ class ScheduledRow:
     slot: int  # request-state index = block-table row
     num_tokens: int
     is_prefilling: bool
-    prompt_chunk: tuple[int, ...]  # prompt tokens of a prefill chunk (empty for decodes)
+    prompt_start: int  # a prefill chunk is prompt[prompt_start : prompt_start + num_tokens]
     next_prompt_token: int  # the prompt token after the chunk (-1 if the chunk ends the prompt)
     prompt_len: int
     new_blocks: tuple[int, ...]  # blocks appended to the request's row this step
     is_new: bool  # first time scheduled: the worker creates its request state
+    # int64[prompt_len] on a new row only, None after (vLLM's NewRequestData carries the prompt
+    # once; the workers keep it in their request state)
+    prompt_token_ids: np.ndarray | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -63,22 +72,37 @@ class SchedulerOutput:
     finished: tuple[tuple[str, int], ...]  # (req_id, slot) freed before this step
 
     def to_json(self) -> dict:
-        """Plain JSON data (what rank 0 broadcasts; no pickle):
-        ``{"step": 3, "rows": [{"req_id": "req0", "slot": 0, ...}], "finished": [["req1", 1]]}``."""
-        return {"step": self.step, "finished": [list(f) for f in self.finished],
-                "rows": [{k: list(v) if isinstance(v, tuple) else v for k, v in vars(r).items()}
-                         for r in self.rows]}
+        """Plain JSON data (what rank 0 broadcasts; no pickle)::
+
+            {"step": 3, "finished": [["req1", 1]],
+             "rows": [{"req_id": "req0", "slot": 0, ..., "prompt": "AQAAAA..."}]}
+
+        A new row's prompt travels once, as base64 of little-endian int32 (a 32k-token prompt is
+        171 kB of text, encoded and decoded in well under a millisecond)."""
+        rows = []
+        for r in self.rows:
+            d = {k: list(v) if isinstance(v, tuple) else v for k, v in vars(r).items() if k != "prompt_token_ids"}
+            if r.prompt_token_ids is not None:
+                d["prompt"] = base64.b64encode(r.prompt_token_ids.astype("<i4").tobytes()).decode("ascii")
+            rows.append(d)
+        return {"step": self.step, "finished": [list(f) for f in self.finished], "rows": rows}
 
     @classmethod
     def from_json(cls, doc: dict) -> "SchedulerOutput":
         """The inverse of ``to_json`` (ValueError/KeyError/TypeError on a malformed document)."""
-        rows = tuple(ScheduledRow(req_id=str(r["req_id"]), slot=int(r["slot"]), num_tokens=int(r["num_tokens"]),
-                                  is_prefilling=bool(r["is_prefilling"]),
-                                  prompt_chunk=tuple(int(t) for t in r["prompt_chunk"]),
-                                  next_prompt_token=int(r["next_prompt_token"]), prompt_len=int(r["prompt_len"]),
-                                  new_blocks=tuple(int(b) for b in r["new_blocks"]), is_new=bool(r["is_new"]))
-                     for r in doc["rows"])
-        return cls(int(doc["step"]), rows, tuple((str(a), int(b)) for a, b in doc["finished"]))
+        rows = []
+        for r in doc["rows"]:
+            prompt = None
+            if r.get("prompt") is not None:
+                prompt = np.frombuffer(base64.b64decode(r["prompt"], validate=True), dtype="<i4").astype(np.int64)
+                if prompt.shape[0] != int(r["prompt_len"]):
+                    raise ValueError(f"{r['req_id']}: prompt of {prompt.shape[0]} tokens, prompt_len {r['prompt_len']}")
+            rows.append(ScheduledRow(
+                req_id=str(r["req_id"]), slot=int(r["slot"]), num_tokens=int(r["num_tokens"]),
+                is_prefilling=bool(r["is_prefilling"]), prompt_start=int(r["prompt_start"]),
+                next_prompt_token=int(r["next_prompt_token"]), prompt_len=int(r["prompt_len"]),
+                new_blocks=tuple(int(b) for b in r["new_blocks"]), is_new=bool(r["is_new"]), prompt_token_ids=prompt))
+        return cls(int(doc["step"]), tuple(rows), tuple((str(a), int(b)) for a, b in doc["finished"]))
 
 
 class Scheduler:
@@ -133,13 +157,13 @@ class Scheduler:
             need = self.allocator.blocks_needed(req.num_computed + n + self.k) - len(req.blocks)
             new_blocks = self.allocator.allocate(max(need, 0))
             req.blocks += new_blocks
-            chunk = tuple(req.prompt[req.num_computed : req.num_computed + n]) if req.is_prefilling else ()
             end = req.num_computed + n
             rows.append(ScheduledRow(
                 req_id=req.req_id, slot=req.slot, num_tokens=n, is_prefilling=req.is_prefilling,
-                prompt_chunk=chunk,
+                prompt_start=req.num_computed if req.is_prefilling else 0,
                 next_prompt_token=req.prompt[end] if req.is_prefilling and end < len(req.prompt) else -1,
                 prompt_len=len(req.prompt), new_blocks=tuple(new_blocks), is_new=is_new,
+                prompt_token_ids=req.prompt_ids if is_new else None,
             ))
         # vLLM's sort_batch_req_ids: requests with drafts, then decode-sized, then by length.
         dq = 1 + self.k

@@ -86,11 +86,15 @@ class RequestState:
     """What a worker keeps per request (vLLM's RequestState on the GPU)."""
 
     slot: int
-    prompt_len: int
+    prompt: np.ndarray  # int64[prompt_len]: sent once, on the request's first row
     num_computed: int = 0  # GPU cursor: corrected by rejections immediately
     cpu_lag: int = 0  # how far the optimistic CPU mirror runs ahead (last step's rejections)
     last_sampled: int = -1
     drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # int64[K] or empty
+
+    @property
+    def prompt_len(self) -> int:
+        return int(self.prompt.shape[0])
 
 
 @dataclass
@@ -173,7 +177,9 @@ class Worker:
             self._table[slot] = 0
         for row in sched.rows:
             if row.is_new:
-                self.states[row.req_id] = RequestState(slot=row.slot, prompt_len=row.prompt_len)
+                if row.prompt_token_ids is None:
+                    raise RuntimeError(f"rank {self.rank}: new request {row.req_id} arrived without its prompt")
+                self.states[row.req_id] = RequestState(slot=row.slot, prompt=row.prompt_token_ids)
             if row.new_blocks:
                 start = self.table.num_blocks(row.slot)
                 self.table.append(row.slot, row.new_blocks)
@@ -194,7 +200,7 @@ class Worker:
         for i, (row, st) in enumerate(zip(rows, states)):
             lo, hi = int(qsl[i]), int(qsl[i + 1])
             if row.is_prefilling:
-                ids[lo:hi] = row.prompt_chunk
+                ids[lo:hi] = st.prompt[row.prompt_start: row.prompt_start + hi - lo]
                 continue
             d = hi - lo - 1
             if st.drafts.shape[0] < d:
