@@ -18,6 +18,9 @@ Measures (every figure from the same invocation):
 * ``decode_ms_per_token``     batch 1, from the loop's wall time (K=0 and K=2) less the one-time graph
                               captures (vLLM captures at start-up), beside real vLLM's
                               ``decode_ms_per_token`` in ``data/bench/vllm_h200x2.json``;
+* ``decode_steady``           batch 1, K=0 and K=2: the median decode step's wall time after the
+                              first 8 (no JIT, no captures, no timer events), tokens per decode step,
+                              ms per token, and ``mtp_speedup`` from them (the steady-state figures);
 * ``graphs``                  decode steps from CUDA graphs against the eager path: tok/s both ways
                               and whether the tokens are the same (CUDA only);
 * ``beside_vllm``             decode ms/token at PCP=2 batch 1 (K=0, K=2) and the prefill step at PCP=1
@@ -81,6 +84,17 @@ def steady_s(res) -> float:
     """The loop's wall time less the one-time CUDA graph captures (vLLM captures at start-up,
     outside its decode figures; the engine captures a decode shape on first use)."""
     return res.wall_s - ((res.graphs or {}).get("capture_s") or 0.0)
+
+
+def steady_decode(res) -> dict:
+    """The untimed run's steady decode: the median decode step's wall time after the first 8
+    (``RunResult.steady_decode_ms``: no Triton JIT, no captures, no phase-timer events), the
+    tokens a decode step makes, and so the milliseconds per token."""
+    decode_steps = sum(1 for kind, _ in res.step_ms if kind == "decode")
+    ms = res.steady_decode_ms()
+    per_step = (sum(len(o) for o in res.output_token_ids) - len(res.output_token_ids)) / max(decode_steps, 1)
+    return {"ms_per_step": ms, "tokens_per_step": per_step,
+            "ms_per_token": ms / per_step if ms is not None and per_step else None}
 
 
 def phase_summary(res) -> dict:
@@ -233,6 +247,10 @@ def main() -> None:
                                       "k2": 1e3 * loop[2] / args.decode_tokens}
         out["decode_graphs"] = {"k0": k0.graphs, "k2": k2.graphs}
         out["mtp_decode_speedup"] = loop[0] / loop[2]
+        steady = {f"k{k}": steady_decode(r) for k, r in decode_runs.items()}
+        if steady["k0"]["ms_per_token"] and steady["k2"]["ms_per_token"]:
+            steady["mtp_speedup"] = steady["k0"]["ms_per_token"] / steady["k2"]["ms_per_token"]
+        out["decode_steady"] = steady
         out["mtp_tokens_equal"] = k0.output_token_ids == k2.output_token_ids
 
     section('mtp_decode', _mtp_decode)
@@ -243,6 +261,7 @@ def main() -> None:
         for k in (0, 2):
             res = run_(short[:1], num_speculative_tokens=k, **dict(dec, pcp=2))
             ms[f"k{k}"] = 1e3 * steady_s(res) / args.decode_tokens
+            ms[f"k{k}_steady"] = steady_decode(res)
         out["decode_ms_per_token_pcp2"] = ms
 
     section("decode_pcp2", _decode_pcp2)
