@@ -185,27 +185,32 @@ def run_rank(cfg: dict) -> dict | None:
     }
 
 
+PIPE_EVERY_S = 0.1  # the launcher's bar needs no more; a line per step costs the decode loop
+
+
 def progress_line(sched, step: int, last_said: float) -> float:
     """Rank 0's progress after ``step``: new tokens so far and prompt tokens prefilled so far.
 
-    Started by ``pcpviz.run`` (``PCPVIZ_PROGRESS=pipe``) it prints one machine line per step,
-    ``PCPVIZ_PROGRESS {"step": 3, "tokens": 12, "prefill": [20001, 20001]}``, for the launcher's
-    progress bar; started by torchrun, a line for people at most every 2 s and at the end:
+    Started by ``pcpviz.run`` (``PCPVIZ_PROGRESS=pipe``) it prints a machine line at most every
+    0.1 s and after the last step, ``PCPVIZ_PROGRESS {"step": 3, "tokens": 12, "prefill":
+    [20001, 20001]}``, for the launcher's progress bar; started by torchrun, a line for people at
+    most every 2 s and at the end:
     ``pcpviz rank 0: step 3, prefill 20001/20001 prompt tokens, 12/32 new tokens``.
-    Returns the time of the last line for people."""
+    Returns the time of the last line."""
+    pipe = os.environ.get("PCPVIZ_PROGRESS") == "pipe"
+    now = time.monotonic()
+    if now - last_said < (PIPE_EVERY_S if pipe else 2.0) and not sched.done:
+        return last_said
     done = sum(len(r.output) for r in sched.requests)
     prefill = [sum(min(r.num_computed, len(r.prompt)) for r in sched.requests),
                sum(len(r.prompt) for r in sched.requests)]
-    if os.environ.get("PCPVIZ_PROGRESS") == "pipe":
+    if pipe:
         print("PCPVIZ_PROGRESS " + json.dumps({"step": step, "tokens": done, "prefill": prefill}), flush=True)
-        return last_said
-    now = time.monotonic()
-    if now - last_said >= 2.0 or sched.done:
+    else:
         total = sum(r.max_new_tokens for r in sched.requests)
         print(f"pcpviz rank 0: step {step}, prefill {prefill[0]}/{prefill[1]} prompt tokens, "
               f"{done}/{total} new tokens", flush=True)
-        return now
-    return last_said
+    return now
 
 
 SHUTDOWN_TIMEOUT_S = 30.0
