@@ -167,6 +167,7 @@ class Worker:
         if self.graphs is not None:
             self.graphs.timer = self.timer if self.timer else None
         self._pending_drafts = None  # (host int64[R, K], event, req_ids, keep bool[R]) of the last step
+        self._layouts: dict[tuple, PCPLayout] = {}  # decode-only steps' layouts (Worker._plan)
 
     # ------------------------------------------------------------------------------ inputs
     def _apply_scheduler_output(self, sched: SchedulerOutput) -> None:
@@ -234,9 +235,7 @@ class Worker:
                                  int(batch.seq_lens.max()) if batch.num_reqs else 0, pcp=n,
                                  k=cfg.num_speculative_tokens, max_num_seqs=cfg.max_num_seqs,
                                  shard_decode_requests=shard)
-        layout = plan_layout(batch.num_scheduled_tokens, batch.is_prefilling, n,
-                             shard_decode_requests=cfg.shard_decode_requests,
-                             padded_num_tokens=None if shape is None else shape.local_tokens)
+        layout = self._plan(batch, None if shape is None else shape.local_tokens)
         local = partition_batch(batch, rank, n, layout=layout,
                                 padded_num_reqs=None if shape is None else shape.local_reqs)
         local_positions = local.positions
@@ -273,6 +272,27 @@ class Worker:
                           bt_local=bt_local, slots_global=slots_global, slots_gathered=slots_gathered,
                           sample_rows=sample_rows, shape=shape, bounds=bounds,
                           host_lens=None if shape is not None else (local.query_start_loc, local_seq_lens))
+
+    def _plan(self, batch: GlobalBatch, padded_num_tokens: int | None) -> PCPLayout:
+        """``plan_layout`` of the step, remembered for decode-only steps: the layout depends on
+        the rows' query lengths alone, and steady decoding repeats the same few (batch 1, K=2:
+        one shape). Remembered layouts are read-only."""
+        q, pref = batch.num_scheduled_tokens, batch.is_prefilling
+        decode_only = not pref.any()
+        key = (q.tobytes(), padded_num_tokens) if decode_only else None
+        layout = self._layouts.get(key) if decode_only else None
+        if layout is None:
+            layout = plan_layout(q, pref, self.group.world_size, shard_decode_requests=self.cfg.shard_decode_requests,
+                                 padded_num_tokens=padded_num_tokens)
+            if decode_only:
+                for a in (layout.num_scheduled_tokens, layout.is_prefilling, layout.query_start_loc,
+                          layout.replicated, layout.padded_gather_idx, layout.hidden_restore_idx,
+                          layout.kv_write_mask):
+                    a.flags.writeable = False
+                if len(self._layouts) >= 256:
+                    self._layouts.clear()
+                self._layouts[key] = layout
+        return layout
 
     def check_slots(self, slots: np.ndarray) -> None:
         """The KV cache's bound check, on the host (the device write then needs no sync)."""
