@@ -294,7 +294,38 @@ def test_a_stuck_process_group_teardown_cannot_hold_the_rank(monkeypatch, capsys
     monkeypatch.setattr(tdist, "destroy_process_group", lambda *a, **k: None)
     rank_main._shutdown_process_group(timeout_s=0.2)
     release.set()
+    for t in threading.enumerate():  # let the daemon finish while the stand-ins are still in place
+        if t.name == "pcpviz-shutdown":
+            t.join(5)
     assert "teardown still running after 0 s" in capsys.readouterr().err
+
+
+def test_teardown_resets_every_graph_before_the_group_goes(monkeypatch):
+    """pytorch/pytorch#115388: a live CUDA graph holding NCCL collectives hangs
+    destroy_process_group. No graph can be captured on this CPU machine, so the graphs here
+    are stand-ins that log their reset; the runner and the teardown are the real ones."""
+    import types
+
+    from pcpviz.engine import rank_main
+
+    log = []
+
+    class Graph:  # stand-in for torch.cuda.CUDAGraph (CUDA only)
+        def __init__(self, name):
+            self.name = name
+
+        def reset(self):
+            log.append(f"reset {self.name}")
+
+    runner = GraphRunner("eager", torch.device("cpu"))
+    runner._graphs = {("target", 1): (Graph("target"), None), ("draft_k", 1): (Graph("draft_k"), None)}
+    runner.inputs(("target", 1), {"ids": ((4,), torch.int64)})
+    worker = types.SimpleNamespace(graphs=runner)
+    monkeypatch.setattr(rank_main, "_shutdown_process_group", lambda: log.append("shutdown"))
+    rank_main._teardown(worker, "cpu")
+    assert log == ["reset target", "reset draft_k", "shutdown"]
+    assert worker.graphs is None and not runner._graphs and not runner._inputs
+    runner.release()  # idempotent
 
 
 # ---------------------------------------------------------------------------- profiles

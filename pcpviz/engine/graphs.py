@@ -184,6 +184,17 @@ class GraphRunner:
         self.num_replays += 1
         return out
 
+    def release(self) -> None:
+        """Reset every captured graph and drop the static buffers and the memory pool. Call it
+        on every rank before the process group is destroyed: a live graph that captured NCCL
+        collectives makes ``destroy_process_group`` hang in ``ncclCommDestroy``
+        (pytorch/pytorch#115388; TransformerEngine resets its graphs for the same reason)."""
+        for graph, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._inputs.clear()
+        self._pool = None
+
     def _capture(self, fn):  # pragma: no cover - CUDA only
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

@@ -158,11 +158,7 @@ def run_rank(cfg: dict) -> dict | None:
             info["graphs"]["capture_failed"] = sorted({v for v in worker.graphs.failed.values()})
     with open(os.path.join(cfg["work_dir"], f"rank{rank}.json"), "w") as f:
         json.dump(info, f)  # on disk before the group goes: a stuck teardown loses nothing
-    if worker.graphs is not None:
-        worker.graphs = None  # captured graphs hold NCCL work: free them before the communicator
-        if device_kind == "cuda":
-            torch.cuda.synchronize()
-    _shutdown_process_group()
+    _teardown(worker, device_kind)
     if sched is None:
         return None
     return {
@@ -214,6 +210,21 @@ def progress_line(sched, step: int, last_said: float) -> float:
 
 
 SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def _teardown(worker, device_kind: str) -> None:
+    """Release the worker's CUDA graphs, then leave the process group (bounded). The order
+    matters: graphs that captured NCCL collectives make the group's destruction hang
+    (``GraphRunner.release``), so every rank resets its graphs before the barrier that
+    precedes it."""
+    if worker.graphs is not None:
+        worker.graphs.release()
+        worker.graphs = None
+        if device_kind == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
+    _shutdown_process_group()
 
 
 def _shutdown_process_group(timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:

@@ -70,7 +70,10 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32  # the model's and the latent KV cache's
     # Decode steps padded to a bucket and replayed from CUDA graphs. None: on for CUDA at PCP=1,
     # off otherwise (at PCP=2 on 2 x H200 the one run with graphs produced every token and then
-    # never returned: not yet diagnosed, so PCP > 1 takes graphs only when asked); True on the
+    # never returned; the likely cause, pytorch/pytorch#115388 -- destroying an NCCL group while
+    # graphs that captured its collectives are alive hangs -- is now avoided by resetting every
+    # graph first (GraphRunner.release), but that is untested on GPU, so PCP > 1 takes graphs
+    # only when asked); True on the
     # CPU runs the same padded buffers without capture (the tests' way of checking the graph
     # path's bookkeeping); False: the unpadded eager path.
     cuda_graphs: bool | None = None
