@@ -59,3 +59,46 @@ def test_fifty_launches_exit_cleanly(tmp_path):
             if p.is_alive():
                 p.kill()
     assert not bad, f"launches with a rank not exiting 0 (-6 = the abort): {bad}"
+
+
+def _plan_sizes(rank: int, store: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                      GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
+    import json
+
+    from pcpviz.engine.dist import FRAME, init_process_group
+    from pcpviz.engine.rank_main import _exit_now, _shutdown_process_group
+
+    code = 1
+    try:
+        group = init_process_group("cpu", 30.0, store)
+        docs = []
+        for n in (0, 3, FRAME - 8 - 1, FRAME - 8, FRAME - 8 + 1, 200_000):
+            # a JSON string whose text is n bytes ('"' + n - 2 characters + '"'); 0: a plan
+            docs.append("x" * (n - 2) if n else {"rows": [{"req_id": "réq"}], "step": 0})
+        ok = []
+        for d in docs:
+            got = group.broadcast_json(d if rank == 0 else None)
+            ok.append(got == d)
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(ok, f)
+        _shutdown_process_group()
+        code = 0
+    finally:
+        _exit_now(code)
+
+
+def test_plan_broadcast_of_any_size_arrives_whole(tmp_path):
+    """The plan goes in one frame when it fits and in a frame and a tail when not: texts just
+    below, at and one byte above what the frame holds, and 200 kB."""
+    import json
+
+    ctx = mp.get_context("fork")
+    store, out = str(tmp_path / "store"), str(tmp_path / "ok")
+    procs = [ctx.Process(target=_plan_sizes, args=(r, store, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert json.load(open(f"{out}.1")) == [True] * 6

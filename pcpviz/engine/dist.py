@@ -73,21 +73,37 @@ class ProcessGroupPCP(PCPGroup):
         return out
 
     def broadcast_json(self, doc, src: int = 0):
-        """``doc`` (plain JSON data) from rank ``src`` on every rank: its UTF-8 JSON text goes
-        as a length then a uint8 tensor, so nothing is unpickled (``broadcast_object_list``
-        would run pickle on what the network delivered)."""
+        """``doc`` (plain JSON data) from rank ``src`` on every rank, as UTF-8 JSON text in uint8
+        tensors, so nothing is unpickled (``broadcast_object_list`` would run pickle on what the
+        network delivered). One collective when the text fits ``FRAME`` bytes (a decode step's
+        plan does): the frame holds an 8-byte length and the text's head; a longer text (a new
+        long prompt) sends its tail in a second collective."""
         group = self._control
         dev = torch.device("cuda", torch.cuda.current_device()) \
             if group is None and tdist.get_backend() == "nccl" else torch.device("cpu")
-        data = json.dumps(doc, separators=(",", ":")).encode("utf-8") if self.rank == src else b""
-        size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
-        tdist.broadcast(size, src=src, group=group)
+        frame = torch.zeros(FRAME, dtype=torch.uint8)
         if self.rank == src:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
-        else:
-            buf = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
-        tdist.broadcast(buf, src=src, group=group)
-        return doc if self.rank == src else json.loads(bytes(buf.cpu().numpy()).decode("utf-8"))
+            data = json.dumps(doc, separators=(",", ":")).encode("utf-8")
+            head = data[: FRAME - 8]
+            frame[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+            if head:
+                frame[8: 8 + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        frame = frame.to(dev)
+        tdist.broadcast(frame, src=src, group=group)
+        host = frame.cpu().numpy().tobytes()
+        size = int.from_bytes(host[:8], "little")
+        rest = size - (FRAME - 8)
+        if rest > 0:
+            tail = torch.frombuffer(bytearray(data[FRAME - 8:]), dtype=torch.uint8).to(dev) if self.rank == src \
+                else torch.empty(rest, dtype=torch.uint8, device=dev)
+            tdist.broadcast(tail, src=src, group=group)
+        if self.rank == src:
+            return doc
+        text = host[8: 8 + min(size, FRAME - 8)] + (bytes(tail.cpu().numpy()) if rest > 0 else b"")
+        return json.loads(text.decode("utf-8"))
+
+
+FRAME = 4096  # bytes of the plan's first broadcast: an 8-byte length and the JSON text's head
 
 
 def init_process_group(device: str, timeout_s: float, store_file: str | None = None) -> PCPGroup:
