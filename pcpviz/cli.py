@@ -25,7 +25,8 @@ import math
 import sys
 from typing import Callable, Sequence
 
-from pcpviz.cli_guard import EXIT_PIPE, bounded_int, check_output_file, exit_code, read_json_file, seconds, trace_verdict
+from pcpviz.cli_guard import (EXIT_PIPE, bounded_int, check_output_file, exit_code, path, read_json_file, seconds,
+                              trace_verdict)
 
 __all__ = ["main", "UsageError"]
 
@@ -224,24 +225,24 @@ def _add_run(sub) -> None:
     p.add_argument("--mtp", type=bounded_int(0, 64), default=2, help="num_speculative_tokens K (0 = no speculation)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; not empty)")
-    p.add_argument("--prompts-file", help="JSON list of prompt strings")
+    p.add_argument("--prompts-file", type=path, help="JSON list of prompt strings")
     p.add_argument("--max-new-tokens", type=bounded_int(1, 1 << 20), default=32, help="tokens to generate per prompt")
     p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1 << 20), default=2048,
                    help="per-step token budget (chunked prefill)")
     p.add_argument("--block-size", type=bounded_int(1, 4096), default=16, help="KV cache block size")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="model and KV-cache dtype (vLLM runs the shipped checkpoint in bfloat16)")
-    p.add_argument("--model", default=None, help="model directory (default: the shipped tiny model)")
-    p.add_argument("--trace", default=None, help="write the trace to this directory (refused if it is "
+    p.add_argument("--model", type=path, default=None, help="model directory (default: the shipped tiny model)")
+    p.add_argument("--trace", type=path, default=None, help="write the trace to this directory (refused if it is "
                    "not empty, unless --overwrite, or if another run is writing there)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the trace in --trace (its run.json and rank files; nothing else)")
-    p.add_argument("--json", default=None, help="write a summary (requests, acceptance) to this file")
+    p.add_argument("--json", type=path, default=None, help="write a summary (requests, acceptance) to this file")
     p.add_argument("--inject", action="append", help="inject a fault (repeatable); see --list-faults")
     p.add_argument("--list-faults", action="store_true", help="list the injectable faults and exit")
     p.add_argument("--timeout", type=seconds, default=300.0, help="collective timeout in seconds")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--write-config", default=None, metavar="FILE",
+    p.add_argument("--write-config", type=path, default=None, metavar="FILE",
                    help="only write the rank config for torchrun (multi-host) and exit")
     p.set_defaults(func=_cmd_run)
 
@@ -295,7 +296,7 @@ def _add_check(sub) -> None:
                                    "trace (a rank file missing or unreadable, steps lost after a "
                                    "damaged record or missing on some ranks: one 'incomplete:' "
                                    "line each on stderr; the checks still run on what is left).")
-    p.add_argument("trace", help="run directory (or its run.json)")
+    p.add_argument("trace", type=path, help="run directory (or its run.json)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_check)
 
@@ -320,8 +321,8 @@ def _add_diff(sub) -> None:
                        description="First divergent step/phase/view/rank and acceptance per "
                                    "position side by side. Exit 0 same, 1 differ, 2 bad input, "
                                    "3 a trace is incomplete.")
-    p.add_argument("a", help="run directory A (the reference: 'expected')")
-    p.add_argument("b", help="run directory B ('actual')")
+    p.add_argument("a", type=path, help="run directory A (the reference: 'expected')")
+    p.add_argument("b", type=path, help="run directory B ('actual')")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_diff)
 
@@ -365,9 +366,9 @@ def _add_export(sub) -> None:
                        description="Write a trace in other formats; several at once are allowed. "
                                    "Exit 0 written, 2 bad input, 3 written but the trace is "
                                    "incomplete (one 'incomplete:' line each on stderr).")
-    p.add_argument("trace", help="run directory (or its run.json)")
+    p.add_argument("trace", type=path, help="run directory (or its run.json)")
     for fmt, (text, _) in EXPORT_FORMATS.items():
-        p.add_argument(f"--{fmt}", metavar="OUT", default=None, help=text)
+        p.add_argument(f"--{fmt}", type=path, metavar="OUT", default=None, help=text)
     p.set_defaults(func=_cmd_export)
 
 
@@ -395,8 +396,8 @@ def _add_explain(sub) -> None:
                                    "rank, KV replica agreement and the step of the first violation. Says "
                                    "plainly when nothing matches. Exit 0 nothing wrong, 1 a cause found or "
                                    "acceptance dropped, 2 bad input, 3 incomplete trace.")
-    p.add_argument("bad", help="run directory to explain")
-    p.add_argument("good", nargs="?", default=None, help="a good run of the same prompts (the reference)")
+    p.add_argument("bad", type=path, help="run directory to explain")
+    p.add_argument("good", type=path, nargs="?", default=None, help="a good run of the same prompts (the reference)")
     p.add_argument("--no-rerun", action="store_true", help="without GOOD, do not re-run the prompts on the engine")
     p.add_argument("--json", action="store_true", help="print the explanation as JSON")
     p.set_defaults(func=run)
@@ -474,7 +475,7 @@ def _add_replay(sub) -> None:
                        description=_cmd_replay.__doc__)
     p.add_argument("--pcp", type=_positive_int, default=2, help="PCP ranks (threads), >= 2")
     p.add_argument("--mtp", type=_positive_int, default=2, help="num_speculative_tokens K (1..4)")
-    p.add_argument("--trace", required=True, help="write the trace to this directory")
+    p.add_argument("--trace", type=path, required=True, help="write the trace to this directory")
     p.add_argument("--scenario", choices=["mixed", "decode_only", "dspark"], default="mixed",
                    help="scripted steps")
     p.add_argument("--decodes", choices=["sharded", "replicated"], default="sharded",

@@ -99,6 +99,17 @@ TABLE = [
     (["replay", "--trace", "{tmp}/r", "--block-size", "1000000000"], "--block-size: expected an integer", False),
     (["replay", "--trace", "{tmp}/r", "--pcp", "1"], "pcp must be an int >= 2", False),
     (["nosuchcommand"], "invalid choice", False),
+    # an empty path is refused, not taken as "not given" (--json "") or as "." (--trace "")
+    (["run", "--prompt", "x", "--json", ""], "argument --json: expected a path, got ''", True),
+    (["run", "--prompt", "x", "--write-config", " "], "argument --write-config: expected a path", False),
+    (["run", "--prompt", "x", "--trace", ""], "argument --trace: expected a path", False),
+    (["run", "--prompt", "x", "--prompts-file", ""], "argument --prompts-file: expected a path", False),
+    (["run", "--prompt", "x", "--model", ""], "argument --model: expected a path", False),
+    (["export", "{trace}", "--chrome", "{tmp}/c.json", "--html", ""], "argument --html: expected a path", False),
+    (["check", ""], "argument trace: expected a path", False),
+    (["diff", "{trace}", ""], "argument b: expected a path", False),
+    (["explain", "{trace}", "", "--no-rerun"], "argument good: expected a path", False),
+    (["replay", "--trace", ""], "argument --trace: expected a path", False),
 ]
 
 
