@@ -82,12 +82,18 @@ def _cmd_layout(args: argparse.Namespace) -> int:
                              f"layout command draws at most {MAX_LAYOUT_ROWS} rows and "
                              f"{MAX_LAYOUT_TOKENS} tokens")
         shard = None if args.decodes == "auto" else args.decodes == "sharded"
-        layout = plan_layout(
+        plan = lambda pad: plan_layout(  # noqa: E731
             spec.num_scheduled_tokens, spec.is_prefilling, args.pcp,
-            shard_decode_requests=shard, dcp_world_size=args.dcp, padded_num_tokens=args.pad,
-        )
+            shard_decode_requests=shard, dcp_world_size=args.dcp, padded_num_tokens=pad)
+        layout = plan(None)
     except ValueError as e:
-        raise UsageError(f"pcpviz layout: --batch {args.batch!r}: {e}") from None
+        batch = args.batch if len(args.batch) <= 60 else f"{args.batch[:40]}... ({len(args.batch)} characters)"
+        raise UsageError(f"pcpviz layout: --batch {batch!r}: {e}") from None
+    if args.pad is not None:  # a --pad too small for this batch is --pad's fault, not --batch's
+        try:
+            layout = plan(args.pad)
+        except ValueError as e:
+            raise UsageError(f"pcpviz layout: --pad {args.pad}: {e}") from None
     names = [row_name(i) for i in range(len(spec.kinds))]  # A, B, ...: 'd1' would read as a decode
     specs = [f"{k}{q}" + ("" if c == (0 if k == "p" else DEFAULT_DECODE_CURSOR) else f"@{c}")
              for k, q, c in zip(spec.kinds, spec.num_scheduled_tokens, spec.num_computed_tokens)]

@@ -63,6 +63,10 @@ TABLE = [
     (["layout", "--pcp", "2", "--batch", "p1000000000"], "at most 4096 rows and 65536 tokens", False),
     (["layout", "--pcp", "2", "--batch", "p10", "--pad", "1000000000000"], "--pad: expected an integer", False),
     (["layout", "--pcp", "2", "--batch", "p10", "--dcp", "0"], "--dcp: expected an integer", False),
+    (["layout", "--pcp", "2", "--batch", "p13,d1", "--pad", "1"], "pcpviz layout: --pad 1: PCP padded token count "
+     "is smaller than the largest rank-local batch: 1 < 8", False),
+    (["layout", "--pcp", "2", "--batch", "p13," + "d1," * 3000 + "x"], "--batch 'p13,d1,d1,d1,d1,d1,d1,d1,d1,d1,"
+     "d1,d1,d1,... (9005 characters)': batch row 3001 'x'", False),
     (["layout", "--pcp", "2", "--batch", "q10"], "not understood", False),
     (["layout", "--pcp", "x", "--batch", "p10"], "--pcp: expected an integer", False),
     # run (all refused before any rank starts)
