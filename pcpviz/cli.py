@@ -25,8 +25,8 @@ import math
 import sys
 from typing import Callable, Sequence
 
-from pcpviz.cli_guard import (EXIT_PIPE, bounded_int, check_output_file, exit_code, path, read_json_file, seconds,
-                              trace_verdict)
+from pcpviz.cli_guard import (EXIT_INCOMPLETE, EXIT_PIPE, bounded_int, check_output_file, exit_code, path,
+                              read_json_file, seconds, trace_verdict)
 
 __all__ = ["main", "UsageError"]
 
@@ -37,6 +37,10 @@ MAX_LAYOUT_TOKENS, MAX_LAYOUT_ROWS = 1 << 16, 4096  # what a text diagram can sh
 
 class UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
+
+
+class Incomplete(Exception):
+    """Nothing left to work on because data was lost: one 'incomplete:' line, exit code 3."""
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -272,12 +276,20 @@ def _open_trace(path: str, cmd: str, *, require_steps: bool = False):
         warnings.simplefilter("always")  # each is reported below as an 'incomplete:' line
         try:
             trace = open_trace(path)
-            if require_steps and not trace.steps:
-                raise ValueError(f"{path}: the trace has no complete steps to check")
             status = trace_verdict(trace, cmd)
         except ValueError as e:  # TraceError, invalid run.json
             raise UsageError(f"pcpviz {cmd}: {' '.join(str(e).split())}") from None
+    if require_steps and not trace.steps:
+        _no_steps(path, cmd, status)
     return trace, status
+
+
+def _no_steps(path: str, cmd: str, status) -> None:
+    """A trace without one complete step: lost data (exit 3) if its status says data was lost
+    (the rank files are missing or damaged), else bad input (exit 2)."""
+    if not status.complete:
+        raise Incomplete(f"pcpviz {cmd}: incomplete: {path}: no complete step is left")
+    raise UsageError(f"pcpviz {cmd}: {path}: the trace has no complete steps")
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -356,6 +368,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
                          + " or ".join(f"--{f} OUT" for f in EXPORT_FORMATS))
     writers = [(fmt, out, _exporter(fmt)) for fmt, out in wanted]
     trace, status = _open_trace(args.trace, "export")
+    if not trace.steps and not status.complete:
+        _no_steps(args.trace, "export", status)
     for fmt, out, fn in writers:
         try:
             written = fn(trace, out)
@@ -428,6 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(str(e).splitlines()[0], file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Incomplete as e:
+        print(str(e).splitlines()[0], file=sys.stderr)
+        return EXIT_INCOMPLETE
     except BrokenPipeError:  # `pcpviz layout ... | head`: the reader left; say nothing more
         import os
 
