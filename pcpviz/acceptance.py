@@ -32,10 +32,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+
+from pcpviz.trace import TraceError
+from pcpviz.trace.schema import rank_file_name
 
 __all__ = ["Counts", "count", "ratio", "json_ratio", "verify_counts", "RequestAcceptance",
            "StepAcceptance", "Acceptance", "acceptance", "acceptance_from_records"]
@@ -182,19 +186,30 @@ def acceptance_from_records(records: Iterable[tuple[int, Mapping[str, Any]]], *,
     per_req: dict[str, Counts] = {}
     steps = []
     for step, rec in records:
-        counts = verify_counts(rec)
-        if counts is None:
-            continue
-        nacc, nd = counts
-        if k is None and "sampled_token_ids" in rec and np.ndim(rec["sampled_token_ids"]) == 2:
-            k = int(np.shape(rec["sampled_token_ids"])[1]) - 1
-        c = count(nacc, nd)
+        try:
+            counts = verify_counts(rec)
+            if counts is None:
+                continue
+            nacc, nd = counts
+            ids = np.asarray(rec["req_ids"]) if "req_ids" in rec else np.arange(nd.size)
+            if nacc.ndim != 1 or nd.shape != nacc.shape or ids.shape != nacc.shape:
+                raise ValueError(f"num_accepted {list(nacc.shape)}, num_draft_tokens {list(nd.shape)} and "
+                                 f"req_ids {list(ids.shape)} are not one entry per request")
+            if ((nd < 0) | (nacc < 0) | (nacc > nd)).any():  # also keeps count()'s width bounded
+                i = int(np.flatnonzero((nd < 0) | (nacc < 0) | (nacc > nd))[0])
+                raise ValueError(f"request row {i} accepts {int(nacc[i])} of {int(nd[i])} draft tokens")
+            ids = rec["req_ids"].tolist() if "req_ids" in rec else [f"row{i}" for i in range(nd.shape[0])]
+            if k is None and "sampled_token_ids" in rec and np.ndim(rec["sampled_token_ids"]) == 2:
+                k = int(np.shape(rec["sampled_token_ids"])[1]) - 1
+            c = count(nacc, nd)
+            req_counts = [(str(ids[i]), count(nacc[i:i + 1], nd[i:i + 1])) for i in np.flatnonzero(nd > 0)]
+        except (IndexError, ValueError, TypeError, KeyError) as exc:  # a producer's malformed view
+            raise ValueError(f"step {step}: verify: malformed acceptance counts: "
+                             f"{' '.join(str(exc).split())}") from None
         total = total + c
         steps.append(StepAcceptance(int(step), c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens))
-        ids = rec["req_ids"].tolist() if "req_ids" in rec else [f"row{i}" for i in range(nd.shape[0])]
-        for i in np.flatnonzero(nd > 0):
-            rid = str(ids[i])
-            per_req[rid] = per_req.get(rid, Counts()) + count(nacc[i:i + 1], nd[i:i + 1])
+        for rid, rc in req_counts:
+            per_req[rid] = per_req.get(rid, Counts()) + rc
     k = int(k or 0)
     total = total.widened(k)
     width = len(total.accepted_per_position)
@@ -226,4 +241,9 @@ def acceptance(trace: Any, *, rank: int | None = None) -> Acceptance:
     k = int(k_meta) if isinstance(k_meta, (int, float)) and not isinstance(k_meta, bool) else None
     steps = [] if rank is None else trace.rank_steps(rank)
     records = ((s, trace.record(s, rank, "verify")) for s in steps if trace.has(s, rank, "verify"))
-    return acceptance_from_records(records, k=k, rank=rank)
+    try:
+        return acceptance_from_records(records, k=k, rank=rank)
+    except ValueError as exc:
+        if isinstance(exc, TraceError):  # names its file already
+            raise
+        raise ValueError(f"{Path(str(trace.path)) / rank_file_name(rank)}: {exc}") from None

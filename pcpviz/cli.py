@@ -25,7 +25,8 @@ import math
 import sys
 from typing import Callable, Sequence
 
-from pcpviz.cli_guard import EXIT_PIPE, bounded_int, check_output_file, exit_code, read_json_file, seconds, trace_verdict
+from pcpviz.cli_guard import (EXIT_INCOMPLETE, EXIT_PIPE, bounded_int, check_output_file, exit_code, path,
+                              read_json_file, seconds, trace_verdict)
 
 __all__ = ["main", "UsageError"]
 
@@ -36,6 +37,10 @@ MAX_LAYOUT_TOKENS, MAX_LAYOUT_ROWS = 1 << 16, 4096  # what a text diagram can sh
 
 class UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
+
+
+class Incomplete(Exception):
+    """Nothing left to work on because data was lost: one 'incomplete:' line, exit code 3."""
 
 
 class _Help(argparse.RawDescriptionHelpFormatter):
@@ -81,12 +86,18 @@ def _cmd_layout(args: argparse.Namespace) -> int:
                              f"layout command draws at most {MAX_LAYOUT_ROWS} rows and "
                              f"{MAX_LAYOUT_TOKENS} tokens")
         shard = None if args.decodes == "auto" else args.decodes == "sharded"
-        layout = plan_layout(
+        plan = lambda pad: plan_layout(  # noqa: E731
             spec.num_scheduled_tokens, spec.is_prefilling, args.pcp,
-            shard_decode_requests=shard, dcp_world_size=args.dcp, padded_num_tokens=args.pad,
-        )
+            shard_decode_requests=shard, dcp_world_size=args.dcp, padded_num_tokens=pad)
+        layout = plan(None)
     except ValueError as e:
-        raise UsageError(f"pcpviz layout: --batch {args.batch!r}: {e}") from None
+        batch = args.batch if len(args.batch) <= 60 else f"{args.batch[:40]}... ({len(args.batch)} characters)"
+        raise UsageError(f"pcpviz layout: --batch {batch!r}: {e}") from None
+    if args.pad is not None:  # a --pad too small for this batch is --pad's fault, not --batch's
+        try:
+            layout = plan(args.pad)
+        except ValueError as e:
+            raise UsageError(f"pcpviz layout: --pad {args.pad}: {e}") from None
     names = [row_name(i) for i in range(len(spec.kinds))]  # A, B, ...: 'd1' would read as a decode
     specs = [f"{k}{q}" + ("" if c == (0 if k == "p" else DEFAULT_DECODE_CURSOR) else f"@{c}")
              for k, q, c in zip(spec.kinds, spec.num_scheduled_tokens, spec.num_computed_tokens)]
@@ -224,24 +235,24 @@ def _add_run(sub) -> None:
     p.add_argument("--mtp", type=bounded_int(0, 64), default=2, help="num_speculative_tokens K (0 = no speculation)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; not empty)")
-    p.add_argument("--prompts-file", help="JSON list of prompt strings")
+    p.add_argument("--prompts-file", type=path, help="JSON list of prompt strings")
     p.add_argument("--max-new-tokens", type=bounded_int(1, 1 << 20), default=32, help="tokens to generate per prompt")
     p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1 << 20), default=2048,
                    help="per-step token budget (chunked prefill)")
     p.add_argument("--block-size", type=bounded_int(1, 4096), default=16, help="KV cache block size")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="model and KV-cache dtype (vLLM runs the shipped checkpoint in bfloat16)")
-    p.add_argument("--model", default=None, help="model directory (default: the shipped tiny model)")
-    p.add_argument("--trace", default=None, help="write the trace to this directory (refused if it is "
+    p.add_argument("--model", type=path, default=None, help="model directory (default: the shipped tiny model)")
+    p.add_argument("--trace", type=path, default=None, help="write the trace to this directory (refused if it is "
                    "not empty, unless --overwrite, or if another run is writing there)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the trace in --trace (its run.json and rank files; nothing else)")
-    p.add_argument("--json", default=None, help="write a summary (requests, acceptance) to this file")
+    p.add_argument("--json", type=path, default=None, help="write a summary (requests, acceptance) to this file")
     p.add_argument("--inject", action="append", help="inject a fault (repeatable); see --list-faults")
     p.add_argument("--list-faults", action="store_true", help="list the injectable faults and exit")
     p.add_argument("--timeout", type=seconds, default=300.0, help="collective timeout in seconds")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--write-config", default=None, metavar="FILE",
+    p.add_argument("--write-config", type=path, default=None, metavar="FILE",
                    help="only write the rank config for torchrun (multi-host) and exit")
     p.set_defaults(func=_cmd_run)
 
@@ -265,12 +276,20 @@ def _open_trace(path: str, cmd: str, *, require_steps: bool = False):
         warnings.simplefilter("always")  # each is reported below as an 'incomplete:' line
         try:
             trace = open_trace(path)
-            if require_steps and not trace.steps:
-                raise ValueError(f"{path}: the trace has no complete steps to check")
             status = trace_verdict(trace, cmd)
         except ValueError as e:  # TraceError, invalid run.json
             raise UsageError(f"pcpviz {cmd}: {' '.join(str(e).split())}") from None
+    if require_steps and not trace.steps:
+        _no_steps(path, cmd, status)
     return trace, status
+
+
+def _no_steps(path: str, cmd: str, status) -> None:
+    """A trace without one complete step: lost data (exit 3) if its status says data was lost
+    (the rank files are missing or damaged), else bad input (exit 2)."""
+    if not status.complete:
+        raise Incomplete(f"pcpviz {cmd}: incomplete: {path}: no complete step is left")
+    raise UsageError(f"pcpviz {cmd}: {path}: the trace has no complete steps")
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
@@ -295,7 +314,7 @@ def _add_check(sub) -> None:
                                    "trace (a rank file missing or unreadable, steps lost after a "
                                    "damaged record or missing on some ranks: one 'incomplete:' "
                                    "line each on stderr; the checks still run on what is left).")
-    p.add_argument("trace", help="run directory (or its run.json)")
+    p.add_argument("trace", type=path, help="run directory (or its run.json)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_check)
 
@@ -320,8 +339,8 @@ def _add_diff(sub) -> None:
                        description="First divergent step/phase/view/rank and acceptance per "
                                    "position side by side. Exit 0 same, 1 differ, 2 bad input, "
                                    "3 a trace is incomplete.")
-    p.add_argument("a", help="run directory A (the reference: 'expected')")
-    p.add_argument("b", help="run directory B ('actual')")
+    p.add_argument("a", type=path, help="run directory A (the reference: 'expected')")
+    p.add_argument("b", type=path, help="run directory B ('actual')")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_diff)
 
@@ -349,6 +368,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
                          + " or ".join(f"--{f} OUT" for f in EXPORT_FORMATS))
     writers = [(fmt, out, _exporter(fmt)) for fmt, out in wanted]
     trace, status = _open_trace(args.trace, "export")
+    if not trace.steps and not status.complete:
+        _no_steps(args.trace, "export", status)
     for fmt, out, fn in writers:
         try:
             written = fn(trace, out)
@@ -365,9 +386,9 @@ def _add_export(sub) -> None:
                        description="Write a trace in other formats; several at once are allowed. "
                                    "Exit 0 written, 2 bad input, 3 written but the trace is "
                                    "incomplete (one 'incomplete:' line each on stderr).")
-    p.add_argument("trace", help="run directory (or its run.json)")
+    p.add_argument("trace", type=path, help="run directory (or its run.json)")
     for fmt, (text, _) in EXPORT_FORMATS.items():
-        p.add_argument(f"--{fmt}", metavar="OUT", default=None, help=text)
+        p.add_argument(f"--{fmt}", type=path, metavar="OUT", default=None, help=text)
     p.set_defaults(func=_cmd_export)
 
 
@@ -395,8 +416,8 @@ def _add_explain(sub) -> None:
                                    "rank, KV replica agreement and the step of the first violation. Says "
                                    "plainly when nothing matches. Exit 0 nothing wrong, 1 a cause found or "
                                    "acceptance dropped, 2 bad input, 3 incomplete trace.")
-    p.add_argument("bad", help="run directory to explain")
-    p.add_argument("good", nargs="?", default=None, help="a good run of the same prompts (the reference)")
+    p.add_argument("bad", type=path, help="run directory to explain")
+    p.add_argument("good", type=path, nargs="?", default=None, help="a good run of the same prompts (the reference)")
     p.add_argument("--no-rerun", action="store_true", help="without GOOD, do not re-run the prompts on the engine")
     p.add_argument("--json", action="store_true", help="print the explanation as JSON")
     p.set_defaults(func=run)
@@ -421,6 +442,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as e:
         print(str(e).splitlines()[0], file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Incomplete as e:
+        print(str(e).splitlines()[0], file=sys.stderr)
+        return EXIT_INCOMPLETE
     except BrokenPipeError:  # `pcpviz layout ... | head`: the reader left; say nothing more
         import os
 
@@ -474,7 +498,7 @@ def _add_replay(sub) -> None:
                        description=_cmd_replay.__doc__)
     p.add_argument("--pcp", type=_positive_int, default=2, help="PCP ranks (threads), >= 2")
     p.add_argument("--mtp", type=_positive_int, default=2, help="num_speculative_tokens K (1..4)")
-    p.add_argument("--trace", required=True, help="write the trace to this directory")
+    p.add_argument("--trace", type=path, required=True, help="write the trace to this directory")
     p.add_argument("--scenario", choices=["mixed", "decode_only", "dspark"], default="mixed",
                    help="scripted steps")
     p.add_argument("--decodes", choices=["sharded", "replicated"], default="sharded",

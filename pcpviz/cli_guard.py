@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from pcpviz.jsonlimits import loads_bounded
 
-__all__ = ["EXIT_INCOMPLETE", "EXIT_PIPE", "EXIT_CODES_HELP", "bounded_int", "seconds",
+__all__ = ["EXIT_INCOMPLETE", "EXIT_PIPE", "EXIT_CODES_HELP", "bounded_int", "seconds", "path",
            "check_output_file", "read_json_file", "trace_verdict", "exit_code"]
 
 EXIT_INCOMPLETE = 3
@@ -60,6 +60,14 @@ def seconds(text: str) -> float:
     if not math.isfinite(value) or not 0 < value <= 7 * 24 * 3600:
         raise argparse.ArgumentTypeError(f"expected seconds in (0, 604800], got {text!r}")
     return value
+
+
+def path(text: str) -> str:
+    """An argparse type: a file or directory path, not empty or blank (``--json ""`` would
+    otherwise be skipped as if not given, and ``--trace ""`` would mean the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r}")
+    return text
 
 
 def check_output_file(path: str, option: str) -> None:

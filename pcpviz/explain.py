@@ -34,7 +34,7 @@ from typing import Any
 
 from pcpviz.checks import run_checks
 from pcpviz.diff import diff_traces
-from pcpviz.explain_evidence import Symptoms, gather_symptoms
+from pcpviz.explain_evidence import Symptoms, gather_symptoms, guarded
 from pcpviz.explain_rules import RULES, UNSEEN, Findings
 from pcpviz.faults import ENGINE, FAULTS, faults_of
 from pcpviz.trace import Trace
@@ -118,13 +118,13 @@ def _score(name: str, f: Findings, sym: Symptoms) -> Hypothesis:
         return Hypothesis(name, 0.0, "cannot be ruled out", fault.caught_by, fault.models, fault.source,
                           (), (f"{fault.caught_by} could not run ({why})",))
     if res.verdict != "fail":
-        unseen = UNSEEN[name](f, sym) if name in UNSEEN else []
+        unseen = guarded(UNSEEN[name], f, sym, notes=con, what="signature", default=[]) if name in UNSEEN else []
         if unseen:  # the recording cannot show this fault to its check; the symptoms fit
             return Hypothesis(name, float(sum(w for w, _ in unseen)), "consistent", fault.caught_by, fault.models,
                               fault.source, tuple(why for _, why in unseen),
                               (f"{fault.caught_by} passes on {res.evaluated} (step, rank)",))
         return Hypothesis(name, 0.0, "ruled out", fault.caught_by, fault.models, fault.source, (),
-                          (f"{fault.caught_by} passes on {res.evaluated} (step, rank)",))
+                          (*con, f"{fault.caught_by} passes on {res.evaluated} (step, rank)"))
     score = MATCH_SCORE
     v = res.first_violation
     pro.append(f"{fault.caught_by} fails on {res.failed} of {res.evaluated} (step, rank); first: {v.describe()}")
@@ -136,7 +136,7 @@ def _score(name: str, f: Findings, sym: Symptoms) -> Hypothesis:
     if d is not None and d.get("step") == v.step and d.get("phase") == v.phase and d.get("view") == v.view:
         score += 2
         pro.append(f"the diff's first divergence is the same place (step {v.step}, {v.phase}, {v.view})")
-    for weight, why in RULES[name](f):
+    for weight, why in guarded(RULES[name], f, notes=con, what="signature", default=[]):
         score += weight
         (pro if weight > 0 else con).append(why)
     if sym.outputs_same is not None:

@@ -21,9 +21,32 @@ import numpy as np
 
 from pcpviz.diff import acceptance, request_keys
 from pcpviz.parity import generated_tokens
-from pcpviz.trace import draft_index
+from pcpviz.trace import TraceError, draft_index
 
-__all__ = ["Symptoms", "gather_symptoms", "ACCEPTANCE_DROP", "POSITION_DROP"]
+__all__ = ["Symptoms", "gather_symptoms", "guarded", "MALFORMED", "ACCEPTANCE_DROP", "POSITION_DROP"]
+
+MALFORMED = (IndexError, ValueError, TypeError, KeyError)
+"""What reading a malformed view raises (a view of the wrong shape, dtype or length that a
+producer wrote so): that reading is then not evaluated, as ``run_checks`` does with a check.
+``TraceError`` (a payload failing its crc32) is not among them: that trace is unreadable."""
+
+
+_NOT_EVALUATED = object()
+
+
+def guarded(fn, *args, notes: list[str], what: str, default: Any = None) -> Any:
+    """``fn(*args)``, or ``default`` with one line in ``notes`` when malformed views make it
+    raise (``MALFORMED``); a ``TraceError`` still raises. PCP=2 example: a verify record whose
+    ``sampled_token_ids`` has 2 rows for 1 request leaves ``outputs_same`` None and notes
+    ``outputs vs the reference: could not evaluate (malformed views?): IndexError: ...``."""
+    try:
+        return fn(*args)
+    except TraceError:
+        raise
+    except MALFORMED as exc:
+        notes.append(f"{what}: could not evaluate (malformed views?): {type(exc).__name__}: "
+                     f"{' '.join(str(exc).split())[:200]}")
+        return default
 
 ACCEPTANCE_DROP = 0.10
 """Acceptance dropped: the overall rate fell by at least this much against the reference ..."""
@@ -168,6 +191,12 @@ def kv_divergence(trace) -> str | None:
     return None
 
 
+def _ranks_agree(trace, ranks: tuple[int, ...]) -> bool:
+    """Every rank verifies the same acceptance per draft position."""
+    base = acceptance(trace, rank=ranks[0]).accepted_per_position
+    return all(acceptance(trace, rank=r).accepted_per_position == base for r in ranks[1:])
+
+
 def _outputs_same(ta, tb) -> bool | None:
     ka, kb = request_keys(ta), request_keys(tb)
     ga, gb = generated_tokens(ta), generated_tokens(tb)
@@ -221,21 +250,22 @@ def gather_symptoms(trace, report, diff=None, *, reference_trace=None, reference
                     and rr.acceptance_rate - rb.acceptance_rate >= 0.2:
                 req_drop.append((rid, _f(rb.acceptance_rate), _f(rr.acceptance_rate)))
         req_drop.sort(key=lambda x: x[1] - x[2])
-        outputs_same = None if reference_trace is None else _outputs_same(reference_trace, trace)
+        outputs_same = None if reference_trace is None else guarded(
+            _outputs_same, reference_trace, trace, notes=notes, what="outputs vs the reference")
     ranks = tuple(trace.ranks)
     per_rank = None
     kv_first = None
     if len(ranks) > 1:
-        base = acceptance(trace, rank=ranks[0]).accepted_per_position
-        per_rank = all(acceptance(trace, rank=r).accepted_per_position == base for r in ranks[1:])
-        kv_first = kv_divergence(trace)
+        per_rank = guarded(_ranks_agree, trace, ranks, notes=notes, what="acceptance per rank")
+        kv_first = guarded(kv_divergence, trace, notes=notes, what="KV replicas", default=_NOT_EVALUATED)
     fv = report.first_violation
     return Symptoms(
         num_steps=len(trace.steps), ranks=ranks, complete=report.complete, failed_checks=tuple(report.failed),
         skipped_checks=tuple(report.skipped), first_violation=None if fv is None else fv.to_dict(),
         acceptance_rate=_f(acc.acceptance_rate), rate_per_position=tuple(_f(x) for x in acc.rate_per_position),
         step_trend=_step_trend(acc), ranks_acceptance_agree=per_rank,
-        kv_replicas_agree=None if len(ranks) < 2 else kv_first is None, kv_first_divergence=kv_first,
+        kv_replicas_agree=None if len(ranks) < 2 or kv_first is _NOT_EVALUATED else kv_first is None,
+        kv_first_divergence=None if kv_first is _NOT_EVALUATED else kv_first,
         reference=None if reference_trace is None else str(reference_trace.path), reference_kind=reference_kind,
         reference_acceptance_rate=ref_rate,
         reference_rate_per_position=ref_pos, acceptance_dropped=dropped, dropped_positions=dropped_pos,

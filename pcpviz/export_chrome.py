@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from pcpviz.trace.schema import causal_phase_key
-from pcpviz.trace import Trace, draft_index
+from pcpviz.trace import Trace, TraceError, draft_index
 from pcpviz.trace import open as open_trace
 
 __all__ = ["chrome_trace", "export_chrome", "SYNTHETIC_PHASE_US", "EVENT_CATEGORY"]
@@ -111,6 +111,28 @@ def _args(step: int, rank: int, phase: str, rec, target) -> dict[str, Any]:
     return args
 
 
+def _times(rec) -> tuple[float, float] | None:
+    """(t_start_us, t_end_us) of a record, or None when not recorded, not numbers or not finite."""
+    if "t_start_us" not in rec or "t_end_us" not in rec:
+        return None
+    try:
+        t = (_num(rec["t_start_us"]), _num(rec["t_end_us"]))
+    except (IndexError, ValueError, TypeError):  # empty, or not a number
+        return None
+    return t if all(np.isfinite(t)) else None
+
+
+def _args_or_note(step: int, rank: int, phase: str, rec, target) -> dict[str, Any]:
+    """``_args``; for a record whose views are malformed (wrong shape or dtype: a producer's bug
+    the checks report), the step and rank with a note instead of a traceback."""
+    try:
+        return _args(step, rank, phase, rec, target)
+    except TraceError:
+        raise
+    except (IndexError, ValueError, TypeError, KeyError) as exc:
+        return {"step": step, "rank": rank, "malformed": f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"}
+
+
 def _collect(trace: Trace) -> tuple[list[dict], bool, int, bool]:
     """One entry per (rank, step, phase) with recorded times (or None) and args."""
     items = []
@@ -127,14 +149,10 @@ def _collect(trace: Trace) -> tuple[list[dict], bool, int, bool]:
                 if k is not None:
                     max_k = max(max_k, k + 1)
                 has_dummy |= phase == "dummy"
-                t = None
-                if "t_start_us" in rec and "t_end_us" in rec and np.asarray(rec["t_start_us"]).size \
-                        and np.asarray(rec["t_end_us"]).size:
-                    t = (_num(rec["t_start_us"]), _num(rec["t_end_us"]))
-                else:
-                    recorded = False
+                t = _times(rec)
+                recorded &= t is not None
                 items.append({"rank": rank, "step": step, "phase": phase, "t": t,
-                              "args": _args(step, rank, phase, rec, target)})
+                              "args": _args_or_note(step, rank, phase, rec, target)})
     return items, recorded and bool(items), max_k, has_dummy
 
 

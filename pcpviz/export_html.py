@@ -256,14 +256,16 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
             target = recs["target"]
             dp = fg.draft_source_phase(recs, None)
             draft = recs.get(dp) if dp else None
-            flags = fg.draft_block_table_flags(target, draft)
-            figs = {
-                "token_order": fg.token_order_figure(target, rank=rank, colors=colors),
-                "timeline": fg.draft_timeline_figure(recs, step=step, rank=rank, selected_phase=dp),
-                "block_tables": fg.block_tables_figure(target, draft, draft_phase=dp, rank=rank, colors=colors,
-                                                       flags=flags),
-                "slot_mappings": fg.slot_mappings_figure(target, draft, draft_phase=dp, colors=colors),
+            flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft))
+            flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
+            build = {  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
+                "token_order": lambda: fg.token_order_spec(target, rank=rank, colors=colors),
+                "timeline": lambda: fg.draft_timeline_spec(recs, step=step, rank=rank, selected_phase=dp),
+                "block_tables": lambda: fg.block_tables_spec(target, draft, draft_phase=dp, rank=rank,
+                                                             colors=colors, flags=flags),
+                "slot_mappings": lambda: fg.slot_mappings_spec(target, draft, draft_phase=dp, colors=colors),
             }
+            figs = {name: fg.as_figure(fg.drawn(name, step, rank, fn)) for name, fn in build.items()}
             marks_all = []
             for name, fig in figs.items():
                 for m in fg.violation_marks(violations, name, step, rank, dp):

@@ -462,11 +462,16 @@ def test_cli_check_exit_codes(tmp_path):
 
 
 def test_cli_check_empty_trace_is_bad_input(tmp_path):
-    from pcpviz.trace import write_run_meta
+    from pcpviz.trace import TraceWriter, write_run_meta
 
-    write_run_meta(tmp_path / "empty", {"producer": "pcpviz-engine", "pcp": 2})
+    for r in (0, 1):  # the writers opened and closed their files without one step: nothing lost
+        TraceWriter(tmp_path / "empty", r, meta={"producer": "pcpviz-engine", "pcp": 2, "block_size": 16}
+                    if r == 0 else None).close()
     r = pcpviz("check", str(tmp_path / "empty"))
     assert r.returncode == 2 and "no complete steps" in r.stderr
+    write_run_meta(tmp_path / "invalid", {"producer": "pcpviz-engine", "pcp": 2})  # no block_size
+    r = pcpviz("check", str(tmp_path / "invalid"))
+    assert r.returncode == 2 and "block_size: required key is missing" in r.stderr
 
 
 def test_cli_check_truncated_rank_file_checks_what_is_complete(tmp_path):

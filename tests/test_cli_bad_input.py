@@ -63,6 +63,10 @@ TABLE = [
     (["layout", "--pcp", "2", "--batch", "p1000000000"], "at most 4096 rows and 65536 tokens", False),
     (["layout", "--pcp", "2", "--batch", "p10", "--pad", "1000000000000"], "--pad: expected an integer", False),
     (["layout", "--pcp", "2", "--batch", "p10", "--dcp", "0"], "--dcp: expected an integer", False),
+    (["layout", "--pcp", "2", "--batch", "p13,d1", "--pad", "1"], "pcpviz layout: --pad 1: PCP padded token count "
+     "is smaller than the largest rank-local batch: 1 < 8", False),
+    (["layout", "--pcp", "2", "--batch", "p13," + "d1," * 3000 + "x"], "--batch 'p13,d1,d1,d1,d1,d1,d1,d1,d1,d1,"
+     "d1,d1,d1,... (9005 characters)': batch row 3001 'x'", False),
     (["layout", "--pcp", "2", "--batch", "q10"], "not understood", False),
     (["layout", "--pcp", "x", "--batch", "p10"], "--pcp: expected an integer", False),
     # run (all refused before any rank starts)
@@ -99,6 +103,17 @@ TABLE = [
     (["replay", "--trace", "{tmp}/r", "--block-size", "1000000000"], "--block-size: expected an integer", False),
     (["replay", "--trace", "{tmp}/r", "--pcp", "1"], "pcp must be an int >= 2", False),
     (["nosuchcommand"], "invalid choice", False),
+    # an empty path is refused, not taken as "not given" (--json "") or as "." (--trace "")
+    (["run", "--prompt", "x", "--json", ""], "argument --json: expected a path, got ''", True),
+    (["run", "--prompt", "x", "--write-config", " "], "argument --write-config: expected a path", False),
+    (["run", "--prompt", "x", "--trace", ""], "argument --trace: expected a path", False),
+    (["run", "--prompt", "x", "--prompts-file", ""], "argument --prompts-file: expected a path", False),
+    (["run", "--prompt", "x", "--model", ""], "argument --model: expected a path", False),
+    (["export", "{trace}", "--chrome", "{tmp}/c.json", "--html", ""], "argument --html: expected a path", False),
+    (["check", ""], "argument trace: expected a path", False),
+    (["diff", "{trace}", ""], "argument b: expected a path", False),
+    (["explain", "{trace}", "", "--no-rerun"], "argument good: expected a path", False),
+    (["replay", "--trace", ""], "argument --trace: expected a path", False),
 ]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -227,3 +228,33 @@ def test_cli_diff_exit_codes(tmp_path):
     r = pcpviz("diff", str(a), str(tmp_path / "missing"))
     assert r.returncode == 2 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("pcpviz diff: ")
+
+
+@pytest.mark.parametrize("view, fn, text", [
+    ("req_ids", lambda a: a[:0], "req_ids [0] are not one entry per request"),
+    ("req_ids", lambda a: a[None], "are not one entry per request"),
+    ("num_accepted", lambda a: np.full_like(a, 2 ** 62), "accepts 4611686018427387904 of"),
+    ("num_accepted", lambda a: a.astype(float) * np.nan, "malformed acceptance counts"),
+])
+def test_malformed_verify_counts_are_one_line_naming_file_and_step(tmp_path, view, fn, text):
+    """A verify record whose counts are not one entry per request (or accept more drafts than
+    were proposed) is a producer's bug: acceptance names the rank file and step, and the CLI
+    says so in one line (exit 2) instead of an IndexError (or an allocation as wide as 2**62)."""
+    import contextlib
+    import io
+
+    from pcpviz.cli import main
+
+    good = clean_run(2)
+    bad = clean_run(2)
+    step = first_step(bad, lambda ph: "verify" in ph and np.asarray(ph["verify"]["num_draft_tokens"]).sum() > 0)
+    corrupt(bad, step, "verify", view, fn)
+    a, b = good.write(tmp_path / "a"), bad.write(tmp_path / "b")
+    with pytest.raises(ValueError, match=f"rank0.arrow: step {step}: verify: .*{re.escape(text)}"):
+        acceptance(pt.open(b))
+    for argv in (["diff", str(a), str(b)], ["export", str(b), "--html", str(tmp_path / "r.html")]):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = main(argv)
+        lines = err.getvalue().strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and f"rank0.arrow: step {step}: verify:" in lines[0], lines

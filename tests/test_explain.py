@@ -19,6 +19,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import pcpviz
@@ -181,3 +182,28 @@ def test_cli_incomplete_trace_exits_3(tmp_path):
     assert r.returncode == 3, r.stdout + r.stderr
     assert r.stderr and all(ln.startswith("pcpviz explain: incomplete: ") for ln in r.stderr.splitlines())
     assert "verdict:" in r.stdout
+
+
+@pytest.mark.parametrize("phase, view, fn", [
+    ("draft_0", "draft_global_input_ids", lambda a: a.reshape(-1)[0]),  # a scalar where ids are
+    ("verify", "sampled_token_ids", lambda a: a[:1]),  # one row for every request of the step
+    ("verify", "num_sampled", lambda a: a[:0]),  # empty
+])
+def test_malformed_views_get_a_verdict_not_a_traceback(tmp_path, phase, view, fn):
+    """A producer's malformed view (valid checksums, wrong shape) is evidence the checks report;
+    explain weighs what it can read and says what it could not, instead of raising."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from tracegen import clean_run, corrupt, first_step
+
+    good = clean_run()
+    good_dir = good.write(tmp_path / "good")
+    bad = clean_run()
+    step = first_step(bad, lambda phases: phase in phases and np.asarray(phases[phase][view]).shape[0] > 1)
+    corrupt(bad, step, phase, view, fn)
+    bad_dir = bad.write(tmp_path / "bad")
+    from pcpviz.cli import main
+
+    for argv in ([str(bad_dir), str(good_dir)], [str(bad_dir), "--no-rerun"]):
+        assert main(["explain", *argv]) == 1  # checks fail: exit 1, never a traceback
+    ex = explain(bad_dir, good_dir)
+    assert ex.verdict != CLEAN and ex.symptoms.failed_checks

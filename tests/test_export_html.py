@@ -9,6 +9,7 @@ import shutil
 from html.parser import HTMLParser
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pcpviz.export_html import STEP_VIEWS, embedded_data, export_html, pack, unpack
@@ -151,3 +152,51 @@ def test_export_renders_offline_and_the_step_control_swaps_figures(exported, tmp
             assert not blocked, f"the page tried to fetch {blocked}"
         finally:
             browser.close()
+
+
+MALFORMED_VIEWS = [  # (phase, view, damage): each made export or the Workbench raise before
+    ("draft_2", "draft_positions", lambda a: a.reshape(-1)[0]),  # a scalar
+    ("draft_1", "view", lambda a: np.asarray([], dtype=a.dtype)),  # the draft view's name: empty
+    ("target", "kv_write_mask", lambda a: a[None]),  # an extra axis
+    ("target", "local_req_ids", lambda a: np.concatenate([a, a[:1]])),  # a row too many
+    ("target", "req_ids", lambda a: a[:0]),  # empty
+    ("draft_1", "block_table_draft", lambda a: a.reshape(-1)),  # [G, R, B] flattened
+    ("target", "t_start_us", lambda a: np.asarray(np.nan)),  # not a time
+]
+
+
+@pytest.mark.parametrize("phase, view, damage", MALFORMED_VIEWS, ids=[f"{p}.{v}" for p, v, _ in MALFORMED_VIEWS])
+def test_malformed_views_are_drawn_as_a_message(tmp_path, phase, view, damage):
+    """A view with the wrong shape (valid checksums: a producer's bug, which the checks report)
+    costs its figure, not the export or the Workbench: the figure says which view, step and rank
+    it cannot draw. The Chrome trace stays strict JSON."""
+    import contextlib
+    import io
+    import sys
+
+    from pcpviz.cli import main
+    from pcpviz.widgets import Workbench
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tracegen import clean_run, corrupt, first_step
+
+    run = clean_run(2)
+    step = first_step(run, lambda ph: phase in ph and (view in ("view", "t_start_us")
+                                                       or np.asarray(ph[phase][view]).size > 1))
+    if view == "t_start_us":  # synthetic runs record no times: give this phase some first
+        run.views(step, 0, phase).update(t_start_us=np.int64(0), t_end_us=np.int64(1))
+    corrupt(run, step, phase, view, damage, ranks=[0])
+    d = run.write(tmp_path / "t")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["export", str(d), "--html", str(tmp_path / "r.html"), "--chrome", str(tmp_path / "c.json")])
+    assert rc == 0 and not err.getvalue(), err.getvalue()
+    json.loads((tmp_path / "c.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    wb = Workbench(str(d), step=step, rank=0)
+    for p in wb.phase.options:
+        wb.set(phase=p)
+    titles = [(wb.figures[n].layout.title.text or "") for n in VIEW_NAMES_ALL]
+    assert not any("Traceback" in t for t in titles)
+
+
+VIEW_NAMES_ALL = ("token_order", "timeline", "block_tables", "slot_mappings", "acceptance")

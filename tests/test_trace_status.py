@@ -75,6 +75,7 @@ def test_unknown_keys_are_allowed(trace_dir):
     ("/dev/zero", "rank1.arrow: cannot read (a device, not a regular file"),
     ("truncate", "last complete step: step 11"),
     ("num_steps", "num_steps: 20, but the rank files hold 13 steps"),
+    ("empty", "rank1.arrow: empty file (the writer died before writing its schema header)"),
 ])
 def test_incomplete_trace(trace_dir, damage, text):
     f = trace_dir / "rank1.arrow"
@@ -86,6 +87,8 @@ def test_incomplete_trace(trace_dir, damage, text):
     elif damage == "/dev/zero":
         f.unlink()
         f.symlink_to("/dev/zero")
+    elif damage == "empty":
+        f.write_bytes(b"")
     elif damage == "truncate":
         f.write_bytes(f.read_bytes()[:-4000])
     else:
@@ -114,3 +117,26 @@ def test_export_and_workbench_show_the_same_status(trace_dir, tmp_path):
 def test_shipped_and_clean_traces_pass(trace_dir):
     assert _status(trace_dir).ok
     assert run_checks(pt.open(trace_dir)).ok
+
+
+@pytest.mark.parametrize("argv", [["check"], ["explain", "--no-rerun"], ["export", "--chrome", "c.json"],
+                                  ["export", "--html", "r.html"]])
+@pytest.mark.parametrize("damage", ["no rank files", "rank files empty"])
+def test_nothing_left_after_data_loss_is_exit_3(trace_dir, tmp_path, argv, damage):
+    """Every rank file gone (or cut before its first step): the data was lost, so exit 3 with
+    'incomplete:' lines, the same as a trace with some steps left, not 2 'no complete steps'."""
+    import contextlib
+    import io
+
+    from pcpviz.cli import main
+
+    for f in trace_dir.glob("rank*.arrow"):
+        f.unlink() if damage == "no rank files" else f.write_bytes(b"")
+    argv = [argv[0], str(trace_dir), *[str(tmp_path / a) if a in ("c.json", "r.html") else a for a in argv[1:]]]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rc = main(argv)
+    lines = err.getvalue().strip().splitlines()
+    assert rc == 3 and lines and all(ln.startswith(f"pcpviz {argv[0]}: incomplete: ") for ln in lines), lines
+    assert lines[-1] == f"pcpviz {argv[0]}: incomplete: {trace_dir}: no complete step is left"

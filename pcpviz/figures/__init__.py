@@ -42,7 +42,7 @@ from pcpviz.figures.step_data import (Rec, StepLayout, draft_source_phase, load_
                                       trace_req_ids)
 from pcpviz.figures.timeline import draft_timeline_figure, draft_timeline_spec
 from pcpviz.figures.token_order import token_order_figure, token_order_spec
-from pcpviz.figures.violations import mark_violation, violation_marks, violation_view
+from pcpviz.figures.violations import drawn, mark_violation, message_spec, violation_marks, violation_view
 
 __all__ = [
     "TOKEN_LIMIT", "MAX_CELLS", "TEXT_LIMIT", "BLOCK_COLUMNS", "TEMPLATE", "FLAG_COLOR", "DIM_COLOR",
@@ -54,4 +54,5 @@ __all__ = [
     "violation_view", "violation_marks", "validate_figure", "load_acceptance", "from_diff_acceptance",
     "load_check_report", "trace_req_ids", "request_color_index",
     "token_order_spec", "block_tables_spec", "slot_mappings_spec", "draft_timeline_spec", "acceptance_spec", "as_figure",
+    "drawn", "message_spec",
 ]

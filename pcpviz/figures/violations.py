@@ -51,3 +51,34 @@ def mark_violation(fig: go.Figure | dict, text: str) -> go.Figure | dict:
         return {**fig, "layout": {**layout, "annotations": [*layout.get("annotations", ()), ann]}}
     fig.layout.annotations = tuple(fig.layout.annotations) + (ann,)
     return fig
+
+
+MALFORMED = (IndexError, ValueError, TypeError, KeyError)
+"""What drawing from a malformed or missing view raises (wrong shape, dtype or length)."""
+
+
+def message_spec(text: str, *, height: int = 120) -> dict:
+    """A figure spec holding only a title (a view that cannot be drawn for this step)."""
+    from pcpviz.figures.canvas import TEMPLATE
+
+    return {"data": [], "layout": {"template": TEMPLATE, "height": height, "title": {"text": text},
+                                   "shapes": [], "annotations": []}}
+
+
+def drawn(view: str, step: int, rank: int, build):
+    """``build()``, or a ``message_spec`` naming the view, step and rank when a view it reads is
+    missing or malformed (a producer that records fewer views, or a damaged one); a
+    ``TraceError`` (a payload failing its crc32) still raises. PCP=2 example: a target record
+    whose ``kv_write_mask`` is [1, 2P] instead of [2P] gives the title ``token_order: cannot
+    draw step 4 rank 1 (malformed views?): IndexError: too many indices ...``."""
+    from pcpviz.trace import TraceError
+
+    try:
+        return build()
+    except TraceError:
+        raise
+    except KeyError as exc:
+        return message_spec(f"{view}: cannot draw step {step} rank {rank}: view {exc} not recorded")
+    except MALFORMED as exc:
+        return message_spec(f"{view}: cannot draw step {step} rank {rank} (malformed views?): "
+                            f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}")

@@ -273,10 +273,10 @@ def validate(trace: Any) -> TraceStatus:
                            f"{Path(trace.path) / S.rank_file_name(r)}: missing (run.json says pcp={pcp})")
     for r in sorted(unreadable):
         incomplete(unreadable[r].split(": ", 1)[0], f"rank {r}", unreadable[r])
-    # bytes dropped after damage or a partial step
+    # bytes dropped after damage or a partial step; a file cut before its schema header (empty)
     for r, info in sorted(files.items()):
-        if info.good_bytes < info.size:
-            note = next((w for w in trace.warnings if w.startswith(f"{info.path}:")), None)
+        note = next((w for w in trace.warnings if w.startswith(f"{info.path}:")), None)
+        if info.good_bytes < info.size or note is not None:
             incomplete(info.path, f"rank {r}", note or f"{info.path}: {info.size - info.good_bytes} "
                        "trailing bytes not read")
     # steps per rank

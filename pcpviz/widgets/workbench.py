@@ -311,7 +311,9 @@ class Workbench(W.VBox):
             recs = self.records(step, rank)
             target = recs.get("target")
             draft = recs.get(draft_phase) if draft_phase else None
-            self._flag_cache[key] = fg.draft_block_table_flags(target, draft) if target is not None else []
+            flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft)
+                             if target is not None else [])
+            self._flag_cache[key] = flags if isinstance(flags, list) else []  # a message: no flags
         return self._flag_cache[key]
 
     def _spec_key(self, view: str) -> tuple:
@@ -371,13 +373,9 @@ class Workbench(W.VBox):
         return spec
 
     def _build_or_explain(self, view: str) -> dict:
-        """``_build``, or a placeholder naming the missing view when this producer did not record
-        one the figure needs (traces from other producers may omit views)."""
-        try:
-            return self._build(view)
-        except KeyError as e:
-            return _message_spec(f"{view}: cannot draw step {self.step.value} rank {self.rank.value}: "
-                                 f"view {e} not recorded", height=120)
+        """``_build``, or a placeholder naming the view when a view the figure needs is missing
+        (traces from other producers may omit views) or malformed (``fg.drawn``)."""
+        return fg.drawn(view, self.step.value, self.rank.value, lambda: self._build(view))
 
     def _render(self, views: Iterable[str]) -> None:
         views = set(views)
@@ -477,7 +475,4 @@ class Workbench(W.VBox):
         return False
 
 
-def _message_spec(text: str, *, height: int) -> dict:
-    """A figure spec holding only a title (a view that cannot be drawn for this step)."""
-    return {"data": [], "layout": {"template": fg.TEMPLATE, "height": height, "title": {"text": text},
-                                   "shapes": [], "annotations": []}}
+_message_spec = fg.message_spec
