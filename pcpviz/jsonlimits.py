@@ -8,6 +8,7 @@ and refuses deep input before ``json.loads`` sees it.
 
     loads_bounded('{"a": [1, 2]}')           # {'a': [1, 2]}
     loads_bounded("[" * 1000 + "]" * 1000)   # ValueError: nested too deeply (more than 200 levels)
+    loads_bounded('{"pcp": 2, "pcp": 7}')    # ValueError: duplicate key 'pcp' (json.loads keeps the last)
 """
 
 from __future__ import annotations
@@ -44,8 +45,18 @@ def _depth(text: str) -> int:
 
 def loads_bounded(data: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:
     """``json.loads`` for input nested at most ``max_depth`` levels; deeper input raises
-    ValueError (one line) without recursing."""
+    ValueError (one line) without recursing. An object that names a key twice raises too:
+    which of two values a file meant is not ours to guess."""
     text = data.decode("utf-8") if isinstance(data, (bytes, bytearray)) else data
     if text.count("[") + text.count("{") > max_depth and _depth(text) > max_depth:
         raise ValueError(f"nested too deeply (more than {max_depth} levels)")
-    return json.loads(text)
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out

@@ -486,3 +486,12 @@ def test_cli_check_truncated_rank_file_checks_what_is_complete(tmp_path):
     assert "rank1.arrow" in lines[0] and "last complete step" in lines[0]
     assert any("rank 1 lacks steps" in ln for ln in lines)
     assert "result: INCOMPLETE: 20 passed, 0 failed" in r.stdout
+
+
+def test_run_checks_takes_one_name_or_a_list_and_refuses_unknown_names():
+    trace = sorted(Path(__file__).resolve().parents[1].glob("data/traces/*/run.json"))[0].parent
+    one = run_checks(trace, checks="positions_consistent")
+    assert list(one.results) == ["positions_consistent"]  # the name, not its letters
+    assert list(run_checks(trace, checks=["positions_consistent"]).results) == ["positions_consistent"]
+    with pytest.raises(ValueError, match=r"^unknown check 'position'; known: "):
+        run_checks(trace, checks="position")

@@ -351,6 +351,8 @@ def test_run_json_problems(tmp_path):
     _trace_error(tmp_path, f"{meta}: pcpviz_trace_schema must be an int")
     meta.write_bytes(b"\xff\xfe")
     _trace_error(tmp_path, f"{meta}: not valid JSON")
+    meta.write_text('{"pcpviz_trace_schema": 1, "pcp": 2, "pcp": 7}')
+    _trace_error(tmp_path, f"{meta}: not valid JSON (duplicate key 'pcp')")
     meta.unlink()
     _trace_error(tmp_path, f"{tmp_path}: no run.json")
     _trace_error(tmp_path / "nowhere", f"{tmp_path / 'nowhere'}: no such run directory")

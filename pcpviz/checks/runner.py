@@ -43,7 +43,7 @@ def _meta_summary(meta: Mapping[str, Any]) -> dict[str, Any]:
     return {k: meta.get(k) for k in keys if k in meta}
 
 
-def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | None = None) -> CheckReport:
+def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | None = None) -> CheckReport:
     """Run every check (or the named ones) over every step and rank of ``trace``.
 
     ``trace`` is a ``pcpviz.trace.Trace`` or a run directory (opened with
@@ -56,6 +56,8 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | None = N
     if not isinstance(trace, Trace):
         trace = open_trace(trace)
     defs = list(ORDERED_DEFS)
+    if isinstance(checks, str):  # one name, not its letters
+        checks = [checks]
     if checks is not None:
         unknown = [n for n in checks if n not in CHECKS]
         if unknown:
