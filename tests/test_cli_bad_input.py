@@ -89,6 +89,8 @@ TABLE = [
     (["run", "--prompt", "x", "--mtp", "-1"], "--mtp: expected an integer in 0..64", False),
     (["run", "--prompt", "x", "--inject", "bogus"], "unknown fault 'bogus'", False),
     (["run", "--prompt", "x", "--model", "{dir}"], "has no config.json", False),
+    (["run", "--prompt", "x", "--model", "{file}"], "model directory {file} is not a directory", False),
+    (["run", "--prompt", "x", "--model", "{tmp}/nowhere"], "model directory {tmp}/nowhere does not exist", False),
     # check / diff / export
     (["check", "{tmp}/nowhere"], "no such run directory", True),
     (["check", "{file}"], "not a run directory", False),

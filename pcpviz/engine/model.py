@@ -203,7 +203,8 @@ def check_model_dir(model_dir: str) -> TinyDSV3Config:
 
     cfg_path = os.path.join(model_dir, "config.json")
     if not os.path.isdir(model_dir):
-        raise ValueError(f"model directory {model_dir} does not exist")
+        why = "is not a directory" if os.path.exists(model_dir) else "does not exist"
+        raise ValueError(f"model directory {model_dir} {why}")
     if not os.path.isfile(cfg_path):
         raise ValueError(f"model directory {model_dir} has no config.json")
     try:
