@@ -212,3 +212,15 @@ def test_readme_module_map_names_every_module():
                    if not p.name.startswith("_") and (p.suffix == ".py" or (p / "__init__.py").is_file()))
     missing = [n for n in names if not re.search(rf"`(pcpviz/)?{re.escape(n)}(\.py|/)?[`,]", table)]
     assert not missing, f"README's module map leaves out {missing}"
+
+
+def test_docgen_command_line(tmp_path, capsys):
+    """``python -m pcpviz.docgen DOCS_DIR`` writes the pages; bad input is one line and exit 2."""
+    from pcpviz.docgen import PAGES, main
+
+    assert main([str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(PAGES)
+    assert main(["--help"]) == 0 and "usage" in capsys.readouterr().out
+    assert main([str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.strip().endswith("missing: not a directory")
+    assert main([]) == 2
