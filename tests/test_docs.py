@@ -306,3 +306,21 @@ def test_readme_workbench_and_long_context_figures_match_their_files():
     short = lc["pcpviz-tiny-dsv3"]["by_position"]["summary"]["far_over_short"]
     long_ = lc["pcpviz-tiny-dsv3-long"]["by_position"]["summary"]["far_over_short"]
     assert f"(8k-32k: {short:.2f}x the loss below 2k)" in text and f"8k-32k at {long_:.2f}x the loss below 2k" in text
+
+
+def test_the_piecewise_findings_evidence_file_holds_the_assertion_it_is_cited_for():
+    """docs/findings/piecewise-draft-prefill.md and the README cite this file for vLLM's replay-address
+    assertion: on both PCP ranks, in the draft prefill's graph replay, 2 of the 12 inputs (0 and 2)
+    at other addresses."""
+    text = (ROOT / "data" / "findings" / "piecewise-draft-prefill-address-check.txt").read_text(encoding="utf-8")
+    for rank in (0, 1):
+        lines = [x for x in text.splitlines() if f"Worker_PCP{rank} " in x]
+        frames = "\n".join(lines)
+        order = ["in sample_tokens", "in propose", "in _prefill", "in _run_model", "in run_pw_graph",
+                 "deepseek_mtp.py", "cuda_graph.py\", line 352"]
+        at = [frames.find(f) for f in order]
+        assert -1 not in at and at == sorted(at), (rank, dict(zip(order, at)))
+        (assertion,) = [x for x in lines if "AssertionError: Input addresses for cudagraphs are different" in x]
+        expected, got = (re.findall(r"\d+", part) for part in assertion.split("Expected")[1].split("got"))
+        assert len(expected) == len(got) == 12
+        assert [i for i in range(12) if expected[i] != got[i]] == [0, 2]
