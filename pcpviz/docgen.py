@@ -21,6 +21,7 @@ A row of the view table (the PCP=2 gather index of the target phase)::
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from pcpviz.trace import schema as S
@@ -129,10 +130,22 @@ def write_pages(docs_dir: str | os.PathLike) -> list[Path]:
     return out
 
 
-if __name__ == "__main__":
-    import sys
+def main(argv: list[str]) -> int:
+    """``python -m pcpviz.docgen DOCS_DIR``: 0 written (or ``--help``), 2 bad input (one line)."""
+    usage = "usage: python -m pcpviz.docgen DOCS_DIR   (regenerate " + ", ".join(PAGES) + " there)"
+    if argv in (["-h"], ["--help"]):
+        print(usage)
+        return 0
+    if len(argv) != 1:
+        print(usage, file=sys.stderr)
+        return 2
+    if not Path(argv[0]).is_dir():
+        print(f"pcpviz.docgen: {argv[0]}: not a directory", file=sys.stderr)
+        return 2
+    for path in write_pages(argv[0]):
+        print(f"wrote {path}")
+    return 0
 
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m pcpviz.docgen DOCS_DIR")
-    for p in write_pages(sys.argv[1]):
-        print(f"wrote {p}")
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

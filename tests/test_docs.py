@@ -6,7 +6,12 @@
   ``#anchor`` a heading (GitHub's slug) or an explicit ``<a id=...>`` of that file.
 * Every ``docs/<name>.md`` or ``docs/<name>.md#anchor`` mentioned in any tracked text file (code
   docstrings, tests, notebooks) exists, so a citation cannot point at a section that is gone.
-* docs/design.md names every check of ``pcpviz.checks.CHECKS``.
+* The generated pages (``pcpviz.docgen``) are up to date and name every check, view and fault.
+* The figures README.md quotes from files are those files' figures: the numbers of checks and
+  engine faults, the shipped real traces' steps and acceptance (trace and vLLM's counter), the
+  engine column of the issue-15 table (``data/bench/h200x2.json``'s ``derived`` block and the
+  kernel file), the Workbench timings and the long-context loss ratios.
+* ``python -m pcpviz.docgen`` answers bad input with one line.
 """
 
 from __future__ import annotations
@@ -212,3 +217,114 @@ def test_readme_module_map_names_every_module():
                    if not p.name.startswith("_") and (p.suffix == ".py" or (p / "__init__.py").is_file()))
     missing = [n for n in names if not re.search(rf"`(pcpviz/)?{re.escape(n)}(\.py|/)?[`,]", table)]
     assert not missing, f"README's module map leaves out {missing}"
+
+
+def test_docgen_command_line(tmp_path, capsys):
+    """``python -m pcpviz.docgen DOCS_DIR`` writes the pages; bad input is one line and exit 2."""
+    from pcpviz.docgen import PAGES, main
+
+    assert main([str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(PAGES)
+    assert main(["--help"]) == 0 and "usage" in capsys.readouterr().out
+    assert main([str(tmp_path / "missing")]) == 2
+    assert capsys.readouterr().err.strip().endswith("missing: not a directory")
+    assert main([]) == 2
+
+
+# --------------------------------------------------------------------------- README's figures
+
+def _readme() -> str:
+    return " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+
+
+def _json(rel: str) -> dict:
+    import json
+
+    return json.loads((ROOT / rel).read_text(encoding="utf-8"))
+
+
+def test_readme_counts_match_the_registries():
+    from pcpviz.checks import CHECKS
+    from pcpviz.faults import ENGINE, faults_of
+
+    text = _readme()
+    words = {10: "ten", 11: "eleven", 12: "twelve"}
+    assert f"`pcpviz check` ({len(CHECKS)} invariants" in text
+    assert f"`pcpviz run --list-faults`; {words.get(len(faults_of(ENGINE)), len(faults_of(ENGINE)))} faults" in text
+
+
+def test_readme_shipped_real_traces_table_matches_the_traces():
+    """Each row of "Shipped real traces": steps, and acceptance per position from the trace and from
+    vLLM's own counter in run.json (2 decimals)."""
+    import pcpviz.trace as pt
+    from pcpviz.acceptance import acceptance
+
+    rows = re.findall(r"^\| `((?:vllm|vllm-serve)-h200x2[\w-]*)` \| .*? \| (\d+) \| (.*?) / (.*?) \|$",
+                      (ROOT / "README.md").read_text(encoding="utf-8"), flags=re.M)
+    assert len(rows) == len(list((ROOT / "data" / "traces").glob("vllm-*"))), rows
+    for name, steps, ours, theirs in rows:
+        trace = pt.open(ROOT / "data" / "traces" / name)
+        assert int(steps) == len(trace.steps), name
+        rates = [float(x) for x in ours.replace("**", "").split(",")]
+        assert rates == pytest.approx(acceptance(trace).rate_per_position, abs=0.0051), name
+        counter = trace.meta.get("vllm_spec_decode_metrics")
+        if counter is not None:
+            rates = counter["acceptance_rate_per_pos"]
+        else:  # `vllm serve`: the Prometheus lines scraped after the completions
+            lines = trace.meta["serve"]["spec_decode_metrics"]
+            value = lambda key: float(next(x for x in lines if key in x).split()[-1])  # noqa: E731
+            drafts = value("spec_decode_num_drafts_total")
+            rates = [value(f'per_pos_total{{engine="0",model_name="{trace.meta["model"]}",position="{i}"}}') / drafts
+                     for i in range(trace.meta["num_speculative_tokens"])]
+        assert [float(x) for x in theirs.split(",")] == pytest.approx(rates, abs=0.0051), name
+
+
+def test_readme_issue15_engine_figures_match_the_bench_file():
+    """The issue-15 table's "engine now" column is data/bench/h200x2.json's 'derived' block and its
+    kernel summary."""
+    d = _json("data/bench/h200x2.json")
+    der, ker = d["derived"], _json("data/bench/kernels_h200.json")["kernels"]
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+
+    def row(start: str) -> str:
+        (line,) = [x for x in lines if x.startswith(f"| {start}")]
+        return line
+
+    assert f"| {der['prefill_target_ms_pcp1']:.1f} ms |" in row("32k-token prefill step")
+    assert f"**{der['prefill_target_ms_pcp2'] / der['prefill_target_ms_pcp1']:.2f}** " \
+           f"({der['prefill_target_ms_pcp2']:.1f} ms)" in row("same, PCP=2 / PCP=1")
+    assert f"| {der['decode_ms_per_token_k0']:.2f} ms (CUDA graphs, PCP=1)" in row("decode step, batch 1, K=0")
+    assert (f"| {der['mtp_decode_speedup_steady']:.2f}x ({der['decode_ms_per_token_k2']:.2f} ms a token, "
+            f"{der['tokens_per_decode_step_k2']:.2f} tokens a step)") in row("MTP K=2 over K=0")
+    assert f"{100 * ker['paged_mla_decode_bf16_b16_ctx32768_h16']['fraction_of_copy_bw']:.1f}%" in row("paged MLA decode")
+    pre = ker["mla_prefill_bf16_T32768_pcp1"]
+    assert f"{pre['TFLOPS']:.0f} TFLOP/s ({100 * pre['fraction_of_bf16_peak']:.0f}% of bf16 peak)" in row("flash MLA prefill")
+
+
+def test_readme_workbench_and_long_context_figures_match_their_files():
+    wb, lc = _json("data/bench/workbench_cpu.json"), _json("data/bench/long_context.json")["models"]
+    text = _readme()
+    warm, cold = wb["warm"]["overall"], wb["cold"]["overall"]
+    assert (f"in {warm['median_ms']:.0f} ms at the median (p90 {warm['p90_ms']:.0f} ms), "
+            f"{cold['median_ms']:.0f} ms (p90 {cold['p90_ms']:.0f} ms)") in text
+    short = lc["pcpviz-tiny-dsv3"]["by_position"]["summary"]["far_over_short"]
+    long_ = lc["pcpviz-tiny-dsv3-long"]["by_position"]["summary"]["far_over_short"]
+    assert f"(8k-32k: {short:.2f}x the loss below 2k)" in text and f"8k-32k at {long_:.2f}x the loss below 2k" in text
+
+
+def test_the_piecewise_findings_evidence_file_holds_the_assertion_it_is_cited_for():
+    """docs/findings/piecewise-draft-prefill.md and the README cite this file for vLLM's replay-address
+    assertion: on both PCP ranks, in the draft prefill's graph replay, 2 of the 12 inputs (0 and 2)
+    at other addresses."""
+    text = (ROOT / "data" / "findings" / "piecewise-draft-prefill-address-check.txt").read_text(encoding="utf-8")
+    for rank in (0, 1):
+        lines = [x for x in text.splitlines() if f"Worker_PCP{rank} " in x]
+        frames = "\n".join(lines)
+        order = ["in sample_tokens", "in propose", "in _prefill", "in _run_model", "in run_pw_graph",
+                 "deepseek_mtp.py", "cuda_graph.py\", line 352"]
+        at = [frames.find(f) for f in order]
+        assert -1 not in at and at == sorted(at), (rank, dict(zip(order, at)))
+        (assertion,) = [x for x in lines if "AssertionError: Input addresses for cudagraphs are different" in x]
+        expected, got = (re.findall(r"\d+", part) for part in assertion.split("Expected")[1].split("got"))
+        assert len(expected) == len(got) == 12
+        assert [i for i in range(12) if expected[i] != got[i]] == [0, 2]
