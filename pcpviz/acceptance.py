@@ -39,7 +39,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from pcpviz.trace import TraceError
-from pcpviz.trace.schema import rank_file_name
+from pcpviz.trace.schema import int_view, rank_file_name
 
 __all__ = ["Counts", "count", "ratio", "json_ratio", "verify_counts", "RequestAcceptance",
            "StepAcceptance", "Acceptance", "acceptance", "acceptance_from_records"]
@@ -110,11 +110,11 @@ def verify_counts(rec: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray] | Non
     ``num_accepted + num_rejected`` where a producer did not record it; None without either."""
     if "num_accepted" not in rec:
         return None
-    nacc = np.asarray(rec["num_accepted"], dtype=np.int64)
+    nacc = int_view(rec["num_accepted"], "num_accepted")
     if "num_draft_tokens" in rec:
-        return nacc, np.asarray(rec["num_draft_tokens"], dtype=np.int64)
+        return nacc, int_view(rec["num_draft_tokens"], "num_draft_tokens")
     if "num_rejected" in rec:
-        return nacc, nacc + np.asarray(rec["num_rejected"], dtype=np.int64)
+        return nacc, nacc + int_view(rec["num_rejected"], "num_rejected")
     return None
 
 

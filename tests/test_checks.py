@@ -495,3 +495,24 @@ def test_run_checks_takes_one_name_or_a_list_and_refuses_unknown_names():
     assert list(run_checks(trace, checks=["positions_consistent"]).results) == ["positions_consistent"]
     with pytest.raises(ValueError, match=r"^unknown check 'position'; known: "):
         run_checks(trace, checks="position")
+
+
+@pytest.mark.parametrize("value, shown", [(np.nan, "nan"), (1.5, "1.5")])
+def test_an_integer_view_stored_as_non_integers_is_reported_not_cast(tmp_path, value, shown):
+    """A producer that wrote num_accepted as floats holding NaN or 1.5: the checks that read it
+    say they could not evaluate it, naming the view and value (no silent cast to garbage
+    integers, no RuntimeWarning); whole-number floats read as the integers they are."""
+    run = clean_run(2)
+    step = first_step(run, lambda ph: "verify" in ph)
+    whole = clean_run(2)
+    corrupt(whole, step, "verify", "num_accepted", lambda a: a.astype(float))
+    assert run_checks(whole.write(tmp_path / "whole")).ok
+    corrupt(run, step, "verify", "num_accepted", lambda a: np.where(np.arange(a.size) == 0, value, a.astype(float)))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        report = run_checks(run.write(tmp_path / "bad"))
+    res = report.results["verify_consistent"]
+    assert res.verdict == FAIL and res.first_violation.step == step
+    assert f"verify.num_accepted holds {shown}, not an integer" in res.first_violation.message

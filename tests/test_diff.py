@@ -234,7 +234,8 @@ def test_cli_diff_exit_codes(tmp_path):
     ("req_ids", lambda a: a[:0], "req_ids [0] are not one entry per request"),
     ("req_ids", lambda a: a[None], "are not one entry per request"),
     ("num_accepted", lambda a: np.full_like(a, 2 ** 62), "accepts 4611686018427387904 of"),
-    ("num_accepted", lambda a: a.astype(float) * np.nan, "malformed acceptance counts"),
+    ("num_accepted", lambda a: a.astype(float) * np.nan, "num_accepted holds nan, not an integer"),
+    ("num_accepted", lambda a: a.astype(float) + 0.5, "num_accepted holds 0.5, not an integer"),
 ])
 def test_malformed_verify_counts_are_one_line_naming_file_and_step(tmp_path, view, fn, text):
     """A verify record whose counts are not one entry per request (or accept more drafts than

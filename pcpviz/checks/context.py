@@ -13,6 +13,7 @@ import numpy as np
 from pcpviz.blocks import compute_slot_mappings
 from pcpviz.compare import first_difference, short_repr
 from pcpviz.trace import SEGMENT_DTYPE, draft_index
+from pcpviz.trace.schema import int_view, view_spec
 
 class Skip(Exception):
     """An input view or phase was not recorded: the check does not run on this (step, rank)."""
@@ -98,7 +99,7 @@ class Ctx:
         rec = self.phases.get(phase)
         if rec is None or view not in rec:
             return None
-        return rec[view]
+        return _checked(phase, view, rec[view])
 
     def need(self, phase: str, view: str) -> np.ndarray:
         rec = self.phases.get(phase)
@@ -106,7 +107,7 @@ class Ctx:
             raise Skip(f"no {phase} phase")
         if view not in rec:
             raise Skip(f"no {view}")
-        return rec[view]
+        return _checked(phase, view, rec[view])
 
     def t(self, view: str) -> np.ndarray:
         return self.need("target", view)
@@ -326,3 +327,14 @@ def check(name: str, description: str):
         DEFS.append(CheckDef(name, description, fn))
         return fn
     return deco
+
+
+def _checked(phase: str, view: str, value):
+    """A view as the checks read it: a view the schema declares integer but a file stored as
+    floats is kept when it holds whole numbers, and NaN, inf or 2.5 raise ValueError naming the
+    view (the check then reports it could not evaluate) instead of becoming garbage integers."""
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        spec = view_spec(phase, view)
+        if spec is not None and spec.dtype.startswith(("int", "uint")):
+            return int_view(value, f"{phase}.{view}")
+    return value

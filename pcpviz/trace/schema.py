@@ -61,7 +61,7 @@ from .codec import (  # noqa: F401 - the value codec, re-exported (``schema.enco
 __all__ = [
     "SCHEMA_VERSION", "META_SCHEMA_KEY", "META_RANK_KEY", "RUN_META_FILE", "rank_file_name",
     "PHASE_TARGET", "PHASE_VERIFY", "PHASE_DUMMY", "DRAFT_PHASE_PREFIX", "PHASES",
-    "draft_phase", "draft_index", "is_valid_phase", "phase_sort_key", "causal_phase_key",
+    "draft_phase", "draft_index", "is_valid_phase", "phase_sort_key", "causal_phase_key", "int_view",
     "GLOBAL_BATCH_VIEWS", "LAYOUT_VIEWS", "LOCAL_BATCH_VIEWS", "BLOCK_TABLE_VIEWS",
     "SLOT_MAPPING_VIEWS", "DRAFT_VIEWS", "VERIFY_VIEWS", "DIGEST_VIEWS", "VIEW_GROUPS", "VIEWS",
     "KNOWN_VIEWS", "PHASE_CLASSES", "GLOBAL", "RANK", "ViewSpec", "VIEW_SPECS", "phase_class", "view_spec",
@@ -423,6 +423,27 @@ for _s in VIEW_SPECS:
         if (_p, _s.name) in _SPEC_INDEX:
             raise AssertionError(f"view {_s.name!r} declared twice for phase {_p}")
         _SPEC_INDEX[(_p, _s.name)] = _s
+
+
+def int_view(values, name: str):
+    """int64 array of an integer view as read from a file. A producer may store integers in a
+    float column; those are kept when every value is a whole finite number, and anything else
+    (NaN, inf, 2.5) raises ValueError naming the view, not a silent cast to garbage::
+
+        int_view(np.array([1.0, 2.0]), "num_accepted")    # array([1, 2])
+        int_view(np.array([1.0, nan]), "num_accepted")    # ValueError: num_accepted holds nan
+    """
+    import numpy as np
+
+    a = np.asarray(values)
+    if a.dtype.kind in "iub":
+        return a.astype(np.int64)
+    if a.dtype.kind != "f":
+        raise ValueError(f"{name} holds {a.dtype} values, not integers")
+    bad = ~np.isfinite(a) | (a != np.round(a)) | (np.abs(a) >= 2.0**63)
+    if bad.any():
+        raise ValueError(f"{name} holds {float(a[bad].flat[0])!r}, not an integer")
+    return a.astype(np.int64)
 
 
 def view_spec(phase: str, name: str) -> ViewSpec | None:
