@@ -384,7 +384,7 @@ def test_plan_broadcast_carries_a_prompt_once_and_round_trips():
     back = SchedulerOutput.from_json(doc)
     assert back == first  # the prompt arrays are left out of ==, so compare them too
     [row] = back.rows  # the budget of 24 takes a chunk of the first prompt only
-    assert row.is_new and row.prompt_start == 0 and row.num_tokens == 24 and row.next_prompt_token == 25
+    assert row.is_new and row.prompt_start == 0 and row.num_tokens == 24
     assert row.prompt_token_ids.tolist() == prompts[0]
     sched.update(first, {row.req_id: ([], 0)})
     second = SchedulerOutput.from_json(_json.loads(_json.dumps(sched.schedule().to_json())))

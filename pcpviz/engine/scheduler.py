@@ -56,7 +56,6 @@ class ScheduledRow:
     num_tokens: int
     is_prefilling: bool
     prompt_start: int  # a prefill chunk is prompt[prompt_start : prompt_start + num_tokens]
-    next_prompt_token: int  # the prompt token after the chunk (-1 if the chunk ends the prompt)
     prompt_len: int
     new_blocks: tuple[int, ...]  # blocks appended to the request's row this step
     is_new: bool  # first time scheduled: the worker creates its request state
@@ -100,7 +99,7 @@ class SchedulerOutput:
             rows.append(ScheduledRow(
                 req_id=str(r["req_id"]), slot=int(r["slot"]), num_tokens=int(r["num_tokens"]),
                 is_prefilling=bool(r["is_prefilling"]), prompt_start=int(r["prompt_start"]),
-                next_prompt_token=int(r["next_prompt_token"]), prompt_len=int(r["prompt_len"]),
+                prompt_len=int(r["prompt_len"]),
                 new_blocks=tuple(int(b) for b in r["new_blocks"]), is_new=bool(r["is_new"]), prompt_token_ids=prompt))
         return cls(int(doc["step"]), tuple(rows), tuple((str(a), int(b)) for a, b in doc["finished"]))
 
@@ -157,11 +156,9 @@ class Scheduler:
             need = self.allocator.blocks_needed(req.num_computed + n + self.k) - len(req.blocks)
             new_blocks = self.allocator.allocate(max(need, 0))
             req.blocks += new_blocks
-            end = req.num_computed + n
             rows.append(ScheduledRow(
                 req_id=req.req_id, slot=req.slot, num_tokens=n, is_prefilling=req.is_prefilling,
                 prompt_start=req.num_computed if req.is_prefilling else 0,
-                next_prompt_token=req.prompt[end] if req.is_prefilling and end < len(req.prompt) else -1,
                 prompt_len=len(req.prompt), new_blocks=tuple(new_blocks), is_new=is_new,
                 prompt_token_ids=req.prompt_ids if is_new else None,
             ))

@@ -80,7 +80,7 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     rows = shape.num_reqs if shape is not None else r  # draft decode rows (padded under graphs)
 
     # -- host inputs of every draft forward ---------------------------------------------------
-    next_prompt = np.array([row.next_prompt_token for row in sched.rows], dtype=np.int64)
+    next_prompt = _next_prompt_tokens(worker, sched)
     draft_ids, last_idx = draft_prefill_inputs(batch, verify, next_prompt)
     local_ids = draft_ids[local.gather_idx] if draft_ids.size else np.zeros(local.num_tokens_padded, np.int64)
     model_positions = h.positions
@@ -157,6 +157,17 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
                                  seq_lens=decode["seq_lens"][j - 1], block_rows=block_rows, slots=written,
                                  tokens=drafts[:r, j], t0=marks[j - 1], t1=marks[j] if j < k - 1 else t1)
     return drafts[:r]
+
+
+def _next_prompt_tokens(worker, sched) -> np.ndarray:
+    """int64[R]: the prompt token after each row's prefill chunk, from the request's prompt the
+    worker keeps; -1 where the chunk ends the prompt, and on decode rows."""
+    out = np.full(len(sched.rows), -1, dtype=np.int64)
+    for i, row in enumerate(sched.rows):
+        end = row.prompt_start + row.num_tokens
+        if row.is_prefilling and end < row.prompt_len:
+            out[i] = worker.states[row.req_id].prompt[end]
+    return out
 
 
 def _draft_decode_inputs(worker, batch, table, *, last_idx, k) -> dict[str, list[np.ndarray]]:
