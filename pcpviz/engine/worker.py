@@ -73,9 +73,8 @@ class EngineConfig:
     # never returned; the likely cause, pytorch/pytorch#115388 -- destroying an NCCL group while
     # graphs that captured its collectives are alive hangs -- is now avoided by resetting every
     # graph first (GraphRunner.release), but that is untested on GPU, so PCP > 1 takes graphs
-    # only when asked); True on the
-    # CPU runs the same padded buffers without capture (the tests' way of checking the graph
-    # path's bookkeeping); False: the unpadded eager path.
+    # only when asked); True on the CPU runs the same padded buffers without capture (the
+    # tests' way of checking the graph path's bookkeeping); False: the unpadded eager path.
     cuda_graphs: bool | None = None
 
 
