@@ -220,3 +220,41 @@ def test_stale_lock_of_a_killed_writer_is_taken_over(tmp_path):
     p.wait()
     with pt.claim(d) as c:  # the lock file is left behind, but nobody holds it any more
         assert json.loads((d / ".writer.lock").read_text())["token"] == c.token
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_planted_lock_is_refused_without_touching_its_target(tmp_path, kind, overwrite):
+    """A ``.writer.lock`` that is a link (to a victim file) or a FIFO is one line, never
+    followed (the victim keeps its bytes) and never blocks."""
+    d = tmp_path / "run"
+    d.mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    lock = d / ".writer.lock"
+    if kind == "symlink":
+        lock.symlink_to(victim)
+    else:
+        os.mkfifo(lock)
+    with pytest.raises(ValueError) as e:
+        pt.claim(d, overwrite=overwrite, command="test")
+    msg = str(e.value)
+    assert "\n" not in msg and ".writer.lock" in msg
+    assert ("symbolic link" if kind == "symlink" else "not a regular file") in msg
+    assert victim.read_text() == "precious\n"
+
+
+def test_planted_run_json_fifo_does_not_block_the_writer(tmp_path):
+    """The plugin's writer reads an existing run.json: a FIFO there is an error, not a hang."""
+    from pcpviz.trace.writer import TraceWriter
+
+    d = tmp_path / "run"
+    d.mkdir()
+    os.mkfifo(d / "run.json")
+    code = ("import sys; from pcpviz.trace.writer import TraceWriter\n"
+            "try:\n    TraceWriter(sys.argv[1], rank=0, meta={'pcp': 1})\n"
+            "except (OSError, ValueError) as e:\n    print('refused', type(e).__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True,
+                         timeout=60)
+    assert "refused" in out.stdout, out.stderr[-2000:]
+    del TraceWriter

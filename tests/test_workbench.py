@@ -348,3 +348,16 @@ def test_every_widget_message_is_json_compliant(widget_messages, trace, faulty_r
         wb.highlight.value = wb.req_ids[-1]
     assert len(widget_messages.sent) > 50  # the figures went out as updates
     assert not widget_messages.not_json()
+
+
+def test_header_escapes_request_ids(tmp_path):
+    """A request id is trace data, hence untrusted: the header shows it as text, never as HTML."""
+    from pcpviz.synthetic import RequestSpec, generate
+
+    bad = '<img src=x onerror="fetch(\'/api/kernels\')">'
+    generate([RequestSpec(bad, 12, 3), RequestSpec("b<b>x</b>", 9, 3)], pcp=2,
+             num_speculative_tokens=2).write(tmp_path / "t")
+    w = Workbench(pt.open(tmp_path / "t"))
+    head = w.header.value
+    assert "<img" not in head and "<b>x</b>" not in head
+    assert "&lt;img src=x onerror=" in head and "b&lt;b&gt;x&lt;/b&gt;" in head

@@ -30,6 +30,7 @@ import json
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from pathlib import Path
 
 from . import schema as S
 
-__all__ = ["LOCK_FILE", "Claim", "claim", "check_target", "check_writer", "trace_files"]
+__all__ = ["LOCK_FILE", "Claim", "claim", "check_target", "check_writer", "open_regular", "trace_files"]
 
 LOCK_FILE = ".writer.lock"
 """Name of the lock file inside a claimed run directory."""
@@ -93,6 +94,34 @@ class Claim:
         self.release()
 
 
+def open_regular(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` that never follows a symlink at ``path`` and never blocks on a FIFO or device.
+
+    Raises OSError (ELOOP for a link, EINVAL-like ``OSError`` naming the kind for anything that
+    is not a regular file) so callers turn it into their one line. Example::
+
+        fd = open_regular(p / LOCK_FILE, os.O_RDWR | os.O_CREAT)   # a planted link -> ELOOP
+    """
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _lock_error(lock: Path, exc: OSError) -> ValueError:
+    if exc.errno == errno.ELOOP:
+        return ValueError(f"{lock}: is a symbolic link; refusing to open it (remove it yourself)")
+    if exc.errno == errno.EINVAL:
+        return ValueError(f"{lock}: is not a regular file; refusing to open it (remove it yourself)")
+    return _os_error(lock.parent, exc, f"open its lock file {LOCK_FILE}")
+
+
 def _key(path: Path) -> str:
     return os.path.realpath(path)
 
@@ -145,7 +174,7 @@ def _refuse_non_empty(p: Path) -> None:
 
 def _read_lock(lock: Path) -> dict:
     try:
-        with open(lock, "rb") as fh:
+        with os.fdopen(open_regular(lock, os.O_RDONLY), "rb") as fh:
             doc = json.loads(fh.read(4096).decode("utf-8"))
         return doc if isinstance(doc, dict) else {}
     except (OSError, ValueError, RecursionError):
@@ -169,11 +198,11 @@ def _busy_message(p: Path, token: str | None = None) -> str | None:
     if mine is not None and (token is None or token == mine.token):
         return None
     try:
-        fd = os.open(lock, os.O_RDONLY)
+        fd = open_regular(lock, os.O_RDONLY)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        return f"{p}: cannot read its lock file {LOCK_FILE} ({exc.strerror})"
+        return str(_lock_error(lock, exc))
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -207,9 +236,9 @@ def claim(path: str | os.PathLike, *, overwrite: bool = False, command: str = ""
     lock = p / LOCK_FILE
     for _ in range(20):
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_regular(lock, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise _os_error(p, exc, "write in the trace directory") from None
+            raise _lock_error(lock, exc) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import schema as S
-from .owner import check_writer
+from .owner import check_writer, open_regular
 
 __all__ = ["TraceWriter", "write_run_meta"]
 
@@ -113,9 +113,10 @@ def _is_placeholder(path: Path, text: str) -> bool:
     if not os.path.lexists(path):
         return True
     try:
-        if path.stat().st_size > len(text) + 4096:
-            return False
-        doc = json.loads(path.read_bytes().decode("utf-8"))
+        with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as fh:  # a link or FIFO: OSError
+            if os.fstat(fh.fileno()).st_size > len(text) + 4096:
+                return False
+            doc = json.loads(fh.read().decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return False
     return isinstance(doc, dict) and (set(doc) <= {S.META_SCHEMA_KEY} or doc == json.loads(text))

@@ -394,7 +394,8 @@ class Workbench(W.VBox):
         keys = ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "model", "device", "inject")
         items = " · ".join(f"<b>{k}</b> {html.escape(str(m[k]))}" for k in keys if k in m and m[k] not in (None, []))
         return (f"<div style='font-size:13px'><b>trace</b> <code>{html.escape(str(self.trace.path))}</code> — "
-                f"{len(self.trace.steps)} steps, ranks {self.trace.ranks}, requests {', '.join(self.req_ids)}"
+                f"{len(self.trace.steps)} steps, ranks {self.trace.ranks}, "
+                f"requests {html.escape(', '.join(map(str, self.req_ids)))}"
                 f"<br>{items}</div>")
 
     def _status_html(self) -> str:
