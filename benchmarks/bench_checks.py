@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pcpviz.checks import run_checks  # noqa: E402
-from pcpviz.diff import diff_traces  # noqa: E402
-from pcpviz.export_chrome import export_chrome  # noqa: E402
+from pcpviz.analysis.checks import run_checks  # noqa: E402
+from pcpviz.analysis.diff import diff_traces  # noqa: E402
+from pcpviz.views.export.chrome import export_chrome  # noqa: E402
 from pcpviz.synthetic import long_prompt_run  # noqa: E402
 from pcpviz.trace import open as open_trace  # noqa: E402
 

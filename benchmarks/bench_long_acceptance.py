@@ -7,7 +7,7 @@ The prompts are windows of ``data/bench/prompts.json``'s ``long`` text (held-out
 never trained on), each ``--prompt-tokens`` long and starting at evenly spaced offsets, so the
 continuation points differ. Every (model, K) pair runs the same prompts at PCP=2 with chunked
 prefill (``--chunk`` tokens a step) and greedy decoding; the figures are the engine's own
-acceptance counters (``pcpviz.acceptance``: per position accepted / drafts).
+acceptance counters (``pcpviz.analysis.acceptance``: per position accepted / drafts).
 
 Why: the shipped model was trained on 2,048-token windows and its held-out loss at 8k-32k
 positions is 4.9x the loss below 2k (``data/bench/long_context.json``), so its drafts and

@@ -9,7 +9,7 @@ The trace is synthetic (``pcpviz.synthetic.long_prompt_run``: one long prompt â€
 whole 131,072 tokens in one prefill step, 16,384 per rank â€” next to seven short requests, then
 tens of decode steps with K=3 drafts) because running the engine on a 128k-token prompt at PCP=8
 is too slow on CPU; every structural view is computed by the same reference code
-(``pcpviz.layout`` / ``pcpviz.blocks``) the checks use. ``--chunk 8192`` chunks the prompt over
+(``pcpviz.reference.layout`` / ``pcpviz.reference.blocks``) the checks use. ``--chunk 8192`` chunks the prompt over
 16 steps instead.
 
 Every control of the Workbench is driven, one change at a time, ``--repeats`` times each:
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = pt.open(path)
         open_s = time.perf_counter() - t0
 
-        from pcpviz.widgets import Workbench  # noqa: PLC0415 (import time not counted below)
+        from pcpviz.views.widgets import Workbench  # noqa: PLC0415 (import time not counted below)
         t0 = time.perf_counter()
         wb = Workbench(pt.open(path))
         build_s = time.perf_counter() - t0
@@ -158,8 +158,8 @@ def main(argv: list[str] | None = None) -> int:
               + (f" (generated in {gen_s:.2f} s)" if gen_s is not None else ""))
         print(f"open trace (pcpviz.trace.open):   {1000 * open_s:7.1f} ms")
         print(f"build Workbench (all 5 views):    {1000 * build_s:7.1f} ms"
-              + (f"  (of which pcpviz.checks.run_checks {1000 * wb.check_seconds:.1f} ms)"
-                 if wb.check_report is not None else "  (pcpviz.checks not available)"))
+              + (f"  (of which pcpviz.analysis.checks.run_checks {1000 * wb.check_seconds:.1f} ms)"
+                 if wb.check_report is not None else "  (pcpviz.analysis.checks not available)"))
 
         results = {}
         for mode, cold in (("warm", False), ("cold", True)):

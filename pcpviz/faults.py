@@ -4,10 +4,10 @@ One registry for all producers. Each fault is one ``fault(...)`` declaration, wh
 ``name`` (the constant, e.g. ``SAMPLE_LOCAL_LOGITS``, that its switches read). It gives a
 ``summary`` (what it breaks), ``producers`` (who can inject it: ``ENGINE`` =
 ``pcpviz.run(inject=...)``, ``SYNTHETIC`` = ``pcpviz.synthetic.generate(faults=...)``),
-``caught_by`` (the ``pcpviz.checks`` check that reports it) and ``faithful``. Faults the engine injects also say what they model (``models``:
+``caught_by`` (the ``pcpviz.analysis.checks`` check that reports it) and ``faithful``. Faults the engine injects also say what they model (``models``:
 the shape of a real reported regression, with its public ``source``), where the bug lives in
-vLLM (``where``), the ``signature`` they leave in a trace (``pcpviz.explain`` matches it with
-``pcpviz.explain_rules.RULES[name]``) and whether they change the generated tokens
+vLLM (``where``), the ``signature`` they leave in a trace (``pcpviz.analysis.explain`` matches it with
+``pcpviz.analysis.explain.rules.RULES[name]``) and whether they change the generated tokens
 (``changes_outputs``).
 
 A fault may start late: ``NAME@S`` injects it from step S on (``NAME`` = ``NAME@0``), so the
@@ -34,7 +34,7 @@ model can show it; its summary starts with "ILLUSTRATION" and says how vLLM diff
 
 Adding a fault (CONTRIBUTING.md): one ``fault(...)`` declaration here (its return value is the
 constant), the switch in each producer it names (reading the constant), an explain rule when the
-engine injects it; ``tests/test_fault_registry.py`` fails until all three agree.
+engine injects it; ``tests/analysis/test_fault_registry.py`` fails until all three agree.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ PRODUCER_MODULES: dict[str, tuple[str, ...]] = {
     ENGINE: ("pcpviz/engine",),
     SYNTHETIC: ("pcpviz/synthetic.py",),
 }
-"""Where each producer's fault switches live (``tests/test_fault_registry.py`` reads them: every
+"""Where each producer's fault switches live (``tests/analysis/test_fault_registry.py`` reads them: every
 switch names a fault the producer declares, every declared fault has a switch)."""
 
 STALE_ROWS_PER_LAUNCH = 2
@@ -76,13 +76,13 @@ class Fault:
 
     name: str
     summary: str  # what it breaks
-    caught_by: str  # the pcpviz.checks check that reports it
+    caught_by: str  # the pcpviz.analysis.checks check that reports it
     producers: frozenset[str]
     faithful: bool = True  # False: an illustration, not vLLM's bug as it would happen
     where: str = ""  # the vLLM code the bug lives in
     models: str = ""  # the shape of regression it models (a reported collapse, or the PR review)
     source: str = ""  # public report or review it is modelled on
-    signature: str = ""  # what it leaves in a trace (matched by pcpviz.explain)
+    signature: str = ""  # what it leaves in a trace (matched by pcpviz.analysis.explain)
     changes_outputs: bool = False  # the generated tokens change (otherwise only acceptance)
 
 
@@ -116,7 +116,7 @@ SKIP_DRAFT_BLOCK_TABLE_GATHER = fault(
     caught_by="draft_block_tables_global", producers=_BOTH,
     where="TargetDependentARSpeculator.propose: block_tables.gather_block_tables before prepare_decode_inputs",
     models="draft decodes attending the wrong KV blocks: acceptance falls from draft position 1 on",
-    source=f"{_REVIEW} (pcpviz.review, notebook 06)",
+    source=f"{_REVIEW} (pcpviz.teaching.review, notebook 06)",
     signature="block_table_draft differs from block_table_global from batch row 0 on (every row "
               "stale, typically the null block); position-0 acceptance level, positions >= 1 drop; "
               "outputs unchanged",
@@ -134,7 +134,7 @@ FOLD_SLOT_MAPPING_WITHOUT_SHAPE_CHECK = fault(
     faithful=False,
     where="sparse_attn_indexer: `if use_pcp and num_tokens > k.shape[0]` (indexer k only)",
     models="a shape-unchecked fold of an unexpanded slot mapping: most requests' draft KV never written",
-    source=f"{_REVIEW}: the sparse indexer's fold (pcpviz.review)",
+    source=f"{_REVIEW}: the sparse indexer's fold (pcpviz.teaching.review)",
     signature="slot_mapping_draft of draft_k (k >= 1) is PAD (-1) from row R // N on, at every draft "
               "position; acceptance from draft position 2 on drops (K >= 3); outputs unchanged",
 )
@@ -147,7 +147,7 @@ POSITIONS_FROM_CPU_CURSOR = fault(
     changes_outputs=True,
     where="PCPManager.partition_batch: index_select(global_batch.positions, local_gather_idx)",
     models="positions from the CPU cursor after a rejection: RoPE and KV slots off by the rejected count",
-    source=f"{_REVIEW}: PCPManager.partition_batch (pcpviz.review)",
+    source=f"{_REVIEW}: PCPManager.partition_batch (pcpviz.teaching.review)",
     signature="local_positions exceed the global positions by the previous step's rejections, only "
               "on steps after a rejection; target KV is corrupted, so outputs change",
 )
@@ -160,7 +160,7 @@ SAMPLE_LOCAL_LOGITS = fault(
     changes_outputs=True,
     where="GPUModelRunner.sample_tokens: pcp_manager.restore_for_sampling",
     models="sampling from rank-local rows: wrong target tokens, ranks disagree",
-    source=f"{_REVIEW}: restore_for_sampling (pcpviz.review)",
+    source=f"{_REVIEW}: restore_for_sampling (pcpviz.teaching.review)",
     signature="sampled_logits_rows != logits_indices (clamped to the rank's rows), sampled_from "
               "'local'; outputs change and ranks disagree from verify on",
 )

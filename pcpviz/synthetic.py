@@ -3,8 +3,8 @@
 No model runs here: token ids come from a seeded hash, and whether a draft is
 "accepted" is decided by a seeded coin per (request, position, draft step). Every
 *structural* view, though, is produced by the same reference code the checks
-compare against — ``pcpviz.layout.plan_layout`` / ``partition_batch`` for the
-DualChunkSwap layout and local batch, ``pcpviz.blocks`` for block tables and slot
+compare against — ``pcpviz.reference.layout.plan_layout`` / ``partition_batch`` for the
+DualChunkSwap layout and local batch, ``pcpviz.reference.blocks`` for block tables and slot
 mappings — and the step semantics follow vLLM 0.33.0 (``docs/vllm-0.33-pcp-mtp.md``):
 
 * positions start at the GPU cursor; the CPU cursor (``num_computed_tokens``) runs
@@ -16,7 +16,7 @@ mappings — and the step semantics follow vLLM 0.33.0 (``docs/vllm-0.33-pcp-mtp
   ``draft_k`` (k >= 1) is replicated: global rows, positions ``positions[last] + k``,
   an unexpanded slot mapping of length R.
 
-Used by the tests (``tests/tracegen.py`` re-exports it) and by
+Used by the tests (``tests/helpers/tracegen.py`` re-exports it) and by
 ``benchmarks/bench_checks.py``. ``faults=`` injects known bugs *consistently* (the
 rest of the step is computed from the faulty value, as a real producer would): the faults of
 ``pcpviz.faults`` whose producers include ``SYNTHETIC``, each read at one switch here::
@@ -37,8 +37,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from pcpviz import faults as F
-from pcpviz.batch import GlobalBatch, scheduler_row_order
-from pcpviz.blocks import (
+from pcpviz.reference.batch import GlobalBatch, scheduler_row_order
+from pcpviz.reference.blocks import (
     BlockAllocator,
     BlockTable,
     compute_slot_mappings,
@@ -47,7 +47,7 @@ from pcpviz.blocks import (
     gathered_slot_mapping,
 )
 from pcpviz.faults import SYNTHETIC, active_faults, validate_faults
-from pcpviz.layout import (PCPLayout, gather_maps, partition_batch, plan_layout, rank_segments,
+from pcpviz.reference.layout import (PCPLayout, gather_maps, partition_batch, plan_layout, rank_segments,
                            replicated_requests)
 from pcpviz.trace import TraceWriter, segments_table
 

@@ -1,10 +1,10 @@
 """Session set-up shared by every test module.
 
-The conformance tier drives the real vLLM 0.33.0 on CPU: vLLM's worker modules must be first
-imported under ``pcpviz.vllm.cpu_patches`` (Triton kernels interpreted). Applying the patches
-once, here, makes the outcome independent of test order; they change vLLM's own objects only
-and leave the process environment as it was (``cpu_environment()`` is scoped), so no GPU is
-hidden from the other tests. A session that selects the GPU tier (``-m gpu``) skips them.
+Tests mirror the package's stages, one directory each (``tests/reference``, ``trace``, ``engine``,
+``vllm``, ``analysis``, ``views``, ``teaching``, ``cli``, ``costmodel``, ``repo``); a tier is a
+directory (``pytest tests/analysis``) or a marker (``-m "not slow"``: what ``make test-fast``
+runs; ``-m gpu``: the GPU tier, deselected on machines without one). The vLLM patches for CPU
+are applied only by the directories that drive real vLLM code (their own conftest).
 """
 
 import json
@@ -14,13 +14,6 @@ import pytest
 
 def _gpu_tier(config) -> bool:
     return "gpu" in (config.getoption("markexpr", "") or "")
-
-
-def pytest_configure(config):
-    if not _gpu_tier(config):
-        from pcpviz.vllm import cpu_patches
-
-        cpu_patches.apply_cpu_patches()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,7 +16,7 @@ Worked example (W = 3)::
     out          int32[3, 3]  [[9 8 6], [7 3 0], [0 0 0]]
     with num_blocks int32[3] = [1, 1, 2]:  [[9 8 0], [7 0 0], [0 0 0]]
 
-Equal to ``pcpviz.blocks.gather_block_table_rows`` for non-negative indices.
+Equal to ``pcpviz.reference.blocks.gather_block_table_rows`` for non-negative indices.
 One program per (output row, tile of ``BLOCK_W`` columns).
 """
 

@@ -25,7 +25,7 @@ row ``j`` of the gathered latent (rank ``j // P``, local row ``j % P``) goes to
     padded_gather_idx  [6 0 1 0 | 2 3 4 5]    kv_write_mask [1 1 1 0 | 1 1 1 1]
     gathered           [22 28 29 -1 | 30 31 12 13]
 
-Both are equal to ``pcpviz.blocks.compute_slot_mappings`` / ``gathered_slot_mapping``
+Both are equal to ``pcpviz.reference.blocks.compute_slot_mappings`` / ``gathered_slot_mapping``
 (the NumPy reference proven equal to vLLM 0.33.0). The slot kernel is one program
 per ``BLOCK_T`` tokens; a token finds its batch row by a branch-free binary search
 over ``query_start_loc`` (so one long prefill row is spread over many programs).

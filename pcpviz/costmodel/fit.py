@@ -239,7 +239,7 @@ def fit_to_json(f: Fit, hw: Hardware = H200) -> dict:
 
 def load_fit(path: str) -> dict[str, System]:
     """The systems of a fit file written by ``fit_to_json``; ValueError naming the file."""
-    from pcpviz.cli_guard import read_json_file
+    from pcpviz.cli.guard import read_json_file
 
     doc = read_json_file(path, "--fit")
     try:

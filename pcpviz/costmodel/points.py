@@ -234,7 +234,7 @@ def load_points(root: str | None = None, sources: tuple[str, ...] = DEFAULT_SOUR
     """Every measured point in ``sources`` (paths relative to the repo ``root``); ValueError
     naming the file for a missing or malformed one. The engine's file (``h200x2_engine_v1.json``) must be
     among them: its K=2 acceptance is lent to decode points that record none."""
-    from pcpviz.cli_guard import read_json_file
+    from pcpviz.cli.guard import read_json_file
 
     root = root or _repo_root()
     docs = {}

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pcpviz.acceptance import json_ratio
+from pcpviz.analysis.acceptance import json_ratio
 
 __all__ = ["run", "RunResult", "RankError", "build_config", "start_trace"]
 
@@ -42,7 +42,7 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def _ratio(x: float | None) -> float:
-    """A ratio from a rank's result JSON: null (nothing drafted) is NaN (pcpviz.acceptance's policy)."""
+    """A ratio from a rank's result JSON: null (nothing drafted) is NaN (pcpviz.analysis.acceptance's policy)."""
     return math.nan if x is None else float(x)
 
 
@@ -60,7 +60,7 @@ class RunResult:
     output_token_ids: list[list[int]]
     texts: list[str]
     num_accepted_tokens_per_pos: list[int]
-    acceptance_rate_per_pos: list[float]  # pcpviz.acceptance: NaN where nothing was drafted
+    acceptance_rate_per_pos: list[float]  # pcpviz.analysis.acceptance: NaN where nothing was drafted
     acceptance_rate: float
     mean_acceptance_length: float
     num_drafts: int

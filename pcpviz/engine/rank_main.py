@@ -27,7 +27,7 @@ __all__ = ["main", "run_rank"]
 def run_rank(cfg: dict) -> dict | None:
     import torch
 
-    from pcpviz.acceptance import Counts, count, json_ratio
+    from pcpviz.analysis.acceptance import Counts, count, json_ratio
     from pcpviz.engine.dist import init_process_group
     from pcpviz.engine.model import load_model
     from pcpviz.engine.phases import PhaseTimer
@@ -167,7 +167,7 @@ def run_rank(cfg: dict) -> dict | None:
             for r in sched.requests
         ],
         "num_steps": steps,
-        # pcpviz.acceptance's definitions; None (JSON null) where nothing was drafted
+        # pcpviz.analysis.acceptance's definitions; None (JSON null) where nothing was drafted
         "num_drafts": counts.num_drafts,
         "num_draft_tokens": counts.num_draft_tokens,
         "num_accepted_tokens_per_pos": list(counts.accepted_per_position),

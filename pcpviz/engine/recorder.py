@@ -4,7 +4,7 @@
 pinned host memory, records one CUDA event after them, and queues the step; a background
 thread waits for the event, finishes the views (int64 tokens, ``row_hashes`` of hidden
 states) and writes the step with the ``TraceWriter``: the same bytes, in the same order, as
-writing it inline (``tests/test_engine_perf.py`` compares the files).
+writing it inline (``tests/engine/test_engine_perf.py`` compares the files).
 
 Bounded: at most ``depth`` steps are in flight (their host copies live in PyTorch's caching
 pinned-memory pool, reused once written). A step arriving while ``depth`` are queued waits

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pcpviz.blocks import BlockAllocator
+from pcpviz.reference.blocks import BlockAllocator
 
 __all__ = ["SchedRequest", "ScheduledRow", "SchedulerOutput", "Scheduler"]
 

@@ -32,7 +32,7 @@ import time
 import numpy as np
 import torch
 
-from pcpviz.blocks import compute_slot_mappings
+from pcpviz.reference.blocks import compute_slot_mappings
 from pcpviz.engine.attention import PagedAttention
 from pcpviz import faults as F
 from pcpviz.engine.graphs import pad

@@ -37,8 +37,8 @@ import numpy as np
 import torch
 
 from pcpviz import faults as F
-from pcpviz.batch import GlobalBatch, LocalBatch
-from pcpviz.blocks import (
+from pcpviz.reference.batch import GlobalBatch, LocalBatch
+from pcpviz.reference.blocks import (
     BlockTable,
     compute_slot_mappings,
     gather_block_table_rows,
@@ -52,7 +52,7 @@ from pcpviz.engine.kv_cache import LatentKVCache
 from pcpviz.engine.phases import PhaseTimer
 from pcpviz.engine.record import StepRecord
 from pcpviz.engine.scheduler import SchedulerOutput
-from pcpviz.layout import PCPLayout, partition_batch, plan_layout
+from pcpviz.reference.layout import PCPLayout, partition_batch, plan_layout
 
 __all__ = ["EngineConfig", "RequestState", "Worker", "StepResult"]
 
@@ -102,7 +102,7 @@ class RequestState:
 @dataclass
 class StepResult:
     per_request: dict[str, tuple[list[int], int]]  # req_id -> (sampled tokens, num_rejected)
-    num_accepted: np.ndarray  # int64[R]: drafts accepted per request (pcpviz.acceptance.count)
+    num_accepted: np.ndarray  # int64[R]: drafts accepted per request (pcpviz.analysis.acceptance.count)
     num_draft_tokens: np.ndarray  # int64[R]: drafts verified per request
     record: StepRecord | None
 

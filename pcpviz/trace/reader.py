@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from . import schema as S
 from .errors import TraceError, TraceWarning
-from pcpviz.jsonlimits import loads_bounded
+from pcpviz.trace.jsonlimits import loads_bounded
 
 __all__ = ["open", "Trace", "Record", "RankFile"]
 

@@ -188,7 +188,7 @@ class ViewSpec:
     ``dtype``: ``int64``, ``int32|int64`` (producer-dependent width), ``bool``, ``str``,
     ``uint64`` or ``struct``; ``shape``: e.g. ``[N*P]`` (``[]`` for 0-d; ``or`` separates
     alternatives); ``pad``: what padding or missing entries hold; ``scope``: ``GLOBAL`` or
-    ``RANK``; ``align``: how ``pcpviz.diff`` lines the view up across two runs — ``("req", axis)``
+    ``RANK``; ``align``: how ``pcpviz.analysis.diff`` lines the view up across two runs — ``("req", axis)``
     rows are requests, ``("tok", axis)`` global tokens, ``("qsl",)`` a query_start_loc,
     ``("tokidx",)`` a set of global token indices, ``("tokidx_req",)`` one token index per
     request, ``("scalar",)`` as is; None: a rank-local view, compared only between runs with the
@@ -540,7 +540,7 @@ _SEGMENT_FIELDS = SEGMENT_DTYPE.names[:5]
 def segments_table(segments_by_rank: Iterable[Iterable[Any]]) -> np.ndarray:
     """The ``segments`` view from per-rank segments (``PCPLayout.segments_by_rank``).
 
-    Each segment is an object with the five ``SEGMENT_DTYPE`` attributes (``pcpviz.layout.Segment``)
+    Each segment is an object with the five ``SEGMENT_DTYPE`` attributes (``pcpviz.reference.layout.Segment``)
     or a sequence of those five ints. Rows are ordered by rank, then as given.
     """
     rows = []

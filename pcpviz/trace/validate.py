@@ -1,7 +1,7 @@
 """Is this trace whole and does its run.json tell the truth? ``validate(trace) -> TraceStatus``.
 
 The one place that knows what a run.json may hold and what a complete trace looks like; the
-``check`` and ``export`` commands, ``pcpviz.checks.run_checks`` and the Workbench all ask it.
+``check`` and ``export`` commands, ``pcpviz.analysis.checks.run_checks`` and the Workbench all ask it.
 Every problem is one line naming the file and the key (or rank), in one of two kinds:
 
 ``invalid``

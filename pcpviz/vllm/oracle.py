@@ -3,7 +3,7 @@
 Each function here builds vLLM's own objects (``PCPManager``, ``InputBatch``,
 ``BlockTables``, ``BatchExecutionDescriptor``) and calls the vLLM method named in
 its docstring; nothing of vLLM's logic is re-implemented. The conformance tests
-compare ``pcpviz.layout`` / ``pcpviz.blocks`` against these. Exceptions raised by
+compare ``pcpviz.reference.layout`` / ``pcpviz.reference.blocks`` against these. Exceptions raised by
 vLLM propagate unchanged (same type, same message).
 
 Importing this module applies ``pcpviz.vllm.cpu_patches`` (and so imports vLLM); the process

@@ -1,4 +1,4 @@
-"""A real trace-writer process for tests/test_trace_kill.py, killed with SIGKILL by the test.
+"""A real trace-writer process for tests/trace/test_trace_kill.py, killed with SIGKILL by the test.
 
     python trace_kill_writer.py pause RUN_DIR N_STEPS PAUSE_STEP
         Ranks 0 and 1 write steps 0..N_STEPS-1. At PAUSE_STEP rank 0 completes the step, then

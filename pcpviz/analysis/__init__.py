@@ -1,0 +1,1 @@
+"""Analysis of recorded traces: checks, diff, explain, acceptance, mirror, parity."""

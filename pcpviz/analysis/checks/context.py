@@ -1,0 +1,340 @@
+"""What a check sees: the per-(step, rank) context ``Ctx`` (views, derived quantities such as
+P, the rank's rows and slots, and the verdicts ``fail``/``expect``), the run.json settings the
+checks use (``Config``), and the registry the ``@check`` decorator fills (in definition order).
+A check raises ``Skip`` when an input view was not recorded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from pcpviz.reference.blocks import compute_slot_mappings
+from pcpviz.analysis.compare import first_difference, short_repr
+from pcpviz.trace import SEGMENT_DTYPE, draft_index
+from pcpviz.trace.schema import int_view, view_spec
+
+class Skip(Exception):
+    """An input view or phase was not recorded: the check does not run on this (step, rank)."""
+
+
+class Fail(Exception):
+    def __init__(self, violation_kwargs: dict[str, Any]):
+        super().__init__(violation_kwargs.get("message", ""))
+        self.kw = violation_kwargs
+
+
+@dataclass(frozen=True)
+class Config:
+    pcp: int | None
+    dcp: int
+    dcp_rank: int
+    dcp_interleave: int
+    shard: bool | None
+    k: int | None
+    block_sizes: tuple[int, ...] | None
+    speculative_method: str = "mtp"
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> "Config":
+        def as_int(key, default=None):
+            v = meta.get(key, default)
+            try:
+                return None if v is None else int(v)
+            except (TypeError, ValueError):
+                return default
+        pcp = as_int("pcp")
+        dcp = as_int("dcp", 1) or 1
+        shard = meta.get("shard_decode_requests")
+        sizes = meta.get("block_sizes")
+        if isinstance(sizes, (list, tuple)) and sizes:
+            block_sizes = tuple(int(b) for b in sizes)
+        elif meta.get("block_size") is not None:
+            block_sizes = (as_int("block_size"),)
+        else:
+            block_sizes = None
+        return cls(pcp=pcp, dcp=dcp, dcp_rank=as_int("dcp_rank", 0) or 0,
+                   dcp_interleave=as_int("dcp_interleave", 1) or 1,
+                   shard=None if shard is None else bool(shard),
+                   k=as_int("num_speculative_tokens"), block_sizes=block_sizes,
+                   speculative_method=str(meta.get("speculative_method") or "mtp"))
+
+
+def _is_warmup(phases: Mapping[str, Mapping[str, np.ndarray]]) -> bool:
+    """A step vLLM ran while warming up (``target`` view ``warmup``; recorded only with
+    ``PCPVIZ_RECORD_DUMMY=1``): synthetic requests with made-up draft tokens."""
+    w = phases.get("target", {}).get("warmup")
+    return w is not None and bool(np.asarray(w).any())
+
+
+class StepView:
+    """One step's records on every rank (``recs[rank][phase]``) and the previous step's."""
+
+    def __init__(self, step: int, recs: dict[int, dict[str, Mapping[str, np.ndarray]]],
+                 prev: "StepView | None", missing: tuple[int, ...]):
+        self.step = step
+        self.recs = recs
+        self.prev = prev
+        self.missing = missing  # ranks lacking this step although they recorded later steps
+        self.cache: dict[Any, Any] = {}
+
+
+class Ctx:
+    """What a check sees for one (step, rank)."""
+
+    def __init__(self, cfg: Config, sv: StepView, rank: int, check: str):
+        self.cfg, self.sv, self.rank, self.check = cfg, sv, rank, check
+        self.phases = sv.recs[rank]
+
+    @property
+    def step(self) -> int:
+        return self.sv.step
+
+    # -- reading views
+    def has(self, phase: str) -> bool:
+        return phase in self.phases
+
+    def get(self, phase: str, view: str) -> np.ndarray | None:
+        rec = self.phases.get(phase)
+        if rec is None or view not in rec:
+            return None
+        return _checked(phase, view, rec[view])
+
+    def need(self, phase: str, view: str) -> np.ndarray:
+        rec = self.phases.get(phase)
+        if rec is None:
+            raise Skip(f"no {phase} phase")
+        if view not in rec:
+            raise Skip(f"no {view}")
+        return _checked(phase, view, rec[view])
+
+    def t(self, view: str) -> np.ndarray:
+        return self.need("target", view)
+
+    def draft_phases(self, first: int = 0) -> list[tuple[int, str]]:
+        out = [(draft_index(p), p) for p in self.phases if draft_index(p) is not None]
+        return sorted((k, p) for k, p in out if k >= first)
+
+    def prev(self) -> "Ctx | None":
+        pv = self.sv.prev
+        if pv is None or self.rank not in pv.recs:
+            return None
+        if _is_warmup(pv.recs[self.rank]) or _is_warmup(self.phases):
+            return None  # vLLM's synthetic warm-up steps do not continue into serving
+        return Ctx(self.cfg, pv, self.rank, self.check)
+
+    # -- derived quantities (cached per step where they are rank-independent)
+    def pcp(self) -> int:
+        if self.cfg.pcp:
+            return self.cfg.pcp
+        prn = self.get("target", "per_rank_num_tokens")
+        if prn is not None:
+            return int(prn.shape[0])
+        return max(self.sv.recs) + 1
+
+    def shard(self) -> bool:
+        if self.cfg.shard is not None:
+            return self.cfg.shard
+        return self.pcp() > 1 and self.cfg.dcp == 1
+
+    def num_reqs(self) -> int:
+        for view in ("num_scheduled_tokens", "req_ids", "seq_lens", "is_prefilling"):
+            v = self.get("target", view)
+            if v is not None:
+                return int(v.shape[0])
+        v = self.get("verify", "num_sampled")
+        if v is not None:
+            return int(v.shape[0])
+        raise Skip("no num_scheduled_tokens")
+
+    def qsl(self) -> np.ndarray:
+        """int64[R+1] from num_scheduled_tokens (or the recorded query_start_loc)."""
+        q = self.get("target", "num_scheduled_tokens")
+        if q is not None:
+            out = np.zeros(q.shape[0] + 1, dtype=np.int64)
+            np.cumsum(q, out=out[1:])
+            return out
+        return self.t("query_start_loc").astype(np.int64)
+
+    def q(self) -> np.ndarray:
+        q = self.get("target", "num_scheduled_tokens")
+        return np.diff(self.qsl()) if q is None else q.astype(np.int64)
+
+    def padded(self) -> int:
+        """P, from the recorded padded_gather_idx (or the local views)."""
+        pgi = self.get("target", "padded_gather_idx")
+        if pgi is not None:
+            n = self.pcp()
+            if pgi.shape[0] % n:
+                self.fail("target", "padded_gather_idx",
+                          f"length {pgi.shape[0]} is not a multiple of pcp={n}")
+            return pgi.shape[0] // n
+        for view in ("local_positions", "local_input_ids", "local_is_padding"):
+            v = self.get("target", view)
+            if v is not None:
+                return int(v.shape[0])
+        raise Skip("no padded_gather_idx")
+
+    def num_local(self) -> int:
+        prn = self.get("target", "per_rank_num_tokens")
+        if prn is not None:
+            if self.rank >= prn.shape[0]:
+                self.fail("target", "per_rank_num_tokens",
+                          f"has {prn.shape[0]} entries, no entry for rank {self.rank}")
+            return int(prn[self.rank])
+        pad = self.get("target", "local_is_padding")
+        if pad is not None:
+            return int((~pad.astype(bool)).sum())
+        raise Skip("no per_rank_num_tokens")
+
+    def rank_rows(self) -> np.ndarray:
+        """int64[n]: global token of each real local row of this rank."""
+        pgi = self.t("padded_gather_idx")
+        p, n = self.padded(), self.num_local()
+        return pgi[self.rank * p:self.rank * p + n].astype(np.int64)
+
+    def block_sizes(self, groups: int) -> list[int]:
+        bs = self.cfg.block_sizes
+        if bs is None:
+            raise Skip("no block_size in run.json")
+        if len(bs) == 1:
+            return list(bs) * groups
+        if len(bs) != groups:
+            raise Skip(f"run.json has {len(bs)} block sizes for {groups} KV-cache groups")
+        return list(bs)
+
+    def slots(self, table: np.ndarray, qsl: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """int64[G, T]: slots of rows ``arange(R)`` of a global-order table [G, R, W] (DCP
+        settings from run.json). Block indices past the table's width read the null block 0,
+        as a zero-padded vLLM table would; ``no_null_block`` then reports them."""
+        sizes = self.block_sizes(table.shape[0])
+        kw = {}
+        if self.cfg.dcp > 1:
+            kw = dict(cp_size=self.cfg.dcp, cp_rank=self.cfg.dcp_rank,
+                      cp_interleave=self.cfg.dcp_interleave)
+        rows = np.arange(table.shape[1], dtype=np.int64)
+        out = []
+        for g in range(table.shape[0]):
+            tg = table[g]
+            if positions.size:
+                width = int(positions.max()) // (sizes[g] * self.cfg.dcp) + 1
+                if width > tg.shape[1]:
+                    tg = np.concatenate([tg, np.zeros((tg.shape[0], width - tg.shape[1]), tg.dtype)], axis=1)
+            out.append(compute_slot_mappings(tg, sizes[g], rows, qsl, positions, **kw)[0])
+        return np.stack(out) if out else np.zeros((0, int(qsl[-1])), dtype=np.int64)
+
+    def no_null_block(self, phase: str, view: str, expected: np.ndarray, actual: np.ndarray,
+                      positions: np.ndarray) -> None:
+        """Fail if a KV write lands in the null block 0 (never allocated to a request)."""
+        sizes = self.block_sizes(expected.shape[0])
+        for g in range(expected.shape[0]):
+            null = (expected[g] >= 0) & (expected[g] // sizes[g] == 0)
+            if null.any():
+                j = int(np.argmax(null))
+                self.fail(phase, view, f"token {j} (position {int(positions[j])}) writes into the null "
+                          "block 0: its request has no KV block for that position",
+                          index=(g, j), expected="a slot in an allocated block",
+                          actual=short_repr(actual, (g, j)))
+
+    # -- verdicts
+    def fail(self, phase: str | None, view: str | None, message: str, *, index=None,
+             expected=None, actual=None, rank: int | None = None) -> None:
+        raise Fail(dict(check=self.check, step=self.step, rank=self.rank if rank is None else rank,
+                         phase=phase, view=view, message=message,
+                         index=None if index is None else tuple(int(i) for i in index),
+                         expected=expected, actual=actual))
+
+    def expect(self, phase: str, view: str, expected: Any, actual: Any, what: str = "",
+               *, index_map: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
+               rank: int | None = None) -> None:
+        """Fail unless ``actual`` equals ``expected`` exactly. ``index_map`` translates an index
+        into the compared arrays to one into the recorded view (for masked comparisons)."""
+        differs, idx, reason = first_difference(expected, actual)
+        if not differs:
+            return
+        if idx is None:
+            self.fail(phase, view, f"{what + ': ' if what else ''}{reason}",
+                      expected=short_repr(expected), actual=short_repr(actual), rank=rank)
+        shown = index_map(idx) if index_map is not None else idx
+        self.fail(phase, view, what or "values differ", index=shown,
+                  expected=short_repr(expected, idx), actual=short_repr(actual, idx), rank=rank)
+
+
+def _g3(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    return a[None] if a.ndim == 2 else a
+
+
+def _g2(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    return a[None] if a.ndim == 1 else a
+
+
+def _str0(a: np.ndarray) -> str:
+    a = np.asarray(a)
+    return str(a.reshape(-1)[0]) if a.size else ""
+
+
+def _token_rows(qsl: np.ndarray) -> np.ndarray:
+    """int64[T]: request row of every global token."""
+    return np.repeat(np.arange(qsl.shape[0] - 1, dtype=np.int64), np.diff(qsl))
+
+
+def _segments(ctx: Ctx) -> np.ndarray:
+    segs = ctx.t("segments")
+    if segs.dtype.names is None or not set(SEGMENT_DTYPE.names) <= set(segs.dtype.names):
+        ctx.fail("target", "segments", f"not a segments table (fields {segs.dtype.names}, "
+                 f"expected {SEGMENT_DTYPE.names})")
+    return segs
+
+
+def _segment_rows(segs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray]:
+    """(gathered row, segment index) of every row covered by the segments table."""
+    lens = (segs["local_stop"] - segs["local_start"]).astype(np.int64)
+    seg_of = np.repeat(np.arange(segs.shape[0]), lens)
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    offset = np.arange(seg_of.shape[0]) - starts
+    rows = segs["rank"][seg_of] * p + segs["local_start"][seg_of] + offset
+    return rows.astype(np.int64), seg_of
+
+
+def _rank_segments(ctx: Ctx) -> tuple[np.ndarray, np.ndarray]:
+    """(global request, length) of this rank's local segments, in local order; a rank without
+    segments has vLLM's zero-length placeholder row for request 0."""
+    segs = _segments(ctx)
+    mine = segs[segs["rank"] == ctx.rank]
+    mine = mine[np.argsort(mine["local_start"], kind="stable")]
+    if mine.shape[0] == 0:
+        return np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    return mine["global_req_idx"].astype(np.int64), (mine["local_stop"] - mine["local_start"]).astype(np.int64)
+
+
+# --------------------------------------------------------------------------- the registry
+
+@dataclass(frozen=True)
+class CheckDef:
+    name: str
+    description: str
+    fn: Callable[[Ctx], None]
+
+
+DEFS: list[CheckDef] = []
+
+
+def check(name: str, description: str):
+    def deco(fn):
+        DEFS.append(CheckDef(name, description, fn))
+        return fn
+    return deco
+
+
+def _checked(phase: str, view: str, value):
+    """A view as the checks read it: a view the schema declares integer but a file stored as
+    floats is kept when it holds whole numbers, and NaN, inf or 2.5 raise ValueError naming the
+    view (the check then reports it could not evaluate) instead of becoming garbage integers."""
+    if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+        spec = view_spec(phase, view)
+        if spec is not None and spec.dtype.startswith(("int", "uint")):
+            return int_view(value, f"{phase}.{view}")
+    return value

@@ -1,0 +1,296 @@
+"""The target step's checks: the PCP layout, KV writes and slot mappings, the rank-local batch,
+sampling (vLLM 0.33.0's ``PCPManager``)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pcpviz.reference.blocks import PAD_SLOT_ID
+from pcpviz.analysis.compare import fmt_value as _fmt, short_repr
+from pcpviz.reference.layout import plan_layout, replicated_requests
+from pcpviz.trace import SEGMENT_DTYPE, segments_table
+
+from .context import Ctx, Skip, check, _g2, _g3, _rank_segments, _segment_rows, _segments, _str0
+
+@check("layout_matches_plan",
+        "recorded segments, per_rank_num_tokens, padded_gather_idx, hidden_restore_idx and "
+        "kv_write_mask equal plan_layout(num_scheduled_tokens, is_prefilling, pcp, ...) with the "
+        "recorded P")
+def layout_matches_plan(c: Ctx) -> None:
+    q, pf = c.t("num_scheduled_tokens"), c.t("is_prefilling")
+    c.t("padded_gather_idx")
+    p = c.padded()
+    key = ("plan", p, q.tobytes(), pf.tobytes())
+    plan = c.sv.cache.get(key)
+    if plan is None:
+        try:
+            plan = plan_layout(q.astype(np.int64), pf.astype(bool), c.pcp(),
+                               shard_decode_requests=c.shard(), dcp_world_size=c.cfg.dcp,
+                               padded_num_tokens=p)
+        except ValueError as exc:
+            plan = exc
+        c.sv.cache[key] = plan
+    if isinstance(plan, ValueError):
+        c.fail("target", "padded_gather_idx", f"plan_layout rejects this batch: {plan}")
+    expected = {
+        "segments": segments_table(plan.segments_by_rank),
+        "per_rank_num_tokens": np.asarray(plan.per_rank_num_tokens, dtype=np.int64),
+        "padded_gather_idx": plan.padded_gather_idx,
+        "hidden_restore_idx": plan.hidden_restore_idx,
+        "kv_write_mask": plan.kv_write_mask,
+    }
+    for view, exp in expected.items():
+        act = c.get("target", view)
+        if act is None:
+            continue
+        if view == "segments":
+            _segments(c)
+            exp = np.stack([exp[f] for f in SEGMENT_DTYPE.names], axis=1) if exp.size else \
+                np.zeros((0, len(SEGMENT_DTYPE.names)), dtype=np.int64)
+            act = np.stack([act[f].astype(np.int64) for f in SEGMENT_DTYPE.names], axis=1) if act.size \
+                else np.zeros((0, len(SEGMENT_DTYPE.names)), dtype=np.int64)
+            c.expect("target", view, exp, act, "segment rows (global_req_idx, global_start, "
+                     "global_stop, local_start, local_stop, rank) differ from the plan")
+        else:
+            c.expect("target", view, exp, np.asarray(act).astype(exp.dtype, copy=False),
+                     f"{view} differs from plan_layout")
+
+
+@check("restore_gather_identity",
+        "padded_gather_idx[hidden_restore_idx] == arange(T): restoring the all-gathered rows "
+        "gives back the global token order")
+def restore_gather_identity(c: Ctx) -> None:
+    pgi, hri = c.t("padded_gather_idx"), c.t("hidden_restore_idx")
+    t = int(c.qsl()[-1])
+    if hri.shape != (t,):
+        c.fail("target", "hidden_restore_idx", f"length {hri.shape[0] if hri.ndim else 0}, expected T={t}")
+    bad = (hri < 0) | (hri >= pgi.shape[0])
+    if bad.any():
+        i = int(np.argmax(bad))
+        c.fail("target", "hidden_restore_idx", f"row {int(hri[i])} is outside the "
+               f"{pgi.shape[0]} gathered rows", index=(i,), actual=short_repr(hri, (i,)))
+    c.expect("target", "hidden_restore_idx", np.arange(t), pgi[hri],
+             "padded_gather_idx[hidden_restore_idx] is not the identity")
+
+
+@check("kv_written_once",
+        "kv_write_mask covers only real rows and exactly T of them; the non-PAD slots of "
+        "slot_mapping_gathered are unique and a permutation of slot_mapping_global's: each slot "
+        "is written exactly once per KV replica")
+def kv_written_once(c: Ctx) -> None:
+    mask = c.t("kv_write_mask").astype(bool)
+    p = c.padded()
+    n = c.pcp()
+    prn = c.t("per_rank_num_tokens")
+    t = int(c.qsl()[-1])
+    if mask.shape != (n * p,):
+        c.fail("target", "kv_write_mask", f"length {mask.shape}, expected N*P={n * p}")
+    real = (np.arange(p)[None, :] < np.asarray(prn)[:, None]).ravel()
+    if real.shape == mask.shape and (mask & ~real).any():
+        j = int(np.argmax(mask & ~real))
+        c.fail("target", "kv_write_mask", f"gathered row {j} (rank {j // p}, local row {j % p}) is "
+               "padding but marked for a KV write", index=(j,), expected="F", actual="T")
+    if int(mask.sum()) != t:
+        c.fail("target", "kv_write_mask", f"{int(mask.sum())} rows marked for a KV write, expected "
+               f"T={t} (one per global token)", expected=str(t), actual=str(int(mask.sum())))
+    glob = c.get("target", "slot_mapping_global")
+    gath = c.get("target", "slot_mapping_gathered")
+    if gath is None:
+        return
+    gath = _g2(gath)
+    for g in range(gath.shape[0]):
+        row = gath[g]
+        written = row[row != PAD_SLOT_ID]
+        srt = np.sort(written, kind="stable")
+        dup = np.flatnonzero(srt[1:] == srt[:-1])
+        if dup.size:
+            slot = int(srt[dup[0]])
+            where = np.flatnonzero(row == slot)
+            c.fail("target", "slot_mapping_gathered", f"slot {slot} is written {where.size} times "
+                   f"(gathered rows {where[:4].tolist()})", index=(g, int(where[1])),
+                   expected="each slot once", actual=short_repr(gath, (g, int(where[1]))))
+        if glob is None:
+            continue
+        gl = _g2(glob)[g]
+        gw = np.sort(gl[gl != PAD_SLOT_ID], kind="stable")
+        if gw.shape != srt.shape or not np.array_equal(gw, srt):
+            extra = np.setdiff1d(srt, gw)
+            missing = np.setdiff1d(gw, srt)
+            if extra.size:
+                j = int(np.flatnonzero(row == extra[0])[0])
+                c.fail("target", "slot_mapping_gathered", f"slot {int(extra[0])} is written but is "
+                       "not in slot_mapping_global", index=(g, j), actual=short_repr(gath, (g, j)))
+            slot = int(missing[0]) if missing.size else None
+            c.fail("target", "slot_mapping_gathered",
+                   f"{gw.size} global slots but {srt.size} written" if slot is None else
+                   f"global slot {slot} (token {int(np.flatnonzero(gl == slot)[0])}) is never written",
+                   expected=f"{gw.size} slots", actual=f"{srt.size} slots")
+
+
+@check("gathered_slots_are_global",
+        "slot_mapping_gathered[:, j] == slot_mapping_global[:, padded_gather_idx[j]] where "
+        "kv_write_mask[j], PAD elsewhere")
+def gathered_slots_are_global(c: Ctx) -> None:
+    glob, gath = _g2(c.t("slot_mapping_global")), _g2(c.t("slot_mapping_gathered"))
+    pgi, mask = c.t("padded_gather_idx"), c.t("kv_write_mask").astype(bool)
+    if glob.shape[1] == 0:
+        picked = np.zeros((glob.shape[0], pgi.shape[0]), dtype=np.int64)
+    else:
+        if pgi.size and (pgi.min() < 0 or pgi.max() >= glob.shape[1]):
+            c.fail("target", "padded_gather_idx", f"indexes outside the {glob.shape[1]} global tokens")
+        picked = glob[:, pgi]
+    expected = np.where(mask[None, :], picked, PAD_SLOT_ID)
+    c.expect("target", "slot_mapping_gathered", expected, gath,
+             "gathered slot differs from the global slot of its token (PAD where not written)")
+
+
+@check("global_slots_match_block_table",
+        "slot_mapping_global == the slots of block_table_global's rows at the global positions "
+        "(block_size from run.json), none in the null block 0")
+def global_slots_match_block_table(c: Ctx) -> None:
+    glob = _g2(c.t("slot_mapping_global"))
+    table = _g3(c.t("block_table_global"))
+    pos = c.t("positions").astype(np.int64)
+    qsl = c.qsl()
+    if table.shape[1] != qsl.shape[0] - 1:
+        c.fail("target", "block_table_global", f"{table.shape[1]} rows for {qsl.shape[0] - 1} requests")
+    expected = c.slots(table, qsl, pos)
+    c.expect("target", "slot_mapping_global", expected, glob,
+             "slot differs from block_table_global[row, position // block_size]")
+    c.no_null_block("target", "slot_mapping_global", expected, glob, pos)
+
+
+@check("kv_write_mask_canonical",
+        "the gathered slot mapping's write mask: DualChunkSwap prefill rows are kept where they are "
+        "computed; a sharded decode has one owner rank, whose row is kept; of a replicated "
+        "(non-sharded) row only rank 0's copy is kept (for replicated decodes every rank still writes "
+        "its own local rows with rank 0's slots; the mask drops duplicate gathered prefill rows and "
+        "picks the copy hidden_restore_idx reads)")
+def kv_write_mask_canonical(c: Ctx) -> None:
+    segs = _segments(c)
+    mask = c.t("kv_write_mask").astype(bool)
+    q, pf = c.q(), c.t("is_prefilling").astype(bool)
+    p, n = c.padded(), c.pcp()
+    rows, seg_of = _segment_rows(segs, p)
+    if rows.size and (rows.max() >= mask.shape[0] or rows.min() < 0):
+        c.fail("target", "segments", "segments reach outside the gathered rows")
+    req = segs["global_req_idx"][seg_of].astype(np.int64)
+    rank = segs["rank"][seg_of].astype(np.int64)
+    replicated = replicated_requests(q, pf, n, c.cfg.dcp)
+    shard = c.shard()
+    sharded_decode = shard & ~pf
+    canonical_only = replicated[req] & ~sharded_decode[req]
+    expected = ~(canonical_only & (rank != 0))
+    actual = mask[rows]
+    bad = expected != actual
+    if bad.any():
+        i = int(np.argmax(bad))
+        j, r = int(rows[i]), int(req[i])
+        kind = ("replicated row: only rank 0's copy is kept" if canonical_only[i]
+                else "sharded decode: its owner writes it" if replicated[r] else "prefill chunk row")
+        c.fail("target", "kv_write_mask", f"gathered row {j} (rank {int(rank[i])}, request row {r}): "
+               f"{kind}", index=(j,), expected=_fmt(expected[i]), actual=_fmt(actual[i]))
+    if shard:
+        dec = segs[~pf[segs["global_req_idx"]]]
+        reqs, counts = np.unique(dec["global_req_idx"], return_counts=True)
+        if (counts > 1).any():
+            r = int(reqs[np.argmax(counts > 1)])
+            owners = dec["rank"][dec["global_req_idx"] == r].tolist()
+            c.fail("target", "segments", f"sharded decode (request row {r}) is placed on ranks "
+                   f"{owners}; it must have one owner", expected="1 owner", actual=str(owners))
+
+
+@check("local_batch_matches_layout",
+        "the rank-local batch follows its segments: local_req_ids, local_query_start_loc, "
+        "local_input_ids == input_ids[padded_gather_idx], local_is_padding, local_logits_indices "
+        "== local_query_start_loc[1:] - 1, block_table_local == the segments' global rows")
+def local_batch_matches_layout(c: Ctx) -> None:
+    seg_req, seg_len = _rank_segments(c)
+    n, p = c.num_local(), c.padded()
+    checked = False
+    ids = c.get("target", "local_req_ids")
+    gids = c.get("target", "req_ids")
+    if ids is not None and gids is not None:
+        checked = True
+        c.expect("target", "local_req_ids", gids[seg_req] if gids.size else seg_req.astype(str), ids,
+                 "local request ids differ from the segments' requests")
+    lqsl = c.get("target", "local_query_start_loc")
+    if lqsl is not None:
+        checked = True
+        exp = np.zeros(seg_len.shape[0] + 1, dtype=np.int64)
+        np.cumsum(seg_len, out=exp[1:])
+        act = lqsl.astype(np.int64)
+        if act.shape[0] > exp.shape[0]:  # padded request rows repeat the token count
+            exp = np.concatenate([exp, np.full(act.shape[0] - exp.shape[0], exp[-1])])
+        c.expect("target", "local_query_start_loc", exp, act, "local segment starts differ")
+        lli = c.get("target", "local_logits_indices")
+        if lli is not None:
+            c.expect("target", "local_logits_indices", (act[1:] - 1)[:lli.shape[0]], lli.astype(np.int64),
+                     "local_logits_indices != local_query_start_loc[1:] - 1")
+    lin, gin = c.get("target", "local_input_ids"), c.get("target", "input_ids")
+    if lin is not None and gin is not None and c.get("target", "padded_gather_idx") is not None:
+        checked = True
+        if lin.shape != (p,):
+            c.fail("target", "local_input_ids", f"length {lin.shape}, expected P={p}")
+        c.expect("target", "local_input_ids", gin[c.rank_rows()].astype(np.int64),
+                 lin[:n].astype(np.int64), "local input id differs from the global token it holds")
+    pad = c.get("target", "local_is_padding")
+    if pad is not None:
+        checked = True
+        c.expect("target", "local_is_padding", np.arange(p) >= n, pad.astype(bool),
+                 f"the first {n} rows are real, the rest padding")
+    btl, btg = c.get("target", "block_table_local"), c.get("target", "block_table_global")
+    if btl is not None and btg is not None:
+        checked = True
+        btl, btg = _g3(btl), _g3(btg)
+        exp = btg[:, seg_req]
+        if btl.shape[1] > exp.shape[1]:
+            exp = np.concatenate([exp, np.zeros((exp.shape[0], btl.shape[1] - exp.shape[1], exp.shape[2]),
+                                                exp.dtype)], axis=1)
+        c.expect("target", "block_table_local", exp, btl,
+                 "local block-table row differs from its request's global row")
+    if not checked:
+        raise Skip("no local_req_ids")
+
+
+@check("local_positions_are_global",
+        "local_positions[real rows] == positions[padded_gather_idx[rank rows]]: positions come "
+        "from the global batch (the GPU cursor), not the CPU cursor")
+def local_positions_are_global(c: Ctx) -> None:
+    lpos, pos = c.t("local_positions"), c.t("positions")
+    p, n = c.padded(), c.num_local()
+    if lpos.shape != (p,):
+        c.fail("target", "local_positions", f"length {lpos.shape}, expected P={p}")
+    c.expect("target", "local_positions", pos[c.rank_rows()].astype(np.int64), lpos[:n].astype(np.int64),
+             "local position differs from the global position of its token")
+
+
+@check("local_seq_lens",
+        "local_seq_lens[i] == local_positions[last row of segment i] + 1 (0 for empty rows)")
+def local_seq_lens(c: Ctx) -> None:
+    lsl, lqsl, lpos = c.t("local_seq_lens"), c.t("local_query_start_loc"), c.t("local_positions")
+    r = lsl.shape[0]
+    if lqsl.shape[0] < r + 1:
+        c.fail("target", "local_query_start_loc", f"{lqsl.shape[0]} entries for {r} local rows")
+    ends = lqsl[1:r + 1].astype(np.int64)
+    lens = ends - lqsl[:r].astype(np.int64)
+    if ends.size and (ends.max() > lpos.shape[0]):
+        c.fail("target", "local_query_start_loc", f"ends past the {lpos.shape[0]} local rows")
+    exp = np.where(lens > 0, lpos[np.maximum(ends - 1, 0)].astype(np.int64) + 1, 0) if r else \
+        np.zeros(0, dtype=np.int64)
+    c.expect("target", "local_seq_lens", exp, lsl.astype(np.int64),
+             "local seq_len != last local position + 1")
+
+
+@check("local_logits_not_sampled",
+        "sampling used the global rows: sampled_logits_rows == logits_indices and sampled_from "
+        "== 'global' (local logits are never sampled)")
+def local_logits_not_sampled(c: Ctx) -> None:
+    rows = c.t("sampled_logits_rows")
+    li = c.t("logits_indices")
+    c.expect("target", "sampled_logits_rows", li.astype(np.int64), rows.astype(np.int64),
+             "sampled rows are not the global logits_indices (local logits sampled?)")
+    src = c.get("target", "sampled_from")
+    if src is not None and _str0(src) != "global":
+        c.fail("target", "sampled_from", "sampling must read the restored global hidden states",
+               expected="'global'", actual=repr(_str0(src)))

@@ -1,0 +1,217 @@
+"""Checks across phases, steps and ranks: the verify outcome, what the next step is fed, ranks
+agreeing on the global views, the position cursor."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pcpviz.analysis.compare import first_difference, fmt_value as _fmt, short_repr
+from pcpviz.trace.schema import GLOBAL, causal_phase_key, phase_class, view_spec
+
+from .context import Ctx, Skip, check, _g2, _token_rows
+
+@check("verify_consistent",
+        "verify is self-consistent and matches the batch: num_sampled == the non -1 prefix of "
+        "sampled_token_ids, num_sampled in {0, num_accepted + 1}, num_accepted + num_rejected == "
+        "num_draft_tokens, accepted tokens == the scheduled drafts, logits_indices == each "
+        "request's last 1 + num_draft_tokens rows")
+def verify_consistent(c: Ctx) -> None:
+    ns = c.need("verify", "num_sampled").astype(np.int64)
+    nacc = c.need("verify", "num_accepted").astype(np.int64)
+    nrej = c.need("verify", "num_rejected").astype(np.int64)
+    sampled = _g2(c.need("verify", "sampled_token_ids")).astype(np.int64)
+    nd = c.get("verify", "num_draft_tokens")
+    r = ns.shape[0]
+    for v, a in (("num_accepted", nacc), ("num_rejected", nrej), ("sampled_token_ids", sampled)):
+        if a.shape[0] != r:
+            c.fail("verify", v, f"{a.shape[0]} rows, num_sampled has {r}")
+    vid, tid = c.get("verify", "req_ids"), c.get("target", "req_ids")
+    if vid is not None and tid is not None:
+        c.expect("verify", "req_ids", tid, vid, "verify rows are not the target's global rows")
+    width = sampled.shape[1]
+    valid = sampled != -1
+    c.expect("verify", "sampled_token_ids", np.arange(width)[None, :] < ns[:, None], valid,
+             "sampled tokens must be the first num_sampled entries (-1 after)")
+    bad = (ns != 0) & (ns != nacc + 1)
+    if bad.any():
+        i = int(np.argmax(bad))
+        c.fail("verify", "num_sampled", f"request row {i}: num_sampled must be 0 or num_accepted + 1 "
+               f"(num_accepted {int(nacc[i])})", index=(i,), expected=str(int(nacc[i]) + 1),
+               actual=str(int(ns[i])))
+    nd = (nacc + nrej) if nd is None else nd.astype(np.int64)
+    c.expect("verify", "num_accepted", nd - nrej, nacc, "num_accepted + num_rejected != num_draft_tokens")
+    if (nacc < 0).any() or (nrej < 0).any():
+        i = int(np.argmax((nacc < 0) | (nrej < 0)))
+        c.fail("verify", "num_accepted", "negative count", index=(i,))
+    ids = c.get("target", "input_ids")
+    if ids is None or c.get("target", "num_scheduled_tokens") is None:
+        return
+    qsl, q = c.qsl(), c.q()
+    if q.shape[0] != r:
+        c.fail("verify", "num_sampled", f"{r} rows, the target batch has {q.shape[0]} requests")
+    if (nd > np.maximum(q - 1, 0)).any():
+        i = int(np.argmax(nd > np.maximum(q - 1, 0)))
+        c.fail("verify", "num_draft_tokens", f"request row {i} verifies {int(nd[i])} drafts but "
+               f"was scheduled {int(q[i])} tokens", index=(i,))
+    k = np.arange(width)[None, :]
+    accepted = k < nacc[:, None]
+    if accepted.any():
+        src = np.clip((qsl[1:] - nd)[:, None] + k, 0, max(ids.shape[0] - 1, 0))
+        exp = np.where(accepted, ids.astype(np.int64)[src], sampled)
+        c.expect("verify", "sampled_token_ids", exp, sampled,
+                 "an accepted token differs from the draft the target was scheduled with")
+    li = c.get("target", "logits_indices")
+    if li is not None and (q > 0).all():
+        cnt = nd + 1
+        starts = np.repeat(qsl[1:] - cnt, cnt)
+        within = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        c.expect("target", "logits_indices", starts + within, li.astype(np.int64),
+                 "logits rows are not each request's last 1 + num_draft_tokens rows")
+
+
+@check("drafts_fed_back",
+        "a request continuing from the previous step is fed what that step produced: its first "
+        "input id is the last sampled token and its scheduled drafts are the previous draft_k tokens")
+def drafts_fed_back(c: Ctx) -> None:
+    pv = c.prev()
+    if pv is None:
+        raise Skip("no previous step")
+    ids = c.t("input_ids").astype(np.int64)
+    rid = c.t("req_ids")
+    qsl = c.qsl()
+    nd = c.get("verify", "num_draft_tokens")
+    prid = pv.t("req_ids")
+    pns = pv.need("verify", "num_sampled").astype(np.int64)
+    psampled = _g2(pv.need("verify", "sampled_token_ids")).astype(np.int64)
+    pdrafts = [pv.get(p, "draft_tokens") for _, p in pv.draft_phases()]
+    prow = {str(x): i for i, x in enumerate(prid.tolist())}
+    cur = np.array([prow.get(str(x), -1) for x in rid.tolist()], dtype=np.int64)
+    q = np.diff(qsl)
+    ok = (cur >= 0) & (q > 0)
+    rows = np.flatnonzero(ok)
+    rows = rows[pns[cur[rows]] > 0]
+    if rows.size == 0:
+        return
+    pr = cur[rows]
+    ndr = np.zeros(rows.size, dtype=np.int64) if nd is None else nd.astype(np.int64)[rows]
+    first = qsl[:-1][rows] + (q[rows] - 1 - ndr)  # the row before the drafts
+    c.expect("target", "input_ids", psampled[pr, pns[pr] - 1], ids[first],
+             "first input is not the token sampled for this request in the previous step",
+             index_map=lambda i: (int(first[i[0]]),))
+    if nd is None or not (ndr > 0).any():
+        return
+    width = int(ndr.max())
+    if len(pdrafts) < width or any(d is None for d in pdrafts[:width]):
+        return
+    pd = np.stack([np.asarray(d, dtype=np.int64) for d in pdrafts[:width]], axis=1)[pr]  # [n, width]
+    j = np.arange(width)[None, :]
+    use = j < ndr[:, None]
+    src = np.clip(first[:, None] + 1 + j, 0, ids.shape[0] - 1)
+    exp = np.where(use, pd, 0)
+    act = np.where(use, ids[src], 0)
+    differs, idx, _ = first_difference(exp, act)
+    if differs:
+        i, jj = idx
+        tok = int(src[i, jj])
+        c.fail("target", "input_ids", f"scheduled draft {jj} of request {rid[rows[i]]!s} is not "
+               f"draft_{jj}'s token from step {pv.step}", index=(tok,),
+               expected=_fmt(exp[i, jj]), actual=short_repr(ids, (tok,)))
+
+
+def _agreeing_views(phase: str, names) -> list[str]:
+    """The views of ``phase`` every rank must record identically: those the schema declares
+    with scope ``GLOBAL``; in the replicated phases (verify, draft_k) also undeclared ones."""
+    replicated = phase_class(phase) in ("verify", "draft_k")
+    out = []
+    for v in names:
+        spec = view_spec(phase, v)
+        if (spec.scope == GLOBAL) if spec is not None else replicated:
+            out.append(v)
+    return out
+
+
+@check("ranks_agree",
+        "every rank of a step records the same global views: the global batch and layout, "
+        "draft_tokens of every draft phase, the replicated draft decodes, and the whole verify "
+        "outcome (sampled tokens, num_accepted/num_sampled)")
+def ranks_agree(c: Ctx) -> None:
+    ranks = sorted(c.sv.recs)
+    ref = ranks[0]
+    if c.rank == ref:
+        if c.sv.missing:
+            r = c.sv.missing[0]
+            c.fail(None, None, f"step {c.step} is missing on rank {r}, which recorded later steps",
+                   rank=r)
+        if len(ranks) == 1 and not c.sv.missing:
+            raise Skip("single rank")
+        return
+    mine, theirs = c.phases, c.sv.recs[ref]
+    for phase in sorted(set(mine) | set(theirs), key=causal_phase_key):
+        if phase not in mine or phase not in theirs:
+            if not _agreeing_views(phase, (mine.get(phase) or theirs.get(phase)).keys()):
+                continue
+            c.fail(phase, None, f"phase {phase} recorded on rank {ref if phase in theirs else c.rank} "
+                   f"but not on rank {c.rank if phase in theirs else ref}")
+        a, b = theirs[phase], mine[phase]
+        for view in _agreeing_views(phase, list(a.keys()) + [v for v in b.keys() if v not in a]):
+            if view not in a or view not in b:
+                c.fail(phase, view, f"recorded on rank {ref if view in a else c.rank} only")
+            if view == "segments":
+                ea = np.stack([a[view][f].astype(np.int64) for f in a[view].dtype.names], axis=-1) \
+                    if a[view].dtype.names else a[view]
+                eb = np.stack([b[view][f].astype(np.int64) for f in b[view].dtype.names], axis=-1) \
+                    if b[view].dtype.names else b[view]
+                c.expect(phase, view, ea, eb, f"differs from rank {ref}")
+            else:
+                c.expect(phase, view, a[view], b[view], f"differs from rank {ref}")
+
+
+@check("positions_consistent",
+        "global positions are contiguous per request, seq_lens == last position + 1, the first "
+        "position is <= the CPU cursor (num_computed_tokens), and a request continuing from the "
+        "previous step starts at its previous first position + q - num_rejected (the GPU cursor)")
+def positions_consistent(c: Ctx) -> None:
+    pos = c.t("positions").astype(np.int64)
+    qsl = c.qsl()
+    q = np.diff(qsl)
+    t = int(qsl[-1])
+    if pos.shape != (t,):
+        c.fail("target", "positions", f"length {pos.shape}, expected T={t}")
+    has = q > 0
+    row = _token_rows(qsl)
+    first = np.zeros(q.shape[0], dtype=np.int64)
+    first[has] = pos[qsl[:-1][has]]
+    c.expect("target", "positions", first[row] + (np.arange(t) - qsl[row]), pos,
+             "positions of a request are not contiguous")
+    sl = c.get("target", "seq_lens")
+    hi = np.flatnonzero(has)
+    if sl is not None:
+        c.expect("target", "seq_lens", pos[qsl[1:][hi] - 1] + 1, sl.astype(np.int64)[hi],
+                 "seq_len != last position + 1", index_map=lambda i: (int(hi[i[0]]),))
+    nc = c.get("target", "num_computed_tokens")
+    if nc is not None:
+        above = has & (first > nc.astype(np.int64))
+        if above.any():
+            i = int(np.argmax(above))
+            c.fail("target", "positions", f"request row {i} starts at {int(first[i])}, past its CPU "
+                   f"cursor {int(nc[i])} (an upper bound of the GPU cursor)", index=(int(qsl[i]),),
+                   expected=f"<= {int(nc[i])}", actual=str(int(first[i])))
+    pv = c.prev()
+    if pv is None or pv.get("target", "positions") is None or pv.get("verify", "num_rejected") is None:
+        return
+    prid, rid = pv.t("req_ids"), c.t("req_ids")
+    pqsl = pv.qsl()
+    pq = np.diff(pqsl)
+    ppos = pv.t("positions").astype(np.int64)
+    prej = pv.get("verify", "num_rejected").astype(np.int64)
+    prow = {str(x): i for i, x in enumerate(prid.tolist())}
+    cur = np.array([prow.get(str(x), -1) for x in rid.tolist()], dtype=np.int64)
+    rows = np.flatnonzero((cur >= 0) & has)
+    pr = cur[rows]
+    rows, pr = rows[pq[pr] > 0], pr[pq[pr] > 0]
+    if rows.size == 0:
+        return
+    expected = ppos[pqsl[:-1][pr]] + pq[pr] - prej[pr]
+    c.expect("target", "positions", expected, first[rows],
+             f"first position != step {pv.step}'s first position + q - num_rejected (GPU cursor)",
+             index_map=lambda i: (int(qsl[rows[i[0]]]),))

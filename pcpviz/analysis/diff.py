@@ -1,0 +1,448 @@
+"""Run-vs-run comparison: ``diff_traces(a, b) -> DiffReport`` and ``acceptance(trace)``.
+
+Two runs of the same prompts (PCP=1 vs PCP=N, good vs faulty, engine vs vLLM replay) are
+aligned by step number and, inside a step, by request id, so a producer that orders the
+global rows differently still compares equal. What is compared:
+
+* always: the *global* views — the global batch (per request, or per token of each
+  request), ``block_table_global``, ``slot_mapping_global``, ``logits_indices``, every
+  draft phase's ``draft_tokens``, draft_0's global inputs and last-token rows, the
+  replicated draft decodes, and the whole verify outcome;
+* only when both runs have the same PCP size, ranks and request order: the layout and the
+  rank-local views, rank by rank.
+
+When the PCP sizes differ, every rank of one run is compared with the lowest rank of the
+other (the global views must be identical on all ranks anyway). Timing views
+(``t_start_us``/``t_end_us``) and ``hidden_hash`` are ignored by default (float
+reductions differ across PCP sizes).
+
+The report names the first divergence — step, phase, view, ranks, request, first differing
+index, expected (run A) vs actual (run B) — and puts both runs' acceptance side by side.
+
+Acceptance (vLLM's definitions, NaN when nothing was drafted) is ``pcpviz.analysis.acceptance``;
+``acceptance`` and its records are re-exported here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from pcpviz.analysis.acceptance import Acceptance, RequestAcceptance, StepAcceptance, acceptance
+from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
+from pcpviz.analysis.compare import first_difference, short_repr
+from pcpviz.trace import Trace, draft_index
+from pcpviz.trace import open as open_trace
+
+__all__ = ["Acceptance", "RequestAcceptance", "StepAcceptance", "acceptance", "Divergence",
+           "DiffReport", "diff_traces", "DEFAULT_IGNORE"]
+
+DEFAULT_IGNORE = RUN_SPECIFIC_VIEWS
+"""Views that differ between two correct runs (the schema's ``run_specific`` ones): timestamps,
+hashes, and ``idx_mapping`` (the row of vLLM's persistent request-state table a request got,
+allocated per run; the block-table rows and slot mappings it selects are compared)."""
+
+
+def _open(trace: Trace | str | os.PathLike) -> Trace:
+    return trace if isinstance(trace, (Trace, _RenamedRequests)) else open_trace(trace)
+
+
+# --------------------------------------------------------------------------- divergences
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where run B first differs from run A (expected = A, actual = B)."""
+
+    step: int
+    phase: str | None
+    view: str | None
+    rank_a: int | None
+    rank_b: int | None
+    message: str
+    req_id: str | None = None
+    index: tuple[int, ...] | None = None  # into run A's (request-aligned) view
+    expected: str | None = None
+    actual: str | None = None
+
+    def describe(self) -> str:
+        parts = [f"step {self.step}"]
+        if self.phase is not None:
+            parts.append(f"phase {self.phase}")
+        if self.view is not None:
+            parts.append(f"view {self.view}")
+        if self.rank_a is not None or self.rank_b is not None:
+            parts.append(f"rank {self.rank_a}" if self.rank_a == self.rank_b
+                         else f"rank {self.rank_a} (a) / {self.rank_b} (b)")
+        if self.req_id is not None:
+            parts.append(f"request {self.req_id}")
+        if self.index is not None:
+            parts.append(f"index {list(self.index)}")
+        out = ", ".join(parts) + f": {self.message}"
+        if self.expected is not None or self.actual is not None:
+            out += f"; a {self.expected}, b {self.actual}"
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "phase": self.phase, "view": self.view, "rank_a": self.rank_a,
+                "rank_b": self.rank_b, "req_id": self.req_id,
+                "index": None if self.index is None else list(self.index), "message": self.message,
+                "expected": self.expected, "actual": self.actual}
+
+
+@dataclass(frozen=True)
+class DiffReport:
+    a: str
+    b: str
+    same: bool
+    first: Divergence | None
+    divergences: tuple[Divergence, ...]  # the first one per (step, phase, view), capped
+    num_divergent_views: int  # every (step, phase, view, rank pair) that differs
+    steps_compared: int
+    views_compared: int
+    local_views_compared: bool
+    notes: tuple[str, ...]
+    acceptance_a: Acceptance
+    acceptance_b: Acceptance
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a": self.a, "b": self.b, "same": self.same,
+                "first": None if self.first is None else self.first.to_dict(),
+                "divergences": [d.to_dict() for d in self.divergences],
+                "num_divergent_views": self.num_divergent_views, "steps_compared": self.steps_compared,
+                "views_compared": self.views_compared, "local_views_compared": self.local_views_compared,
+                "notes": list(self.notes), "acceptance": {"a": self.acceptance_a.to_dict(),
+                                                          "b": self.acceptance_b.to_dict()}}
+
+    def format(self, max_divergences: int = 10) -> str:
+        lines = ["pcpviz diff", f"  a: {self.a}", f"  b: {self.b}",
+                 f"  compared {self.steps_compared} steps, {self.views_compared} views"
+                 f" ({'global and local' if self.local_views_compared else 'global only'})"]
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        if self.same:
+            lines.append("  result: SAME")
+        else:
+            lines.append(f"  result: DIFFER ({self.num_divergent_views} divergent views)")
+            lines.append(f"  first divergence: {self.first.describe()}")
+            for d in self.divergences[1:max_divergences]:
+                lines.append(f"    then: {d.describe()}")
+            if len(self.divergences) > max_divergences:
+                lines.append(f"    ... {len(self.divergences) - max_divergences} more")
+        lines.append(_acceptance_table(self.acceptance_a, self.acceptance_b))
+        return "\n".join(lines)
+
+
+def _num(x: float, digits: int = 3) -> str:
+    return "-" if isinstance(x, float) and math.isnan(x) else f"{x:.{digits}f}"
+
+
+def _acceptance_table(a: Acceptance, b: Acceptance) -> str:
+    rows = [("acceptance (vLLM definitions)", "a", "b"),
+            ("num_drafts", str(a.num_drafts), str(b.num_drafts)),
+            ("num_draft_tokens", str(a.num_draft_tokens), str(b.num_draft_tokens)),
+            ("num_accepted_tokens", str(a.num_accepted_tokens), str(b.num_accepted_tokens)),
+            ("acceptance rate", _num(a.acceptance_rate), _num(b.acceptance_rate)),
+            ("mean acceptance length", _num(a.mean_acceptance_length), _num(b.mean_acceptance_length))]
+    for k in range(max(len(a.accepted_per_position), len(b.accepted_per_position))):
+        cell = lambda acc: (f"{_num(acc.rate_per_position[k])} ({acc.accepted_per_position[k]})"  # noqa: E731
+                            if k < len(acc.accepted_per_position) else "-")
+        rows.append((f"position {k}: rate (accepted)", cell(a), cell(b)))
+    w0 = max(len(r[0]) for r in rows)
+    w1 = max(len(r[1]) for r in rows)
+    return "\n".join(f"  {r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]}" for r in rows)
+
+
+def _kind(phase: str, view: str) -> tuple | None:
+    """How a view aligns across runs (the schema's ``ViewSpec.align``); None for a local
+    (rank-dependent) view. Undeclared verify views are per request."""
+    spec = view_spec(phase, view)
+    if spec is not None:
+        return spec.align
+    return ("req", 0) if phase == "verify" else None
+
+
+@dataclass
+class _Align:
+    """Maps run B's request rows and global tokens onto run A's order."""
+
+    req_ids: np.ndarray  # run A's
+    qsl_a: np.ndarray
+    perm: np.ndarray | None = None  # B row of each A row (None: same order)
+    tok_perm: np.ndarray | None = None  # B token of each A token
+    inv_tok: np.ndarray | None = None  # A token of each B token
+
+    def req_of_token(self, t: int) -> str | None:
+        if self.qsl_a.size < 2:
+            return None
+        row = int(np.searchsorted(self.qsl_a, t, side="right") - 1)
+        return str(self.req_ids[row]) if 0 <= row < self.req_ids.shape[0] else None
+
+    def apply(self, kind: tuple, b: np.ndarray) -> np.ndarray:
+        if self.perm is None:
+            return b
+        tag = kind[0]
+        if tag == "req":
+            return np.take(b, self.perm, axis=kind[1])
+        if tag == "tok":
+            return np.take(b, self.tok_perm, axis=kind[1])
+        if tag == "qsl":
+            lens = np.diff(b.astype(np.int64))[self.perm]
+            out = np.zeros(lens.shape[0] + 1, dtype=np.int64)
+            np.cumsum(lens, out=out[1:])
+            return out
+        if tag in ("tokidx", "tokidx_req"):
+            bi = b.astype(np.int64)
+            ok = (bi >= 0) & (bi < self.inv_tok.shape[0])
+            mapped = np.where(ok, self.inv_tok[np.clip(bi, 0, max(self.inv_tok.shape[0] - 1, 0))], -1)
+            return np.sort(mapped) if tag == "tokidx" else mapped[self.perm]
+        return b
+
+
+def _alignment(a_rec, b_rec) -> tuple[_Align | None, str | None]:
+    """Request alignment from the two target (or verify) records; (None, reason) if the
+    request sets differ."""
+    ra = np.asarray(a_rec["req_ids"]).astype(str)
+    rb = np.asarray(b_rec["req_ids"]).astype(str)
+    qa = _qsl(a_rec)
+    if ra.shape == rb.shape and np.array_equal(ra, rb):
+        return _Align(ra, qa), None
+    if ra.shape != rb.shape or set(ra.tolist()) != set(rb.tolist()):
+        return None, "different requests scheduled"
+    pos_b = {r: i for i, r in enumerate(rb.tolist())}
+    perm = np.array([pos_b[r] for r in ra.tolist()], dtype=np.int64)
+    qb = _qsl(b_rec)
+    if qa is None or qb is None:
+        return _Align(ra, np.zeros(0, np.int64), perm, None, None), None
+    tok_perm = np.concatenate([np.arange(qb[j], qb[j + 1]) for j in perm] or [np.zeros(0, np.int64)])
+    inv = np.empty_like(tok_perm)
+    inv[tok_perm] = np.arange(tok_perm.shape[0])
+    return _Align(ra, qa, perm, tok_perm.astype(np.int64), inv.astype(np.int64)), None
+
+
+def _qsl(rec) -> np.ndarray | None:
+    if "num_scheduled_tokens" in rec:
+        q = np.asarray(rec["num_scheduled_tokens"], dtype=np.int64)
+        out = np.zeros(q.shape[0] + 1, dtype=np.int64)
+        np.cumsum(q, out=out[1:])
+        return out
+    if "query_start_loc" in rec:
+        return np.asarray(rec["query_start_loc"], dtype=np.int64)
+    return None
+
+
+def _mask_stale_rows(trace: Trace, step: int, rank: int, ea: np.ndarray, eb: np.ndarray):
+    """Rows of a request past its ``q - num_rejected`` valid rows keep stale ids in vLLM's
+    draft prefill (never read); blank them (-1) in both runs, using run A's batch."""
+    if not (trace.has(step, rank, "target") and trace.has(step, rank, "verify")):
+        return ea, eb
+    tgt, ver = trace.record(step, rank, "target"), trace.record(step, rank, "verify")
+    qsl = _qsl(tgt)
+    if qsl is None or "num_rejected" not in ver or ea.shape != (int(qsl[-1]),) or eb.shape != ea.shape:
+        return ea, eb
+    rej = np.asarray(ver["num_rejected"], dtype=np.int64)
+    if rej.shape[0] != qsl.shape[0] - 1:
+        return ea, eb
+    row = np.repeat(np.arange(qsl.shape[0] - 1), np.diff(qsl))
+    stale = (np.arange(qsl[-1]) - qsl[row]) >= (np.diff(qsl) - rej)[row]
+    return np.where(stale, -1, ea), np.where(stale, -1, eb)
+
+
+def request_keys(trace: Trace) -> dict[str, tuple]:
+    """Each request's identity across runs: ``(prompt length, last prompt token, n)``, n counting
+    earlier requests with the same pair. Request ids do not carry over between runs (vLLM's
+    ``LLM`` names a request ``"{i}-{random}"``, the engine ``"req{i}"``), and the start of a prompt
+    may never be fed (a prefix-cache hit), but every run computes a prompt's last token itself.
+    Read from rank 0's target records (``is_prefilling`` rows); a request whose prefill the trace
+    did not see gets no key."""
+    last: dict[str, tuple[int, int]] = {}
+    rank = trace.ranks[0] if trace.ranks else None
+    for step in ([] if rank is None else trace.rank_steps(rank)):
+        if not trace.has(step, rank, "target"):
+            continue
+        rec = trace.record(step, rank, "target")
+        if not all(v in rec for v in ("req_ids", "is_prefilling", "input_ids", "positions")):
+            continue
+        qsl = _qsl(rec)
+        if qsl is None:
+            continue
+        ids, pos = np.asarray(rec["input_ids"], dtype=np.int64), np.asarray(rec["positions"], dtype=np.int64)
+        for i, rid in enumerate(np.asarray(rec["req_ids"]).astype(str).tolist()):
+            if bool(rec["is_prefilling"][i]) and qsl[i + 1] > qsl[i]:
+                j = int(qsl[i + 1]) - 1
+                last[rid] = (int(pos[j]) + 1, int(ids[j]))
+    keys: dict[str, tuple] = {}
+    seen: dict[tuple[int, int], int] = {}
+    for rid, pair in last.items():  # first appearance order
+        n = seen.get(pair, 0)
+        seen[pair] = n + 1
+        keys[rid] = (*pair, n)
+    return keys
+
+
+class _RenamedRequests:
+    """Run B with its request ids replaced by run A's for the same requests (``request_keys``)."""
+
+    def __init__(self, trace: Trace, rename: Mapping[str, str]) -> None:
+        self._t, self._rename = trace, dict(rename)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+    def record(self, step: int, rank: int, phase: str):
+        rec = self._t.record(step, rank, phase)
+        if not any(v in rec for v in ("req_ids", "local_req_ids")):
+            return rec
+        out = {k: rec[k] for k in rec.keys()}
+        for v in ("req_ids", "local_req_ids"):
+            if v in out:
+                out[v] = np.array([self._rename.get(x, x) for x in np.asarray(out[v]).astype(str).tolist()])
+        return out
+
+
+def _align_request_ids(ta: Trace, tb: Trace) -> tuple[Any, int]:
+    """Run B seen with run A's request ids where the two runs served the same prompts under
+    other names; returns (the trace to compare, requests renamed)."""
+    ka, kb = request_keys(ta), request_keys(tb)
+    by_key = {k: rid for rid, k in ka.items()}
+    rename = {rid: by_key[k] for rid, k in kb.items() if k in by_key and by_key[k] != rid}
+    if not rename:
+        return tb, 0
+    return _RenamedRequests(tb, rename), len(rename)
+
+
+def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
+                ignore: frozenset[str] | set[str] = DEFAULT_IGNORE,
+                max_divergences: int = 200) -> DiffReport:
+    """Compare run B against run A (see the module doc); expected values are A's."""
+    ta, tb = _open(a), _open(b)
+    notes: list[str] = []
+    tb, renamed = _align_request_ids(ta, tb)
+    if renamed:
+        notes.append(f"{renamed} requests of b matched to a's by their prompts (other request ids)")
+    for key in ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "shard_decode_requests",
+                "model"):
+        va, vb = ta.meta.get(key), tb.meta.get(key)
+        if va != vb:
+            notes.append(f"run.json {key}: a={va!r}, b={vb!r}")
+    same_layout = (ta.meta.get("pcp") == tb.meta.get("pcp") and ta.ranks == tb.ranks
+                   and ta.meta.get("dcp", 1) == tb.meta.get("dcp", 1))
+    if not same_layout:
+        notes.append("PCP sizes or ranks differ: only global views, draft tokens and verify compared")
+    ref_a = ta.ranks[0] if ta.ranks else None
+    ref_b = tb.ranks[0] if tb.ranks else None
+    if same_layout:
+        pairs = [(r, r) for r in ta.ranks]
+    else:
+        pairs = [(ref_a, r) for r in tb.ranks] + [(r, ref_b) for r in ta.ranks if r != ref_a]
+
+    found: list[Divergence] = []
+    seen: set[tuple] = set()
+    total = 0
+    views_compared = 0
+    steps_compared = 0
+    order_noted = False
+    local_compared_any = False
+
+    def record(d: Divergence) -> None:
+        nonlocal total
+        total += 1
+        key = (d.step, d.phase, d.view)
+        if key not in seen and len(found) < max_divergences:
+            seen.add(key)
+            found.append(d)
+
+    steps = sorted(set(ta.steps) | set(tb.steps))
+    for step in steps:
+        in_a = [r for r in ta.ranks if step in set(ta.rank_steps(r))]
+        in_b = [r for r in tb.ranks if step in set(tb.rank_steps(r))]
+        if not in_a or not in_b:
+            record(Divergence(step, None, None, None, None,
+                              f"step recorded only in run {'a' if in_a else 'b'}"))
+            continue
+        steps_compared += 1
+        step_pairs = [(ra, rb) for ra, rb in pairs if ra in in_a and rb in in_b]
+        missing = [(ra, rb) for ra, rb in pairs if (ra in in_a) != (rb in in_b)]
+        for ra, rb in missing:
+            record(Divergence(step, None, None, ra, rb,
+                              f"step recorded on rank {ra if ra in in_a else rb} of run "
+                              f"{'a' if ra in in_a else 'b'} only"))
+        phases = sorted(set().union(*(ta.phases(step, ra) for ra, _ in step_pairs),
+                                    *(tb.phases(step, rb) for _, rb in step_pairs)), key=causal_phase_key)
+        aligns: dict[tuple[int, int], tuple[_Align | None, str | None]] = {}
+        for ra, rb in step_pairs:
+            base = "target" if ta.has(step, ra, "target") and tb.has(step, rb, "target") else "verify"
+            if ta.has(step, ra, base) and tb.has(step, rb, base):
+                ar, br = ta.record(step, ra, base), tb.record(step, rb, base)
+                if "req_ids" in ar and "req_ids" in br:
+                    aligns[(ra, rb)] = _alignment(ar, br)
+                    continue
+            aligns[(ra, rb)] = (None, None)
+        for phase in phases:
+            for ra, rb in step_pairs:
+                has_a, has_b = ta.has(step, ra, phase), tb.has(step, rb, phase)
+                if not has_a or not has_b:
+                    record(Divergence(step, phase, None, ra, rb,
+                                      f"phase recorded only in run {'a' if has_a else 'b'}"))
+                    continue
+                align, why = aligns[(ra, rb)]
+                if align is None and why is not None:
+                    ar, br = ta.record(step, ra, "target" if ta.has(step, ra, "target") else "verify"), \
+                        tb.record(step, rb, "target" if tb.has(step, rb, "target") else "verify")
+                    if phase in ("target", "verify"):
+                        record(Divergence(step, phase, "req_ids", ra, rb, why,
+                                          expected=short_repr(ar["req_ids"]), actual=short_repr(br["req_ids"])))
+                    continue
+                local_ok = same_layout and (align is None or align.perm is None)
+                if same_layout and align is not None and align.perm is not None and not order_noted:
+                    notes.append(f"step {step}: request order differs; local views not compared "
+                                 "where the order differs")
+                    order_noted = True
+                va, vb = ta.record(step, ra, phase), tb.record(step, rb, phase)
+                names = list(va.keys()) + [v for v in vb.keys() if v not in va]
+                for view in names:
+                    if view in ignore:
+                        continue
+                    kind = _kind(phase, view)
+                    if kind is None and not local_ok:
+                        continue
+                    if view not in va or view not in vb:
+                        record(Divergence(step, phase, view, ra, rb,
+                                          f"view recorded only in run {'a' if view in va else 'b'}"))
+                        continue
+                    views_compared += 1
+                    if kind is None:
+                        local_compared_any = True
+                    ea, eb = np.asarray(va[view]), np.asarray(vb[view])
+                    if kind is not None and align is not None:
+                        try:
+                            eb = align.apply(kind, eb)
+                        except (IndexError, ValueError):
+                            pass  # shapes differ: reported below
+                    if phase == "draft_0" and view == "draft_global_input_ids":
+                        ea, eb = _mask_stale_rows(ta, step, ra, ea, eb)
+                    if ea.dtype.names is not None or eb.dtype.names is not None:
+                        ea = np.asarray(ea.tolist(), dtype=object)
+                        eb = np.asarray(eb.tolist(), dtype=object)
+                    differs, idx, reason = first_difference(ea, eb)
+                    if not differs:
+                        continue
+                    req = None
+                    if idx and kind is not None and align is not None:
+                        ax = kind[1] if len(kind) > 1 else 0
+                        i = idx[ax % len(idx)]
+                        if kind[0] == "req" and i < align.req_ids.shape[0]:
+                            req = str(align.req_ids[i])
+                        elif kind[0] == "tok":
+                            req = align.req_of_token(i)
+                    record(Divergence(step, phase, view, ra, rb, reason, req_id=req, index=idx,
+                                      expected=short_repr(ea, idx), actual=short_repr(eb, idx)))
+    if not steps:
+        notes.append("no steps in either run")
+    acc_a, acc_b = acceptance(ta), acceptance(tb)
+    return DiffReport(str(ta.path), str(tb.path), total == 0, found[0] if found else None, tuple(found),
+                      total, steps_compared, views_compared, same_layout and local_compared_any,
+                      tuple(notes), acc_a, acc_b)

@@ -1,0 +1,5 @@
+import sys
+
+from pcpviz.cli import main
+
+sys.exit(main())

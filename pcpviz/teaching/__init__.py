@@ -1,0 +1,1 @@
+"""What the notebooks teach: worked examples, the design review, generated docs."""

@@ -1,0 +1,1 @@
+"""Views of a trace: figures, the Workbench widgets, the text diagram, exports."""

@@ -1,0 +1,1 @@
+"""Exports of a trace: a self-contained HTML page and a Chrome trace."""

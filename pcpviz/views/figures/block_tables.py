@@ -1,0 +1,196 @@
+"""The block-table view: global rows, the rank's local rows and the draft step's rows, with
+the draft rows that are zero or differ from what they should be (``draft_block_table_flags``)
+outlined in red. Columns are trimmed to the used width and binned beyond ``BLOCK_COLUMNS``.
+
+PCP=2 example: in ``cpu-pcp2-mtp2`` the replicated ``draft_1`` of a step must use each
+request's global row (``block_table_global``); a run with ``skip_draft_block_table_gather``
+leaves those rows zero and every used row is flagged ``zero``. The rank-local ``draft_0``
+is compared with the target's ``block_table_local`` instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+
+from pcpviz.views.figures.canvas import (BLOCK_COLUMNS, FLAG_COLOR, TEXT_LIMIT, _Canvas, _L_NULL, _heat, _range_text,
+                                   _req_levels, _text_fits, as_figure)
+from pcpviz.views.figures.step_data import Rec, _arr, _g3, _is_replicated
+
+__all__ = ["RowFlag", "draft_block_table_flags", "block_tables_spec", "block_tables_figure"]
+
+
+@dataclass(frozen=True)
+class RowFlag:
+    """A draft block-table row that is not what the draft step should have used."""
+
+    row: int  # row in block_table_draft
+    req_id: str
+    kind: str  # "zero" (all-null row) or "stale" (differs from the expected row)
+    expected: np.ndarray  # int32[W]: the row it should be (global row, or local row for draft_0)
+    actual: np.ndarray  # int32[W]
+
+    def describe(self) -> str:
+        what = "all-zero row (null block): block-table gather skipped?" if self.kind == "zero" \
+            else "differs from the global row"
+        return f"draft row {self.row} ({self.req_id}): {what}"
+
+
+
+def _pad_cols(a: np.ndarray, w: int) -> np.ndarray:
+    if a.shape[-1] >= w:
+        return a[..., :w]
+    pad = [(0, 0)] * (a.ndim - 1) + [(0, w - a.shape[-1])]
+    return np.pad(a, pad)
+
+
+def draft_block_table_flags(target: Rec, draft: Rec | None, group: int = 0) -> list[RowFlag]:
+    """Rows of ``block_table_draft`` that are zero or stale.
+
+    A replicated draft decode must use the request's *global* row (``block_table_global``,
+    same row order as the global batch); the rank-local ``draft_0`` must use the target's
+    local rows (``block_table_local``). Rows are compared over the wider of the two widths.
+    """
+    if draft is None or "block_table_draft" not in draft:
+        return []
+    bt = _g3(draft["block_table_draft"])[group]
+    replicated = _is_replicated(draft, target)
+    ref_name = "block_table_global" if replicated else "block_table_local"
+    if ref_name not in target:
+        return []
+    ref = _g3(target[ref_name])[group]
+    ids = [str(x) for x in np.asarray(target["req_ids" if replicated else "local_req_ids"]).ravel()] \
+        if ("req_ids" if replicated else "local_req_ids") in target else [str(i) for i in range(ref.shape[0])]
+    w = max(bt.shape[1], ref.shape[1])
+    bt, ref = _pad_cols(bt, w), _pad_cols(ref, w)
+    out = []
+    for i in range(bt.shape[0]):
+        exp = ref[i] if i < ref.shape[0] else np.zeros(w, dtype=bt.dtype)
+        if np.array_equal(bt[i], exp):
+            continue
+        kind = "zero" if not bt[i].any() and exp.any() else "stale"
+        out.append(RowFlag(i, ids[i] if i < len(ids) else f"row {i}", kind, exp.copy(), bt[i].copy()))
+    return out
+
+
+def _block_bins(w: int) -> np.ndarray:
+    if w <= BLOCK_COLUMNS:
+        return np.arange(w + 1)
+    return np.unique(np.round(np.linspace(0, w, BLOCK_COLUMNS + 1)).astype(np.int64))
+
+
+def _used_width(*tables: np.ndarray | None) -> int:
+    w = 1
+    for t in tables:
+        if t is None or t.size == 0:
+            continue
+        nz = np.flatnonzero(t.reshape(-1, t.shape[-1]).any(axis=0))
+        if nz.size:
+            w = max(w, int(nz[-1]) + 1)
+    return w
+
+
+def _block_heat(table: np.ndarray, row_ids: Sequence[str], row_labels: Sequence[str], bins: np.ndarray,
+                colors, highlight) -> dict:
+    rows, w = table.shape[0], bins[-1]
+    table = _pad_cols(table, int(w))
+    starts, stops = bins[:-1], bins[1:]
+    levels = _req_levels(list(row_ids), colors, highlight)
+    z = np.full((rows, starts.shape[0]), np.nan)
+    text = np.empty((rows, starts.shape[0]), dtype=object)
+    hover = np.empty((rows, starts.shape[0]), dtype=object)
+    for i in range(rows):
+        for j, (a, b) in enumerate(zip(starts, stops)):
+            cells = table[i, a:b]
+            nz = cells[cells != 0]
+            if nz.size == 0:
+                z[i, j] = _L_NULL
+                text[i, j] = "0" if b - a == 1 else "·"
+            else:
+                z[i, j] = levels[i]
+                text[i, j] = str(int(cells[0])) if b - a == 1 else _range_text(int(nz[0]), int(nz[-1]))
+            cols = f"column {a}" if b - a == 1 else f"columns {a}–{b - 1}"
+            shown = cells.tolist() if b - a <= 8 else f"{cells[:4].tolist()} … {cells[-2:].tolist()}"
+            hover[i, j] = f"{row_labels[i]}<br>{cols}: {shown}"
+    show = rows * starts.shape[0] <= 8 * TEXT_LIMIT and _text_fits(starts.shape[0], text.ravel())
+    return _heat(z, bins, list(row_labels), text, hover, show, font_size=9 if w > 16 else 10, ygap=2)
+
+
+def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
+                      rank: int | None = None, highlight: str | None = None,
+                      colors: Mapping[str, int] | None = None, group: int = 0,
+                      flags: list[RowFlag] | None = None) -> dict:
+    """Three heatmaps (text = block id, white = null block 0): ``block_table_global`` (one row
+    per request, global order), this rank's ``block_table_local`` (one row per local segment)
+    and the draft step's ``block_table_draft``. Draft rows that are zero or differ from the
+    rows they should equal (``draft_block_table_flags``) are outlined in red."""
+    glob = _g3(_arr(target, "block_table_global"))
+    loc = _g3(_arr(target, "block_table_local"))
+    dr = _g3(_arr(draft, "block_table_draft"))
+    req_ids = [str(x) for x in np.asarray(target["req_ids"]).ravel()]
+    local_ids = [str(x) for x in np.asarray(_arr(target, "local_req_ids", np.array([], dtype=str))).ravel()]
+    tabs = [x[group] if x is not None and x.shape[0] > group else None for x in (glob, loc, dr)]
+    w = _used_width(*tabs)
+    bins = _block_bins(w)
+    replicated = draft is not None and _is_replicated(draft, target)
+    if flags is None:
+        flags = draft_block_table_flags(target, draft, group)
+    panels = []
+    if tabs[0] is not None:
+        panels.append(("global rows (block_table_global)", tabs[0], req_ids,
+                       [f"g{i} {r}" for i, r in enumerate(req_ids)]))
+    if tabs[1] is not None:
+        panels.append((f"rank {rank if rank is not None else '?'} local rows (block_table_local)", tabs[1], local_ids,
+                       [f"l{i} {r}" for i, r in enumerate(local_ids)]))
+    if tabs[2] is not None:
+        ids = req_ids if replicated else local_ids
+        kind = "replicated: must equal the global rows" if replicated else "rank-local: must equal the local rows"
+        panels.append((f"{draft_phase or 'draft'} rows (block_table_draft, {kind})", tabs[2], ids,
+                       [f"d{i} {ids[i] if i < len(ids) else '?'}" for i in range(tabs[2].shape[0])]))
+    # Always three panels (a stable figure structure updates in place); missing ones are empty.
+    for title in ("global rows: not recorded", "local rows: not recorded", "draft rows: no draft step recorded"):
+        if len(panels) >= 3:
+            break
+        panels.append((title, np.zeros((0, 1), dtype=np.int32), [], []))
+    heights = [max(t.shape[0], 1) + 1.5 for _, t, _, _ in panels]
+    fig = _Canvas([[1]] * len(panels), shared_x=True, vertical_spacing=0.09, row_heights=heights,
+                  subplot_titles=[p[0] for p in panels])
+    for k, (_, table, ids, labels) in enumerate(panels):
+        fig.add(_block_heat(table, ids, labels, bins, colors, highlight), k + 1, 1)
+        fig.axis("y", k + 1, 1, autorange="reversed")
+        fig.axis("x", k + 1, 1, range=[0, int(bins[-1])], showticklabels=k == len(panels) - 1)
+    shapes = fig.shapes
+    annots = fig.annotations
+    if tabs[2] is not None and flags:
+        xr, yr = fig.ref(len(panels), 1)
+        for f in flags:
+            shapes.append(dict(type="rect", xref=xr, yref=yr, x0=0, x1=int(bins[-1]), y0=f.row - 0.5,
+                               y1=f.row + 0.5, line=dict(color=FLAG_COLOR, width=3),
+                               fillcolor="rgba(214,39,40,0.08)"))
+        kinds = sorted({f.kind for f in flags})
+        msg = (f"⚠ {len(flags)} of {tabs[2].shape[0]} draft rows "
+               + " / ".join("all-zero (gather skipped?)" if k == "zero" else "≠ global row" if replicated
+                            else "≠ local row" for k in kinds))
+        annots.append(dict(text=msg, xref="paper", yref=f"{yr} domain", x=1, y=1, xanchor="right",
+                           yanchor="bottom", yshift=16, showarrow=False, font=dict(color=FLAG_COLOR, size=12),
+                           bgcolor="#fff3f3", bordercolor=FLAG_COLOR))
+    col_title = "block-table column" if bins.shape[0] - 1 == w else \
+        f"block-table columns, binned ({w} used columns → {bins.shape[0] - 1} cells; text = first–last block id)"
+    ticks = (dict(tickvals=(np.arange(w) + 0.5).tolist(), ticktext=[str(i) for i in range(w)])
+             if bins.shape[0] - 1 == w else dict(tickvals=None, ticktext=None))
+    fig.axis("x", len(panels), 1, title=dict(text=col_title), **{k: v for k, v in ticks.items() if v is not None})
+    total_rows = sum(t.shape[0] for _, t, _, _ in panels)
+    return fig.spec(height=int(200 + 24 * total_rows + 40 * len(panels)), margin=dict(l=90, r=20, t=60, b=60),
+                      title=dict(text=f"block tables (group {group}; W = {w} used columns)"))
+
+
+def block_tables_figure(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
+                        rank: int | None = None, highlight: str | None = None,
+                        colors: Mapping[str, int] | None = None, group: int = 0,
+                        flags: list[RowFlag] | None = None) -> go.Figure:
+    """``block_tables_spec`` as a ``go.Figure``."""
+    return as_figure(block_tables_spec(target, draft, draft_phase=draft_phase, rank=rank, highlight=highlight,
+                                       colors=colors, group=group, flags=flags))

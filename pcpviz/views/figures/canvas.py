@@ -1,0 +1,221 @@
+"""Drawing helpers shared by the trace-view figures: size limits, the level colours of the
+heatmaps, a tiny template, and ``_Canvas``, a subplot grid assembled as plain dicts.
+
+Figures are assembled as plain dicts (``_Canvas``) and wrapped in one ``go.Figure`` without
+re-validation: plotly's per-call validation (``make_subplots``, ``add_trace``, ``update_*``)
+cost far more than the data. ``validate_figure`` re-validates one, and the tests do so for
+every figure of the shipped trace.
+
+Heatmap cells hold a *level* (``_L_PAD`` grey padding, ``_L_DIM`` a dimmed request, ``_L_NULL``
+the null block, ``_L_WRITTEN`` / ``_L_REPLICA`` the write mask, ``_L_REQ0 + i`` request colour
+i); one stepped colorscale maps every level to its colour, so a PCP=2 step whose requests are
+req0 and req1 draws req0's tokens at level 6 and req1's at level 7.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+
+from pcpviz.views.figures.palette import DIM_COLOR, PAD_COLOR, heat_z, request_color
+
+__all__ = ["TOKEN_LIMIT", "MAX_CELLS", "TEXT_LIMIT", "BLOCK_COLUMNS", "TEMPLATE", "FLAG_COLOR",
+           "WRITTEN_COLOR", "REPLICA_COLOR", "NULL_COLOR", "DIM_COLOR", "PAD_COLOR",
+           "request_color_index", "validate_figure", "as_figure"]
+
+TOKEN_LIMIT = 1024
+"""Strips up to this many entries are drawn one cell (or marker) per token."""
+MAX_CELLS = 512
+"""Longer strips are drawn as runs; more runs than this are merged into this many cells."""
+TEXT_LIMIT = 130
+"""Cell text (chunk index, slot id, block id) only when a strip has at most this many cells."""
+_PLOT_PX = 900
+"""Nominal plot width (px) used to decide whether cell text fits: per-token cell text is drawn
+only when every cell is wide enough for its text (``_text_fits``); otherwise each run of a strip
+is labelled once (``_run_labels``) where the run is wide enough."""
+
+
+def _text_fits(n_cells: int, texts: Iterable[Any]) -> bool:
+    longest = max((len(str(t)) for t in texts if t is not None), default=0)
+    return n_cells > 0 and _PLOT_PX / n_cells >= 6.5 * longest + 3
+
+
+BLOCK_COLUMNS = 48
+"""Block-table columns are binned into at most this many cells per row."""
+
+FLAG_COLOR = "#d62728"
+WRITTEN_COLOR = "#1f77b4"
+REPLICA_COLOR = "#ff7f0e"
+NULL_COLOR = "#ffffff"
+
+# Heatmap levels: z holds a level; the colorscale is stepped, one colour per level.
+_L_PAD, _L_DIM, _L_NULL, _L_FLAG, _L_WRITTEN, _L_REPLICA = 0, 1, 2, 3, 4, 5
+_L_REQ0 = 6
+_FIXED_LEVEL_COLORS = [PAD_COLOR, DIM_COLOR, NULL_COLOR, "#f6c3c0", WRITTEN_COLOR, REPLICA_COLOR]
+_AXIS = {"gridcolor": "#ececec", "linecolor": "#999", "zerolinecolor": "#ddd", "automargin": True}
+TEMPLATE = {"layout": {"plot_bgcolor": "#fff", "paper_bgcolor": "#fff", "font": {"size": 11},
+                       "xaxis": _AXIS, "yaxis": _AXIS, "hoverlabel": {"align": "left"}}}
+"""A small inline template: plotly validates a template on every figure, and the default one is
+large enough to dominate the cost of one widget update."""
+
+
+_NUM_REQ_COLORS = 28
+
+
+def _stepped_colorscale(colors: Sequence[str]) -> list[list]:
+    m = len(colors)
+    scale = []
+    for i, c in enumerate(colors):
+        scale.append([i / m, c])
+        scale.append([(i + 1) / m, c])
+    return scale
+
+
+_LEVEL_COLORS = _FIXED_LEVEL_COLORS + [request_color(i) for i in range(_NUM_REQ_COLORS)]
+_LEVEL_SCALE = _stepped_colorscale(_LEVEL_COLORS)
+_LEVEL_RANGE = dict(zmin=-0.5, zmax=len(_LEVEL_COLORS) - 0.5)
+
+
+def request_color_index(req_ids: Iterable[str]) -> dict[str, int]:
+    """Stable colour index per request id, in order of first appearance."""
+    out: dict[str, int] = {}
+    for r in req_ids:
+        out.setdefault(str(r), len(out))
+    return out
+
+
+def _req_levels(req_ids: Sequence[str], colors: Mapping[str, int] | None,
+                highlight: str | None) -> np.ndarray:
+    """Level of each request row: its colour, or dim when another request is highlighted."""
+    out = np.empty(len(req_ids), dtype=np.int64)
+    for i, r in enumerate(req_ids):
+        c = colors.get(str(r), i) if colors is not None else i
+        out[i] = _L_REQ0 + c % _NUM_REQ_COLORS
+        if highlight is not None and str(r) != highlight:
+            out[i] = _L_DIM
+    return out
+
+
+class _Canvas:
+    """A figure under construction as plain dicts (a subplot grid like ``make_subplots``).
+
+    Building figures with ``make_subplots`` / ``add_trace(row=, col=)`` / ``update_xaxes`` runs
+    plotly's validators on every call, which costs far more than the data. Here traces and
+    axes are dicts; ``figure()`` makes one ``go.Figure`` without re-validating (``_validate=False``;
+    the tests validate every figure once with ``validate_figure``).
+
+    ``specs`` is a list of rows, each a list of column spans (``[[2], [1, 1]]``: a full-width
+    row, then two halves); axis pairs are numbered row-major like ``make_subplots``.
+    """
+
+    def __init__(self, specs: Sequence[Sequence[int]], *, row_heights: Sequence[float] | None = None,
+                 vertical_spacing: float = 0.1, horizontal_spacing: float = 0.08,
+                 subplot_titles: Sequence[str] = (), shared_x: bool = False,
+                 column_widths: Sequence[float] | None = None) -> None:
+        nrows = len(specs)
+        ncols = max(sum(r) for r in specs)
+        heights = np.asarray(row_heights if row_heights is not None else [1.0] * nrows, dtype=float)
+        avail = 1.0 - vertical_spacing * (nrows - 1)
+        heights = heights / heights.sum() * avail
+        widths = np.asarray(column_widths if column_widths is not None else [1.0] * ncols, dtype=float)
+        widths = widths / widths.sum() * (1.0 - horizontal_spacing * (ncols - 1))
+        self.layout: dict[str, Any] = {"template": TEMPLATE}
+        self.data: list[dict] = []
+        self.shapes: list[dict] = []
+        self.annotations: list[dict] = []
+        self.cells: dict[tuple[int, int], tuple[str, str]] = {}
+        top = 1.0
+        k = 0
+        titles = list(subplot_titles)
+        for r, spans in enumerate(specs):
+            y1 = top
+            y0 = max(top - heights[r], 0.0)
+            top = y0 - vertical_spacing
+            col = 0
+            for c, span in enumerate(spans):
+                x0 = float(widths[:col].sum() + horizontal_spacing * col)
+                x1 = float(widths[:col + span].sum() + horizontal_spacing * (col + span - 1))
+                col += span
+                k += 1
+                sx = "" if k == 1 else str(k)
+                xa, ya = f"x{sx}", f"y{sx}"
+                self.cells[(r + 1, c + 1)] = (xa, ya)
+                self.layout[f"xaxis{sx}"] = {"domain": [x0, min(x1, 1.0)], "anchor": ya}
+                self.layout[f"yaxis{sx}"] = {"domain": [y0, y1], "anchor": xa}
+                if shared_x and k > 1:
+                    self.layout[f"xaxis{sx}"]["matches"] = "x"
+                if k <= len(titles) and titles[k - 1]:
+                    self.annotations.append(dict(text=titles[k - 1], x=(x0 + x1) / 2, y=y1, xref="paper",
+                                                 yref="paper", xanchor="center", yanchor="bottom",
+                                                 showarrow=False, font={"size": 12}))
+
+    def ref(self, row: int = 1, col: int = 1) -> tuple[str, str]:
+        return self.cells[(row, col)]
+
+    def add(self, trace: dict, row: int = 1, col: int = 1) -> None:
+        xa, ya = self.ref(row, col)
+        self.data.append({**trace, "xaxis": xa, "yaxis": ya})
+
+    def axis(self, which: str, row: int = 1, col: int = 1, **props) -> None:
+        xa, ya = self.ref(row, col)
+        name = xa if which == "x" else ya
+        self.layout[f"{which}axis{name[1:]}"].update(props)
+
+    def spec(self, **layout) -> dict:
+        """The figure as plain data: ``{"data": [trace dicts], "layout": {...}}``."""
+        lay = {"autosize": True, **self.layout, **layout, "shapes": self.shapes, "annotations": self.annotations}
+        return {"data": self.data, "layout": lay}
+
+
+def as_figure(spec: dict) -> go.Figure:
+    """A figure spec (``{"data", "layout"}`` of plain dicts) as a ``go.Figure``, not re-validated."""
+    return go.Figure(spec, _validate=False)
+
+
+def validate_figure(fig: go.Figure) -> go.Figure:
+    """``fig`` rebuilt with plotly's validators on (raises ValueError on an invalid property)."""
+    return go.Figure(fig.to_plotly_json())
+
+
+def _vline(xref: str, yref: str, x: float, **line) -> dict:
+    return dict(type="line", xref=xref, yref=f"{yref} domain", x0=x, x1=x, y0=0, y1=1, line=line)
+
+
+def _hline(xref: str, yref: str, y: float, **line) -> dict:
+    return dict(type="line", xref=f"{xref} domain", yref=yref, x0=0, x1=1, y0=y, y1=y, line=line)
+
+
+def _range_text(a: int, b: int) -> str:
+    return f"{a}" if a == b else f"{a}–{b}"
+
+
+def _run_labels(xref: str, yref: str, starts: np.ndarray, stops: np.ndarray, texts: Sequence[str], y: float,
+                total: int, max_labels: int = 80, color: str = "#222") -> list[dict]:
+    """Annotations labelling runs ``[starts, stops)`` on a strip of ``total`` entries, one per run
+    that is wide enough for its text (at ``_PLOT_PX`` px for the whole strip)."""
+    out: list[dict] = []
+    if total <= 0:
+        return out
+    px = _PLOT_PX / total
+    for a, b, t in zip(starts, stops, texts):
+        if t and (b - a) * px >= 6.5 * len(t) + 4:
+            out.append(dict(x=(a + b) / 2, y=y, xref=xref, yref=yref, text=t, showarrow=False,
+                            font=dict(size=10, color=color)))
+            if len(out) >= max_labels:
+                break
+    return out
+
+
+def _heat(z, edges, labels, text=None, hover=None, show_text=True, name="", font_size=10,
+          xgap=1, ygap=3) -> dict:
+    """A level heatmap trace (dict). ``text`` and ``texttemplate`` are always present (empty
+    when hidden) so consecutive figures of a view keep the same properties and update in place."""
+    show = text is not None and show_text
+    return dict(
+        type="heatmap", z=heat_z(z), x=edges, y=labels, colorscale=_LEVEL_SCALE, showscale=False, xgap=xgap, ygap=ygap,
+        hovertext=hover if hover is not None else [], hoverinfo="text" if hover is not None else "skip",
+        name=name, text=text if show else [], texttemplate="%{text}" if show else "",
+        textfont=dict(size=font_size), **_LEVEL_RANGE,
+    )

@@ -1,0 +1,202 @@
+"""Data loading for the trace views: the record mappings of one step, the PCP layout rebuilt
+from them (``StepLayout``), which draft phase the draft panels show, the trace's request ids and
+its check report.
+
+A record is what ``trace.record(step, rank, phase)`` returns: view name -> NumPy array. For a
+PCP=2 step of the shipped trace (``cpu-pcp2-mtp2`` step 0: req0 prefills 23 tokens, req1 25)
+``step_layout(target)`` gives N = 2, P = 26, per-rank tokens [22, 26], and ``token_chunk`` the
+DualChunkSwap chunk of each of the 48 global tokens (chunks of ceil(23/4) = 6 and ceil(25/4) = 7).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from pcpviz.trace.reader import Record
+from pcpviz.trace.schema import SEGMENT_DTYPE
+
+__all__ = ["Rec", "StepLayout", "step_layout", "draft_source_phase", "trace_req_ids", "load_check_report"]
+
+Rec = Mapping[str, np.ndarray]
+"""One phase's views: ``trace.record(step, rank, phase)``."""
+
+
+def _arr(rec: Rec | None, name: str, default=None):
+    if rec is None or name not in rec:
+        return default
+    return np.asarray(rec[name])
+
+
+def _g2(a: np.ndarray | None) -> np.ndarray | None:
+    """A slot mapping as [G, n] (1-D arrays are one group)."""
+    if a is None:
+        return None
+    a = np.asarray(a)
+    return a[None, :] if a.ndim == 1 else a
+
+
+def _g3(a: np.ndarray | None) -> np.ndarray | None:
+    """A block table as [G, rows, W]."""
+    if a is None:
+        return None
+    a = np.asarray(a)
+    return a[None] if a.ndim == 2 else a
+
+
+def _str0(a) -> str:
+    a = np.asarray(a)
+    return str(a.item() if a.ndim == 0 else a.ravel()[0]) if a.size else ""
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """The PCP layout of one step, rebuilt from the recorded ``target`` views."""
+
+    req_ids: tuple[str, ...]
+    num_scheduled_tokens: np.ndarray  # int64[R]
+    query_start_loc: np.ndarray  # int64[R+1]
+    pcp: int  # N
+    padded: int  # P
+    per_rank_num_tokens: np.ndarray  # int64[N]
+    padded_gather_idx: np.ndarray  # int64[N*P]
+    hidden_restore_idx: np.ndarray  # int64[T]
+    kv_write_mask: np.ndarray  # bool[N*P]
+    segments: np.ndarray  # SEGMENT_DTYPE[S]
+    token_req: np.ndarray  # int64[T]: global row of each global token
+    token_chunk: np.ndarray  # int64[T]: DualChunkSwap chunk of each global token (0 if whole)
+    row_real: np.ndarray  # bool[N*P]: gathered row holds a token
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1]) if self.query_start_loc.size else 0
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    def row_req(self) -> np.ndarray:
+        """int64[N*P]: global request row of each gathered row, -1 on padding."""
+        t = self.num_tokens
+        g = np.clip(self.padded_gather_idx, 0, max(t - 1, 0))
+        return np.where(self.row_real & (t > 0), self.token_req[g] if t else -1, -1)
+
+    def row_status(self) -> np.ndarray:
+        """int8[N*P]: 2 written, 1 real but masked to PAD (an extra replica), 0 padding."""
+        return np.where(self.kv_write_mask, 2, np.where(self.row_real, 1, 0)).astype(np.int8)
+
+
+_LAYOUT_CACHE_SIZE = 16
+_layouts: OrderedDict[int, tuple[Record, StepLayout]] = OrderedDict()
+
+
+def step_layout(target: Rec) -> StepLayout:
+    """``StepLayout`` of a ``target`` record (needs the global-batch and layout views).
+
+    A trace's ``Record`` is read-only, so its layout is computed once and kept for the last
+    ``_LAYOUT_CACHE_SIZE`` records (each figure of a step asks for it); other mappings are
+    recomputed on every call.
+    """
+    if not isinstance(target, Record):
+        return _step_layout(target)
+    hit = _layouts.get(id(target))
+    if hit is not None and hit[0] is target:
+        _layouts.move_to_end(id(target))
+        return hit[1]
+    sl = _step_layout(target)
+    _layouts[id(target)] = (target, sl)
+    while len(_layouts) > _LAYOUT_CACHE_SIZE:
+        _layouts.popitem(last=False)
+    return sl
+
+
+def _step_layout(target: Rec) -> StepLayout:
+    req_ids = tuple(str(x) for x in np.asarray(target["req_ids"]).ravel())
+    q = np.asarray(target["num_scheduled_tokens"], dtype=np.int64)
+    qsl = _arr(target, "query_start_loc")
+    qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int64) if qsl is None else qsl.astype(np.int64)
+    per_rank = np.asarray(target["per_rank_num_tokens"], dtype=np.int64)
+    n = int(per_rank.shape[0])
+    gather = np.asarray(target["padded_gather_idx"], dtype=np.int64)
+    p = gather.shape[0] // max(n, 1)
+    mask = np.asarray(target["kv_write_mask"], dtype=bool)
+    restore = np.asarray(target["hidden_restore_idx"], dtype=np.int64)
+    segs = target.get("segments")
+    segs = np.zeros(0, dtype=SEGMENT_DTYPE) if segs is None else np.asarray(segs)
+    t = int(qsl[-1]) if qsl.size else 0
+    token_req = np.repeat(np.arange(q.shape[0]), q) if t else np.zeros(0, np.int64)
+    # A request is "whole" (decode-like: sharded to one rank or replicated) when one segment
+    # covers its whole query; otherwise DualChunkSwap cut it into 2N chunks of ceil(q/2N).
+    whole = np.zeros(q.shape[0], dtype=bool)
+    if not segs.size and "is_prefilling" in target:  # no segments recorded: decodes are whole
+        whole = ~np.asarray(target["is_prefilling"], dtype=bool)[: q.shape[0]]
+    if segs.size:
+        gi = segs["global_req_idx"].astype(np.int64)
+        ok = (gi >= 0) & (gi < q.shape[0])
+        cover = (segs["global_start"][ok] == qsl[gi[ok]]) & (segs["global_stop"][ok] == qsl[gi[ok] + 1])
+        whole[gi[ok][cover]] = True
+    chunk_size = np.maximum(-(-q // max(2 * n, 1)), 1)
+    if t:
+        offset = np.arange(t) - qsl[token_req]
+        token_chunk = np.where(whole[token_req], 0, offset // chunk_size[token_req])
+    else:
+        token_chunk = np.zeros(0, np.int64)
+    local = np.arange(p)
+    row_real = (local[None, :] < per_rank[:, None]).ravel()
+    return StepLayout(req_ids, q, qsl, n, p, per_rank, gather, restore, mask, segs,
+                      token_req, token_chunk.astype(np.int64), row_real)
+
+
+
+def draft_source_phase(phases: Iterable[str], selected: str | None) -> str | None:
+    """The draft phase the draft panels show: the selected one if it is a draft step, else
+    draft_1 (the first replicated one, where the gather matters), else draft_0."""
+    phases = list(phases)
+    if selected is not None and selected.startswith("draft_") and selected in phases:
+        return selected
+    for cand in ("draft_1", "draft_0"):
+        if cand in phases:
+            return cand
+    drafts = [p for p in phases if p.startswith("draft_")]
+    return drafts[0] if drafts else None
+
+
+def _is_replicated(draft: Rec, target: Rec | None) -> bool:
+    v = _arr(draft, "view")
+    if v is not None:
+        return _str0(v) == "replicated"
+    bt = _g3(_arr(draft, "block_table_draft"))
+    return target is not None and bt is not None and bt.shape[1] == len(np.asarray(target["req_ids"]))
+
+
+def _pad_cols(a: np.ndarray, w: int) -> np.ndarray:
+    if a.shape[-1] >= w:
+        return a[..., :w]
+    pad = [(0, 0)] * (a.ndim - 1) + [(0, w - a.shape[-1])]
+    return np.pad(a, pad)
+
+
+
+def load_check_report(trace: Any) -> Any | None:
+    """``pcpviz.analysis.checks.run_checks(trace)`` (imported on first use: the figures alone do not need it)."""
+    from pcpviz.analysis.checks import run_checks  # noqa: PLC0415
+
+    return run_checks(trace)
+
+
+def trace_req_ids(trace: Any) -> list[str]:
+    """Every request id of the trace, in order of first appearance (first rank)."""
+    out: dict[str, None] = {}
+    rank = trace.ranks[0]
+    for s in trace.rank_steps(rank):
+        for ph in ("target", "verify"):
+            if trace.has(s, rank, ph):
+                rec = trace.record(s, rank, ph)
+                if "req_ids" in rec:
+                    for r in np.asarray(rec["req_ids"]).ravel():
+                        out.setdefault(str(r), None)
+                break
+    return list(out)

@@ -1,0 +1,190 @@
+"""The draft-step timeline: one step as columns target -> draft_0 -> gather -> draft_1 .. ->
+verify, one row per request (global order).
+
+PCP=2, K=2 example (``cpu-pcp2-mtp2`` step 1): draft_0 runs rank-local (rank 0 sees only its
+own rows of each request), the block tables are gathered back to global order, and draft_1
+runs replicated on every rank with one row per request; verify then shows accepted / drafted.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import plotly.graph_objects as go
+
+from pcpviz.views.figures.block_tables import draft_block_table_flags
+from pcpviz.views.figures.canvas import DIM_COLOR, _Canvas, _range_text, _stepped_colorscale, _vline, as_figure
+from pcpviz.views.figures.step_data import Rec, _arr, _g2, _is_replicated, step_layout
+
+__all__ = ["draft_timeline_spec", "draft_timeline_figure"]
+
+_KIND_COLORS = {  # timeline cell backgrounds
+    "global": "#e3e9f3",
+    "rank_local": "#fde0c2",
+    "replicated": "#cfe3f6",
+    "ok": "#dcefd6",
+    "flag": "#f6c3c0",
+    "absent": "#f7f7f7",
+}
+
+
+def draft_timeline_spec(phases: Mapping[str, Rec], *, step: int | None = None, rank: int | None = None,
+                        selected_phase: str | None = None, highlight: str | None = None,
+                        group: int = 0) -> dict:
+    """One step as columns target → draft_0 → gather → draft_1 … → verify, one row per request
+    (global order). A cell says what the phase fed that request: positions and seq_lens
+    (draft_0: this rank's local rows only), the proposed token, the verify outcome. Orange =
+    rank-local, blue = replicated, grey = global batch; the gather column is green where the
+    draft rows equal the global rows and red where they are zero/stale."""
+    from pcpviz.trace.schema import phase_sort_key  # noqa: PLC0415 (cheap, avoids a cycle)
+
+    order = sorted((ph for ph in phases if ph != "dummy"), key=phase_sort_key)
+    target = phases.get("target")
+    verify = phases.get("verify")
+    base = target if target is not None else verify
+    req_ids = [str(x) for x in np.asarray(base["req_ids"]).ravel()] if base is not None and "req_ids" in base else []
+    r = len(req_ids)
+    drafts = [ph for ph in order if ph.startswith("draft_")]
+    has_replicated = any(_is_replicated(phases[ph], target) for ph in drafts)
+    cols: list[str] = []
+    for ph in order:
+        if ph.startswith("draft_") and has_replicated and "gather" not in cols and _is_replicated(phases[ph], target):
+            cols.append("gather")
+        cols.append(ph)
+    kinds = np.full((max(r, 1), len(cols)), "absent", dtype=object)
+    text = np.full((max(r, 1), len(cols)), "", dtype=object)
+    hover = np.full((max(r, 1), len(cols)), "", dtype=object)
+    ticks = []
+    sl = step_layout(target) if target is not None and "per_rank_num_tokens" in target else None
+    first_replicated = next((ph for ph in drafts if _is_replicated(phases[ph], target)), None)
+    gather_flags = draft_block_table_flags(target, phases[first_replicated], group) \
+        if first_replicated is not None and target is not None else []
+    flagged_rows = {f.row: f for f in gather_flags}
+    for c, ph in enumerate(cols):
+        if ph == "target" and target is not None and sl is not None:
+            pos = np.asarray(target["positions"])
+            sq = _arr(target, "seq_lens")
+            for i in range(r):
+                a, b = int(sl.query_start_loc[i]), int(sl.query_start_loc[i + 1])
+                if b > a:
+                    kinds[i, c] = "global"
+                    text[i, c] = f"pos {_range_text(int(pos[a]), int(pos[b - 1]))}" + \
+                        (f"<br>len {int(sq[i])}" if sq is not None else "")
+                    hover[i, c] = (f"{req_ids[i]} target (global batch): {b - a} tokens, positions "
+                                   f"{_range_text(int(pos[a]), int(pos[b - 1]))}")
+            ticks.append(f"<b>target</b><br>global T={sl.num_tokens}<br>→ P={sl.padded} rows/rank")
+        elif ph == "gather":
+            for i in range(r):
+                f = flagged_rows.get(i)
+                kinds[i, c] = "flag" if f else "ok"
+                text[i, c] = ("✗ zero row" if f.kind == "zero" else "✗ stale row") if f else "✓ global row"
+                hover[i, c] = (f.describe() + f"<br>expected {f.expected[:8].tolist()}<br>actual {f.actual[:8].tolist()}"
+                               if f else f"{req_ids[i]}: {first_replicated} uses its global block-table row")
+            ticks.append("<b>gather</b><br>block tables<br>→ global order")
+        elif ph == "verify" and verify is not None:
+            acc = _arr(verify, "num_accepted")
+            nd = _arr(verify, "num_draft_tokens")
+            ns = _arr(verify, "num_sampled")
+            vids = [str(x) for x in np.asarray(verify["req_ids"]).ravel()] if "req_ids" in verify else req_ids
+            for j, rid in enumerate(vids):
+                if rid not in req_ids:
+                    continue
+                i = req_ids.index(rid)
+                kinds[i, c] = "global"
+                parts = []
+                if acc is not None and nd is not None:
+                    parts.append(f"acc {int(acc[j])}/{int(nd[j])}")
+                if ns is not None:
+                    parts.append(f"{int(ns[j])} sampled")
+                text[i, c] = "<br>".join(parts)
+                hover[i, c] = f"{rid} verify: " + ", ".join(parts)
+            ticks.append("<b>verify</b> · global<br>accepted / drafted<br>(the previous step's drafts)")
+        elif ph.startswith("draft_"):
+            d = phases[ph]
+            dpos = _arr(d, "draft_positions", np.zeros(0, np.int64))
+            dsl = _arr(d, "draft_seq_lens", np.zeros(0, np.int64))
+            dtok = _arr(d, "draft_tokens")
+            sm = _g2(_arr(d, "slot_mapping_draft"))
+            sm_shape = f"[{sm.shape[0]}, {sm.shape[1]}]" if sm is not None else "?"
+            if _is_replicated(d, target):
+                for i in range(min(r, dpos.shape[0])):
+                    kinds[i, c] = "replicated"
+                    s = f"pos {int(dpos[i])}"
+                    if i < dsl.shape[0]:
+                        s += f"<br>len {int(dsl[i])}"
+                    if dtok is not None and i < dtok.shape[0]:
+                        s += f"<br>→ tok {int(dtok[i])}"
+                    text[i, c] = s
+                    hover[i, c] = f"{req_ids[i]} {ph} (replicated): " + s.replace("<br>", ", ")
+                    if ph == first_replicated and i in flagged_rows:
+                        kinds[i, c] = "flag"
+                ticks.append(f"<b>{ph}</b> · replicated<br>{dpos.shape[0]} rows (R)<br>slots {sm_shape} unexpanded")
+            else:
+                # rank-local: this rank's segments, in local-row order
+                lids = [str(x) for x in np.asarray(_arr(target, "local_req_ids", np.array([], dtype=str))).ravel()]
+                lqsl = _arr(target, "local_query_start_loc")
+                for i, rid in enumerate(req_ids):
+                    segs = [k for k, x in enumerate(lids) if x == rid]
+                    if not segs or lqsl is None:
+                        text[i, c] = f"— (not on rank {rank})" if rank is not None else "—"
+                        hover[i, c] = f"{rid} has no rows on this rank in {ph}"
+                        continue
+                    kinds[i, c] = "rank_local"
+                    ranges = []
+                    for k in segs:
+                        a, b = int(lqsl[k]), int(lqsl[k + 1])
+                        if b > a and b <= dpos.shape[0]:
+                            ranges.append(_range_text(int(dpos[a]), int(dpos[b - 1])))
+                    lens = [int(dsl[k]) for k in segs if k < dsl.shape[0]]
+                    text[i, c] = "pos " + ", ".join(ranges) + ("<br>len " + ", ".join(map(str, lens)) if lens else "")
+                    hover[i, c] = f"{rid} {ph} (rank-local, rank {rank}): positions {', '.join(ranges)}, seq_lens {lens}"
+                ticks.append(f"<b>{ph}</b> · rank-local<br>{dpos.shape[0]} local rows<br>slots {sm_shape} expanded")
+        else:
+            ticks.append(f"<b>{ph}</b>")
+    level_of = {k: i for i, k in enumerate(_KIND_COLORS)}
+    colors = list(_KIND_COLORS.values()) + [DIM_COLOR]
+    z = np.vectorize(lambda k: level_of[k])(kinds).astype(float) if kinds.size else np.zeros((1, 1))
+    if highlight is not None and highlight in req_ids:
+        dim = np.array([rid != highlight for rid in req_ids])
+        z[dim, :] = len(_KIND_COLORS)
+    ylabels = req_ids or [""]
+    fig = _Canvas([[1]])
+    fig.add(dict(
+        type="heatmap", z=z, x=list(range(len(cols))), y=ylabels, text=text, texttemplate="%{text}",
+        textfont=dict(size=10), hovertext=hover, hoverinfo="text", colorscale=_stepped_colorscale(colors),
+        zmin=-0.5, zmax=len(colors) - 0.5, showscale=False, xgap=3, ygap=3,
+    ))
+    fig.axis("y", autorange="reversed")
+    fig.axis("x", tickvals=list(range(len(cols))), ticktext=ticks, side="top", range=[-0.5, len(cols) - 0.5])
+    shapes = fig.shapes
+    annots = fig.annotations
+    if "gather" in cols:
+        g = cols.index("gather")
+        shapes.append(_vline("x", "y", g - 0.5, color="#7b3fa0", width=3, dash="dash"))
+        annots.append(dict(x=g - 0.5, y=0, xref="x", yref="paper", yanchor="top", xanchor="center",
+                           showarrow=False, yshift=-4, text="▲ view switch: rank-local → replicated "
+                           "(block tables gathered back to global order)", font=dict(color="#7b3fa0", size=11)))
+    if selected_phase in cols:
+        s = cols.index(selected_phase)
+        shapes.append(dict(type="rect", xref="x", yref="y", x0=s - 0.5, x1=s + 0.5, y0=-0.5, y1=max(r, 1) - 0.5,
+                           line=dict(color="#111", width=3)))
+    if highlight is not None and highlight in req_ids:
+        i = req_ids.index(highlight)
+        shapes.append(dict(type="rect", xref="x", yref="y", x0=-0.5, x1=len(cols) - 0.5, y0=i - 0.5, y1=i + 0.5,
+                           line=dict(color="#111", width=2, dash="dot")))
+    where = ", ".join(x for x in (f"step {step}" if step is not None else "",
+                                  f"rank {rank}" if rank is not None else "") if x)
+    return fig.spec(
+        title=dict(text=f"draft-step timeline ({where}): orange rank-local, blue replicated, grey global",
+                   y=0.99, yanchor="top"),
+        height=200 + 58 * max(r, 1), margin=dict(l=70, r=20, t=120, b=40),
+    )
+
+
+def draft_timeline_figure(phases: Mapping[str, Rec], *, step: int | None = None, rank: int | None = None,
+                          selected_phase: str | None = None, highlight: str | None = None,
+                          group: int = 0) -> go.Figure:
+    """``draft_timeline_spec`` as a ``go.Figure``."""
+    return as_figure(draft_timeline_spec(phases, step=step, rank=rank, selected_phase=selected_phase,
+                                         highlight=highlight, group=group))

@@ -1,0 +1,479 @@
+"""The pcpviz Workbench: one trace, linked controls, every view of a step.
+
+    from pcpviz.views.widgets import Workbench
+    wb = Workbench("../data/traces/cpu-pcp2-mtp2")     # or a pcpviz.trace.Trace
+    wb                                                  # in a notebook cell
+
+Controls (all linked): **step** slider, **phase** toggle (only the phases the step has on
+the selected rank: target, draft_0 .. draft_{K-1}, verify), **rank** dropdown, **highlight**
+(a request id; the others are dimmed). Views (``wb.figures``, plotly ``FigureWidget``s drawn by
+``pcpviz.views.figures``, one module per view):
+
+* ``token_order``   global batch vs each rank's local rows, gather/restore maps, KV write mask
+* ``timeline``      target → draft_0 (rank-local) → block-table gather → draft_1.. (replicated)
+                    → verify, with positions / seq_lens per request
+* ``block_tables``  global rows, the rank's local rows, the draft step's rows (zero/stale
+                    draft rows outlined in red)
+* ``slot_mappings`` global [G, T], gathered [G, N*P] with PAD, the write mask, the draft step's
+* ``acceptance``    rate per draft position (vLLM's definition), per request, per step
+
+and, when ``pcpviz.analysis.checks`` is importable, the check verdicts with a *jump* button per failed
+check that moves the controls to its first violation (which is also marked on the view).
+
+A control change re-renders only the views that depend on it (``AFFECTS``). Each view's figure
+is built as a plain spec (``pcpviz.views.figures.*_spec``, aggregated on the Python side: see
+``pcpviz.views.figures.aggregate``), kept in a cache keyed by what the view depends on (step, rank,
+phase or draft phase, highlight; ``clear_cache()`` empties it, replacing ``trace`` drops it), and
+pushed to its ``FigureWidget`` as the difference from what it shows (``pcpviz.views.widgets.push``).
+On a 128k-token, PCP=8, K=3 trace a control change takes a few tens of milliseconds on a 2-core
+CPU (``benchmarks/bench_workbench.py``, ``data/bench/workbench_cpu.json``).
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import time
+from collections import Counter, OrderedDict
+from typing import Any, Iterable, Mapping
+
+import ipywidgets as W
+import numpy as np
+import plotly.graph_objects as go
+from plotly.graph_objects import FigureWidget  # noqa: F401  (import cost paid at import, not at first build)
+
+from pcpviz.views import figures as fg
+from pcpviz.views.figures.step_data import _str0
+from pcpviz.views.widgets.push import push_spec
+from pcpviz.trace import Trace, phase_sort_key
+from pcpviz.trace import open as open_trace
+
+__all__ = ["Workbench", "AFFECTS", "VIEW_NAMES", "load_acceptance", "load_check_report", "violation_view"]
+
+VIEW_NAMES = ("token_order", "timeline", "block_tables", "slot_mappings", "acceptance")
+
+AFFECTS: dict[str, frozenset[str]] = {
+    "step": frozenset({"token_order", "timeline", "block_tables", "slot_mappings", "acceptance_marker"}),
+    "phase": frozenset({"timeline", "block_tables", "slot_mappings"}),
+    "rank": frozenset({"token_order", "timeline", "block_tables", "slot_mappings"}),
+    "highlight": frozenset({"token_order", "timeline", "block_tables", "slot_mappings", "acceptance"}),
+}
+"""Which views a control change re-renders (``acceptance_marker`` moves the step shading only)."""
+
+violation_view = fg.violation_view
+
+
+load_acceptance = fg.load_acceptance
+from_diff_acceptance = fg.from_diff_acceptance
+load_check_report = fg.load_check_report
+_trace_req_ids = fg.trace_req_ids
+
+
+SPEC_CACHE_SIZE = 256
+"""Figure specs kept per Workbench (least recently used dropped first): moving back to a step,
+rank, draft phase or highlight shown before costs a dictionary look-up."""
+
+
+class Workbench(W.VBox):
+    """Linked controls and views over one trace (see the module docstring).
+
+    Attributes for scripting and tests: ``trace``, the controls ``step`` / ``phase`` /
+    ``rank`` / ``highlight``, ``figures`` (view name -> ``go.FigureWidget``), ``render_counts``
+    (view name -> renders so far), ``last_update_s`` (seconds of the last control change),
+    ``check_report`` (or None), ``violations`` (first violation of each failed check),
+    ``flags`` (zero/stale draft block-table rows of the current step, rank and draft phase),
+    ``acceptance`` (``AcceptanceStats``) and ``jump_to(violation)``; ``show_explain(good)`` adds
+    the ``pcpviz.analysis.explain`` panel (then ``explanation`` and ``explain_panel``).
+
+    ``width`` is the figures' width in px (None: plotly's autosize).
+    """
+
+    def __init__(self, trace: Trace | str | os.PathLike, *, step: int | None = None, rank: int | None = None,
+                 phase: str | None = None, highlight: str | None = None, checks: bool = True,
+                 width: int | None = 940) -> None:
+        self.trace = trace if isinstance(trace, Trace) else open_trace(trace)
+        t = self.trace
+        if not t.steps:
+            raise ValueError(f"trace {t.path} has no complete step")
+        self.meta = dict(t.meta)
+        self.req_ids = _trace_req_ids(t)
+        self.colors = fg.request_color_index(self.req_ids)
+        self.render_counts: Counter[str] = Counter()
+        self.last_update_s = 0.0
+        self.flags: list[fg.RowFlag] = []
+        self._suspend = False
+        self._specs: OrderedDict[tuple, dict] = OrderedDict()  # (view, step, rank, ...) -> spec
+        self._flag_cache: dict[tuple, list[fg.RowFlag]] = {}
+        self._shown: dict[str, dict | None] = {}  # view -> the spec its FigureWidget shows
+        self._cached_for: Trace | None = None
+        # Figure width in px. FigureWidget sizes itself once, before JupyterLab attaches it, and
+        # falls back to plotly's 700 px; an explicit width is what reliably fills a notebook cell.
+        self.width = width
+
+        style = {"description_width": "70px"}
+        steps = list(t.steps)
+        self.step = W.SelectionSlider(options=steps, value=steps[0] if step is None else step, description="step",
+                                      continuous_update=False, style=style,
+                                      layout=W.Layout(width="420px"))
+        self.rank = W.Dropdown(options=[(f"rank {r}", r) for r in t.ranks],
+                               value=t.ranks[0] if rank is None else rank, description="rank", style=style,
+                               layout=W.Layout(width="170px"))
+        self.highlight = W.Dropdown(options=[("none", "")] + [(r, r) for r in self.req_ids],
+                                    value=highlight or "", description="highlight", style=style,
+                                    layout=W.Layout(width="230px"))
+        self.phase = W.ToggleButtons(options=self._phases(self.step.value, self.rank.value), description="phase",
+                                     style={"description_width": "70px", "button_width": "82px"})
+        if phase is not None:
+            self.phase.value = phase
+        else:
+            self.phase.value = fg.draft_source_phase(self.phase.options, None) or self.phase.options[0]
+        self.header = W.HTML(self._header_html())
+        self.status = W.HTML()
+        # An explicit small template: the default one costs ~60 ms per FigureWidget to set up.
+        self.figures: dict[str, go.FigureWidget] = {
+            name: go.FigureWidget(layout={"template": fg.TEMPLATE, "height": 300}) for name in VIEW_NAMES}
+        self.acceptance = load_acceptance(t)
+
+        t0 = time.perf_counter()
+        self.check_report = load_check_report(t) if checks else None
+        self.check_seconds = time.perf_counter() - t0
+        self.violations = self._violations()
+        self.checks_box = self._checks_widget()
+
+        self.step.observe(self._on_step, names="value")
+        self.rank.observe(self._on_rank, names="value")
+        self.phase.observe(self._on_phase, names="value")
+        self.highlight.observe(self._on_highlight, names="value")
+
+        titles = {
+            "token_order": "Token order — global batch vs each rank's rows",
+            "timeline": "Draft-step timeline",
+            "block_tables": "Block tables",
+            "slot_mappings": "Slot mappings",
+            "acceptance": "Acceptance",
+        }
+        view_boxes = []
+        for name in VIEW_NAMES:
+            view_boxes.append(W.HTML(f"<h4 style='margin:14px 0 0 4px'>{titles[name]}</h4>"))
+            view_boxes.append(self.figures[name])
+        controls = W.VBox([W.HBox([self.step, self.rank, self.highlight]), self.phase],
+                          layout=W.Layout(border="1px solid #ddd", padding="6px"))
+        children = [self.header, controls, self.status]
+        if self.checks_box is not None:
+            children.append(self.checks_box)
+        super().__init__(children + view_boxes)
+        self.add_class("pcpviz-workbench")
+        self._render(set(VIEW_NAMES))
+
+    # ------------------------------------------------------------------ data access
+
+    def _phases(self, step: int, rank: int) -> list[str]:
+        if not self.trace.has(step, rank, "target") and not self.trace.phases(step, rank):
+            return ["target"]
+        return sorted((p for p in self.trace.phases(step, rank) if p != "dummy"), key=phase_sort_key) or ["target"]
+
+    def records(self, step: int | None = None, rank: int | None = None) -> dict[str, Mapping[str, np.ndarray]]:
+        """``{phase: record}`` of a step on a rank (default: the current ones)."""
+        step = self.step.value if step is None else step
+        rank = self.rank.value if rank is None else rank
+        return {p: self.trace.record(step, rank, p) for p in self.trace.phases(step, rank)}
+
+    @property
+    def draft_phase(self) -> str | None:
+        """The draft step the block-table and slot-mapping panels show."""
+        return fg.draft_source_phase(self.phase.options, self.phase.value)
+
+    # ------------------------------------------------------------------ controls
+
+    def _on_step(self, change) -> None:
+        t0 = time.perf_counter()
+        opts = self._phases(change["new"], self.rank.value)
+        affected = set(AFFECTS["step"])
+        if list(self.phase.options) != opts:
+            keep = self.phase.value
+            self._suspend = True
+            try:
+                self.phase.options = opts
+                self.phase.value = keep if keep in opts else (fg.draft_source_phase(opts, None) or opts[0])
+            finally:
+                self._suspend = False
+        self._render(affected)
+        self.last_update_s = time.perf_counter() - t0
+
+    def _on_rank(self, change) -> None:
+        t0 = time.perf_counter()
+        opts = self._phases(self.step.value, change["new"])
+        if list(self.phase.options) != opts:
+            keep = self.phase.value
+            self._suspend = True
+            try:
+                self.phase.options = opts
+                self.phase.value = keep if keep in opts else opts[0]
+            finally:
+                self._suspend = False
+        self._render(set(AFFECTS["rank"]))
+        self.last_update_s = time.perf_counter() - t0
+
+    def _on_phase(self, change) -> None:
+        if self._suspend or change["new"] is None:
+            return
+        t0 = time.perf_counter()
+        self._render(set(AFFECTS["phase"]))
+        self.last_update_s = time.perf_counter() - t0
+
+    def _on_highlight(self, change) -> None:
+        t0 = time.perf_counter()
+        self._render(set(AFFECTS["highlight"]))
+        self.last_update_s = time.perf_counter() - t0
+
+    def set(self, *, step: int | None = None, rank: int | None = None, phase: str | None = None,
+            highlight: str | None = None) -> None:
+        """Move several controls at once (each view re-rendered at most once)."""
+        self._suspend = True
+        try:
+            if rank is not None:
+                self.rank.unobserve(self._on_rank, names="value")
+                self.rank.value = rank
+                self.rank.observe(self._on_rank, names="value")
+            if step is not None:
+                self.step.unobserve(self._on_step, names="value")
+                self.step.value = step
+                self.step.observe(self._on_step, names="value")
+            opts = self._phases(self.step.value, self.rank.value)
+            if list(self.phase.options) != opts:
+                self.phase.options = opts
+            if phase is not None and phase in opts:
+                self.phase.value = phase
+            elif self.phase.value not in opts:
+                self.phase.value = fg.draft_source_phase(opts, None) or opts[0]
+            if highlight is not None:
+                self.highlight.unobserve(self._on_highlight, names="value")
+                self.highlight.value = highlight
+                self.highlight.observe(self._on_highlight, names="value")
+        finally:
+            self._suspend = False
+        self._render(set(VIEW_NAMES))
+
+    def jump_to(self, violation: Any) -> None:
+        """Move the controls to a check violation (step, rank, phase)."""
+        rank = violation.rank if violation.rank is not None else self.rank.value
+        self.set(step=violation.step, rank=rank, phase=violation.phase)
+
+    def show_explain(self, good: Trace | str | os.PathLike | None = None, *, rerun: bool = False) -> Any:
+        """Add the ``pcpviz.analysis.explain`` panel under the checks (the verdict as its title, the
+        evidence and the ranked hypotheses inside, a *jump* to the top hypothesis's first
+        violation) and return the ``Explanation``. ``good``/``rerun`` as for ``explain``."""
+        from pcpviz.analysis.explain import explain
+
+        ex = explain(self.trace, good, rerun=rerun)
+        body = [W.HTML(f"<pre style='font-size:11px;white-space:pre-wrap'>{html.escape(ex.format())}</pre>")]
+        top = ex.top
+        first = None if top is None or self.check_report is None else \
+            self.check_report.results[top.caught_by].first_violation
+        if first is not None:
+            b = W.Button(description=f"jump: {top.fault} (step {first.step}, {first.phase})",
+                         button_style="danger", layout=W.Layout(width="auto"))
+            b.on_click(lambda _b, v=first: self.jump_to(v))
+            body.insert(0, b)
+        panel = W.Accordion(children=[W.VBox(body)])
+        what = top.fault if top is not None else "nothing to blame" if ex.ok else "no registered fault matches"
+        panel.set_title(0, ("✓ " if ex.ok else "✗ ") + f"explain: {ex.verdict}: {what}")
+        panel.selected_index = None if ex.ok else 0
+        self.explain_panel, self.explanation = panel, ex
+        kids = list(self.children)
+        kids.insert(kids.index(self.status) + 1 + (self.checks_box is not None), panel)
+        self.children = tuple(kids)
+        return ex
+
+    # ------------------------------------------------------------------ rendering
+
+    def _hl(self) -> str | None:
+        return self.highlight.value or None
+
+    def _marks(self, view: str, step: int, rank: int, draft_phase: str | None) -> list[str]:
+        return fg.violation_marks(self.violations, view, step, rank, draft_phase)
+
+    def clear_cache(self) -> None:
+        """Forget every figure built so far (the next change of each control rebuilds its views)."""
+        self._specs.clear()
+        self._flag_cache.clear()
+
+    def _caches(self) -> None:
+        """Drop every cached spec when ``trace`` was replaced since they were built."""
+        if self._cached_for is not self.trace:
+            self.clear_cache()
+            self._cached_for = self.trace
+
+    def _draft_flags(self, step: int, rank: int, draft_phase: str | None) -> list[fg.RowFlag]:
+        """Zero/stale rows of the draft step's block table (cached per step, rank, draft phase)."""
+        key = (step, rank, draft_phase)
+        if key not in self._flag_cache:
+            recs = self.records(step, rank)
+            target = recs.get("target")
+            draft = recs.get(draft_phase) if draft_phase else None
+            flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft)
+                             if target is not None else [])
+            self._flag_cache[key] = flags if isinstance(flags, list) else []  # a message: no flags
+        return self._flag_cache[key]
+
+    def _spec_key(self, view: str) -> tuple:
+        """What ``view`` depends on: the step, rank and highlight, and the selected phase (timeline)
+        or the draft phase the draft panels show (block tables, slot mappings); acceptance depends
+        on the highlight only (the step marker is laid over it)."""
+        hl = self._hl()
+        if view == "acceptance":
+            return (view, hl)
+        step, rank = self.step.value, self.rank.value
+        if view == "timeline":
+            return (view, step, rank, self.phase.value, hl)
+        if view in ("block_tables", "slot_mappings"):
+            return (view, step, rank, self.draft_phase, hl)
+        return (view, step, rank, hl)
+
+    def _spec(self, view: str) -> dict:
+        """The spec ``view`` shows for the current controls: built once, then cached."""
+        self._caches()
+        key = self._spec_key(view)
+        spec = self._specs.get(key)
+        if spec is None:
+            spec = self._build_or_explain(view)
+            self._specs[key] = spec
+            while len(self._specs) > SPEC_CACHE_SIZE:
+                self._specs.popitem(last=False)
+        else:
+            self._specs.move_to_end(key)
+        if view == "acceptance":
+            spec = {**spec, "layout": {**spec["layout"], "shapes": fg.acceptance_step_marker(self.step.value)}}
+        return spec
+
+    def _build(self, view: str) -> dict:
+        step, rank, hl = self.step.value, self.rank.value, self._hl()
+        if view == "acceptance":
+            return fg.acceptance_spec(self.acceptance, step=None, highlight=hl, colors=self.colors)
+        recs = self.records(step, rank)
+        target = recs.get("target")
+        dp = self.draft_phase
+        draft = recs.get(dp) if dp else None
+        if target is None:
+            return _message_spec(f"step {step} rank {rank}: no target phase recorded", height=160)
+        if view == "token_order":
+            spec = fg.token_order_spec(target, rank=rank, highlight=hl, colors=self.colors)
+        elif view == "timeline":
+            spec = fg.draft_timeline_spec(recs, step=step, rank=rank, selected_phase=self.phase.value,
+                                          highlight=hl)
+        elif view == "block_tables":
+            spec = fg.block_tables_spec(target, draft, draft_phase=dp, rank=rank, highlight=hl, colors=self.colors,
+                                        flags=self._draft_flags(step, rank, dp))
+        elif view == "slot_mappings":
+            spec = fg.slot_mappings_spec(target, draft, draft_phase=dp, highlight=hl, colors=self.colors)
+        else:
+            raise KeyError(view)
+        for text in self._marks(view, step, rank, dp):
+            spec = fg.mark_violation(spec, text)
+        return spec
+
+    def _build_or_explain(self, view: str) -> dict:
+        """``_build``, or a placeholder naming the view when a view the figure needs is missing
+        (traces from other producers may omit views) or malformed (``fg.drawn``)."""
+        return fg.drawn(view, self.step.value, self.rank.value, lambda: self._build(view))
+
+    def _render(self, views: Iterable[str]) -> None:
+        views = set(views)
+        self.flags = self._draft_flags(self.step.value, self.rank.value, self.draft_phase)
+        for name in VIEW_NAMES:
+            if name in views or (name == "acceptance" and "acceptance_marker" in views):
+                self._shown[name] = push_spec(self.figures[name], self._spec(name), self._shown.get(name),
+                                              width=self.width)
+                self.render_counts[name if name in views else "acceptance_marker"] += 1
+        self.status.value = self._status_html()
+
+    # ------------------------------------------------------------------ text panels
+
+    def _header_html(self) -> str:
+        m = self.meta
+        keys = ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "model", "device", "inject")
+        items = " · ".join(f"<b>{k}</b> {html.escape(str(m[k]))}" for k in keys if k in m and m[k] not in (None, []))
+        return (f"<div style='font-size:13px'><b>trace</b> <code>{html.escape(str(self.trace.path))}</code> — "
+                f"{len(self.trace.steps)} steps, ranks {self.trace.ranks}, "
+                f"requests {html.escape(', '.join(map(str, self.req_ids)))}"
+                f"<br>{items}</div>")
+
+    def _status_html(self) -> str:
+        step, rank, ph = self.step.value, self.rank.value, self.phase.value
+        recs = self.records(step, rank)
+        parts = [f"<b>step {step}</b> · rank {rank} · phase <b>{html.escape(str(ph))}</b>"]
+        rec = recs.get(ph)
+        if rec is not None and "view" in rec:
+            parts[-1] += f" ({html.escape(_str0(rec['view']))})"
+        target = recs.get("target")
+        if target is not None and "per_rank_num_tokens" in target:
+            sl = fg.step_layout(target)
+            parts.append(f"T={sl.num_tokens}, R={sl.num_reqs}, P={sl.padded}, per-rank "
+                         f"{sl.per_rank_num_tokens.tolist()}")
+        if self.draft_phase:
+            parts.append(f"draft panels show <b>{self.draft_phase}</b>")
+        line = " · ".join(parts)
+        if self.flags:
+            line += (f"<br><span style='color:#c00'>⚠ {len(self.flags)} {html.escape(self.draft_phase or '')} "
+                     f"block-table rows are zero/stale: " + "; ".join(html.escape(f.describe()) for f in self.flags[:3])
+                     + "</span>")
+        here = [v for v in self.violations if v.step == step and (v.rank is None or v.rank == rank)]
+        for v in here:
+            line += f"<br><span style='color:#c00'>✗ {html.escape(v.check)}: {html.escape(v.describe())}</span>"
+        return f"<div style='font-size:13px;margin:4px'>{line}</div>"
+
+    def _violations(self) -> list[Any]:
+        rep = self.check_report
+        if rep is None:
+            return []
+        out = []
+        for r in rep.results.values():
+            if getattr(r, "first_violation", None) is not None:
+                out.append(r.first_violation)
+        return out
+
+    def _checks_widget(self) -> W.Widget | None:
+        rep = self.check_report
+        if rep is None:
+            return W.HTML("<i>checks unavailable (pcpviz.analysis.checks not importable)</i>") if self._checks_missing() \
+                else None
+        rows = []
+        for name, r in rep.results.items():
+            color = {"pass": "#2a7", "fail": "#c00", "skipped": "#888"}.get(r.verdict, "#333")
+            first = html.escape(r.first_violation.describe()) if r.first_violation is not None else ""
+            rows.append(f"<tr><td style='color:{color};font-weight:bold'>{r.verdict.upper()}</td>"
+                        f"<td><code>{html.escape(name)}</code></td><td>{r.failed}/{r.evaluated}</td>"
+                        f"<td style='font-size:11px'>{first}</td></tr>")
+        table = W.HTML("<table style='font-size:12px;border-collapse:collapse' cellpadding='3'>"
+                       "<tr><th>verdict</th><th>check</th><th>failed/evaluated</th><th>first violation</th></tr>"
+                       + "".join(rows) + "</table>")
+        self.jump_buttons = []
+        for v in self.violations:
+            b = W.Button(description=f"jump: {v.check} (step {v.step}, rank {v.rank}, {v.phase})",
+                         button_style="danger", layout=W.Layout(width="auto"))
+            b.on_click(lambda _b, v=v: self.jump_to(v))
+            self.jump_buttons.append(b)
+        summary = (f"checks: {len(rep.passed)} passed, {len(rep.failed)} failed, {len(rep.skipped)} skipped"
+                   + (f" — first violation: {rep.first_violation.where()}" if rep.first_violation else ""))
+        status = getattr(rep, "status", None)  # pcpviz.trace.validate: whole trace, valid run.json
+        problems = [] if status is None else status.lines()
+        if problems:
+            summary = status.summary() + " — " + summary
+        notes = W.HTML("".join(f"<div style='color:#c00;font-size:12px'>⚠ {html.escape(line)}</div>"
+                               for line in problems))
+        acc = W.Accordion(children=[W.VBox([notes, W.HBox(self.jump_buttons, layout=W.Layout(flex_flow="row wrap")),
+                                            table])])
+        acc.set_title(0, ("✗ " if rep.failed or problems else "✓ ") + summary)
+        acc.selected_index = 0 if rep.failed or problems else None
+        return acc
+
+    @staticmethod
+    def _checks_missing() -> bool:
+        try:
+            import pcpviz.analysis.checks  # noqa: F401, PLC0415
+        except ImportError:
+            return True
+        return False
+
+
+_message_spec = fg.message_spec

@@ -1,0 +1,202 @@
+"""The HTML export: one self-contained file (plotly.js inlined, no network), a step control that
+swaps precomputed figures, the key views per step; opened in Chromium with the network cut off."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from html.parser import HTMLParser
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pcpviz.views.export.html import STEP_VIEWS, embedded_data, export_html, pack, unpack
+
+REPO = Path(__file__).resolve().parents[2]
+TRACE = REPO / "data" / "traces" / "cpu-pcp2-mtp2"
+SHOTS = REPO / "artifacts" / "browser"
+CHROME_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+               "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
+
+
+class _Refs(HTMLParser):
+    """Every URL-bearing attribute of every tag (script content is not parsed as tags)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs: list[tuple[str, str, str]] = []
+        self.tags: list[tuple[str, dict]] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        self.tags.append((tag, a))
+        for k in ("src", "href", "data", "action", "srcset", "poster"):
+            if a.get(k):
+                self.refs.append((tag, k, a[k]))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "report.html"
+    path = export_html(TRACE, out)
+    return Path(path)
+
+
+def test_export_is_one_self_contained_file(exported):
+    text = exported.read_text(encoding="utf-8")
+    p = _Refs()
+    p.feed(text)
+    remote = [r for r in p.refs if re.match(r"\s*(https?:)?//", r[2])]
+    assert not remote, f"remote references: {remote}"
+    assert not [t for t, a in p.tags if t == "link"], "no stylesheets or preloads are linked"
+    scripts = [a for t, a in p.tags if t == "script"]
+    assert scripts and not [a for a in scripts if "src" in a], "every script is inline"
+    assert "Plotly.newPlot" in text or "Plotly.react" in text
+    assert len(text) > 3_000_000, "plotly.js must be inlined (several MB)"
+    # the embedded data: every step of every rank, each with the four step views
+    data = embedded_data(text)
+    assert data["steps"] == list(range(13)) and data["ranks"] == [0, 1]
+    assert set(data["figs"]) == {f"{s},{r}" for s in range(13) for r in (0, 1)}
+    for entry in data["figs"].values():
+        assert set(STEP_VIEWS) <= set(entry)
+    # the step views differ between steps (step 0: 2 requests, step 1: 3)
+    assert data["figs"]["0,0"]["token_order"]["layout"]["title"] != data["figs"]["1,0"]["token_order"]["layout"]["title"]
+
+
+def test_pack_stores_repeated_subtrees_once_and_unpacks_to_the_same_values():
+    scale = [[0.0, "#d9d9d9"], [0.5, "#d9d9d9"], [0.5, "#1f77b4"], [1.0, "#1f77b4"]]
+    hover = "req0 · chunk 3<br>global token 18–22"
+    obj = {"figs": [{"colorscale": scale, "hovertext": [hover, "pad"], "z": [[6.0, None]]},
+                    {"colorscale": scale, "hovertext": [hover, "x"], "z": [[7.0, None]], "nan": None},
+                    {"$r": 0, "other": 1}],  # a key named like a reference is kept as it is
+           "n": 3, "s": "short"}
+    packed, shared = pack(obj, min_chars=24)
+    assert unpack(packed, shared) == obj
+    text = json.dumps(packed)
+    assert json.dumps(scale) not in text and sum(json.dumps(x) == json.dumps(scale) for x in shared) == 1
+    assert hover not in text and shared.count(hover) == 1
+    assert packed["figs"][2] == {"$r": 0, "other": 1}
+    assert pack({"a": [1, 2, 3], "b": [1, 2, 3]}, min_chars=5) == ({"a": {"$r": 0}, "b": {"$r": 0}}, [[1, 2, 3]])
+    assert pack({"a": [1, 2, 3], "b": [1, 2]}, min_chars=5) == ({"a": [1, 2, 3], "b": [1, 2]}, [])
+
+
+def test_exported_figures_equal_the_figures_the_workbench_draws(exported):
+    from pcpviz.views import figures
+    from pcpviz.trace import open as open_trace
+
+    data = embedded_data(exported.read_text(encoding="utf-8"))
+    t = open_trace(TRACE)
+    colors = figures.request_color_index(figures.trace_req_ids(t))
+    fig = figures.token_order_figure(t.record(1, 1, "target"), rank=1, colors=colors)
+    expected = json.loads(fig.to_json())
+    got = data["figs"]["1,1"]["token_order"]
+    assert got["data"] == [{k: v for k, v in tr.items() if k != "uid"} for tr in expected["data"]]
+    assert got["layout"]["title"] == expected["layout"]["title"]
+
+
+def test_export_rejects_unknown_rank(tmp_path):
+    with pytest.raises(ValueError, match="rank 7"):
+        export_html(TRACE, tmp_path / "x.html", ranks=[7])
+
+
+def test_export_renders_offline_and_the_step_control_swaps_figures(exported, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    page_file = tmp_path / "report.html"
+    shutil.copy(exported, page_file)
+    blocked: list[str] = []
+
+    def route(r):
+        if r.request.url.startswith("file://"):
+            r.continue_()
+        else:
+            blocked.append(r.request.url)
+            r.abort()
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROME_ARGS, timeout=60_000)
+        try:
+            ctx = browser.new_context(offline=True, viewport={"width": 1300, "height": 1000})
+            ctx.route("**/*", route)
+            page = ctx.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(page_file.as_uri())
+            page.wait_for_function("document.body.dataset.ready === '1'", timeout=60_000)
+            page.wait_for_function("document.querySelectorAll('.js-plotly-plot .main-svg').length >= 5",
+                                   timeout=60_000)
+            titles = lambda: page.evaluate(  # noqa: E731
+                "() => [...document.querySelectorAll('.js-plotly-plot')].map(p => (p.querySelector('.gtitle')"
+                " || {}).textContent || '')")
+            before = titles()
+            assert len(before) == 5 and all(before), before
+            assert "requests req0, req1" in before[0]
+            page.screenshot(path=str(SHOTS / "export_step0.png"), full_page=True)
+            page.focus("#step")
+            page.keyboard.press("ArrowRight")
+            page.wait_for_function("document.getElementById('step-label').textContent === '1'")
+            page.wait_for_timeout(300)
+            after = titles()
+            assert after[0] != before[0] and "requests req0, req2, req1" in after[0]
+            assert after[2] != before[2]  # block tables: W = 2 -> W = 4 used columns
+            assert "step 1" in page.inner_text("#status")
+            page.select_option("#rank", "1")
+            page.wait_for_timeout(300)
+            assert "rank 1" in page.inner_text("#status")
+            assert "◀" in page.evaluate("() => document.querySelector('.js-plotly-plot').textContent")
+            page.screenshot(path=str(SHOTS / "export_step1_rank1.png"), full_page=True)
+            assert not errors, errors
+            assert not blocked, f"the page tried to fetch {blocked}"
+        finally:
+            browser.close()
+
+
+MALFORMED_VIEWS = [  # (phase, view, damage): each made export or the Workbench raise before
+    ("draft_2", "draft_positions", lambda a: a.reshape(-1)[0]),  # a scalar
+    ("draft_1", "view", lambda a: np.asarray([], dtype=a.dtype)),  # the draft view's name: empty
+    ("target", "kv_write_mask", lambda a: a[None]),  # an extra axis
+    ("target", "local_req_ids", lambda a: np.concatenate([a, a[:1]])),  # a row too many
+    ("target", "req_ids", lambda a: a[:0]),  # empty
+    ("draft_1", "block_table_draft", lambda a: a.reshape(-1)),  # [G, R, B] flattened
+    ("target", "t_start_us", lambda a: np.asarray(np.nan)),  # not a time
+]
+
+
+@pytest.mark.parametrize("phase, view, damage", MALFORMED_VIEWS, ids=[f"{p}.{v}" for p, v, _ in MALFORMED_VIEWS])
+def test_malformed_views_are_drawn_as_a_message(tmp_path, phase, view, damage):
+    """A view with the wrong shape (valid checksums: a producer's bug, which the checks report)
+    costs its figure, not the export or the Workbench: the figure says which view, step and rank
+    it cannot draw. The Chrome trace stays strict JSON."""
+    import contextlib
+    import io
+    import sys
+
+    from pcpviz.cli import main
+    from pcpviz.views.widgets import Workbench
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+    from tracegen import clean_run, corrupt, first_step
+
+    run = clean_run(2)
+    step = first_step(run, lambda ph: phase in ph and (view in ("view", "t_start_us")
+                                                       or np.asarray(ph[phase][view]).size > 1))
+    if view == "t_start_us":  # synthetic runs record no times: give this phase some first
+        run.views(step, 0, phase).update(t_start_us=np.int64(0), t_end_us=np.int64(1))
+    corrupt(run, step, phase, view, damage, ranks=[0])
+    d = run.write(tmp_path / "t")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main(["export", str(d), "--html", str(tmp_path / "r.html"), "--chrome", str(tmp_path / "c.json")])
+    assert rc == 0 and not err.getvalue(), err.getvalue()
+    json.loads((tmp_path / "c.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the JSON"))
+    wb = Workbench(str(d), step=step, rank=0)
+    for p in wb.phase.options:
+        wb.set(phase=p)
+    titles = [(wb.figures[n].layout.title.text or "") for n in VIEW_NAMES_ALL]
+    assert not any("Traceback" in t for t in titles)
+
+
+VIEW_NAMES_ALL = ("token_order", "timeline", "block_tables", "slot_mappings", "acceptance")
