@@ -35,7 +35,7 @@ import numpy as np
 from pcpviz.analysis.acceptance import Acceptance, RequestAcceptance, StepAcceptance, acceptance
 from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
 from pcpviz.analysis.compare import first_difference, short_repr
-from pcpviz.trace import Trace, draft_index
+from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 
 __all__ = ["Acceptance", "RequestAcceptance", "StepAcceptance", "acceptance", "Divergence",

@@ -15,7 +15,6 @@ unreadable rank file, steps dropped after a damaged record, steps missing on som
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys

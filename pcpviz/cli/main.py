@@ -375,9 +375,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
             written = fn(trace, out)
         except (ValueError, OSError) as e:
             raise UsageError(f"pcpviz export: --{fmt} {out}: {' '.join(str(e).split())}") from None
-        for path in ([written] if isinstance(written, (str, bytes)) or not hasattr(written, "__iter__")
+        for shown in ([written] if isinstance(written, (str, bytes)) or not hasattr(written, "__iter__")
                      else written):
-            print(f"wrote {path}")
+            print(f"wrote {shown}")
     return exit_code(status, True)
 
 

@@ -72,7 +72,7 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     """Draft tokens int64[R, K] on the device. ``h``: the step's host inputs (``Worker``),
     ``dev``: the target's device inputs (reused by draft_0), ``hidden_local``: the target's
     rank-local hidden states."""
-    model, group, cfg = worker.model, worker.group, worker.cfg
+    group, cfg = worker.group, worker.cfg
     timer, faults = worker.timer, worker.faults
     k, n = cfg.num_speculative_tokens, group.world_size
     batch, local, shape = h.batch, h.local, h.shape

@@ -212,7 +212,6 @@ def _rank_chunks(
     in global row order. ``chunk_ids(rank, N)`` picks a split row's chunks."""
     out = []
     decode_ordinal = 0
-    num_chunks = 2 * pcp_world_size
     for req, query_len in enumerate(q.tolist()):
         if query_len == 0:
             continue

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from pcpviz.reference.batch import GlobalBatch, order_batch
-from pcpviz.reference.blocks import PAD_SLOT_ID, BlockTable, compute_slot_mappings, gather_block_table_rows
+from pcpviz.reference.blocks import PAD_SLOT_ID, BlockTable, compute_slot_mappings
 from pcpviz.reference.layout import PCPLayout, plan_layout
 
 __all__ = [

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -227,7 +226,7 @@ def test_async_recorder_failure_is_one_line_and_nothing_after_it_is_written():
 def test_step_record_takes_keyword_arguments_only():
     rec = StepRecord(0, 0)
     with pytest.raises(TypeError):
-        rec.verify(("r0",), np.zeros(1), None, 2, 0, 1)  # noqa: the positional form is gone
+        rec.verify(("r0",), np.zeros(1), None, 2, 0, 1)  # the positional form is gone
 
 
 # ---------------------------------------------------------------------------- host syncs

@@ -15,8 +15,8 @@ import torch
 from pcpviz.reference import batch as batch_mod
 from pcpviz.reference import blocks as blocks_mod
 from pcpviz.teaching import examples as teach
-from pcpviz.reference.batch import GlobalBatch, order_batch
-from pcpviz.reference.blocks import PAD_SLOT_ID, compute_slot_mappings, gather_block_table_rows, gathered_slot_mapping
+from pcpviz.reference.batch import order_batch
+from pcpviz.reference.blocks import PAD_SLOT_ID, gather_block_table_rows, gathered_slot_mapping
 from pcpviz.reference.layout import plan_layout
 from pcpviz.vllm.cpu_patches import FakePCPGroup, run_ranks
 

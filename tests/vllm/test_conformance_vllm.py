@@ -260,7 +260,7 @@ def test_gather_block_tables_equals_vllm_kernel(case, extra):
 def test_gathered_slot_mapping_equals_vllm_prepare_slot_mappings(case, block_size):
     n, batch, dcp, shard, pad_extra = case
     assume(batch.num_reqs > 0)
-    dcp = 1  # the PCP gathered mapping; DCP interleave is covered above
+    del dcp  # the PCP gathered mapping (DCP 1); DCP interleave is covered above
     shard = shard if n > 1 else True
     # every request-state slot gets enough blocks for its positions
     slots = int(batch.idx_mapping.max()) + 1

@@ -1,0 +1,220 @@
+"""The house rules of CONTRIBUTING.md, held by the code itself.
+
+* a module of ``pcpviz/`` stays under ``MAX_MODULE_LINES`` lines;
+* a function's code (its docstring aside: worked examples are welcome) under ``MAX_FUNCTION_LINES``;
+* no underscore name is imported from another pcpviz module (a module's private names are its own);
+* a public function or method takes at most three positional parameters (the rest keyword-only).
+
+``KNOWN`` lists the places that still break a rule, each with its size today: it may only
+shrink. A new offender, or a known one that grows, fails with the place and the rule; fixing
+one fails too until its line is removed here, so the list stays true.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+MAX_POSITIONAL = 3
+
+# rule -> {place: size today}
+KNOWN: dict[str, dict[str, int]] = {
+    "function-lines": {
+        "pcpviz/analysis/diff.py::diff_traces": 131,
+        "pcpviz/engine/launch.py::build_config": 87,
+        "pcpviz/engine/rank_main.py::run_rank": 155,
+        "pcpviz/engine/speculator.py::propose": 86,
+        "pcpviz/engine/train.py::main": 165,
+        "pcpviz/reference/layout.py::partition_batch": 95,
+        "pcpviz/views/export/chrome.py::_build": 93,
+        "pcpviz/views/figures/layout.py::layout_figure": 98,
+        "pcpviz/views/figures/slot_mappings.py::slot_mappings_spec": 83,
+        "pcpviz/views/figures/timeline.py::draft_timeline_spec": 146,
+        "pcpviz/views/figures/token_order.py::token_order_spec": 132,
+        "pcpviz/vllm/replay/driver.py::replay": 105,
+    },
+    "module-lines": {
+        "pcpviz/cli/main.py": 517,
+        "pcpviz/engine/launch.py": 529,
+        "pcpviz/engine/model.py": 659,
+        "pcpviz/reference/layout.py": 514,
+        "pcpviz/synthetic.py": 596,
+        "pcpviz/teaching/examples.py": 691,
+        "pcpviz/trace/reader.py": 538,
+        "pcpviz/trace/schema.py": 610,
+        "pcpviz/vllm/cpu_patches.py": 502,
+    },
+    "positional-params": {
+        "pcpviz/analysis/checks/context.py::Ctx.expect": 5,
+        "pcpviz/analysis/checks/context.py::Ctx.no_null_block": 5,
+        "pcpviz/costmodel/answers.py::pcp_curve": 4,
+        "pcpviz/engine/kv_cache.py::paged_mla_attention": 14,
+        "pcpviz/engine/kv_cache.py::paged_mla_attention_kernels": 12,
+        "pcpviz/engine/model.py::DecoderLayer.block": 4,
+        "pcpviz/engine/model.py::MLAttention.forward": 5,
+        "pcpviz/engine/model.py::TinyDSV3.mtp_forward": 5,
+        "pcpviz/engine/model.py::save_model": 4,
+        "pcpviz/engine/train.py::evaluate": 6,
+        "pcpviz/engine/train.py::evaluate_long": 5,
+        "pcpviz/engine/train.py::skip_positions": 5,
+        "pcpviz/reference/blocks.py::compute_slot_mappings": 6,
+        "pcpviz/reference/blocks.py::draft_decode_slot_mapping": 4,
+        "pcpviz/reference/blocks.py::gather_block_table_rows": 4,
+        "pcpviz/reference/layout.py::gather_maps": 7,
+        "pcpviz/reference/layout.py::rank_segments": 7,
+        "pcpviz/reference/layout.py::replicated_requests": 4,
+        "pcpviz/teaching/examples.py::draft_decode_io": 4,
+        "pcpviz/trace/codec.py::row_crc32": 6,
+        "pcpviz/views/figures/aggregate.py::cell_edges": 4,
+        "pcpviz/views/figures/aggregate.py::run_edges": 4,
+        "pcpviz/views/figures/layout.py::layout_figure": 4,
+        "pcpviz/views/figures/violations.py::drawn": 4,
+        "pcpviz/views/figures/violations.py::violation_marks": 5,
+        "pcpviz/vllm/oracle.py::vllm_compute_slot_mappings": 6,
+        "pcpviz/vllm/oracle.py::vllm_gather_block_tables": 4,
+        "pcpviz/vllm/recording/drafts.py::DraftContext.on_dflash_inputs": 4,
+        "pcpviz/vllm/recording/recorder.py::RankRecorder.on_partition": 4,
+        "pcpviz/vllm/recording/recorder.py::RankRecorder.on_postprocess_sampled": 5,
+        "pcpviz/vllm/replay/driver.py::replay": 5,
+        "pcpviz/vllm/replay/scheduler.py::ScriptedScheduler.update": 4,
+        "pcpviz/vllm/replay/stand_ins.py::StandInMTP.forward": 4,
+        "pcpviz/vllm/replay/step.py::dflash_inputs_without_gather": 4,
+        "pcpviz/vllm/replay/step.py::rank_step": 4,
+        "pcpviz/vllm/replay/step.py::stand_in_sampler": 5,
+    },
+    "underscore-import": {
+        "pcpviz/analysis/checks/draft_checks.py: _g2": 1,
+        "pcpviz/analysis/checks/draft_checks.py: _g3": 1,
+        "pcpviz/analysis/checks/draft_checks.py: _str0": 1,
+        "pcpviz/analysis/checks/draft_checks.py: _token_rows": 1,
+        "pcpviz/analysis/checks/layout_checks.py: _g2": 1,
+        "pcpviz/analysis/checks/layout_checks.py: _g3": 1,
+        "pcpviz/analysis/checks/layout_checks.py: _rank_segments": 1,
+        "pcpviz/analysis/checks/layout_checks.py: _segment_rows": 1,
+        "pcpviz/analysis/checks/layout_checks.py: _segments": 1,
+        "pcpviz/analysis/checks/layout_checks.py: _str0": 1,
+        "pcpviz/analysis/checks/step_checks.py: _g2": 1,
+        "pcpviz/analysis/checks/step_checks.py: _token_rows": 1,
+        "pcpviz/costmodel/__main__.py: _repo_root": 1,
+        "pcpviz/costmodel/points.py: _repo_root": 1,
+        "pcpviz/trace/validate.py: _steps_summary": 1,
+        "pcpviz/views/figures/acceptance.py: _Canvas": 1,
+        "pcpviz/views/figures/block_tables.py: _Canvas": 1,
+        "pcpviz/views/figures/block_tables.py: _L_NULL": 1,
+        "pcpviz/views/figures/block_tables.py: _arr": 1,
+        "pcpviz/views/figures/block_tables.py: _g3": 1,
+        "pcpviz/views/figures/block_tables.py: _heat": 1,
+        "pcpviz/views/figures/block_tables.py: _is_replicated": 1,
+        "pcpviz/views/figures/block_tables.py: _range_text": 1,
+        "pcpviz/views/figures/block_tables.py: _req_levels": 1,
+        "pcpviz/views/figures/block_tables.py: _text_fits": 1,
+        "pcpviz/views/figures/slot_mappings.py: _Canvas": 1,
+        "pcpviz/views/figures/slot_mappings.py: _L_NULL": 1,
+        "pcpviz/views/figures/slot_mappings.py: _L_PAD": 1,
+        "pcpviz/views/figures/slot_mappings.py: _L_REPLICA": 1,
+        "pcpviz/views/figures/slot_mappings.py: _L_WRITTEN": 1,
+        "pcpviz/views/figures/slot_mappings.py: _arr": 1,
+        "pcpviz/views/figures/slot_mappings.py: _g2": 1,
+        "pcpviz/views/figures/slot_mappings.py: _heat": 1,
+        "pcpviz/views/figures/slot_mappings.py: _is_replicated": 1,
+        "pcpviz/views/figures/slot_mappings.py: _range_text": 1,
+        "pcpviz/views/figures/slot_mappings.py: _req_levels": 1,
+        "pcpviz/views/figures/slot_mappings.py: _run_labels": 1,
+        "pcpviz/views/figures/slot_mappings.py: _text_fits": 1,
+        "pcpviz/views/figures/slot_mappings.py: _vline": 1,
+        "pcpviz/views/figures/timeline.py: _Canvas": 1,
+        "pcpviz/views/figures/timeline.py: _arr": 1,
+        "pcpviz/views/figures/timeline.py: _g2": 1,
+        "pcpviz/views/figures/timeline.py: _is_replicated": 1,
+        "pcpviz/views/figures/timeline.py: _range_text": 1,
+        "pcpviz/views/figures/timeline.py: _stepped_colorscale": 1,
+        "pcpviz/views/figures/timeline.py: _vline": 1,
+        "pcpviz/views/figures/token_order.py: _Canvas": 1,
+        "pcpviz/views/figures/token_order.py: _L_PAD": 1,
+        "pcpviz/views/figures/token_order.py: _L_REPLICA": 1,
+        "pcpviz/views/figures/token_order.py: _L_WRITTEN": 1,
+        "pcpviz/views/figures/token_order.py: _heat": 1,
+        "pcpviz/views/figures/token_order.py: _hline": 1,
+        "pcpviz/views/figures/token_order.py: _range_text": 1,
+        "pcpviz/views/figures/token_order.py: _req_levels": 1,
+        "pcpviz/views/figures/token_order.py: _run_labels": 1,
+        "pcpviz/views/figures/token_order.py: _run_lines": 1,
+        "pcpviz/views/figures/token_order.py: _text_fits": 1,
+        "pcpviz/views/figures/token_order.py: _vline": 1,
+        "pcpviz/views/widgets/workbench.py: _str0": 1,
+    },
+}
+
+
+def _code_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    body = fn.body
+    signature = body[0].lineno - fn.lineno  # the def line(s), up to the first statement
+    if isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    if not body:
+        return signature
+    return signature + body[-1].end_lineno - body[0].lineno + 1
+
+
+def _public_defs(tree: ast.Module):
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+            yield node.name, node
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for sub in node.body:
+                if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)) and not sub.name.startswith("_"):
+                    yield f"{node.name}.{sub.name}", sub
+
+
+def measure(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """Every breach of the rules under ``root/pcpviz``: rule -> {place: size}."""
+    out: dict[str, dict[str, int]] = {k: {} for k in KNOWN}
+    for p in sorted((root / "pcpviz").rglob("*.py")):
+        rel = p.relative_to(root).as_posix()
+        src = p.read_text()
+        lines = src.count("\n")
+        if lines > MAX_MODULE_LINES:
+            out["module-lines"][rel] = lines
+        tree = ast.parse(src)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = _code_lines(node)
+                if n > MAX_FUNCTION_LINES:
+                    out["function-lines"][f"{rel}::{node.name}"] = n
+            if isinstance(node, ast.ImportFrom) and node.module and (node.module.startswith("pcpviz") or node.level):
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        out["underscore-import"][f"{rel}: {a.name}"] = 1
+        for name, fn in _public_defs(tree):
+            args = [a.arg for a in fn.args.posonlyargs + fn.args.args if a.arg not in ("self", "cls")]
+            if len(args) > MAX_POSITIONAL:
+                out["positional-params"][f"{rel}::{name}"] = len(args)
+    return out
+
+
+@pytest.mark.parametrize("rule", sorted(KNOWN))
+def test_rule_holds_or_shrinks(rule):
+    now = measure()[rule]
+    new = {k: v for k, v in now.items() if k not in KNOWN[rule] or v > KNOWN[rule][k]}
+    assert not new, f"{rule}: new or grown: " + "; ".join(f"{k} ({v})" for k, v in sorted(new.items()))
+    fixed = sorted(set(KNOWN[rule]) - set(now))
+    assert not fixed, f"{rule}: fixed, remove from KNOWN: {', '.join(fixed)}"
+
+
+def test_rules_catch_a_planted_breach(tmp_path):
+    """Each rule is live: a planted module breaking all four is reported under each."""
+    pkg = tmp_path / "pcpviz"
+    pkg.mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES + 1))
+    (pkg / "bad.py").write_text("from pcpviz.other import _private\n\n\ndef f(a, b, c, d):\n"
+                                f'    """doc"""\n{body}\n    return 0\n' + "\n" * MAX_MODULE_LINES)
+    got = measure(tmp_path)
+    assert got["module-lines"] and got["function-lines"] == {"pcpviz/bad.py::f": MAX_FUNCTION_LINES + 3}  # def + body + return
+    assert got["underscore-import"] == {"pcpviz/bad.py: _private": 1}
+    assert got["positional-params"] == {"pcpviz/bad.py::f": 4}
