@@ -160,7 +160,7 @@ DEEPSEEK_V3_CONFIG = {
 
 def tiny_model(model_dir: str | None = None) -> ModelSpec:
     """The shipped model, read from its ``config.json`` (bf16 weights and latent cache)."""
-    from pcpviz.engine.model import default_model_dir, read_config
+    from pcpviz.engine.model_config import default_model_dir, read_config
 
     cfg = read_config(model_dir or default_model_dir()).to_hf_dict()
     return ModelSpec.from_hf("tiny", cfg, weight_bytes=2.0, kv_bytes=2.0)

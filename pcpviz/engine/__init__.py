@@ -1,7 +1,7 @@
 """pcpviz.engine: the tiny DeepSeek-V3 (MLA + MTP) model and the PCP + MTP engine around it.
 
 Kept light on purpose: importing the package imports nothing heavy; submodules
-(``pcpviz.engine.model``, ``.tokenizer``, ``.corpus``, ``.train``, ...) are imported on demand.
+(``pcpviz.engine.model``, ``.model_config``, ``.checkpoint``, ``.tokenizer``, ``.corpus``, ``.train``, ...) are imported on demand.
 """
 
 _LAZY = {

@@ -146,7 +146,8 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
     (``pcpviz run --write-config``). Raises ValueError with a one-line
     reason naming the option."""
     from pcpviz.faults import validate_faults
-    from pcpviz.engine.model import check_model_dir, default_model_dir
+    from pcpviz.engine.checkpoint import check_model_dir
+    from pcpviz.engine.model_config import default_model_dir
     from pcpviz.engine.tokenizer import EOS_ID, encode
     from pcpviz.trace.owner import check_target
 

@@ -24,7 +24,7 @@ therefore the logits are identical.)
 
 Usage::
 
-    model = load_model("data/models/pcpviz-tiny-dsv3", device="cpu", dtype=torch.float32)
+    model = load_model("data/models/pcpviz-tiny-dsv3", device="cpu", dtype=torch.float32)  # .checkpoint
     attn = causal_attention(model)                       # reference attention, one sequence
     hidden = model.forward_hidden(ids, positions, attn)   # [T, hidden] (after final norm)
     logits = model.logits(hidden)                        # [T, vocab]
@@ -38,199 +38,20 @@ The MTP convention is vLLM's: at position p the MTP layer combines the main mode
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-import os
-import struct
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = [
-    "TinyDSV3Config", "TinyDSV3", "AttnFn", "load_model", "save_model", "causal_attention",
-    "apply_rope", "rope_cos_sin", "read_config", "DEFAULT_MODEL_NAME", "default_model_dir",
-]
+from pcpviz.engine.model_config import TinyDSV3Config
 
-DEFAULT_MODEL_NAME = "pcpviz-tiny-dsv3"
+__all__ = ["TinyDSV3", "AttnFn", "causal_attention", "apply_rope", "rope_cos_sin"]
 
 # attn(layer_idx, q_nope [T,H,Dn], q_pe [T,H,Dr], kv_c [T,R], k_pe [T,Dr]) -> [T, H, Dv]
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-
-def default_model_dir() -> str:
-    """``data/models/pcpviz-tiny-dsv3`` of this checkout."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.normpath(os.path.join(here, "..", "..", "data", "models", DEFAULT_MODEL_NAME))
-
-
-# --------------------------------------------------------------------------------------------
-# configuration
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TinyDSV3Config:
-    vocab_size: int = 264
-    hidden_size: int = 256
-    intermediate_size: int = 768
-    num_layers: int = 2  # main decoder layers (HF num_hidden_layers); MTP layer index == this
-    num_heads: int = 4
-    kv_lora_rank: int = 512
-    q_lora_rank: Optional[int] = None
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    max_position_embeddings: int = 32768
-    num_mtp_layers: int = 1
-    bos_token_id: int = 256
-    eos_token_id: int = 257
-    pad_token_id: int = 258
-    initializer_range: float = 0.02
-    torch_dtype: str = "bfloat16"  # storage dtype of the checkpoint
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def softmax_scale(self) -> float:
-        # transformers DeepseekV3Attention: qk_head_dim ** -0.5, times mscale**2 only for
-        # non-default rope types (not used here).
-        return self.qk_head_dim ** (-0.5)
-
-    @property
-    def mtp_layer_idx(self) -> int:
-        return self.num_layers
-
-    def to_hf_dict(self) -> dict:
-        """The HF ``config.json`` contents (loads as ``transformers.DeepseekV3Config``)."""
-        n = self.num_layers
-        return {
-            "architectures": ["DeepseekV3ForCausalLM"],
-            "model_type": "deepseek_v3",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "moe_intermediate_size": self.intermediate_size,
-            "num_hidden_layers": n,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_heads,
-            "kv_lora_rank": self.kv_lora_rank,
-            "q_lora_rank": self.q_lora_rank,
-            "qk_nope_head_dim": self.qk_nope_head_dim,
-            "qk_rope_head_dim": self.qk_rope_head_dim,
-            "v_head_dim": self.v_head_dim,
-            # Dense MLP everywhere, the MTP block (layer index n) included: no MoE layer exists.
-            "n_routed_experts": 0,
-            "n_shared_experts": 0,
-            "num_experts_per_tok": None,
-            "n_group": None,
-            "topk_group": None,
-            "first_k_dense_replace": n + self.num_mtp_layers,
-            "moe_layer_freq": 1,
-            "hidden_act": "silu",
-            "max_position_embeddings": self.max_position_embeddings,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "rope_interleave": True,
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "tie_word_embeddings": False,
-            "num_nextn_predict_layers": self.num_mtp_layers,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "pad_token_id": self.pad_token_id,
-            "initializer_range": self.initializer_range,
-            "use_cache": True,
-            "torch_dtype": self.torch_dtype,
-        }
-
-    @classmethod
-    def from_hf_dict(cls, d: dict) -> "TinyDSV3Config":
-        if d.get("model_type") != "deepseek_v3":
-            raise ValueError(f"not a deepseek_v3 config: model_type={d.get('model_type')!r}")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            raise ValueError(f"only plain rope is supported, got {rope}")
-        theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        n = d["num_hidden_layers"]
-        n_experts = d.get("n_routed_experts") or 0
-        if n_experts and d.get("first_k_dense_replace", 0) < n + d.get("num_nextn_predict_layers", 0):
-            raise ValueError("MoE layers are not supported by TinyDSV3")
-        if d.get("hidden_act", "silu") != "silu" or d.get("attention_bias", False):
-            raise ValueError("only silu MLP and bias-free attention are supported")
-        if d.get("tie_word_embeddings", False):
-            raise ValueError("tie_word_embeddings=True is not supported")
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=n,
-            num_heads=d["num_attention_heads"],
-            kv_lora_rank=d["kv_lora_rank"],
-            q_lora_rank=d.get("q_lora_rank"),
-            qk_nope_head_dim=d["qk_nope_head_dim"],
-            qk_rope_head_dim=d["qk_rope_head_dim"],
-            v_head_dim=d["v_head_dim"],
-            rope_theta=float(theta),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=d.get("max_position_embeddings", 4096),
-            num_mtp_layers=d.get("num_nextn_predict_layers", 0),
-            bos_token_id=d.get("bos_token_id", 256),
-            eos_token_id=d.get("eos_token_id", 257),
-            pad_token_id=d.get("pad_token_id", 258),
-            initializer_range=d.get("initializer_range", 0.02),
-            torch_dtype=d.get("torch_dtype", d.get("dtype", "bfloat16")) or "bfloat16",
-        )
-
-
-def read_config(model_dir: str) -> TinyDSV3Config:
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        return TinyDSV3Config.from_hf_dict(json.load(f))
-
-
-def check_model_dir(model_dir: str) -> TinyDSV3Config:
-    """The model's config, after checking that ``config.json`` parses and ``model.safetensors``
-    is a whole safetensors file holding exactly the tensors the config needs, with their
-    shapes (its header only: cheap). ValueError naming the file otherwise, so a damaged model
-    is bad input before any rank starts, not a rank failure."""
-    from safetensors import safe_open
-
-    cfg_path = os.path.join(model_dir, "config.json")
-    if not os.path.isdir(model_dir):
-        why = "is not a directory" if os.path.exists(model_dir) else "does not exist"
-        raise ValueError(f"model directory {model_dir} {why}")
-    if not os.path.isfile(cfg_path):
-        raise ValueError(f"model directory {model_dir} has no config.json")
-    try:
-        if os.path.getsize(cfg_path) > 1 << 20:
-            raise ValueError("larger than 1 MiB")
-        cfg = read_config(model_dir)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        why = f"missing key {exc}" if isinstance(exc, KeyError) else " ".join(str(exc).split())
-        raise ValueError(f"{cfg_path}: not a usable model config ({why})") from None
-    weights = os.path.join(model_dir, "model.safetensors")
-    try:
-        with safe_open(weights, framework="pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise ValueError(f"{weights}: not a readable safetensors file ({' '.join(str(exc).split())})") from None
-    with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in TinyDSV3(cfg).state_dict().items()}
-    if set(want) != set(shapes):
-        missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
-        raise ValueError(f"{weights}: tensors do not match {cfg_path} (missing {missing[:3]}, "
-                         f"unexpected {extra[:3]})")
-    bad = next((k for k in want if want[k] != shapes[k]), None)
-    if bad is not None:
-        raise ValueError(f"{weights}: tensor {bad} has shape {list(shapes[bad])}, the config needs "
-                         f"{list(want[bad])}")
-    return cfg
 
 
 # --------------------------------------------------------------------------------------------
@@ -581,79 +402,3 @@ def _masked_attention(q, k, v, pos, scale, block: Optional[int] = None):
         p = torch.softmax(sc, dim=-1)
         outs.append(torch.einsum("hls,shd->lhd", p, vf[:n_keys]))
     return torch.cat(outs, dim=0).to(v.dtype)
-
-
-# --------------------------------------------------------------------------------------------
-# (de)serialization
-# --------------------------------------------------------------------------------------------
-
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def _write_safetensors_fallback(tensors: dict, path: str, metadata: dict) -> None:
-    """Minimal safetensors writer (used only where the ``safetensors`` package is missing)."""
-    header: dict = {"__metadata__": metadata}
-    offset = 0
-    names = sorted(tensors)
-    for name in names:
-        t = tensors[name]
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    hdr = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    hdr += b" " * ((8 - len(hdr) % 8) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(hdr)))
-        f.write(hdr)
-        for name in names:
-            t = tensors[name].contiguous().view(-1).view(torch.uint8)
-            try:
-                f.write(t.numpy().tobytes())
-            except Exception:  # no numpy
-                f.write(bytes(t.tolist()))
-
-
-def save_model(model: TinyDSV3, out_dir: str, dtype: Optional[torch.dtype] = None,
-               metadata: Optional[dict] = None, *, force_fallback_writer: bool = False) -> str:
-    """Write ``config.json`` + ``model.safetensors`` (checkpoint names) into ``out_dir``."""
-    os.makedirs(out_dir, exist_ok=True)
-    cfg = model.config
-    if dtype is None:
-        dtype = getattr(torch, cfg.torch_dtype)
-    cfg = dataclasses.replace(cfg, torch_dtype=str(dtype).replace("torch.", ""))
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg.to_hf_dict(), f, indent=2)
-        f.write("\n")
-    tensors = model.hf_state_dict(dtype)
-    meta = {"format": "pt"}
-    meta.update({k: str(v) for k, v in (metadata or {}).items()})
-    path = os.path.join(out_dir, "model.safetensors")
-    try:
-        if force_fallback_writer:
-            raise ImportError
-        from safetensors.torch import save_file
-    except ImportError:
-        _write_safetensors_fallback(tensors, path, meta)
-    else:
-        save_file(tensors, path, metadata=meta)
-    os.chmod(path, 0o644)
-    return path
-
-
-def load_model(model_dir: Optional[str] = None, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> TinyDSV3:
-    """Build :class:`TinyDSV3` from ``config.json`` + ``model.safetensors`` (strict names)."""
-    from safetensors.torch import load_file
-
-    model_dir = model_dir or default_model_dir()
-    cfg = read_config(model_dir)
-    with torch.device("meta"):
-        model = TinyDSV3(cfg)
-    state = load_file(os.path.join(model_dir, "model.safetensors"), device="cpu")
-    expected = set(model.state_dict())
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        raise ValueError(f"checkpoint mismatch: missing={sorted(missing)} unexpected={sorted(unexpected)}")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    return model.to(device=device).eval()

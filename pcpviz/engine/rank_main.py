@@ -29,7 +29,7 @@ def run_rank(cfg: dict) -> dict | None:
 
     from pcpviz.analysis.acceptance import Counts, count, json_ratio
     from pcpviz.engine.dist import init_process_group
-    from pcpviz.engine.model import load_model
+    from pcpviz.engine.checkpoint import load_model
     from pcpviz.engine.phases import PhaseTimer
     from pcpviz.engine.recorder import AsyncRecorder
     from pcpviz.engine.scheduler import Scheduler, SchedulerOutput

@@ -87,7 +87,9 @@ import torch.nn.functional as F
 
 from . import corpus as corpus_mod
 from . import tokenizer as tok
-from .model import TinyDSV3, TinyDSV3Config, causal_attention, save_model
+from .checkpoint import save_model
+from .model import TinyDSV3, causal_attention
+from .model_config import TinyDSV3Config
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -339,7 +341,7 @@ def main(argv=None) -> dict:
                          torch_dtype=args.save_dtype)
     previous = None
     if args.init_from:
-        from .model import load_model
+        from .checkpoint import load_model
 
         model = load_model(args.init_from, device="cpu", dtype=torch.float32)
         cfg = dataclasses.replace(model.config, torch_dtype=args.save_dtype)

@@ -19,7 +19,7 @@ import torch
 
 import pcpviz
 import pcpviz.trace as pt
-from pcpviz.engine.model import default_model_dir
+from pcpviz.engine.model_config import default_model_dir
 from pcpviz.engine.tokenizer import encode
 from pcpviz.reference.layout import plan_layout
 

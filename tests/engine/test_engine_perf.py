@@ -238,7 +238,7 @@ def test_a_step_makes_one_host_sync_in_the_engine(monkeypatch):
     """In-process PCP=1 engine: count tensor -> host conversions made *by the engine's modules*
     while stepping (the CPU-only torch attention reference is not on the CUDA path)."""
     from pcpviz.engine.dist import SingleRank
-    from pcpviz.engine.model import load_model
+    from pcpviz.engine.checkpoint import load_model
     from pcpviz.engine.scheduler import Scheduler
     from pcpviz.engine.tokenizer import encode
     from pcpviz.engine.worker import EngineConfig, Worker

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from pcpviz.engine import train
-from pcpviz.engine.model import default_model_dir, load_model, read_config
+from pcpviz.engine.checkpoint import load_model
+from pcpviz.engine.model_config import default_model_dir, read_config
 from pcpviz.engine.tokenizer import encode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

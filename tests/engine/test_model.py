@@ -15,13 +15,9 @@ import torch
 
 from pcpviz.engine import corpus as corpus_mod
 from pcpviz.engine import tokenizer as tok
-from pcpviz.engine.model import (
-    TinyDSV3Config,
-    causal_attention,
-    default_model_dir,
-    load_model,
-    read_config,
-)
+from pcpviz.engine.checkpoint import load_model
+from pcpviz.engine.model import causal_attention
+from pcpviz.engine.model_config import TinyDSV3Config, default_model_dir, read_config
 
 MODEL_DIR = default_model_dir()
 

@@ -26,7 +26,7 @@ MAX_POSITIONAL = 3
 KNOWN: dict[str, dict[str, int]] = {
     "function-lines": {
         "pcpviz/analysis/diff.py::diff_traces": 131,
-        "pcpviz/engine/launch.py::build_config": 87,
+        "pcpviz/engine/launch.py::build_config": 88,
         "pcpviz/engine/rank_main.py::run_rank": 155,
         "pcpviz/engine/speculator.py::propose": 86,
         "pcpviz/engine/train.py::main": 165,
@@ -40,8 +40,7 @@ KNOWN: dict[str, dict[str, int]] = {
     },
     "module-lines": {
         "pcpviz/cli/main.py": 517,
-        "pcpviz/engine/launch.py": 529,
-        "pcpviz/engine/model.py": 659,
+        "pcpviz/engine/launch.py": 530,
         "pcpviz/reference/layout.py": 514,
         "pcpviz/synthetic.py": 596,
         "pcpviz/teaching/examples.py": 691,
@@ -53,12 +52,12 @@ KNOWN: dict[str, dict[str, int]] = {
         "pcpviz/analysis/checks/context.py::Ctx.expect": 5,
         "pcpviz/analysis/checks/context.py::Ctx.no_null_block": 5,
         "pcpviz/costmodel/answers.py::pcp_curve": 4,
+        "pcpviz/engine/checkpoint.py::save_model": 4,
         "pcpviz/engine/kv_cache.py::paged_mla_attention": 14,
         "pcpviz/engine/kv_cache.py::paged_mla_attention_kernels": 12,
         "pcpviz/engine/model.py::DecoderLayer.block": 4,
         "pcpviz/engine/model.py::MLAttention.forward": 5,
         "pcpviz/engine/model.py::TinyDSV3.mtp_forward": 5,
-        "pcpviz/engine/model.py::save_model": 4,
         "pcpviz/engine/train.py::evaluate": 6,
         "pcpviz/engine/train.py::evaluate_long": 5,
         "pcpviz/engine/train.py::skip_positions": 5,
