@@ -312,29 +312,15 @@ def write_generation_config(out_dir: str) -> None:
         f.write("\n")
 
 
-def main(argv=None) -> dict:
-    args = _parse(argv)
-    t_start = time.time()
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device)
+def _autocast(device: torch.device):
+    """bf16 autocast on CUDA, none on CPU."""
     if device.type == "cuda":
-        torch.cuda.manual_seed_all(args.seed)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
-    def autocast():
-        if device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
 
-    corp = corpus_mod.load_corpus(pack=args.corpus_pack)
-    summary = corp.summary()
-    train_stream = _stream(corp.split("train"))
-    held_stream = _stream(corp.split("heldout"))
-    print(f"corpus {summary['corpus_hash'][:16]} train {train_stream.numel()} tokens, "
-          f"held-out {held_stream.numel()} tokens", flush=True)
-
+def _build_model(args) -> tuple[TinyDSV3, TinyDSV3Config, dict | None]:
+    """A fresh model (``args.seed``) or the one at ``--init-from`` (and its training.json)."""
     cfg = TinyDSV3Config(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                          num_layers=args.num_layers, num_heads=args.num_heads, vocab_size=tok.VOCAB_SIZE,
                          bos_token_id=tok.BOS_ID, eos_token_id=tok.EOS_ID, pad_token_id=tok.PAD_ID,
@@ -352,9 +338,109 @@ def main(argv=None) -> dict:
                 previous = json.load(f)
     else:
         model = TinyDSV3(cfg)
-        gen = torch.Generator().manual_seed(args.seed)
-        model.init_weights(gen)
+        model.init_weights(torch.Generator().manual_seed(args.seed))
     model.tie_mtp_to_main()
+    return model, cfg, previous
+
+
+def _optimizer(model: TinyDSV3, args) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+class _Trainer:
+    """One optimizer step at a time over random windows of the training stream."""
+
+    def __init__(self, model: TinyDSV3, train_stream: torch.Tensor, args, device: torch.device):
+        self.model, self.stream, self.args, self.device = model, train_stream, args, device
+        self.opt = _optimizer(model, args)
+        self.data_gen = torch.Generator().manual_seed(args.seed + 1)
+        self.window = args.seq_len + 2
+        self.max_start = train_stream.numel() - self.window
+
+    def batch(self):
+        a = self.args
+        starts = torch.randint(0, self.max_start, (a.batch,), generator=self.data_gen)
+        w = torch.stack([self.stream[s:s + self.window] for s in starts.tolist()])
+        pos = skip_positions(a.batch, a.seq_len, a.pos_skip_prob, a.pos_skip_max, self.data_gen)
+        return w.to(self.device, non_blocking=True), pos
+
+    def step(self, step: int, total: int):
+        for g in self.opt.param_groups:
+            g["lr"] = _lr_at(step, total, self.args)
+        w, pos = self.batch()
+        with _autocast(self.device):
+            loss, main, mtp, _, _ = _losses(self.model, w, self.args.mtp_weight, pos)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
+        self.opt.step()
+        return loss, main, mtp, gn
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def calibrate(self, budget_s: float) -> tuple[int, float]:
+        """Steps that fit ``budget_s``, from 3 warm-up and 10 timed steps; the model, optimizer
+        and data order are then reset, so the run starts from scratch."""
+        state = {k: v.clone() for k, v in self.model.state_dict().items()}
+        for _ in range(3):
+            self.step(0, 1000)
+        self.sync()
+        t0 = time.time()
+        for _ in range(10):
+            self.step(0, 1000)
+        self.sync()
+        measured = (time.time() - t0) / 10
+        steps = max(10, int(budget_s / measured))
+        print(f"measured {measured * 1000:.1f} ms/step -> {steps} steps for {budget_s:.0f}s", flush=True)
+        self.model.load_state_dict(state)
+        self.model.tie_mtp_to_main()
+        self.opt = _optimizer(self.model, self.args)
+        self.data_gen.manual_seed(self.args.seed + 1)
+        return steps, measured
+
+    def run(self, steps: int) -> tuple[list[dict], tuple, float]:
+        """Train ``steps`` steps: (logged history, EMA of the (main, mtp) losses, seconds)."""
+        a, t_train = self.args, time.time()
+        hist, ema = [], None
+        for step in range(steps):
+            _, main, mtp, gn = self.step(step, steps)
+            if step % a.log_every == 0 or step == steps - 1:
+                m, t, lr = main.item(), mtp.item(), _lr_at(step, steps, a)
+                hist.append({"step": step, "main": round(m, 4), "mtp": round(t, 4), "grad_norm": round(gn.item(), 3),
+                             "lr": lr, "t": round(time.time() - t_train, 1)})
+                print(f"step {step:6d}/{steps} main {m:.4f} mtp {t:.4f} gn {gn.item():.2f} "
+                      f"lr {lr:.2e} {time.time() - t_train:.0f}s", flush=True)
+            cur = (main.detach(), mtp.detach())
+            ema = cur if ema is None else (0.95 * ema[0] + 0.05 * cur[0], 0.95 * ema[1] + 0.05 * cur[1])
+        return hist, ema, time.time() - t_train
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    t_start = time.time()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(args.seed)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    corp = corpus_mod.load_corpus(pack=args.corpus_pack)
+    summary = corp.summary()
+    train_stream = _stream(corp.split("train"))
+    held_stream = _stream(corp.split("heldout"))
+    print(f"corpus {summary['corpus_hash'][:16]} train {train_stream.numel()} tokens, "
+          f"held-out {held_stream.numel()} tokens", flush=True)
+
+    model, cfg, previous = _build_model(args)
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())  # unique (tied counted once)
     print(f"params {n_params} (unique, MTP embed/head tied)", flush=True)
@@ -362,97 +448,24 @@ def main(argv=None) -> dict:
     if args.eval_only:
         if not args.init_from:
             raise SystemExit("pcpviz.engine.train: --eval-only needs --init-from MODEL_DIR")
-        return _eval_only(model, held_stream, args, device, autocast, summary)
+        return _eval_only(model, held_stream, args, device, lambda: _autocast(device), summary)
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    data_gen = torch.Generator().manual_seed(args.seed + 1)
-    L2 = args.seq_len + 2
-    max_start = train_stream.numel() - L2
-
-    def batch():
-        starts = torch.randint(0, max_start, (args.batch,), generator=data_gen)
-        w = torch.stack([train_stream[s:s + L2] for s in starts.tolist()])
-        pos = skip_positions(args.batch, args.seq_len, args.pos_skip_prob, args.pos_skip_max, data_gen)
-        return w.to(device, non_blocking=True), pos
-
-    def step_fn(step: int, total: int):
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, total, args)
-        w, pos = batch()
-        with autocast():
-            loss, main, mtp, _, _ = _losses(model, w, args.mtp_weight, pos)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
-        opt.step()
-        return loss, main, mtp, gn
-
-    steps = args.steps
-    measured = None
+    trainer = _Trainer(model, train_stream, args, device)
+    steps, measured = args.steps, None
     if steps is None and args.time_budget_s:
-        # measure: a few warm-up steps at the first LR, then timed steps; restart from scratch after
-        state = {k: v.clone() for k, v in model.state_dict().items()}
-        for i in range(3):
-            step_fn(0, 1000)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.time()
-        n_meas = 10
-        for i in range(n_meas):
-            step_fn(0, 1000)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        measured = (time.time() - t0) / n_meas
-        steps = max(10, int(args.time_budget_s / measured))
-        print(f"measured {measured * 1000:.1f} ms/step -> {steps} steps for {args.time_budget_s:.0f}s", flush=True)
-        model.load_state_dict(state)
-        model.tie_mtp_to_main()
-        opt = torch.optim.AdamW([{"params": [p for p in model.parameters() if p.dim() >= 2],
-                                  "weight_decay": args.weight_decay},
-                                 {"params": [p for p in model.parameters() if p.dim() < 2],
-                                  "weight_decay": 0.0}],
-                                lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-        data_gen.manual_seed(args.seed + 1)
+        steps, measured = trainer.calibrate(args.time_budget_s)
     if steps is None:
         steps = 600
+    hist, ema, train_time = trainer.run(steps)
 
-    t_train = time.time()
-    hist = []
-    ema = None
-    for step in range(steps):
-        loss, main, mtp, gn = step_fn(step, steps)
-        if step % args.log_every == 0 or step == steps - 1:
-            m, t = main.item(), mtp.item()
-            hist.append({"step": step, "main": round(m, 4), "mtp": round(t, 4), "grad_norm": round(gn.item(), 3),
-                         "lr": _lr_at(step, steps, args), "t": round(time.time() - t_train, 1)})
-            print(f"step {step:6d}/{steps} main {m:.4f} mtp {t:.4f} gn {gn.item():.2f} "
-                  f"lr {_lr_at(step, steps, args):.2e} {time.time() - t_train:.0f}s", flush=True)
-        cur = (main.detach(), mtp.detach())
-        ema = cur if ema is None else (0.95 * ema[0] + 0.05 * cur[0], 0.95 * ema[1] + 0.05 * cur[1])
-    train_time = time.time() - t_train
-
-    ev, ev_long = _heldout_figures(model, held_stream, args, device, autocast)
+    ev, ev_long = _heldout_figures(model, held_stream, args, device, lambda: _autocast(device))
     print("held-out:", json.dumps(ev), flush=True)
     print("held-out by position:", json.dumps(ev_long), flush=True)
-
-    out = args.out
-    os.makedirs(out, exist_ok=True)
-    save_model(model, out, dtype=getattr(torch, args.save_dtype),
-               metadata={"producer": "pcpviz.engine.train", "seed": args.seed, "steps": steps})
-    tok.write_tokenizer_files(out)
-    write_generation_config(out)
     record = {
         "producer": "pcpviz.engine.train",
         "command": "python -m pcpviz.engine.train " + " ".join(sys.argv[1:] if argv is None else argv),
         "reproduce": _reproduce_command(args, steps),
-        "args": vars(args),
-        "seed": args.seed,
-        "steps": steps,
-        "measured_step_s": measured,
+        "args": vars(args), "seed": args.seed, "steps": steps, "measured_step_s": measured,
         "tokens_seen": steps * args.batch * args.seq_len,
         "params_unique": n_params,
         "params_stored": sum(t.numel() for t in model.state_dict().values()),
@@ -462,22 +475,28 @@ def main(argv=None) -> dict:
         "total_wall_s": round(time.time() - t_start, 1),
         "final_train_loss": {"main": round(float(ema[0]), 4), "mtp": round(float(ema[1]), 4),
                              "note": "EMA(0.95) of per-step losses over the last steps"},
-        "heldout": ev,
-        "heldout_by_position": ev_long,
-        "corpus": summary,
-        "loss_history": hist,
+        "heldout": ev, "heldout_by_position": ev_long, "corpus": summary, "loss_history": hist,
         "env": {"python": platform.python_version(), "torch": torch.__version__,
                 "platform": platform.platform()},
     }
     if previous is not None:
-        stages = previous.pop("previous_stages", [])
-        record["previous_stages"] = stages + [previous]
+        record["previous_stages"] = previous.pop("previous_stages", []) + [previous]
+    _write_model_dir(model, args, record, steps=steps)
+    print(f"wrote {args.out} in {time.time() - t_start:.0f}s", flush=True)
+    return record
+
+
+def _write_model_dir(model: TinyDSV3, args, record: dict, *, steps: int) -> None:
+    """The trained model directory: weights, tokenizer and generation config, training.json."""
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    save_model(model, out, dtype=getattr(torch, args.save_dtype),
+               metadata={"producer": "pcpviz.engine.train", "seed": args.seed, "steps": steps})
+    tok.write_tokenizer_files(out)
+    write_generation_config(out)
     with open(os.path.join(out, "training.json"), "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
-    print(f"wrote {out} in {time.time() - t_start:.0f}s", flush=True)
-    return record
-
 
 if __name__ == "__main__":
     main()

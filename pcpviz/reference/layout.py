@@ -387,6 +387,32 @@ def plan_layout(
     )
 
 
+def _num_reqs_padded(batch: GlobalBatch, num_local_reqs: int, padded_num_reqs: int | None) -> int:
+    """The local request rows including FULL-graph padding (``padded_num_reqs``: decode-only)."""
+    if padded_num_reqs is None:
+        return num_local_reqs
+    if bool(np.any(batch.is_prefilling)):
+        raise ValueError("PCP FULL graphs require a decode-only batch.")
+    if padded_num_reqs < num_local_reqs:
+        raise ValueError(
+            "PCP graph request capacity must cover the rank-local batch: "
+            f"{padded_num_reqs} < {num_local_reqs}."
+        )
+    return int(padded_num_reqs)
+
+
+def _gather_inputs(batch: GlobalBatch, gather_idx: np.ndarray,
+                   is_padding: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rank's ``input_ids`` (int32[P]) and ``positions`` (int64[P]) gathered from the global
+    batch with its slice of ``padded_gather_idx``; padding rows are zero."""
+    if not batch.num_tokens:
+        p = gather_idx.shape[0]
+        return np.zeros(p, dtype=np.int32), np.zeros(p, dtype=np.int64)
+    input_ids = np.where(is_padding, 0, batch.input_ids[gather_idx]).astype(np.int32)
+    positions = np.where(is_padding, 0, batch.positions[gather_idx]).astype(np.int64)
+    return input_ids, positions
+
+
 def partition_batch(
     batch: GlobalBatch,
     rank: int,
@@ -443,17 +469,7 @@ def partition_batch(
     if placeholder:
         segs = (Segment(0, 0, 0, 0, 0),)
     num_local_reqs = len(segs)
-    if padded_num_reqs is None:
-        num_reqs_padded = num_local_reqs
-    else:
-        if bool(np.any(batch.is_prefilling)):
-            raise ValueError("PCP FULL graphs require a decode-only batch.")
-        if padded_num_reqs < num_local_reqs:
-            raise ValueError(
-                "PCP graph request capacity must cover the rank-local batch: "
-                f"{padded_num_reqs} < {num_local_reqs}."
-            )
-        num_reqs_padded = int(padded_num_reqs)
+    num_reqs_padded = _num_reqs_padded(batch, num_local_reqs, padded_num_reqs)
 
     rows = np.fromiter((s.global_req_idx for s in segs), dtype=np.int64, count=num_local_reqs)
     lens = np.fromiter((s.num_tokens for s in segs), dtype=np.int32, count=num_local_reqs)
@@ -468,12 +484,7 @@ def partition_batch(
 
     gather_idx = layout.local_gather_idx(rank)  # int64[P]
     is_padding = np.arange(p) >= num_local_tokens  # bool[P]
-    if batch.num_tokens:
-        input_ids = np.where(is_padding, 0, batch.input_ids[gather_idx]).astype(np.int32)
-        positions = np.where(is_padding, 0, batch.positions[gather_idx]).astype(np.int64)
-    else:
-        input_ids = np.zeros(p, dtype=np.int32)
-        positions = np.zeros(p, dtype=np.int64)
+    input_ids, positions = _gather_inputs(batch, gather_idx, is_padding)
 
     qsl = np.full(num_reqs_padded + 1, num_local_tokens, dtype=np.int32)
     qsl[0] = 0

@@ -29,8 +29,6 @@ KNOWN: dict[str, dict[str, int]] = {
         "pcpviz/engine/launch.py::build_config": 88,
         "pcpviz/engine/rank_main.py::run_rank": 155,
         "pcpviz/engine/speculator.py::propose": 86,
-        "pcpviz/engine/train.py::main": 165,
-        "pcpviz/reference/layout.py::partition_batch": 95,
         "pcpviz/views/export/chrome.py::_build": 93,
         "pcpviz/views/figures/layout.py::layout_figure": 98,
         "pcpviz/views/figures/slot_mappings.py::slot_mappings_spec": 83,
@@ -41,7 +39,8 @@ KNOWN: dict[str, dict[str, int]] = {
     "module-lines": {
         "pcpviz/cli/main.py": 517,
         "pcpviz/engine/launch.py": 530,
-        "pcpviz/reference/layout.py": 514,
+        "pcpviz/engine/train.py": 502,
+        "pcpviz/reference/layout.py": 525,
         "pcpviz/synthetic.py": 596,
         "pcpviz/teaching/examples.py": 691,
         "pcpviz/trace/reader.py": 538,
