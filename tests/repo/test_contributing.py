@@ -38,9 +38,9 @@ def _blocks(title: str) -> list[str]:
 def copy(tmp_path) -> Path:
     """A copy of the package (and the registry test) to perform a recipe on."""
     shutil.copytree(ROOT / "pcpviz", tmp_path / "pcpviz", ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "tests").mkdir()
-    for name in ("test_fault_registry.py", "tracegen.py"):
-        shutil.copy(ROOT / "tests" / name, tmp_path / "tests" / name)
+    for rel in ("analysis/test_fault_registry.py", "helpers/tracegen.py"):
+        (tmp_path / "tests" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / "tests" / rel, tmp_path / "tests" / rel)
     return tmp_path
 
 
