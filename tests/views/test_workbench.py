@@ -11,7 +11,7 @@ import pytest
 
 import pcpviz.trace as pt
 from pcpviz.views import figures as fg
-from pcpviz.views.figures.token_order import _lanes
+from pcpviz.views.figures.token_order import _lane_rows
 from pcpviz.views.widgets import Workbench
 from pcpviz.views.widgets.workbench import AFFECTS, VIEW_NAMES
 
@@ -221,30 +221,52 @@ def _big_step():
     return target, draft
 
 
-def test_large_steps_are_aggregated():
+def test_large_steps_are_drawn_as_pixel_runs_and_tokens_when_zoomed():
     t, d1 = _big_step()
     n_tokens = int(t["num_scheduled_tokens"].sum())
-    assert n_tokens > 4 * fg.TOKEN_LIMIT
+    assert n_tokens > 4 * fg.PLOT_PX
     fig = fg.token_order_figure(t, rank=0)
     z = np.asarray(fig.data[0].z)
     assert z.shape[1] <= 64, z.shape  # a few dozen runs, not 6300 cells
     assert len(fig.data[0].x) == z.shape[1] + 1  # variable-width bricks (edges)
-    assert fig.data[0].texttemplate == ""  # no per-cell text; runs are labelled instead
+    assert fig.data[0].texttemplate == "" and fig.data[0].xgap == 0  # runs tile the strip, labelled once
     assert any(a.text.startswith("long c") or a.text.startswith("c") for a in fig.layout.annotations)
-    # every brick is exact: each lane is constant over it
-    req, chunk, _ = _lanes(fg.step_layout(t))
-    edges = np.asarray(fig.data[0].x, dtype=np.int64)
-    assert edges[-1] == req.shape[1]
+    # every brick is exact up to a pixel: each lane is constant over the middle of each brick
+    rows = _lane_rows(fg.step_layout(t))
+    edges = np.asarray(fig.data[0].x, dtype=float)
+    assert edges[0] == 0 and edges[-1] == max(n_tokens, fg.step_layout(t).padded)
+    u = edges[-1] / fg.PLOT_PX
     for a, b in zip(edges[:-1], edges[1:]):
-        assert (req[:, a:b] == req[:, a:a + 1]).all() and (chunk[:, a:b] == chunk[:, a:a + 1]).all()
+        if b - a > 2 * u:
+            lo, hi = int(np.ceil(a + u)), int(b - u)
+            for rq, ck, _ in rows:
+                seg = rq[lo:hi]
+                assert (seg == seg[:1]).all() and (ck[lo:hi] == ck[lo:lo + 1]).all()
+    zoom = fg.token_order_figure(t, rank=0, windows={"xaxis": (100, 160)})
+    assert list(zoom.layout.xaxis.range) == [100, 160] and zoom.data[0].xgap == 1
+    assert len(zoom.data[0].x) == 61 and zoom.data[0].texttemplate == "%{text}"  # per-token cells, chunk text
     slots = fg.slot_mappings_figure(t, d1, draft_phase="draft_1")
     assert np.asarray(slots.data[0].z).shape[1] <= 16  # 6300 global slots: a handful of contiguous runs
     bt = fg.block_tables_figure(t, d1, draft_phase="draft_1", rank=0)
-    assert np.asarray(bt.data[0].z).shape[1] <= fg.BLOCK_COLUMNS  # 377 used columns, binned
+    assert np.asarray(bt.data[0].z).shape[1] <= 16  # 377 used columns: runs of consecutive block ids
     assert fg.draft_block_table_flags(t, d1) == []
-    for f in (fig, slots, bt, fg.draft_timeline_figure({"target": t, "draft_1": d1}, step=0, rank=0)):
+    for f in (fig, zoom, slots, bt, fg.draft_timeline_figure({"target": t, "draft_1": d1}, step=0, rank=0)):
         fg.validate_figure(f)
         assert len(f.to_json()) < 150_000
+
+
+def test_pixel_cells_keep_every_run_visible_and_tile_the_strip():
+    # a 1-token run inside a 100-token strip drawn 10 px wide takes one pixel of its neighbour
+    e, run, under = fg.pixel_cells(np.array([0, 10, 11, 100]), 0, 100, 10)
+    assert e.tolist() == [0, 1, 2, 10] and run.tolist() == [0, 1, 2]
+    # 1-token runs every 500 tokens of a 128k strip: each still one pixel, no gaps
+    edges = np.unique(np.concatenate([np.arange(0, 131072, 500), np.arange(0, 131072, 500) + 1, [131072]]))
+    e, run, under = fg.pixel_cells(edges, 0, 131072, 860)
+    assert e[0] == 0 and e[-1] == 860 and (np.diff(e) >= 1).all()
+    assert set(range(0, len(edges) - 1, 2)) <= set(run.tolist())  # every 1-token run has a cell
+    # four runs under one pixel: the pixel says so
+    e, run, under = fg.pixel_cells(np.array([0, 1, 2, 3, 4, 100]), 0, 100, 10)
+    assert e.tolist() == [0, 1, 10] and under[0] == 5
 
 
 def test_run_edges_breaks_on_keys_and_broken_progressions():
@@ -254,8 +276,6 @@ def test_run_edges_breaks_on_keys_and_broken_progressions():
     assert e.tolist() == [0, 3, 4, 7]  # 13 -> 20 breaks; 21 -> PAD is not a progression pair
     e = fg.run_edges(7, keys=[keys, slots < 0], arith=[slots], arith_valid=[slots >= 0])
     assert e.tolist() == [0, 3, 4, 6, 7]
-    edges, merged = fg.cell_edges(5000, keys=[np.arange(5000) // 7], max_cells=100)
-    assert edges[0] == 0 and edges[-1] == 5000 and len(edges) - 1 <= 100 and merged.sum() == -(-5000 // 7)
 
 
 # --------------------------------------------------------------------------- acceptance

@@ -14,8 +14,8 @@ import pytest
 
 import pcpviz.trace as pt
 from pcpviz.views import figures as fg
-from pcpviz.views.figures.aggregate import cell_edges
-from pcpviz.views.figures.token_order import _lanes
+from pcpviz.views.figures.lod import pixel_cells
+from pcpviz.views.figures.token_order import _lane_rows, _lane_runs
 from pcpviz.synthetic import long_prompt_run
 from pcpviz.views.widgets import Workbench
 from pcpviz.views.widgets.push import push_spec, same
@@ -163,12 +163,21 @@ def test_token_order_keeps_its_trace_structure_across_steps_and_highlights():
 
 
 @pytest.mark.parametrize("which", ["big", "shipped"])
-def test_lane_by_lane_runs_equal_runs_over_all_lanes(which):
+def test_lanes_share_the_union_of_their_pixel_cells(which):
     target = _big_step()[0] if which == "big" else pt.open(TRACE).record(1, 1, "target")
     sl = fg.step_layout(target)
-    req, chunk, gtok = _lanes(sl)
-    expected, _ = cell_edges(req.shape[1], keys=[req, chunk], arith=[gtok], arith_valid=[gtok >= 0])
+    rows = _lane_rows(sl)
+    width = max(sl.num_tokens, sl.padded, 1)
     lanes = fg.token_order_spec(target, rank=0)["data"][0]
-    assert np.asarray(lanes["x"]).tolist() == expected.tolist()
+    x = np.asarray(lanes["x"], dtype=float)
     z = np.array(lanes["z"], dtype=float)
-    assert z.shape == (sl.pcp + 1, expected.shape[0] - 1)
+    assert z.shape == (sl.pcp + 1, x.shape[0] - 1)
+    if width <= fg.PLOT_PX / 4:  # per token
+        assert x.tolist() == list(range(width + 1))
+        return
+    u = width / fg.PLOT_PX
+    cuts = set()
+    for (rq, _, _), e in zip(rows, _lane_runs(rows)):
+        e = e if e[-1] >= width else np.append(e, width)
+        cuts |= set(pixel_cells(e, 0, width, fg.PLOT_PX)[0].tolist())
+    assert np.allclose(x, np.array(sorted(cuts)) * u)

@@ -19,9 +19,10 @@ serialises the figures.
                             definition), per request, and per step
 
 Shared: ``canvas.py`` (drawing helpers, size limits, colours), ``aggregate.py`` (runs of long
-strips), ``step_data.py`` (records, ``StepLayout``, request ids, check report),
-``violations.py`` (which view a check violation is marked on). Large steps are aggregated
-before plotting (see ``aggregate.py``), so a figure's size is bounded whatever T, N*P or W are.
+strips), ``lod.py`` (level of detail: what a strip draws for its visible window), ``step_data.py`` (records, ``StepLayout``, request ids, check report),
+``violations.py`` (which view a check violation is marked on). Per-token strips are
+drawn at a level of detail (``lod.py``): runs snapped to pixels at low zoom, tokens and their
+text when zoomed in, so a figure's size is bounded by its width in pixels whatever T, N*P or W are.
 
 A PCP=2 step of the shipped trace (``data/traces/cpu-pcp2-mtp2``, step 0: req0 prefills 23
 tokens, req1 25)::
@@ -35,10 +36,11 @@ tokens, req1 25)::
 
 from pcpviz.views.figures.acceptance import (AcceptanceStats, acceptance_figure, acceptance_spec, acceptance_stats,
                                        acceptance_step_marker, from_diff_acceptance, load_acceptance, trace_acceptance)
-from pcpviz.views.figures.aggregate import cell_edges, run_edges
+from pcpviz.views.figures.aggregate import run_edges
 from pcpviz.views.figures.block_tables import RowFlag, block_tables_figure, block_tables_spec, draft_block_table_flags
-from pcpviz.views.figures.canvas import (BLOCK_COLUMNS, DIM_COLOR, FLAG_COLOR, MAX_CELLS, TEMPLATE, TEXT_LIMIT, TOKEN_LIMIT,
+from pcpviz.views.figures.canvas import (DIM_COLOR, FLAG_COLOR, TEMPLATE, TOKEN_LIMIT,
                                    as_figure, request_color_index, validate_figure)
+from pcpviz.views.figures.lod import PLOT_PX, draw_strip, lod_enabled, pixel_cells
 from pcpviz.views.figures.slot_mappings import slot_mappings_figure, slot_mappings_spec
 from pcpviz.views.figures.step_data import (Rec, StepLayout, draft_source_phase, load_check_report, step_layout,
                                       trace_req_ids)
@@ -47,8 +49,8 @@ from pcpviz.views.figures.token_order import token_order_figure, token_order_spe
 from pcpviz.views.figures.violations import drawn, mark_violation, message_spec, violation_marks, violation_view
 
 __all__ = [
-    "TOKEN_LIMIT", "MAX_CELLS", "TEXT_LIMIT", "BLOCK_COLUMNS", "TEMPLATE", "FLAG_COLOR", "DIM_COLOR",
-    "Rec", "StepLayout", "step_layout", "run_edges", "cell_edges",
+    "TOKEN_LIMIT", "TEMPLATE", "FLAG_COLOR", "DIM_COLOR", "PLOT_PX",
+    "Rec", "StepLayout", "step_layout", "run_edges", "pixel_cells", "draw_strip", "lod_enabled",
     "RowFlag", "draft_block_table_flags", "draft_source_phase",
     "AcceptanceStats", "acceptance_stats", "trace_acceptance",
     "token_order_figure", "block_tables_figure", "slot_mappings_figure",

@@ -1,10 +1,8 @@
-"""Aggregation of long strips: a strip (a lane of tokens, a slot mapping) with at most
-``TOKEN_LIMIT`` entries is drawn one cell per token; a longer one is cut into *runs* — maximal
-stretches where the request, the chunk/status and an arithmetic progression (global token
-index, slot id) all continue — and each run becomes one cell of a heatmap with variable-width
-bricks (``x`` holds the cell edges). A 32k-token prefill split over 4 ranks is a few dozen
-runs, not 32k cells. If a strip still has more than ``MAX_CELLS`` runs they are merged (marked
-"mixed" in the hover).
+"""Runs of long strips: a strip (a lane of tokens, a slot mapping, a block-table row) is cut
+into *runs* — maximal stretches where the request, the chunk/status and an arithmetic
+progression (global token index, slot id, block id) all continue. ``pcpviz.views.figures.lod``
+draws a strip from its runs at the level of detail of the visible window. A 32k-token prefill
+split over 4 ranks is a few dozen runs, not 32k cells.
 
 PCP=2 example: the gathered rows of ``cpu-pcp2-mtp2`` step 0 (P = 26) for rank 0 are req0's
 chunk 0 (6 rows), chunk 3 (5 rows), req1's chunk 0 (7), chunk 3 (4) and 4 padding rows; as runs
@@ -17,9 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pcpviz.views.figures.canvas import MAX_CELLS, TOKEN_LIMIT
-
-__all__ = ["run_edges", "cell_edges", "merge_runs"]
+__all__ = ["run_edges"]
 
 
 def run_edges(n: int, keys: Sequence[np.ndarray] = (), arith: Sequence[np.ndarray] = (),
@@ -46,28 +42,6 @@ def run_edges(n: int, keys: Sequence[np.ndarray] = (), arith: Sequence[np.ndarra
             d &= v[..., 1:] & v[..., :-1]
         brk[1:] |= d.any(axis=0) if d.ndim > 1 else d
     return np.append(np.flatnonzero(brk), n).astype(np.int64)
-
-
-def cell_edges(n: int, keys: Sequence[np.ndarray] = (), arith: Sequence[np.ndarray] = (),
-               arith_valid: Sequence[np.ndarray] | None = None, *, token_limit: int = TOKEN_LIMIT,
-               max_cells: int = MAX_CELLS) -> tuple[np.ndarray, np.ndarray]:
-    """``(edges, runs_per_cell)``: one cell per entry up to ``token_limit`` entries, else
-    runs (``run_edges``), merged down to ``max_cells`` cells if there are more."""
-    if n <= token_limit:
-        return np.arange(n + 1, dtype=np.int64), np.ones(n, dtype=np.int64)
-    return merge_runs(run_edges(n, keys, arith, arith_valid), max_cells=max_cells)
-
-
-def merge_runs(edges: np.ndarray, *, max_cells: int = MAX_CELLS) -> tuple[np.ndarray, np.ndarray]:
-    """``(edges, runs_per_cell)`` of the runs ``edges`` (int64[m+1]), merged down to at most
-    ``max_cells`` cells of about equally many runs; ``merge_runs([0, 4, 6, 9], max_cells=2)`` ->
-    ``([0, 6, 9], [2, 1])``."""
-    e = np.asarray(edges, dtype=np.int64)
-    m = e.shape[0] - 1
-    if m <= max_cells:
-        return e, np.ones(m, dtype=np.int64)
-    pick = np.unique(np.round(np.linspace(0, m, max_cells + 1)).astype(np.int64))
-    return e[pick], np.diff(pick)
 
 
 def _run_lines(x: np.ndarray, y: np.ndarray, sel: np.ndarray) -> tuple[list, list]:

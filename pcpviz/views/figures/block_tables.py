@@ -1,6 +1,7 @@
 """The block-table view: global rows, the rank's local rows and the draft step's rows, with
 the draft rows that are zero or differ from what they should be (``draft_block_table_flags``)
-outlined in red. Columns are trimmed to the used width and binned beyond ``BLOCK_COLUMNS``.
+outlined in red. Columns are trimmed to the used width and drawn at a level of detail (``lod``): runs of
+consecutive block ids, single blocks when zoomed in.
 
 PCP=2 example: in ``cpu-pcp2-mtp2`` the replicated ``draft_1`` of a step must use each
 request's global row (``block_table_global``); a run with ``skip_draft_block_table_gather``
@@ -16,8 +17,10 @@ from typing import Mapping, Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from pcpviz.views.figures.canvas import (BLOCK_COLUMNS, FLAG_COLOR, TEXT_LIMIT, _Canvas, _L_NULL, _heat, _range_text,
-                                   _req_levels, _text_fits, as_figure)
+from pcpviz.views.figures.aggregate import run_edges
+from pcpviz.views.figures.canvas import (FLAG_COLOR, _Canvas, _L_NULL, _range_text, _req_levels, _strip_heat,
+                                         _strip_labels, as_figure)
+from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
 from pcpviz.views.figures.step_data import Rec, _arr, _g3, _is_replicated
 
 __all__ = ["RowFlag", "draft_block_table_flags", "block_tables_spec", "block_tables_figure"]
@@ -76,12 +79,6 @@ def draft_block_table_flags(target: Rec, draft: Rec | None, group: int = 0) -> l
     return out
 
 
-def _block_bins(w: int) -> np.ndarray:
-    if w <= BLOCK_COLUMNS:
-        return np.arange(w + 1)
-    return np.unique(np.round(np.linspace(0, w, BLOCK_COLUMNS + 1)).astype(np.int64))
-
-
 def _used_width(*tables: np.ndarray | None) -> int:
     w = 1
     for t in tables:
@@ -93,36 +90,45 @@ def _used_width(*tables: np.ndarray | None) -> int:
     return w
 
 
-def _block_heat(table: np.ndarray, row_ids: Sequence[str], row_labels: Sequence[str], bins: np.ndarray,
-                colors, highlight) -> dict:
-    rows, w = table.shape[0], bins[-1]
+def _block_lane(row: np.ndarray, level: float, row_label: str) -> Lane:
+    """One block-table row (int[W]) as runs of consecutive block ids (a run of null blocks 0 is
+    white): text = block id per column, ``first–last`` per run."""
+    w = row.shape[0]
+    null = row == 0
+    e = run_edges(w, keys=[null], arith=[row], arith_valid=[~null])
+    a, b = e[:-1], e[1:]
+    first, last = row[a], row[np.maximum(b - 1, 0)]
+    lev, lab, hov = [], [], []
+    for x, y, u, v in zip(a.tolist(), b.tolist(), first.tolist(), last.tolist()):
+        cols = f"column {x}" if y - x == 1 else f"columns {x}–{y - 1}"
+        if u == 0:
+            lev.append(_L_NULL)
+            lab.append(("null", "0") if y - x > 1 else "0")
+            hov.append(f"{row_label}<br>{cols}: null block 0")
+        else:
+            lev.append(level)
+            lab.append((_range_text(u, v), f"{u}…") if v != u else str(u))
+            hov.append(f"{row_label}<br>{cols}: blocks {_range_text(u, v)}")
+    return Lane(e, np.asarray(lev, dtype=float), lab, hov, lambda _run, tok: [str(v) for v in row[tok].tolist()])
+
+
+def _block_heat(table: np.ndarray, row_ids: Sequence[str], row_labels: Sequence[str], w: int,
+                colors, highlight, window, px: int):
+    """The heatmap (and run labels) of one panel over its first ``w`` columns."""
     table = _pad_cols(table, int(w))
-    starts, stops = bins[:-1], bins[1:]
     levels = _req_levels(list(row_ids), colors, highlight)
-    z = np.full((rows, starts.shape[0]), np.nan)
-    text = np.empty((rows, starts.shape[0]), dtype=object)
-    hover = np.empty((rows, starts.shape[0]), dtype=object)
-    for i in range(rows):
-        for j, (a, b) in enumerate(zip(starts, stops)):
-            cells = table[i, a:b]
-            nz = cells[cells != 0]
-            if nz.size == 0:
-                z[i, j] = _L_NULL
-                text[i, j] = "0" if b - a == 1 else "·"
-            else:
-                z[i, j] = levels[i]
-                text[i, j] = str(int(cells[0])) if b - a == 1 else _range_text(int(nz[0]), int(nz[-1]))
-            cols = f"column {a}" if b - a == 1 else f"columns {a}–{b - 1}"
-            shown = cells.tolist() if b - a <= 8 else f"{cells[:4].tolist()} … {cells[-2:].tolist()}"
-            hover[i, j] = f"{row_labels[i]}<br>{cols}: {shown}"
-    show = rows * starts.shape[0] <= 8 * TEXT_LIMIT and _text_fits(starts.shape[0], text.ravel())
-    return _heat(z, bins, list(row_labels), text, hover, show, font_size=9 if w > 16 else 10, ygap=2)
+    lanes = [_block_lane(table[i], float(levels[i]), row_labels[i]) for i in range(table.shape[0])]
+    if not lanes:
+        lanes = [Lane(np.array([0, w]), np.array([np.nan]), [""], [""])]
+    fs = 9 if w > 16 else 10
+    return draw_strip(lanes, window=window, px=px, font_size=fs), fs
 
 
 def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
                       rank: int | None = None, highlight: str | None = None,
                       colors: Mapping[str, int] | None = None, group: int = 0,
-                      flags: list[RowFlag] | None = None) -> dict:
+                      flags: list[RowFlag] | None = None, windows: Mapping[str, tuple[float, float]] | None = None,
+                      px: int = PLOT_PX) -> dict:
     """Three heatmaps (text = block id, white = null block 0): ``block_table_global`` (one row
     per request, global order), this rank's ``block_table_local`` (one row per local segment)
     and the draft step's ``block_table_draft``. Draft rows that are zero or differ from the
@@ -134,7 +140,7 @@ def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str
     local_ids = [str(x) for x in np.asarray(_arr(target, "local_req_ids", np.array([], dtype=str))).ravel()]
     tabs = [x[group] if x is not None and x.shape[0] > group else None for x in (glob, loc, dr)]
     w = _used_width(*tabs)
-    bins = _block_bins(w)
+    window = (windows or {}).get("xaxis")
     replicated = draft is not None and _is_replicated(draft, target)
     if flags is None:
         flags = draft_block_table_flags(target, draft, group)
@@ -158,16 +164,21 @@ def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str
     heights = [max(t.shape[0], 1) + 1.5 for _, t, _, _ in panels]
     fig = _Canvas([[1]] * len(panels), shared_x=True, vertical_spacing=0.09, row_heights=heights,
                   subplot_titles=[p[0] for p in panels])
+    per_token = True
     for k, (_, table, ids, labels) in enumerate(panels):
-        fig.add(_block_heat(table, ids, labels, bins, colors, highlight), k + 1, 1)
+        d, fs = _block_heat(table, ids, labels, w, colors, highlight, window, px)
+        per_token = per_token and d.per_token
+        fig.add(_strip_heat(d, labels or [""], font_size=fs, ygap=2), k + 1, 1)
+        xr, yr = fig.ref(k + 1, 1)
+        fig.annotations.extend(_strip_labels(xr, yr, d, font_size=fs))
         fig.axis("y", k + 1, 1, autorange="reversed")
-        fig.axis("x", k + 1, 1, range=[0, int(bins[-1])], showticklabels=k == len(panels) - 1)
+        fig.axis("x", k + 1, 1, range=list(d.window), showticklabels=k == len(panels) - 1)
     shapes = fig.shapes
     annots = fig.annotations
     if tabs[2] is not None and flags:
         xr, yr = fig.ref(len(panels), 1)
         for f in flags:
-            shapes.append(dict(type="rect", xref=xr, yref=yr, x0=0, x1=int(bins[-1]), y0=f.row - 0.5,
+            shapes.append(dict(type="rect", xref=xr, yref=yr, x0=0, x1=w, y0=f.row - 0.5,
                                y1=f.row + 0.5, line=dict(color=FLAG_COLOR, width=3),
                                fillcolor="rgba(214,39,40,0.08)"))
         kinds = sorted({f.kind for f in flags})
@@ -177,11 +188,9 @@ def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str
         annots.append(dict(text=msg, xref="paper", yref=f"{yr} domain", x=1, y=1, xanchor="right",
                            yanchor="bottom", yshift=16, showarrow=False, font=dict(color=FLAG_COLOR, size=12),
                            bgcolor="#fff3f3", bordercolor=FLAG_COLOR))
-    col_title = "block-table column" if bins.shape[0] - 1 == w else \
-        f"block-table columns, binned ({w} used columns → {bins.shape[0] - 1} cells; text = first–last block id)"
-    ticks = (dict(tickvals=(np.arange(w) + 0.5).tolist(), ticktext=[str(i) for i in range(w)])
-             if bins.shape[0] - 1 == w else dict(tickvals=None, ticktext=None))
-    fig.axis("x", len(panels), 1, title=dict(text=col_title), **{k: v for k, v in ticks.items() if v is not None})
+    col_title = "block-table column (text = block id)" if per_token else \
+        f"block-table columns: runs of consecutive block ids ({w} used columns; zoom for single blocks)"
+    fig.axis("x", len(panels), 1, title=dict(text=col_title))
     total_rows = sum(t.shape[0] for _, t, _, _ in panels)
     return fig.spec(height=int(200 + 24 * total_rows + 40 * len(panels)), margin=dict(l=90, r=20, t=60, b=60),
                       title=dict(text=f"block tables (group {group}; W = {w} used columns)"))
@@ -190,7 +199,8 @@ def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str
 def block_tables_figure(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
                         rank: int | None = None, highlight: str | None = None,
                         colors: Mapping[str, int] | None = None, group: int = 0,
-                        flags: list[RowFlag] | None = None) -> go.Figure:
+                        flags: list[RowFlag] | None = None,
+                        windows: Mapping[str, tuple[float, float]] | None = None) -> go.Figure:
     """``block_tables_spec`` as a ``go.Figure``."""
     return as_figure(block_tables_spec(target, draft, draft_phase=draft_phase, rank=rank, highlight=highlight,
-                                       colors=colors, group=group, flags=flags))
+                                       colors=colors, group=group, flags=flags, windows=windows))

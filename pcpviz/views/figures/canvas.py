@@ -19,31 +19,16 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import plotly.graph_objects as go
 
+from pcpviz.views.figures.lod import Drawn
 from pcpviz.views.figures.palette import DIM_COLOR, PAD_COLOR, heat_z, request_color
 
-__all__ = ["TOKEN_LIMIT", "MAX_CELLS", "TEXT_LIMIT", "BLOCK_COLUMNS", "TEMPLATE", "FLAG_COLOR",
+__all__ = ["TOKEN_LIMIT", "TEMPLATE", "FLAG_COLOR",
            "WRITTEN_COLOR", "REPLICA_COLOR", "NULL_COLOR", "DIM_COLOR", "PAD_COLOR",
            "request_color_index", "validate_figure", "as_figure"]
 
 TOKEN_LIMIT = 1024
-"""Strips up to this many entries are drawn one cell (or marker) per token."""
-MAX_CELLS = 512
-"""Longer strips are drawn as runs; more runs than this are merged into this many cells."""
-TEXT_LIMIT = 130
-"""Cell text (chunk index, slot id, block id) only when a strip has at most this many cells."""
-_PLOT_PX = 900
-"""Nominal plot width (px) used to decide whether cell text fits: per-token cell text is drawn
-only when every cell is wide enough for its text (``_text_fits``); otherwise each run of a strip
-is labelled once (``_run_labels``) where the run is wide enough."""
-
-
-def _text_fits(n_cells: int, texts: Iterable[Any]) -> bool:
-    longest = max((len(str(t)) for t in texts if t is not None), default=0)
-    return n_cells > 0 and _PLOT_PX / n_cells >= 6.5 * longest + 3
-
-
-BLOCK_COLUMNS = 48
-"""Block-table columns are binned into at most this many cells per row."""
+"""Index maps (gather / restore) up to this many entries are drawn one marker per entry, longer
+ones as one line segment per run."""
 
 FLAG_COLOR = "#d62728"
 WRITTEN_COLOR = "#1f77b4"
@@ -191,23 +176,6 @@ def _range_text(a: int, b: int) -> str:
     return f"{a}" if a == b else f"{a}–{b}"
 
 
-def _run_labels(xref: str, yref: str, starts: np.ndarray, stops: np.ndarray, texts: Sequence[str], y: float,
-                total: int, max_labels: int = 80, color: str = "#222") -> list[dict]:
-    """Annotations labelling runs ``[starts, stops)`` on a strip of ``total`` entries, one per run
-    that is wide enough for its text (at ``_PLOT_PX`` px for the whole strip)."""
-    out: list[dict] = []
-    if total <= 0:
-        return out
-    px = _PLOT_PX / total
-    for a, b, t in zip(starts, stops, texts):
-        if t and (b - a) * px >= 6.5 * len(t) + 4:
-            out.append(dict(x=(a + b) / 2, y=y, xref=xref, yref=yref, text=t, showarrow=False,
-                            font=dict(size=10, color=color)))
-            if len(out) >= max_labels:
-                break
-    return out
-
-
 def _heat(z, edges, labels, text=None, hover=None, show_text=True, name="", font_size=10,
           xgap=1, ygap=3) -> dict:
     """A level heatmap trace (dict). ``text`` and ``texttemplate`` are always present (empty
@@ -219,3 +187,15 @@ def _heat(z, edges, labels, text=None, hover=None, show_text=True, name="", font
         name=name, text=text if show else [], texttemplate="%{text}" if show else "",
         textfont=dict(size=font_size), **_LEVEL_RANGE,
     )
+
+
+def _strip_heat(d: Drawn, names, *, name: str = "", font_size: float = 10, ygap: int = 3) -> dict:
+    """The heatmap trace of a drawn strip (``pcpviz.views.figures.lod.draw_strip``)."""
+    return _heat(d.z, d.edges, list(names), d.text, d.hover, d.text is not None, name, font_size=font_size,
+                 xgap=d.xgap, ygap=ygap)
+
+
+def _strip_labels(xref: str, yref: str, d: Drawn, *, font_size: float = 10, color: str = "#222") -> list[dict]:
+    """Annotations of a drawn strip's run labels (lane ``i`` at y = i on a category axis)."""
+    return [dict(x=x, y=li, xref=xref, yref=yref, text=t, showarrow=False, font=dict(size=font_size, color=color))
+            for x, li, t in d.labels]

@@ -14,66 +14,66 @@ from typing import Mapping
 import numpy as np
 import plotly.graph_objects as go
 
-from pcpviz.views.figures.aggregate import cell_edges, run_edges
-from pcpviz.views.figures.canvas import (FLAG_COLOR, TEXT_LIMIT, _Canvas, _L_NULL, _L_PAD, _L_REPLICA, _L_WRITTEN, _heat,
-                                   _range_text, _req_levels, _run_labels, _text_fits, _vline, as_figure)
+from pcpviz.views.figures.aggregate import run_edges
+from pcpviz.views.figures.canvas import (FLAG_COLOR, _Canvas, _L_NULL, _L_PAD, _L_REPLICA, _L_WRITTEN, _range_text,
+                                         _req_levels, _strip_heat, _strip_labels, _vline, as_figure)
+from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
 from pcpviz.views.figures.step_data import Rec, _arr, _g2, _is_replicated, step_layout
 
 __all__ = ["slot_mappings_spec", "slot_mappings_figure"]
 
 
 def _slot_strip(slots: np.ndarray, req: np.ndarray, status: np.ndarray | None, levels: np.ndarray,
-                label: str, index_name: str):
-    """One strip: (z[1, m], edges, text[1, m], hover[1, m], show_text)."""
+                label: str, index_name: str) -> Lane:
+    """One strip as runs of equal request (and write status) whose slot ids continue by +1:
+    text = slot id per token, the slot range per run; PAD (-1) grey, a slot of no request white."""
     n = slots.shape[0]
-    keys = [req] + ([status] if status is not None else [])
-    valid = slots >= 0
-    edges, merged = cell_edges(n, keys=keys, arith=[slots], arith_valid=[valid])
-    starts, stops = edges[:-1], edges[1:]
-    per_token = bool(np.all(stops - starts == 1))
-    r = req[starts]
-    s0 = slots[starts]
-    s1 = slots[np.maximum(stops - 1, 0)]
-    st = status[starts] if status is not None else None
-    z = np.empty(starts.shape[0], dtype=float)
-    text = np.empty(starts.shape[0], dtype=object)
-    hover = np.empty(starts.shape[0], dtype=object)
-    for j in range(starts.shape[0]):
-        a, b = int(starts[j]), int(stops[j]) - 1
-        pad = s0[j] < 0
-        if pad:
-            z[j] = _L_PAD
-            text[j] = "PAD" if per_token else "PAD"
-        elif r[j] < 0:
-            z[j] = _L_NULL
-            text[j] = str(int(s0[j]))
-        else:
-            z[j] = levels[r[j]]
-            text[j] = str(int(s0[j])) if per_token else _range_text(int(s0[j]), int(s1[j]))
-        h = f"{label}<br>{index_name} {_range_text(a, b)}<br>"
-        h += "PAD (-1): nothing written" if pad else f"slot {_range_text(int(s0[j]), int(s1[j]))}"
-        if st is not None and not pad:
-            h += "<br>" + {2: "KV written", 1: "replica: not written", 0: "padding"}[int(st[j])]
-        if merged[j] > 1:
-            h += f"<br>(mixed: {merged[j]} runs merged)"
-        hover[j] = h
-    show = per_token and starts.shape[0] <= TEXT_LIMIT and _text_fits(starts.shape[0], text)
-    labels: tuple = ()
-    if not show:
-        e = run_edges(n, keys=keys, arith=[slots], arith_valid=[valid])
-        ra, rb = e[:-1], e[1:]
-        labels = (ra, rb, ["PAD" if slots[x] < 0 else _range_text(int(slots[x]), int(slots[y - 1]))
-                           for x, y in zip(ra, rb)], n)
-    return z[None, :], edges, text[None, :], hover[None, :], show, labels
+    keys = [req, slots < 0] + ([status] if status is not None else [])
+    e = run_edges(n, keys=keys, arith=[slots], arith_valid=[slots >= 0])
+    a, b = e[:-1], e[1:]
+    s0, s1 = slots[a] if n else a, slots[np.maximum(b - 1, 0)] if n else a
+    level, text, hover = [], [], []
+    for j, (x, y, q, u, v) in enumerate(zip(a.tolist(), b.tolist(), req[a].tolist() if n else [],
+                                            s0.tolist(), s1.tolist())):
+        pad = u < 0
+        level.append(_L_PAD if pad else _L_NULL if q < 0 else levels[q])
+        text.append("PAD" if pad else (_range_text(u, v), f"{u}…") if v != u else str(u))
+        h = f"{label}<br>{index_name} {_range_text(x, y - 1)}<br>"
+        h += "PAD (-1): nothing written" if pad else f"slot {_range_text(u, v)}"
+        if status is not None and not pad:
+            h += "<br>" + {2: "KV written", 1: "replica: not written", 0: "padding"}[int(status[x])]
+        hover.append(h)
+
+    def token_text(_run: np.ndarray, tok: np.ndarray) -> list[str]:
+        return [str(v) if v >= 0 else "PAD" for v in slots[tok].tolist()]
+
+    return Lane(e, np.asarray(level, dtype=float), text, hover, token_text)
+
+
+def _mask_strip(status: np.ndarray, req: np.ndarray) -> Lane:
+    """The KV write mask over the gathered rows: runs of equal status and request."""
+    e = run_edges(status.shape[0], keys=[status, req])
+    st = status[e[:-1]].tolist()
+    lev = {2: _L_WRITTEN, 1: _L_REPLICA, 0: _L_PAD}
+    names = {2: "written", 1: "replica: not written", 0: "padding"}
+    marks = np.array([{2: "W", 1: "r", 0: "·"}[x] for x in st], dtype=object)
+    return Lane(e, np.array([lev[x] for x in st], dtype=float),
+                [({2: "written", 1: "replica", 0: "pad"}[x], {2: "W", 1: "r", 0: "·"}[x]) for x in st],
+                [f"{names[x]}<br>gathered rows {_range_text(a, b - 1)}"
+                 for x, a, b in zip(st, e[:-1].tolist(), e[1:].tolist())],
+                lambda run, _tok: marks[run].tolist())
 
 
 def slot_mappings_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
                        highlight: str | None = None, colors: Mapping[str, int] | None = None,
-                       group: int = 0) -> dict:
+                       group: int = 0, windows: Mapping[str, tuple[float, float]] | None = None,
+                       px: int = PLOT_PX) -> dict:
     """Slot mappings of one step: ``slot_mapping_global`` [G, T] (global order),
     ``slot_mapping_gathered`` [G, N*P] (rank-major gathered rows, PAD = -1 grey) with the
     KV write mask under it, and the draft step's ``slot_mapping_draft`` — ``[G, N*P]``
-    expanded for the rank-local draft_0, unexpanded ``[G, R]`` for a replicated decode."""
+    expanded for the rank-local draft_0, unexpanded ``[G, R]`` for a replicated decode.
+    ``windows`` maps a strip's x axis (``"xaxis"``, ``"xaxis2"``, ...) to the range shown, drawn
+    ``px`` pixels wide at its level of detail (``lod``)."""
     sl = step_layout(target)
     levels = _req_levels(sl.req_ids, colors, highlight)
     n, p, t, r = sl.pcp, sl.padded, sl.num_tokens, sl.num_reqs
@@ -94,17 +94,8 @@ def slot_mappings_spec(target: Rec, draft: Rec | None = None, *, draft_phase: st
                        _slot_strip(v[:m], rreq[:m], status[:m], levels, "gathered", "gathered row"),
                        "gathered row (rank-major)", p))
     # write mask strip (own row)
-    medges, _ = cell_edges(status.shape[0], keys=[status, rreq])
-    ms = medges[:-1]
-    mz = np.where(status[ms] == 2, _L_WRITTEN, np.where(status[ms] == 1, _L_REPLICA, _L_PAD)).astype(float)
-    mt = np.where(status[ms] == 2, "W", np.where(status[ms] == 1, "r", "·")).astype(object)
-    mh = np.array([f"{ {2: 'written', 1: 'replica: not written', 0: 'padding'}[int(status[a])] }"
-                   f"<br>gathered rows {_range_text(int(a), int(b) - 1)}" for a, b in zip(ms, medges[1:])], dtype=object)
     strips.append((f"kv_write_mask [N*P={status.shape[0]}]: {int(sl.kv_write_mask.sum())} rows written "
-                   f"(T = {t}); W written, r replica, · padding",
-                   (mz[None, :], medges, mt[None, :], mh[None, :], _text_fits(ms.shape[0], mt),
-                    (ms, medges[1:], [{"W": "written", "r": "replica", "·": "pad"}[x] for x in mt],
-                     int(medges[-1])) if not _text_fits(ms.shape[0], mt) else ()),
+                   f"(T = {t}); W written, r replica, · padding", _mask_strip(status, rreq),
                    "gathered row (rank-major)", p))
     flag_note = None
     sd = _g2(_arr(draft, "slot_mapping_draft"))
@@ -133,15 +124,15 @@ def slot_mappings_spec(target: Rec, draft: Rec | None = None, *, draft_phase: st
                   subplot_titles=[s[0] for s in strips])
     shapes = fig.shapes
     annots = fig.annotations
-    for k, (_, (z, edges, text, hover, show, labels), xtitle, rank_p) in enumerate(strips):
-        fig.add(_heat(z, edges, [""], text, hover, show, font_size=9, ygap=0), k + 1, 1)
+    windows = windows or {}
+    for k, (_, lane, xtitle, rank_p) in enumerate(strips):
+        xr, yr = fig.ref(k + 1, 1)
+        d = draw_strip([lane], window=windows.get("xaxis" + xr[1:]), px=px, font_size=9)
+        fig.add(_strip_heat(d, [""], font_size=9, ygap=0), k + 1, 1)
+        annots.extend(_strip_labels(xr, yr, d, font_size=9))
         fig.axis("y", k + 1, 1, showticklabels=False)
-        fig.axis("x", k + 1, 1, title=dict(text=xtitle, standoff=0, font=dict(size=10)),
-                 range=[0, int(edges[-1]) if len(edges) > 1 else 1])
-        if labels:
-            xr, yr = fig.ref(k + 1, 1)
-            annots.extend(_run_labels(xr, yr, *labels[:3], 0, labels[3]))
-        if xtitle == "request row (global order)" and r and len(edges) == r + 1:
+        fig.axis("x", k + 1, 1, title=dict(text=xtitle, standoff=0, font=dict(size=10)), range=list(d.window))
+        if xtitle == "request row (global order)" and r and lane.length == r and d.per_token:
             fig.axis("x", k + 1, 1, tickvals=(np.arange(r) + 0.5).tolist(), ticktext=list(sl.req_ids))
         if rank_p:
             xr, yr = fig.ref(k + 1, 1)
@@ -158,7 +149,7 @@ def slot_mappings_spec(target: Rec, draft: Rec | None = None, *, draft_phase: st
 
 def slot_mappings_figure(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
                          highlight: str | None = None, colors: Mapping[str, int] | None = None,
-                         group: int = 0) -> go.Figure:
+                         group: int = 0, windows: Mapping[str, tuple[float, float]] | None = None) -> go.Figure:
     """``slot_mappings_spec`` as a ``go.Figure``."""
     return as_figure(slot_mappings_spec(target, draft, draft_phase=draft_phase, highlight=highlight, colors=colors,
-                                        group=group))
+                                        group=group, windows=windows))

@@ -17,10 +17,11 @@ from typing import Mapping
 import numpy as np
 import plotly.graph_objects as go
 
-from pcpviz.views.figures.aggregate import _run_lines, cell_edges, merge_runs, run_edges
-from pcpviz.views.figures.canvas import (DIM_COLOR, PAD_COLOR, REPLICA_COLOR, TEXT_LIMIT, TOKEN_LIMIT, WRITTEN_COLOR,
-                                   _Canvas, _L_PAD, _L_REPLICA, _L_WRITTEN, _heat, _hline, _range_text,
-                                   _req_levels, _run_labels, _text_fits, _vline, as_figure)
+from pcpviz.views.figures.aggregate import _run_lines, run_edges
+from pcpviz.views.figures.canvas import (DIM_COLOR, PAD_COLOR, REPLICA_COLOR, TOKEN_LIMIT, WRITTEN_COLOR, _Canvas,
+                                         _L_PAD, _L_REPLICA, _L_WRITTEN, _hline, _range_text, _req_levels,
+                                         _strip_heat, _strip_labels, _vline, as_figure)
+from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
 from pcpviz.views.figures.step_data import Rec, StepLayout, step_layout
 
 __all__ = ["token_order_spec", "token_order_figure"]
@@ -40,112 +41,85 @@ def _lane_rows(sl: StepLayout) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]
     return out
 
 
-def _lanes(sl: StepLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(req, chunk, gtok)`` each int64[N+1, width]: lane 0 = global, lane 1+r = rank r.
-    ``req`` -1 = padding, -2 = beyond the lane."""
-    rows = _lane_rows(sl)
-    width = max(sl.num_tokens, sl.padded, 1)
-    req = np.full((len(rows), width), -2, dtype=np.int64)
-    chunk = np.full((len(rows), width), -1, dtype=np.int64)
-    gtok = np.full((len(rows), width), -1, dtype=np.int64)
-    for li, (rq, ck, gt) in enumerate(rows):
-        req[li, :rq.shape[0]], chunk[li, :ck.shape[0]], gtok[li, :gt.shape[0]] = rq, ck, gt
-    return req, chunk, gtok
+def _lane_runs(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[np.ndarray]:
+    """Run edges of each lane over its own length: where its request or chunk changes or its
+    global token index stops continuing by +1."""
+    return [run_edges(rq.shape[0], keys=[rq, ck], arith=[gt], arith_valid=[gt >= 0]) for rq, ck, gt in rows]
 
 
-def _lane_runs(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], width: int) -> list[np.ndarray]:
-    """Run edges of each lane over ``[0, width)``: where its request or chunk changes or its global
-    token index stops continuing by +1, and where the lane ends (the rest of the strip is one
-    more, empty run)."""
-    out = []
-    for rq, ck, gt in rows:
-        e = run_edges(rq.shape[0], keys=[rq, ck], arith=[gt], arith_valid=[gt >= 0])
-        out.append(np.append(e, width) if rq.shape[0] < width else e)
-    return out
+def _lane(sl: StepLayout, li: int, lane: tuple[np.ndarray, np.ndarray, np.ndarray], e: np.ndarray,
+          levels: np.ndarray) -> Lane:
+    """Lane ``li`` (0 = global, 1+r = rank r) as runs: colour = request, grey = padding."""
+    rq, ck, gt = (a[e[:-1]] for a in lane)
+    where = "global token" if li == 0 else f"rank {li - 1} local row"
+    level, label, hover = [], [], []
+    for a, b, q, c, g in zip(e[:-1].tolist(), (e[1:] - 1).tolist(), rq.tolist(), ck.tolist(), gt.tolist()):
+        if q >= 0:
+            level.append(levels[q])
+            label.append((f"{sl.req_ids[q]} c{c}", f"c{c}"))
+            hover.append(f"{sl.req_ids[q]} · chunk {c}<br>{where} {_range_text(a, b)}"
+                         f"<br>global token {_range_text(g, g + b - a)}")
+        else:
+            level.append(_L_PAD)
+            label.append(("pad", "·"))
+            hover.append(f"padding<br>{where} {_range_text(a, b)}")
+    chunk = np.where(rq >= 0, ck, -1)
+
+    def text(run: np.ndarray, _tok: np.ndarray) -> list[str]:
+        return [str(c) if c >= 0 else "·" for c in chunk[run].tolist()]
+
+    return Lane(e, np.asarray(level, dtype=float), label, hover, text)
 
 
-def _at(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]], pos: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``(req, chunk, gtok)`` int64[lanes, len(pos)] at the strip positions ``pos`` (-2, -1, -1
-    beyond a lane's end)."""
-    out = [np.empty((len(rows), pos.shape[0]), dtype=np.int64) for _ in range(3)]
-    for li, lane in enumerate(rows):
-        inside = pos < lane[0].shape[0]
-        at = np.minimum(pos, max(lane[0].shape[0] - 1, 0))
-        for arr, a, beyond in zip(out, lane, (-2, -1, -1)):
-            arr[li] = np.where(inside, a[at], beyond) if a.shape[0] else beyond
-    return tuple(out)
+def _mask_lane(status: np.ndarray) -> Lane:
+    """The KV write mask over the gathered rows as runs of equal status."""
+    e = run_edges(status.shape[0], keys=[status])
+    st = status[e[:-1]].tolist()
+    names = {2: "written", 1: "replica", 0: "pad"}
+    lev = {2: _L_WRITTEN, 1: _L_REPLICA, 0: _L_PAD}
+    hover = [f"{_MASK_NAMES[s]}<br>gathered rows {_range_text(a, b - 1)}"
+             for s, a, b in zip(st, e[:-1].tolist(), e[1:].tolist())]
+    marks = np.array([{2: "W", 1: "r", 0: "·"}[s] for s in st], dtype=object)
+    return Lane(e, np.array([lev[s] for s in st], dtype=float), [names[s] for s in st], hover,
+                lambda run, _tok: marks[run].tolist())
+
+
+_MASK_NAMES = {2: "written", 1: "masked (extra replica)", 0: "padding"}
 
 
 def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | None = None,
-                     colors: Mapping[str, int] | None = None, title: str | None = None) -> dict:
+                     colors: Mapping[str, int] | None = None, title: str | None = None,
+                     windows: Mapping[str, tuple[float, float]] | None = None, px: int = PLOT_PX) -> dict:
     """Lanes (global batch vs each rank's local rows, colour = request, text = chunk, grey =
-    padding), the gather/restore index maps and the KV write mask of one step's ``target``."""
+    padding), the gather/restore index maps and the KV write mask of one step's ``target``.
+
+    ``windows`` maps an x axis (``"xaxis"`` the lanes, ``"xaxis4"`` the write mask) to the range
+    shown (None: everything), drawn ``px`` pixels wide at its level of detail (``lod``)."""
     sl = step_layout(target)
     n, p, t, r = sl.pcp, sl.padded, sl.num_tokens, sl.num_reqs
     rows = _lane_rows(sl)
     width = max(t, p, 1)
-    # Runs are found lane by lane, over each lane's own length (T, or P per rank), and a strip
-    # cell ends wherever any lane's run ends: the same cells as runs over all lanes at once.
-    lane_runs = _lane_runs(rows, width) if width > TOKEN_LIMIT else None
-    if lane_runs is None:
-        edges, merged = np.arange(width + 1, dtype=np.int64), np.ones(width, dtype=np.int64)
-    else:
-        edges, merged = merge_runs(np.unique(np.concatenate(lane_runs)))
-    starts, stops = edges[:-1], edges[1:]
-    creq, cchunk, cg = _at(rows, starts)
+    windows = windows or {}
     levels = _req_levels(sl.req_ids, colors, highlight)
-    z = np.where(creq >= 0, levels[np.clip(creq, 0, max(r - 1, 0))] if r else _L_PAD,
-                 np.where(creq == -1, _L_PAD, np.nan)).astype(float)
+    lanes = [_lane(sl, li, lane, e, levels) for li, (lane, e) in enumerate(zip(rows, _lane_runs(rows)))]
+    drawn = draw_strip(lanes, window=windows.get("xaxis"), px=px)
     labels = ["global"] + [f"rank {k}" + (" ◀" if rank == k else "") for k in range(n)]
-    ncell = starts.shape[0]
-    per_token = bool(np.all(stops - starts == 1))
-    text = np.where(creq >= 0, cchunk.astype(str), np.where(creq == -1, "·", ""))
-    if not per_token:
-        text = np.where(creq >= 0, np.char.add("c", cchunk.astype(str)), np.where(creq == -1, "pad", ""))
-    hover = np.empty(creq.shape, dtype=object)
-    for li in range(creq.shape[0]):
-        for j in range(ncell):
-            a, b = int(starts[j]), int(stops[j]) - 1
-            rq = creq[li, j]
-            where = "global token" if li == 0 else f"rank {li - 1} local row"
-            if rq >= 0:
-                g0 = int(cg[li, j])
-                s = (f"{sl.req_ids[rq]} · chunk {cchunk[li, j]}<br>{where} {_range_text(a, b)}"
-                     f"<br>global token {_range_text(g0, g0 + b - a)}")
-                if merged[j] > 1:
-                    s += f"<br>(mixed: {merged[j]} runs merged)"
-                hover[li, j] = s
-            elif rq == -1:
-                hover[li, j] = f"padding<br>{where} {_range_text(a, b)}"
-            else:
-                hover[li, j] = ""
+    what = ("per token (colour = request, text = chunk, grey = padding)" if drawn.per_token else
+            "runs of request and chunk (colour = request, c = chunk, grey = padding; zoom for tokens)")
     fig = _Canvas(
         [[2], [1, 1], [2]], vertical_spacing=0.13, horizontal_spacing=0.08, row_heights=[0.42, 0.42, 0.16],
         subplot_titles=(
-            "token order: global batch vs each rank's local rows (colour = request, text = chunk, grey = padding)"
-            if per_token else
-            f"token order, aggregated into {ncell} runs (colour = request, c = chunk, grey = padding)",
+            f"token order: global batch vs each rank's local rows, {what}",
             "padded_gather_idx: gathered row → global token",
             "hidden_restore_idx: global token → gathered row",
             "KV write mask over the gathered rows (blue written, orange replica not written, grey pad)",
         ),
     )
-    cell_text = per_token and ncell <= TEXT_LIMIT and _text_fits(ncell, text.ravel())
-    fig.add(_heat(z, edges, labels, text, hover, cell_text, "lanes"), 1, 1)
-    if not cell_text:  # label each run of each lane once: request and chunk
-        xa, ya = fig.ref(1, 1)
-        for li, e in enumerate(lane_runs if lane_runs is not None else _lane_runs(rows, width)):
-            a, b = e[:-1], e[1:]
-            rq, ck = _at([rows[li]], a)[:2]
-            rq, ck = rq[0], ck[0]
-            texts = [f"{sl.req_ids[q]} c{c}" if q >= 0 else ("pad" if q == -1 else "") for q, c in zip(rq, ck)]
-            short = [f"c{c}" if q >= 0 else ("·" if q == -1 else "") for q, c in zip(rq, ck)]
-            lab = _run_labels(xa, ya, a, b, texts, li, width)
-            if len(lab) < len([t for t in texts if t]):
-                lab = _run_labels(xa, ya, a, b, short, li, width)
-            fig.annotations.extend(lab)
+    fig.add(_strip_heat(drawn, labels, name="lanes"), 1, 1)
+    xa, ya = fig.ref(1, 1)
+    fig.annotations.extend(_strip_labels(xa, ya, drawn))
     fig.axis("y", 1, 1, autorange="reversed")
-    fig.axis("x", 1, 1, range=[0, width])
+    fig.axis("x", 1, 1, range=list(drawn.window))
     shapes = fig.shapes
     (x1r, y1r), (x2r, y2r), (x3r, y3r), (x4r, y4r) = fig.ref(1, 1), fig.ref(2, 1), fig.ref(2, 2), fig.ref(3, 1)
     if rank is not None and 0 <= rank < n:
@@ -160,7 +134,7 @@ def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | N
         hi = sl.req_ids.index(highlight)
         rr = sl.row_req()
         hl_rows = rr == hi
-    names = {2: "written", 1: "masked (extra replica)", 0: "padding"}
+    names = _MASK_NAMES
     cols = {2: WRITTEN_COLOR, 1: REPLICA_COLOR, 0: PAD_COLOR}
     big = n * p > TOKEN_LIMIT
     gvals = sl.padded_gather_idx
@@ -196,12 +170,10 @@ def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | N
     fig.axis("y", 2, 2, title=dict(text="gathered row"))
 
     # write mask strip
-    medges, mmerged = cell_edges(n * p, keys=[status])
-    ms = medges[:-1]
-    mz = np.array([{2: _L_WRITTEN, 1: _L_REPLICA, 0: _L_PAD}[int(v)] for v in status[ms]], dtype=float)[None, :]
-    mhover = np.array([[f"{names[int(status[a])]}<br>gathered rows {_range_text(int(a), int(b) - 1)}"
-                        for a, b in zip(ms, medges[1:])]], dtype=object)
-    fig.add(_heat(mz, medges, ["write"], hover=mhover, name="kv_write_mask", ygap=0), 3, 1)
+    mask = draw_strip([_mask_lane(status)], window=windows.get("xaxis4"), px=px)
+    fig.add(_strip_heat(mask, ["write"], name="kv_write_mask", ygap=0), 3, 1)
+    fig.annotations.extend(_strip_labels(x4r, y4r, mask))
+    fig.axis("x", 3, 1, range=list(mask.window))
     for k in range(1, n):
         shapes.append(_vline(x4r, y4r, k * p, color="#555", width=1))
     return fig.spec(
@@ -213,6 +185,8 @@ def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | N
 
 
 def token_order_figure(target: Rec, *, rank: int | None = None, highlight: str | None = None,
-                       colors: Mapping[str, int] | None = None, title: str | None = None) -> go.Figure:
+                       colors: Mapping[str, int] | None = None, title: str | None = None,
+                       windows: Mapping[str, tuple[float, float]] | None = None) -> go.Figure:
     """``token_order_spec`` as a ``go.Figure``."""
-    return as_figure(token_order_spec(target, rank=rank, highlight=highlight, colors=colors, title=title))
+    return as_figure(token_order_spec(target, rank=rank, highlight=highlight, colors=colors, title=title,
+                                      windows=windows))

@@ -69,6 +69,15 @@ load_check_report = fg.load_check_report
 _trace_req_ids = fg.trace_req_ids
 
 
+ZOOM_AXES: dict[str, tuple[str, ...]] = {
+    "token_order": ("xaxis", "xaxis4"),
+    "block_tables": ("xaxis",),
+    "slot_mappings": ("xaxis", "xaxis2", "xaxis3", "xaxis4"),
+}
+"""The x axes of the per-token strips: zooming one (plotly's relayout) redraws that view for the
+visible window at its level of detail (``pcpviz.views.figures.lod``); per-token cells and
+labels appear as the window narrows. A control change that moves the step or rank resets it."""
+
 SPEC_CACHE_SIZE = 256
 """Figure specs kept per Workbench (least recently used dropped first): moving back to a step,
 rank, draft phase or highlight shown before costs a dictionary look-up."""
@@ -105,6 +114,7 @@ class Workbench(W.VBox):
         self._specs: OrderedDict[tuple, dict] = OrderedDict()  # (view, step, rank, ...) -> spec
         self._flag_cache: dict[tuple, list[fg.RowFlag]] = {}
         self._shown: dict[str, dict | None] = {}  # view -> the spec its FigureWidget shows
+        self.windows: dict[str, dict[str, tuple[float, float]]] = {v: {} for v in ZOOM_AXES}
         self._cached_for: Trace | None = None
         # Figure width in px. FigureWidget sizes itself once, before JupyterLab attaches it, and
         # falls back to plotly's 700 px; an explicit width is what reliably fills a notebook cell.
@@ -140,6 +150,8 @@ class Workbench(W.VBox):
         self.violations = self._violations()
         self.checks_box = self._checks_widget()
 
+        for view in ZOOM_AXES:  # a zoom in the browser: FigureWidget's relayout message from plotly.js
+            self.figures[view].observe(lambda change, v=view: self._on_relayout(v, change), names="_js2py_relayout")
         self.step.observe(self._on_step, names="value")
         self.rank.observe(self._on_rank, names="value")
         self.phase.observe(self._on_phase, names="value")
@@ -184,6 +196,38 @@ class Workbench(W.VBox):
         return fg.draft_source_phase(self.phase.options, self.phase.value)
 
     # ------------------------------------------------------------------ controls
+
+    def _on_relayout(self, view: str, change) -> None:
+        """A zoom, pan or reset of ``view`` in the browser: redraw it for the visible window."""
+        msg = change.get("new") or {}
+        data = msg.get("relayout_data") or {}
+        win = dict(self.windows[view])
+        for axis in ZOOM_AXES[view] if view != "block_tables" else ("xaxis", "xaxis2", "xaxis3"):
+            key = "xaxis" if view == "block_tables" else axis
+            r = data.get(f"{axis}.range")
+            if r is None and f"{axis}.range[0]" in data and f"{axis}.range[1]" in data:
+                r = (data[f"{axis}.range[0]"], data[f"{axis}.range[1]"])
+            if r is not None and len(r) == 2:
+                win[key] = (float(r[0]), float(r[1]))
+            elif data.get(f"{axis}.autorange"):
+                win.pop(key, None)
+        if win != self.windows[view]:
+            t0 = time.perf_counter()
+            self.windows[view] = win
+            self._render({view})
+            self.last_update_s = time.perf_counter() - t0
+
+    def zoom(self, view: str, **ranges: tuple[float, float] | None) -> None:
+        """Show ``view`` over x ranges (``wb.zoom("token_order", xaxis=(0, 100))``; None: all),
+        as a zoom in the browser does."""
+        win = dict(self.windows[view])
+        for a, r in ranges.items():
+            if r is None:
+                win.pop(a, None)
+            else:
+                win[a] = (float(r[0]), float(r[1]))
+        self.windows[view] = win
+        self._render({view})
 
     def _on_step(self, change) -> None:
         t0 = time.perf_counter()
@@ -323,6 +367,8 @@ class Workbench(W.VBox):
         hl = self._hl()
         if view == "acceptance":
             return (view, hl)
+        if view in ZOOM_AXES and self.windows[view]:
+            hl = (hl, tuple(sorted(self.windows[view].items())))
         step, rank = self.step.value, self.rank.value
         if view == "timeline":
             return (view, step, rank, self.phase.value, hl)
@@ -356,16 +402,17 @@ class Workbench(W.VBox):
         draft = recs.get(dp) if dp else None
         if target is None:
             return _message_spec(f"step {step} rank {rank}: no target phase recorded", height=160)
+        win = self.windows.get(view) or None
         if view == "token_order":
-            spec = fg.token_order_spec(target, rank=rank, highlight=hl, colors=self.colors)
+            spec = fg.token_order_spec(target, rank=rank, highlight=hl, colors=self.colors, windows=win)
         elif view == "timeline":
             spec = fg.draft_timeline_spec(recs, step=step, rank=rank, selected_phase=self.phase.value,
                                           highlight=hl)
         elif view == "block_tables":
             spec = fg.block_tables_spec(target, draft, draft_phase=dp, rank=rank, highlight=hl, colors=self.colors,
-                                        flags=self._draft_flags(step, rank, dp))
+                                        flags=self._draft_flags(step, rank, dp), windows=win)
         elif view == "slot_mappings":
-            spec = fg.slot_mappings_spec(target, draft, draft_phase=dp, highlight=hl, colors=self.colors)
+            spec = fg.slot_mappings_spec(target, draft, draft_phase=dp, highlight=hl, colors=self.colors, windows=win)
         else:
             raise KeyError(view)
         for text in self._marks(view, step, rank, dp):
@@ -379,6 +426,10 @@ class Workbench(W.VBox):
 
     def _render(self, views: Iterable[str]) -> None:
         views = set(views)
+        where = (self.step.value, self.rank.value)
+        if getattr(self, "_windows_for", where) != where:  # a new step or rank: everything again
+            self.windows = {v: {} for v in ZOOM_AXES}
+        self._windows_for = where
         self.flags = self._draft_flags(self.step.value, self.rank.value, self.draft_phase)
         for name in VIEW_NAMES:
             if name in views or (name == "acceptance" and "acceptance_marker" in views):

@@ -1,0 +1,225 @@
+"""Level of detail for the per-token strips (token-order lanes, KV write mask, slot mappings,
+block-table rows): what one strip draws for a visible window of a given width in pixels.
+
+A strip is a few *lanes* (heatmap rows sharing one x axis), each cut into *runs*
+(``Lane``): maximal stretches of equal request, chunk, rank, padding or mask status (and,
+for slot ids or block ids, an arithmetic progression). ``draw_strip`` draws the window:
+
+* **per-token** when every visible token gets at least ``TOKEN_PX`` px: one cell per token
+  with a 1 px gap, its text (chunk, slot id, block id) when the text fits the cell;
+* **runs** otherwise: each run's extent snapped to whole pixels (``pixel_cells``), no gaps;
+  a run narrower than a pixel still gets one pixel (taken from a neighbour at least two pixels
+  wide) and a pixel under several such runs is drawn as one of them, its hover saying how many
+  runs it covers; each run is labelled once where its label fits inside it.
+
+Labels never overprint: a label is placed only inside its own run's visible extent and only
+when it fits there, so labels of one lane cannot overlap and lanes are separate rows.
+
+PCP=2 example: the global lane of a 2,048-token prefill of two requests (DualChunkSwap, four
+chunks each) is 8 runs; at 860 px for the whole strip each run is ~107 px wide and is labelled
+``req c0`` ... ; zoomed to tokens 0-99 each token is a 8.6 px cell with its chunk digit.
+
+``PCPVIZ_LOD=0`` in the environment switches the level of detail off (one cell per token,
+1 px gaps, every run labelled wherever it is): the drawing the views had before, kept only as
+the negative control of the browser test (``tests/views/test_browser_views.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+__all__ = ["PLOT_PX", "TOKEN_PX", "Lane", "Drawn", "lod_enabled", "pixel_cells", "draw_strip", "label_px"]
+
+PLOT_PX = 860
+"""Plot-area width (px) the strips are computed for: the Workbench's 940 px figure less margins."""
+TOKEN_PX = 4.0
+"""Per-token cells once every visible token is at least this wide (px)."""
+MAX_LABELS = 60
+"""At most this many run labels per lane (the widest runs first)."""
+
+
+def lod_enabled() -> bool:
+    """False when ``PCPVIZ_LOD=0`` (the negative control of the browser test)."""
+    return os.environ.get("PCPVIZ_LOD", "1") != "0"
+
+
+def label_px(text: str, font_size: float = 10) -> float:
+    """Width (px) a label needs: ~0.62 em per character plus 4 px of margin."""
+    return 0.62 * font_size * len(text) + 4
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One heatmap row as runs: run ``i`` covers ``[edges[i], edges[i+1])``."""
+
+    edges: np.ndarray  # int64[m+1], edges[0] == 0
+    level: np.ndarray  # float64[m]: colour level (NaN: nothing drawn, e.g. beyond a rank's rows)
+    label: Sequence[str | tuple[str, ...]]  # [m] run label ('' none; a tuple: alternatives, longest first)
+    hover: Sequence[str]  # [m] run hover text
+    token_text: Callable[[np.ndarray, np.ndarray], Sequence[str]] | None = None
+    """(run index int64[k], token index int64[k]) -> text of each token, for per-token cells."""
+
+    @property
+    def length(self) -> int:
+        return int(self.edges[-1]) if self.edges.size else 0
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """What ``draw_strip`` gives: heatmap columns and the labels to lay over them."""
+
+    edges: np.ndarray  # float64[k+1]: cell edges in data units
+    z: np.ndarray  # float64[L, k]
+    text: np.ndarray | None  # object[L, k] per-token text, or None
+    hover: np.ndarray  # object[L, k]
+    labels: list[tuple[float, int, str]]  # (x, lane, text)
+    per_token: bool
+    xgap: int
+    window: tuple[float, float]  # the x range drawn (data units)
+
+
+def pixel_cells(edges: np.ndarray, lo: float, hi: float, px: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Runs ``edges`` (int64[m+1]) over the window ``[lo, hi)`` drawn ``px`` pixels wide:
+    ``(pixel edges int64[k+1], run of each cell int64[k], runs under each cell int64[k])``.
+
+    Cells tile ``[0, px)`` with no gap. A run is drawn over its extent rounded to whole pixels;
+    one that rounds to nothing gets the pixel under its middle when that pixel's owner keeps at
+    least one other pixel (else the pixel stays its owner's and counts one more run under it).
+
+    ``pixel_cells([0, 10, 11, 100], 0, 100, 10)`` -> edges ``[0, 1, 2, 10]``, runs ``[0, 1, 2]``:
+    the 1-token run 1 (0.1 px) takes pixel 1 from run 0.
+    """
+    e = np.asarray(edges, dtype=np.int64)
+    u = (hi - lo) / px
+    first = max(int(np.searchsorted(e, lo, side="right")) - 1, 0)
+    last = min(int(np.searchsorted(e, hi, side="left")), e.shape[0] - 1)
+    ids = np.arange(first, last)  # runs that intersect the window
+    f = (np.clip(e[first:last + 1].astype(float), lo, hi) - lo) / u
+    b = np.clip(np.round(f).astype(np.int64), 0, px)
+    widths = np.diff(b)
+    owner = np.repeat(ids, widths)
+    under = np.ones(px, dtype=np.int64)
+    if owner.shape[0] < px:  # rounding at the window's end
+        owner = np.concatenate([owner, np.full(px - owner.shape[0], ids[-1] if ids.size else 0)])
+    have = dict(zip(ids.tolist(), widths.tolist()))
+    for j in np.flatnonzero(widths == 0).tolist():
+        q = min(int((f[j] + f[j + 1]) / 2), px - 1)
+        prev = int(owner[q])
+        if have.get(prev, 0) >= 2 and under[q] == 1:
+            owner[q] = ids[j]
+            have[prev] -= 1
+            have[int(ids[j])] = 1
+        under[q] += 1
+    brk = np.flatnonzero(np.diff(owner) != 0) + 1
+    starts = np.concatenate([[0], brk])
+    cell_under = np.maximum.reduceat(under, starts)
+    return np.append(starts, px).astype(np.int64), owner[starts], cell_under
+
+
+def _window(lanes: Sequence[Lane], window: tuple[float, float] | None) -> tuple[float, float, int]:
+    width = max((ln.length for ln in lanes), default=0)
+    width = max(width, 1)
+    if window is None:
+        return 0.0, float(width), width
+    lo, hi = max(float(window[0]), 0.0), min(float(window[1]), float(width))
+    if hi - lo < 1e-9:
+        return 0.0, float(width), width
+    return lo, hi, width
+
+
+def draw_strip(lanes: Sequence[Lane], *, window: tuple[float, float] | None = None, px: int = PLOT_PX,
+               font_size: float = 10) -> Drawn:
+    """The cells and labels of ``lanes`` for ``window`` (data units; None: the whole strip) at
+    ``px`` pixels (see the module docstring)."""
+    lo, hi, width = _window(lanes, window)
+    if not lod_enabled():
+        return _draw_tokens(lanes, 0.0, float(width), px, font_size, every_label=True)
+    if (hi - lo) <= px / TOKEN_PX:
+        return _draw_tokens(lanes, lo, hi, px, font_size, every_label=False)
+    return _draw_runs(lanes, lo, hi, px, font_size)
+
+
+def _draw_runs(lanes: Sequence[Lane], lo: float, hi: float, px: int, font_size: float) -> Drawn:
+    u = (hi - lo) / px
+    per_lane = []
+    for ln in lanes:
+        e = ln.edges if ln.length >= hi else np.append(ln.edges, int(np.ceil(hi)))  # beyond: an empty run
+        per_lane.append((e, pixel_cells(e, lo, hi, px)))
+    union = np.unique(np.concatenate([c[0] for _, c in per_lane]))
+    starts = union[:-1]
+    z = np.full((len(lanes), starts.shape[0]), np.nan)
+    hover = np.empty((len(lanes), starts.shape[0]), dtype=object)
+    labels: list[tuple[float, int, str]] = []
+    for li, (ln, (e, (pe, owner, under))) in enumerate(zip(lanes, per_lane)):
+        m = ln.level.shape[0]
+        k = np.searchsorted(pe, starts, side="right") - 1
+        run = owner[k]
+        inside = run < m
+        z[li] = np.where(inside, ln.level[np.minimum(run, max(m - 1, 0))] if m else np.nan, np.nan)
+        for j, (r, n) in enumerate(zip(run.tolist(), under[k].tolist())):
+            h = ln.hover[r] if r < m else ""
+            hover[li, j] = h + (f"<br>(this pixel covers {n} runs: zoom in)" if n > 2 and h else "")
+        labels += _run_labels(ln, li, lo, hi, u, font_size)
+    return Drawn(lo + union * u, z, None, hover, labels, False, 0, (lo, hi))
+
+
+def _run_labels(ln: Lane, li: int, lo: float, hi: float, u: float, font_size: float) -> list[tuple[float, int, str]]:
+    """Labels of the runs of ``ln`` whose visible extent is wide enough for them (widest first)."""
+    a = np.clip(ln.edges[:-1].astype(float), lo, hi)
+    b = np.clip(ln.edges[1:].astype(float), lo, hi)
+    wpx = (b - a) / u
+    pick = [_fitting(t, w, font_size) for t, w in zip(ln.label, wpx.tolist())]
+    ok = np.array([i for i, t in enumerate(pick) if t], dtype=np.int64)
+    ok = ok[np.argsort(-wpx[ok], kind="stable")][:MAX_LABELS] if ok.size else ok
+    return [(float((a[i] + b[i]) / 2), li, pick[i]) for i in sorted(ok.tolist())]
+
+
+def _first(label: str | tuple[str, ...]) -> str:
+    return label[0] if isinstance(label, tuple) else label
+
+
+def _fitting(label: str | tuple[str, ...], width_px: float, font_size: float) -> str:
+    """The first of a label's alternatives that fits ``width_px`` ('' when none does)."""
+    for t in (label if isinstance(label, tuple) else (label,)):
+        if t and label_px(t, font_size) <= width_px:
+            return t
+    return ""
+
+
+def _draw_tokens(lanes: Sequence[Lane], lo: float, hi: float, px: int, font_size: float, *,
+                 every_label: bool) -> Drawn:
+    t0, t1 = int(np.floor(lo)), int(np.ceil(hi))
+    tok = np.arange(t0, t1, dtype=np.int64)
+    cell_px = px / max(hi - lo, 1e-9)
+    z = np.full((len(lanes), tok.shape[0]), np.nan)
+    hover = np.empty((len(lanes), tok.shape[0]), dtype=object)
+    text = np.full((len(lanes), tok.shape[0]), "", dtype=object)
+    fits = not every_label
+    labels: list[tuple[float, int, str]] = []
+    for li, ln in enumerate(lanes):
+        m = ln.level.shape[0]
+        run = np.searchsorted(ln.edges, tok, side="right") - 1
+        inside = (tok < ln.length) & (run >= 0) & (run < m)
+        rr = np.where(inside, run, 0)
+        z[li] = np.where(inside, ln.level[rr] if m else np.nan, np.nan)
+        for j in range(tok.shape[0]):
+            hover[li, j] = f"{ln.hover[rr[j]]}<br>position {tok[j]}" if inside[j] else ""
+        if ln.token_text is not None and inside.any() and not every_label:
+            tt = ln.token_text(rr[inside], tok[inside])
+            text[li, inside] = list(tt)
+            fits = fits and all(label_px(str(s), font_size) <= cell_px for s in tt)
+        if every_label:
+            labels += [(float((ln.edges[i] + ln.edges[i + 1]) / 2), li, _first(ln.label[i]))
+                       for i in range(m) if ln.label[i]]
+    if not every_label and not fits:
+        text = None
+        for li, ln in enumerate(lanes):
+            labels += _run_labels(ln, li, lo, hi, (hi - lo) / px, font_size)
+    elif every_label:
+        text = None
+    edges = np.arange(t0, t1 + 1, dtype=float)
+    return Drawn(edges, z, text, hover, labels, True, 1, (lo, hi))
