@@ -23,10 +23,13 @@ import argparse
 import json
 import math
 import sys
+import time
 from typing import Callable, Sequence
 
 from pcpviz.cli.guard import (EXIT_INCOMPLETE, EXIT_PIPE, bounded_int, check_output_file, exit_code, path,
                               read_json_file, seconds, trace_verdict)
+
+_STARTED = time.monotonic()  # the command's wall time counts from here (its imports included)
 
 __all__ = ["main", "UsageError"]
 
@@ -182,7 +185,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     num = lambda x: "-" if math.isnan(x) else f"{x:.2f}"  # noqa: E731 - NaN: nothing was drafted
     rates = ", ".join(num(r) for r in res.acceptance_rate_per_pos)
     print(f"acceptance per position [{rates}]  mean acceptance length {num(res.mean_acceptance_length)}  "
-          f"steps {res.num_steps}  {res.wall_s:.1f}s" + (f"  trace {res.trace_path}" if res.trace_path else ""),
+          f"steps {res.num_steps}  engine {res.wall_s:.1f}s, command {time.monotonic() - _STARTED:.1f}s"
+          + (f"  trace {res.trace_path}" if res.trace_path else ""),
           flush=True)
     if args.json:
         try:

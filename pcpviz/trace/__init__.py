@@ -40,9 +40,11 @@ from .schema import (
 )
 from .owner import claim
 from .validate import INCOMPLETE, INVALID, Problem, TraceStatus, validate, validate_meta
+from .summary import run_summary
 from .writer import TraceWriter, write_run_meta
 
 __all__ = [
+    "run_summary",
     "TraceError", "TraceWarning", "Trace", "Record", "RankFile", "open", "TraceWriter",
     "write_run_meta", "SCHEMA_VERSION", "PHASES", "PHASE_TARGET", "PHASE_VERIFY", "PHASE_DUMMY",
     "VIEWS", "VIEW_GROUPS", "KNOWN_VIEWS", "SEGMENT_DTYPE", "PAD_SLOT", "DRAFT_VIEW_RANK_LOCAL",

@@ -403,6 +403,11 @@ def test_phase_missing_on_some_steps_is_a_partial_skip(tmp_path):
     assert res.verdict == PASS and res.skipped == 2
     assert res.skip_reason == "step 0 rank 0: no verify phase"
     assert "skipped 2 (step 0 rank 0: no verify phase)" in report.format()
+    # the summary's counts agree with the per-check lines: a skipped (step, rank) is not a skipped check
+    last = report.format().splitlines()[-1]
+    assert "0 skipped (could run on no step)" in last
+    partial = [r for r in report.results.values() if r.verdict == PASS and r.skipped]
+    assert f"({len(partial)} of them skipped {sum(r.skipped for r in partial)} (step, rank)" in last
 
 
 def test_malformed_view_fails_instead_of_crashing(tmp_path):

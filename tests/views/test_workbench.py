@@ -381,3 +381,34 @@ def test_header_escapes_request_ids(tmp_path):
     head = w.header.value
     assert "<img" not in head and "<b>x</b>" not in head
     assert "&lt;img src=x onerror=" in head and "b&lt;b&gt;x&lt;/b&gt;" in head
+
+
+# --------------------------------------------------------------------------- what the views say
+
+def test_block_table_rows_are_coloured_by_request_not_row_index():
+    t = pt.open(TRACE)
+    target = t.record(1, 0, "target")
+    fig = fg.block_tables_figure(target, t.record(1, 0, "draft_1"), draft_phase="draft_1", rank=0)
+    glob = {lab.split(" ", 1)[1]: np.nanmax(row) for lab, row in zip(fig.data[0].y, np.asarray(fig.data[0].z, float))}
+    local = [(lab.split(" ", 1)[1], np.nanmax(row)) for lab, row in zip(fig.data[1].y, np.asarray(fig.data[1].z, float))]
+    assert len(set(glob.values())) == len(glob)  # one colour per request
+    assert local and all(glob[req] == level for req, level in local), (glob, local)
+
+
+def test_header_shows_the_model_by_name_and_what_is_known_of_the_device():
+    wb = Workbench(REPO / "data" / "traces" / "vllm-h200x2-pcp2-mtp2", checks=False)
+    assert "data/models" not in wb.header.value and "<b>model</b> pcpviz-tiny-dsv3" in wb.header.value
+    assert "<b>device</b> 2 x NVIDIA H200" in wb.header.value
+    assert pt.run_summary({"model": "/a/b/m/", "gpus": ["H200", "H200"]}) == {"model": "m", "device": "2 x H200"}
+    assert "device" not in pt.run_summary({"producer": "x"})
+
+
+def test_acceptance_title_says_the_rate_is_a_mean_over_positions(trace):
+    spec = fg.acceptance_spec(fg.trace_acceptance(trace))
+    assert "rate" in spec["layout"]["title"]["text"] and "mean over draft positions" in spec["layout"]["title"]["text"]
+
+
+def test_workbench_shows_a_rerun_line_only_while_no_figure_is_drawn():
+    wb = Workbench(TRACE, checks=False)
+    note = wb.children[0].value
+    assert "re-run this cell" in note and ":not(:has(.js-plotly-plot .hm))" in note

@@ -147,6 +147,15 @@ class CheckReport:
         lines += [f"  {line}" for line in self.status.lines()]
         verdict = ("INCOMPLETE" if not self.status.complete else "INVALID" if not self.status.valid
                    else "FAIL" if self.failed else "OK")
-        lines.append(f"  result: {verdict}: {len(self.passed)} passed, {len(self.failed)} failed, "
-                     f"{len(self.skipped)} skipped (could run on no step) in {self.seconds:.2f} s")
+        lines.append(f"  result: {verdict}: {self.counts_line()} in {self.seconds:.2f} s")
         return "\n".join(lines)
+
+    def counts_line(self) -> str:
+        """``"18 passed (2 of them skipped on some (step, rank)), 0 failed, 0 skipped"``: counts of
+        checks, agreeing with the per-check lines (a PASS line may say ``skipped 2``: those are
+        (step, rank) pairs the check could not run on, not skipped checks)."""
+        partial = [r for r in self.results.values() if r.verdict == PASS and r.skipped]
+        pairs = sum(r.skipped for r in partial)
+        note = (f" ({len(partial)} of them skipped {pairs} (step, rank) they could not run on)" if partial else "")
+        return (f"{len(self.passed)} passed{note}, {len(self.failed)} failed, "
+                f"{len(self.skipped)} skipped (could run on no step)")

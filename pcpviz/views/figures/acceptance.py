@@ -148,7 +148,7 @@ def acceptance_spec(stats: AcceptanceStats, *, step: int | None = None, highligh
     return fig.spec(
         barmode="overlay", bargap=0.15, height=330, margin=dict(l=60, r=20, t=80, b=40),
         title=dict(text=f"acceptance: mean length {_num(stats.mean_acceptance_length, 2)}, "
-                        f"rate {_num(stats.acceptance_rate, 3)} (rank {stats.rank}'s verify)",
+                        f"rate {_num(stats.acceptance_rate, 3)} (mean over draft positions; rank {stats.rank}'s verify)",
                    font=dict(size=13)),
         legend=dict(orientation="h", x=1, xanchor="right", y=1.22), showlegend=True,
     )

@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 
 from pcpviz.views.figures.aggregate import run_edges
 from pcpviz.views.figures.canvas import (FLAG_COLOR, _Canvas, _L_NULL, _range_text, _req_levels, _strip_heat,
-                                         _strip_labels, as_figure)
+                                         _strip_labels, as_figure, request_color_index)
 from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
 from pcpviz.views.figures.step_data import Rec, _arr, _g3, _is_replicated
 
@@ -139,6 +139,8 @@ def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str
     req_ids = [str(x) for x in np.asarray(target["req_ids"]).ravel()]
     local_ids = [str(x) for x in np.asarray(_arr(target, "local_req_ids", np.array([], dtype=str))).ravel()]
     tabs = [x[group] if x is not None and x.shape[0] > group else None for x in (glob, loc, dr)]
+    if colors is None:  # colour = request (a local row gets its request's colour), as in the Workbench
+        colors = request_color_index(req_ids + local_ids)
     w = _used_width(*tabs)
     window = (windows or {}).get("xaxis")
     replicated = draft is not None and _is_replicated(draft, target)

@@ -45,7 +45,7 @@ from plotly.graph_objects import FigureWidget  # noqa: F401  (import cost paid a
 from pcpviz.views import figures as fg
 from pcpviz.views.figures.step_data import _str0
 from pcpviz.views.widgets.push import push_spec
-from pcpviz.trace import Trace, phase_sort_key
+from pcpviz.trace import Trace, phase_sort_key, run_summary
 from pcpviz.trace import open as open_trace
 
 __all__ = ["Workbench", "AFFECTS", "VIEW_NAMES", "load_acceptance", "load_check_report", "violation_view"]
@@ -170,7 +170,7 @@ class Workbench(W.VBox):
             view_boxes.append(self.figures[name])
         controls = W.VBox([W.HBox([self.step, self.rank, self.highlight]), self.phase],
                           layout=W.Layout(border="1px solid #ddd", padding="6px"))
-        children = [self.header, controls, self.status]
+        children = [W.HTML(_RELOAD_NOTE), self.header, controls, self.status]
         if self.checks_box is not None:
             children.append(self.checks_box)
         super().__init__(children + view_boxes)
@@ -441,9 +441,9 @@ class Workbench(W.VBox):
     # ------------------------------------------------------------------ text panels
 
     def _header_html(self) -> str:
-        m = self.meta
-        keys = ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "model", "device", "inject")
-        items = " · ".join(f"<b>{k}</b> {html.escape(str(m[k]))}" for k in keys if k in m and m[k] not in (None, []))
+        m = run_summary(self.meta, ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "model",
+                                    "device", "inject"))
+        items = " · ".join(f"<b>{k}</b> {html.escape(str(v))}" for k, v in m.items() if v not in (None, []))
         return (f"<div style='font-size:13px'><b>trace</b> <code>{html.escape(str(self.trace.path))}</code> — "
                 f"{len(self.trace.steps)} steps, ranks {self.trace.ranks}, "
                 f"requests {html.escape(', '.join(map(str, self.req_ids)))}"
@@ -504,7 +504,7 @@ class Workbench(W.VBox):
                          button_style="danger", layout=W.Layout(width="auto"))
             b.on_click(lambda _b, v=v: self.jump_to(v))
             self.jump_buttons.append(b)
-        summary = (f"checks: {len(rep.passed)} passed, {len(rep.failed)} failed, {len(rep.skipped)} skipped"
+        summary = (f"checks: {rep.counts_line()}"
                    + (f" — first violation: {rep.first_violation.where()}" if rep.first_violation else ""))
         status = getattr(rep, "status", None)  # pcpviz.trace.validate: whole trace, valid run.json
         problems = [] if status is None else status.lines()
@@ -528,3 +528,14 @@ class Workbench(W.VBox):
 
 
 _message_spec = fg.message_spec
+
+_RELOAD_NOTE = (
+    "<style>.pcpviz-reload-note{display:none;color:#c00;font-size:13px;font-weight:bold}"
+    ".pcpviz-workbench:not(:has(.js-plotly-plot .hm)) .pcpviz-reload-note{display:block;"
+    "animation:pcpviz-late 5s step-end both}"
+    "@keyframes pcpviz-late{from{visibility:hidden}to{visibility:visible}}</style>"
+    "<div class='pcpviz-reload-note'>⚠ The figures are not drawn (the page was reloaded while the kernel "
+    "kept running, and plotly's widgets cannot be restored): re-run this cell.</div>")
+"""One line shown (by CSS alone, 5 s after the Workbench appears) only while none of its figures has
+drawn a heatmap: a page reload with the kernel alive brings the controls back but not plotly's
+``FigureWidget``s."""
