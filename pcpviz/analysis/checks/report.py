@@ -151,11 +151,13 @@ class CheckReport:
         return "\n".join(lines)
 
     def counts_line(self) -> str:
-        """``"18 passed (2 of them skipped on some (step, rank)), 0 failed, 0 skipped"``: counts of
+        """``"18 passed, 0 failed, 0 skipped (could run on no step); 2 passed checks skipped 3
+        (step, rank) they could not run on"``: counts of
         checks, agreeing with the per-check lines (a PASS line may say ``skipped 2``: those are
         (step, rank) pairs the check could not run on, not skipped checks)."""
         partial = [r for r in self.results.values() if r.verdict == PASS and r.skipped]
         pairs = sum(r.skipped for r in partial)
-        note = (f" ({len(partial)} of them skipped {pairs} (step, rank) they could not run on)" if partial else "")
-        return (f"{len(self.passed)} passed{note}, {len(self.failed)} failed, "
-                f"{len(self.skipped)} skipped (could run on no step)")
+        note = (f"; {len(partial)} passed checks skipped {pairs} (step, rank) they could not run on"
+                if partial else "")
+        return (f"{len(self.passed)} passed, {len(self.failed)} failed, "
+                f"{len(self.skipped)} skipped (could run on no step){note}")
