@@ -1,5 +1,5 @@
 """The ``pcpviz`` command: one subcommand per task (``pcpviz --help``), one-line errors."""
 
-from pcpviz.cli.main import main
+from pcpviz.cli.commands import main
 
 __all__ = ["main"]

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from pcpviz.cli.main import build_parser, main
+from pcpviz.cli.commands import build_parser, main
 
 
 def _python_m_pcpviz(*args, timeout=300):

@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-import pcpviz.cli.main as cli
+import pcpviz.cli.commands as cli
 import pcpviz.trace as pt
 from pcpviz.views.export.chrome import SYNTHETIC_PHASE_US, chrome_trace, export_chrome
 from tracegen import clean_run

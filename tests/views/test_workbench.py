@@ -257,15 +257,15 @@ def test_large_steps_are_drawn_as_pixel_runs_and_tokens_when_zoomed():
 
 def test_pixel_cells_keep_every_run_visible_and_tile_the_strip():
     # a 1-token run inside a 100-token strip drawn 10 px wide takes one pixel of its neighbour
-    e, run, under = fg.pixel_cells(np.array([0, 10, 11, 100]), 0, 100, 10)
+    e, run, under = fg.pixel_cells(np.array([0, 10, 11, 100]), 0, 100, px=10)
     assert e.tolist() == [0, 1, 2, 10] and run.tolist() == [0, 1, 2]
     # 1-token runs every 500 tokens of a 128k strip: each still one pixel, no gaps
     edges = np.unique(np.concatenate([np.arange(0, 131072, 500), np.arange(0, 131072, 500) + 1, [131072]]))
-    e, run, under = fg.pixel_cells(edges, 0, 131072, 860)
+    e, run, under = fg.pixel_cells(edges, 0, 131072, px=860)
     assert e[0] == 0 and e[-1] == 860 and (np.diff(e) >= 1).all()
     assert set(range(0, len(edges) - 1, 2)) <= set(run.tolist())  # every 1-token run has a cell
     # four runs under one pixel: the pixel says so
-    e, run, under = fg.pixel_cells(np.array([0, 1, 2, 3, 4, 100]), 0, 100, 10)
+    e, run, under = fg.pixel_cells(np.array([0, 1, 2, 3, 4, 100]), 0, 100, px=10)
     assert e.tolist() == [0, 1, 10] and under[0] == 5
 
 

@@ -179,5 +179,5 @@ def test_lanes_share_the_union_of_their_pixel_cells(which):
     cuts = set()
     for (rq, _, _), e in zip(rows, _lane_runs(rows)):
         e = e if e[-1] >= width else np.append(e, width)
-        cuts |= set(pixel_cells(e, 0, width, fg.PLOT_PX)[0].tolist())
+        cuts |= set(pixel_cells(e, 0, width, px=fg.PLOT_PX)[0].tolist())
     assert np.allclose(x, np.array(sorted(cuts)) * u)

@@ -18,8 +18,8 @@ import numpy as np
 import plotly.graph_objects as go
 
 from pcpviz.views.figures.aggregate import run_edges
-from pcpviz.views.figures.canvas import (FLAG_COLOR, _Canvas, _L_NULL, _range_text, _req_levels, _strip_heat,
-                                         _strip_labels, as_figure, request_color_index)
+from pcpviz.views.figures.canvas import (FLAG_COLOR, _Canvas, _L_NULL, _range_text, _req_levels, strip_heat,
+                                         strip_labels, as_figure, request_color_index)
 from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
 from pcpviz.views.figures.step_data import Rec, _arr, _g3, _is_replicated
 
@@ -170,9 +170,9 @@ def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str
     for k, (_, table, ids, labels) in enumerate(panels):
         d, fs = _block_heat(table, ids, labels, w, colors, highlight, window, px)
         per_token = per_token and d.per_token
-        fig.add(_strip_heat(d, labels or [""], font_size=fs, ygap=2), k + 1, 1)
+        fig.add(strip_heat(d, labels or [""], font_size=fs, ygap=2), k + 1, 1)
         xr, yr = fig.ref(k + 1, 1)
-        fig.annotations.extend(_strip_labels(xr, yr, d, font_size=fs))
+        fig.annotations.extend(strip_labels(xr, yr, d, font_size=fs))
         fig.axis("y", k + 1, 1, autorange="reversed")
         fig.axis("x", k + 1, 1, range=list(d.window), showticklabels=k == len(panels) - 1)
     shapes = fig.shapes

@@ -189,13 +189,13 @@ def _heat(z, edges, labels, text=None, hover=None, show_text=True, name="", font
     )
 
 
-def _strip_heat(d: Drawn, names, *, name: str = "", font_size: float = 10, ygap: int = 3) -> dict:
+def strip_heat(d: Drawn, names, *, name: str = "", font_size: float = 10, ygap: int = 3) -> dict:
     """The heatmap trace of a drawn strip (``pcpviz.views.figures.lod.draw_strip``)."""
     return _heat(d.z, d.edges, list(names), d.text, d.hover, d.text is not None, name, font_size=font_size,
                  xgap=d.xgap, ygap=ygap)
 
 
-def _strip_labels(xref: str, yref: str, d: Drawn, *, font_size: float = 10, color: str = "#222") -> list[dict]:
+def strip_labels(xref: str, yref: str, d: Drawn, *, font_size: float = 10, color: str = "#222") -> list[dict]:
     """Annotations of a drawn strip's run labels (lane ``i`` at y = i on a category axis)."""
     return [dict(x=x, y=li, xref=xref, yref=yref, text=t, showarrow=False, font=dict(size=font_size, color=color))
             for x, li, t in d.labels]

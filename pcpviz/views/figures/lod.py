@@ -82,7 +82,7 @@ class Drawn:
     window: tuple[float, float]  # the x range drawn (data units)
 
 
-def pixel_cells(edges: np.ndarray, lo: float, hi: float, px: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pixel_cells(edges: np.ndarray, lo: float, hi: float, *, px: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs ``edges`` (int64[m+1]) over the window ``[lo, hi)`` drawn ``px`` pixels wide:
     ``(pixel edges int64[k+1], run of each cell int64[k], runs under each cell int64[k])``.
 
@@ -90,7 +90,7 @@ def pixel_cells(edges: np.ndarray, lo: float, hi: float, px: int) -> tuple[np.nd
     one that rounds to nothing gets the pixel under its middle when that pixel's owner keeps at
     least one other pixel (else the pixel stays its owner's and counts one more run under it).
 
-    ``pixel_cells([0, 10, 11, 100], 0, 100, 10)`` -> edges ``[0, 1, 2, 10]``, runs ``[0, 1, 2]``:
+    ``pixel_cells([0, 10, 11, 100], 0, 100, px=10)`` -> edges ``[0, 1, 2, 10]``, runs ``[0, 1, 2]``:
     the 1-token run 1 (0.1 px) takes pixel 1 from run 0.
     """
     e = np.asarray(edges, dtype=np.int64)
@@ -148,7 +148,7 @@ def _draw_runs(lanes: Sequence[Lane], lo: float, hi: float, px: int, font_size: 
     per_lane = []
     for ln in lanes:
         e = ln.edges if ln.length >= hi else np.append(ln.edges, int(np.ceil(hi)))  # beyond: an empty run
-        per_lane.append((e, pixel_cells(e, lo, hi, px)))
+        per_lane.append((e, pixel_cells(e, lo, hi, px=px)))
     union = np.unique(np.concatenate([c[0] for _, c in per_lane]))
     starts = union[:-1]
     z = np.full((len(lanes), starts.shape[0]), np.nan)

@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 
 from pcpviz.views.figures.aggregate import run_edges
 from pcpviz.views.figures.canvas import (FLAG_COLOR, _Canvas, _L_NULL, _L_PAD, _L_REPLICA, _L_WRITTEN, _range_text,
-                                         _req_levels, _strip_heat, _strip_labels, _vline, as_figure)
+                                         _req_levels, strip_heat, strip_labels, _vline, as_figure)
 from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
 from pcpviz.views.figures.step_data import Rec, _arr, _g2, _is_replicated, step_layout
 
@@ -128,8 +128,8 @@ def slot_mappings_spec(target: Rec, draft: Rec | None = None, *, draft_phase: st
     for k, (_, lane, xtitle, rank_p) in enumerate(strips):
         xr, yr = fig.ref(k + 1, 1)
         d = draw_strip([lane], window=windows.get("xaxis" + xr[1:]), px=px, font_size=9)
-        fig.add(_strip_heat(d, [""], font_size=9, ygap=0), k + 1, 1)
-        annots.extend(_strip_labels(xr, yr, d, font_size=9))
+        fig.add(strip_heat(d, [""], font_size=9, ygap=0), k + 1, 1)
+        annots.extend(strip_labels(xr, yr, d, font_size=9))
         fig.axis("y", k + 1, 1, showticklabels=False)
         fig.axis("x", k + 1, 1, title=dict(text=xtitle, standoff=0, font=dict(size=10)), range=list(d.window))
         if xtitle == "request row (global order)" and r and lane.length == r and d.per_token:

@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 from pcpviz.views.figures.aggregate import _run_lines, run_edges
 from pcpviz.views.figures.canvas import (DIM_COLOR, PAD_COLOR, REPLICA_COLOR, TOKEN_LIMIT, WRITTEN_COLOR, _Canvas,
                                          _L_PAD, _L_REPLICA, _L_WRITTEN, _hline, _range_text, _req_levels,
-                                         _strip_heat, _strip_labels, _vline, as_figure)
+                                         strip_heat, strip_labels, _vline, as_figure)
 from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
 from pcpviz.views.figures.step_data import Rec, StepLayout, step_layout
 
@@ -96,7 +96,7 @@ def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | N
     ``windows`` maps an x axis (``"xaxis"`` the lanes, ``"xaxis4"`` the write mask) to the range
     shown (None: everything), drawn ``px`` pixels wide at its level of detail (``lod``)."""
     sl = step_layout(target)
-    n, p, t, r = sl.pcp, sl.padded, sl.num_tokens, sl.num_reqs
+    n, p, t = sl.pcp, sl.padded, sl.num_tokens
     rows = _lane_rows(sl)
     width = max(t, p, 1)
     windows = windows or {}
@@ -115,9 +115,9 @@ def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | N
             "KV write mask over the gathered rows (blue written, orange replica not written, grey pad)",
         ),
     )
-    fig.add(_strip_heat(drawn, labels, name="lanes"), 1, 1)
+    fig.add(strip_heat(drawn, labels, name="lanes"), 1, 1)
     xa, ya = fig.ref(1, 1)
-    fig.annotations.extend(_strip_labels(xa, ya, drawn))
+    fig.annotations.extend(strip_labels(xa, ya, drawn))
     fig.axis("y", 1, 1, autorange="reversed")
     fig.axis("x", 1, 1, range=list(drawn.window))
     shapes = fig.shapes
@@ -171,8 +171,8 @@ def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | N
 
     # write mask strip
     mask = draw_strip([_mask_lane(status)], window=windows.get("xaxis4"), px=px)
-    fig.add(_strip_heat(mask, ["write"], name="kv_write_mask", ygap=0), 3, 1)
-    fig.annotations.extend(_strip_labels(x4r, y4r, mask))
+    fig.add(strip_heat(mask, ["write"], name="kv_write_mask", ygap=0), 3, 1)
+    fig.annotations.extend(strip_labels(x4r, y4r, mask))
     fig.axis("x", 3, 1, range=list(mask.window))
     for k in range(1, n):
         shapes.append(_vline(x4r, y4r, k * p, color="#555", width=1))
