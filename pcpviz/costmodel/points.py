@@ -24,8 +24,8 @@ Sources (all 2 x H200, the shipped tiny model):
 
 No vLLM file records acceptance, so its K=2 decode points use the engine's acceptance on
 held-out source (``h200x2_engine_v1.json``, 0.873 / 0.349 per position, L = 2.22): the same model with
-greedy sampling, and the README's parity table shows vLLM and the engine agreeing (0.89 / 0.29
-vs 0.90 / 0.30 on the same prompts).
+greedy sampling, and the parity table of docs/figures.md shows vLLM and the engine agreeing
+(0.89 / 0.29 vs 0.90 / 0.30 on the same prompts).
 """
 
 from __future__ import annotations

@@ -7,10 +7,14 @@
 * Every ``docs/<name>.md`` or ``docs/<name>.md#anchor`` mentioned in any tracked text file (code
   docstrings, tests, notebooks) exists, so a citation cannot point at a section that is gone.
 * The generated pages (``pcpviz.teaching.docgen``) are up to date and name every check, view and fault.
-* The figures README.md quotes from files are those files' figures: the numbers of checks and
-  engine faults, the shipped real traces' steps and acceptance (trace and vLLM's counter), the
-  engine column of the issue-15 table (``data/bench/h200x2.json``'s ``derived`` block and the
-  kernel file), the Workbench timings and the long-context loss ratios.
+* docs/module-map.md names every package and module of ``pcpviz/``, each in its package's row.
+* README.md is a front door: its picture is in the repository and small, and it carries no
+  development history (issue numbers, commit hashes).
+* The figures the docs quote from files are those files' figures: the numbers of checks and
+  engine faults (docs/module-map.md), the shipped real traces' steps and acceptance (trace and
+  vLLM's counter), the engine column of the 2 x H200 table (``data/bench/h200x2.json``'s
+  ``derived`` block and the kernel file) and the Workbench timings (docs/figures.md), the
+  long-context loss ratios (docs/model.md).
 * ``python -m pcpviz.teaching.docgen`` answers bad input with one line.
 """
 
@@ -209,14 +213,64 @@ def test_the_generated_pages_name_every_check_view_and_fault():
     assert not [s.name for s in VIEW_SPECS if f"`{s.name}`" not in fmt]
 
 
-def test_readme_module_map_names_every_module():
-    """README's "What is here" names every module and package of pcpviz."""
+def _map_rows() -> dict[str, str]:
+    """docs/module-map.md's first table: ``pcpviz/NAME/`` or ``pcpviz/NAME.py`` -> its row."""
+    rows = {}
+    for line in (DOCS / "module-map.md").read_text(encoding="utf-8").splitlines():
+        m = re.match(r"^\| `pcpviz/(\w+)(?:/|\.py)` \|(.*)\|$", line)
+        if m:
+            rows[m.group(1)] = m.group(2)
+    return rows
+
+
+def _public(path: Path) -> list[str]:
+    """The modules and packages directly under ``path`` (no underscore names)."""
+    return sorted(p.stem if p.suffix == ".py" else p.name for p in path.iterdir()
+                  if not p.name.startswith("_") and (p.suffix == ".py" or (p / "__init__.py").is_file()))
+
+
+def test_module_map_names_every_package_and_module():
+    """docs/module-map.md has one row per package or module of pcpviz, and each package's row names
+    every module and subpackage in it (``layout``, ``checks/``, ...)."""
+    rows = _map_rows()
+    top = _public(ROOT / "pcpviz")
+    assert not [n for n in top if n not in rows], f"docs/module-map.md has no row for {[n for n in top if n not in rows]}"
+    assert not [n for n in rows if n not in top], f"docs/module-map.md has rows for missing {[n for n in rows if n not in top]}"
+    missing = [f"{pkg}.{name}" for pkg in top if (ROOT / "pcpviz" / pkg).is_dir()
+               for name in _public(ROOT / "pcpviz" / pkg)
+               if not re.search(rf"`{re.escape(name)}(\.py|/)?[`,( ]", rows[pkg])]
+    assert not missing, f"docs/module-map.md's rows leave out {missing}"
+
+
+def test_module_map_paths_exist():
+    """Every ``path/`` or ``file.ext`` the module map names in backticks exists."""
+    text = (DOCS / "module-map.md").read_text(encoding="utf-8")
+    paths = re.findall(r"`((?:pcpviz|kernels|notebooks|data|benchmarks|tools|docs)/[\w./-]*)`", text)
+    assert len(paths) > 10
+    assert not [p for p in paths if not (ROOT / p).exists()], [p for p in paths if not (ROOT / p).exists()]
+
+
+_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("md", _markdown_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_images_exist_and_are_small(md):
+    for target in _IMAGE.findall(_strip_code(md.read_text(encoding="utf-8"))):
+        dest = (md.parent / target).resolve()
+        assert dest.is_file(), f"{md.name}: image {target} does not exist"
+        assert dest.stat().st_size < 300_000, f"{md.name}: image {target} is {dest.stat().st_size} bytes"
+
+
+def test_readme_is_a_front_door():
+    """A picture of the Workbench, the two commands, the tour, where to go next; no development
+    history (issue numbers, commit hashes, "since the last ... run")."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    table = text[text.index("## What is here"):text.index("\n## ", text.index("## What is here") + 1)]
-    names = sorted(p.stem if p.suffix == ".py" else p.name for p in (ROOT / "pcpviz").iterdir()
-                   if not p.name.startswith("_") and (p.suffix == ".py" or (p / "__init__.py").is_file()))
-    missing = [n for n in names if not re.search(rf"`(pcpviz/)?{re.escape(n)}(\.py|/)?[`,]", table)]
-    assert not missing, f"README's module map leaves out {missing}"
+    assert _IMAGE.search(text), "README.md shows no picture"
+    for heading in ("## Two commands", "## Quick tour", "## On GPUs and across hosts", "## Where to go next"):
+        assert f"\n{heading}\n" in text, heading
+    history = re.findall(r"(?i)\bissues? \d+|\bcommit [0-9a-f]{7,40}\b|since the last|#\d{2,}\b", _strip_code(text))
+    assert not history, f"README.md carries development history: {history}"
+    assert len(text.splitlines()) < 250, "README.md is a front door: move details into docs/"
 
 
 def test_docgen_command_line(tmp_path, capsys):
@@ -231,10 +285,11 @@ def test_docgen_command_line(tmp_path, capsys):
     assert main([]) == 2
 
 
-# --------------------------------------------------------------------------- README's figures
+# --------------------------------------------------------------------------- quoted figures
 
-def _readme() -> str:
-    return " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+def _page(rel: str) -> str:
+    """A page's text with its whitespace runs made single spaces."""
+    return " ".join((ROOT / rel).read_text(encoding="utf-8").split())
 
 
 def _json(rel: str) -> dict:
@@ -243,24 +298,24 @@ def _json(rel: str) -> dict:
     return json.loads((ROOT / rel).read_text(encoding="utf-8"))
 
 
-def test_readme_counts_match_the_registries():
+def test_module_map_counts_match_the_registries():
     from pcpviz.analysis.checks import CHECKS
     from pcpviz.faults import ENGINE, faults_of
 
-    text = _readme()
+    text = _page("docs/module-map.md")
     words = {10: "ten", 11: "eleven", 12: "twelve"}
     assert f"`pcpviz check` ({len(CHECKS)} invariants" in text
     assert f"`pcpviz run --list-faults`; {words.get(len(faults_of(ENGINE)), len(faults_of(ENGINE)))} faults" in text
 
 
-def test_readme_shipped_real_traces_table_matches_the_traces():
+def test_shipped_real_traces_table_matches_the_traces():
     """Each row of "Shipped real traces": steps, and acceptance per position from the trace and from
     vLLM's own counter in run.json (2 decimals)."""
     import pcpviz.trace as pt
     from pcpviz.analysis.acceptance import acceptance
 
     rows = re.findall(r"^\| `((?:vllm|vllm-serve)-h200x2[\w-]*)` \| .*? \| (\d+) \| (.*?) / (.*?) \|$",
-                      (ROOT / "README.md").read_text(encoding="utf-8"), flags=re.M)
+                      (DOCS / "figures.md").read_text(encoding="utf-8"), flags=re.M)
     assert len(rows) == len(list((ROOT / "data" / "traces").glob("vllm-*"))), rows
     for name, steps, ours, theirs in rows:
         trace = pt.open(ROOT / "data" / "traces" / name)
@@ -279,12 +334,12 @@ def test_readme_shipped_real_traces_table_matches_the_traces():
         assert [float(x) for x in theirs.split(",")] == pytest.approx(rates, abs=0.0051), name
 
 
-def test_readme_issue15_engine_figures_match_the_bench_file():
-    """The issue-15 table's "engine now" column is data/bench/h200x2.json's 'derived' block and its
+def test_engine_figures_match_the_bench_file():
+    """docs/figures.md's 2 x H200 table: its "engine now" column is data/bench/h200x2.json's 'derived' block and its
     kernel summary."""
     d = _json("data/bench/h200x2.json")
     der, ker = d["derived"], _json("data/bench/kernels_h200.json")["kernels"]
-    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    lines = (DOCS / "figures.md").read_text(encoding="utf-8").splitlines()
 
     def row(start: str) -> str:
         (line,) = [x for x in lines if x.startswith(f"| {start}")]
@@ -301,19 +356,19 @@ def test_readme_issue15_engine_figures_match_the_bench_file():
     assert f"{pre['TFLOPS']:.0f} TFLOP/s ({100 * pre['fraction_of_bf16_peak']:.0f}% of bf16 peak)" in row("flash MLA prefill")
 
 
-def test_readme_workbench_and_long_context_figures_match_their_files():
+def test_workbench_and_long_context_figures_match_their_files():
     wb, lc = _json("data/bench/workbench_cpu.json"), _json("data/bench/long_context.json")["models"]
-    text = _readme()
+    text, model = _page("docs/figures.md"), _page("docs/model.md")
     warm, cold = wb["warm"]["overall"], wb["cold"]["overall"]
     assert (f"in {warm['median_ms']:.0f} ms at the median (p90 {warm['p90_ms']:.0f} ms), "
             f"{cold['median_ms']:.0f} ms (p90 {cold['p90_ms']:.0f} ms)") in text
     short = lc["pcpviz-tiny-dsv3"]["by_position"]["summary"]["far_over_short"]
     long_ = lc["pcpviz-tiny-dsv3-long"]["by_position"]["summary"]["far_over_short"]
-    assert f"(8k-32k: {short:.2f}x the loss below 2k)" in text and f"8k-32k at {long_:.2f}x the loss below 2k" in text
+    assert f"(8k-32k: {short:.2f}x the loss below 2k)" in model and f"8k-32k at {long_:.2f}x the loss below 2k" in model
 
 
 def test_the_piecewise_findings_evidence_file_holds_the_assertion_it_is_cited_for():
-    """docs/findings/piecewise-draft-prefill.md and the README cite this file for vLLM's replay-address
+    """docs/findings/piecewise-draft-prefill.md and docs/figures.md cite this file for vLLM's replay-address
     assertion: on both PCP ranks, in the draft prefill's graph replay, 2 of the 12 inputs (0 and 2)
     at other addresses."""
     text = (ROOT / "data" / "findings" / "piecewise-draft-prefill-address-check.txt").read_text(encoding="utf-8")

@@ -5,7 +5,7 @@
 real vLLM trace (2 x H200, PCP=2, K=2) at its largest step: the token-order view (which rank
 computes which token) and the block tables (global, rank-local and draft rows)::
 
-    pytest tests/views/test_browser_views.py -k vllm-h200x2-pcp2-mtp2-step
+    pytest tests/views/test_browser_views.py -k "vllm-h200x2-pcp2-mtp2 and not chunked and not piecewise"
     python tools/docs/readme_image.py [ARTIFACTS_DIR]
 
 Needs Pillow (the browser test's own dependency).
