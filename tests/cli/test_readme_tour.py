@@ -1,11 +1,16 @@
-"""The README's Quick tour, run as written: every command of its console block (in a temporary
-directory, with bash, as a reader would paste it), then its Python block. The fault demo must
+"""The README's Quick tour, run as written on one CPU machine: every command of its console block
+(in a temporary directory, with bash, as a reader would paste it), then its Python block; then
+every command that writes (a trace, a JSON or Chrome file) and the Python block again in the same
+directory, as a reader repeating the tour would, with the same exit codes. The fault demo must
 compare matching runs where the fault visibly costs acceptance: `pcpviz diff` names the injected
 fault's view as the first divergence, acceptance at draft position 1 drops, and the numbers the
-README quotes are the ones printed. The layout diagram the README shows is the command's output.
+README quotes are the ones printed. `pcpviz run` prints the engine's time and the command's. The
+layout diagram the README shows is the command's output.
 
-Left out: the `torchrun --nnodes 2 ... HOST:29500` line, which needs a second host
-(tests/cli/test_cli_run.py runs the same config under torchrun on one host).
+The tour holds no GPU or multi-host line; those are in "On GPUs and across hosts". Of those, the
+`--write-config` line runs here too (it writes the rank config without starting ranks, on any
+machine); the `torchrun --nnodes 2 ... HOST:29500` line needs a second host
+(tests/cli/test_cli_run.py runs the same config under torchrun on one host), `vllm serve` GPUs.
 """
 
 from __future__ import annotations
@@ -32,23 +37,48 @@ def _blocks(text: str, lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
 
 
+def _join(lines: list[str]) -> list[str]:
+    """Commands from lines: each joined with its `\\` continuations."""
+    commands: list[str] = []
+    for line in lines:
+        if commands and commands[-1].split("#")[0].rstrip().endswith("\\"):
+            commands[-1] += "\n" + line
+        else:
+            commands.append(line)
+    return commands
+
+
 def tour_commands() -> list[str]:
     """The console block's commands: `$ ` lines joined with their `\\` continuations."""
     (block,) = _blocks(_section("Quick tour"), "console")
-    commands, current = [], None
-    for line in block.splitlines():
-        if line.startswith("$ "):
-            current = line[2:]
-            commands.append(current)
-        elif current is not None and commands[-1].rstrip().split("#")[0].rstrip().endswith("\\"):
-            commands[-1] += "\n" + line
-    return commands
+    lines = block.splitlines()
+    starts = [i for i, x in enumerate(lines) if x.startswith("$ ")]
+    return [_join([lines[i][2:], *lines[i + 1:j]])[0]
+            for i, j in zip(starts, starts[1:] + [len(lines)])]
+
+
+def gpu_commands() -> list[str]:
+    """The commands of the "On GPUs and across hosts" section (its bash block, comments left out)."""
+    (block,) = _blocks(_section("On GPUs and across hosts"), "bash")
+    return _join([x for x in block.splitlines() if x.strip() and not x.lstrip().startswith("#")])
+
+
+WRITES = ("--trace", "--json", "--chrome", "--write-config")  # a command with one writes files
 
 
 def test_the_tour_is_parsed():
     cmds = tour_commands()
     assert cmds[0].startswith("pcpviz layout") and any("--inject" in c for c in cmds)
-    assert any(c.startswith("torchrun") and "-m pcpviz.engine.rank_main" in c for c in cmds)
+    assert sum(any(w in c for w in WRITES) for c in cmds) >= 4
+
+
+def test_the_tour_runs_on_one_cpu_machine_and_the_gpu_lines_are_apart():
+    """No tour line needs CUDA, a second host or vLLM on GPUs; those lines are in their own section."""
+    tour, gpu = tour_commands(), gpu_commands()
+    assert not [c for c in tour if re.search(r"cuda|torchrun|HOST|vllm serve|--nnodes", c)], tour
+    assert any(c.startswith("torchrun") and "-m pcpviz.engine.rank_main" in c and "HOST" in c for c in gpu), gpu
+    assert any("--device cuda" in c and "--write-config" in c for c in gpu), gpu
+    assert any("vllm serve" in c for c in gpu), gpu
 
 
 def _env() -> dict[str, str]:
@@ -56,17 +86,20 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
+def _bash(cmd: str, work: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", cmd], cwd=work, env=_env(), capture_output=True, text=True, timeout=600)
+
+
 @pytest.fixture(scope="module")
 def tour(tmp_path_factory):
-    """Run every command; returns {command: CompletedProcess} and the directory."""
+    """Run every command, then every command that writes again; returns ({command: first run},
+    the directory, {command: second run})."""
     work = tmp_path_factory.mktemp("tour")
-    out = {}
-    for cmd in tour_commands():
-        if cmd.startswith("torchrun"):
-            continue  # needs a second host (see the module docstring)
-        out[cmd] = subprocess.run(["bash", "-c", cmd], cwd=work, env=_env(), capture_output=True, text=True,
-                                  timeout=600)
-    return out, work
+    first = {cmd: _bash(cmd, work) for cmd in tour_commands()}
+    write_config = [c for c in gpu_commands() if "--write-config" in c]
+    first.update({c: _bash(c, work) for c in write_config})
+    again = {cmd: _bash(cmd, work) for cmd in first if any(w in cmd for w in WRITES)}
+    return first, work, again
 
 
 def _one(tour, prefix: str):
@@ -80,6 +113,22 @@ def test_every_tour_command_exits_as_its_comment_says(tour):
         expected = 1 if cmd.startswith(("pcpviz diff", "pcpviz check runs/bad", "pcpviz explain")) else 0
         assert r.returncode == expected, f"{cmd!r} exited {r.returncode}:\n{r.stderr[-2000:]}"
         assert "Traceback" not in r.stderr and "Failed to import" not in r.stdout + r.stderr, cmd
+
+
+def test_the_tour_runs_again_in_the_same_directory(tour):
+    """A reader repeating the tour: every command that writes succeeds again over its own output."""
+    assert len(tour[2]) >= 5, list(tour[2])
+    for cmd, r in tour[2].items():
+        assert r.returncode == tour[0][cmd].returncode == 0, f"{cmd!r} exited {r.returncode} when repeated:\n{r.stderr[-2000:]}"
+        assert "Traceback" not in r.stderr, cmd
+
+
+def test_run_prints_the_engine_time_and_the_command_time(tour):
+    for cmd, r in tour[0].items():
+        if cmd.startswith("pcpviz run") and "--write-config" not in cmd:
+            m = re.search(r"engine (\d+\.\d)s, command (\d+\.\d)s", r.stdout)
+            assert m, f"{cmd!r}: no 'engine X s, command Y s' in:\n{r.stdout[-500:]}"
+            assert float(m.group(1)) <= float(m.group(2)), m.group(0)
 
 
 def test_the_fault_demo_compares_matching_runs(tour):
@@ -111,11 +160,12 @@ def test_diff_names_the_injected_faults_view_and_the_acceptance_it_costs(tour):
     assert "FAIL  draft_block_tables_global" in check
 
 
-def test_the_python_block_runs(tour):
+def test_the_python_block_runs_twice(tour):
     (block,) = _blocks(_section("Quick tour"), "python")
-    r = subprocess.run([sys.executable, "-c", block], cwd=tour[1], env=_env(), capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    for attempt in ("first", "second"):
+        r = subprocess.run([sys.executable, "-c", block], cwd=tour[1], env=_env(), capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, f"{attempt} run: {r.stderr[-2000:]}"
 
 
 def test_the_layout_diagram_shown_is_the_commands_output(tour):
