@@ -46,6 +46,7 @@ from pcpviz.reference.blocks import (
     gather_block_table_rows,
     gathered_slot_mapping,
 )
+from pcpviz.reference.drafts import draft_decode_positions, draft_prefill_inputs
 from pcpviz.faults import SYNTHETIC, active_faults, validate_faults
 from pcpviz.reference.layout import (PCPLayout, gather_maps, partition_batch, plan_layout, rank_segments,
                            replicated_requests)
@@ -412,24 +413,19 @@ def _drafts(st: _Step, v: _Verify, s: _Settings, on: frozenset[str]) -> _Drafts:
     """The MTP draft-prefill inputs (global shifted ids, the last accepted rows) and the K drafts."""
     num_r, qsl, k = len(st.rows), st.qsl, s.k
     valid = st.q - v.num_rejected
-    last_idx = qsl[:-1] + (st.q if F.LAST_TOKEN_IGNORES_REJECTIONS in on else valid) - 1
-    dgi = np.empty_like(st.input_ids)
-    dgi[:-1] = st.input_ids[1:]
-    dgi[-1] = 0
-    for i in range(num_r):
-        j = int(qsl[i] + valid[i] - 1)
-        dgi[j] = v.sampled[i, v.num_sampled[i] - 1] if v.num_sampled[i] > 0 else v.next_prompt[i]
+    last_sampled = v.sampled[np.arange(num_r), np.maximum(v.num_sampled - 1, 0)]
+    dgi, last_idx = draft_prefill_inputs(st.input_ids, qsl, num_rejected=v.num_rejected, num_sampled=v.num_sampled,
+                                         last_sampled=last_sampled, next_prompt_tokens=v.next_prompt)
+    if F.LAST_TOKEN_IGNORES_REJECTIONS in on:
+        last_idx = qsl[:-1] + st.q - 1
     tokens = np.zeros((num_r, k), dtype=np.int64)
     for i, r in enumerate(st.rows):
         nxt = r.computed + int(valid[i])  # next step's first position (L)
         for j in range(k):
             tokens[i, j] = s.draft(r, nxt + 1 + j, j)
-    draft_pos = []
-    pos = st.positions[last_idx]
-    for j in range(1, k):
-        if not (j >= 2 and F.DRAFT_POSITIONS_NOT_ADVANCED in on):
-            pos = pos + 1
-        draft_pos.append(pos.copy())
+    draft_pos = [p.copy() for p in draft_decode_positions(st.positions, last_idx, k)]
+    if F.DRAFT_POSITIONS_NOT_ADVANCED in on:
+        draft_pos = draft_pos[:1] + [p - j for j, p in enumerate(draft_pos[1:], 1)]
     return _Drafts(last_idx, dgi, tokens, draft_pos)
 
 

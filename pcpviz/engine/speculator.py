@@ -33,6 +33,8 @@ import numpy as np
 import torch
 
 from pcpviz.reference.blocks import compute_slot_mappings
+from pcpviz.reference.drafts import draft_decode_positions
+from pcpviz.reference.drafts import draft_prefill_inputs as reference_prefill_inputs
 from pcpviz.engine.attention import PagedAttention
 from pcpviz import faults as F
 from pcpviz.engine.graphs import pad
@@ -45,27 +47,14 @@ def _now_us() -> int:
 
 
 def draft_prefill_inputs(batch, verify, next_prompt_tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(draft input ids int64[T], last_token_indices int64[R]) on the global batch.
-
-    vLLM's ``prepare_prefill_inputs``: row j of request i takes the target id of
-    row j+1 within its ``q - num_rejected`` valid rows; the last valid row takes
-    the token just sampled, or the next prompt token of a partial prefill chunk.
-    Rows past the valid ones keep stale ids (here: the shifted ids) — they are
-    never read.
-    """
-    ids = batch.input_ids
-    qsl = batch.query_start_loc
-    out = np.empty_like(ids)
-    if ids.size:
-        out[:-1] = ids[1:]
-        out[-1] = ids[-1]
-    valid = batch.num_scheduled_tokens.astype(np.int64) - np.asarray(verify.num_rejected, dtype=np.int64)
-    last = (qsl[:-1] + valid - 1).astype(np.int64)  # int64[R]
+    """(draft input ids int64[T], last_token_indices int64[R]) on the global batch: vLLM's
+    ``prepare_prefill_inputs`` (``pcpviz.reference.drafts.draft_prefill_inputs``) fed with this
+    step's verification; the last valid row takes the token just sampled, or the next prompt
+    token of a partial prefill chunk."""
     sampled_last = np.array([s[-1] if len(s) else -1 for s in verify.sampled], dtype=np.int64)
-    tok = np.where(np.asarray(verify.num_sampled) > 0, sampled_last, np.asarray(next_prompt_tokens, np.int64))
-    ok = valid > 0
-    out[last[ok]] = tok[ok]
-    return out, last
+    return reference_prefill_inputs(batch.input_ids, batch.query_start_loc, num_rejected=verify.num_rejected,
+                                    num_sampled=verify.num_sampled, last_sampled=sampled_last,
+                                    next_prompt_tokens=next_prompt_tokens)
 
 
 def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor:
@@ -174,17 +163,17 @@ def _draft_decode_inputs(worker, batch, table, *, last_idx, k) -> dict[str, list
     """Positions, seq_lens and slots (int64[R] each) of draft steps 1..K-1."""
     model, cfg, faults = worker.model, worker.cfg, worker.faults
     r = batch.num_reqs
-    positions = batch.positions[last_idx].copy() if r else np.zeros(0, np.int64)
+    steps = draft_decode_positions(batch.positions, last_idx, k)  # int64[K-1, R]
     if F.DRAFT_CURSOR_DRIFT_AFTER_REJECTION in faults and r:
         # The fault: the drafter's own cursor, ahead by every rejection so far (kept inside the
         # model's context so RoPE and the block table can still be indexed).
         drift = np.array([worker.draft_drift.get(rid, 0) for rid in batch.req_ids], dtype=np.int64)
         limit = model.config.max_position_embeddings - k - 1
-        positions = np.minimum(positions + drift, np.maximum(positions, limit))
+        first = steps[0] - 1
+        steps = np.minimum(first + drift, np.maximum(first, limit))[None, :] + (steps - first[None, :])
     qsl = np.arange(r + 1, dtype=np.int64)
     out: dict[str, list[np.ndarray]] = {"positions": [], "seq_lens": [], "slots": []}
-    for _ in range(1, k):
-        positions = positions + 1
+    for positions in steps:
         # Slots come from the persistent block tables by request slot (always right);
         # attention reads input_block_tables (wrong when the gather was skipped).
         slots = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping, qsl, positions)[0]

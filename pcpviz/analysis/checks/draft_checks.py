@@ -6,7 +6,35 @@ from __future__ import annotations
 import numpy as np
 
 
+from pcpviz.reference.drafts import draft_prefill_inputs, partial_chunk_rows
+
 from .context import Ctx, Skip, check, _g2, _g3, _str0, _token_rows
+
+
+def _partial_chunk_last_rows(c: Ctx) -> None:
+    """The previous step's partial prefill chunks: the last row of each one's draft prefill
+    input is the prompt token this step's chunk of the same request starts with (vLLM's
+    next_prefill_tokens). PCP=2 example: prompt [3, 1, 4, 1, 5], chunk [3, 1, 4] at step 0 ->
+    draft_global_input_ids [1, 4, 1]; step 1's chunk starts with 1."""
+    pv = c.prev()
+    if pv is None:
+        return
+    pdgi = pv.get("draft_0", "draft_global_input_ids")
+    pns, prid, prej = pv.get("verify", "num_sampled"), pv.get("target", "req_ids"), pv.get("verify", "num_rejected")
+    if pdgi is None or pns is None or prid is None or prej is None or pv.get("target", "num_scheduled_tokens") is None:
+        return
+    pqsl, pq = pv.qsl(), pv.q()
+    ids, rid, qsl = c.t("input_ids").astype(np.int64), c.t("req_ids"), c.qsl()
+    here = {str(x): i for i, x in enumerate(rid.tolist())}
+    for i in partial_chunk_rows(pns, pq).tolist():
+        j = here.get(str(prid[i]))
+        if j is None or qsl[j + 1] <= qsl[j]:
+            continue
+        last = int(pqsl[i] + pq[i] - int(prej[i]) - 1)
+        if int(pdgi[last]) != int(ids[qsl[j]]):
+            pv.fail("draft_0", "draft_global_input_ids", f"the last row of request {prid[i]!s}'s partial "
+                   f"prefill chunk is not the prompt's next token (step {c.step} starts its chunk with it)",
+                   index=(last,), expected=str(int(ids[qsl[j]])), actual=str(int(pdgi[last])))
 
 @check("draft_prefill_rank_local",
         "draft_0 is rank_local: it reuses the target's local rows (draft_positions == "
@@ -78,20 +106,19 @@ def draft_input_ids(c: Ctx) -> None:
             c.fail("draft_0", "draft_global_input_ids", f"length {dgi.shape}, expected T={ids.shape[0]}")
         checked = True
         t = ids.shape[0]
+        last_sampled = sampled[np.arange(q.shape[0]), np.maximum(ns - 1, 0)] if q.size else ns
+        # the next prompt token of a partial chunk is known only to the next step (checked there)
+        exp, _ = draft_prefill_inputs(ids, qsl, num_rejected=rej, num_sampled=ns, last_sampled=last_sampled,
+                                      next_prompt_tokens=np.full(q.shape[0], -1, np.int64))
         row = _token_rows(qsl)
         off = np.arange(t) - qsl[row]
         valid = (q - rej)[row]
-        shifted = off < valid - 1
-        exp = np.full(t, -1, dtype=np.int64)
-        exp[:-1][shifted[:-1]] = ids[1:][shifted[:-1]]
-        last = (off == valid - 1) & (ns[row] > 0)
-        if last.any():
-            rl = row[last]
-            exp[last] = sampled[rl, ns[rl] - 1]
-        m = np.flatnonzero(shifted | last)
+        read = (off < valid - 1) | ((off == valid - 1) & (ns[row] > 0))  # the rows the drafter reads
+        m = np.flatnonzero(read)
         c.expect("draft_0", "draft_global_input_ids", exp[m], dgi.astype(np.int64)[m],
                  "draft prefill input is not the next target token (or the sampled one)",
                  index_map=lambda i: (int(m[i[0]]),))
+        _partial_chunk_last_rows(c)
         dii = c.get("draft_0", "draft_input_ids")
         if dii is not None and c.get("target", "padded_gather_idx") is not None:
             n = c.num_local()
