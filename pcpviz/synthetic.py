@@ -237,6 +237,7 @@ class _Verify:
     num_rejected: np.ndarray  # int64[R]
     num_accepted: np.ndarray  # int64[R]
     next_prompt: np.ndarray  # int64[R] the next prompt token of a partial prefill chunk
+    top1: list = field(default_factory=list)  # the target's argmax of every sampled row, in batch order
 
 
 @dataclass
@@ -394,6 +395,7 @@ def _verify(st: _Step, s: _Settings) -> _Verify:
     v = _Verify(np.full((num_r, k + 1), -1, dtype=np.int64), *(np.zeros(num_r, dtype=np.int64) for _ in range(4)))
     for i, r in enumerate(st.rows):
         c, ql, d = r.computed, int(st.q[i]), int(st.num_draft[i])
+        v.top1 += [s.token(r, c + ql)] if r.prefilling else [s.token(r, c + 1 + j) for j in range(d + 1)]
         if r.prefilling:
             if c + ql == r.spec.prompt_len:
                 v.sampled[i, 0] = s.token(r, c + ql)
@@ -489,12 +491,50 @@ def _rank_phases(rank: int, st: _Step, layout: PCPLayout, full: np.ndarray, v: _
             "slot_mapping_draft": slots_gathered if F.EXPANDED_DRAFT_SLOT_MAPPING in on else slots,
             "draft_tokens": d.tokens[:, j],
         }
+    _add_digests(phases, rank, st, layout, d, s.pcp)
+    target["top1_token"] = np.asarray(v.top1, dtype=np.int64)
     phases["verify"] = {
         "req_ids": np.array(batch.req_ids, dtype=str), "num_draft_tokens": st.num_draft,
         "sampled_token_ids": v.sampled, "num_sampled": v.num_sampled, "num_rejected": v.num_rejected,
         "num_accepted": v.num_accepted,
     }
     return phases
+
+
+def _vfp(tag: int, *xs: np.ndarray) -> np.ndarray:
+    """int64 fingerprints of rows keyed by a few integer arrays (a vectorised multiply-xor mix)."""
+    h = np.full(np.shape(xs[0]), 0x9E3779B97F4A7C15 ^ tag, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        for x in xs:
+            h = (h ^ np.asarray(x).astype(np.uint64)) * np.uint64(0xBF58476D1CE4E5B9)
+            h ^= h >> np.uint64(29)
+    return (h >> np.uint64(2)).astype(np.int64)
+
+
+def _add_digests(phases: dict, rank: int, st: _Step, layout: PCPLayout, d: _Drafts, n: int) -> None:
+    """The engine's fingerprint views, made consistent: global token g's target hidden state is
+    ``_vfp(1, position, id)``, its MTP output ``_vfp(3, hidden, draft id)``; padding rows get
+    rank-specific values; each draft step hands on ``_vfp(5 + k, ...)`` of what it read."""
+    pgi, p = layout.padded_gather_idx, layout.padded_gather_idx.shape[0] // max(n, 1)
+    hidden = _vfp(1, st.positions, st.input_ids)  # [T]
+    rows = pgi[rank * p:(rank + 1) * p]
+    real = np.arange(p) < layout.per_rank_num_tokens[rank]
+    pad = _vfp(2, np.full(p, rank), np.arange(p))
+    target = phases["target"]
+    target["hidden_fp"] = hidden
+    target["hidden_local_fp"] = np.where(real, hidden[rows], pad)
+    if "draft_0" not in phases:
+        return
+    mtp = _vfp(3, hidden, d.global_ids)  # [T]
+    d0 = phases["draft_0"]
+    d0["hidden_in_fp"] = target["hidden_local_fp"]
+    d0["mtp_local_fp"] = np.where(real, mtp[rows], _vfp(4, pad))
+    d0["hidden_last_fp"] = mtp[d.last_idx]
+    out = d0["hidden_out_fp"] = _vfp(5, d0["hidden_last_fp"])
+    for k in range(1, len(d.positions) + 1):
+        dk = phases[f"draft_{k}"]
+        dk["hidden_in_fp"] = out
+        out = dk["hidden_out_fp"] = _vfp(5 + k, out, dk["draft_tokens"])
 
 
 def _add_timestamps(phases: dict[str, dict[str, np.ndarray]], t0: float, layout: PCPLayout, num_r: int) -> float:

@@ -18,7 +18,7 @@ import torch
 
 from pcpviz.trace.schema import segments_table
 
-__all__ = ["StepRecord", "Pending", "row_hashes"]
+__all__ = ["StepRecord", "Pending", "row_hashes", "fingerprint"]
 
 
 class Pending:
@@ -62,6 +62,25 @@ def row_hashes(t) -> np.ndarray:
         return (bits * w).sum(axis=1, dtype=np.uint64)
 
 
+_FP_WEIGHTS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def fingerprint(t: torch.Tensor) -> Pending:
+    """A per-row fingerprint of a float tensor [rows, H], computed on the tensor's device without
+    a host sync: int64[rows] = sum over the row of its float32 bits (as int32) times fixed
+    weights below 2**16 (no overflow for H < 2**16). Equal rows give equal fingerprints, so the
+    checks can prove a hand-off moved the right rows (``hidden_in_fp == hidden_local_fp``)."""
+    x = t.detach().float().contiguous()
+    h = x.shape[-1] if x.ndim else 1
+    key = (str(x.device), h)
+    w = _FP_WEIGHTS.get(key)
+    if w is None:
+        g = torch.Generator().manual_seed(0x9C9F17)
+        w = _FP_WEIGHTS[key] = (torch.randint(1, 2**16, (h,), generator=g, dtype=torch.int64) | 1).to(x.device)
+    bits = x.reshape(-1, h).view(torch.int32).to(torch.int64)
+    return Pending((bits * w).sum(dim=-1))
+
+
 class StepRecord:
     def __init__(self, step: int, rank: int) -> None:
         self.step = step
@@ -70,7 +89,7 @@ class StepRecord:
 
     def target(self, *, batch, logits_indices, layout, local, local_positions, local_seq_lens, bt_local,
                table, slots_global, slots_gathered, sampled_rows, sampled_from, top1, hidden_global,
-               t0, t1) -> None:
+               t0, t1, hidden_local=None) -> None:
         """``hidden_global``: the restored hidden states [T, H] (a device tensor, hashed on the
         recorder's thread); ``top1``: the sampled token per sampled row (host or device)."""
         nr = local.num_reqs
@@ -122,6 +141,16 @@ class StepRecord:
             "t_start_us": np.array(t0, dtype=np.int64),
             "t_end_us": np.array(t1, dtype=np.int64),
         }
+        if isinstance(hidden_local, torch.Tensor):
+            self.phases["target"]["hidden_local_fp"] = fingerprint(hidden_local)
+            self.phases["target"]["hidden_fp"] = fingerprint(hidden_global)
+
+    def fingerprints(self, phase: str, **tensors) -> None:
+        """Per-row fingerprints of the hidden states a draft phase read and handed on
+        (``hidden_in=``, ``hidden_out=``, ...: the views ``hidden_in_fp``, ``hidden_out_fp``)."""
+        for name, t in tensors.items():
+            if isinstance(t, torch.Tensor):
+                self.phases[phase][f"{name}_fp"] = fingerprint(t)
 
     def verify(self, *, req_ids, num_draft, v, k, t0, t1) -> None:
         self.phases["verify"] = {

@@ -111,7 +111,7 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     # -- draft step 0: rank-local rows, gathered slot mapping -------------------------------
     t0 = _now_us()
     with timer.phase("draft_0"):
-        tok0, h_last = worker.run_forward(
+        tok0, h_last, mtp_local, hidden_in = worker.run_forward(
             ("draft_0", shape), lambda: _draft_prefill(worker, dev, dt, hidden_local=hidden_local, bounds=h.bounds,
                                                        host_lens=h.host_lens, hidden_rank_local=hidden_rank_local))
     t1 = _now_us()
@@ -120,6 +120,8 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
             rec.draft_prefill(local_ids=local_ids, local_positions=h.positions, local_seq_lens=h.seq_lens,
                               bt_local=h.bt_local, slots_gathered=h.slots_gathered, last_idx=read_idx,
                               tokens=tok0[:r], global_ids=draft_ids, t0=t0, t1=t1)
+            p = local.num_tokens_padded
+            rec.fingerprints("draft_0", hidden_in=hidden_in[:p], mtp_local=mtp_local[:p], hidden_last=h_last[:r])
     if k <= 1:
         return tok0[:r, None]
 
@@ -130,14 +132,15 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     marks: list[int] = []
     t0 = _now_us()
     with timer.phase("draft_k"):
-        drafts = worker.run_forward(
+        drafts, handed = worker.run_forward(
             ("draft_k", shape), lambda: _draft_decodes(worker, dt, tok0=tok0, h_last=h_last, k=k, bounds=bounds, fold=fold,
-                                   marks=marks))
+                                   marks=marks, keep=rec is not None))
     t1 = _now_us()
     if len(marks) != k:  # replayed from a graph: one window for every draft step
         marks = [t0] + [t1] * (k - 1)
     if rec is not None:
         with timer.phase("record"):
+            rec.fingerprints("draft_0", hidden_out=handed[0][:r])
             for j in range(1, k):
                 written = decode["slots"][j - 1].copy()
                 if fold and n > 1:
@@ -145,6 +148,7 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
                 rec.draft_decode(step=j, ids=drafts[:r, j - 1], positions=decode["positions"][j - 1],
                                  seq_lens=decode["seq_lens"][j - 1], block_rows=block_rows, slots=written,
                                  tokens=drafts[:r, j], t0=marks[j - 1], t1=marks[j] if j < k - 1 else t1)
+                rec.fingerprints(f"draft_{j}", hidden_in=handed[2 * j - 1][:r], hidden_out=handed[2 * j][:r])
     return drafts[:r]
 
 
@@ -196,29 +200,38 @@ def _draft_prefill(worker, d, dt, *, hidden_local, bounds, hidden_rank_local, ho
                           block_rows=d["block_rows"], query_start_loc=d["qsl"], positions=d["positions"],
                           seq_lens=d["seq_lens"], bounds=bounds, slots_checked=True, host_lens=host_lens)
     with torch.no_grad():
-        mtp_local = model.mtp_forward(dt["ids"], dt["positions"], hidden_local, attn)
+        hidden_in = hidden_local  # [P, H]: the target's rank-local rows, what the MTP layer reads
+        mtp_local = model.mtp_forward(dt["ids"], dt["positions"], hidden_in, attn)
         if hidden_rank_local:
             h_last = mtp_local[dt["read_idx"]]
         else:
             h_last = worker.group.all_gather(mtp_local)[d["restore"]][dt["read_idx"]]  # [R', H]
-        return model.mtp_logits(h_last).argmax(-1), h_last
+        return model.mtp_logits(h_last).argmax(-1), h_last, mtp_local, hidden_in
 
 
-def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks):
-    """Draft steps 1..K-1, each feeding the next on the device -> int64[R', K]."""
+def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=False):
+    """Draft steps 1..K-1, each feeding the next on the device -> (int64[R', K], the hidden
+    states when ``keep``, else None): ``handed[0]`` what draft_0 hands to draft_1, then per step
+    j what it read (``handed[2j - 1]``) and handed on (``handed[2j]``); a step must read
+    exactly what the one before handed on."""
     model = worker.model
     marks.append(_now_us())
     with torch.no_grad():
         hidden = model.mtp_recycle_hidden(h_last)
+        handed = [hidden] if keep else None
         ids, cols = tok0, [tok0]
         for j in range(1, k):
             attn = PagedAttention(model, worker.cache, worker.group, expanded=False, slots=dt["dslots"][j - 1],
                                   block_rows=dt["block_rows"], query_start_loc=dt["qsl"],
                                   positions=dt["dpos"][j - 1], seq_lens=dt["dseq"][j - 1],
                                   fold_without_shape_check=fold, bounds=bounds[j - 1], slots_checked=True)
+            if keep:
+                handed.append(hidden)  # what step j reads (== handed[j - 1] unless a hand-off broke)
             mtp_h = model.mtp_forward(ids, dt["dpos"][j - 1], hidden, attn)
             ids = model.mtp_logits(mtp_h).argmax(-1)
             hidden = model.mtp_recycle_hidden(mtp_h)
+            if keep:
+                handed.append(hidden)
             cols.append(ids)
             marks.append(_now_us())
-        return torch.stack(cols, dim=1)
+        return torch.stack(cols, dim=1), handed

@@ -352,7 +352,8 @@ class Worker:
                            local_positions=h.positions, local_seq_lens=h.seq_lens, bt_local=h.bt_local,
                            table=h.table, slots_global=h.slots_global, slots_gathered=h.slots_gathered,
                            sampled_rows=h.sample_rows, sampled_from="local" if local_logits else "global",
-                           top1=targets, hidden_global=hidden_global[: layout.num_tokens], t0=t0, t1=t1)
+                           top1=targets, hidden_global=hidden_global[: layout.num_tokens], t0=t0, t1=t1,
+                           hidden_local=hidden_local[: h.positions.shape[0]])
 
         with timer.phase("verify"):
             verify = self._verify(sched, h.batch, h.num_draft, targets)

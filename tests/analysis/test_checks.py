@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pcpviz import faults as F
-from pcpviz.analysis.checks import CHECKS, FAIL, PASS, SKIPPED, first_difference, run_checks, short_repr
+from pcpviz.analysis.checks import CHECKS, ENGINE_VIEW_CHECKS, FAIL, PASS, SKIPPED, first_difference, run_checks, short_repr
 from tracegen import (
     RequestSpec,
     clean_run,
@@ -28,7 +28,8 @@ EXPECTED_NAMES = [
     "local_positions_are_global", "local_seq_lens", "local_logits_not_sampled",
     "draft_prefill_rank_local", "draft_last_token_indices", "draft_input_ids",
     "draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance",
-    "verify_consistent", "drafts_fed_back", "ranks_agree", "positions_consistent",
+    "hidden_restored", "hidden_handoffs", "target_outputs_agree",
+    "verify_consistent", "drafts_fed_back", "ranks_agree", "positions_consistent", "verify_greedy",
 ]
 
 
@@ -72,9 +73,9 @@ def test_clean_traces_pass_every_check(tmp_path, kw):
     if k < 2:
         never |= {"draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance"}
     if k < 1:
-        never |= {"draft_prefill_rank_local", "draft_last_token_indices", "draft_input_ids"}
+        never |= {"draft_prefill_rank_local", "draft_last_token_indices", "draft_input_ids", "hidden_handoffs"}
     if pcp == 1:
-        never |= {"ranks_agree"}
+        never |= {"ranks_agree", "target_outputs_agree"}
     for name, res in report.results.items():
         if name in never:
             assert res.verdict == SKIPPED and res.evaluated == 0, (name, res)
@@ -92,7 +93,8 @@ def test_vllm_worked_example_passes(tmp_path):
     assert report.ok, report.format()
     assert report["drafts_fed_back"].verdict == SKIPPED  # one step: no previous step
     assert report["drafts_fed_back"].skip_reason == "step 7 rank 0: no previous step"
-    assert len(report.passed) == len(CHECKS) - 1
+    # vLLM's own numbers: none of the engine's fingerprints or top1_token
+    assert set(report.skipped) == {"drafts_fed_back"} | ENGINE_VIEW_CHECKS
 
 
 def test_long_trace_checks_quickly(tmp_path):
@@ -124,7 +126,8 @@ def case_layout(_):
 def case_restore(_):
     run = clean_run(2)
     corrupt(run, 1, "target", "hidden_restore_idx", _shift_rows)
-    return run, {"restore_gather_identity", "layout_matches_plan"}, (1, 0, "target", "hidden_restore_idx")
+    # hidden_restored reads the same map: the fingerprints are restored through it
+    return run, {"restore_gather_identity", "layout_matches_plan", "hidden_restored"}, (1, 0, "target", "hidden_restore_idx")
 
 
 def case_kv_once(_):
@@ -271,7 +274,8 @@ def case_verify(_):
         a[i, 0] += 1
         return a
     corrupt(run, s, "verify", "sampled_token_ids", change)
-    return run, {"verify_consistent"}, (s, 0, "verify", "sampled_token_ids")
+    # the sampled token is no longer the target's argmax either (verify_greedy)
+    return run, {"verify_consistent", "verify_greedy"}, (s, 0, "verify", "sampled_token_ids")
 
 
 def case_fed_back(_):
@@ -320,6 +324,43 @@ def case_cpu_cursor_bound(_):
     return run, {"positions_consistent"}, (1, 0, "target", "positions")
 
 
+def case_hidden_restored(_):
+    run = clean_run(2)
+    corrupt(run, 0, "target", "hidden_fp", _bump0)  # the same wrong row on every rank
+    return run, {"hidden_restored"}, (0, 0, "target", "hidden_fp")
+
+
+def case_hidden_not_chained(_):
+    run = clean_run(2)
+    corrupt(run, 0, "draft_1", "hidden_in_fp", _bump0)
+    return run, {"hidden_handoffs"}, (0, 0, "draft_1", "hidden_in_fp")
+
+
+def case_target_outputs_fork(_):
+    run = clean_run(2)
+    corrupt(run, 0, "target", "hidden_fp", _bump0, ranks=[1])
+    return run, {"target_outputs_agree", "hidden_restored"}, (0, 1, "target", "hidden_fp")
+
+
+def case_verify_not_greedy(_):
+    run = clean_run(2)
+    # a request that samples without drafts (a prefill's last chunk): its sampled token is no
+    # longer the target's argmax
+    def plain(s):
+        v = run.views(s, 0, "verify")
+        rows = np.flatnonzero((v["num_sampled"] > 0) & (v["num_draft_tokens"] == 0))
+        return None if rows.size == 0 else int(rows[0])
+    step = next(s for s in run.step_ids if plain(s) is not None)
+    i = plain(step)
+    at = int((run.views(step, 0, "verify")["num_draft_tokens"][:i] + 1).sum())
+
+    def bump(a):
+        a[at] += 100
+        return a
+    corrupt(run, step, "target", "top1_token", bump)
+    return run, {"verify_greedy"}, (step, 0, "verify", "sampled_token_ids")
+
+
 CASES = {
     "layout_matches_plan": [case_layout],
     "restore_gather_identity": [case_restore],
@@ -341,6 +382,10 @@ CASES = {
     "drafts_fed_back": [case_fed_back],
     "ranks_agree": [case_ranks_agree, case_rank_missing_step],
     "positions_consistent": [case_positions, case_cpu_cursor_bound],
+    "hidden_restored": [case_hidden_restored],
+    "hidden_handoffs": [case_hidden_not_chained],
+    "target_outputs_agree": [case_target_outputs_fork],
+    "verify_greedy": [case_verify_not_greedy],
 }
 
 
@@ -490,7 +535,7 @@ def test_cli_check_truncated_rank_file_checks_what_is_complete(tmp_path):
     assert lines and all(ln.startswith("pcpviz check: incomplete: ") for ln in lines), lines
     assert "rank1.arrow" in lines[0] and "last complete step" in lines[0]
     assert any("rank 1 lacks steps" in ln for ln in lines)
-    assert "result: INCOMPLETE: 20 passed, 0 failed" in r.stdout
+    assert f"result: INCOMPLETE: {len(CHECKS)} passed, 0 failed" in r.stdout
 
 
 def test_run_checks_takes_one_name_or_a_list_and_refuses_unknown_names():

@@ -9,7 +9,7 @@ import pytest
 
 import pcpviz
 import pcpviz.trace as pt
-from pcpviz.analysis.checks import run_checks
+from pcpviz.analysis.checks import ENGINE_VIEW_CHECKS, run_checks
 
 TRACES = sorted(p for p in (Path(__file__).resolve().parents[2] / "data" / "traces").iterdir() if p.is_dir())
 GPU_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "h200x2-nccl-pcp2-mtp2"
@@ -27,10 +27,14 @@ def test_shipped_trace_passes_every_check(path):
     report = run_checks(trace)
     assert report.ok, report.format()
     assert not report.failed
+    # traces recorded before the fingerprints (and vLLM's) skip the checks of those views, saying so
+    optional = ENGINE_VIEW_CHECKS
     if trace.meta["num_speculative_tokens"] == 1:
-        assert set(report.results) - set(report.passed) <= K1_SKIPS and len(report.passed) >= 17
+        assert set(report.results) - set(report.passed) <= K1_SKIPS | optional and len(report.passed) >= 17
     else:
-        assert len(report.passed) == len(report.results) >= 20
+        assert set(report.results) - set(report.passed) <= optional and len(report.passed) >= 20
+    for name in set(report.skipped) & optional:
+        assert "no " in report[name].skip_reason
 
 
 @pytest.mark.parametrize("path", TRACES, ids=[p.name for p in TRACES])

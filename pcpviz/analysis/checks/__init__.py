@@ -28,7 +28,8 @@ times a 32k-token PCP=4 trace.
 
 The package: ``report`` (Violation, CheckResult, CheckReport), ``context`` (what a check sees,
 and the ``@check`` registry), the checks by group (``layout_checks``: target layout, KV writes,
-rank-local batch, sampling; ``draft_checks``: draft_0 and draft_k; ``step_checks``: verify,
+rank-local batch, sampling; ``draft_checks``: draft_0 and draft_k; ``handoff_checks``: the
+hidden-state hand-offs (fingerprints) and target outputs across ranks; ``step_checks``: verify,
 the next step, ranks, positions) and ``runner`` (``run_checks``; ``CHECK_MODULES`` fixes the
 order). The comparison helpers are ``pcpviz.analysis.compare`` (shared with ``pcpviz.analysis.diff``). Adding a
 check: a function decorated ``@check(name, description)`` in the module of its group.
@@ -39,7 +40,11 @@ from pcpviz.analysis.compare import first_difference, short_repr
 from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
 from .runner import CHECK_MODULES, CHECKS, run_checks
 
+ENGINE_VIEW_CHECKS = frozenset({"hidden_restored", "hidden_handoffs", "target_outputs_agree", "verify_greedy"})
+"""Checks of views only some producers record (the engine's fingerprints and top1_token; not vLLM's
+plugin yet, not older traces): skipped there, naming the missing view."""
+
 __all__ = [
-    "CHECKS", "PASS", "FAIL", "SKIPPED", "Violation", "CheckResult", "CheckReport", "run_checks",
+    "ENGINE_VIEW_CHECKS", "CHECKS", "PASS", "FAIL", "SKIPPED", "Violation", "CheckResult", "CheckReport", "run_checks",
     "first_difference", "short_repr", "CHECK_MODULES",
 ]

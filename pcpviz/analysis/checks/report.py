@@ -7,9 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from pcpviz.trace.schema import causal_phase_key
 from pcpviz.trace.validate import TraceStatus
 
-__all__ = ["PASS", "FAIL", "SKIPPED", "Violation", "CheckResult", "CheckReport"]
+__all__ = ["PASS", "FAIL", "SKIPPED", "Violation", "CheckResult", "CheckReport", "violation_order"]
 
 PASS, FAIL, SKIPPED = "pass", "fail", "skipped"
 
@@ -52,6 +53,11 @@ class Violation:
                 "message": self.message, "expected": self.expected, "actual": self.actual}
 
 
+def violation_order(v: Violation) -> tuple:
+    """Sort key of a violation in causal order: (step, phase in the step, rank)."""
+    return (v.step, (0, 0) if v.phase is None else causal_phase_key(v.phase), -1 if v.rank is None else v.rank)
+
+
 @dataclass(frozen=True)
 class CheckResult:
     """One check over the whole trace."""
@@ -64,12 +70,14 @@ class CheckResult:
     skipped: int  # (step, rank) pairs where an input was missing
     skip_reason: str | None  # the first reason, "step S rank R: no <view>"
     first_violation: Violation | None
+    failures: tuple[tuple[int, int], ...] = ()  # every failing (step, rank), in step order
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description, "verdict": self.verdict,
                 "evaluated": self.evaluated, "failed": self.failed, "skipped": self.skipped,
                 "skip_reason": self.skip_reason,
-                "first_violation": None if self.first_violation is None else self.first_violation.to_dict()}
+                "first_violation": None if self.first_violation is None else self.first_violation.to_dict(),
+                "failures": [list(x) for x in self.failures]}
 
 
 @dataclass(frozen=True)
@@ -109,11 +117,13 @@ class CheckReport:
 
     @property
     def first_violation(self) -> Violation | None:
-        """The earliest violation over all checks (by step, then rank, then catalogue order)."""
+        """The earliest violation over all checks: the first wrong view, by step, then the phase's
+        place in the step (target, verify, draft_0, draft_1, ...), then rank, then catalogue
+        order; ``explain``'s primary evidence."""
         found = [r.first_violation for r in self.results.values() if r.first_violation is not None]
         if not found:
             return None
-        return min(found, key=lambda v: (v.step, -1 if v.rank is None else v.rank))
+        return min(found, key=violation_order)
 
     def __getitem__(self, name: str) -> CheckResult:
         return self.results[name]

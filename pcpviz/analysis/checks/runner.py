@@ -15,11 +15,12 @@ from pcpviz.trace.validate import validate as validate_trace
 
 from . import layout_checks  # noqa: I001 - each import registers its checks
 from . import draft_checks
+from . import handoff_checks
 from . import step_checks
 from .context import DEFS, Config, Fail, Skip, Ctx, StepView
 from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
 
-CHECK_MODULES = (layout_checks, draft_checks, step_checks)
+CHECK_MODULES = (layout_checks, draft_checks, handoff_checks, step_checks)
 """Where the checks are defined, in report order."""
 
 ORDERED_DEFS = tuple(d for m in CHECK_MODULES for d in DEFS if d.fn.__module__ == m.__name__)
@@ -29,12 +30,13 @@ CHECKS: Mapping[str, str] = MappingProxyType({d.name: d.description for d in ORD
 """Every check name -> its one-line meaning, in the order they run and are reported."""
 
 class _Stats:
-    __slots__ = ("evaluated", "failed", "skipped", "skip_reason", "first")
+    __slots__ = ("evaluated", "failed", "skipped", "skip_reason", "first", "where")
 
     def __init__(self) -> None:
         self.evaluated = self.failed = self.skipped = 0
         self.skip_reason: str | None = None
         self.first: Violation | None = None
+        self.where: list[tuple[int, int]] = []  # failing (step, rank)
 
 
 def _meta_summary(meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -91,11 +93,13 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
                 except Fail as f:
                     st.evaluated += 1
                     st.failed += 1
+                    st.where.append((step, r))
                     if st.first is None:
                         st.first = Violation(**f.kw)
                 except (IndexError, ValueError, TypeError, KeyError) as exc:
                     st.evaluated += 1
                     st.failed += 1
+                    st.where.append((step, r))
                     if st.first is None:
                         msg = " ".join(str(exc).split())
                         st.first = Violation(d.name, step, r, None, None,
@@ -115,6 +119,6 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
             verdict = SKIPPED
         reason = st.skip_reason if st.skip_reason is not None or trace.steps else "the trace has no steps"
         results[d.name] = CheckResult(d.name, d.description, verdict, st.evaluated, st.failed,
-                                      st.skipped, reason, st.first)
+                                      st.skipped, reason, st.first, tuple(st.where))
     return CheckReport(str(trace.path), MappingProxyType(_meta_summary(trace.meta)), len(trace.steps),
                        tuple(ranks), MappingProxyType(results), time.perf_counter() - t0, status)

@@ -215,3 +215,36 @@ def positions_consistent(c: Ctx) -> None:
     c.expect("target", "positions", expected, first[rows],
              f"first position != step {pv.step}'s first position + q - num_rejected (GPU cursor)",
              index_map=lambda i: (int(qsl[rows[i[0]]]),))
+
+
+@check("verify_greedy",
+       "greedy verification from the target's own argmax (top1_token, engine only): each request "
+       "accepts the longest prefix of its drafts equal to the argmax of the rows before them, and "
+       "samples those argmaxes (the accepted drafts, then the bonus/correction token)")
+def verify_greedy(c: Ctx) -> None:
+    top1 = c.need("target", "top1_token").astype(np.int64)
+    ids = c.t("input_ids").astype(np.int64)
+    nd = c.need("verify", "num_draft_tokens").astype(np.int64)
+    nacc = c.need("verify", "num_accepted").astype(np.int64)
+    ns = c.need("verify", "num_sampled").astype(np.int64)
+    sampled = _g2(c.need("verify", "sampled_token_ids")).astype(np.int64)
+    qsl = c.qsl()
+    if top1.shape[0] != int((nd + 1).sum()):
+        raise Skip("top1_token does not cover 1 + num_draft_tokens rows per request")
+    start = 0
+    for i in range(nd.shape[0]):
+        d = int(nd[i])
+        t = top1[start:start + d + 1]
+        start += d + 1
+        if ns[i] == 0:
+            continue  # a partial prefill chunk samples nothing
+        drafts = ids[int(qsl[i + 1]) - d:int(qsl[i + 1])]
+        a = 0
+        while a < d and drafts[a] == t[a]:
+            a += 1
+        if int(nacc[i]) != a:
+            c.fail("verify", "num_accepted", f"request row {i} accepts {int(nacc[i])} drafts; its drafts "
+                   f"{drafts.tolist()} against the target's argmax {t.tolist()} accept {a}", index=(i,),
+                   expected=str(a), actual=str(int(nacc[i])))
+        c.expect("verify", "sampled_token_ids", t[:a + 1], sampled[i, :a + 1],
+                 f"request row {i}'s sampled tokens are not the target's argmax", index_map=lambda j: (i, j[0]))

@@ -5,23 +5,30 @@ against a good run of the same prompts (``pcpviz.analysis.diff.diff_traces``) �
 given, an engine re-run of the trace's prompts with the same PCP size, K and block size
 (``pcpviz.run``) — acceptance per position, per request, per step and per rank
 (``pcpviz.analysis.diff.acceptance``), whether the ranks' KV writes agree, and the step of the first
-violation. Each fault the engine injects (``pcpviz.faults.faults_of(ENGINE)``) is a hypothesis: its
-check failing scores 10, its signature rules (``pcpviz.analysis.explain.rules``) add or take away, and
-the hypotheses are ranked. When nothing matches, it says so. A fault the recording can hide
-from its check (``pcpviz.analysis.explain.rules.UNSEEN``: vLLM's recorder logs the ids a drafter was
-handed, not what a replayed CUDA graph read) is called ``consistent`` when the symptoms fit it.
+violation. Each fault the engine injects (``pcpviz.faults.faults_of(ENGINE)``) is a hypothesis
+that ``matches`` only by confirmation: its check fails, a predicate specific to it
+(``pcpviz.analysis.explain.rules``) confirms its exact signature, and nothing contradicts it (a
+contradicting predicate, a first wrong view that comes before its check fails, different
+outputs for a fault that changes only drafts). An inconclusive predicate confirms nothing. When
+no fault is confirmed the verdict names the mechanism (``pcpviz.analysis.explain.mechanism``):
+the first wrong view against its expected value, the steps and ranks affected, whether tokens
+changed, which faults are merely consistent, and how sure it is. A fault the recording can hide
+from its check (``UNSEEN``: vLLM's recorder logs the ids a drafter was handed, not what a
+replayed CUDA graph read) is at most ``consistent``.
 
 PCP=2 worked example (``pcpviz run --inject stale_draft_block_table_rows`` on 3 prompts)::
 
-    verdict   FAULT: most likely stale_draft_block_table_rows (ROCm ATOM PR #1593)
+    verdict   FAULT: stale_draft_block_table_rows (ROCm ATOM PR #1593)
     checks    draft_block_tables_global fails first at step 2, draft_1, row 2
-    rule      draft block-table rows >= 2 are wrong, rows below 2 always right
+    confirmed draft block-table rows >= 2 are wrong, rows below 2 always right, every wrong row stale
     ruled out skip_draft_block_table_gather (row 0 is always right), and every fault whose
               check passes
 
-Verdicts: ``CLEAN`` (checks pass, acceptance level), ``FAULT`` (a fault matches),
-``UNEXPLAINED`` (checks fail, no fault's signature matches), ``ACCEPTANCE_REGRESSION`` (checks
-pass, acceptance dropped against the reference: no registered fault matches).
+Verdicts: ``CLEAN`` (checks pass and the run equals the reference, or there is none),
+``FAULT`` (a fault is confirmed), ``UNEXPLAINED`` (checks fail, no fault confirmed: the
+mechanism), ``ACCEPTANCE_REGRESSION`` (checks pass, acceptance dropped against the reference),
+``DIVERGED`` (checks pass, acceptance level, but drafts, tokens or views differ). Never CLEAN
+when anything differs from the reference.
 """
 
 from __future__ import annotations
@@ -35,17 +42,19 @@ from typing import Any
 from pcpviz.analysis.checks import run_checks
 from pcpviz.analysis.diff import diff_traces
 from pcpviz.analysis.explain.evidence import Symptoms, gather_symptoms, guarded
-from pcpviz.analysis.explain.rules import RULES, UNSEEN, Findings
+from pcpviz.analysis.checks.report import violation_order
+from pcpviz.analysis.explain.mechanism import mechanism
+from pcpviz.analysis.explain.rules import NOTHING, RULES, UNSEEN, Findings
 from pcpviz.faults import ENGINE, FAULTS, faults_of
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 
 __all__ = ["Hypothesis", "Explanation", "explain", "CLEAN", "FAULT", "UNEXPLAINED", "ACCEPTANCE_REGRESSION",
-           "MATCH_SCORE"]
+           "DIVERGED"]
 
 CLEAN, FAULT, UNEXPLAINED, ACCEPTANCE_REGRESSION = "CLEAN", "FAULT", "UNEXPLAINED", "ACCEPTANCE_REGRESSION"
-MATCH_SCORE = 10.0
-"""A hypothesis matches when its check fails and its signature rules do not contradict it."""
+DIVERGED = "DIVERGED"
+"""Every check passes, acceptance did not drop, but drafts, tokens or views differ from the reference."""
 
 
 @dataclass(frozen=True)
@@ -97,65 +106,69 @@ class Explanation:
         if shown:
             lines.append("  hypotheses (best first):")
         for i, h in enumerate(shown, 1):
-            lines.append(f"   {i}. {h.fault}  [{h.status}, score {h.score:g}]  caught by {h.caught_by}")
+            lines.append(f"   {i}. {h.fault}  [{h.status}]  caught by {h.caught_by}")
             lines.append(f"      models: {h.models}")
             lines.append(f"      source: {h.source}")
             lines += [f"      + {e}" for e in h.evidence_for]
             lines += [f"      - {e}" for e in h.evidence_against]
-        out = [h.fault for h in self.hypotheses if h.status == "ruled out"]
-        if out:
-            lines.append(f"  ruled out (their check passes): {', '.join(out)}")
+        passing = [h.fault for h in self.hypotheses if h.status == "ruled out" and not h.evidence_for]
+        contradicted = [h for h in self.hypotheses if h.status == "ruled out" and h.evidence_for]
+        for h in contradicted:
+            lines.append(f"  ruled out {h.fault} (its check fails, but): {h.evidence_against[0]}")
+        if passing:
+            lines.append(f"  ruled out (their check passes): {', '.join(passing)}")
         return "\n".join(lines)
 
 
-def _score(name: str, f: Findings, sym: Symptoms) -> Hypothesis:
+def _located_after(v, first) -> bool:
+    """``v`` (a fault's own check's first violation) comes after the trace's first wrong view."""
+    return first is not None and violation_order(v)[:2] > violation_order(first)[:2]
+
+
+def _hypothesis(name: str, f: Findings, sym: Symptoms) -> Hypothesis:
+    """``matches`` only when the fault's check fails, a predicate specific to it confirms it and
+    nothing contradicts it; ``consistent`` when its check fails (or, for a fault the recording
+    hides, its symptoms fit) but nothing specific confirms it; ``ruled out`` otherwise."""
     fault = FAULTS[name]
     res = f.report.results.get(fault.caught_by)
-    pro: list[str] = []
     con: list[str] = []
     if res is None or res.verdict == "skipped":
         why = res.skip_reason if res is not None else "not run"
         return Hypothesis(name, 0.0, "cannot be ruled out", fault.caught_by, fault.models, fault.source,
                           (), (f"{fault.caught_by} could not run ({why})",))
     if res.verdict != "fail":
-        unseen = guarded(UNSEEN[name], f, sym, notes=con, what="signature", default=[]) if name in UNSEEN else []
-        if unseen:  # the recording cannot show this fault to its check; the symptoms fit
-            return Hypothesis(name, float(sum(w for w, _ in unseen)), "consistent", fault.caught_by, fault.models,
-                              fault.source, tuple(why for _, why in unseen),
-                              (f"{fault.caught_by} passes on {res.evaluated} (step, rank)",))
+        sig = guarded(UNSEEN[name], f, sym, notes=con, what="signature", default=NOTHING) if name in UNSEEN \
+            else NOTHING
+        passes = f"{fault.caught_by} passes on {res.evaluated} (step, rank)"
+        if sig.confirms and not sig.contradicts:  # the recording cannot show this fault to its check
+            return Hypothesis(name, float(len(sig.confirms)), "consistent", fault.caught_by, fault.models,
+                              fault.source, sig.confirms, (passes,))
         return Hypothesis(name, 0.0, "ruled out", fault.caught_by, fault.models, fault.source, (),
-                          (*con, f"{fault.caught_by} passes on {res.evaluated} (step, rank)"))
-    score = MATCH_SCORE
+                          (*con, *sig.contradicts, passes))
     v = res.first_violation
-    pro.append(f"{fault.caught_by} fails on {res.failed} of {res.evaluated} (step, rank); first: {v.describe()}")
+    pro = [f"{fault.caught_by} fails on {res.failed} of {res.evaluated} (step, rank); first: {v.describe()}"]
+    sig = guarded(RULES[name], f, notes=con, what="signature", default=NOTHING)
+    con += sig.contradicts
     first = f.report.first_violation
-    if first is not None and v.step == first.step:
-        score += 1
-        pro.append(f"it fails at the first violating step ({v.step})")
-    d = sym.diff_first
-    if d is not None and d.get("step") == v.step and d.get("phase") == v.phase and d.get("view") == v.view:
-        score += 2
-        pro.append(f"the diff's first divergence is the same place (step {v.step}, {v.phase}, {v.view})")
-    for weight, why in guarded(RULES[name], f, notes=con, what="signature", default=[]):
-        score += weight
-        (pro if weight > 0 else con).append(why)
-    if sym.outputs_same is not None:
-        if fault.changes_outputs != (not sym.outputs_same):
-            score -= 1
-            con.append("outputs " + ("are the same" if sym.outputs_same else "differ")
-                       + " against the reference; the signature says otherwise")
-        else:
-            pro.append("outputs " + ("are the same" if sym.outputs_same else "differ") + " against the reference, "
-                       "as the signature says")
-    status = "matches" if score >= MATCH_SCORE else "partial"
-    return Hypothesis(name, float(score), status, fault.caught_by, fault.models, fault.source, tuple(pro), tuple(con))
+    if _located_after(v, first):
+        con.append(f"the first wrong view ({first.check}: step {first.step}, {first.phase}, {first.view}) comes "
+                   f"before {fault.caught_by} first fails (step {v.step}, {v.phase})")
+    if sym.outputs_same is False and not fault.changes_outputs:
+        con.append("the outputs differ from the reference; this fault changes only the drafts")
+    status = "ruled out" if con else "matches" if sig.confirms else "consistent"
+    return Hypothesis(name, float(len(sig.confirms)), status, fault.caught_by, fault.models, fault.source,
+                      tuple(pro) + sig.confirms, tuple(con))
 
 
 _ORDER = {"matches": 0, "partial": 1, "consistent": 2, "cannot be ruled out": 3, "ruled out": 4}
 
 
-def _rank(hyps: list[Hypothesis]) -> tuple[Hypothesis, ...]:
-    return tuple(sorted(hyps, key=lambda h: (_ORDER[h.status], -h.score, h.fault)))
+def _rank(hyps: list[Hypothesis], report) -> tuple[Hypothesis, ...]:
+    def where(h: Hypothesis) -> tuple:
+        r = report.results.get(h.caught_by)
+        v = None if r is None else r.first_violation
+        return (1, ()) if v is None else (0, violation_order(v))
+    return tuple(sorted(hyps, key=lambda h: (_ORDER[h.status], where(h), -h.score, h.fault)))
 
 
 def _rerun(trace: Trace, out_dir: str) -> tuple[str | None, str]:
@@ -200,7 +213,7 @@ def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | No
         diff = None if ta is None else diff_traces(ta, tb)
         sym = gather_symptoms(tb, report, diff, reference_trace=ta, reference_kind=kind, note=note)
     f = Findings(tb, report)
-    hyps = _rank([_score(name, f, sym) for name in faults_of(ENGINE)])
+    hyps = _rank([_hypothesis(name, f, sym) for name in faults_of(ENGINE)], report)
     verdict, headline = _verdict(report, sym, hyps)
     if not report.complete:
         headline += "; the trace is INCOMPLETE (data lost): this covers only the steps that are left"
@@ -230,25 +243,31 @@ def _where(sym: Symptoms) -> str:
 
 def _verdict(report, sym: Symptoms, hyps: tuple[Hypothesis, ...]) -> tuple[str, str]:
     top = hyps[0] if hyps and hyps[0].status == "matches" else None
+    if top is not None:
+        return FAULT, (f"{top.fault} — {top.models} ({top.source.split(' (')[0]}); caught by {top.caught_by}; "
+                       f"confirmed: {top.evidence_for[-1]}; sure: its own signature is seen and nothing "
+                       "contradicts it")
+    if report.failed:
+        return UNEXPLAINED, mechanism(report, sym, hyps)
+    if sym.acceptance_dropped:
+        same = {True: ", same outputs", False: ", outputs differ", None: ""}[sym.outputs_same]
+        return ACCEPTANCE_REGRESSION, (
+            f"acceptance dropped (rate {_rate(sym.acceptance_rate)} vs {_rate(sym.reference_acceptance_rate)} in the "
+            f"reference{_pos0(sym)}{same}) and every check passes: no registered fault matches (none's check "
+            f"fails){_tail(hyps)}{_where(sym)}")
+    if sym.diff_first is not None or sym.outputs_same is False:
+        return DIVERGED, mechanism(report, sym, hyps)
+    return CLEAN, "every check passes" + (
+        f", the run equals the reference and acceptance is level ({_rate(sym.acceptance_rate)} vs "
+        f"{_rate(sym.reference_acceptance_rate)})" if sym.reference_acceptance_rate is not None else
+        " (no reference to compare with)") + ": nothing to blame" + _tail(hyps)
+
+
+def _tail(hyps: tuple[Hypothesis, ...]) -> str:
     unknown = [h.fault for h in hyps if h.status == "cannot be ruled out"]
     fits = [h.fault for h in hyps if h.status == "consistent"]
     tail = f"; cannot be ruled out (their check could not run): {', '.join(unknown)}" if unknown else ""
     if fits:
         tail += (f"; consistent with {', '.join(fits)} (the symptoms fit, and this recording cannot show "
                  f"it to its check)")
-    if top is not None:
-        return FAULT, (f"most likely {top.fault} — {top.models} ({top.source.split(' (')[0]}); "
-                       f"caught by {top.caught_by}")
-    if report.failed:
-        return UNEXPLAINED, (f"checks fail ({', '.join(report.failed[:4])}) but no registered fault's "
-                             f"signature matches{tail}")
-    if sym.acceptance_dropped:
-        same = {True: ", same outputs", False: ", outputs differ", None: ""}[sym.outputs_same]
-        return ACCEPTANCE_REGRESSION, (
-            f"acceptance dropped (rate {_rate(sym.acceptance_rate)} vs {_rate(sym.reference_acceptance_rate)} in the "
-            f"reference{_pos0(sym)}{same}) and every check passes: no registered fault matches (none's check "
-            f"fails){tail}{_where(sym)}")
-    return CLEAN, "every check passes" + (
-        f" and acceptance is level with the reference ({_rate(sym.acceptance_rate)} vs "
-        f"{_rate(sym.reference_acceptance_rate)})" if sym.reference_acceptance_rate is not None else
-        " (no reference to compare acceptance with)") + ": nothing to blame" + tail
+    return tail

@@ -1,0 +1,105 @@
+"""Checks of the data the model consumed: hidden-state hand-offs proven by per-row fingerprints
+(``*_fp`` views, ``pcpviz.engine.record.fingerprint``) and the target outputs every rank must
+share. Traces without fingerprints (vLLM's plugin today, older engine traces) skip them, saying
+which view is missing.
+
+PCP=2 example (a fresh 6-token prefill, P = 4 local rows, rank 0 holds tokens 0, 1, 4, 5)::
+
+    target   hidden_local_fp  rank 0 [a0 a1 a4 a5]  rank 1 [a2 a3 · ·]
+             hidden_fp        [a0 a1 a2 a3 a4 a5] == concat(ranks)[hidden_restore_idx]
+    draft_0  hidden_in_fp == the rank's hidden_local_fp (the MTP layer reads the target's rows)
+             hidden_last_fp[i] == concat(ranks' mtp_local_fp)[hidden_restore_idx[last[i]]]
+    draft_1  hidden_in_fp == draft_0's hidden_out_fp; draft_k reads what draft_{k-1} handed on
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .context import Ctx, Skip, check
+
+
+def _gathered(c: Ctx, phase: str, view: str) -> np.ndarray:
+    """int64[N*P]: ``view`` of ``phase`` of every rank, rank-major (the all-gather's order)."""
+    parts = []
+    for r in range(c.pcp()):
+        rec = c.sv.recs.get(r, {}).get(phase)
+        if rec is None or view not in rec:
+            raise Skip(f"no {view} on rank {r}")
+        parts.append(np.asarray(rec[view], dtype=np.int64))
+    if len({p.shape for p in parts}) != 1:
+        c.fail(phase, view, f"ranks record {view} of different lengths {[p.shape[0] for p in parts]}")
+    return np.concatenate(parts)
+
+
+@check("hidden_restored",
+       "the restored hidden states are the ranks' local rows put back in global order: target "
+       "hidden_fp == all ranks' hidden_local_fp[hidden_restore_idx], and draft_0's hidden_last_fp "
+       "== all ranks' mtp_local_fp[hidden_restore_idx[draft_last_token_indices]] (fingerprints)")
+def hidden_restored(c: Ctx) -> None:
+    hfp = c.need("target", "hidden_fp").astype(np.int64)
+    hri = c.t("hidden_restore_idx").astype(np.int64)
+    g = _gathered(c, "target", "hidden_local_fp")
+    if hri.size and (hri.min() < 0 or hri.max() >= g.shape[0]):
+        c.fail("target", "hidden_restore_idx", f"indexes outside the {g.shape[0]} gathered rows")
+    c.expect("target", "hidden_fp", g[hri], hfp, "restored hidden row != the gathered local row it restores")
+    last = c.get("draft_0", "hidden_last_fp")
+    lti = c.get("draft_0", "draft_last_token_indices")
+    if last is None or lti is None:
+        return
+    q = c.q()
+    has = np.flatnonzero(q > 0)
+    lti = lti.astype(np.int64)
+    if lti.shape != q.shape or (has.size and (lti[has].min() < 0 or lti[has].max() >= hri.shape[0])):
+        c.fail("draft_0", "draft_last_token_indices", f"not one global row per request (R={q.shape[0]})")
+    m = _gathered(c, "draft_0", "mtp_local_fp")
+    c.expect("draft_0", "hidden_last_fp", m[hri[lti[has]]], last.astype(np.int64)[has],
+             "the hidden state draft token 0 is sampled from is not the restored MTP output of the last "
+             "accepted row", index_map=lambda i: (int(has[i[0]]),))
+
+
+@check("hidden_handoffs",
+       "each draft phase reads the hidden state its producer handed it: draft_0's hidden_in_fp == "
+       "the target's hidden_local_fp (this rank's rows), draft_k's hidden_in_fp == draft_{k-1}'s "
+       "hidden_out_fp (fingerprints)")
+def hidden_handoffs(c: Ctx) -> None:
+    drafts = c.draft_phases()
+    if not drafts:
+        raise Skip("no draft_0 phase")
+    checked = False
+    src, src_name = c.get("target", "hidden_local_fp"), "the target's hidden_local_fp"
+    for k, phase in drafts:
+        hin = c.get(phase, "hidden_in_fp")
+        if hin is not None and src is not None:
+            checked = True
+            c.expect(phase, "hidden_in_fp", np.asarray(src, dtype=np.int64), hin.astype(np.int64),
+                     f"draft_{k} read a hidden state other than {src_name}")
+        src, src_name = c.get(phase, "hidden_out_fp"), f"draft_{k}'s hidden_out_fp"
+    if not checked:
+        raise Skip("no hidden_in_fp")
+
+
+@check("target_outputs_agree",
+       "every rank ends the target forward with the same restored hidden states and sampled tokens "
+       "(hidden_fp / hidden_hash and top1_token identical on every rank: each restores the "
+       "all-gathered rows)")
+def target_outputs_agree(c: Ctx) -> None:
+    ranks = sorted(c.sv.recs)
+    if len(ranks) < 2:
+        raise Skip("single rank")
+    ref = ranks[0]
+    mine, theirs = c.phases.get("target", {}), c.sv.recs[ref].get("target", {})
+    if c.rank == ref:
+        if not any(v in mine for v in ("hidden_fp", "hidden_hash", "top1_token")):
+            raise Skip("no hidden_fp / top1_token")
+        return
+    checked = False
+    for view in ("hidden_fp", "hidden_hash", "top1_token"):
+        a, b = theirs.get(view), mine.get(view)
+        if a is None or b is None or np.asarray(a).dtype.kind not in "iu":
+            continue
+        checked = True
+        c.expect("target", view, np.asarray(a), np.asarray(b), f"differs from rank {ref}: the ranks' target "
+                 "forwards forked (their gathered inputs or weights differ)")
+    if not checked:
+        raise Skip("no hidden_fp / top1_token")
