@@ -1,0 +1,173 @@
+"""Diagnosis benchmark: realistic PCP + MTP bugs outside the fault catalogue, and harmless
+refactors (``pcpviz.analysis.mutations``), each patched into a copy of the package, run on the CPU
+engine at two settings, and judged by ``check``, ``diff BAD GOOD`` and ``explain BAD GOOD`` (the
+unpatched package judges). Prints one row per (mutation, setting) and the totals against the
+targets of issue 22: 0 confidently wrong causes, >= 90% first evidence at the bug's own phase
+and view, >= 90% failing check, 0 CLEAN on a run that differs, 0 alarms on harmless refactors.
+
+    PYTHONPATH=$PWD:$PWD/kernels python benchmarks/bench_diagnosis.py            # everything (~30 min on 2 cores)
+    PYTHONPATH=$PWD:$PWD/kernels python benchmarks/bench_diagnosis.py --settings pcp2-k2 --only extra_accepted_draft
+
+A bug a setting never exercises (its run equals the clean one: e.g. a partial-chunk bug without
+chunked prefill) is listed as "not exercised" and left out of the rates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pcpviz
+from pcpviz.analysis.checks import run_checks
+from pcpviz.analysis.diff import diff_traces
+from pcpviz.analysis.explain import CLEAN, FAULT, explain
+from pcpviz.analysis.mutations import MUTATIONS, Mutation, copy_package
+
+ROOT = Path(__file__).resolve().parents[1]
+A = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\ndef main(argv):\n    parser = ",
+     "class Stack:\n    def __init__(self):\n        self.items = []\n"]
+C = ["while True:\n    line = ", "print(", "def area(r):\n    return 3.14 * ", "if __name__ == '__main__':\n    ",
+     "import json\n\n\ndef load(path):\n    with open(path) as f:\n        return "]
+SETTINGS = {  # name: run options (the second cuts prompts into chunks: chunked prefill)
+    "pcp2-k2": dict(prompts=A, pcp=2, num_speculative_tokens=2, block_size=8, max_new_tokens=16,
+                    max_num_batched_tokens=48),
+    "pcp4-k3-chunked": dict(prompts=C, pcp=4, num_speculative_tokens=3, block_size=8, max_new_tokens=16,
+                            max_num_batched_tokens=16),
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    mutation: str
+    setting: str
+    harmless: bool
+    ran: bool  # the patched engine finished its run
+    note: str  # why not (one line)
+    diverges: bool
+    check_fails: bool
+    at_own_place: bool
+    first: str
+    verdict: str
+    top: str | None
+
+    @property
+    def exercised(self) -> bool:
+        return self.ran and (self.diverges or self.check_fails)
+
+    @property
+    def confidently_wrong(self) -> bool:
+        return not self.harmless and self.verdict == FAULT
+
+    @property
+    def clean_on_difference(self) -> bool:
+        return self.verdict == CLEAN and self.diverges
+
+    @property
+    def alarm(self) -> bool:
+        return self.harmless and (not self.ran or self.diverges or self.check_fails or self.verdict != CLEAN)
+
+
+def run_engine(setting: str, trace_dir: Path, package_root: Path | None) -> str | None:
+    """Run ``setting`` with the package under ``package_root`` (None: this one); None or the
+    error's last line."""
+    opts = dict(SETTINGS[setting])
+    code = ("import json, sys, pcpviz; o = json.loads(sys.argv[1]); p = o.pop('prompts'); "
+            "pcpviz.run(p, trace_dir=sys.argv[2], progress=False, **o)")
+    path = [str(package_root)] if package_root is not None else []
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path + [str(ROOT), str(ROOT / "kernels")]))
+    r = subprocess.run([sys.executable, "-P", "-c", code, json.dumps(opts), str(trace_dir)], env=env,
+                       capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        tail = [x for x in (r.stderr or r.stdout).strip().splitlines() if x.strip()]
+        return tail[-1][:200] if tail else f"exit {r.returncode}"
+    return None
+
+
+def judge(m: Mutation, setting: str, bad: Path, good: Path) -> Row:
+    report = run_checks(bad)
+    d = diff_traces(good, bad)
+    e = explain(bad, good)
+    v = report.first_violation
+    first = "-" if v is None else f"s{v.step} {v.phase}.{v.view} r{v.rank} ({v.check})"
+    return Row(m.name, setting, m.harmless, True, "", d.first is not None, bool(report.failed),
+               v is not None and m.at_own_place(v.phase, v.view), first, e.verdict,
+               None if e.top is None else e.top.fault)
+
+
+def bench(settings, names=None, work: Path | None = None) -> list[Row]:
+    muts = [m for m in MUTATIONS if names is None or m.name in names]
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory(prefix="pcpviz-bench-diag-", dir=work) as tmp:
+        tmp = Path(tmp)
+        src = Path(pcpviz.__file__).resolve().parent
+        for s in settings:
+            good = tmp / s / "good"
+            err = run_engine(s, good, None)
+            if err:
+                raise RuntimeError(f"the clean run of {s} failed: {err}")
+            for m in muts:
+                root = tmp / s / m.name / "pkg"
+                copy_package(src, root)
+                (root / "data").symlink_to(ROOT / "data")  # the model weights the engine loads
+                m.apply(root)
+                bad = tmp / s / m.name / "trace"
+                err = run_engine(s, bad, root)
+                if err:
+                    rows.append(Row(m.name, s, m.harmless, False, err, False, False, False, "-", "RUN FAILED", None))
+                else:
+                    rows.append(judge(m, s, bad, good))
+                print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def _line(r: Row) -> str:
+    yn = lambda b: "yes" if b else "no"  # noqa: E731
+    if not r.ran:
+        return f"| {r.mutation} | {r.setting} | run failed: {r.note} | | | | |"
+    if not r.exercised and not r.harmless:
+        return f"| {r.mutation} | {r.setting} | not exercised (run equals the clean one) | | | | |"
+    verdict = r.verdict + (f" {r.top}" if r.top else "")
+    flag = "ALARM" if r.alarm else ("CONFIDENTLY WRONG" if r.confidently_wrong else
+                                    "CLEAN ON A DIFFERENCE" if r.clean_on_difference else "ok")
+    return (f"| {r.mutation}{' (refactor)' if r.harmless else ''} | {r.setting} | {yn(r.check_fails)} | "
+            f"{yn(r.at_own_place)} ({r.first}) | {yn(r.diverges)} | {verdict} | {flag} |")
+
+
+HEADER = ("| mutation | setting | check fails? | first evidence at the bug's phase/view? | diff diverges? | "
+          "explain verdict | |\n|---|---|---|---|---|---|---|")
+
+
+def summary(rows: list[Row]) -> dict:
+    bugs = [r for r in rows if not r.harmless and r.exercised]
+    ref = [r for r in rows if r.harmless]
+    n = max(len(bugs), 1)
+    return {"bugs_exercised": len(bugs), "not_exercised": sum(not r.harmless and r.ran and not r.exercised for r in rows),
+            "run_failed": sum(not r.ran and not r.harmless for r in rows),
+            "check_fails": sum(r.check_fails for r in bugs) / n,
+            "first_evidence_at_own_place": sum(r.at_own_place for r in bugs) / n,
+            "diff_diverges": sum(r.diverges for r in bugs) / n,
+            "confidently_wrong": sum(r.confidently_wrong for r in bugs),
+            "clean_on_difference": sum(r.clean_on_difference for r in rows),
+            "refactors": len(ref), "refactor_alarms": sum(r.alarm for r in ref)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--settings", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--only", nargs="*", default=None, help="mutation names (default: all)")
+    a = ap.parse_args(argv)
+    print(HEADER)
+    rows = bench(a.settings, a.only)
+    s = summary(rows)
+    print(json.dumps(s, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""The diagnosis benchmark's fast subset (benchmarks/bench_diagnosis.py): bugs outside the fault
+catalogue, patched into a copy of the package and run on the CPU engine at PCP=2, K=2, must fail
+`check` with the first evidence at the bug's own phase and view, diverge in `diff`, and get an
+honest `explain` (never a catalogued fault named "matches", never CLEAN); a harmless refactor
+must raise no alarm. One engine run per case (a Python + torch start per rank), so the subset
+is four bugs (block tables, hidden-state restore, verification, what the next step is fed) and
+one refactor; the full table is the benchmark's."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from pcpviz.analysis.explain import CLEAN, FAULT
+from pcpviz.analysis.mutations import MUTATIONS
+
+ROOT = Path(__file__).resolve().parents[2]
+SUBSET = ["draft_block_table_wrong_request", "draft_hidden_not_restored", "extra_accepted_draft",
+          "drafts_fed_to_wrong_request", "refactor_shift_with_roll"]
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_diagnosis", ROOT / "benchmarks" / "bench_diagnosis.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+    bench = _bench()
+    bench.SETTINGS["ci"] = dict(bench.SETTINGS["pcp2-k2"], max_new_tokens=10)
+    return {r.mutation: r for r in bench.bench(["ci"], SUBSET, work=tmp_path_factory.mktemp("diag"))}
+
+
+def test_the_subset_names_real_mutations():
+    names = {m.name for m in MUTATIONS}
+    assert set(SUBSET) <= names
+    assert len([m for m in MUTATIONS if not m.harmless]) >= 20 and sum(m.harmless for m in MUTATIONS) >= 3
+
+
+@pytest.mark.parametrize("name", [n for n in SUBSET if not n.startswith("refactor_")])
+def test_an_uncatalogued_bug_is_found_and_never_blamed_on_a_wrong_fault(rows, name):
+    r = rows[name]
+    assert r.ran and r.exercised, r
+    assert r.check_fails and r.at_own_place, r.first
+    assert r.diverges
+    assert r.verdict not in (CLEAN, FAULT), r  # honest: the mechanism, not a catalogued fault
+
+
+def test_a_harmless_refactor_raises_no_alarm(rows):
+    r = rows["refactor_shift_with_roll"]
+    assert r.ran and not r.alarm and r.verdict == CLEAN, r
