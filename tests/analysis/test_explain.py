@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import pcpviz
-from pcpviz.analysis.explain import ACCEPTANCE_REGRESSION, CLEAN, FAULT, explain
+from pcpviz.analysis.explain import ACCEPTANCE_REGRESSION, CLEAN, DIVERGED, FAULT, explain
 from pcpviz.faults import ENGINE, active_faults, faults_of, parse_fault, validate_faults
 
 ENGINE_FAULTS = faults_of(ENGINE)  # the faults explain weighs
@@ -111,10 +111,14 @@ def test_shipped_traces_come_out_clean(name):
     assert e.verdict == CLEAN and e.ok and e.top is None, e.format()
 
 
-def test_real_vllm_trace_against_an_engine_rerun_is_clean():
+def test_real_vllm_trace_against_an_engine_rerun_blames_nothing_but_says_they_differ():
     e = explain(TRACES / "vllm-h200x2-pcp2-mtp2")  # no GOOD: the engine re-runs its 4 prompts on CPU
     assert e.symptoms.reference_kind == "rerun"
-    assert e.verdict == CLEAN and not e.symptoms.acceptance_dropped, e.format()
+    # the CPU engine schedules and rounds differently from vLLM on H200: the drafts differ, so the
+    # answer is never CLEAN; no check fails, acceptance is level, the tokens agree, nothing is blamed
+    assert e.verdict == DIVERGED and e.top is None and not e.ok, e.format()
+    assert not e.symptoms.failed_checks and not e.symptoms.acceptance_dropped and e.symptoms.outputs_same
+    assert "another producer" in e.headline and "not sure of: where" in e.headline
 
 
 def test_piecewise_collapse_is_an_acceptance_regression_no_fault_explains():

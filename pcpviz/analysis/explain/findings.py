@@ -110,6 +110,31 @@ class Findings:
             self.__dict__["_bt"] = (wrong, seen - wrong, foreign)
         return self.__dict__["_bt"]
 
+    def boundary_moves(self) -> str | None:
+        """A description when the first wrong draft block-table row moves up with the batch size
+        (step s: first wrong row j with R_s rows; a later-sized step t with R_t > R_s rows has row j
+        right and a higher row wrong): the wrong rows follow the batch's end, not a fixed
+        capacity; None otherwise."""
+        per: dict[int, tuple[int, set[int], set[int]]] = {}
+        for step, _, tgt, rec in self._draft_decodes():
+            if "block_table_global" not in tgt or "block_table_draft" not in rec:
+                continue
+            d, g = _g(rec["block_table_draft"]), _g(tgt["block_table_global"])
+            rows = min(d.shape[0], g.shape[0])
+            w = min(d.shape[1], g.shape[1]) if d.ndim == 2 and g.ndim == 2 else 0
+            wrong = {i for i in range(rows) if not (np.array_equal(d[i, :w], g[i, :w]) and not d[i, w:].any())}
+            n, ws, rs = per.get(step, (rows, set(), set()))
+            per[step] = (rows, ws | wrong, rs | (set(range(rows)) - wrong))
+        for s, (rs_, ws, _) in per.items():
+            if not ws:
+                continue
+            j = min(ws)
+            for t, (rt, wt, okt) in per.items():
+                if rt > rs_ and j in okt and wt and min(wt) > j:
+                    return (f"at step {s} ({rs_} rows) row {j} is the first wrong row, at step {t} ({rt} rows) "
+                            f"row {j} is right and row {min(wt)} wrong")
+        return None
+
     def draft_slot_mismatches(self) -> dict[str, int]:
         """Mismatching draft-decode slots by kind: ``pad`` (-1, never written), ``next_block``
         (a position one before a block boundary written in the next block) and ``other``."""

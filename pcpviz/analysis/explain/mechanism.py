@@ -71,6 +71,10 @@ def _diverged(sym) -> str:
     if sym.drafts_first_differ is not None:
         dd = sym.drafts_first_differ
         out += f"; the drafts first differ at step {dd['step']} ({dd['phase']})"
+    other = [n for n in sym.notes if "producer" in n]
+    if other:
+        out += (f" ({other[0]}: another producer schedules and rounds differently, so a difference "
+                "here is expected as well as possible)")
     return out
 
 

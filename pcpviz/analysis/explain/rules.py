@@ -78,6 +78,10 @@ def _stale_rows(f: Findings) -> Signature:
     if foreign:
         return _no(f"draft block-table rows {sorted(foreign)[:6]} hold another request's (or no earlier) blocks, "
                    "not stale ones")
+    moves = f.boundary_moves()
+    if moves:
+        return _no(f"the first wrong row moves with the batch size ({moves}): rows past the batch's end, not "
+                   "rows past a fixed launch capacity")
     n = min(wrong)
     if n >= 1 and all(i in right for i in range(n)):
         return _yes(f"draft block-table rows >= {n} are wrong, rows below {n} always right, every wrong row "
