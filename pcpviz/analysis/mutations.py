@@ -125,7 +125,7 @@ MUTATIONS: tuple[Mutation, ...] = (
        "target", "local_seq_lens", "rank-specific: rank 1's target attends one token short"),
     _M("drafts_fed_to_wrong_request", "engine/worker.py",
        "st.drafts = a[i].copy() if keep[i] else empty",
-       "st.drafts = a[(i + 1) % len(req_ids)].copy() if keep[(i + 1) % len(req_ids)] else empty",
+       "st.drafts = a[(i + 1) % len(req_ids)].copy() if keep[i] else empty",
        "target", "input_ids", "drafts of the next request scheduled (only acceptance changes)"),
     _M("cursor_not_rolled_back", "engine/worker.py",
        "st.num_computed += int(batch.num_scheduled_tokens[i]) - rejected\n",

@@ -218,7 +218,8 @@ def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=Fal
     marks.append(_now_us())
     with torch.no_grad():
         hidden = model.mtp_recycle_hidden(h_last)
-        handed = [hidden] if keep else None
+        # what each step hands on, computed from its own output (not from what the next step is fed)
+        handed = [model.mtp_recycle_hidden(h_last)] if keep else None
         ids, cols = tok0, [tok0]
         for j in range(1, k):
             attn = PagedAttention(model, worker.cache, worker.group, expanded=False, slots=dt["dslots"][j - 1],
@@ -231,7 +232,7 @@ def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=Fal
             ids = model.mtp_logits(mtp_h).argmax(-1)
             hidden = model.mtp_recycle_hidden(mtp_h)
             if keep:
-                handed.append(hidden)
+                handed.append(model.mtp_recycle_hidden(mtp_h))
             cols.append(ids)
             marks.append(_now_us())
         return torch.stack(cols, dim=1), handed
