@@ -51,6 +51,7 @@ from pcpviz.faults import SYNTHETIC, active_faults, validate_faults
 from pcpviz.reference.layout import (PCPLayout, gather_maps, partition_batch, plan_layout, rank_segments,
                            replicated_requests)
 from pcpviz.trace import TraceWriter, segments_table
+from pcpviz.trace.fingerprints import synthetic_fingerprints
 
 __all__ = ["RequestSpec", "SyntheticRun", "generate", "long_prompt_run"]
 
@@ -237,7 +238,7 @@ class _Verify:
     num_rejected: np.ndarray  # int64[R]
     num_accepted: np.ndarray  # int64[R]
     next_prompt: np.ndarray  # int64[R] the next prompt token of a partial prefill chunk
-    top1: list = field(default_factory=list)  # the target's argmax of every sampled row, in batch order
+    top1: list = field(default_factory=list)  # the target's argmax of every sampled row
 
 
 @dataclass
@@ -415,19 +416,17 @@ def _drafts(st: _Step, v: _Verify, s: _Settings, on: frozenset[str]) -> _Drafts:
     """The MTP draft-prefill inputs (global shifted ids, the last accepted rows) and the K drafts."""
     num_r, qsl, k = len(st.rows), st.qsl, s.k
     valid = st.q - v.num_rejected
-    last_sampled = v.sampled[np.arange(num_r), np.maximum(v.num_sampled - 1, 0)]
     dgi, last_idx = draft_prefill_inputs(st.input_ids, qsl, num_rejected=v.num_rejected, num_sampled=v.num_sampled,
-                                         last_sampled=last_sampled, next_prompt_tokens=v.next_prompt)
-    if F.LAST_TOKEN_IGNORES_REJECTIONS in on:
-        last_idx = qsl[:-1] + st.q - 1
+                                         last_sampled=v.sampled[np.arange(num_r), np.maximum(v.num_sampled - 1, 0)],
+                                         next_prompt_tokens=v.next_prompt)
+    last_idx = qsl[:-1] + st.q - 1 if F.LAST_TOKEN_IGNORES_REJECTIONS in on else last_idx
     tokens = np.zeros((num_r, k), dtype=np.int64)
     for i, r in enumerate(st.rows):
         nxt = r.computed + int(valid[i])  # next step's first position (L)
         for j in range(k):
             tokens[i, j] = s.draft(r, nxt + 1 + j, j)
-    draft_pos = [p.copy() for p in draft_decode_positions(st.positions, last_idx, k)]
-    if F.DRAFT_POSITIONS_NOT_ADVANCED in on:
-        draft_pos = draft_pos[:1] + [p - j for j, p in enumerate(draft_pos[1:], 1)]
+    lag = 1 if F.DRAFT_POSITIONS_NOT_ADVANCED in on else 0  # the fault: draft_k (k >= 2) keeps draft_1's position
+    draft_pos = [p - lag * j for j, p in enumerate(draft_decode_positions(st.positions, last_idx, k))]
     return _Drafts(last_idx, dgi, tokens, draft_pos)
 
 
@@ -491,7 +490,8 @@ def _rank_phases(rank: int, st: _Step, layout: PCPLayout, full: np.ndarray, v: _
             "slot_mapping_draft": slots_gathered if F.EXPANDED_DRAFT_SLOT_MAPPING in on else slots,
             "draft_tokens": d.tokens[:, j],
         }
-    _add_digests(phases, rank, st, layout, d, s.pcp)
+    synthetic_fingerprints(phases, rank, layout, positions=st.positions, input_ids=st.input_ids, n=s.pcp,
+                           global_ids=d.global_ids, last_idx=d.last_idx)
     target["top1_token"] = np.asarray(v.top1, dtype=np.int64)
     phases["verify"] = {
         "req_ids": np.array(batch.req_ids, dtype=str), "num_draft_tokens": st.num_draft,
@@ -499,42 +499,6 @@ def _rank_phases(rank: int, st: _Step, layout: PCPLayout, full: np.ndarray, v: _
         "num_accepted": v.num_accepted,
     }
     return phases
-
-
-def _vfp(tag: int, *xs: np.ndarray) -> np.ndarray:
-    """int64 fingerprints of rows keyed by a few integer arrays (a vectorised multiply-xor mix)."""
-    h = np.full(np.shape(xs[0]), 0x9E3779B97F4A7C15 ^ tag, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        for x in xs:
-            h = (h ^ np.asarray(x).astype(np.uint64)) * np.uint64(0xBF58476D1CE4E5B9)
-            h ^= h >> np.uint64(29)
-    return (h >> np.uint64(2)).astype(np.int64)
-
-
-def _add_digests(phases: dict, rank: int, st: _Step, layout: PCPLayout, d: _Drafts, n: int) -> None:
-    """The engine's fingerprint views, made consistent: global token g's target hidden state is
-    ``_vfp(1, position, id)``, its MTP output ``_vfp(3, hidden, draft id)``; padding rows get
-    rank-specific values; each draft step hands on ``_vfp(5 + k, ...)`` of what it read."""
-    pgi, p = layout.padded_gather_idx, layout.padded_gather_idx.shape[0] // max(n, 1)
-    hidden = _vfp(1, st.positions, st.input_ids)  # [T]
-    rows = pgi[rank * p:(rank + 1) * p]
-    real = np.arange(p) < layout.per_rank_num_tokens[rank]
-    pad = _vfp(2, np.full(p, rank), np.arange(p))
-    target = phases["target"]
-    target["hidden_fp"] = hidden
-    target["hidden_local_fp"] = np.where(real, hidden[rows], pad)
-    if "draft_0" not in phases:
-        return
-    mtp = _vfp(3, hidden, d.global_ids)  # [T]
-    d0 = phases["draft_0"]
-    d0["hidden_in_fp"] = target["hidden_local_fp"]
-    d0["mtp_local_fp"] = np.where(real, mtp[rows], _vfp(4, pad))
-    d0["hidden_last_fp"] = mtp[d.last_idx]
-    out = d0["hidden_out_fp"] = _vfp(5, d0["hidden_last_fp"])
-    for k in range(1, len(d.positions) + 1):
-        dk = phases[f"draft_{k}"]
-        dk["hidden_in_fp"] = out
-        out = dk["hidden_out_fp"] = _vfp(5 + k, out, dk["draft_tokens"])
 
 
 def _add_timestamps(phases: dict[str, dict[str, np.ndarray]], t0: float, layout: PCPLayout, num_r: int) -> float:

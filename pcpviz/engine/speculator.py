@@ -140,16 +140,23 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
         marks = [t0] + [t1] * (k - 1)
     if rec is not None:
         with timer.phase("record"):
-            rec.fingerprints("draft_0", hidden_out=handed[0][:r])
-            for j in range(1, k):
-                written = decode["slots"][j - 1].copy()
-                if fold and n > 1:
-                    written[r // n:] = -1  # what the faulty fold actually wrote
-                rec.draft_decode(step=j, ids=drafts[:r, j - 1], positions=decode["positions"][j - 1],
-                                 seq_lens=decode["seq_lens"][j - 1], block_rows=block_rows, slots=written,
-                                 tokens=drafts[:r, j], t0=marks[j - 1], t1=marks[j] if j < k - 1 else t1)
-                rec.fingerprints(f"draft_{j}", hidden_in=handed[2 * j - 1][:r], hidden_out=handed[2 * j][:r])
+            _record_decodes(rec, decode, drafts, handed, block_rows=block_rows, marks=marks + [t1], r=r,
+                            fold_n=n if fold else 1)
     return drafts[:r]
+
+
+def _record_decodes(rec, decode, drafts, handed, *, block_rows, marks, r, fold_n) -> None:
+    """Record draft steps 1..K-1 (``marks[j-1]..marks[j]`` their windows) and the hidden states
+    each read and handed on."""
+    rec.fingerprints("draft_0", hidden_out=handed[0][:r])
+    for j in range(1, drafts.shape[1]):
+        written = decode["slots"][j - 1].copy()
+        if fold_n > 1:
+            written[r // fold_n:] = -1  # what the faulty fold actually wrote
+        rec.draft_decode(step=j, ids=drafts[:r, j - 1], positions=decode["positions"][j - 1],
+                         seq_lens=decode["seq_lens"][j - 1], block_rows=block_rows, slots=written,
+                         tokens=drafts[:r, j], t0=marks[j - 1], t1=marks[j] if j < drafts.shape[1] - 1 else marks[-1])
+        rec.fingerprints(f"draft_{j}", hidden_in=handed[2 * j - 1][:r], hidden_out=handed[2 * j][:r])
 
 
 def _next_prompt_tokens(worker, sched) -> np.ndarray:

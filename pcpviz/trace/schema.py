@@ -53,6 +53,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import pyarrow as pa
 
+from .fingerprints import FINGERPRINT_ROWS, FINGERPRINT_SPEC
 from .codec import (  # noqa: F401 - the value codec, re-exported (``schema.encode_value`` ...)
     ALIGN, STR_TAG, STRUCT_PREFIX, Encoded, check_shape, decode_payload, encode_value, padded_size,
     parse_dtype_tag, row_crc32, step_crc32,
@@ -394,27 +395,7 @@ VIEW_SPECS: tuple[ViewSpec, ...] = tuple(
          "states (older traces: one hex digest of the step, a str)",
          dict(run_specific="float reductions differ across PCP sizes")),
     ], scope=RANK)
-    + _specs("fingerprints", (_T,), [
-        ("hidden_local_fp", "int64", "[P]", "engine only: per-row fingerprint (int64: the row's float32 bits times fixed "
-         "weights, summed on the device without a sync; pcpviz.engine.record.fingerprint) of this rank's "
-         "target hidden states before the restore (what the MTP draft prefill should read)"),
-        ("hidden_fp", "int64", "[T]", "engine only: per-row fingerprint of the restored hidden states (global "
-         "order; every rank computes the same)"),
-    ], scope=RANK, run_specific="float reductions differ across PCP sizes")
-    + _specs("fingerprints", (_D0,), [
-        ("hidden_in_fp", "int64", "[P]", "engine only: fingerprint of the hidden states the draft prefill "
-         "read (the target's rank-local rows)"),
-        ("mtp_local_fp", "int64", "[P]", "engine only: fingerprint of the MTP layer's rank-local output"),
-        ("hidden_last_fp", "int64", "[R]", "engine only: fingerprint of the restored MTP output at each "
-         "request's draft_last_token_indices (what draft token 0 is sampled from)"),
-        ("hidden_out_fp", "int64", "[R]", "engine only: fingerprint of the hidden state handed to draft_1"),
-    ], scope=RANK, run_specific="float reductions differ across PCP sizes")
-    + _specs("fingerprints", (_DK,), [
-        ("hidden_in_fp", "int64", "[R]", "engine only: fingerprint of the hidden state draft step k read",
-         dict(align=_REQ)),
-        ("hidden_out_fp", "int64", "[R]", "engine only: fingerprint of the hidden state draft step k hands on",
-         dict(align=_REQ)),
-    ], scope=RANK, run_specific="float reductions differ across PCP sizes")
+    + [v for ph, rows in FINGERPRINT_ROWS.items() for v in _specs("fingerprints", (ph,), rows, **FINGERPRINT_SPEC)]
     + _specs("dummy run", (_DU,), [
         ("num_reqs", "int64", "[]", "requests of the dummy batch"),
         ("draft_forwards", "int64", "[]", "draft forwards propose(dummy_run=True) ran"),
@@ -528,7 +509,6 @@ SLOT_MAPPING_VIEWS = VIEW_GROUPS["slot mappings"]
 DRAFT_VIEWS = VIEW_GROUPS["draft step"]
 VERIFY_VIEWS = VIEW_GROUPS["verify"]
 DIGEST_VIEWS = VIEW_GROUPS["digests"]
-FINGERPRINT_VIEWS = VIEW_GROUPS["fingerprints"]
 
 VIEWS: dict[str, str] = {name: doc for group in VIEW_GROUPS.values() for name, doc in group.items()}
 """Every declared view name -> one-line doc (its first declaration)."""
@@ -550,10 +530,8 @@ DRAFT_VIEW_REPLICATED = "replicated"
 PAD_SLOT = -1
 """Slot-mapping value of a padding row (never written)."""
 
-SEGMENT_DTYPE = np.dtype([
-    ("global_req_idx", "<i8"), ("global_start", "<i8"), ("global_stop", "<i8"),
-    ("local_start", "<i8"), ("local_stop", "<i8"), ("rank", "<i8"),
-])
+SEGMENT_DTYPE = np.dtype([("global_req_idx", "<i8"), ("global_start", "<i8"), ("global_stop", "<i8"),
+                          ("local_start", "<i8"), ("local_stop", "<i8"), ("rank", "<i8")])
 """Row type of the ``segments`` view: one row per (rank, segment)."""
 
 _SEGMENT_FIELDS = SEGMENT_DTYPE.names[:5]

@@ -312,11 +312,10 @@ class Workbench(W.VBox):
         ex = explain(self.trace, good, rerun=rerun)
         body = [W.HTML(f"<pre style='font-size:11px;white-space:pre-wrap'>{html.escape(ex.format())}</pre>")]
         top = ex.top
-        first = None if self.check_report is None else self.check_report.first_violation if top is None else \
+        first = None if top is None or self.check_report is None else \
             self.check_report.results[top.caught_by].first_violation
         if first is not None:
-            name = top.fault if top is not None else f"first wrong view {first.view}"
-            b = W.Button(description=f"jump: {name} (step {first.step}, {first.phase})",
+            b = W.Button(description=f"jump: {top.fault} (step {first.step}, {first.phase})",
                          button_style="danger", layout=W.Layout(width="auto"))
             b.on_click(lambda _b, v=first: self.jump_to(v))
             body.insert(0, b)
