@@ -37,6 +37,7 @@ from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
+from pcpviz.trace.bounds import problems_at, well_formed
 
 __all__ = ["Acceptance", "RequestAcceptance", "StepAcceptance", "acceptance", "Divergence",
            "DiffReport", "diff_traces", "DEFAULT_IGNORE"]
@@ -261,7 +262,7 @@ def request_keys(trace: Trace) -> dict[str, tuple]:
     last: dict[str, tuple[int, int]] = {}
     rank = trace.ranks[0] if trace.ranks else None
     for step in ([] if rank is None else trace.rank_steps(rank)):
-        if not trace.has(step, rank, "target"):
+        if not trace.has(step, rank, "target") or not well_formed(trace, step, rank):
             continue
         rec = trace.record(step, rank, "target")
         if not all(v in rec for v in ("req_ids", "is_prefilling", "input_ids", "positions")):
@@ -365,6 +366,12 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
             continue
         steps_compared += 1
         step_pairs = [(ra, rb) for ra, rb in pairs if ra in in_a and rb in in_b]
+        for ra, rb in list(step_pairs):  # sizes from a malformed step are never computed with
+            bad = [(x, r, p) for x, t, r in (("a", ta, ra), ("b", tb, rb)) for p in problems_at(t, step, r)[:1]]
+            if bad:
+                step_pairs.remove((ra, rb))
+                record(Divergence(step, None, None, ra, rb, f"run {bad[0][0]} rank {bad[0][1]}: "
+                                  f"malformed views ({bad[0][2]})"))
         missing = [(ra, rb) for ra, rb in pairs if (ra in in_a) != (rb in in_b)]
         for ra, rb in missing:
             record(Divergence(step, None, None, ra, rb,

@@ -440,9 +440,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cmd = next((a for a in argv if not a.startswith("-")), None)
+    prog = f"pcpviz {cmd}" if cmd in _subcommand_names() else "pcpviz"
     try:
         args = build_parser().parse_args(argv)
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
+        return code
     except UsageError as e:
         print(str(e).splitlines()[0], file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -450,10 +455,50 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(str(e).splitlines()[0], file=sys.stderr)
         return EXIT_INCOMPLETE
     except BrokenPipeError:  # `pcpviz layout ... | head`: the reader left; say nothing more
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout()
         return EXIT_PIPE
+    except OSError as e:  # a name too long, a full disk, stdout on /dev/full, an I/O error
+        if e.filename is None and not _stdout_writable():
+            e.filename = "stdout"
+        _drop_stdout()
+        print(f"{prog}: {_os_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except MemoryError:
+        print(f"{prog}: out of memory (the input is larger than this machine can hold)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except RecursionError:
+        print(f"{prog}: input nested too deeply", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _subcommand_names() -> set[str]:
+    return {"layout", "run", "check", "diff", "export", "explain", "replay"}
+
+
+def _os_line(e: OSError) -> str:
+    """``<file>: <reason>`` in one line (the file named, never a traceback)."""
+    names = [str(n) for n in (e.filename, e.filename2) if n is not None]
+    reason = e.strerror or " ".join(str(e).split()) or type(e).__name__
+    shown = [n if len(n) <= 400 else n[:200] + f"... ({len(n)} characters)" for n in names]
+    return (" -> ".join(shown) + ": " if shown else "") + " ".join(reason.split())
+
+
+def _stdout_writable() -> bool:
+    try:
+        sys.stdout.flush()
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so nothing is flushed into a closed pipe or a full disk at exit."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is not a file (a test's StringIO)
+        pass
 
 
 # --------------------------------------------------------------------------- replay

@@ -24,8 +24,10 @@ Policy on damage (the design's "loses nothing"):
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import mmap
 import os
 import stat
 import threading
@@ -183,10 +185,11 @@ def _read_meta(run_dir: Path) -> dict[str, Any]:
     if kind is not None:
         raise TraceError(f"{path}: cannot read ({kind})")
     try:
-        if path.stat().st_size > MAX_META_BYTES:
-            raise TraceError(f"{path}: {path.stat().st_size} bytes, more than the "
-                             f"{MAX_META_BYTES} a run.json may have")
-        meta = loads_bounded(path.read_bytes())
+        with os.fdopen(open_for_reading(path), "rb") as fh:
+            data = fh.read(MAX_META_BYTES + 1)
+        if len(data) > MAX_META_BYTES:
+            raise TraceError(f"{path}: more than the {MAX_META_BYTES} bytes a run.json may have")
+        meta = loads_bounded(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise TraceError(f"{path}: not valid JSON ({_one_line(exc)})") from None
     except RecursionError:
@@ -207,14 +210,15 @@ def _read_meta(run_dir: Path) -> dict[str, Any]:
 
 
 def _check_version(path: Path, version: Any) -> int:
-    if isinstance(version, str) and version.strip().isdigit():
+    if isinstance(version, str) and version.strip().isdigit() and len(version.strip()) <= 18:
         version = int(version)
     if isinstance(version, bool) or not isinstance(version, int):
-        raise TraceError(f"{path}: {S.META_SCHEMA_KEY} must be an int, got {version!r}")
+        shown = repr(version) if len(repr(version)) <= 40 else f"{repr(version)[:30]}... ({len(repr(version))} characters)"
+        raise TraceError(f"{path}: {S.META_SCHEMA_KEY} must be an int, got {shown}")
     if version > S.SCHEMA_VERSION:
         raise TraceError(f"{path}: schema version {version} is newer than this pcpviz "
                          f"({S.SCHEMA_VERSION}); upgrade pcpviz")
-    if version < 1:
+    if version not in S.SCHEMA_VERSIONS:
         raise TraceError(f"{path}: schema version {version} is not valid")
     return version
 
@@ -225,10 +229,8 @@ class _TailDamage(Exception):
     """Unparseable bytes ended the readable part of a rank file (message: what, one line)."""
 
 
-def _check_header_bytes(path: Path, size: int) -> None:
+def _check_header_bytes(path: Path, size: int, head: bytes) -> None:
     """Tell a foreign file (always an error) from a truncated schema header (tail damage)."""
-    with path.open("rb") as fh:
-        head = fh.read(8)
     if head[:4] != _CONT[: len(head[:4])]:
         if head.startswith(b"ARROW1"):
             raise TraceError(f"{path}: an Arrow IPC file, not an Arrow IPC stream (foreign file)")
@@ -244,13 +246,15 @@ def _check_header_bytes(path: Path, size: int) -> None:
         raise _TailDamage(f"truncated inside its schema header ({size} of {8 + meta_len} bytes)")
 
 
-def _check_schema(path: Path, rank: int, schema: pa.Schema) -> None:
+def _check_schema(path: Path, rank: int, schema: pa.Schema, version: int) -> None:
     md = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
           for k, v in (schema.metadata or {}).items()}
     if S.META_SCHEMA_KEY not in md:
         raise TraceError(f"{path}: not a pcpviz rank file (Arrow schema metadata lacks "
                          f"{S.META_SCHEMA_KEY!r})")
-    _check_version(path, md[S.META_SCHEMA_KEY])
+    if _check_version(path, md[S.META_SCHEMA_KEY]) != version:
+        raise TraceError(f"{path}: schema version {md[S.META_SCHEMA_KEY]} but run.json says {version} "
+                         "(a file of another run?)")
     if md.get(S.META_RANK_KEY) != str(rank):
         raise TraceError(f"{path}: schema metadata says rank {md.get(S.META_RANK_KEY)!r} but the "
                          f"file name says rank {rank}")
@@ -327,22 +331,51 @@ def _index_batch(path: Path, batch: pa.RecordBatch, number: int, prev: int | Non
     return _StepEntry(path, step, offsets, data.buffers()[2], MappingProxyType(ordered))
 
 
-def _scan_rank_file(path: Path, rank: int) -> tuple[RankFile, list[_StepEntry], str | None]:
+def open_for_reading(path: Path) -> int:
+    """A read-only descriptor of ``path`` if it is a regular file (a link to one is followed):
+    opened with O_NONBLOCK, so a FIFO or device swapped in after a check never blocks, then
+    checked with fstat. OSError (EINVAL "not a regular file") otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map(fd: int, size: int) -> pa.BufferReader:
+    """A zero-copy Arrow reader over the first ``size`` bytes of ``fd`` (memory-mapped)."""
+    if size == 0:
+        return pa.BufferReader(b"")
+    mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    return pa.BufferReader(pa.py_buffer(mm))
+
+
+def _scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankFile, list[_StepEntry], str | None]:
     """Index one rank file; returns (info, steps, tail note or None). Hard problems raise."""
-    size = path.stat().st_size
+    fd = open_for_reading(path)
+    try:
+        size = os.fstat(fd).st_size
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            head = fh.read(8)
+        source = _map(fd, size)
+    finally:
+        os.close(fd)
     entries: list[_StepEntry] = []
     seen: dict[int, int] = {}
     good = 0
     closed = False
     note = None
     try:
-        _check_header_bytes(path, size)
-        source = pa.memory_map(str(path), "r")
+        _check_header_bytes(path, size, head)
         try:
             reader = pa.ipc.open_stream(source)
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise TraceError(f"{path}: not an Arrow IPC stream (foreign file): {_one_line(exc)}") from None
-        _check_schema(path, rank, reader.schema)
+        _check_schema(path, rank, reader.schema, version)
         good = source.tell()
         while True:
             try:
@@ -385,6 +418,8 @@ class Trace:
                  unreadable: Mapping[int, str] | None = None):
         self.path = path
         self.meta = meta
+        # the schema version that wrote the trace: records are read by its rules (schema.upgrade_views)
+        self.version: int = _check_version(path / S.RUN_META_FILE, meta[S.META_SCHEMA_KEY])
         self.files: Mapping[int, RankFile] = MappingProxyType(files)
         # rank -> one line: rank files that exist but cannot be read (a directory, a device, ...)
         self.unreadable: Mapping[int, str] = MappingProxyType(dict(unreadable or {}))
@@ -429,8 +464,8 @@ class Trace:
         if phase not in entry.phases:
             raise KeyError(f"phase {phase!r} not recorded at step {step} on rank {rank} "
                            f"(phases: {', '.join(entry.phases)})")
-        rec = Record(int(step), int(rank), phase,
-                     MappingProxyType(_decode_rows(entry, phase)))
+        views = S.upgrade_views(self.version, phase, _decode_rows(entry, phase))
+        rec = Record(int(step), int(rank), phase, MappingProxyType(dict(views)))
         with self._lock:
             self._cache[key] = rec
             while len(self._cache) > self._cache_size:
@@ -499,6 +534,7 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
     """
     run_dir = _resolve_run_dir(path)
     meta = _read_meta(run_dir)
+    version = _check_version(run_dir / S.RUN_META_FILE, meta[S.META_SCHEMA_KEY])
     files: dict[int, RankFile] = {}
     entries: dict[tuple[int, int], _StepEntry] = {}
     notes: list[str] = []
@@ -519,7 +555,7 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
             unreadable[int(m.group(1))] = f"{child}: cannot read ({kind})"
     for rank, rank_path in sorted(rank_paths):
         try:
-            info, steps, note = _scan_rank_file(rank_path, rank)
+            info, steps, note = _scan_rank_file(rank_path, rank, version)
         except OSError as exc:
             unreadable[rank] = f"{rank_path}: cannot read ({_one_line(exc)})"
             continue

@@ -4,7 +4,7 @@ meaning: ``VIEW_SPECS``) and the on-disk layout; the value codec is in ``codec``
 A run is a directory::
 
     run/
-      run.json       {"pcpviz_trace_schema": 1, "producer": ..., "pcp": 2, ...}  (any JSON dict)
+      run.json       {"pcpviz_trace_schema": 2, "producer": ..., "pcp": 2, ...}  (any JSON dict)
       rank0.arrow    Arrow IPC *stream*: schema header, then one record batch per engine step
       rank1.arrow    ...
 
@@ -59,7 +59,7 @@ from .codec import (  # noqa: F401 - the value codec, re-exported (``schema.enco
 )
 
 __all__ = [
-    "SCHEMA_VERSION", "META_SCHEMA_KEY", "META_RANK_KEY", "RUN_META_FILE", "rank_file_name",
+    "SCHEMA_VERSION", "SCHEMA_VERSIONS", "upgrade_views", "META_SCHEMA_KEY", "META_RANK_KEY", "RUN_META_FILE", "rank_file_name",
     "PHASE_TARGET", "PHASE_VERIFY", "PHASE_DUMMY", "DRAFT_PHASE_PREFIX", "PHASES",
     "draft_phase", "draft_index", "is_valid_phase", "phase_sort_key", "causal_phase_key", "int_view",
     "GLOBAL_BATCH_VIEWS", "LAYOUT_VIEWS", "LOCAL_BATCH_VIEWS", "BLOCK_TABLE_VIEWS",
@@ -71,8 +71,36 @@ __all__ = [
 
 # --------------------------------------------------------------------------- versions & files
 
-SCHEMA_VERSION = 1
-"""Version of this format; bumped on any change an older reader would misread."""
+SCHEMA_VERSION = 2
+"""Version of this format; bumped on any change an older reader would misread (``SCHEMA_VERSIONS``)."""
+
+SCHEMA_VERSIONS: dict[int, str] = {
+    1: "the first format; verify sampled_token_ids past num_sampled hold whatever vLLM's buffer "
+       "held (the plugin did not mask them yet)",
+    2: "verify sampled_token_ids hold -1 past num_sampled, from every producer",
+}
+"""Every version this pcpviz reads, with what it changed. A trace is read by the rules of the
+version that wrote it: ``upgrade_views`` turns an older version's records into the current
+meaning (the one place that knows the differences)."""
+
+
+def upgrade_views(version: int, phase: str, views: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The views of one record of a ``version`` trace, in the current version's meaning.
+
+    Version 1 left ``sampled_token_ids`` past ``num_sampled`` unspecified (a PCP=2 vLLM trace
+    showed a rejected draft there); version 2 holds -1. A version 1 verify record
+    ``sampled_token_ids [[5, 9, 7]]`` with ``num_sampled [1]`` reads as ``[[5, -1, -1]]``.
+    A malformed record is returned as is (the checks report it)."""
+    if version >= 2 or phase != PHASE_VERIFY or "sampled_token_ids" not in views \
+            or "num_sampled" not in views:
+        return views
+    sampled, ns = np.asarray(views["sampled_token_ids"]), np.asarray(views["num_sampled"])
+    if (sampled.ndim != 2 or ns.shape != sampled.shape[:1] or sampled.dtype.kind not in "iu"
+            or ns.dtype.kind not in "iu"):
+        return views
+    masked = np.where(np.arange(sampled.shape[1])[None, :] < ns[:, None], sampled, -1).astype(sampled.dtype)
+    masked.flags.writeable = False
+    return {**views, "sampled_token_ids": masked}
 
 META_SCHEMA_KEY = "pcpviz_trace_schema"
 """Key of the schema version, in run.json and in each rank file's Arrow schema metadata."""

@@ -23,7 +23,7 @@ from tracegen import (
 )
 
 EXPECTED_NAMES = [
-    "layout_matches_plan", "restore_gather_identity", "kv_written_once", "gathered_slots_are_global",
+    "views_in_bounds", "layout_matches_plan", "restore_gather_identity", "kv_written_once", "gathered_slots_are_global",
     "global_slots_match_block_table", "kv_write_mask_canonical", "local_batch_matches_layout",
     "local_positions_are_global", "local_seq_lens", "local_logits_not_sampled",
     "draft_prefill_rank_local", "draft_last_token_indices", "draft_input_ids",
@@ -320,7 +320,20 @@ def case_cpu_cursor_bound(_):
     return run, {"positions_consistent"}, (1, 0, "target", "positions")
 
 
+def case_bogus_query_start_loc(_):
+    run = clean_run(2)
+    corrupt(run, 2, "target", "query_start_loc", lambda a: a[::-1].copy())
+    return run, {"views_in_bounds"}, (2, 0, "target", "query_start_loc")
+
+
+def case_huge_positions(_):
+    run = clean_run(2)
+    corrupt(run, 1, "target", "positions", lambda a: np.where(np.arange(a.size) == 0, 2**62, a))
+    return run, {"views_in_bounds"}, (1, 0, "target", "positions")
+
+
 CASES = {
+    "views_in_bounds": [case_bogus_query_start_loc, case_huge_positions],
     "layout_matches_plan": [case_layout],
     "restore_gather_identity": [case_restore],
     "kv_written_once": [case_kv_once],
@@ -490,7 +503,7 @@ def test_cli_check_truncated_rank_file_checks_what_is_complete(tmp_path):
     assert lines and all(ln.startswith("pcpviz check: incomplete: ") for ln in lines), lines
     assert "rank1.arrow" in lines[0] and "last complete step" in lines[0]
     assert any("rank 1 lacks steps" in ln for ln in lines)
-    assert "result: INCOMPLETE: 20 passed, 0 failed" in r.stdout
+    assert "result: INCOMPLETE: 21 passed, 0 failed" in r.stdout
 
 
 def test_run_checks_takes_one_name_or_a_list_and_refuses_unknown_names():

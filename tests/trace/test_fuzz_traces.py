@@ -248,9 +248,9 @@ def hostile_meta(rng: random.Random, d: Path, base: Path) -> str:
         path.write_text(json.dumps(meta))
         return "extra keys"
     if how == "schema version":
-        meta["pcpviz_trace_schema"] = rng.choice((0, 2, "one", None, -5, 99))
+        meta["pcpviz_trace_schema"] = rng.choice((0, 2, 3, "one", None, -5, 99, "9" * 5000))
         path.write_text(json.dumps(meta))
-        return f"schema {meta['pcpviz_trace_schema']}"
+        return f"schema {str(meta['pcpviz_trace_schema'])[:20]}"
     path.write_text(json.dumps(meta)[:-1] + ', "pad": "' + "x" * (70 << 20) + '"}') if rng.random() < 0.1 \
         else path.write_text(json.dumps({**meta, "dcp": 2 ** 63}))
     return "huge"

@@ -26,6 +26,7 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from pcpviz.views import figures as fg
+from pcpviz.views.export.atomic import atomic_output
 from pcpviz.trace import Trace, phase_sort_key
 from pcpviz.trace import open as open_trace
 
@@ -190,10 +191,9 @@ _DATA_OPEN = '<script type="application/json" id="pcpviz-data">'
 
 def _status(step: int, rank: int, recs: dict, draft_phase: str | None, flags: list, marks: list[str]) -> str:
     parts = [f"<b>step {step}</b> · rank {rank} · phases {', '.join(sorted(recs, key=phase_sort_key))}"]
-    target = recs.get("target")
-    if target is not None and "per_rank_num_tokens" in target:
-        sl = fg.step_layout(target)
-        parts.append(f"T={sl.num_tokens}, R={sl.num_reqs}, P={sl.padded}, per-rank {sl.per_rank_num_tokens.tolist()}")
+    summary = fg.layout_summary(recs.get("target"))
+    if summary:
+        parts.append(html.escape(summary))
     if draft_phase:
         parts.append(f"draft panels show <b>{draft_phase}</b>")
     out = " · ".join(parts)
@@ -256,7 +256,8 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
             target = recs["target"]
             dp = fg.draft_source_phase(recs, None)
             draft = recs.get(dp) if dp else None
-            flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft))
+            flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft),
+                             recs=recs)
             flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
             build = {  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
                 "token_order": lambda: fg.token_order_spec(target, rank=rank, colors=colors),
@@ -265,7 +266,7 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
                                                              colors=colors, flags=flags),
                 "slot_mappings": lambda: fg.slot_mappings_spec(target, draft, draft_phase=dp, colors=colors),
             }
-            figs = {name: fg.as_figure(fg.drawn(name, step, rank, fn)) for name, fn in build.items()}
+            figs = {name: fg.as_figure(fg.drawn(name, step, rank, fn, recs=recs)) for name, fn in build.items()}
             marks_all = []
             for name, fig in figs.items():
                 for m in fg.violation_marks(violations, name, step, rank, dp):
@@ -309,5 +310,6 @@ requests {html.escape(", ".join(req_ids))}<br>{meta}</div>
 """
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(doc, encoding="utf-8")
+    with atomic_output(out) as fh:
+        fh.write(doc)
     return str(out)

@@ -179,8 +179,14 @@ class Workbench(W.VBox):
 
     # ------------------------------------------------------------------ data access
 
+    def _recorded(self, step: int, rank: int) -> bool:
+        """``step`` is complete on ``rank`` (a trace still being written, or damaged, may hold a
+        step on some ranks only: the others show what they have)."""
+        return rank in self.trace.files and step in set(self.trace.rank_steps(rank))
+
     def _phases(self, step: int, rank: int) -> list[str]:
-        if not self.trace.has(step, rank, "target") and not self.trace.phases(step, rank):
+        if not self._recorded(step, rank) or (not self.trace.has(step, rank, "target")
+                                              and not self.trace.phases(step, rank)):
             return ["target"]
         return sorted((p for p in self.trace.phases(step, rank) if p != "dummy"), key=phase_sort_key) or ["target"]
 
@@ -188,6 +194,8 @@ class Workbench(W.VBox):
         """``{phase: record}`` of a step on a rank (default: the current ones)."""
         step = self.step.value if step is None else step
         rank = self.rank.value if rank is None else rank
+        if not self._recorded(step, rank):
+            return {}
         return {p: self.trace.record(step, rank, p) for p in self.trace.phases(step, rank)}
 
     @property
@@ -356,7 +364,7 @@ class Workbench(W.VBox):
             target = recs.get("target")
             draft = recs.get(draft_phase) if draft_phase else None
             flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft)
-                             if target is not None else [])
+                             if target is not None else [], recs=recs)
             self._flag_cache[key] = flags if isinstance(flags, list) else []  # a message: no flags
         return self._flag_cache[key]
 
@@ -400,6 +408,9 @@ class Workbench(W.VBox):
         target = recs.get("target")
         dp = self.draft_phase
         draft = recs.get(dp) if dp else None
+        if not self._recorded(step, rank):
+            return _message_spec(f"step {step} is not (yet) recorded on rank {rank}: rank {rank} has "
+                                 f"{len(self.trace.rank_steps(rank))} complete steps", height=160)
         if target is None:
             return _message_spec(f"step {step} rank {rank}: no target phase recorded", height=160)
         win = self.windows.get(view) or None
@@ -422,7 +433,8 @@ class Workbench(W.VBox):
     def _build_or_explain(self, view: str) -> dict:
         """``_build``, or a placeholder naming the view when a view the figure needs is missing
         (traces from other producers may omit views) or malformed (``fg.drawn``)."""
-        return fg.drawn(view, self.step.value, self.rank.value, lambda: self._build(view))
+        recs = None if view == "acceptance" else self.records()
+        return fg.drawn(view, self.step.value, self.rank.value, lambda: self._build(view), recs=recs)
 
     def _render(self, views: Iterable[str]) -> None:
         views = set(views)
@@ -456,11 +468,9 @@ class Workbench(W.VBox):
         rec = recs.get(ph)
         if rec is not None and "view" in rec:
             parts[-1] += f" ({html.escape(_str0(rec['view']))})"
-        target = recs.get("target")
-        if target is not None and "per_rank_num_tokens" in target:
-            sl = fg.step_layout(target)
-            parts.append(f"T={sl.num_tokens}, R={sl.num_reqs}, P={sl.padded}, per-rank "
-                         f"{sl.per_rank_num_tokens.tolist()}")
+        summary = fg.layout_summary(recs.get("target"))
+        if summary:
+            parts.append(html.escape(summary))
         if self.draft_phase:
             parts.append(f"draft panels show <b>{self.draft_phase}</b>")
         line = " · ".join(parts)
