@@ -154,7 +154,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         for fault in faults_of(ENGINE).values():
             print(f"{fault.name}\n    {fault.summary}\n    vLLM: {fault.where}\n    caught by: {fault.caught_by}")
         return EXIT_OK
-    from pcpviz.engine.launch import RankError, run
+    from pcpviz.engine.launch import MAX_PROMPTS, RankError, run
 
     prompts = list(args.prompt or [])
     try:
@@ -167,6 +167,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.prompts_file:
         if not isinstance(loaded, list) or not all(isinstance(p, str) for p in loaded):
             raise UsageError(f"pcpviz run: --prompts-file {args.prompts_file}: expected a JSON list of strings")
+        if len(prompts) + len(loaded) > MAX_PROMPTS:
+            raise UsageError(f"pcpviz run: --prompts-file {args.prompts_file}: {len(loaded)} prompts; a run "
+                             f"takes at most {MAX_PROMPTS}")
         prompts += loaded
     if not prompts:
         raise UsageError("pcpviz run: give at least one --prompt or --prompts-file")
@@ -443,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cmd = next((a for a in argv if not a.startswith("-")), None)
     prog = f"pcpviz {cmd}" if cmd in _subcommand_names() else "pcpviz"
+    real_stdout, sys.stdout = sys.stdout, _NamedStdout(sys.stdout)
     try:
         args = build_parser().parse_args(argv)
         code = int(args.func(args))
@@ -458,8 +462,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         _drop_stdout()
         return EXIT_PIPE
     except OSError as e:  # a name too long, a full disk, stdout on /dev/full, an I/O error
-        if e.filename is None and not _stdout_writable():
-            e.filename = "stdout"
         _drop_stdout()
         print(f"{prog}: {_os_line(e)}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -469,6 +471,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RecursionError:
         print(f"{prog}: input nested too deeply", file=sys.stderr)
         return EXIT_BAD_INPUT
+    finally:
+        sys.stdout = real_stdout
+
+
+class _NamedStdout:
+    """stdout whose write errors (a full disk, an I/O error) name it: ``stdout: No space left
+    on device``, not a nameless OSError."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def _named(self, fn, *args):
+        try:
+            return fn(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, "stdout") from None
+
+    def write(self, text: str) -> int:
+        return self._named(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._named(self._stream.flush)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def _subcommand_names() -> set[str]:
@@ -481,14 +510,6 @@ def _os_line(e: OSError) -> str:
     reason = e.strerror or " ".join(str(e).split()) or type(e).__name__
     shown = [n if len(n) <= 400 else n[:200] + f"... ({len(n)} characters)" for n in names]
     return (" -> ".join(shown) + ": " if shown else "") + " ".join(reason.split())
-
-
-def _stdout_writable() -> bool:
-    try:
-        sys.stdout.flush()
-        return True
-    except (OSError, ValueError):
-        return False
 
 
 def _drop_stdout() -> None:

@@ -73,6 +73,12 @@ def check_output_file(path: str, option: str) -> None:
     """ValueError (one line naming ``option``) if ``path`` cannot be written as a file: it is a
     directory, its directory does not exist or is not writable."""
     where = f"{option} {path}"
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a name too long, a component that is a file, a loop of links
+        raise ValueError(f"{where}: {e.strerror or e}") from None
     if os.path.isdir(path):
         raise ValueError(f"{where}: is a directory; give a file name")
     parent = os.path.dirname(os.path.abspath(path))

@@ -445,9 +445,10 @@ def test_injection_payloads_in_a_trace_stay_text_in_the_workbench_and_the_html_e
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 4400})
             page.set_default_timeout(60_000)
-            dialogs, requests = [], []
+            dialogs, requests, errors = [], [], []
             page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
             page.on("request", lambda r: requests.append(r.url))
+            page.on("pageerror", lambda e: errors.append(str(e)[:300]))
             _open_and_run_all(page, base, token, "hostile.ipynb")
             deadline = time.monotonic() + 240
             while True:
@@ -456,7 +457,8 @@ def test_injection_payloads_in_a_trace_stay_text_in_the_workbench_and_the_html_e
                     break
                 if time.monotonic() > deadline:
                     page.screenshot(path=str(SHOTS / "hostile_timeout.png"), full_page=True)
-                    raise AssertionError(f"workbench did not render on the hostile trace: {state.get('plots')} plots")
+                    raise AssertionError(f"workbench did not render on the hostile trace: {state.get('plots')} plots, "
+                                         f"titles {[t[:40] for t in state.get('titles', [])]}, page errors {errors[:3]}")
                 page.wait_for_timeout(500)
             page.wait_for_timeout(2000)  # the last widget messages, hover layers
             for plot in page.locator(".pcpviz-workbench .js-plotly-plot .nsewdrag").all()[:6]:
@@ -468,6 +470,10 @@ def test_injection_payloads_in_a_trace_stay_text_in_the_workbench_and_the_html_e
 
             dialogs.clear()
             requests.clear()
+            page = browser.new_page(viewport={"width": 1400, "height": 4400})  # a fresh page: file:// from Lab's is refused
+            page.set_default_timeout(60_000)
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.on("request", lambda r: requests.append(r.url))
             page.goto(page_html.as_uri(), wait_until="load")
             page.wait_for_selector("body[data-ready='1']", timeout=60_000)
             for i in range(3):  # a few steps of the export
