@@ -30,7 +30,7 @@ from pcpviz.views.export.atomic import atomic_output
 from pcpviz.trace import Trace, phase_sort_key
 from pcpviz.trace import open as open_trace
 
-__all__ = ["export_html", "STEP_VIEWS", "pack", "unpack", "embedded_data"]
+__all__ = ["export_html", "STEP_VIEWS", "pack", "unpack", "embedded_data", "shown_steps", "MAX_ENTRIES"]
 
 STEP_VIEWS = ("token_order", "timeline", "block_tables", "slot_mappings")
 """Views precomputed per (step, rank); ``acceptance`` is one figure for the run."""
@@ -226,6 +226,30 @@ def _checks_html(report: Any) -> str:
             + "".join(rows) + "</table></details>")
 
 
+MAX_ENTRIES = 4000
+"""Most (step, rank) pages one report precomputes: a longer trace shows an even sample of its
+steps plus every step a check's first violation is at (the Workbench shows them all)."""
+
+
+def shown_steps(steps: Sequence[int], num_ranks: int, keep: Sequence[int] = ()) -> list[int]:
+    """The steps a report precomputes: all of them up to ``MAX_ENTRIES`` (step, rank) pages, else
+    an even sample with the first and last step and the ``keep`` steps (first violations).
+    100,000 steps on 2 ranks: 2,000 steps, every 50th, plus the violations."""
+    steps = list(steps)
+    budget = max(1, MAX_ENTRIES // max(num_ranks, 1))
+    if len(steps) <= budget:
+        return steps
+    picked = {steps[round(i * (len(steps) - 1) / (budget - 1))] for i in range(budget)} if budget > 1 else {steps[0]}
+    return sorted(picked | (set(keep) & set(steps)))
+
+
+def _shown_note(shown: Sequence[int], steps: Sequence[int]) -> str:
+    if len(shown) == len(steps):
+        return ""
+    return (f"<br><b>{len(shown)} of {len(steps)} steps shown</b> (an even sample and every step of a first "
+            "violation); the Workbench shows every step")
+
+
 def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLike, *,
                 ranks: Sequence[int] | None = None, checks: bool = True, title: str | None = None) -> str:
     """Write the self-contained HTML report of ``trace_path`` to ``out_path``; returns the path.
@@ -247,8 +271,9 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
                   if r.first_violation is not None] if report is not None else []
     acceptance = fg.load_acceptance(trace)
 
+    shown = shown_steps(trace.steps, len(ranks), [v.step for v in violations])
     entries: dict[str, dict] = {}
-    for step in trace.steps:
+    for step in shown:
         for rank in ranks:
             if not trace.has(step, rank, "target"):
                 continue
@@ -276,7 +301,7 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
                                           "status": _status(step, rank, recs, dp, flags, marks_all)}
     acc_fig = fg.acceptance_figure(acceptance, step=None, colors=colors)
     (acc_packed, figs_packed), shared = pack([_fig_obj(acc_fig), entries])
-    data = json.dumps({"steps": list(trace.steps), "ranks": ranks, "views": list(STEP_VIEWS), "shared": shared,
+    data = json.dumps({"steps": list(shown), "ranks": ranks, "views": list(STEP_VIEWS), "shared": shared,
                        "acceptance": acc_packed, "figs": figs_packed}, separators=(",", ":"), allow_nan=False)
     data = data.replace("</", "<\\/")  # never close the <script> early; "\/" is a valid JSON escape
 
@@ -294,9 +319,9 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
 </head><body>
 <h1>{html.escape(title)}</h1>
 <div class="meta">trace <code>{html.escape(str(trace.path))}</code> — {len(trace.steps)} steps, ranks {trace.ranks},
-requests {html.escape(", ".join(req_ids))}<br>{meta}</div>
+requests {html.escape(fg.shorten(", ".join(req_ids), 2000))}<br>{meta}{_shown_note(shown, trace.steps)}</div>
 <div class="controls">
- <label>step <input type="range" id="step" min="0" max="{len(trace.steps) - 1}" value="0" step="1"></label>
+ <label>step <input type="range" id="step" min="0" max="{len(shown) - 1}" value="0" step="1"></label>
  <span id="step-label"></span>
  <label>rank <select id="rank">{rank_opts}</select></label>
  <span class="meta">exported by pcpviz; self-contained (plotly.js inlined, no network)</span>

@@ -26,7 +26,7 @@ from pcpviz.views.figures.palette import DIM_COLOR, PAD_COLOR, heat_z, request_c
 
 __all__ = ["TOKEN_LIMIT", "TEMPLATE", "FLAG_COLOR",
            "WRITTEN_COLOR", "REPLICA_COLOR", "NULL_COLOR", "DIM_COLOR", "PAD_COLOR",
-           "request_color_index", "validate_figure", "as_figure", "safe_text", "safe_spec"]
+           "request_color_index", "validate_figure", "as_figure", "safe_text", "safe_spec", "shorten"]
 
 TOKEN_LIMIT = 1024
 """Index maps (gather / restore) up to this many entries are drawn one marker per entry, longer
@@ -163,13 +163,18 @@ _MAX_TEXT = 300
 """Longest string a figure shows; longer ones (a 10 MB request id) are cut, saying how long."""
 
 
+def shorten(text: str, limit: int = _MAX_TEXT) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was (a 10 MB request id shown
+    in a header or a hover label must not cost 10 MB per copy)."""
+    return text if len(text) <= limit else text[:max(limit - 40, 1)] + f"... ({len(text)} characters)"
+
+
 def safe_text(text: str) -> str:
     """``text`` as plotly shows it literally: ``&``, ``<``, ``>`` escaped except the markup the
     figures write (``<br>``, ``<b>``, ``<i>``, ``<sub>``, ``<sup>``, ``<extra>``), cut to
     ``_MAX_TEXT`` characters. ``safe_text('<img src=x onerror=alert(1)><br>q 3')`` is
     ``'&lt;img src=x onerror=alert(1)&gt;<br>q 3'``."""
-    if len(text) > _MAX_TEXT:
-        text = text[:_MAX_TEXT - 40] + f"... ({len(text)} characters)"
+    text = shorten(text)
     if not any(c in text for c in "<>&"):
         return text
     parts = _MARKUP.split(text)

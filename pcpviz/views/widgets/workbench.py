@@ -458,7 +458,7 @@ class Workbench(W.VBox):
         items = " · ".join(f"<b>{k}</b> {html.escape(str(v))}" for k, v in m.items() if v not in (None, []))
         return (f"<div style='font-size:13px'><b>trace</b> <code>{html.escape(str(self.trace.path))}</code> — "
                 f"{len(self.trace.steps)} steps, ranks {self.trace.ranks}, "
-                f"requests {html.escape(', '.join(map(str, self.req_ids)))}"
+                f"requests {html.escape(fg.shorten(', '.join(map(str, self.req_ids)), 2000))}"
                 f"<br>{items}</div>")
 
     def _status_html(self) -> str:
