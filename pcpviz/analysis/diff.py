@@ -315,6 +315,21 @@ def _align_request_ids(ta: Trace, tb: Trace) -> tuple[Any, int]:
     return _RenamedRequests(tb, rename), len(rename)
 
 
+def _well_formed_pairs(ta: Trace, tb: Trace, step: int, pairs: list, record) -> list:
+    """The rank pairs of ``step`` whose records break no bound (``pcpviz.trace.bounds``); each other
+    pair is recorded as a divergence naming the run, rank and first problem (sizes from a
+    malformed step are never computed with)."""
+    out = []
+    for ra, rb in pairs:
+        bad = [(x, r, p) for x, t, r in (("a", ta, ra), ("b", tb, rb)) for p in problems_at(t, step, r)[:1]]
+        if bad:
+            record(Divergence(step, None, None, ra, rb, f"run {bad[0][0]} rank {bad[0][1]}: "
+                              f"malformed views ({bad[0][2]})"))
+        else:
+            out.append((ra, rb))
+    return out
+
+
 def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                 ignore: frozenset[str] | set[str] = DEFAULT_IGNORE,
                 max_divergences: int = 200) -> DiffReport:
@@ -333,8 +348,7 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                    and ta.meta.get("dcp", 1) == tb.meta.get("dcp", 1))
     if not same_layout:
         notes.append("PCP sizes or ranks differ: only global views, draft tokens and verify compared")
-    ref_a = ta.ranks[0] if ta.ranks else None
-    ref_b = tb.ranks[0] if tb.ranks else None
+    ref_a, ref_b = (ta.ranks[0] if ta.ranks else None), (tb.ranks[0] if tb.ranks else None)
     if same_layout:
         pairs = [(r, r) for r in ta.ranks]
     else:
@@ -366,12 +380,7 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
             continue
         steps_compared += 1
         step_pairs = [(ra, rb) for ra, rb in pairs if ra in in_a and rb in in_b]
-        for ra, rb in list(step_pairs):  # sizes from a malformed step are never computed with
-            bad = [(x, r, p) for x, t, r in (("a", ta, ra), ("b", tb, rb)) for p in problems_at(t, step, r)[:1]]
-            if bad:
-                step_pairs.remove((ra, rb))
-                record(Divergence(step, None, None, ra, rb, f"run {bad[0][0]} rank {bad[0][1]}: "
-                                  f"malformed views ({bad[0][2]})"))
+        step_pairs = _well_formed_pairs(ta, tb, step, step_pairs, record)
         missing = [(ra, rb) for ra, rb in pairs if (ra in in_a) != (rb in in_b)]
         for ra, rb in missing:
             record(Divergence(step, None, None, ra, rb,

@@ -26,8 +26,8 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from pcpviz.cli.guard import (EXIT_INCOMPLETE, EXIT_PIPE, bounded_int, check_output_file, exit_code, path,
-                              read_json_file, seconds, trace_verdict)
+from pcpviz.cli.guard import (EXIT_INCOMPLETE, bounded_int, check_output_file, exit_code, named_stdout, path,
+                              read_prompts_file, seconds, system_error, trace_verdict)
 
 _STARTED = time.monotonic()  # the command's wall time counts from here (its imports included)
 
@@ -154,23 +154,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
         for fault in faults_of(ENGINE).values():
             print(f"{fault.name}\n    {fault.summary}\n    vLLM: {fault.where}\n    caught by: {fault.caught_by}")
         return EXIT_OK
-    from pcpviz.engine.launch import MAX_PROMPTS, RankError, run
+    from pcpviz.engine.launch import RankError, run
 
     prompts = list(args.prompt or [])
     try:
         for path, option in ((args.json, "--json"), (args.write_config, "--write-config")):
             if path:
                 check_output_file(path, option)
-        loaded = read_json_file(args.prompts_file, "--prompts-file") if args.prompts_file else None
+        prompts += read_prompts_file(args.prompts_file) if args.prompts_file else []
     except ValueError as e:
         raise UsageError(f"pcpviz run: {e}") from None
-    if args.prompts_file:
-        if not isinstance(loaded, list) or not all(isinstance(p, str) for p in loaded):
-            raise UsageError(f"pcpviz run: --prompts-file {args.prompts_file}: expected a JSON list of strings")
-        if len(prompts) + len(loaded) > MAX_PROMPTS:
-            raise UsageError(f"pcpviz run: --prompts-file {args.prompts_file}: {len(loaded)} prompts; a run "
-                             f"takes at most {MAX_PROMPTS}")
-        prompts += loaded
     if not prompts:
         raise UsageError("pcpviz run: give at least one --prompt or --prompts-file")
     if args.write_config:
@@ -444,82 +437,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    cmd = next((a for a in argv if not a.startswith("-")), None)
-    prog = f"pcpviz {cmd}" if cmd in _subcommand_names() else "pcpviz"
-    real_stdout, sys.stdout = sys.stdout, _NamedStdout(sys.stdout)
-    try:
-        args = build_parser().parse_args(argv)
-        code = int(args.func(args))
-        sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
-        return code
-    except UsageError as e:
-        print(str(e).splitlines()[0], file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Incomplete as e:
-        print(str(e).splitlines()[0], file=sys.stderr)
-        return EXIT_INCOMPLETE
-    except BrokenPipeError:  # `pcpviz layout ... | head`: the reader left; say nothing more
-        _drop_stdout()
-        return EXIT_PIPE
-    except OSError as e:  # a name too long, a full disk, stdout on /dev/full, an I/O error
-        _drop_stdout()
-        print(f"{prog}: {_os_line(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except MemoryError:
-        print(f"{prog}: out of memory (the input is larger than this machine can hold)", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except RecursionError:
-        print(f"{prog}: input nested too deeply", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    finally:
-        sys.stdout = real_stdout
-
-
-class _NamedStdout:
-    """stdout whose write errors (a full disk, an I/O error) name it: ``stdout: No space left
-    on device``, not a nameless OSError."""
-
-    def __init__(self, stream) -> None:
-        self._stream = stream
-
-    def _named(self, fn, *args):
+    with named_stdout():
         try:
-            return fn(*args)
-        except BrokenPipeError:
-            raise
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, "stdout") from None
-
-    def write(self, text: str) -> int:
-        return self._named(self._stream.write, text)
-
-    def flush(self) -> None:
-        self._named(self._stream.flush)
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
-
-
-def _subcommand_names() -> set[str]:
-    return {"layout", "run", "check", "diff", "export", "explain", "replay"}
-
-
-def _os_line(e: OSError) -> str:
-    """``<file>: <reason>`` in one line (the file named, never a traceback)."""
-    names = [str(n) for n in (e.filename, e.filename2) if n is not None]
-    reason = e.strerror or " ".join(str(e).split()) or type(e).__name__
-    shown = [n if len(n) <= 400 else n[:200] + f"... ({len(n)} characters)" for n in names]
-    return (" -> ".join(shown) + ": " if shown else "") + " ".join(reason.split())
-
-
-def _drop_stdout() -> None:
-    """Point stdout at /dev/null so nothing is flushed into a closed pipe or a full disk at exit."""
-    import os
-
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError):  # stdout is not a file (a test's StringIO)
-        pass
+            args = build_parser().parse_args(argv)
+            code = int(args.func(args))
+            sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
+            return code
+        except UsageError as e:
+            print(str(e).splitlines()[0], file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except Incomplete as e:
+            print(str(e).splitlines()[0], file=sys.stderr)
+            return EXIT_INCOMPLETE
+        except (OSError, MemoryError, RecursionError) as e:  # `| head`, a name too long, a full disk
+            return system_error(argv, e)
 
 
 # --------------------------------------------------------------------------- replay

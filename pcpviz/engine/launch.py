@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pcpviz.engine.prompt_budget import check_prompt_budget
 from pcpviz.analysis.acceptance import json_ratio
 
 __all__ = ["run", "RunResult", "RankError", "build_config", "start_trace"]
@@ -39,10 +40,6 @@ MAX_CPU_RANKS = 32
 MAX_BLOCK_SIZE = 4096
 MAX_BATCHED_TOKENS = 1 << 20
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
-MAX_PROMPTS = 4096
-"""Most prompts one run takes (each is a request the scheduler keeps state for)."""
-MAX_PROMPT_TOKENS = 1 << 22
-"""Most prompt tokens, all prompts together, one run prefills."""
 
 
 def _ratio(x: float | None) -> float:
@@ -189,21 +186,13 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
         if have < pcp:
             raise ValueError(f"device='cuda' with pcp={pcp} needs {pcp} GPUs, found {have}")
     faults = sorted(validate_faults(inject))
-    if not prompts:
-        raise ValueError("no prompts given")
-    if len(prompts) > MAX_PROMPTS:
-        raise ValueError(f"{len(prompts)} prompts; a run takes at most {MAX_PROMPTS}")
+    check_prompt_budget(prompts)
     model_dir = os.path.abspath(model_dir or default_model_dir())
     mcfg = check_model_dir(model_dir)
     if num_speculative_tokens > 0 and mcfg.num_mtp_layers < 1:
         raise ValueError(f"model {model_dir} has no MTP layer; use num_speculative_tokens=0")
     ids = []
-    total = 0
     for i, p in enumerate(prompts):
-        total += len(p) if isinstance(p, (str, list, tuple)) else 0
-        if total > MAX_PROMPT_TOKENS:
-            raise ValueError(f"prompts 0..{i} hold more than {MAX_PROMPT_TOKENS} tokens (characters); "
-                             "a run prefills at most that many")
         if isinstance(p, str) and not p:
             raise ValueError(f"prompt {i} is empty (prompts count from 0)")
         toks = encode(p) if isinstance(p, str) else [int(t) for t in p]

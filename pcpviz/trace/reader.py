@@ -24,12 +24,9 @@ Policy on damage (the design's "loses nothing"):
 
 from __future__ import annotations
 
-import errno
-import json
 import math
 import mmap
 import os
-import stat
 import threading
 import warnings
 from collections import OrderedDict
@@ -43,7 +40,7 @@ import pyarrow as pa
 
 from . import schema as S
 from .errors import TraceError, TraceWarning
-from pcpviz.trace.jsonlimits import loads_bounded
+from .runmeta import check_version, file_kind, open_for_reading, read_meta
 
 __all__ = ["open", "Trace", "Record", "RankFile"]
 
@@ -155,74 +152,6 @@ def _steps_summary(steps: list[int] | tuple[int, ...]) -> str:
     return ", ".join(parts)
 
 
-# --------------------------------------------------------------------------- run.json
-
-MAX_META_BYTES = 64 << 20
-"""A run.json larger than this is refused (it holds settings and prompt ids, not data)."""
-
-
-def _file_kind(path: Path) -> str | None:
-    """None for a regular file (or a link to one); else why it cannot be read as one."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        if os.path.islink(path):
-            return f"a dangling or unreadable symbolic link ({exc.strerror})"
-        return exc.strerror or _one_line(exc)
-    if stat.S_ISREG(st.st_mode):
-        return None
-    if stat.S_ISDIR(st.st_mode):
-        return "a directory, not a file"
-    what = "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else \
-        "a pipe" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a file"
-    return f"{what}, not a regular file" + (" (a symbolic link to it)" if os.path.islink(path) else "")
-
-def _read_meta(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / S.RUN_META_FILE
-    if not os.path.lexists(path):
-        raise TraceError(f"{run_dir}: no {S.RUN_META_FILE}")
-    kind = _file_kind(path)
-    if kind is not None:
-        raise TraceError(f"{path}: cannot read ({kind})")
-    try:
-        with os.fdopen(open_for_reading(path), "rb") as fh:
-            data = fh.read(MAX_META_BYTES + 1)
-        if len(data) > MAX_META_BYTES:
-            raise TraceError(f"{path}: more than the {MAX_META_BYTES} bytes a run.json may have")
-        meta = loads_bounded(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceError(f"{path}: not valid JSON ({_one_line(exc)})") from None
-    except RecursionError:
-        raise TraceError(f"{path}: not valid JSON (nested too deeply)") from None
-    except ValueError as exc:  # e.g. an integer of more than 4300 digits
-        if isinstance(exc, TraceError):
-            raise
-        raise TraceError(f"{path}: not valid JSON ({_one_line(exc)})") from None
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({_one_line(exc)})") from None
-    if not isinstance(meta, dict):
-        raise TraceError(f"{path}: not a pcpviz trace (top level is a {type(meta).__name__}, "
-                         "not an object)")
-    if S.META_SCHEMA_KEY not in meta:
-        raise TraceError(f"{path}: not a pcpviz trace (missing {S.META_SCHEMA_KEY!r})")
-    _check_version(path, meta[S.META_SCHEMA_KEY])
-    return meta
-
-
-def _check_version(path: Path, version: Any) -> int:
-    if isinstance(version, str) and version.strip().isdigit() and len(version.strip()) <= 18:
-        version = int(version)
-    if isinstance(version, bool) or not isinstance(version, int):
-        shown = repr(version) if len(repr(version)) <= 40 else f"{repr(version)[:30]}... ({len(repr(version))} characters)"
-        raise TraceError(f"{path}: {S.META_SCHEMA_KEY} must be an int, got {shown}")
-    if version > S.SCHEMA_VERSION:
-        raise TraceError(f"{path}: schema version {version} is newer than this pcpviz "
-                         f"({S.SCHEMA_VERSION}); upgrade pcpviz")
-    if version not in S.SCHEMA_VERSIONS:
-        raise TraceError(f"{path}: schema version {version} is not valid")
-    return version
-
-
 # --------------------------------------------------------------------------- rank files
 
 class _TailDamage(Exception):
@@ -252,7 +181,7 @@ def _check_schema(path: Path, rank: int, schema: pa.Schema, version: int) -> Non
     if S.META_SCHEMA_KEY not in md:
         raise TraceError(f"{path}: not a pcpviz rank file (Arrow schema metadata lacks "
                          f"{S.META_SCHEMA_KEY!r})")
-    if _check_version(path, md[S.META_SCHEMA_KEY]) != version:
+    if check_version(path, md[S.META_SCHEMA_KEY]) != version:
         raise TraceError(f"{path}: schema version {md[S.META_SCHEMA_KEY]} but run.json says {version} "
                          "(a file of another run?)")
     if md.get(S.META_RANK_KEY) != str(rank):
@@ -331,21 +260,6 @@ def _index_batch(path: Path, batch: pa.RecordBatch, number: int, prev: int | Non
     return _StepEntry(path, step, offsets, data.buffers()[2], MappingProxyType(ordered))
 
 
-def open_for_reading(path: Path) -> int:
-    """A read-only descriptor of ``path`` if it is a regular file (a link to one is followed):
-    opened with O_NONBLOCK, so a FIFO or device swapped in after a check never blocks, then
-    checked with fstat. OSError (EINVAL "not a regular file") otherwise."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _map(fd: int, size: int) -> pa.BufferReader:
     """A zero-copy Arrow reader over the first ``size`` bytes of ``fd`` (memory-mapped)."""
     if size == 0:
@@ -419,7 +333,7 @@ class Trace:
         self.path = path
         self.meta = meta
         # the schema version that wrote the trace: records are read by its rules (schema.upgrade_views)
-        self.version: int = _check_version(path / S.RUN_META_FILE, meta[S.META_SCHEMA_KEY])
+        self.version: int = check_version(path / S.RUN_META_FILE, meta[S.META_SCHEMA_KEY])
         self.files: Mapping[int, RankFile] = MappingProxyType(files)
         # rank -> one line: rank files that exist but cannot be read (a directory, a device, ...)
         self.unreadable: Mapping[int, str] = MappingProxyType(dict(unreadable or {}))
@@ -533,8 +447,8 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
     ``cache_size``: how many decoded records to keep (least recently used are evicted).
     """
     run_dir = _resolve_run_dir(path)
-    meta = _read_meta(run_dir)
-    version = _check_version(run_dir / S.RUN_META_FILE, meta[S.META_SCHEMA_KEY])
+    meta = read_meta(run_dir)
+    version = check_version(run_dir / S.RUN_META_FILE, meta[S.META_SCHEMA_KEY])
     files: dict[int, RankFile] = {}
     entries: dict[tuple[int, int], _StepEntry] = {}
     notes: list[str] = []
@@ -548,7 +462,7 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
         m = S.RANK_FILE_RE.match(child.name)
         if not m:
             continue
-        kind = _file_kind(child)
+        kind = file_kind(child)
         if kind is None:
             rank_paths.append((int(m.group(1)), child))
         else:

@@ -9,9 +9,6 @@ CLI tests: each takes ``(rng, step, rank, phases)`` and edits ``phases`` in plac
 
 from __future__ import annotations
 
-import json
-import random
-import shutil
 from pathlib import Path
 from typing import Callable
 

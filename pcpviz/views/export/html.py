@@ -250,6 +250,30 @@ def _shown_note(shown: Sequence[int], steps: Sequence[int]) -> str:
             "violation); the Workbench shows every step")
 
 
+def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list) -> dict:
+    """The figures (as plain objects) and the status line of one (step, rank) page."""
+    recs = {p: trace.record(step, rank, p) for p in trace.phases(step, rank) if p != "dummy"}
+    target = recs["target"]
+    dp = fg.draft_source_phase(recs, None)
+    draft = recs.get(dp) if dp else None
+    flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft), recs=recs)
+    flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
+    build = {  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
+        "token_order": lambda: fg.token_order_spec(target, rank=rank, colors=colors),
+        "timeline": lambda: fg.draft_timeline_spec(recs, step=step, rank=rank, selected_phase=dp),
+        "block_tables": lambda: fg.block_tables_spec(target, draft, draft_phase=dp, rank=rank,
+                                                     colors=colors, flags=flags),
+        "slot_mappings": lambda: fg.slot_mappings_spec(target, draft, draft_phase=dp, colors=colors),
+    }
+    figs = {name: fg.as_figure(fg.drawn(name, step, rank, fn, recs=recs)) for name, fn in build.items()}
+    marks_all = []
+    for name, fig in figs.items():
+        for m in fg.violation_marks(violations, name, step, rank, dp):
+            fg.mark_violation(fig, m)
+            marks_all.append(m)
+    return {**{n: _fig_obj(f) for n, f in figs.items()}, "status": _status(step, rank, recs, dp, flags, marks_all)}
+
+
 def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLike, *,
                 ranks: Sequence[int] | None = None, checks: bool = True, title: str | None = None) -> str:
     """Write the self-contained HTML report of ``trace_path`` to ``out_path``; returns the path.
@@ -270,35 +294,12 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
     violations = [r.first_violation for r in report.results.values()
                   if r.first_violation is not None] if report is not None else []
     acceptance = fg.load_acceptance(trace)
-
     shown = shown_steps(trace.steps, len(ranks), [v.step for v in violations])
     entries: dict[str, dict] = {}
     for step in shown:
         for rank in ranks:
-            if not trace.has(step, rank, "target"):
-                continue
-            recs = {p: trace.record(step, rank, p) for p in trace.phases(step, rank) if p != "dummy"}
-            target = recs["target"]
-            dp = fg.draft_source_phase(recs, None)
-            draft = recs.get(dp) if dp else None
-            flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft),
-                             recs=recs)
-            flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
-            build = {  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
-                "token_order": lambda: fg.token_order_spec(target, rank=rank, colors=colors),
-                "timeline": lambda: fg.draft_timeline_spec(recs, step=step, rank=rank, selected_phase=dp),
-                "block_tables": lambda: fg.block_tables_spec(target, draft, draft_phase=dp, rank=rank,
-                                                             colors=colors, flags=flags),
-                "slot_mappings": lambda: fg.slot_mappings_spec(target, draft, draft_phase=dp, colors=colors),
-            }
-            figs = {name: fg.as_figure(fg.drawn(name, step, rank, fn, recs=recs)) for name, fn in build.items()}
-            marks_all = []
-            for name, fig in figs.items():
-                for m in fg.violation_marks(violations, name, step, rank, dp):
-                    fg.mark_violation(fig, m)
-                    marks_all.append(m)
-            entries[f"{step},{rank}"] = {**{n: _fig_obj(f) for n, f in figs.items()},
-                                          "status": _status(step, rank, recs, dp, flags, marks_all)}
+            if trace.has(step, rank, "target"):
+                entries[f"{step},{rank}"] = _entry(trace, step, rank, colors=colors, violations=violations)
     acc_fig = fg.acceptance_figure(acceptance, step=None, colors=colors)
     (acc_packed, figs_packed), shared = pack([_fig_obj(acc_fig), entries])
     data = json.dumps({"steps": list(shown), "ranks": ranks, "views": list(STEP_VIEWS), "shared": shared,

@@ -20,7 +20,7 @@ from pcpviz.trace.bounds import step_problems
 from pcpviz.trace.reader import Record
 from pcpviz.trace.schema import SEGMENT_DTYPE
 
-__all__ = ["Rec", "StepLayout", "step_layout", "layout_summary", "draft_source_phase", "trace_req_ids", "load_check_report"]
+__all__ = ["Rec", "StepLayout", "step_layout", "layout_summary", "recorded_phases", "draft_source_phase", "trace_req_ids", "load_check_report"]
 
 Rec = Mapping[str, np.ndarray]
 """One phase's views: ``trace.record(step, rank, phase)``."""
@@ -112,6 +112,14 @@ def step_layout(target: Rec) -> StepLayout:
     while len(_layouts) > _LAYOUT_CACHE_SIZE:
         _layouts.popitem(last=False)
     return sl
+
+
+def recorded_phases(trace: Any, step: int, rank: int) -> list[str]:
+    """The phases ``step`` holds on ``rank``, [] when that rank has not (yet) recorded it (a trace
+    still being written, or damaged, holds some steps on some ranks only)."""
+    if rank not in trace.files or step not in set(trace.rank_steps(rank)):
+        return []
+    return trace.phases(step, rank)
 
 
 def layout_summary(target: Rec | None) -> str | None:

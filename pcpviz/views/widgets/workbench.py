@@ -179,24 +179,14 @@ class Workbench(W.VBox):
 
     # ------------------------------------------------------------------ data access
 
-    def _recorded(self, step: int, rank: int) -> bool:
-        """``step`` is complete on ``rank`` (a trace still being written, or damaged, may hold a
-        step on some ranks only: the others show what they have)."""
-        return rank in self.trace.files and step in set(self.trace.rank_steps(rank))
-
     def _phases(self, step: int, rank: int) -> list[str]:
-        if not self._recorded(step, rank) or (not self.trace.has(step, rank, "target")
-                                              and not self.trace.phases(step, rank)):
-            return ["target"]
-        return sorted((p for p in self.trace.phases(step, rank) if p != "dummy"), key=phase_sort_key) or ["target"]
+        return sorted((p for p in fg.recorded_phases(self.trace, step, rank) if p != "dummy"), key=phase_sort_key) or ["target"]
 
     def records(self, step: int | None = None, rank: int | None = None) -> dict[str, Mapping[str, np.ndarray]]:
         """``{phase: record}`` of a step on a rank (default: the current ones)."""
         step = self.step.value if step is None else step
         rank = self.rank.value if rank is None else rank
-        if not self._recorded(step, rank):
-            return {}
-        return {p: self.trace.record(step, rank, p) for p in self.trace.phases(step, rank)}
+        return {p: self.trace.record(step, rank, p) for p in fg.recorded_phases(self.trace, step, rank)}
 
     @property
     def draft_phase(self) -> str | None:
@@ -408,11 +398,9 @@ class Workbench(W.VBox):
         target = recs.get("target")
         dp = self.draft_phase
         draft = recs.get(dp) if dp else None
-        if not self._recorded(step, rank):
-            return _message_spec(f"step {step} is not (yet) recorded on rank {rank}: rank {rank} has "
-                                 f"{len(self.trace.rank_steps(rank))} complete steps", height=160)
         if target is None:
-            return _message_spec(f"step {step} rank {rank}: no target phase recorded", height=160)
+            return _message_spec(f"step {step} rank {rank}: no target phase recorded" if recs else
+                                 f"step {step} is not (yet) recorded on rank {rank}", height=160)
         win = self.windows.get(view) or None
         if view == "token_order":
             spec = fg.token_order_spec(target, rank=rank, highlight=hl, colors=self.colors, windows=win)
@@ -433,8 +421,8 @@ class Workbench(W.VBox):
     def _build_or_explain(self, view: str) -> dict:
         """``_build``, or a placeholder naming the view when a view the figure needs is missing
         (traces from other producers may omit views) or malformed (``fg.drawn``)."""
-        recs = None if view == "acceptance" else self.records()
-        return fg.drawn(view, self.step.value, self.rank.value, lambda: self._build(view), recs=recs)
+        return fg.drawn(view, self.step.value, self.rank.value, lambda: self._build(view),
+                        recs=None if view == "acceptance" else self.records())
 
     def _render(self, views: Iterable[str]) -> None:
         views = set(views)
