@@ -31,7 +31,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 
 import pcpviz.trace as pt  # noqa: E402
 from pcpviz.synthetic import RequestSpec, generate, long_prompt_run  # noqa: E402
