@@ -96,7 +96,9 @@ def read_json_file(path: str, option: str) -> Any:
     try:
         if not os.path.isfile(path):
             raise ValueError("not a regular file" if os.path.exists(path) else "no such file")
-        with open(path, "rb") as f:
+        from pcpviz.trace.runmeta import open_for_reading
+
+        with os.fdopen(open_for_reading(path), "rb") as f:  # a FIFO swapped in is refused, not waited on
             data = f.read(MAX_JSON_INPUT_BYTES + 1)
         if len(data) > MAX_JSON_INPUT_BYTES:
             raise ValueError(f"larger than {MAX_JSON_INPUT_BYTES} bytes")

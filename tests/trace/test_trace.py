@@ -590,3 +590,25 @@ def test_no_rank_files_and_unrelated_files(tmp_path):
     (tmp_path / "rank01.arrow").write_text("not a canonical rank file name; ignored")
     t = pt.open(tmp_path)
     assert t.ranks == [] and t.steps == [] and t.warnings == []
+
+
+def test_a_string_payload_nested_deep_is_a_one_line_trace_error(tmp_path, monkeypatch):
+    """A string payload (valid crc) nested 100,000 deep is refused by the depth guard, never
+    recursed into (a RecursionError would also upset CPython's AST counter afterwards)."""
+    import ast
+
+    orig = S.encode_value
+
+    def deep(value):
+        e = orig(value)
+        return S.Encoded("str", e.shape, memoryview(b"[" * 100_000 + b"]" * 100_000)) if e.tag == "str" else e
+
+    monkeypatch.setattr(S, "encode_value", deep)
+    with pt.TraceWriter(tmp_path, 0, meta={"producer": "x", "pcp": 1, "block_size": 16}) as w:
+        w.write_step(0, {"target": {"req_ids": np.array(["a", "b"]), "positions": np.arange(3)}})
+    monkeypatch.undo()
+    t = pt.open(tmp_path)
+    with pytest.raises(pt.TraceError) as e:
+        t.record(0, 0, "target")
+    assert "nested too deeply" in str(e.value) and "\n" not in str(e.value) and "req_ids" in str(e.value)
+    ast.parse("x = " + "[" * 50 + "]" * 50)  # the interpreter is still fine
