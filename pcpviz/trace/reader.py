@@ -44,6 +44,8 @@ from .runmeta import check_version, file_kind, open_for_reading, read_meta
 
 __all__ = ["open", "Trace", "Record", "RankFile"]
 
+MAX_RANKS = 4096
+"""Rank files past this many ranks (``rank99999.arrow``) are not read (run.json's pcp is bounded the same)."""
 _CONT = b"\xff\xff\xff\xff"  # Arrow IPC continuation marker: every message starts with it
 _EOS = _CONT + b"\x00\x00\x00\x00"
 
@@ -462,7 +464,8 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
         m = S.RANK_FILE_RE.match(child.name)
         if not m:
             continue
-        kind = file_kind(child)
+        kind = file_kind(child) if len(m.group(1)) <= 4 and int(m.group(1)) < MAX_RANKS else \
+            f"rank {m.group(1)[:20]} is more than the {MAX_RANKS} ranks a trace may have"
         if kind is None:
             rank_paths.append((int(m.group(1)), child))
         else:

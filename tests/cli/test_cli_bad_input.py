@@ -398,3 +398,10 @@ def test_prompts_file_is_bounded(tmp_path):
 
     with pytest.raises(ValueError, match="more than 4194304 tokens"):
         build_config(["y" * 30000] * 200)
+
+
+def test_a_rank_file_numbered_past_any_world_size_is_not_read(files):
+    shutil.copy(files["trace"] / "rank1.arrow", files["trace"] / ("rank" + "9" * 30 + ".arrow"))
+    rc, _, err = run_cli(["check", str(files["trace"])])
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "9" * 30 in lines[0] and "another run" in lines[0], err
