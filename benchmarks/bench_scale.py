@@ -54,7 +54,7 @@ def tiny_steps(out: Path, steps: int) -> Path:
 
 
 def pcp64(out: Path, steps: int = 40) -> Path:
-    reqs = [RequestSpec(f"r{i}", 300 + 37 * i, 24, i % 3) for i in range(12)]
+    reqs = [RequestSpec(f"r{i}", 300 + 37 * i, 90, i % 3) for i in range(12)]
     run = generate(reqs, pcp=64, num_speculative_tokens=2, block_size=16, max_num_batched_tokens=2048,
                    max_num_reqs=16, seed=2)
     run.write(out)

@@ -596,15 +596,15 @@ def arrow_schema(rank: int) -> pa.Schema:
 
 
 def run_meta_with_version(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """run.json content: ``meta`` plus the schema version (first key)."""
+    """run.json content: ``meta`` plus the schema version (first key; an older trace's meta: this one's)."""
     if not isinstance(meta, Mapping):
         raise ValueError(f"run meta must be a dict, got {type(meta).__name__}")
-    if META_SCHEMA_KEY in meta and meta[META_SCHEMA_KEY] != SCHEMA_VERSION:
+    if META_SCHEMA_KEY in meta and (type(meta[META_SCHEMA_KEY]) is not int or meta[META_SCHEMA_KEY] not in SCHEMA_VERSIONS):
         raise ValueError(f"run meta has {META_SCHEMA_KEY}={meta[META_SCHEMA_KEY]!r}; "
                          f"this pcpviz writes version {SCHEMA_VERSION}")
     out: dict[str, Any] = {META_SCHEMA_KEY: SCHEMA_VERSION}
     for key, value in meta.items():
         if not isinstance(key, str):
             raise ValueError(f"run meta keys must be str, got {key!r}")
-        out[key] = value
+        out[key] = SCHEMA_VERSION if key == META_SCHEMA_KEY else value
     return out

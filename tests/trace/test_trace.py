@@ -255,8 +255,11 @@ def test_run_meta(tmp_path):
     assert doc == {"pcpviz_trace_schema": pt.SCHEMA_VERSION, "producer": "x", "pcp": 2, "sizes": [0, 1, 2],
                    "model": str(tmp_path)}
     assert [p.name for p in path.parent.iterdir()] == ["run.json"]  # no temp file left
-    with pytest.raises(ValueError, match="pcpviz_trace_schema=1"):
-        pt.write_run_meta(tmp_path / "a", {"pcpviz_trace_schema": 1})  # only the current version is written
+    with pytest.raises(ValueError, match="pcpviz_trace_schema=3"):
+        pt.write_run_meta(tmp_path / "a", {"pcpviz_trace_schema": 3})  # a version this pcpviz does not know
+    # an older trace's meta (its records read in today's meaning) is written as today's version
+    assert json.loads(pt.write_run_meta(tmp_path / "b", {"pcpviz_trace_schema": 1, "x": 1}).read_text()) == \
+        {"pcpviz_trace_schema": pt.SCHEMA_VERSION, "x": 1}
     with pytest.raises(ValueError, match="not JSON"):
         pt.write_run_meta(tmp_path / "a", {"x": object()})
     with pytest.raises(ValueError):
