@@ -319,6 +319,11 @@ def faults_of(producer: str) -> dict[str, Fault]:
     return {name: f for name, f in FAULTS.items() if producer in f.producers}
 
 
+MAX_ONSET_STEP = 1 << 20
+"""Latest step a fault may start at (``NAME@STEP``): no run is longer; a larger step would
+never fire, so it is refused rather than accepted silently."""
+
+
 def parse_fault(spec: str, *, producer: str = ENGINE) -> tuple[str, int]:
     """``"NAME"`` -> ``(NAME, 0)``, ``"NAME@3"`` -> ``(NAME, 3)``; ValueError (one line) if
     ``producer`` cannot inject NAME or the step is not an integer >= 0."""
@@ -329,8 +334,10 @@ def parse_fault(spec: str, *, producer: str = ENGINE) -> tuple[str, int]:
         raise ValueError(f"unknown fault {name!r}{where}; known faults: {', '.join(sorted(known))}")
     if not at:
         return name, 0
-    if not step.isdigit():
-        raise ValueError(f"fault {spec!r}: the step of onset after '@' must be an integer >= 0")
+    if not (step.isascii() and step.isdigit()) or len(step) > 7 or int(step) > MAX_ONSET_STEP:
+        shown = spec if len(spec) <= 60 else f"{spec[:40]}... ({len(spec)} characters)"
+        raise ValueError(f"fault {shown!r}: the step of onset after '@' must be an integer in "
+                         f"0..{MAX_ONSET_STEP}")
     return name, int(step)
 
 

@@ -37,6 +37,7 @@ from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
+from pcpviz.trace.bounds import problems_at, well_formed
 
 __all__ = ["Acceptance", "RequestAcceptance", "StepAcceptance", "acceptance", "Divergence",
            "DiffReport", "diff_traces", "DEFAULT_IGNORE"]
@@ -261,7 +262,7 @@ def request_keys(trace: Trace) -> dict[str, tuple]:
     last: dict[str, tuple[int, int]] = {}
     rank = trace.ranks[0] if trace.ranks else None
     for step in ([] if rank is None else trace.rank_steps(rank)):
-        if not trace.has(step, rank, "target"):
+        if not trace.has(step, rank, "target") or not well_formed(trace, step, rank):
             continue
         rec = trace.record(step, rank, "target")
         if not all(v in rec for v in ("req_ids", "is_prefilling", "input_ids", "positions")):
@@ -314,6 +315,21 @@ def _align_request_ids(ta: Trace, tb: Trace) -> tuple[Any, int]:
     return _RenamedRequests(tb, rename), len(rename)
 
 
+def _well_formed_pairs(ta: Trace, tb: Trace, step: int, pairs: list, record) -> list:
+    """The rank pairs of ``step`` whose records break no bound (``pcpviz.trace.bounds``); each other
+    pair is recorded as a divergence naming the run, rank and first problem (sizes from a
+    malformed step are never computed with)."""
+    out = []
+    for ra, rb in pairs:
+        bad = [(x, r, p) for x, t, r in (("a", ta, ra), ("b", tb, rb)) for p in problems_at(t, step, r)[:1]]
+        if bad:
+            record(Divergence(step, None, None, ra, rb, f"run {bad[0][0]} rank {bad[0][1]}: "
+                              f"malformed views ({bad[0][2]})"))
+        else:
+            out.append((ra, rb))
+    return out
+
+
 def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                 ignore: frozenset[str] | set[str] = DEFAULT_IGNORE,
                 max_divergences: int = 200) -> DiffReport:
@@ -332,8 +348,7 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                    and ta.meta.get("dcp", 1) == tb.meta.get("dcp", 1))
     if not same_layout:
         notes.append("PCP sizes or ranks differ: only global views, draft tokens and verify compared")
-    ref_a = ta.ranks[0] if ta.ranks else None
-    ref_b = tb.ranks[0] if tb.ranks else None
+    ref_a, ref_b = (ta.ranks[0] if ta.ranks else None), (tb.ranks[0] if tb.ranks else None)
     if same_layout:
         pairs = [(r, r) for r in ta.ranks]
     else:
@@ -365,6 +380,7 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
             continue
         steps_compared += 1
         step_pairs = [(ra, rb) for ra, rb in pairs if ra in in_a and rb in in_b]
+        step_pairs = _well_formed_pairs(ta, tb, step, step_pairs, record)
         missing = [(ra, rb) for ra, rb in pairs if (ra in in_a) != (rb in in_b)]
         for ra, rb in missing:
             record(Divergence(step, None, None, ra, rb,

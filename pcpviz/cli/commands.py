@@ -26,8 +26,8 @@ import sys
 import time
 from typing import Callable, Sequence
 
-from pcpviz.cli.guard import (EXIT_INCOMPLETE, EXIT_PIPE, bounded_int, check_output_file, exit_code, path,
-                              read_json_file, seconds, trace_verdict)
+from pcpviz.cli.guard import (EXIT_INCOMPLETE, bounded_int, check_output_file, exit_code, named_stdout, path,
+                              read_prompts_file, seconds, system_error, trace_verdict)
 
 _STARTED = time.monotonic()  # the command's wall time counts from here (its imports included)
 
@@ -161,13 +161,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         for path, option in ((args.json, "--json"), (args.write_config, "--write-config")):
             if path:
                 check_output_file(path, option)
-        loaded = read_json_file(args.prompts_file, "--prompts-file") if args.prompts_file else None
+        prompts += read_prompts_file(args.prompts_file) if args.prompts_file else []
     except ValueError as e:
         raise UsageError(f"pcpviz run: {e}") from None
-    if args.prompts_file:
-        if not isinstance(loaded, list) or not all(isinstance(p, str) for p in loaded):
-            raise UsageError(f"pcpviz run: --prompts-file {args.prompts_file}: expected a JSON list of strings")
-        prompts += loaded
     if not prompts:
         raise UsageError("pcpviz run: give at least one --prompt or --prompts-file")
     if args.write_config:
@@ -440,20 +436,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        return int(args.func(args))
-    except UsageError as e:
-        print(str(e).splitlines()[0], file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Incomplete as e:
-        print(str(e).splitlines()[0], file=sys.stderr)
-        return EXIT_INCOMPLETE
-    except BrokenPipeError:  # `pcpviz layout ... | head`: the reader left; say nothing more
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_PIPE
+    argv = list(sys.argv[1:] if argv is None else argv)
+    with named_stdout():
+        try:
+            args = build_parser().parse_args(argv)
+            code = int(args.func(args))
+            sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
+            return code
+        except UsageError as e:
+            print(str(e).splitlines()[0], file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except Incomplete as e:
+            print(str(e).splitlines()[0], file=sys.stderr)
+            return EXIT_INCOMPLETE
+        except (OSError, MemoryError, RecursionError) as e:  # `| head`, a name too long, a full disk
+            return system_error(argv, e)
 
 
 # --------------------------------------------------------------------------- replay

@@ -15,15 +15,17 @@ unreadable rank file, steps dropped after a damaged record, steps missing on som
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 from pcpviz.trace.jsonlimits import loads_bounded
 
 __all__ = ["EXIT_INCOMPLETE", "EXIT_PIPE", "EXIT_CODES_HELP", "bounded_int", "seconds", "path",
-           "check_output_file", "read_json_file", "trace_verdict", "exit_code"]
+           "check_output_file", "read_json_file", "read_prompts_file", "trace_verdict", "exit_code", "SUBCOMMAND_NAMES",
+           "os_error_line", "drop_stdout", "NamedStdout", "system_error", "named_stdout"]
 
 EXIT_INCOMPLETE = 3
 EXIT_PIPE = 141
@@ -73,6 +75,12 @@ def check_output_file(path: str, option: str) -> None:
     """ValueError (one line naming ``option``) if ``path`` cannot be written as a file: it is a
     directory, its directory does not exist or is not writable."""
     where = f"{option} {path}"
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a name too long, a component that is a file, a loop of links
+        raise ValueError(f"{where}: {e.strerror or e}") from None
     if os.path.isdir(path):
         raise ValueError(f"{where}: is a directory; give a file name")
     parent = os.path.dirname(os.path.abspath(path))
@@ -88,7 +96,9 @@ def read_json_file(path: str, option: str) -> Any:
     try:
         if not os.path.isfile(path):
             raise ValueError("not a regular file" if os.path.exists(path) else "no such file")
-        with open(path, "rb") as f:
+        from pcpviz.trace.runmeta import open_for_reading
+
+        with os.fdopen(open_for_reading(path), "rb") as f:  # a FIFO swapped in is refused, not waited on
             data = f.read(MAX_JSON_INPUT_BYTES + 1)
         if len(data) > MAX_JSON_INPUT_BYTES:
             raise ValueError(f"larger than {MAX_JSON_INPUT_BYTES} bytes")
@@ -97,6 +107,19 @@ def read_json_file(path: str, option: str) -> Any:
         raise ValueError(f"{where}: nested too deeply") from None
     except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
         raise ValueError(f"{where}: {' '.join(str(e).split())}") from None
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """The prompts of ``--prompts-file`` (a JSON list of strings, at most
+    ``engine.prompt_budget.MAX_PROMPTS``), or ValueError naming the option and the file."""
+    from pcpviz.engine.prompt_budget import MAX_PROMPTS
+
+    loaded = read_json_file(path, "--prompts-file")
+    if not isinstance(loaded, list) or not all(isinstance(p, str) for p in loaded):
+        raise ValueError(f"--prompts-file {path}: expected a JSON list of strings")
+    if len(loaded) > MAX_PROMPTS:
+        raise ValueError(f"--prompts-file {path}: {len(loaded)} prompts; a run takes at most {MAX_PROMPTS}")
+    return loaded
 
 
 def trace_verdict(trace: Any, cmd: str) -> Any:
@@ -121,3 +144,75 @@ def exit_code(status: Any, ok: bool) -> int:
     if not status.complete:
         return EXIT_INCOMPLETE
     return 0 if ok else 1
+
+
+SUBCOMMAND_NAMES = frozenset({"layout", "run", "check", "diff", "export", "explain", "replay"})
+"""The subcommands, for naming the command in a one-line error raised before argparse ran."""
+
+
+def system_error(argv: Sequence[str], e: BaseException) -> int:
+    """The exit code for what the system refused while a command ran, after one line naming the
+    command and the file: 141 for a closed pipe (``| head``, silent), else 2 (a name too long,
+    a full disk, stdout on /dev/full, out of memory, input nested too deeply)."""
+    cmd = next((a for a in argv if not a.startswith("-")), None)
+    prog = f"pcpviz {cmd}" if cmd in SUBCOMMAND_NAMES else "pcpviz"
+    drop_stdout()
+    if isinstance(e, BrokenPipeError):
+        return EXIT_PIPE
+    what = (os_error_line(e) if isinstance(e, OSError) else "input nested too deeply"
+            if isinstance(e, RecursionError) else "out of memory (the input is larger than this machine can hold)")
+    print(f"{prog}: {what}", file=sys.stderr)
+    return 2
+
+
+@contextlib.contextmanager
+def named_stdout() -> Iterator[None]:
+    """``sys.stdout`` as a ``NamedStdout`` for the block (write errors name stdout)."""
+    real, sys.stdout = sys.stdout, NamedStdout(sys.stdout)
+    try:
+        yield
+    finally:
+        sys.stdout = real
+
+
+def os_error_line(e: OSError) -> str:
+    """``<file>: <reason>`` in one line (the file named, never a traceback)."""
+    names = [str(n) for n in (e.filename, e.filename2) if n is not None]
+    reason = e.strerror or " ".join(str(e).split()) or type(e).__name__
+    shown = [n if len(n) <= 400 else n[:200] + f"... ({len(n)} characters)" for n in names]
+    return (" -> ".join(shown) + ": " if shown else "") + " ".join(reason.split())
+
+
+def drop_stdout() -> None:
+    """Point stdout at /dev/null so nothing is flushed into a closed pipe or a full disk at exit."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # stdout is not a file (a test's StringIO)
+        pass
+
+
+class NamedStdout:
+    """stdout whose write errors (a full disk, an I/O error) name it: ``stdout: No space left
+    on device``, not a nameless OSError."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def _named(self, fn, *args):
+        try:
+            return fn(*args)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, "stdout") from None
+
+    def write(self, text: str) -> int:
+        return self._named(self._stream.write, text)
+
+    def flush(self) -> None:
+        self._named(self._stream.flush)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from pcpviz.engine.prompt_budget import check_prompt_budget
 from pcpviz.analysis.acceptance import json_ratio
 
 __all__ = ["run", "RunResult", "RankError", "build_config", "start_trace"]
@@ -185,8 +186,7 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
         if have < pcp:
             raise ValueError(f"device='cuda' with pcp={pcp} needs {pcp} GPUs, found {have}")
     faults = sorted(validate_faults(inject))
-    if not prompts:
-        raise ValueError("no prompts given")
+    check_prompt_budget(prompts)
     model_dir = os.path.abspath(model_dir or default_model_dir())
     mcfg = check_model_dir(model_dir)
     if num_speculative_tokens > 0 and mcfg.num_mtp_layers < 1:

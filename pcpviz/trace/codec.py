@@ -19,6 +19,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from .jsonlimits import loads_bounded
+
 __all__ = [
     "ALIGN", "STR_TAG", "STRUCT_PREFIX", "Encoded", "encode_value", "parse_dtype_tag", "padded_size",
     "row_crc32", "step_crc32", "decode_payload", "check_shape",
@@ -137,7 +139,7 @@ def parse_dtype_tag(tag: str) -> np.dtype | None:
         return None
     try:
         if tag.startswith(STRUCT_PREFIX):
-            dt = _struct_from_json(json.loads(tag[len(STRUCT_PREFIX):]))
+            dt = _struct_from_json(loads_bounded(tag[len(STRUCT_PREFIX):]))
             if dt.names is None:
                 raise ValueError
             _check_struct_fields(dt)
@@ -181,10 +183,10 @@ def decode_payload(tag: str, shape: tuple[int, ...], stored) -> np.ndarray:
     dt = parse_dtype_tag(tag)
     count = int(np.prod(shape, dtype=np.int64))
     if dt is None:
-        try:
-            items = json.loads(bytes(stored).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"string payload is not JSON ({exc})") from None
+        try:  # depth-guarded: a payload nested 100,000 deep is refused, never recursed into
+            items = loads_bounded(bytes(stored).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, nested too deeply
+            raise ValueError(f"string payload is not JSON ({' '.join(str(exc).split())[:200]})") from None
         if not isinstance(items, list) or len(items) != count or not all(isinstance(x, str) for x in items):
             raise ValueError(f"string payload is not a list of {count} strings")
         out = np.array(items, dtype=str) if items else np.empty(0, dtype="<U1")

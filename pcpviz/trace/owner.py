@@ -24,6 +24,7 @@ processes) or the claim is held by this very process (in-process writers such as
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -229,10 +230,21 @@ def check_writer(path: Path, token: str | None) -> None:
 def claim(path: str | os.PathLike, *, overwrite: bool = False, command: str = "") -> Claim:
     """Claim ``path`` for one writer (see the module doc). Raises ValueError with one line."""
     p = check_target(path, overwrite=True)
+    created = not p.exists()
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise _os_error(p, exc, "create the trace directory") from None
+    try:
+        return _claim_in(p, overwrite=overwrite, command=command)
+    except BaseException:
+        if created:  # a claim that failed (a full disk, a busy lock) leaves no directory behind
+            with contextlib.suppress(OSError):
+                os.rmdir(p)
+        raise
+
+
+def _claim_in(p: Path, *, overwrite: bool, command: str) -> Claim:
     lock = p / LOCK_FILE
     for _ in range(20):
         try:
@@ -258,8 +270,11 @@ def claim(path: str | os.PathLike, *, overwrite: bool = False, command: str = ""
     try:
         doc = {"pid": os.getpid(), "host": socket.gethostname(), "token": c.token,
                "command": command, "started": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(doc).encode("utf-8"), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(doc).encode("utf-8"), 0)
+        except OSError as exc:  # ENOSPC, EDQUOT, EIO
+            raise _os_error(p, exc, f"write its lock file {LOCK_FILE}") from None
         if not overwrite:
             _refuse_non_empty(p)
         else:

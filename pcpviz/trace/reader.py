@@ -24,10 +24,9 @@ Policy on damage (the design's "loses nothing"):
 
 from __future__ import annotations
 
-import json
 import math
+import mmap
 import os
-import stat
 import threading
 import warnings
 from collections import OrderedDict
@@ -41,10 +40,12 @@ import pyarrow as pa
 
 from . import schema as S
 from .errors import TraceError, TraceWarning
-from pcpviz.trace.jsonlimits import loads_bounded
+from .runmeta import check_version, file_kind, open_for_reading, read_meta
 
 __all__ = ["open", "Trace", "Record", "RankFile"]
 
+MAX_RANKS = 4096
+"""Rank files past this many ranks (``rank99999.arrow``) are not read (run.json's pcp is bounded the same)."""
 _CONT = b"\xff\xff\xff\xff"  # Arrow IPC continuation marker: every message starts with it
 _EOS = _CONT + b"\x00\x00\x00\x00"
 
@@ -153,82 +154,14 @@ def _steps_summary(steps: list[int] | tuple[int, ...]) -> str:
     return ", ".join(parts)
 
 
-# --------------------------------------------------------------------------- run.json
-
-MAX_META_BYTES = 64 << 20
-"""A run.json larger than this is refused (it holds settings and prompt ids, not data)."""
-
-
-def _file_kind(path: Path) -> str | None:
-    """None for a regular file (or a link to one); else why it cannot be read as one."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        if os.path.islink(path):
-            return f"a dangling or unreadable symbolic link ({exc.strerror})"
-        return exc.strerror or _one_line(exc)
-    if stat.S_ISREG(st.st_mode):
-        return None
-    if stat.S_ISDIR(st.st_mode):
-        return "a directory, not a file"
-    what = "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else \
-        "a pipe" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a file"
-    return f"{what}, not a regular file" + (" (a symbolic link to it)" if os.path.islink(path) else "")
-
-def _read_meta(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / S.RUN_META_FILE
-    if not os.path.lexists(path):
-        raise TraceError(f"{run_dir}: no {S.RUN_META_FILE}")
-    kind = _file_kind(path)
-    if kind is not None:
-        raise TraceError(f"{path}: cannot read ({kind})")
-    try:
-        if path.stat().st_size > MAX_META_BYTES:
-            raise TraceError(f"{path}: {path.stat().st_size} bytes, more than the "
-                             f"{MAX_META_BYTES} a run.json may have")
-        meta = loads_bounded(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TraceError(f"{path}: not valid JSON ({_one_line(exc)})") from None
-    except RecursionError:
-        raise TraceError(f"{path}: not valid JSON (nested too deeply)") from None
-    except ValueError as exc:  # e.g. an integer of more than 4300 digits
-        if isinstance(exc, TraceError):
-            raise
-        raise TraceError(f"{path}: not valid JSON ({_one_line(exc)})") from None
-    except OSError as exc:
-        raise TraceError(f"{path}: cannot read ({_one_line(exc)})") from None
-    if not isinstance(meta, dict):
-        raise TraceError(f"{path}: not a pcpviz trace (top level is a {type(meta).__name__}, "
-                         "not an object)")
-    if S.META_SCHEMA_KEY not in meta:
-        raise TraceError(f"{path}: not a pcpviz trace (missing {S.META_SCHEMA_KEY!r})")
-    _check_version(path, meta[S.META_SCHEMA_KEY])
-    return meta
-
-
-def _check_version(path: Path, version: Any) -> int:
-    if isinstance(version, str) and version.strip().isdigit():
-        version = int(version)
-    if isinstance(version, bool) or not isinstance(version, int):
-        raise TraceError(f"{path}: {S.META_SCHEMA_KEY} must be an int, got {version!r}")
-    if version > S.SCHEMA_VERSION:
-        raise TraceError(f"{path}: schema version {version} is newer than this pcpviz "
-                         f"({S.SCHEMA_VERSION}); upgrade pcpviz")
-    if version < 1:
-        raise TraceError(f"{path}: schema version {version} is not valid")
-    return version
-
-
 # --------------------------------------------------------------------------- rank files
 
 class _TailDamage(Exception):
     """Unparseable bytes ended the readable part of a rank file (message: what, one line)."""
 
 
-def _check_header_bytes(path: Path, size: int) -> None:
+def _check_header_bytes(path: Path, size: int, head: bytes) -> None:
     """Tell a foreign file (always an error) from a truncated schema header (tail damage)."""
-    with path.open("rb") as fh:
-        head = fh.read(8)
     if head[:4] != _CONT[: len(head[:4])]:
         if head.startswith(b"ARROW1"):
             raise TraceError(f"{path}: an Arrow IPC file, not an Arrow IPC stream (foreign file)")
@@ -244,13 +177,15 @@ def _check_header_bytes(path: Path, size: int) -> None:
         raise _TailDamage(f"truncated inside its schema header ({size} of {8 + meta_len} bytes)")
 
 
-def _check_schema(path: Path, rank: int, schema: pa.Schema) -> None:
+def _check_schema(path: Path, rank: int, schema: pa.Schema, version: int) -> None:
     md = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
           for k, v in (schema.metadata or {}).items()}
     if S.META_SCHEMA_KEY not in md:
         raise TraceError(f"{path}: not a pcpviz rank file (Arrow schema metadata lacks "
                          f"{S.META_SCHEMA_KEY!r})")
-    _check_version(path, md[S.META_SCHEMA_KEY])
+    if check_version(path, md[S.META_SCHEMA_KEY]) != version:
+        raise TraceError(f"{path}: schema version {md[S.META_SCHEMA_KEY]} but run.json says {version} "
+                         "(a file of another run?)")
     if md.get(S.META_RANK_KEY) != str(rank):
         raise TraceError(f"{path}: schema metadata says rank {md.get(S.META_RANK_KEY)!r} but the "
                          f"file name says rank {rank}")
@@ -327,22 +262,36 @@ def _index_batch(path: Path, batch: pa.RecordBatch, number: int, prev: int | Non
     return _StepEntry(path, step, offsets, data.buffers()[2], MappingProxyType(ordered))
 
 
-def _scan_rank_file(path: Path, rank: int) -> tuple[RankFile, list[_StepEntry], str | None]:
+def _map(fd: int, size: int) -> pa.BufferReader:
+    """A zero-copy Arrow reader over the first ``size`` bytes of ``fd`` (memory-mapped)."""
+    if size == 0:
+        return pa.BufferReader(b"")
+    mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+    return pa.BufferReader(pa.py_buffer(mm))
+
+
+def _scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankFile, list[_StepEntry], str | None]:
     """Index one rank file; returns (info, steps, tail note or None). Hard problems raise."""
-    size = path.stat().st_size
+    fd = open_for_reading(path)
+    try:
+        size = os.fstat(fd).st_size
+        with os.fdopen(os.dup(fd), "rb") as fh:
+            head = fh.read(8)
+        source = _map(fd, size)
+    finally:
+        os.close(fd)
     entries: list[_StepEntry] = []
     seen: dict[int, int] = {}
     good = 0
     closed = False
     note = None
     try:
-        _check_header_bytes(path, size)
-        source = pa.memory_map(str(path), "r")
+        _check_header_bytes(path, size, head)
         try:
             reader = pa.ipc.open_stream(source)
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise TraceError(f"{path}: not an Arrow IPC stream (foreign file): {_one_line(exc)}") from None
-        _check_schema(path, rank, reader.schema)
+        _check_schema(path, rank, reader.schema, version)
         good = source.tell()
         while True:
             try:
@@ -385,6 +334,8 @@ class Trace:
                  unreadable: Mapping[int, str] | None = None):
         self.path = path
         self.meta = meta
+        # the schema version that wrote the trace: records are read by its rules (schema.upgrade_views)
+        self.version: int = check_version(path / S.RUN_META_FILE, meta[S.META_SCHEMA_KEY])
         self.files: Mapping[int, RankFile] = MappingProxyType(files)
         # rank -> one line: rank files that exist but cannot be read (a directory, a device, ...)
         self.unreadable: Mapping[int, str] = MappingProxyType(dict(unreadable or {}))
@@ -429,8 +380,8 @@ class Trace:
         if phase not in entry.phases:
             raise KeyError(f"phase {phase!r} not recorded at step {step} on rank {rank} "
                            f"(phases: {', '.join(entry.phases)})")
-        rec = Record(int(step), int(rank), phase,
-                     MappingProxyType(_decode_rows(entry, phase)))
+        views = S.upgrade_views(self.version, phase, _decode_rows(entry, phase))
+        rec = Record(int(step), int(rank), phase, MappingProxyType(dict(views)))
         with self._lock:
             self._cache[key] = rec
             while len(self._cache) > self._cache_size:
@@ -498,7 +449,8 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
     ``cache_size``: how many decoded records to keep (least recently used are evicted).
     """
     run_dir = _resolve_run_dir(path)
-    meta = _read_meta(run_dir)
+    meta = read_meta(run_dir)
+    version = check_version(run_dir / S.RUN_META_FILE, meta[S.META_SCHEMA_KEY])
     files: dict[int, RankFile] = {}
     entries: dict[tuple[int, int], _StepEntry] = {}
     notes: list[str] = []
@@ -512,14 +464,15 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
         m = S.RANK_FILE_RE.match(child.name)
         if not m:
             continue
-        kind = _file_kind(child)
+        kind = file_kind(child) if len(m.group(1)) <= 4 and int(m.group(1)) < MAX_RANKS else \
+            f"rank {m.group(1)[:20]} is more than the {MAX_RANKS} ranks a trace may have"
         if kind is None:
             rank_paths.append((int(m.group(1)), child))
         else:
             unreadable[int(m.group(1))] = f"{child}: cannot read ({kind})"
     for rank, rank_path in sorted(rank_paths):
         try:
-            info, steps, note = _scan_rank_file(rank_path, rank)
+            info, steps, note = _scan_rank_file(rank_path, rank, version)
         except OSError as exc:
             unreadable[rank] = f"{rank_path}: cannot read ({_one_line(exc)})"
             continue

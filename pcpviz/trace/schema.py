@@ -4,7 +4,7 @@ meaning: ``VIEW_SPECS``) and the on-disk layout; the value codec is in ``codec``
 A run is a directory::
 
     run/
-      run.json       {"pcpviz_trace_schema": 1, "producer": ..., "pcp": 2, ...}  (any JSON dict)
+      run.json       {"pcpviz_trace_schema": 2, "producer": ..., "pcp": 2, ...}  (any JSON dict)
       rank0.arrow    Arrow IPC *stream*: schema header, then one record batch per engine step
       rank1.arrow    ...
 
@@ -54,13 +54,14 @@ import numpy as np
 import pyarrow as pa
 
 from .fingerprints import FINGERPRINT_ROWS, FINGERPRINT_SPEC
+from .versions import SCHEMA_VERSIONS, upgrade_views  # noqa: F401 - re-exported, like the codec below
 from .codec import (  # noqa: F401 - the value codec, re-exported (``schema.encode_value`` ...)
     ALIGN, STR_TAG, STRUCT_PREFIX, Encoded, check_shape, decode_payload, encode_value, padded_size,
     parse_dtype_tag, row_crc32, step_crc32,
 )
 
 __all__ = [
-    "SCHEMA_VERSION", "META_SCHEMA_KEY", "META_RANK_KEY", "RUN_META_FILE", "rank_file_name",
+    "SCHEMA_VERSION", "SCHEMA_VERSIONS", "upgrade_views", "META_SCHEMA_KEY", "META_RANK_KEY", "RUN_META_FILE", "rank_file_name",
     "PHASE_TARGET", "PHASE_VERIFY", "PHASE_DUMMY", "DRAFT_PHASE_PREFIX", "PHASES",
     "draft_phase", "draft_index", "is_valid_phase", "phase_sort_key", "causal_phase_key", "int_view",
     "GLOBAL_BATCH_VIEWS", "LAYOUT_VIEWS", "LOCAL_BATCH_VIEWS", "BLOCK_TABLE_VIEWS",
@@ -72,9 +73,8 @@ __all__ = [
 
 # --------------------------------------------------------------------------- versions & files
 
-SCHEMA_VERSION = 1
-"""Version of this format; bumped on any change an older reader would misread."""
-
+SCHEMA_VERSION = 2
+"""Version of this format; bumped on any change an older reader would misread (``SCHEMA_VERSIONS``)."""
 META_SCHEMA_KEY = "pcpviz_trace_schema"
 """Key of the schema version, in run.json and in each rank file's Arrow schema metadata."""
 
@@ -596,15 +596,15 @@ def arrow_schema(rank: int) -> pa.Schema:
 
 
 def run_meta_with_version(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """run.json content: ``meta`` plus the schema version (first key)."""
+    """run.json content: ``meta`` plus the schema version (first key; an older trace's meta: this one's)."""
     if not isinstance(meta, Mapping):
         raise ValueError(f"run meta must be a dict, got {type(meta).__name__}")
-    if META_SCHEMA_KEY in meta and meta[META_SCHEMA_KEY] != SCHEMA_VERSION:
+    if META_SCHEMA_KEY in meta and (type(meta[META_SCHEMA_KEY]) is not int or meta[META_SCHEMA_KEY] not in SCHEMA_VERSIONS):
         raise ValueError(f"run meta has {META_SCHEMA_KEY}={meta[META_SCHEMA_KEY]!r}; "
                          f"this pcpviz writes version {SCHEMA_VERSION}")
     out: dict[str, Any] = {META_SCHEMA_KEY: SCHEMA_VERSION}
     for key, value in meta.items():
         if not isinstance(key, str):
             raise ValueError(f"run meta keys must be str, got {key!r}")
-        out[key] = value
+        out[key] = SCHEMA_VERSION if key == META_SCHEMA_KEY else value
     return out

@@ -321,7 +321,7 @@ def _check_drafts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, s
         return
     if k is None:
         return
-    method = meta.get("speculative_method") or "mtp"
+    method = _good(meta, "speculative_method") or "mtp"
     if highest >= k or (highest >= 0 and method in _SEQUENTIAL_DRAFTERS and highest + 1 != k):
         invalid("num_speculative_tokens", f"{k}, but the trace records draft phases up to "
                 f"draft_{highest} (step {where[0]} rank {where[1]}), i.e. K={highest + 1}")

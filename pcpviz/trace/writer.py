@@ -186,6 +186,9 @@ class TraceWriter:
             raise FileExistsError(f"{self.path}: already exists; pass overwrite=True to replace it "
                                   "or write to a new run directory")
         meta_path = self.run_dir / S.RUN_META_FILE
+        if os.path.islink(meta_path) or (os.path.lexists(meta_path) and not os.path.isfile(meta_path)):
+            what = "a symbolic link" if os.path.islink(meta_path) else "not a regular file"
+            raise FileExistsError(f"{meta_path}: is {what}; refusing to read or replace it (remove it yourself)")
         if text is not None and not overwrite and not _is_placeholder(meta_path, text):
             raise FileExistsError(f"{meta_path}: already exists with other content (another "
                                   "run's?); pass overwrite=True to replace it or write to a new "

@@ -23,7 +23,7 @@ from tracegen import (
 )
 
 EXPECTED_NAMES = [
-    "layout_matches_plan", "restore_gather_identity", "kv_written_once", "gathered_slots_are_global",
+    "views_in_bounds", "layout_matches_plan", "restore_gather_identity", "kv_written_once", "gathered_slots_are_global",
     "global_slots_match_block_table", "kv_write_mask_canonical", "local_batch_matches_layout",
     "local_positions_are_global", "local_seq_lens", "local_logits_not_sampled",
     "draft_prefill_rank_local", "draft_last_token_indices", "draft_input_ids",
@@ -361,7 +361,20 @@ def case_verify_not_greedy(_):
     return run, {"verify_greedy"}, (step, 0, "verify", "sampled_token_ids")
 
 
+def case_bogus_query_start_loc(_):
+    run = clean_run(2)
+    corrupt(run, 2, "target", "query_start_loc", lambda a: a[::-1].copy())
+    return run, {"views_in_bounds"}, (2, 0, "target", "query_start_loc")
+
+
+def case_huge_positions(_):
+    run = clean_run(2)
+    corrupt(run, 1, "target", "positions", lambda a: np.where(np.arange(a.size) == 0, 2**62, a))
+    return run, {"views_in_bounds"}, (1, 0, "target", "positions")
+
+
 CASES = {
+    "views_in_bounds": [case_bogus_query_start_loc, case_huge_positions],
     "layout_matches_plan": [case_layout],
     "restore_gather_identity": [case_restore],
     "kv_written_once": [case_kv_once],

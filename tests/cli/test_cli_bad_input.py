@@ -257,3 +257,151 @@ def test_planted_run_json_fifo_does_not_block_the_writer(tmp_path):
                          timeout=60)
     assert "refused" in out.stdout, out.stderr[-2000:]
     del TraceWriter
+
+
+# --------------------------------------------------------------------------- item 9: the OS says no
+
+LONG = "x" * 300  # one path component longer than NAME_MAX (255)
+
+
+@pytest.mark.parametrize("argv", [
+    ["check", "{tmp}/" + LONG], ["diff", "{trace}", "{tmp}/" + LONG], ["export", "{tmp}/" + LONG, "--html", "{tmp}/o.html"],
+    ["export", "{trace}", "--html", "{tmp}/" + LONG + "/o.html"], ["export", "{trace}", "--chrome", "{tmp}/" + LONG + ".json"],
+    ["explain", "{tmp}/" + LONG, "--no-rerun"], ["run", "--prompt", "x", "--trace", "{tmp}/" + LONG],
+    ["run", "--prompt", "x", "--json", "{tmp}/" + LONG], ["replay", "--trace", "{tmp}/" + LONG],
+], ids=lambda a: " ".join(a)[:40])
+def test_a_name_too_long_is_one_line(files, argv):
+    argv = [a.format(**files) for a in argv]
+    rc, _, err = run_cli(argv)
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"pcpviz {argv[0]}: "), (rc, err)
+    assert "too long" in lines[0] and "x" * 100 in lines[0], lines[0]
+
+
+def test_stdout_on_a_full_disk_is_one_line():
+    with open("/dev/full", "w") as full:
+        env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'kernels'}")
+        r = subprocess.run([sys.executable, "-m", "pcpviz.cli", "check", str(CPU_TRACE)], stdout=full,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["pcpviz check: stdout: No space left on device"], r.stderr
+
+
+@pytest.fixture()
+def small_disk(tmp_path):
+    """A 512 KiB tmpfs: a real full disk (ENOSPC). Needs root (mount); skipped otherwise."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small tmpfs: {r.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def _fill(disk: Path, leave: int = 0) -> None:
+    """Fill ``disk`` up to ``leave`` free bytes."""
+    with open(disk / "filler", "wb") as f:
+        try:
+            while True:
+                free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+                if free <= leave:
+                    break
+                f.write(b"\0" * min(65536, max(free - leave, 1)))
+                f.flush()
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("fmt", ["html", "chrome"])
+def test_a_full_disk_during_export_leaves_no_partial_file(small_disk, fmt):
+    out = small_disk / ("r.html" if fmt == "html" else "r.json")
+    out.write_text("the previous export\n")
+    _fill(small_disk, leave=8 << 10)  # room to start writing, not to finish
+    rc, _, err = run_cli(["export", str(CPU_TRACE), f"--{fmt}", str(out)])
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "No space left on device" in lines[0], err
+    assert out.read_text() == "the previous export\n"  # not truncated, not replaced
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", out.name]  # no temporary left
+
+
+def test_a_full_disk_at_claim_is_one_line_and_leaves_no_directory(small_disk):
+    _fill(small_disk)
+    d = small_disk / "t"
+    rc, _, err = run_cli(["run", "--prompt", "x", "--max-new-tokens", "1", "--trace", str(d)])
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "No space left on device" in lines[0] and str(d) in lines[0], err
+    assert not d.exists()
+
+
+def test_a_directory_name_that_is_not_utf8_is_read(tmp_path):
+    d = os.fsdecode(os.fsencode(str(tmp_path)) + b"/bad\xff\xfename")
+    shutil.copytree(CPU_TRACE, d)
+    rc, out, err = run_cli(["check", d])
+    assert rc == 0 and not err, err
+    Path(d, "rank1.arrow").unlink()
+    rc, _, err = run_cli(["check", d])
+    assert rc == 3 and "rank1.arrow: missing" in err and "bad" in err
+
+
+@pytest.mark.parametrize("spec", ["positions_from_cpu_cursor@99999999999999999999999", "positions_from_cpu_cursor@²",
+                                  "positions_from_cpu_cursor@-1"])
+def test_an_onset_step_no_run_reaches_is_refused(spec):
+    rc, _, err = run_cli(["run", "--prompt", "x", "--inject", spec])
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "must be an integer in 0..1048576" in lines[0], err
+
+
+@pytest.mark.parametrize("key, value", [("speculative_method", [1, 2]), ("speculative_method", {"a": 1}),
+                                        ("model", ["x"]), ("num_speculative_tokens", "2" * 5000)])
+def test_a_run_json_value_of_the_wrong_type_is_one_line(files, key, value):
+    meta = json.loads((files["trace"] / "run.json").read_text())
+    meta[key] = value
+    (files["trace"] / "run.json").write_text(json.dumps(meta))
+    for cmd in (["check"], ["export", "--chrome", str(files["tmp"] / "c.json")], ["explain", "--no-rerun"]):
+        rc, _, err = run_cli([cmd[0], str(files["trace"]), *cmd[1:]])
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and key in lines[0] and "Traceback" not in err, (cmd, err)
+
+
+# --------------------------------------------------------------------------- item 6: bounded cost
+
+@pytest.mark.parametrize("edit, why", [
+    (lambda m: m.update(max_new_tokens=32000), "max_new_tokens 32000"),
+    (lambda m: m["prompt_token_ids"].extend([[1, 2, 3]] * 20000), "20003 prompts"),
+    (lambda m: m.update(pcp=6), "pcp=6, but the trace has 2 rank files"),
+    (lambda m: m["prompt_token_ids"].append([7] * 70000), "prompt tokens, more than the 65536"),
+])
+def test_explain_does_not_rerun_what_run_json_makes_expensive(files, monkeypatch, edit, why):
+    import pcpviz
+
+    def no_engine(*a, **k):
+        raise AssertionError("the engine was started")
+
+    monkeypatch.setattr(pcpviz, "run", no_engine)
+    meta = json.loads((files["trace"] / "run.json").read_text())
+    edit(meta)
+    (files["trace"] / "run.json").write_text(json.dumps(meta))
+    rc, out, err = run_cli(["explain", str(files["trace"]), "--json"])
+    doc = json.loads(out)
+    note = json.dumps(doc)
+    assert why in note and "--no-rerun" in note, note[:2000]
+
+
+def test_prompts_file_is_bounded(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(["x"] * 5000))
+    rc, _, err = run_cli(["run", "--prompts-file", str(f)])
+    assert rc == 2 and err.strip().endswith("5000 prompts; a run takes at most 4096"), err
+    from pcpviz.engine.launch import build_config
+
+    with pytest.raises(ValueError, match="more than 4194304 tokens"):
+        build_config(["y" * 30000] * 200)
+
+
+def test_a_rank_file_numbered_past_any_world_size_is_not_read(files):
+    shutil.copy(files["trace"] / "rank1.arrow", files["trace"] / ("rank" + "9" * 30 + ".arrow"))
+    rc, _, err = run_cli(["check", str(files["trace"])])
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and "9" * 30 in lines[0] and "another run" in lines[0], err

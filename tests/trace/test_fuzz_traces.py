@@ -248,17 +248,48 @@ def hostile_meta(rng: random.Random, d: Path, base: Path) -> str:
         path.write_text(json.dumps(meta))
         return "extra keys"
     if how == "schema version":
-        meta["pcpviz_trace_schema"] = rng.choice((0, 2, "one", None, -5, 99))
+        meta["pcpviz_trace_schema"] = rng.choice((0, 2, 3, "one", None, -5, 99, "9" * 5000))
         path.write_text(json.dumps(meta))
-        return f"schema {meta['pcpviz_trace_schema']}"
+        return f"schema {str(meta['pcpviz_trace_schema'])[:20]}"
     path.write_text(json.dumps(meta)[:-1] + ', "pad": "' + "x" * (70 << 20) + '"}') if rng.random() < 0.1 \
         else path.write_text(json.dumps({**meta, "dcp": 2 ** 63}))
     return "huge"
 
 
+def crafted(rng: random.Random, d: Path, base: Path) -> str:
+    """Valid framing, hostile content: one step (on one rank or all) re-written with sizes a
+    reader would allocate from (positions, lengths, counts of 2**40, a 40-d view, a bogus
+    query_start_loc, a 2 MB request id): see ``tests/helpers/hostile.py``."""
+    from hostile import EDITS, rewrite
+
+    name = rng.choice(sorted(k for k in EDITS if k != "injected strings"))  # ids are free-form: data, not damage
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        steps = pt.open(base).steps
+    at, ranks = rng.choice(steps), rng.choice(("all", 0, 1))
+    edit_rng = random.Random(rng.random())
+
+    def edit(step, rank, phases):
+        if step == at and ranks in ("all", rank):
+            before = {(ph, k): np.array(v) for ph, views in phases.items() for k, v in views.items()}
+            EDITS[name](edit_rng, step, rank, phases)
+            after = {(ph, k): np.asarray(v) for ph, views in phases.items() for k, v in views.items()}
+            if any(before[k].shape != after[k].shape or before[k].dtype != after[k].dtype
+                   or not np.array_equal(before[k], after[k]) for k in before):
+                CRAFTED_CHANGED.add(str(d))
+
+    CRAFTED_CHANGED.discard(str(d))
+    shutil.rmtree(d)
+    rewrite(base, d, edit)
+    return f"{name} at step {at} on rank {ranks}"
+
+
+CRAFTED_CHANGED: set[str] = set()  # case directories whose crafted edit changed a view
+
+
 CLASSES = {"flip": flip, "truncate": truncate, "delete": delete, "swap": swap, "replace": replace,
-           "hostile run.json": hostile_meta}
-WEIGHTS = {"flip": 4, "truncate": 2, "delete": 1, "swap": 1, "replace": 1, "hostile run.json": 3}
+           "hostile run.json": hostile_meta, "crafted": crafted}
+WEIGHTS = {"flip": 4, "truncate": 2, "delete": 1, "swap": 1, "replace": 1, "hostile run.json": 3, "crafted": 2}
 
 
 # --------------------------------------------------------------------------- running a command
@@ -367,6 +398,10 @@ def test_fuzz_shipped_traces(tmp_path):
         argv = _argv(cmd, d, base, out)
 
         def changed() -> bool:
+            if klass == "crafted" and cmd == "export":
+                return False  # an export draws what a producer said; it is the checks' job to judge it
+            if klass == "crafted":
+                return str(d) in CRAFTED_CHANGED  # exit 0 on a changed view would miss it
             try:
                 return fingerprint(d) != originals[base_name]
             except Exception:  # noqa: BLE001 - unreadable now means changed

@@ -131,7 +131,7 @@ def test_many_steps_ranks_and_phase_order(tmp_path):
     _write(tmp_path, {s: step_for(s, 1) for s in range(0, 42, 3)}, rank=1, meta={"pcp": 3})
     _write(tmp_path, {}, rank=2, meta={"pcp": 3})  # the same meta again: allowed
     t = pt.open(tmp_path)
-    assert t.meta == {"pcpviz_trace_schema": 1, "pcp": 3}
+    assert t.meta == {"pcpviz_trace_schema": pt.SCHEMA_VERSION, "pcp": 3}
     assert t.ranks == [0, 1, 2]
     assert t.steps == sorted(set(range(0, 40, 2)) | set(range(0, 42, 3)))
     assert t.rank_steps(2) == [] and t.files[2].closed
@@ -161,7 +161,7 @@ def test_known_names_are_valid_and_documented():
     for name in ["req_ids", "segments", "slot_mapping_gathered", "draft_tokens", "num_accepted",
                  "local_is_padding", "block_table_draft", "hidden_hash", "view"]:
         assert name in pt.KNOWN_VIEWS
-    assert pt.SCHEMA_VERSION == 1 and pt.PAD_SLOT == -1
+    assert pt.SCHEMA_VERSION == 2 and pt.PAD_SLOT == -1
     assert list(pt.SEGMENT_DTYPE.names) == ["global_req_idx", "global_start", "global_stop",
                                            "local_start", "local_stop", "rank"]
 
@@ -252,11 +252,14 @@ def test_run_meta(tmp_path):
     path = pt.write_run_meta(tmp_path / "a", {"producer": "x", "pcp": np.int64(2),
                                               "sizes": np.arange(3), "model": tmp_path})
     doc = json.loads(path.read_text())
-    assert doc == {"pcpviz_trace_schema": 1, "producer": "x", "pcp": 2, "sizes": [0, 1, 2],
+    assert doc == {"pcpviz_trace_schema": pt.SCHEMA_VERSION, "producer": "x", "pcp": 2, "sizes": [0, 1, 2],
                    "model": str(tmp_path)}
     assert [p.name for p in path.parent.iterdir()] == ["run.json"]  # no temp file left
-    with pytest.raises(ValueError, match="pcpviz_trace_schema=2"):
-        pt.write_run_meta(tmp_path / "a", {"pcpviz_trace_schema": 2})
+    with pytest.raises(ValueError, match="pcpviz_trace_schema=3"):
+        pt.write_run_meta(tmp_path / "a", {"pcpviz_trace_schema": 3})  # a version this pcpviz does not know
+    # an older trace's meta (its records read in today's meaning) is written as today's version
+    assert json.loads(pt.write_run_meta(tmp_path / "b", {"pcpviz_trace_schema": 1, "x": 1}).read_text()) == \
+        {"pcpviz_trace_schema": pt.SCHEMA_VERSION, "x": 1}
     with pytest.raises(ValueError, match="not JSON"):
         pt.write_run_meta(tmp_path / "a", {"x": object()})
     with pytest.raises(ValueError):
@@ -266,7 +269,7 @@ def test_run_meta(tmp_path):
 
 def test_writers_without_meta_never_clobber_meta(tmp_path):
     pt.TraceWriter(tmp_path / "a", 1).close()  # a placeholder run.json
-    assert pt.open(tmp_path / "a").meta == {"pcpviz_trace_schema": 1}
+    assert pt.open(tmp_path / "a").meta == {"pcpviz_trace_schema": pt.SCHEMA_VERSION}
     pt.TraceWriter(tmp_path / "a", 0, meta={"producer": "p"}).close()
     pt.TraceWriter(tmp_path / "b", 0, meta={"producer": "p"}).close()
     pt.TraceWriter(tmp_path / "b", 1).close()
@@ -346,7 +349,13 @@ def test_run_json_problems(tmp_path):
     meta.write_text('{"producer": "x"}')
     _trace_error(tmp_path, f"{meta}: not a pcpviz trace (missing 'pcpviz_trace_schema')")
     meta.write_text('{"pcpviz_trace_schema": 3}')
-    _trace_error(tmp_path, f"{meta}: schema version 3 is newer than this pcpviz (1); upgrade pcpviz")
+    _trace_error(tmp_path, f"{meta}: schema version 3 is newer than this pcpviz (2); upgrade pcpviz")
+    meta.write_text('{"pcpviz_trace_schema": ' + "9" * 5000 + '}')
+    _trace_error(tmp_path, f"{meta}: not valid JSON")
+    meta.write_text('{"pcpviz_trace_schema": "' + "9" * 5000 + '"}')
+    _trace_error(tmp_path, f"{meta}: pcpviz_trace_schema must be an int, got '99999")
+    meta.write_text('{"pcpviz_trace_schema": 1}')  # a version-1 run.json over version-2 rank files
+    _trace_error(tmp_path, "rank0.arrow: schema version 2 but run.json says 1 (a file of another run?)")
     meta.write_text('{"pcpviz_trace_schema": "x"}')
     _trace_error(tmp_path, f"{meta}: pcpviz_trace_schema must be an int")
     meta.write_bytes(b"\xff\xfe")
@@ -370,15 +379,15 @@ def test_rank_file_identity_problems(tmp_path):
     rank0 = tmp_path / "rank0.arrow"
     good = rank0.read_bytes()
 
-    schema = S.ARROW_SCHEMA.with_metadata({"pcpviz_trace_schema": "2", "rank": "0"})
+    schema = S.ARROW_SCHEMA.with_metadata({"pcpviz_trace_schema": "3", "rank": "0"})
     _raw_rank_file(rank0, schema, [])
-    _trace_error(tmp_path, f"{rank0}: schema version 2 is newer than this pcpviz (1); upgrade pcpviz")
+    _trace_error(tmp_path, f"{rank0}: schema version 3 is newer than this pcpviz (2); upgrade pcpviz")
 
     _raw_rank_file(rank0, S.ARROW_SCHEMA, [])
     _trace_error(tmp_path, f"{rank0}: not a pcpviz rank file (Arrow schema metadata lacks "
                            "'pcpviz_trace_schema')")
 
-    other = pa.schema([("x", pa.int64())], metadata={"pcpviz_trace_schema": "1", "rank": "0"})
+    other = pa.schema([("x", pa.int64())], metadata={"pcpviz_trace_schema": str(S.SCHEMA_VERSION), "rank": "0"})
     _raw_rank_file(rank0, other, [pa.record_batch([pa.array([1])], schema=other)])
     _trace_error(tmp_path, f"{rank0}: unexpected columns (x:int64)")
 
@@ -584,3 +593,25 @@ def test_no_rank_files_and_unrelated_files(tmp_path):
     (tmp_path / "rank01.arrow").write_text("not a canonical rank file name; ignored")
     t = pt.open(tmp_path)
     assert t.ranks == [] and t.steps == [] and t.warnings == []
+
+
+def test_a_string_payload_nested_deep_is_a_one_line_trace_error(tmp_path, monkeypatch):
+    """A string payload (valid crc) nested 100,000 deep is refused by the depth guard, never
+    recursed into (a RecursionError would also upset CPython's AST counter afterwards)."""
+    import ast
+
+    orig = S.encode_value
+
+    def deep(value):
+        e = orig(value)
+        return S.Encoded("str", e.shape, memoryview(b"[" * 100_000 + b"]" * 100_000)) if e.tag == "str" else e
+
+    monkeypatch.setattr(S, "encode_value", deep)
+    with pt.TraceWriter(tmp_path, 0, meta={"producer": "x", "pcp": 1, "block_size": 16}) as w:
+        w.write_step(0, {"target": {"req_ids": np.array(["a", "b"]), "positions": np.arange(3)}})
+    monkeypatch.undo()
+    t = pt.open(tmp_path)
+    with pytest.raises(pt.TraceError) as e:
+        t.record(0, 0, "target")
+    assert "nested too deeply" in str(e.value) and "\n" not in str(e.value) and "req_ids" in str(e.value)
+    ast.parse("x = " + "[" * 50 + "]" * 50)  # the interpreter is still fine

@@ -381,3 +381,108 @@ def test_make_lab_prints_a_url_that_opens_the_quickstart(tmp_path):
                 assert tab.first.inner_text().strip() == "00_quickstart.ipynb"
             finally:
                 browser.close()
+
+
+_INJECTED_STATE = """() => ({
+    xss: window.__pcpviz_xss === undefined ? null : window.__pcpviz_xss,
+    elements: [...document.querySelectorAll('#pcpviz-injected, [src*="pcpviz-injected"], svg[onload], img[onerror]')]
+        .map(e => e.outerHTML.slice(0, 120)),
+    text: document.body.innerText,
+})"""
+
+
+def _hostile_trace(root: Path) -> Path:
+    """A PCP=2 K=2 trace whose every string field (request ids, local request ids, the verify's
+    ids, draft ``view``, ``sampled_from``, run.json's strings) carries an injection payload."""
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    import random
+
+    from hostile import PAYLOADS, inject_meta, inject_strings, rewrite
+    from pcpviz.synthetic import RequestSpec, generate
+
+    clean = generate([RequestSpec(p, 14 + 3 * i, 4) for i, p in enumerate(PAYLOADS)], pcp=2,
+                     num_speculative_tokens=2).write(root / "clean")
+    rng = random.Random(0)
+    return rewrite(clean, root / "hostile", lambda s, r, ph: inject_strings(rng, s, r, ph), meta_edit=inject_meta)
+
+
+def _assert_inert(page, where: str, dialogs: list, requests: list) -> None:
+    state = page.evaluate(_INJECTED_STATE)
+    assert not dialogs, f"{where}: a payload opened a dialog: {dialogs}"
+    assert state["xss"] is None, f"{where}: a payload ran (window.__pcpviz_xss = {state['xss']})"
+    assert not state["elements"], f"{where}: injected elements: {state['elements']}"
+    hits = [u for u in requests if "pcpviz-injected" in u]
+    assert not hits, f"{where}: a payload made requests: {hits}"
+    assert "pcpviz-injected-1" in state["text"], f"{where}: the payloads are not shown as text"
+
+
+def test_injection_payloads_in_a_trace_stay_text_in_the_workbench_and_the_html_export(lab, tmp_path):
+    """Every string of a trace is untrusted: the Workbench in JupyterLab (header, status, checks,
+    every figure's titles, ticks, hover text and annotations, over several steps and both ranks)
+    and the HTML export show the payloads as text. No dialog, no script run, no request (the Jupyter
+    API is in reach of a script in the page), no injected element."""
+    from playwright.sync_api import sync_playwright
+
+    from pcpviz.views.export.html import export_html
+
+    base, token = lab
+    trace = _hostile_trace(tmp_path)
+    page_html = Path(export_html(trace, tmp_path / "hostile.html"))
+    nb = {"cells": [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+                     "source": ["import warnings; warnings.simplefilter('ignore')\n",
+                                "from pcpviz.views.widgets import Workbench\n",
+                                f"wb = Workbench({str(trace)!r})\n", "wb"]},
+                    {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+                     "source": ["for s in list(wb.step.options)[:6]:\n",
+                                "    for r in wb.rank.options:\n", "        wb.set(step=s, rank=r[1])\n",
+                                "wb.set(step=list(wb.step.options)[2], rank=1, highlight=wb.req_ids[0])\n"]}],
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    (tmp_path / "lab" / "notebooks" / "hostile.ipynb").write_text(json.dumps(nb))
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROME_ARGS, timeout=60_000)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 4400})
+            page.set_default_timeout(60_000)
+            dialogs, requests, errors = [], [], []
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.on("request", lambda r: requests.append(r.url))
+            page.on("pageerror", lambda e: errors.append(str(e)[:300]))
+            _open_and_run_all(page, base, token, "hostile.ipynb")
+            deadline = time.monotonic() + 240
+            while True:
+                state = _workbench_state(page)
+                if state.get("found") and state["plots"] >= 5 and _all_cells_ran(page) and all(state["titles"][:4]):
+                    break
+                if time.monotonic() > deadline:
+                    page.screenshot(path=str(SHOTS / "hostile_timeout.png"), full_page=True)
+                    raise AssertionError(f"workbench did not render on the hostile trace: {state.get('plots')} plots, "
+                                         f"titles {[t[:40] for t in state.get('titles', [])]}, page errors {errors[:3]}")
+                page.wait_for_timeout(500)
+            page.wait_for_timeout(2000)  # the last widget messages, hover layers
+            for plot in page.locator(".pcpviz-workbench .js-plotly-plot .nsewdrag").all()[:6]:
+                plot.hover()  # hover labels draw the hover text
+                page.wait_for_timeout(150)
+            assert "Traceback" not in state["text"] and "Error displaying widget" not in state["text"]
+            page.locator(".pcpviz-workbench").first.screenshot(path=str(SHOTS / "hostile_workbench.png"))
+            _assert_inert(page, "Workbench", dialogs, requests)
+
+            dialogs.clear()
+            requests.clear()
+            page = browser.new_page(viewport={"width": 1400, "height": 4400})  # a fresh page: file:// from Lab's is refused
+            page.set_default_timeout(60_000)
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.on("request", lambda r: requests.append(r.url))
+            page.goto(page_html.as_uri(), wait_until="load")
+            page.wait_for_selector("body[data-ready='1']", timeout=60_000)
+            for i in range(3):  # a few steps of the export
+                page.locator("#step").focus()
+                page.keyboard.press("ArrowRight")
+                page.wait_for_timeout(300)
+            for plot in page.locator(".js-plotly-plot .nsewdrag").all()[:6]:
+                plot.hover()
+                page.wait_for_timeout(150)
+            _assert_inert(page, "HTML export", dialogs, requests)
+        finally:
+            browser.close()

@@ -200,3 +200,20 @@ def test_malformed_views_are_drawn_as_a_message(tmp_path, phase, view, damage):
 
 
 VIEW_NAMES_ALL = ("token_order", "timeline", "block_tables", "slot_mappings", "acceptance")
+
+
+def test_a_long_trace_shows_an_even_sample_of_its_steps(tmp_path, monkeypatch):
+    """Past ``MAX_ENTRIES`` (step, rank) pages the report holds an even sample of the steps (first
+    and last included) and says so; its size no longer grows with the number of steps."""
+    import pcpviz.trace as pt
+    from pcpviz.views.export import html as H
+
+    trace = Path(__file__).resolve().parents[2] / "data" / "traces" / "cpu-pcp2-mtp2"
+    steps = pt.open(trace).steps
+    monkeypatch.setattr(H, "MAX_ENTRIES", 8)  # 4 steps on 2 ranks
+    out = H.export_html(trace, tmp_path / "r.html")
+    text = Path(out).read_text()
+    data = H.embedded_data(text)
+    assert data["steps"][0] == steps[0] and data["steps"][-1] == steps[-1] and len(data["steps"]) == 4
+    assert f"4 of {len(steps)} steps shown" in text
+    assert H.shown_steps(range(100_000), 2, [77_777]) == sorted(set(H.shown_steps(range(100_000), 2)) | {77_777})

@@ -412,3 +412,63 @@ def test_workbench_shows_a_rerun_line_only_while_no_figure_is_drawn():
     wb = Workbench(TRACE, checks=False)
     note = wb.children[0].value
     assert "re-run this cell" in note and ":not(:has(.js-plotly-plot .hm))" in note
+
+
+def test_a_trace_still_being_written_shows_what_is_complete(tmp_path):
+    """Writers still open: rank 1 started first (a placeholder run.json for a moment), holds one
+    step fewer than rank 0 and ends in a partial step. The Workbench opens on it, shows every
+    complete step, and on rank 1 at the step it lacks says so instead of raising."""
+    import os
+    import warnings
+
+    src = pt.open(TRACE)
+    d = tmp_path / "live"
+    meta = {k: v for k, v in src.meta.items() if k != "pcpviz_trace_schema"}
+    w1 = pt.TraceWriter(d, 1)
+    for s in src.rank_steps(1)[:2]:
+        w1.write_step(s, {ph: dict(src.record(s, 1, ph)) for ph in src.phases(s, 1)})
+    w0 = pt.TraceWriter(d, 0, meta=meta)
+    for s in src.rank_steps(0)[:3]:
+        w0.write_step(s, {ph: dict(src.record(s, 0, ph)) for ph in src.phases(s, 0)})
+    os.write(w1._fd, b"\xff\xff\xff\xff\x40\x00\x00\x00" + bytes(20))  # a step being written
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wb = Workbench(d, rank=1, step=src.steps[2])
+    assert list(wb.step.options) == src.steps[:3]
+    assert "not (yet) recorded on rank 1" in wb.figures["token_order"].layout.title.text
+    wb.rank.value = 0
+    assert wb.figures["token_order"].data  # rank 0 has the step: drawn
+    wb.set(step=src.steps[0], rank=1)
+    assert wb.figures["token_order"].data
+    w0.close()
+    w1.close()
+
+
+def test_every_widget_text_and_figure_string_is_escaped(tmp_path):
+    """Every string a trace carries (request ids here) reaches the widgets' HTML and the figure
+    specs (hover text, tick labels, titles, annotations) only escaped."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    from hostile import PAYLOADS
+    from pcpviz.synthetic import RequestSpec, generate
+
+    run = generate([RequestSpec(p, 12 + i, 3) for i, p in enumerate(PAYLOADS)], pcp=2, num_speculative_tokens=2)
+    w = Workbench(pt.open(run.write(tmp_path / "t")))
+    texts = [w.header.value, w.status.value]
+    if w.checks_box is not None:
+        texts += [c.value for c in _walk(w.checks_box) if hasattr(c, "value") and isinstance(c.value, str)]
+    for step in list(w.step.options)[:4]:
+        for rank in w.rank.options:
+            w.set(step=step, rank=rank[1])
+            texts.append(w.status.value)
+            texts += [json.dumps(f.to_plotly_json(), default=str) for f in w.figures.values()]
+    blob = "\n".join(texts)
+    for bad in ("<img", "<script", "<svg", "<iframe", "<b id=pcpviz-injected"):
+        assert bad not in blob and bad.replace("<", "\\u003c") not in blob, bad
+
+
+def _walk(widget):
+    yield widget
+    for c in getattr(widget, "children", ()):
+        yield from _walk(c)

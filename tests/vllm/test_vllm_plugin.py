@@ -23,6 +23,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pcpviz.vllm import cpu_patches
@@ -241,6 +242,35 @@ def test_lenient_session_logs_and_disables_strict_raises(tmp_path, caplog):
     strict = recording.TraceSession(tmp_path / "b", producer="vllm-replay", strict=True).recorder_for(_Manager())
     with pytest.raises(KeyError):
         strict.guard(boom)
+
+
+@pytest.mark.parametrize("name", [".writer.lock", "run.json", "rank0.arrow"])
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_planted_file_in_the_trace_dir_is_one_warning_never_a_block(tmp_path, caplog, name, kind):
+    """A FIFO or a link (to a victim file) planted in $PCPVIZ_TRACE_DIR: the recorder's first
+    step gives one warning naming the file and records nothing; it never blocks inside the vLLM
+    worker, never raises into it, and never writes through the link."""
+    from pcpviz.vllm import recording
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    d = tmp_path / "trace"
+    d.mkdir()
+    if kind == "fifo":
+        os.mkfifo(d / name)
+    else:
+        (d / name).symlink_to(victim)
+    rec = recording.TraceSession(d, producer="vllm-plugin").recorder_for(_Manager())
+    with caplog.at_level(logging.WARNING, logger="vllm.pcpviz"):
+        for _ in range(3):  # the next step's begin writes the pending one
+            rec.guard(rec.begin_step)
+            rec.guard(rec.put, "target", positions=np.arange(3))
+        rec.close()
+    warnings_ = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert rec.disabled and len(warnings_) == 1 and name in warnings_[0], warnings_
+    assert "Traceback" not in caplog.text
+    assert victim.read_text() == "precious\n"
+    assert not (d / "rank0.arrow").exists() or name == "rank0.arrow"
 
 
 class SimpleManager:

@@ -122,6 +122,8 @@ class Ctx:
             return None
         if _is_warmup(pv.recs[self.rank]) or _is_warmup(self.phases):
             return None  # vLLM's synthetic warm-up steps do not continue into serving
+        if pv.cache.get(("bounds", self.rank)):
+            return None  # a malformed previous step gives nothing to compare with
         return Ctx(self.cfg, pv, self.rank, self.check)
 
     # -- derived quantities (cached per step where they are rank-independent)
@@ -215,13 +217,20 @@ class Ctx:
                       cp_interleave=self.cfg.dcp_interleave)
         rows = np.arange(table.shape[1], dtype=np.int64)
         out = []
+        null_table = np.zeros((table.shape[1], 1), table.dtype)
         for g in range(table.shape[0]):
-            tg = table[g]
-            if positions.size:
-                width = int(positions.max()) // (sizes[g] * self.cfg.dcp) + 1
-                if width > tg.shape[1]:
-                    tg = np.concatenate([tg, np.zeros((tg.shape[0], width - tg.shape[1]), tg.dtype)], axis=1)
-            out.append(compute_slot_mappings(tg, sizes[g], rows, qsl, positions, **kw)[0])
+            span = sizes[g] * self.cfg.dcp
+            # a block past the table's width reads the null block 0: such a token gets the slot
+            # a one-column zero table gives for its offset (no table padded to the position)
+            past = positions // span >= table.shape[2]
+            tg = table[g] if table.shape[2] else null_table
+            slots = compute_slot_mappings(tg, sizes[g], rows, qsl, np.where(past, 0, positions), **kw)[0]
+            if past.any():
+                null = compute_slot_mappings(null_table, sizes[g], rows, qsl, positions % span, **kw)[0]
+                if null.shape != past.shape:
+                    raise ValueError(f"{positions.shape[0]} positions for {null.shape[0]} scheduled tokens")
+                slots = np.where(past, null, slots)
+            out.append(slots)
         return np.stack(out) if out else np.zeros((0, int(qsl[-1])), dtype=np.int64)
 
     def no_null_block(self, phase: str, view: str, expected: np.ndarray, actual: np.ndarray,

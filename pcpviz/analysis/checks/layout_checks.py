@@ -10,7 +10,25 @@ from pcpviz.analysis.compare import fmt_value as _fmt, short_repr
 from pcpviz.reference.layout import plan_layout, replicated_requests
 from pcpviz.trace import SEGMENT_DTYPE, segments_table
 
+from pcpviz.trace.bounds import step_problems
+
 from .context import Ctx, Skip, check, _g2, _g3, _rank_segments, _segment_rows, _segments, _str0
+
+
+@check("views_in_bounds",
+        "every view fits its declaration (dtype, number of axes) and the bounds on sizes taken "
+        "from a file (indices in -1..2**31-1, strings of at most 4096 characters, at most 2**24 "
+        "tokens), and num_scheduled_tokens, query_start_loc and the token axis agree; the other "
+        "checks do not run on a (step, rank) that fails it")
+def views_in_bounds(c: Ctx) -> None:
+    problems = c.sv.cache.get(("bounds", c.rank))
+    if problems is None:
+        problems = step_problems(c.phases)
+    if problems:
+        phase, _, rest = problems[0].partition(".")
+        view = rest.split(":", 1)[0].split("[", 1)[0]
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        c.fail(phase, view, problems[0].split(": ", 1)[1] + more)
 
 @check("layout_matches_plan",
         "recorded segments, per_rank_num_tokens, padded_gather_idx, hidden_restore_idx and "

@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
+from pcpviz.trace.bounds import step_problems
 from pcpviz.trace.validate import trusted_meta
 from pcpviz.trace.validate import validate as validate_trace
 
@@ -80,9 +81,16 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
         missing = tuple(r for r in ranks if step not in rank_steps[r]
                         and last_step[r] is not None and last_step[r] > step)
         sv = StepView(step, recs, prev, missing)
+        for r in recs:  # a malformed (step, rank) is reported by views_in_bounds only
+            sv.cache[("bounds", r)] = step_problems(recs[r])
         for r in recs:
             for d in defs:
                 st = stats[d.name]
+                if sv.cache[("bounds", r)] and d.name != "views_in_bounds":
+                    st.skipped += 1
+                    if st.skip_reason is None:
+                        st.skip_reason = f"step {step} rank {r}: malformed views (views_in_bounds)"
+                    continue
                 try:
                     d.fn(Ctx(cfg, sv, r, d.name))
                     st.evaluated += 1

@@ -50,7 +50,8 @@ from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 
 __all__ = ["Hypothesis", "Explanation", "explain", "CLEAN", "FAULT", "UNEXPLAINED", "ACCEPTANCE_REGRESSION",
-           "DIVERGED"]
+           "DIVERGED", "rerun_plan", "RERUN_MAX_PROMPTS", "RERUN_MAX_NEW_TOKENS", "RERUN_MAX_PROMPT_TOKENS",
+           "RERUN_MAX_PCP"]
 
 CLEAN, FAULT, UNEXPLAINED, ACCEPTANCE_REGRESSION = "CLEAN", "FAULT", "UNEXPLAINED", "ACCEPTANCE_REGRESSION"
 DIVERGED = "DIVERGED"
@@ -171,29 +172,71 @@ def _rank(hyps: list[Hypothesis], report) -> tuple[Hypothesis, ...]:
     return tuple(sorted(hyps, key=lambda h: (_ORDER[h.status], where(h), -h.score, h.fault)))
 
 
-def _rerun(trace: Trace, out_dir: str) -> tuple[str | None, str]:
-    """Re-run the trace's prompts on the engine (same PCP, K, block size); (trace dir, note)."""
-    import pcpviz
+RERUN_MAX_PROMPTS = 64
+"""Most prompts ``explain`` re-runs on the engine (more: give GOOD, or ``--no-rerun``)."""
+RERUN_MAX_NEW_TOKENS = 256
+"""Most tokens per prompt a re-run generates."""
+RERUN_MAX_PROMPT_TOKENS = 1 << 16
+"""Most prompt tokens (all prompts together) a re-run prefills."""
+RERUN_MAX_PCP = 8
+"""Most ranks a re-run starts (CPU processes)."""
 
-    m = trace.meta
+
+def rerun_plan(trace: Trace) -> tuple[dict | None, str]:
+    """What ``explain`` would re-run for ``trace`` (``pcpviz.run`` arguments), or None and why
+    not: run.json records no prompts, or asks for more than the caps above, or its ``pcp``
+    disagrees with the rank files. Read from run.json's schema-valid keys only."""
+    from pcpviz.trace.validate import trusted_meta, validate
+
+    m = trusted_meta(trace.meta, validate(trace))
     launch = m.get("launch") if isinstance(m.get("launch"), dict) else {}
     prompts = m.get("prompt_token_ids") or m.get("prompts")
     if not prompts:
         return None, "no re-run: run.json records no prompts (prompt_token_ids / prompts)"
-    max_new = m.get("max_new_tokens") or (launch.get("sampling") or {}).get("max_tokens")
-    budget = m.get("max_num_batched_tokens") or (launch.get("llm_kwargs") or {}).get("max_num_batched_tokens")
-    opts = {"max_num_batched_tokens": int(budget)} if budget else {}
+    if isinstance(prompts, dict):  # request id -> prompt
+        prompts = list(prompts.values())
+    sampling = launch.get("sampling") if isinstance(launch.get("sampling"), dict) else {}
+    max_new = m.get("max_new_tokens") or sampling.get("max_tokens") or 32
+    kwargs = launch.get("llm_kwargs") if isinstance(launch.get("llm_kwargs"), dict) else {}
+    budget = m.get("max_num_batched_tokens") or kwargs.get("max_num_batched_tokens")
+    pcp = m.get("pcp") or 1
+    ok_prompts = isinstance(prompts, list) and all(
+        isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p)) for p in prompts)
+    tokens = sum(len(p) for p in prompts) if ok_prompts else 0
+    why = ("its prompts are not a list of strings or token-id lists" if not ok_prompts
+           else f"{len(prompts)} prompts, more than the {RERUN_MAX_PROMPTS} a re-run runs"
+           if len(prompts) > RERUN_MAX_PROMPTS
+           else f"{tokens} prompt tokens, more than the {RERUN_MAX_PROMPT_TOKENS} a re-run prefills"
+           if tokens > RERUN_MAX_PROMPT_TOKENS
+           else f"max_new_tokens {max_new!r}, not an int in 1..{RERUN_MAX_NEW_TOKENS} (what a re-run generates)"
+           if type(max_new) is not int or not 1 <= max_new <= RERUN_MAX_NEW_TOKENS
+           else f"pcp={pcp}, but the trace has {len(trace.ranks)} rank files" if pcp != len(trace.ranks)
+           else f"pcp={pcp}, more than the {RERUN_MAX_PCP} ranks a re-run starts" if pcp > RERUN_MAX_PCP
+           else f"max_num_batched_tokens {budget!r} is not an int in 1..{1 << 20}"
+           if budget is not None and (type(budget) is not int or not 1 <= budget <= 1 << 20) else None)
+    if why:
+        return None, f"no re-run: run.json asks for {why}; give GOOD (a good run) or pass --no-rerun"
+    opts = {"max_num_batched_tokens": budget} if budget else {}
     if m.get("dtype") in ("float32", "bfloat16"):
         opts["dtype"] = m["dtype"]
+    return dict(prompts=prompts, pcp=pcp, num_speculative_tokens=m.get("num_speculative_tokens") or 0,
+                block_size=m.get("block_size") or 16, max_new_tokens=max_new, **opts), ""
+
+
+def _rerun(trace: Trace, out_dir: str) -> tuple[str | None, str]:
+    """Re-run the trace's prompts on the engine (same PCP, K, block size); (trace dir, note)."""
+    import pcpviz
+
+    plan, why = rerun_plan(trace)
+    if plan is None:
+        return None, why
+    prompts = plan.pop("prompts")
     try:
-        pcpviz.run(prompts, pcp=int(m.get("pcp") or 1),
-                   num_speculative_tokens=int(m.get("num_speculative_tokens") or 0),
-                   block_size=int(m.get("block_size") or 16), max_new_tokens=int(max_new or 32),
-                   trace_dir=out_dir, progress=False, **opts)
+        pcpviz.run(prompts, trace_dir=out_dir, progress=False, **plan)
     except (ValueError, RuntimeError, OSError) as e:
         return None, f"no re-run: {' '.join(str(e).split())}"
     return out_dir, (f"reference: a clean engine re-run of the same {len(prompts)} prompts "
-                     f"(PCP {m.get('pcp')}, K {m.get('num_speculative_tokens')}, block size {m.get('block_size')})")
+                     f"(PCP {plan['pcp']}, K {plan['num_speculative_tokens']}, block size {plan['block_size']})")
 
 
 def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | None = None, *,

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from pcpviz.trace.schema import causal_phase_key
+from pcpviz.views.export.atomic import atomic_output
 from pcpviz.trace import Trace, TraceError, draft_index
 from pcpviz.trace import open as open_trace
 
@@ -287,9 +288,7 @@ def export_chrome(trace: Trace | str | os.PathLike, out: str | os.PathLike, *,
 
 
 def _dump(doc: dict[str, Any], path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
+    with atomic_output(path) as fh:
         # Default separators on purpose: HTA finds a file's rank with the regex '"rank":\s+(\d+)'
         # (a space after the colon), reading line by line, so distributedInfo comes first.
         json.dump(doc, fh, allow_nan=False)
-    os.replace(tmp, path)

@@ -26,10 +26,11 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from pcpviz.views import figures as fg
+from pcpviz.views.export.atomic import atomic_output
 from pcpviz.trace import Trace, phase_sort_key
 from pcpviz.trace import open as open_trace
 
-__all__ = ["export_html", "STEP_VIEWS", "pack", "unpack", "embedded_data"]
+__all__ = ["export_html", "STEP_VIEWS", "pack", "unpack", "embedded_data", "shown_steps", "MAX_ENTRIES"]
 
 STEP_VIEWS = ("token_order", "timeline", "block_tables", "slot_mappings")
 """Views precomputed per (step, rank); ``acceptance`` is one figure for the run."""
@@ -190,10 +191,9 @@ _DATA_OPEN = '<script type="application/json" id="pcpviz-data">'
 
 def _status(step: int, rank: int, recs: dict, draft_phase: str | None, flags: list, marks: list[str]) -> str:
     parts = [f"<b>step {step}</b> · rank {rank} · phases {', '.join(sorted(recs, key=phase_sort_key))}"]
-    target = recs.get("target")
-    if target is not None and "per_rank_num_tokens" in target:
-        sl = fg.step_layout(target)
-        parts.append(f"T={sl.num_tokens}, R={sl.num_reqs}, P={sl.padded}, per-rank {sl.per_rank_num_tokens.tolist()}")
+    summary = fg.layout_summary(recs.get("target"))
+    if summary:
+        parts.append(html.escape(summary))
     if draft_phase:
         parts.append(f"draft panels show <b>{draft_phase}</b>")
     out = " · ".join(parts)
@@ -226,6 +226,54 @@ def _checks_html(report: Any) -> str:
             + "".join(rows) + "</table></details>")
 
 
+MAX_ENTRIES = 4000
+"""Most (step, rank) pages one report precomputes: a longer trace shows an even sample of its
+steps plus every step a check's first violation is at (the Workbench shows them all)."""
+
+
+def shown_steps(steps: Sequence[int], num_ranks: int, keep: Sequence[int] = ()) -> list[int]:
+    """The steps a report precomputes: all of them up to ``MAX_ENTRIES`` (step, rank) pages, else
+    an even sample with the first and last step and the ``keep`` steps (first violations).
+    100,000 steps on 2 ranks: 2,000 steps, every 50th, plus the violations."""
+    steps = list(steps)
+    budget = max(1, MAX_ENTRIES // max(num_ranks, 1))
+    if len(steps) <= budget:
+        return steps
+    picked = {steps[round(i * (len(steps) - 1) / (budget - 1))] for i in range(budget)} if budget > 1 else {steps[0]}
+    return sorted(picked | (set(keep) & set(steps)))
+
+
+def _shown_note(shown: Sequence[int], steps: Sequence[int]) -> str:
+    if len(shown) == len(steps):
+        return ""
+    return (f"<br><b>{len(shown)} of {len(steps)} steps shown</b> (an even sample and every step of a first "
+            "violation); the Workbench shows every step")
+
+
+def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list) -> dict:
+    """The figures (as plain objects) and the status line of one (step, rank) page."""
+    recs = {p: trace.record(step, rank, p) for p in trace.phases(step, rank) if p != "dummy"}
+    target = recs["target"]
+    dp = fg.draft_source_phase(recs, None)
+    draft = recs.get(dp) if dp else None
+    flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft), recs=recs)
+    flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
+    build = {  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
+        "token_order": lambda: fg.token_order_spec(target, rank=rank, colors=colors),
+        "timeline": lambda: fg.draft_timeline_spec(recs, step=step, rank=rank, selected_phase=dp),
+        "block_tables": lambda: fg.block_tables_spec(target, draft, draft_phase=dp, rank=rank,
+                                                     colors=colors, flags=flags),
+        "slot_mappings": lambda: fg.slot_mappings_spec(target, draft, draft_phase=dp, colors=colors),
+    }
+    figs = {name: fg.as_figure(fg.drawn(name, step, rank, fn, recs=recs)) for name, fn in build.items()}
+    marks_all = []
+    for name, fig in figs.items():
+        for m in fg.violation_marks(violations, name, step, rank, dp):
+            fg.mark_violation(fig, m)
+            marks_all.append(m)
+    return {**{n: _fig_obj(f) for n, f in figs.items()}, "status": _status(step, rank, recs, dp, flags, marks_all)}
+
+
 def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLike, *,
                 ranks: Sequence[int] | None = None, checks: bool = True, title: str | None = None) -> str:
     """Write the self-contained HTML report of ``trace_path`` to ``out_path``; returns the path.
@@ -246,36 +294,15 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
     violations = [r.first_violation for r in report.results.values()
                   if r.first_violation is not None] if report is not None else []
     acceptance = fg.load_acceptance(trace)
-
+    shown = shown_steps(trace.steps, len(ranks), [v.step for v in violations])
     entries: dict[str, dict] = {}
-    for step in trace.steps:
+    for step in shown:
         for rank in ranks:
-            if not trace.has(step, rank, "target"):
-                continue
-            recs = {p: trace.record(step, rank, p) for p in trace.phases(step, rank) if p != "dummy"}
-            target = recs["target"]
-            dp = fg.draft_source_phase(recs, None)
-            draft = recs.get(dp) if dp else None
-            flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft))
-            flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
-            build = {  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
-                "token_order": lambda: fg.token_order_spec(target, rank=rank, colors=colors),
-                "timeline": lambda: fg.draft_timeline_spec(recs, step=step, rank=rank, selected_phase=dp),
-                "block_tables": lambda: fg.block_tables_spec(target, draft, draft_phase=dp, rank=rank,
-                                                             colors=colors, flags=flags),
-                "slot_mappings": lambda: fg.slot_mappings_spec(target, draft, draft_phase=dp, colors=colors),
-            }
-            figs = {name: fg.as_figure(fg.drawn(name, step, rank, fn)) for name, fn in build.items()}
-            marks_all = []
-            for name, fig in figs.items():
-                for m in fg.violation_marks(violations, name, step, rank, dp):
-                    fg.mark_violation(fig, m)
-                    marks_all.append(m)
-            entries[f"{step},{rank}"] = {**{n: _fig_obj(f) for n, f in figs.items()},
-                                          "status": _status(step, rank, recs, dp, flags, marks_all)}
+            if trace.has(step, rank, "target"):
+                entries[f"{step},{rank}"] = _entry(trace, step, rank, colors=colors, violations=violations)
     acc_fig = fg.acceptance_figure(acceptance, step=None, colors=colors)
     (acc_packed, figs_packed), shared = pack([_fig_obj(acc_fig), entries])
-    data = json.dumps({"steps": list(trace.steps), "ranks": ranks, "views": list(STEP_VIEWS), "shared": shared,
+    data = json.dumps({"steps": list(shown), "ranks": ranks, "views": list(STEP_VIEWS), "shared": shared,
                        "acceptance": acc_packed, "figs": figs_packed}, separators=(",", ":"), allow_nan=False)
     data = data.replace("</", "<\\/")  # never close the <script> early; "\/" is a valid JSON escape
 
@@ -293,9 +320,9 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
 </head><body>
 <h1>{html.escape(title)}</h1>
 <div class="meta">trace <code>{html.escape(str(trace.path))}</code> — {len(trace.steps)} steps, ranks {trace.ranks},
-requests {html.escape(", ".join(req_ids))}<br>{meta}</div>
+requests {html.escape(fg.shorten(", ".join(req_ids), 2000))}<br>{meta}{_shown_note(shown, trace.steps)}</div>
 <div class="controls">
- <label>step <input type="range" id="step" min="0" max="{len(trace.steps) - 1}" value="0" step="1"></label>
+ <label>step <input type="range" id="step" min="0" max="{len(shown) - 1}" value="0" step="1"></label>
  <span id="step-label"></span>
  <label>rank <select id="rank">{rank_opts}</select></label>
  <span class="meta">exported by pcpviz; self-contained (plotly.js inlined, no network)</span>
@@ -309,5 +336,6 @@ requests {html.escape(", ".join(req_ids))}<br>{meta}</div>
 """
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(doc, encoding="utf-8")
+    with atomic_output(out) as fh:
+        fh.write(doc)
     return str(out)

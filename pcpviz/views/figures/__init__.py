@@ -39,10 +39,10 @@ from pcpviz.views.figures.acceptance import (AcceptanceStats, acceptance_figure,
 from pcpviz.views.figures.aggregate import run_edges
 from pcpviz.views.figures.block_tables import RowFlag, block_tables_figure, block_tables_spec, draft_block_table_flags
 from pcpviz.views.figures.canvas import (DIM_COLOR, FLAG_COLOR, TEMPLATE, TOKEN_LIMIT,
-                                   as_figure, request_color_index, validate_figure)
+                                   as_figure, request_color_index, safe_spec, safe_text, shorten, validate_figure)
 from pcpviz.views.figures.lod import PLOT_PX, draw_strip, lod_enabled, pixel_cells
 from pcpviz.views.figures.slot_mappings import slot_mappings_figure, slot_mappings_spec
-from pcpviz.views.figures.step_data import (Rec, StepLayout, draft_source_phase, load_check_report, step_layout,
+from pcpviz.views.figures.step_data import (Rec, StepLayout, draft_source_phase, layout_summary, load_check_report, recorded_phases, step_layout,
                                       trace_req_ids)
 from pcpviz.views.figures.timeline import draft_timeline_figure, draft_timeline_spec
 from pcpviz.views.figures.token_order import token_order_figure, token_order_spec
@@ -50,7 +50,7 @@ from pcpviz.views.figures.violations import drawn, mark_violation, message_spec,
 
 __all__ = [
     "TOKEN_LIMIT", "TEMPLATE", "FLAG_COLOR", "DIM_COLOR", "PLOT_PX",
-    "Rec", "StepLayout", "step_layout", "run_edges", "pixel_cells", "draw_strip", "lod_enabled",
+    "Rec", "StepLayout", "step_layout", "layout_summary", "recorded_phases", "run_edges", "pixel_cells", "draw_strip", "lod_enabled",
     "RowFlag", "draft_block_table_flags", "draft_source_phase",
     "AcceptanceStats", "acceptance_stats", "trace_acceptance",
     "token_order_figure", "block_tables_figure", "slot_mappings_figure",
@@ -58,5 +58,5 @@ __all__ = [
     "violation_view", "violation_marks", "validate_figure", "load_acceptance", "from_diff_acceptance",
     "load_check_report", "trace_req_ids", "request_color_index",
     "token_order_spec", "block_tables_spec", "slot_mappings_spec", "draft_timeline_spec", "acceptance_spec", "as_figure",
-    "drawn", "message_spec",
+    "drawn", "message_spec", "safe_text", "safe_spec", "shorten",
 ]

@@ -14,6 +14,8 @@ req0 and req1 draws req0's tokens at level 6 and req1's at level 7.
 
 from __future__ import annotations
 
+import html
+import re
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -24,7 +26,7 @@ from pcpviz.views.figures.palette import DIM_COLOR, PAD_COLOR, heat_z, request_c
 
 __all__ = ["TOKEN_LIMIT", "TEMPLATE", "FLAG_COLOR",
            "WRITTEN_COLOR", "REPLICA_COLOR", "NULL_COLOR", "DIM_COLOR", "PAD_COLOR",
-           "request_color_index", "validate_figure", "as_figure"]
+           "request_color_index", "validate_figure", "as_figure", "safe_text", "safe_spec", "shorten"]
 
 TOKEN_LIMIT = 1024
 """Index maps (gather / restore) up to this many entries are drawn one marker per entry, longer
@@ -149,9 +151,55 @@ class _Canvas:
         self.layout[f"{which}axis{name[1:]}"].update(props)
 
     def spec(self, **layout) -> dict:
-        """The figure as plain data: ``{"data": [trace dicts], "layout": {...}}``."""
+        """The figure as plain data: ``{"data": [trace dicts], "layout": {...}}``; every string in
+        it passed through ``safe_text`` (trace strings are untrusted)."""
         lay = {"autosize": True, **self.layout, **layout, "shapes": self.shapes, "annotations": self.annotations}
-        return {"data": self.data, "layout": lay}
+        return safe_spec({"data": self.data, "layout": lay})
+
+
+_MARKUP = re.compile(r"<(?:br|/?b|/?i|/?sub|/?sup|/?extra)>")
+"""The plotly text markup the figures themselves write; every other ``<`` is escaped."""
+_MAX_TEXT = 300
+"""Longest string a figure shows; longer ones (a 10 MB request id) are cut, saying how long."""
+
+
+def shorten(text: str, limit: int = _MAX_TEXT) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was (a 10 MB request id shown
+    in a header or a hover label must not cost 10 MB per copy)."""
+    return text if len(text) <= limit else text[:max(limit - 40, 1)] + f"... ({len(text)} characters)"
+
+
+def safe_text(text: str) -> str:
+    """``text`` as plotly shows it literally: ``&``, ``<``, ``>`` escaped except the markup the
+    figures write (``<br>``, ``<b>``, ``<i>``, ``<sub>``, ``<sup>``, ``<extra>``), cut to
+    ``_MAX_TEXT`` characters. ``safe_text('<img src=x onerror=alert(1)><br>q 3')`` is
+    ``'&lt;img src=x onerror=alert(1)&gt;<br>q 3'``."""
+    text = shorten(text)
+    if not any(c in text for c in "<>&"):
+        return text
+    parts = _MARKUP.split(text)
+    marks = _MARKUP.findall(text)
+    out = [html.escape(parts[0], quote=False)]
+    for mark, part in zip(marks, parts[1:]):
+        out += [mark, html.escape(part, quote=False)]
+    return "".join(out)
+
+
+_safe_array = np.frompyfunc(lambda v: safe_text(v) if isinstance(v, str) else v, 1, 1)
+
+
+def safe_spec(obj: Any) -> Any:
+    """A figure spec (or any part of one) with every string through ``safe_text``: dict values,
+    list items and string or object arrays (hover-text matrices). Numbers are left as they are."""
+    if isinstance(obj, str):
+        return safe_text(obj)
+    if isinstance(obj, dict):
+        return {k: safe_spec(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [safe_spec(v) for v in obj]
+    if isinstance(obj, np.ndarray) and obj.dtype.kind in "OU":
+        return _safe_array(obj.astype(object)) if obj.size else obj
+    return obj
 
 
 def as_figure(spec: dict) -> go.Figure:

@@ -16,10 +16,11 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from pcpviz.trace.bounds import step_problems
 from pcpviz.trace.reader import Record
 from pcpviz.trace.schema import SEGMENT_DTYPE
 
-__all__ = ["Rec", "StepLayout", "step_layout", "draft_source_phase", "trace_req_ids", "load_check_report"]
+__all__ = ["Rec", "StepLayout", "step_layout", "layout_summary", "recorded_phases", "draft_source_phase", "trace_req_ids", "load_check_report"]
 
 Rec = Mapping[str, np.ndarray]
 """One phase's views: ``trace.record(step, rank, phase)``."""
@@ -113,7 +114,30 @@ def step_layout(target: Rec) -> StepLayout:
     return sl
 
 
+def recorded_phases(trace: Any, step: int, rank: int) -> list[str]:
+    """The phases ``step`` holds on ``rank``, [] when that rank has not (yet) recorded it (a trace
+    still being written, or damaged, holds some steps on some ranks only)."""
+    if rank not in trace.files or step not in set(trace.rank_steps(rank)):
+        return []
+    return trace.phases(step, rank)
+
+
+def layout_summary(target: Rec | None) -> str | None:
+    """``T=48, R=2, P=26, per-rank [22, 26]`` for a target record with a layout (None without
+    one); for a malformed one what is wrong, as text (escape it for HTML)."""
+    if target is None or "per_rank_num_tokens" not in target:
+        return None
+    try:
+        sl = step_layout(target)
+    except (IndexError, ValueError, TypeError, KeyError) as exc:
+        return f"cannot lay out this step: {' '.join(str(exc).split())[:200]}"
+    return f"T={sl.num_tokens}, R={sl.num_reqs}, P={sl.padded}, per-rank {sl.per_rank_num_tokens.tolist()}"
+
+
 def _step_layout(target: Rec) -> StepLayout:
+    problems = step_problems({"target": target})
+    if problems:  # sizes from a malformed record are never allocated
+        raise ValueError(f"malformed views: {problems[0]}")
     req_ids = tuple(str(x) for x in np.asarray(target["req_ids"]).ravel())
     q = np.asarray(target["num_scheduled_tokens"], dtype=np.int64)
     qsl = _arr(target, "query_start_loc")

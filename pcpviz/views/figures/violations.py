@@ -44,7 +44,9 @@ def mark_violation(fig: go.Figure | dict, text: str) -> go.Figure | dict:
     """Add a red banner to ``fig`` (a check's violation located on this view). A ``go.Figure`` is
     changed in place; a spec (plain dict) is returned as a new spec, the given one left as it was
     (the Workbench caches specs)."""
-    ann = dict(text="✗ " + text, xref="paper", yref="paper", x=0, y=1, xanchor="left", yanchor="bottom",
+    from pcpviz.views.figures.canvas import safe_text
+
+    ann = dict(text="✗ " + safe_text(text), xref="paper", yref="paper", x=0, y=1, xanchor="left", yanchor="bottom",
                yshift=28, showarrow=False, align="left", font=dict(color="#fff", size=12), bgcolor=FLAG_COLOR)
     if isinstance(fig, dict):
         layout = fig["layout"]
@@ -59,20 +61,28 @@ MALFORMED = (IndexError, ValueError, TypeError, KeyError)
 
 def message_spec(text: str, *, height: int = 120) -> dict:
     """A figure spec holding only a title (a view that cannot be drawn for this step)."""
-    from pcpviz.views.figures.canvas import TEMPLATE
+    from pcpviz.views.figures.canvas import TEMPLATE, safe_text
 
-    return {"data": [], "layout": {"template": TEMPLATE, "height": height, "title": {"text": text},
+    return {"data": [], "layout": {"template": TEMPLATE, "height": height, "title": {"text": safe_text(text)},
                                    "shapes": [], "annotations": []}}
 
 
-def drawn(view: str, step: int, rank: int, build):
+def drawn(view: str, step: int, rank: int, build, *, recs=None):
     """``build()``, or a ``message_spec`` naming the view, step and rank when a view it reads is
     missing or malformed (a producer that records fewer views, or a damaged one); a
     ``TraceError`` (a payload failing its crc32) still raises. PCP=2 example: a target record
     whose ``kv_write_mask`` is [1, 2P] instead of [2P] gives the title ``token_order: cannot
-    draw step 4 rank 1 (malformed views?): IndexError: too many indices ...``."""
+    draw step 4 rank 1 (malformed views?): IndexError: too many indices ...``. ``recs`` (the step's ``{phase: record}``): when
+    given, a step breaking a bound (``pcpviz.trace.bounds``) is a message before ``build`` runs."""
     from pcpviz.trace import TraceError
 
+    if recs is not None:
+        from pcpviz.trace.bounds import step_problems
+
+        problems = step_problems(recs)
+        if problems:
+            return message_spec(f"{view}: cannot draw step {step} rank {rank}: malformed views: "
+                                f"{problems[0][:160]}")
     try:
         return build()
     except TraceError:

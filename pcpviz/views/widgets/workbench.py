@@ -180,15 +180,13 @@ class Workbench(W.VBox):
     # ------------------------------------------------------------------ data access
 
     def _phases(self, step: int, rank: int) -> list[str]:
-        if not self.trace.has(step, rank, "target") and not self.trace.phases(step, rank):
-            return ["target"]
-        return sorted((p for p in self.trace.phases(step, rank) if p != "dummy"), key=phase_sort_key) or ["target"]
+        return sorted((p for p in fg.recorded_phases(self.trace, step, rank) if p != "dummy"), key=phase_sort_key) or ["target"]
 
     def records(self, step: int | None = None, rank: int | None = None) -> dict[str, Mapping[str, np.ndarray]]:
         """``{phase: record}`` of a step on a rank (default: the current ones)."""
         step = self.step.value if step is None else step
         rank = self.rank.value if rank is None else rank
-        return {p: self.trace.record(step, rank, p) for p in self.trace.phases(step, rank)}
+        return {p: self.trace.record(step, rank, p) for p in fg.recorded_phases(self.trace, step, rank)}
 
     @property
     def draft_phase(self) -> str | None:
@@ -356,7 +354,7 @@ class Workbench(W.VBox):
             target = recs.get("target")
             draft = recs.get(draft_phase) if draft_phase else None
             flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft)
-                             if target is not None else [])
+                             if target is not None else [], recs=recs)
             self._flag_cache[key] = flags if isinstance(flags, list) else []  # a message: no flags
         return self._flag_cache[key]
 
@@ -401,7 +399,8 @@ class Workbench(W.VBox):
         dp = self.draft_phase
         draft = recs.get(dp) if dp else None
         if target is None:
-            return _message_spec(f"step {step} rank {rank}: no target phase recorded", height=160)
+            return _message_spec(f"step {step} rank {rank}: no target phase recorded" if recs else
+                                 f"step {step} is not (yet) recorded on rank {rank}", height=160)
         win = self.windows.get(view) or None
         if view == "token_order":
             spec = fg.token_order_spec(target, rank=rank, highlight=hl, colors=self.colors, windows=win)
@@ -422,7 +421,8 @@ class Workbench(W.VBox):
     def _build_or_explain(self, view: str) -> dict:
         """``_build``, or a placeholder naming the view when a view the figure needs is missing
         (traces from other producers may omit views) or malformed (``fg.drawn``)."""
-        return fg.drawn(view, self.step.value, self.rank.value, lambda: self._build(view))
+        return fg.drawn(view, self.step.value, self.rank.value, lambda: self._build(view),
+                        recs=None if view == "acceptance" else self.records())
 
     def _render(self, views: Iterable[str]) -> None:
         views = set(views)
@@ -446,7 +446,7 @@ class Workbench(W.VBox):
         items = " · ".join(f"<b>{k}</b> {html.escape(str(v))}" for k, v in m.items() if v not in (None, []))
         return (f"<div style='font-size:13px'><b>trace</b> <code>{html.escape(str(self.trace.path))}</code> — "
                 f"{len(self.trace.steps)} steps, ranks {self.trace.ranks}, "
-                f"requests {html.escape(', '.join(map(str, self.req_ids)))}"
+                f"requests {html.escape(fg.shorten(', '.join(map(str, self.req_ids)), 2000))}"
                 f"<br>{items}</div>")
 
     def _status_html(self) -> str:
@@ -456,11 +456,9 @@ class Workbench(W.VBox):
         rec = recs.get(ph)
         if rec is not None and "view" in rec:
             parts[-1] += f" ({html.escape(_str0(rec['view']))})"
-        target = recs.get("target")
-        if target is not None and "per_rank_num_tokens" in target:
-            sl = fg.step_layout(target)
-            parts.append(f"T={sl.num_tokens}, R={sl.num_reqs}, P={sl.padded}, per-rank "
-                         f"{sl.per_rank_num_tokens.tolist()}")
+        summary = fg.layout_summary(recs.get("target"))
+        if summary:
+            parts.append(html.escape(summary))
         if self.draft_phase:
             parts.append(f"draft panels show <b>{self.draft_phase}</b>")
         line = " · ".join(parts)

@@ -1,0 +1,134 @@
+"""Time every trace command on traces at scale, with each command's peak memory (issue 20).
+
+    .venv/bin/python benchmarks/bench_scale.py                       # all scenarios
+    .venv/bin/python benchmarks/bench_scale.py --scenario steps --steps 20000
+    .venv/bin/python benchmarks/bench_scale.py --scenario pcp64 --keep runs/bench-scale
+
+Scenarios (synthetic traces, every view built by the pcpviz reference):
+
+* ``steps``: 100,000 tiny steps (PCP=2, K=1, two decoding requests: the steps of one short
+  synthetic run repeated with new step numbers);
+* ``pcp64``: PCP=64 x 40 steps;
+* ``long``: one 1M-token prompt under PCP=8, K=3 (``long_prompt_run``), for ``check`` and
+  ``explain --no-rerun``.
+
+Each command runs as ``python -m pcpviz.cli ...`` in its own process; the table gives its wall
+time and peak RSS (``wait4``). Targets (issue 20): 60 s and 2 GB per command on the 2-core
+development machine; ``long``: 2 s. A benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+import pcpviz.trace as pt  # noqa: E402
+from pcpviz.synthetic import RequestSpec, generate, long_prompt_run  # noqa: E402
+
+
+def tiny_steps(out: Path, steps: int) -> Path:
+    """``steps`` tiny steps: one short run's steps, repeated with new step numbers."""
+    template = generate([RequestSpec("a", 6, 40), RequestSpec("b", 5, 40)], pcp=2, num_speculative_tokens=1,
+                        block_size=16, seed=1)
+    src = template.write(out.parent / (out.name + "-template"))
+    t = pt.open(src)
+    meta = {k: v for k, v in t.meta.items() if k not in (pt.schema.META_SCHEMA_KEY, "num_steps")}
+    recs = {r: [{ph: dict(t.record(s, r, ph)) for ph in t.phases(s, r)} for s in t.rank_steps(r)]
+            for r in t.ranks}
+    for r in t.ranks:
+        with pt.TraceWriter(out, r, meta=meta if r == 0 else None) as w:
+            for i in range(steps):
+                w.write_step(i, recs[r][i % len(recs[r])])
+    shutil.rmtree(src)
+    return out
+
+
+def pcp64(out: Path, steps: int = 40) -> Path:
+    reqs = [RequestSpec(f"r{i}", 300 + 37 * i, 90, i % 3) for i in range(12)]
+    run = generate(reqs, pcp=64, num_speculative_tokens=2, block_size=16, max_num_batched_tokens=2048,
+                   max_num_reqs=16, seed=2)
+    run.write(out)
+    t = pt.open(out)
+    if len(t.steps) > steps:  # keep the first `steps` steps
+        keep = out.parent / (out.name + "-cut")
+        meta = {k: v for k, v in t.meta.items() if k not in (pt.schema.META_SCHEMA_KEY, "num_steps")}
+        for r in t.ranks:
+            with pt.TraceWriter(keep, r, meta=meta if r == 0 else None) as w:
+                for s in t.rank_steps(r)[:steps]:
+                    w.write_step(s, {ph: dict(t.record(s, r, ph)) for ph in t.phases(s, r)})
+        shutil.rmtree(out)
+        keep.rename(out)
+    return out
+
+
+def long_prompt(out: Path) -> Path:
+    run = long_prompt_run(pcp=8, prompt_len=1 << 20, chunk=1 << 18, max_new_tokens=16, num_speculative_tokens=3)
+    return run.write(out)
+
+
+def measure(argv: list[str]) -> tuple[float, float, int]:
+    """(wall seconds, peak RSS in MiB, exit code) of ``python -m pcpviz.cli argv``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "kernels")]))
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "pcpviz.cli", *argv], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, env=env)
+    _, status, usage = os.wait4(p.pid, 0)
+    return time.perf_counter() - t0, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status)
+
+
+def commands(trace: Path, other: Path, work: Path, which: str) -> list[tuple[str, list[str]]]:
+    out = [("check", ["check", str(trace)]), ("explain --no-rerun", ["explain", str(trace), "--no-rerun"])]
+    if which != "long":
+        out += [("diff", ["diff", str(other), str(trace)]),
+                ("export --chrome", ["export", str(trace), "--chrome", str(work / "c.json")]),
+                ("export --html", ["export", str(trace), "--html", str(work / "r.html")])]
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", choices=["steps", "pcp64", "long", "all"], default="all")
+    ap.add_argument("--steps", type=int, default=100_000, help="steps of the 'steps' scenario")
+    ap.add_argument("--keep", type=Path, default=None, help="write the traces here (kept)")
+    args = ap.parse_args(argv)
+    work = args.keep or Path(tempfile.mkdtemp(prefix="pcpviz-bench-scale-"))
+    work.mkdir(parents=True, exist_ok=True)
+    scenarios = ["steps", "pcp64", "long"] if args.scenario == "all" else [args.scenario]
+    rows = []
+    for sc in scenarios:
+        t0 = time.perf_counter()
+        trace = work / sc
+        if not trace.exists():
+            {"steps": lambda: tiny_steps(trace, args.steps), "pcp64": lambda: pcp64(trace),
+             "long": lambda: long_prompt(trace)}[sc]()
+        other = work / f"{sc}-copy"
+        if not other.exists():
+            shutil.copytree(trace, other)
+        t = pt.open(trace)
+        size = sum(f.stat().st_size for f in trace.iterdir()) / 2**20
+        print(f"{sc}: {len(t.steps)} steps, PCP={len(t.ranks)}, {size:.0f} MiB "
+              f"(generated in {time.perf_counter() - t0:.0f} s)", flush=True)
+        for name, cmd in commands(trace, other, work, sc):
+            wall, rss, rc = measure(cmd)
+            rows.append((sc, name, wall, rss, rc))
+            print(f"  {name:20s} {wall:8.1f} s {rss:8.0f} MiB  exit {rc}", flush=True)
+    print("\n| scenario | command | wall (s) | peak RSS (MiB) | exit |\n|---|---|---|---|---|")
+    for sc, name, wall, rss, rc in rows:
+        print(f"| {sc} | `pcpviz {name}` | {wall:.1f} | {rss:.0f} | {rc} |")
+    if args.keep is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
