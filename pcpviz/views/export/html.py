@@ -25,23 +25,18 @@ from typing import Any, Sequence
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from pcpviz.views import figures as fg
-from pcpviz.views.export.atomic import atomic_output
 from pcpviz.trace import Trace, phase_sort_key
 from pcpviz.trace import open as open_trace
+from pcpviz.views import figures as fg
+from pcpviz.views.export.atomic import atomic_output
+from pcpviz.views.panels import PanelInput, panel_marks, run_panels, step_panels
+from pcpviz.views.widgets.status import HEADER_KEYS
 
 __all__ = ["export_html", "STEP_VIEWS", "pack", "unpack", "embedded_data", "shown_steps", "MAX_ENTRIES"]
 
-STEP_VIEWS = ("token_order", "timeline", "block_tables", "slot_mappings")
-"""Views precomputed per (step, rank); ``acceptance`` is one figure for the run."""
-
-_TITLES = {
-    "token_order": "Token order — global batch vs each rank's local rows",
-    "timeline": "Draft-step timeline — target → draft_0 (rank-local) → gather → draft_k (replicated) → verify",
-    "block_tables": "Block tables — global, local and draft rows",
-    "slot_mappings": "Slot mappings — global, gathered (PAD), write mask, draft",
-    "acceptance": "Acceptance (vLLM's definition)",
-}
+STEP_VIEWS = tuple(p.name for p in step_panels())
+"""Panels precomputed per (step, rank) (``pcpviz.views.panels``); the per-run panels
+(``acceptance``) are one figure each for the run."""
 
 _CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:16px 24px;color:#222}
@@ -70,11 +65,11 @@ _JS = """
     }
     return o;
   }
-  const D = {steps: P.steps, ranks: P.ranks, views: P.views};
+  const D = {steps: P.steps, ranks: P.ranks, views: P.views, run: P.run_views};
   const config = {displaylogo: false, responsive: true, showLink: false, showSendToCloud: false};
   const step = document.getElementById('step'), rank = document.getElementById('rank');
   const label = document.getElementById('step-label'), status = document.getElementById('status');
-  let acceptanceShown = false;
+  let runShown = false;
   function show(){
     const s = D.steps[+step.value], r = +rank.value, key = s + ',' + r;
     label.textContent = s;
@@ -85,14 +80,14 @@ _JS = """
       const f = entry[v];
       Plotly.react(document.getElementById('fig-' + v), f.data, f.layout, config);
     }
-    const acc = document.getElementById('fig-acceptance');
-    if (!acceptanceShown) { const a = R(P.acceptance); Plotly.newPlot(acc, a.data, a.layout, config); acceptanceShown = true; }
-    Plotly.relayout(acc, {shapes: D.marker(s)});
+    for (const v of D.run) {
+      const el = document.getElementById('fig-' + v), m = P.markers[v];
+      if (!runShown) { const a = R(P.run[v]); Plotly.newPlot(el, a.data, a.layout, config); }
+      // the panel's step marker (its shapes at step 0, from Python) moved to step s
+      if (m) Plotly.relayout(el, {shapes: m.map(sh => Object.assign({}, sh, {x0: sh.x0 + s, x1: sh.x1 + s}))});
+    }
+    runShown = true;
   }
-  D.marker = function(s){
-    return [{type: 'rect', xref: 'x3', yref: 'y3 domain', x0: s - 0.5, x1: s + 0.5, y0: 0, y1: 1,
-             fillcolor: 'rgba(0,0,0,0.10)', line: {color: '#111', width: 1.5}}];
-  };
   step.addEventListener('input', show);
   rank.addEventListener('change', show);
   show();
@@ -178,12 +173,13 @@ def unpack(packed: Any, shared: Sequence[Any]) -> Any:
 
 
 def embedded_data(html_text: str) -> dict:
-    """The data an exported page embeds, unpacked: ``steps``, ``ranks``, ``views``,
-    ``acceptance`` (a figure) and ``figs`` (``"step,rank"`` -> view -> figure, and ``status``)."""
+    """The data an exported page embeds, unpacked: ``steps``, ``ranks``, ``views`` (the per-step
+    panels), ``run`` (per-run panel -> figure) and ``figs`` (``"step,rank"`` -> panel -> figure,
+    and ``status``)."""
     a = html_text.index(_DATA_OPEN) + len(_DATA_OPEN)
     p = json.loads(html_text[a:html_text.index("</script>", a)])
     return {"steps": p["steps"], "ranks": p["ranks"], "views": p["views"],
-            "acceptance": unpack(p["acceptance"], p["shared"]), "figs": unpack(p["figs"], p["shared"])}
+            "run": unpack(p["run"], p["shared"]), "figs": unpack(p["figs"], p["shared"])}
 
 
 _DATA_OPEN = '<script type="application/json" id="pcpviz-data">'
@@ -251,69 +247,50 @@ def _shown_note(shown: Sequence[int], steps: Sequence[int]) -> str:
 
 
 def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list) -> dict:
-    """The figures (as plain objects) and the status line of one (step, rank) page."""
+    """The per-step panels (as plain objects) and the status line of one (step, rank) page; the
+    draft panels show the step's first draft phase (``draft_source_phase``)."""
     recs = {p: trace.record(step, rank, p) for p in trace.phases(step, rank) if p != "dummy"}
     target = recs["target"]
     dp = fg.draft_source_phase(recs, None)
     draft = recs.get(dp) if dp else None
     flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft), recs=recs)
     flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
-    build = {  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
-        "token_order": lambda: fg.token_order_spec(target, rank=rank, colors=colors),
-        "timeline": lambda: fg.draft_timeline_spec(recs, step=step, rank=rank, selected_phase=dp),
-        "block_tables": lambda: fg.block_tables_spec(target, draft, draft_phase=dp, rank=rank,
-                                                     colors=colors, flags=flags),
-        "slot_mappings": lambda: fg.slot_mappings_spec(target, draft, draft_phase=dp, colors=colors),
-    }
-    figs = {name: fg.as_figure(fg.drawn(name, step, rank, fn, recs=recs)) for name, fn in build.items()}
-    marks_all = []
-    for name, fig in figs.items():
-        for m in fg.violation_marks(violations, name, step, rank, dp):
+    inp = PanelInput(step=step, rank=rank, recs=recs, phase=dp, draft_phase=dp, colors=colors, flags=flags)
+    figs, marks_all = {}, []
+    for p in step_panels():  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
+        figs[p.name] = fig = fg.as_figure(fg.drawn(p.name, step, rank, lambda p=p: p.spec(inp), recs=recs))
+        for m in panel_marks(p, violations, inp):
             fg.mark_violation(fig, m)
             marks_all.append(m)
     return {**{n: _fig_obj(f) for n, f in figs.items()}, "status": _status(step, rank, recs, dp, flags, marks_all)}
 
 
-def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLike, *,
-                ranks: Sequence[int] | None = None, checks: bool = True, title: str | None = None) -> str:
-    """Write the self-contained HTML report of ``trace_path`` to ``out_path``; returns the path.
-
-    ``ranks`` limits the ranks whose views are precomputed (default: all; each rank adds one set
-    of figures per step to the file).
-    """
-    trace = trace_path if isinstance(trace_path, Trace) else open_trace(trace_path)
-    if not trace.steps:
-        raise ValueError(f"trace {trace.path} has no complete step")
-    ranks = list(trace.ranks if ranks is None else ranks)
-    unknown = [r for r in ranks if r not in trace.ranks]
-    if unknown or not ranks:
-        raise ValueError(f"rank {unknown[0] if unknown else '(none)'} not in the trace's ranks {trace.ranks}")
-    req_ids = fg.trace_req_ids(trace)
-    colors = fg.request_color_index(req_ids)
-    report = fg.load_check_report(trace) if checks else None
-    violations = [r.first_violation for r in report.results.values()
-                  if r.first_violation is not None] if report is not None else []
-    acceptance = fg.load_acceptance(trace)
-    shown = shown_steps(trace.steps, len(ranks), [v.step for v in violations])
+def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, colors: dict, acceptance: Any,
+              violations: list) -> str:
+    """The page's data as JSON: every shown (step, rank) page, the per-run panels, their markers."""
     entries: dict[str, dict] = {}
     for step in shown:
         for rank in ranks:
             if trace.has(step, rank, "target"):
                 entries[f"{step},{rank}"] = _entry(trace, step, rank, colors=colors, violations=violations)
-    acc_fig = fg.acceptance_figure(acceptance, step=None, colors=colors)
-    (acc_packed, figs_packed), shared = pack([_fig_obj(acc_fig), entries])
-    data = json.dumps({"steps": list(shown), "ranks": ranks, "views": list(STEP_VIEWS), "shared": shared,
-                       "acceptance": acc_packed, "figs": figs_packed}, separators=(",", ":"), allow_nan=False)
-    data = data.replace("</", "<\\/")  # never close the <script> early; "\/" is a valid JSON escape
+    inp = PanelInput(colors=colors, acceptance=acceptance)
+    run = {p.name: _fig_obj(fg.as_figure(p.spec(inp))) for p in run_panels()}
+    markers = {p.name: p.step_marker(0) for p in run_panels() if p.step_marker is not None}
+    (run_packed, figs_packed), shared = pack([run, entries])
+    data = json.dumps({"steps": list(shown), "ranks": list(ranks), "views": list(STEP_VIEWS),
+                       "run_views": [p.name for p in run_panels()], "markers": markers, "shared": shared,
+                       "run": run_packed, "figs": figs_packed}, separators=(",", ":"), allow_nan=False)
+    return data.replace("</", "<\\/")  # never close the <script> early; "\/" is a valid JSON escape
 
+
+def _page(trace: Trace, *, title: str, data: str, ranks: Sequence[int], shown: Sequence[int],
+          req_ids: Sequence[str], report: Any) -> str:
     m = trace.meta
-    keys = ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "model", "device", "inject")
-    meta = " · ".join(f"<b>{k}</b> {html.escape(str(m[k]))}" for k in keys if k in m and m[k] not in (None, []))
-    title = title or f"pcpviz — {Path(str(trace.path)).name}"
+    meta = " · ".join(f"<b>{k}</b> {html.escape(str(m[k]))}" for k in HEADER_KEYS if k in m and m[k] not in (None, []))
     rank_opts = "".join(f"<option value='{r}'>rank {r}</option>" for r in ranks)
-    views_html = "".join(f"<h2>{html.escape(_TITLES[v])}</h2><div class='fig' id='fig-{v}'></div>"
-                         for v in (*STEP_VIEWS, "acceptance"))
-    doc = f"""<!DOCTYPE html>
+    panels_html = "".join(f"<h2>{html.escape(p.title)}</h2><div class='fig' id='fig-{p.name}'></div>"
+                          for p in (*step_panels(), *run_panels()))
+    return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>{_CSS}</style>
 <script type="text/javascript">{get_plotlyjs()}</script>
@@ -329,11 +306,36 @@ requests {html.escape(fg.shorten(", ".join(req_ids), 2000))}<br>{meta}{_shown_no
 </div>
 <div id="status"></div>
 {_checks_html(report)}
-{views_html}
+{panels_html}
 {_DATA_OPEN}{data}</script>
 <script type="text/javascript">{_JS}</script>
 </body></html>
 """
+
+
+def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLike, *,
+                ranks: Sequence[int] | None = None, checks: bool = True, title: str | None = None) -> str:
+    """Write the self-contained HTML report of ``trace_path`` to ``out_path``; returns the path.
+
+    ``ranks`` limits the ranks whose panels are precomputed (default: all; each rank adds one set
+    of figures per step to the file).
+    """
+    trace = trace_path if isinstance(trace_path, Trace) else open_trace(trace_path)
+    if not trace.steps:
+        raise ValueError(f"trace {trace.path} has no complete step")
+    ranks = list(trace.ranks if ranks is None else ranks)
+    unknown = [r for r in ranks if r not in trace.ranks]
+    if unknown or not ranks:
+        raise ValueError(f"rank {unknown[0] if unknown else '(none)'} not in the trace's ranks {trace.ranks}")
+    req_ids = fg.trace_req_ids(trace)
+    colors = fg.request_color_index(req_ids)
+    report = fg.load_check_report(trace) if checks else None
+    violations = [r.first_violation for r in report.results.values()
+                  if r.first_violation is not None] if report is not None else []
+    shown = shown_steps(trace.steps, len(ranks), [v.step for v in violations])
+    data = _embedded(trace, shown, ranks, colors=colors, acceptance=fg.load_acceptance(trace), violations=violations)
+    doc = _page(trace, title=title or f"pcpviz — {Path(str(trace.path)).name}", data=data, ranks=ranks,
+                shown=shown, req_ids=req_ids, report=report)
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(out) as fh:

@@ -1,9 +1,9 @@
-"""Violation routing: which figure a violated trace view is drawn on (its ``panel`` in the
+"""Violation routing: which panel a violated trace view is drawn on (its ``panel`` in the
 schema), the banner texts of the ``pcpviz.analysis.checks`` violations at a (step, rank), and the red
 banner itself.
 
 PCP=2 example: a ``slot_mapping_draft`` violation of ``draft_1`` at step 3, rank 0 is marked on
-the slot-mapping figure at step 3, rank 0 — only while the draft panels show ``draft_1``.
+the slot-mapping panel at step 3, rank 0 — only while the draft panels show ``draft_1``.
 """
 
 from __future__ import annotations
@@ -19,22 +19,22 @@ __all__ = ["violation_view", "violation_marks", "mark_violation"]
 
 
 def violation_view(view: str | None, phase: str | None = None) -> str:
-    """The figure (``token_order``, ``timeline``, ``block_tables``, ``slot_mappings``) a violated
+    """The panel (``token_order``, ``timeline``, ``block_tables``, ``slot_mappings``) a violated
     trace view is drawn on: its ``panel`` in the schema."""
     return view_panel(view, phase)
 
 
-def violation_marks(violations: Iterable[Any], view: str, step: int, rank: int,
-                    draft_phase: str | None) -> list[str]:
-    """Banner texts for the ``pcpviz.analysis.checks`` violations located on ``view`` at (step, rank); a
-    violation of a draft phase's view is marked on the block-table/slot panels only while they
-    show that draft phase."""
+def violation_marks(violations: Iterable[Any], panel: str, *, step: int, rank: int,
+                    draft_phase: str | None, shows_draft_phase: bool = False) -> list[str]:
+    """Banner texts for the ``pcpviz.analysis.checks`` violations located on ``panel`` at (step,
+    rank); on a panel that ``shows_draft_phase`` (block tables, slot mappings: see
+    ``pcpviz.views.panels``) a violation of a draft phase's view is marked only while it shows
+    that draft phase (``draft_phase``)."""
     out = []
     for v in violations:
-        if v.step != step or (v.rank is not None and v.rank != rank) or violation_view(v.view, v.phase) != view:
+        if v.step != step or (v.rank is not None and v.rank != rank) or violation_view(v.view, v.phase) != panel:
             continue
-        if view in ("block_tables", "slot_mappings") and v.phase and v.phase.startswith("draft_") \
-                and v.phase != draft_phase:
+        if shows_draft_phase and v.phase and v.phase.startswith("draft_") and v.phase != draft_phase:
             continue
         out.append(f"{v.check}: {v.message} ({v.where()})")
     return out

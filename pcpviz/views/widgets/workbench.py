@@ -6,8 +6,8 @@
 
 Controls (all linked): **step** slider, **phase** toggle (only the phases the step has on
 the selected rank: target, draft_0 .. draft_{K-1}, verify), **rank** dropdown, **highlight**
-(a request id; the others are dimmed). Views (``wb.figures``, plotly ``FigureWidget``s drawn by
-``pcpviz.views.figures``, one module per view):
+(a request id; the others are dimmed). Panels (``wb.figures``, plotly ``FigureWidget``s), one per
+entry of the panel registry ``pcpviz.views.panels.PANELS`` (which the HTML export reads too):
 
 * ``token_order``   global batch vs each rank's local rows, gather/restore maps, KV write mask
 * ``timeline``      target → draft_0 (rank-local) → block-table gather → draft_1.. (replicated)
@@ -18,12 +18,13 @@ the selected rank: target, draft_0 .. draft_{K-1}, verify), **rank** dropdown, *
 * ``acceptance``    rate per draft position (vLLM's definition), per request, per step
 
 and, when ``pcpviz.analysis.checks`` is importable, the check verdicts with a *jump* button per failed
-check that moves the controls to its first violation (which is also marked on the view).
+check that moves the controls to its first violation (which is also marked on its panel; the
+text lines are ``pcpviz.views.widgets.status``).
 
-A control change re-renders only the views that depend on it (``AFFECTS``). Each view's figure
-is built as a plain spec (``pcpviz.views.figures.*_spec``, aggregated on the Python side: see
-``pcpviz.views.figures.aggregate``), kept in a cache keyed by what the view depends on (step, rank,
-phase or draft phase, highlight; ``clear_cache()`` empties it, replacing ``trace`` drops it), and
+A control change re-renders only the panels that depend on it (``AFFECTS``, from each panel's
+``depends``). Each panel's figure is built as a plain spec (its ``spec`` function in the registry,
+aggregated on the Python side: see ``pcpviz.views.figures.aggregate``), kept in a cache keyed by
+what the panel depends on (``clear_cache()`` empties it, replacing ``trace`` drops it), and
 pushed to its ``FigureWidget`` as the difference from what it shows (``pcpviz.views.widgets.push``).
 On a 128k-token, PCP=8, K=3 trace a control change takes a few tens of milliseconds on a 2-core
 CPU (``benchmarks/bench_workbench.py``, ``data/bench/workbench_cpu.json``).
@@ -42,41 +43,26 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.graph_objects import FigureWidget  # noqa: F401  (import cost paid at import, not at first build)
 
-from pcpviz.views import figures as fg
-from pcpviz.views.figures.step_data import _str0
-from pcpviz.views.widgets.push import push_spec
-from pcpviz.trace import Trace, phase_sort_key, run_summary
+from pcpviz.trace import Trace, phase_sort_key
 from pcpviz.trace import open as open_trace
+from pcpviz.views import figures as fg
+from pcpviz.views.panels import PANELS, PanelInput, affects, panel_marks
+from pcpviz.views.widgets import status as st
+from pcpviz.views.widgets.push import push_spec
 
 __all__ = ["Workbench", "AFFECTS", "VIEW_NAMES", "load_acceptance", "load_check_report", "violation_view"]
 
-VIEW_NAMES = ("token_order", "timeline", "block_tables", "slot_mappings", "acceptance")
+VIEW_NAMES = tuple(PANELS)
+"""The Workbench's panels (``pcpviz.views.panels.PANELS``), in the order shown."""
 
-AFFECTS: dict[str, frozenset[str]] = {
-    "step": frozenset({"token_order", "timeline", "block_tables", "slot_mappings", "acceptance_marker"}),
-    "phase": frozenset({"timeline", "block_tables", "slot_mappings"}),
-    "rank": frozenset({"token_order", "timeline", "block_tables", "slot_mappings"}),
-    "highlight": frozenset({"token_order", "timeline", "block_tables", "slot_mappings", "acceptance"}),
-}
-"""Which views a control change re-renders (``acceptance_marker`` moves the step shading only)."""
+AFFECTS: dict[str, frozenset[str]] = affects()
+"""Which panels a control change re-renders (``acceptance_marker`` moves the step shading only),
+from each panel's ``depends`` in ``pcpviz.views.panels``."""
 
 violation_view = fg.violation_view
-
-
 load_acceptance = fg.load_acceptance
 from_diff_acceptance = fg.from_diff_acceptance
 load_check_report = fg.load_check_report
-_trace_req_ids = fg.trace_req_ids
-
-
-ZOOM_AXES: dict[str, tuple[str, ...]] = {
-    "token_order": ("xaxis", "xaxis4"),
-    "block_tables": ("xaxis",),
-    "slot_mappings": ("xaxis", "xaxis2", "xaxis3", "xaxis4"),
-}
-"""The x axes of the per-token strips: zooming one (plotly's relayout) redraws that view for the
-visible window at its level of detail (``pcpviz.views.figures.lod``); per-token cells and
-labels appear as the window narrows. A control change that moves the step or rank resets it."""
 
 SPEC_CACHE_SIZE = 256
 """Figure specs kept per Workbench (least recently used dropped first): moving back to a step,
@@ -105,7 +91,7 @@ class Workbench(W.VBox):
         if not t.steps:
             raise ValueError(f"trace {t.path} has no complete step")
         self.meta = dict(t.meta)
-        self.req_ids = _trace_req_ids(t)
+        self.req_ids = fg.trace_req_ids(t)
         self.colors = fg.request_color_index(self.req_ids)
         self.render_counts: Counter[str] = Counter()
         self.last_update_s = 0.0
@@ -114,7 +100,7 @@ class Workbench(W.VBox):
         self._specs: OrderedDict[tuple, dict] = OrderedDict()  # (view, step, rank, ...) -> spec
         self._flag_cache: dict[tuple, list[fg.RowFlag]] = {}
         self._shown: dict[str, dict | None] = {}  # view -> the spec its FigureWidget shows
-        self.windows: dict[str, dict[str, tuple[float, float]]] = {v: {} for v in ZOOM_AXES}
+        self.windows: dict[str, dict[str, tuple[float, float]]] = _no_windows()
         self._cached_for: Trace | None = None
         # Figure width in px. FigureWidget sizes itself once, before JupyterLab attaches it, and
         # falls back to plotly's 700 px; an explicit width is what reliably fills a notebook cell.
@@ -137,7 +123,7 @@ class Workbench(W.VBox):
             self.phase.value = phase
         else:
             self.phase.value = fg.draft_source_phase(self.phase.options, None) or self.phase.options[0]
-        self.header = W.HTML(self._header_html())
+        self.header = W.HTML(st.header_html(t, self.meta, self.req_ids))
         self.status = W.HTML()
         # An explicit small template: the default one costs ~60 ms per FigureWidget to set up.
         self.figures: dict[str, go.FigureWidget] = {
@@ -147,30 +133,23 @@ class Workbench(W.VBox):
         t0 = time.perf_counter()
         self.check_report = load_check_report(t) if checks else None
         self.check_seconds = time.perf_counter() - t0
-        self.violations = self._violations()
-        self.checks_box = self._checks_widget()
+        self.violations = st.first_violations(self.check_report)
+        self.checks_box, self.jump_buttons = st.checks_widget(self.check_report, self.violations, self.jump_to)
 
-        for view in ZOOM_AXES:  # a zoom in the browser: FigureWidget's relayout message from plotly.js
+        for view in _no_windows():  # a zoom in the browser: FigureWidget's relayout message from plotly.js
             self.figures[view].observe(lambda change, v=view: self._on_relayout(v, change), names="_js2py_relayout")
         self.step.observe(self._on_step, names="value")
         self.rank.observe(self._on_rank, names="value")
         self.phase.observe(self._on_phase, names="value")
         self.highlight.observe(self._on_highlight, names="value")
 
-        titles = {
-            "token_order": "Token order — global batch vs each rank's rows",
-            "timeline": "Draft-step timeline",
-            "block_tables": "Block tables",
-            "slot_mappings": "Slot mappings",
-            "acceptance": "Acceptance",
-        }
         view_boxes = []
         for name in VIEW_NAMES:
-            view_boxes.append(W.HTML(f"<h4 style='margin:14px 0 0 4px'>{titles[name]}</h4>"))
+            view_boxes.append(W.HTML(f"<h4 style='margin:14px 0 0 4px'>{html.escape(PANELS[name].title)}</h4>"))
             view_boxes.append(self.figures[name])
         controls = W.VBox([W.HBox([self.step, self.rank, self.highlight]), self.phase],
                           layout=W.Layout(border="1px solid #ddd", padding="6px"))
-        children = [W.HTML(_RELOAD_NOTE), self.header, controls, self.status]
+        children = [W.HTML(st.RELOAD_NOTE), self.header, controls, self.status]
         if self.checks_box is not None:
             children.append(self.checks_box)
         super().__init__(children + view_boxes)
@@ -200,8 +179,8 @@ class Workbench(W.VBox):
         msg = change.get("new") or {}
         data = msg.get("relayout_data") or {}
         win = dict(self.windows[view])
-        for axis in ZOOM_AXES[view] if view != "block_tables" else ("xaxis", "xaxis2", "xaxis3"):
-            key = "xaxis" if view == "block_tables" else axis
+        p = PANELS[view]
+        for axis, key in [*((a, a) for a in p.zoom_axes), *p.zoom_links]:
             r = data.get(f"{axis}.range")
             if r is None and f"{axis}.range[0]" in data and f"{axis}.range[1]" in data:
                 r = (data[f"{axis}.range[0]"], data[f"{axis}.range[1]"])
@@ -332,9 +311,6 @@ class Workbench(W.VBox):
     def _hl(self) -> str | None:
         return self.highlight.value or None
 
-    def _marks(self, view: str, step: int, rank: int, draft_phase: str | None) -> list[str]:
-        return fg.violation_marks(self.violations, view, step, rank, draft_phase)
-
     def clear_cache(self) -> None:
         """Forget every figure built so far (the next change of each control rebuilds its views)."""
         self._specs.clear()
@@ -359,20 +335,13 @@ class Workbench(W.VBox):
         return self._flag_cache[key]
 
     def _spec_key(self, view: str) -> tuple:
-        """What ``view`` depends on: the step, rank and highlight, and the selected phase (timeline)
-        or the draft phase the draft panels show (block tables, slot mappings); acceptance depends
-        on the highlight only (the step marker is laid over it)."""
-        hl = self._hl()
-        if view == "acceptance":
-            return (view, hl)
-        if view in ZOOM_AXES and self.windows[view]:
-            hl = (hl, tuple(sorted(self.windows[view].items())))
-        step, rank = self.step.value, self.rank.value
-        if view == "timeline":
-            return (view, step, rank, self.phase.value, hl)
-        if view in ("block_tables", "slot_mappings"):
-            return (view, step, rank, self.draft_phase, hl)
-        return (view, step, rank, hl)
+        """What ``view`` shows depends on (its ``depends`` in ``pcpviz.views.panels``: the step,
+        rank, highlight, the selected phase or the draft phase the draft panels show) and its
+        zoomed windows; a per-run panel's step marker is laid over it, not part of it."""
+        p = PANELS[view]
+        state = {"step": self.step.value, "rank": self.rank.value, "phase": self.phase.value,
+                 "draft_phase": self.draft_phase, "highlight": self._hl()}
+        return (view, *(state[d] for d in sorted(p.depends)), tuple(sorted(self.windows.get(view, {}).items())))
 
     def _spec(self, view: str) -> dict:
         """The spec ``view`` shows for the current controls: built once, then cached."""
@@ -386,154 +355,58 @@ class Workbench(W.VBox):
                 self._specs.popitem(last=False)
         else:
             self._specs.move_to_end(key)
-        if view == "acceptance":
-            spec = {**spec, "layout": {**spec["layout"], "shapes": fg.acceptance_step_marker(self.step.value)}}
+        marker = PANELS[view].step_marker
+        if marker is not None:
+            spec = {**spec, "layout": {**spec["layout"], "shapes": marker(self.step.value)}}
         return spec
 
+    def _input(self, view: str, recs: Mapping[str, Any]) -> PanelInput:
+        step, rank, dp = self.step.value, self.rank.value, self.draft_phase
+        return PanelInput(step=step, rank=rank, recs=recs, phase=self.phase.value, draft_phase=dp,
+                          highlight=self._hl(), colors=self.colors, flags=self._draft_flags(step, rank, dp),
+                          windows=self.windows.get(view) or None, acceptance=self.acceptance)
+
     def _build(self, view: str) -> dict:
-        step, rank, hl = self.step.value, self.rank.value, self._hl()
-        if view == "acceptance":
-            return fg.acceptance_spec(self.acceptance, step=None, highlight=hl, colors=self.colors)
+        p = PANELS[view]
+        if not p.per_step:
+            return p.spec(self._input(view, {}))
+        step, rank = self.step.value, self.rank.value
         recs = self.records(step, rank)
-        target = recs.get("target")
-        dp = self.draft_phase
-        draft = recs.get(dp) if dp else None
-        if target is None:
-            return _message_spec(f"step {step} rank {rank}: no target phase recorded" if recs else
-                                 f"step {step} is not (yet) recorded on rank {rank}", height=160)
-        win = self.windows.get(view) or None
-        if view == "token_order":
-            spec = fg.token_order_spec(target, rank=rank, highlight=hl, colors=self.colors, windows=win)
-        elif view == "timeline":
-            spec = fg.draft_timeline_spec(recs, step=step, rank=rank, selected_phase=self.phase.value,
-                                          highlight=hl)
-        elif view == "block_tables":
-            spec = fg.block_tables_spec(target, draft, draft_phase=dp, rank=rank, highlight=hl, colors=self.colors,
-                                        flags=self._draft_flags(step, rank, dp), windows=win)
-        elif view == "slot_mappings":
-            spec = fg.slot_mappings_spec(target, draft, draft_phase=dp, highlight=hl, colors=self.colors, windows=win)
-        else:
-            raise KeyError(view)
-        for text in self._marks(view, step, rank, dp):
-            spec = fg.mark_violation(spec, text)
+        if recs.get("target") is None:
+            return fg.message_spec(f"step {step} rank {rank}: no target phase recorded" if recs else
+                                   f"step {step} is not (yet) recorded on rank {rank}", height=160)
+        inp = self._input(view, recs)
+        spec = p.spec(inp)
+        for mark in panel_marks(p, self.violations, inp):
+            spec = fg.mark_violation(spec, mark)
         return spec
 
     def _build_or_explain(self, view: str) -> dict:
-        """``_build``, or a placeholder naming the view when a view the figure needs is missing
-        (traces from other producers may omit views) or malformed (``fg.drawn``)."""
+        """``_build``, or a placeholder naming the panel when a view it needs is missing (traces
+        from other producers may omit views) or malformed (``fg.drawn``)."""
         return fg.drawn(view, self.step.value, self.rank.value, lambda: self._build(view),
-                        recs=None if view == "acceptance" else self.records())
+                        recs=self.records() if PANELS[view].per_step else None)
 
     def _render(self, views: Iterable[str]) -> None:
         views = set(views)
         where = (self.step.value, self.rank.value)
         if getattr(self, "_windows_for", where) != where:  # a new step or rank: everything again
-            self.windows = {v: {} for v in ZOOM_AXES}
+            self.windows = _no_windows()
         self._windows_for = where
         self.flags = self._draft_flags(self.step.value, self.rank.value, self.draft_phase)
         for name in VIEW_NAMES:
-            if name in views or (name == "acceptance" and "acceptance_marker" in views):
+            marker = f"{name}_marker"
+            if name in views or marker in views:
                 self._shown[name] = push_spec(self.figures[name], self._spec(name), self._shown.get(name),
                                               width=self.width)
-                self.render_counts[name if name in views else "acceptance_marker"] += 1
-        self.status.value = self._status_html()
-
-    # ------------------------------------------------------------------ text panels
-
-    def _header_html(self) -> str:
-        m = run_summary(self.meta, ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "model",
-                                    "device", "inject"))
-        items = " · ".join(f"<b>{k}</b> {html.escape(str(v))}" for k, v in m.items() if v not in (None, []))
-        return (f"<div style='font-size:13px'><b>trace</b> <code>{html.escape(str(self.trace.path))}</code> — "
-                f"{len(self.trace.steps)} steps, ranks {self.trace.ranks}, "
-                f"requests {html.escape(fg.shorten(', '.join(map(str, self.req_ids)), 2000))}"
-                f"<br>{items}</div>")
-
-    def _status_html(self) -> str:
-        step, rank, ph = self.step.value, self.rank.value, self.phase.value
-        recs = self.records(step, rank)
-        parts = [f"<b>step {step}</b> · rank {rank} · phase <b>{html.escape(str(ph))}</b>"]
-        rec = recs.get(ph)
-        if rec is not None and "view" in rec:
-            parts[-1] += f" ({html.escape(_str0(rec['view']))})"
-        summary = fg.layout_summary(recs.get("target"))
-        if summary:
-            parts.append(html.escape(summary))
-        if self.draft_phase:
-            parts.append(f"draft panels show <b>{self.draft_phase}</b>")
-        line = " · ".join(parts)
-        if self.flags:
-            line += (f"<br><span style='color:#c00'>⚠ {len(self.flags)} {html.escape(self.draft_phase or '')} "
-                     f"block-table rows are zero/stale: " + "; ".join(html.escape(f.describe()) for f in self.flags[:3])
-                     + "</span>")
-        here = [v for v in self.violations if v.step == step and (v.rank is None or v.rank == rank)]
-        for v in here:
-            line += f"<br><span style='color:#c00'>✗ {html.escape(v.check)}: {html.escape(v.describe())}</span>"
-        return f"<div style='font-size:13px;margin:4px'>{line}</div>"
-
-    def _violations(self) -> list[Any]:
-        rep = self.check_report
-        if rep is None:
-            return []
-        out = []
-        for r in rep.results.values():
-            if getattr(r, "first_violation", None) is not None:
-                out.append(r.first_violation)
-        return out
-
-    def _checks_widget(self) -> W.Widget | None:
-        rep = self.check_report
-        if rep is None:
-            return W.HTML("<i>checks unavailable (pcpviz.analysis.checks not importable)</i>") if self._checks_missing() \
-                else None
-        rows = []
-        for name, r in rep.results.items():
-            color = {"pass": "#2a7", "fail": "#c00", "skipped": "#888"}.get(r.verdict, "#333")
-            first = html.escape(r.first_violation.describe()) if r.first_violation is not None else ""
-            rows.append(f"<tr><td style='color:{color};font-weight:bold'>{r.verdict.upper()}</td>"
-                        f"<td><code>{html.escape(name)}</code></td><td>{r.failed}/{r.evaluated}</td>"
-                        f"<td style='font-size:11px'>{first}</td></tr>")
-        table = W.HTML("<table style='font-size:12px;border-collapse:collapse' cellpadding='3'>"
-                       "<tr><th>verdict</th><th>check</th><th>failed/evaluated</th><th>first violation</th></tr>"
-                       + "".join(rows) + "</table>")
-        self.jump_buttons = []
-        for v in self.violations:
-            b = W.Button(description=f"jump: {v.check} (step {v.step}, rank {v.rank}, {v.phase})",
-                         button_style="danger", layout=W.Layout(width="auto"))
-            b.on_click(lambda _b, v=v: self.jump_to(v))
-            self.jump_buttons.append(b)
-        summary = (f"checks: {rep.counts_line()}"
-                   + (f" — first violation: {rep.first_violation.where()}" if rep.first_violation else ""))
-        status = getattr(rep, "status", None)  # pcpviz.trace.validate: whole trace, valid run.json
-        problems = [] if status is None else status.lines()
-        if problems:
-            summary = status.summary() + " — " + summary
-        notes = W.HTML("".join(f"<div style='color:#c00;font-size:12px'>⚠ {html.escape(line)}</div>"
-                               for line in problems))
-        acc = W.Accordion(children=[W.VBox([notes, W.HBox(self.jump_buttons, layout=W.Layout(flex_flow="row wrap")),
-                                            table])])
-        acc.set_title(0, ("✗ " if rep.failed or problems else "✓ ") + summary)
-        acc.selected_index = 0 if rep.failed or problems else None
-        return acc
-
-    @staticmethod
-    def _checks_missing() -> bool:
-        try:
-            import pcpviz.analysis.checks  # noqa: F401, PLC0415
-        except ImportError:
-            return True
-        return False
+                self.render_counts[name if name in views else marker] += 1
+        self.status.value = st.status_html((self.step.value, self.rank.value, self.phase.value), self.records(),
+                                           draft_phase=self.draft_phase, flags=self.flags,
+                                           violations=self.violations)
 
 
-_message_spec = fg.message_spec
-
-_RELOAD_NOTE = (
-    "<style>.pcpviz-reload-note{display:none;color:#c00;font-size:13px;font-weight:bold}"
-    ".pcpviz-workbench:not(:has(.js-plotly-plot .hm)) .pcpviz-reload-note{display:block;"
-    "animation:pcpviz-late 5s step-end both}"
-    "@keyframes pcpviz-late{from{visibility:hidden}to{visibility:visible}}</style>"
-    "<div class='pcpviz-reload-note'>⚠ The figures are not drawn (the page was reloaded while the kernel "
-    "kept running, and plotly's widgets cannot be restored): re-run this cell.</div>")
-"""One line shown (by CSS alone, 5 s after the Workbench appears) only while none of its figures has
-drawn a heatmap: a page reload with the kernel alive brings the controls back but not plotly's
-``FigureWidget``s."""
+def _no_windows() -> dict[str, dict[str, tuple[float, float]]]:
+    """Panel -> zoomed window per x axis, for the panels that zoom (``zoom_axes``): none zoomed.
+    Zooming one (plotly's relayout) redraws that panel for the visible window at its level of
+    detail (``pcpviz.views.figures.lod``); a control change that moves the step or rank resets it."""
+    return {name: {} for name, p in PANELS.items() if p.zoom_axes}
