@@ -14,6 +14,10 @@ from pcpviz.reference.blocks import compute_slot_mappings
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.trace import SEGMENT_DTYPE, draft_index
 from pcpviz.trace.schema import int_view, view_spec
+from pcpviz.trace.shapes import slot_groups, table_groups, view_text
+
+from .declared import validate_check
+
 
 class Skip(Exception):
     """An input view or phase was not recorded: the check does not run on this (step, rank)."""
@@ -270,19 +274,8 @@ class Ctx:
                   expected=short_repr(expected, idx), actual=short_repr(actual, idx), rank=rank)
 
 
-def _g3(a: np.ndarray) -> np.ndarray:
-    a = np.asarray(a)
-    return a[None] if a.ndim == 2 else a
-
-
-def _g2(a: np.ndarray) -> np.ndarray:
-    a = np.asarray(a)
-    return a[None] if a.ndim == 1 else a
-
-
-def _str0(a: np.ndarray) -> str:
-    a = np.asarray(a)
-    return str(a.reshape(-1)[0]) if a.size else ""
+# The check modules' short names for the view-shape helpers (their one home: pcpviz.trace.shapes).
+_g2, _g3, _str0 = slot_groups, table_groups, view_text
 
 
 def _token_rows(qsl: np.ndarray) -> np.ndarray:
@@ -332,7 +325,11 @@ DEFS: list[CheckDef] = []
 
 
 def check(name: str, description: str):
+    """Register the decorated ``fn(ctx)`` as check ``name``; a view name it reads that
+    ``pcpviz.trace.schema.VIEW_SPECS`` does not declare fails here, at import
+    (``pcpviz.analysis.checks.declared``)."""
     def deco(fn):
+        validate_check(name, fn)
         DEFS.append(CheckDef(name, description, fn))
         return fn
     return deco

@@ -14,8 +14,8 @@ import numpy as np
 import plotly.graph_objects as go
 
 from pcpviz.analysis.acceptance import Acceptance, Counts, acceptance, acceptance_from_records, ratio
-from pcpviz.views.figures.canvas import DIM_COLOR, _Canvas, as_figure, request_color, request_color_index
-from pcpviz.views.figures.step_data import Rec
+from pcpviz.views.figures.canvas import DIM_COLOR, Canvas, as_figure, request_color, request_color_index
+from pcpviz.trace import Record
 
 __all__ = ["AcceptanceStats", "acceptance_stats", "trace_acceptance", "load_acceptance", "from_diff_acceptance",
            "acceptance_spec", "acceptance_figure", "acceptance_step_marker"]
@@ -63,7 +63,7 @@ class AcceptanceStats:
                         dtype=float)
 
 
-def acceptance_stats(verify_records: Iterable[tuple[int, Rec]], num_speculative_tokens: int) -> AcceptanceStats:
+def acceptance_stats(verify_records: Iterable[tuple[int, Record]], num_speculative_tokens: int) -> AcceptanceStats:
     """``AcceptanceStats`` from ``(step, verify record)`` pairs."""
     return from_diff_acceptance(acceptance_from_records(verify_records, k=int(num_speculative_tokens)))
 
@@ -120,7 +120,7 @@ def acceptance_spec(stats: AcceptanceStats, *, step: int | None = None, highligh
     """Acceptance rate per draft position (text = accepted / drafts), per request (accepted /
     drafted tokens) and accepted tokens per step (the current step shaded)."""
     k = stats.num_speculative_tokens
-    fig = _Canvas([[1, 1, 1]], column_widths=[0.26, 0.32, 0.42], horizontal_spacing=0.07,
+    fig = Canvas([[1, 1, 1]], column_widths=[0.26, 0.32, 0.42], horizontal_spacing=0.07,
                   subplot_titles=(f"rate per draft position ({stats.num_drafts} drafts)",
                                   "per request (accepted / drafted tokens)",
                                   "per step: drafted vs accepted tokens"))

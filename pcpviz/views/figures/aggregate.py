@@ -44,7 +44,7 @@ def run_edges(n: int, keys: Sequence[np.ndarray] = (), arith: Sequence[np.ndarra
     return np.append(np.flatnonzero(brk), n).astype(np.int64)
 
 
-def _run_lines(x: np.ndarray, y: np.ndarray, sel: np.ndarray) -> tuple[list, list]:
+def run_lines(x: np.ndarray, y: np.ndarray, sel: np.ndarray) -> tuple[list, list]:
     """Polyline of the runs of ``y`` (continuing by +1) over the selected entries, None-separated."""
     idx = np.flatnonzero(sel)
     if idx.size == 0:

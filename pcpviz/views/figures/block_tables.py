@@ -18,10 +18,12 @@ import numpy as np
 import plotly.graph_objects as go
 
 from pcpviz.views.figures.aggregate import run_edges
-from pcpviz.views.figures.canvas import (FLAG_COLOR, _Canvas, _L_NULL, _range_text, _req_levels, strip_heat,
+from pcpviz.views.figures.canvas import (FLAG_COLOR, Canvas, L_NULL, range_text, req_levels, strip_heat,
                                          strip_labels, as_figure, request_color_index)
 from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
-from pcpviz.views.figures.step_data import Rec, _arr, _g3, _is_replicated
+from pcpviz.trace import Record
+from pcpviz.trace.shapes import table_groups
+from pcpviz.views.figures.step_data import is_replicated, view_array
 
 __all__ = ["RowFlag", "draft_block_table_flags", "block_tables_spec", "block_tables_figure"]
 
@@ -50,7 +52,7 @@ def _pad_cols(a: np.ndarray, w: int) -> np.ndarray:
     return np.pad(a, pad)
 
 
-def draft_block_table_flags(target: Rec, draft: Rec | None, group: int = 0) -> list[RowFlag]:
+def draft_block_table_flags(target: Record, draft: Record | None, group: int = 0) -> list[RowFlag]:
     """Rows of ``block_table_draft`` that are zero or stale.
 
     A replicated draft decode must use the request's *global* row (``block_table_global``,
@@ -59,12 +61,12 @@ def draft_block_table_flags(target: Rec, draft: Rec | None, group: int = 0) -> l
     """
     if draft is None or "block_table_draft" not in draft:
         return []
-    bt = _g3(draft["block_table_draft"])[group]
-    replicated = _is_replicated(draft, target)
+    bt = table_groups(draft["block_table_draft"])[group]
+    replicated = is_replicated(draft, target)
     ref_name = "block_table_global" if replicated else "block_table_local"
     if ref_name not in target:
         return []
-    ref = _g3(target[ref_name])[group]
+    ref = table_groups(target[ref_name])[group]
     ids = [str(x) for x in np.asarray(target["req_ids" if replicated else "local_req_ids"]).ravel()] \
         if ("req_ids" if replicated else "local_req_ids") in target else [str(i) for i in range(ref.shape[0])]
     w = max(bt.shape[1], ref.shape[1])
@@ -102,13 +104,13 @@ def _block_lane(row: np.ndarray, level: float, row_label: str) -> Lane:
     for x, y, u, v in zip(a.tolist(), b.tolist(), first.tolist(), last.tolist()):
         cols = f"column {x}" if y - x == 1 else f"columns {x}–{y - 1}"
         if u == 0:
-            lev.append(_L_NULL)
+            lev.append(L_NULL)
             lab.append(("null", "0") if y - x > 1 else "0")
             hov.append(f"{row_label}<br>{cols}: null block 0")
         else:
             lev.append(level)
-            lab.append((_range_text(u, v), f"{u}…") if v != u else str(u))
-            hov.append(f"{row_label}<br>{cols}: blocks {_range_text(u, v)}")
+            lab.append((range_text(u, v), f"{u}…") if v != u else str(u))
+            hov.append(f"{row_label}<br>{cols}: blocks {range_text(u, v)}")
     return Lane(e, np.asarray(lev, dtype=float), lab, hov, lambda _run, tok: [str(v) for v in row[tok].tolist()])
 
 
@@ -116,7 +118,7 @@ def _block_heat(table: np.ndarray, row_ids: Sequence[str], row_labels: Sequence[
                 colors, highlight, window, px: int):
     """The heatmap (and run labels) of one panel over its first ``w`` columns."""
     table = _pad_cols(table, int(w))
-    levels = _req_levels(list(row_ids), colors, highlight)
+    levels = req_levels(list(row_ids), colors, highlight)
     lanes = [_block_lane(table[i], float(levels[i]), row_labels[i]) for i in range(table.shape[0])]
     if not lanes:
         lanes = [Lane(np.array([0, w]), np.array([np.nan]), [""], [""])]
@@ -124,7 +126,7 @@ def _block_heat(table: np.ndarray, row_ids: Sequence[str], row_labels: Sequence[
     return draw_strip(lanes, window=window, px=px, font_size=fs), fs
 
 
-def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
+def block_tables_spec(target: Record, draft: Record | None = None, *, draft_phase: str | None = None,
                       rank: int | None = None, highlight: str | None = None,
                       colors: Mapping[str, int] | None = None, group: int = 0,
                       flags: list[RowFlag] | None = None, windows: Mapping[str, tuple[float, float]] | None = None,
@@ -133,17 +135,17 @@ def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str
     per request, global order), this rank's ``block_table_local`` (one row per local segment)
     and the draft step's ``block_table_draft``. Draft rows that are zero or differ from the
     rows they should equal (``draft_block_table_flags``) are outlined in red."""
-    glob = _g3(_arr(target, "block_table_global"))
-    loc = _g3(_arr(target, "block_table_local"))
-    dr = _g3(_arr(draft, "block_table_draft"))
+    glob = table_groups(view_array(target, "block_table_global"))
+    loc = table_groups(view_array(target, "block_table_local"))
+    dr = table_groups(view_array(draft, "block_table_draft"))
     req_ids = [str(x) for x in np.asarray(target["req_ids"]).ravel()]
-    local_ids = [str(x) for x in np.asarray(_arr(target, "local_req_ids", np.array([], dtype=str))).ravel()]
+    local_ids = [str(x) for x in np.asarray(view_array(target, "local_req_ids", np.array([], dtype=str))).ravel()]
     tabs = [x[group] if x is not None and x.shape[0] > group else None for x in (glob, loc, dr)]
     if colors is None:  # colour = request (a local row gets its request's colour), as in the Workbench
         colors = request_color_index(req_ids + local_ids)
     w = _used_width(*tabs)
     window = (windows or {}).get("xaxis")
-    replicated = draft is not None and _is_replicated(draft, target)
+    replicated = draft is not None and is_replicated(draft, target)
     if flags is None:
         flags = draft_block_table_flags(target, draft, group)
     panels = []
@@ -164,7 +166,7 @@ def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str
             break
         panels.append((title, np.zeros((0, 1), dtype=np.int32), [], []))
     heights = [max(t.shape[0], 1) + 1.5 for _, t, _, _ in panels]
-    fig = _Canvas([[1]] * len(panels), shared_x=True, vertical_spacing=0.09, row_heights=heights,
+    fig = Canvas([[1]] * len(panels), shared_x=True, vertical_spacing=0.09, row_heights=heights,
                   subplot_titles=[p[0] for p in panels])
     per_token = True
     for k, (_, table, ids, labels) in enumerate(panels):
@@ -198,7 +200,7 @@ def block_tables_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str
                       title=dict(text=f"block tables (group {group}; W = {w} used columns)"))
 
 
-def block_tables_figure(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
+def block_tables_figure(target: Record, draft: Record | None = None, *, draft_phase: str | None = None,
                         rank: int | None = None, highlight: str | None = None,
                         colors: Mapping[str, int] | None = None, group: int = 0,
                         flags: list[RowFlag] | None = None,

@@ -1,13 +1,13 @@
 """Drawing helpers shared by the trace-view figures: size limits, the level colours of the
-heatmaps, a tiny template, and ``_Canvas``, a subplot grid assembled as plain dicts.
+heatmaps, a tiny template, and ``Canvas``, a subplot grid assembled as plain dicts.
 
-Figures are assembled as plain dicts (``_Canvas``) and wrapped in one ``go.Figure`` without
+Figures are assembled as plain dicts (``Canvas``) and wrapped in one ``go.Figure`` without
 re-validation: plotly's per-call validation (``make_subplots``, ``add_trace``, ``update_*``)
 cost far more than the data. ``validate_figure`` re-validates one, and the tests do so for
 every figure of the shipped trace.
 
-Heatmap cells hold a *level* (``_L_PAD`` grey padding, ``_L_DIM`` a dimmed request, ``_L_NULL``
-the null block, ``_L_WRITTEN`` / ``_L_REPLICA`` the write mask, ``_L_REQ0 + i`` request colour
+Heatmap cells hold a *level* (``L_PAD`` grey padding, ``L_DIM`` a dimmed request, ``L_NULL``
+the null block, ``L_WRITTEN`` / ``L_REPLICA`` the write mask, ``_L_REQ0 + i`` request colour
 i); one stepped colorscale maps every level to its colour, so a PCP=2 step whose requests are
 req0 and req1 draws req0's tokens at level 6 and req1's at level 7.
 """
@@ -38,7 +38,7 @@ REPLICA_COLOR = "#ff7f0e"
 NULL_COLOR = "#ffffff"
 
 # Heatmap levels: z holds a level; the colorscale is stepped, one colour per level.
-_L_PAD, _L_DIM, _L_NULL, _L_FLAG, _L_WRITTEN, _L_REPLICA = 0, 1, 2, 3, 4, 5
+L_PAD, L_DIM, L_NULL, L_FLAG, L_WRITTEN, L_REPLICA = 0, 1, 2, 3, 4, 5
 _L_REQ0 = 6
 _FIXED_LEVEL_COLORS = [PAD_COLOR, DIM_COLOR, NULL_COLOR, "#f6c3c0", WRITTEN_COLOR, REPLICA_COLOR]
 _AXIS = {"gridcolor": "#ececec", "linecolor": "#999", "zerolinecolor": "#ddd", "automargin": True}
@@ -51,7 +51,7 @@ large enough to dominate the cost of one widget update."""
 _NUM_REQ_COLORS = 28
 
 
-def _stepped_colorscale(colors: Sequence[str]) -> list[list]:
+def stepped_colorscale(colors: Sequence[str]) -> list[list]:
     m = len(colors)
     scale = []
     for i, c in enumerate(colors):
@@ -61,7 +61,7 @@ def _stepped_colorscale(colors: Sequence[str]) -> list[list]:
 
 
 _LEVEL_COLORS = _FIXED_LEVEL_COLORS + [request_color(i) for i in range(_NUM_REQ_COLORS)]
-_LEVEL_SCALE = _stepped_colorscale(_LEVEL_COLORS)
+_LEVEL_SCALE = stepped_colorscale(_LEVEL_COLORS)
 _LEVEL_RANGE = dict(zmin=-0.5, zmax=len(_LEVEL_COLORS) - 0.5)
 
 
@@ -73,7 +73,7 @@ def request_color_index(req_ids: Iterable[str]) -> dict[str, int]:
     return out
 
 
-def _req_levels(req_ids: Sequence[str], colors: Mapping[str, int] | None,
+def req_levels(req_ids: Sequence[str], colors: Mapping[str, int] | None,
                 highlight: str | None) -> np.ndarray:
     """Level of each request row: its colour, or dim when another request is highlighted."""
     out = np.empty(len(req_ids), dtype=np.int64)
@@ -81,11 +81,11 @@ def _req_levels(req_ids: Sequence[str], colors: Mapping[str, int] | None,
         c = colors.get(str(r), i) if colors is not None else i
         out[i] = _L_REQ0 + c % _NUM_REQ_COLORS
         if highlight is not None and str(r) != highlight:
-            out[i] = _L_DIM
+            out[i] = L_DIM
     return out
 
 
-class _Canvas:
+class Canvas:
     """A figure under construction as plain dicts (a subplot grid like ``make_subplots``).
 
     Building figures with ``make_subplots`` / ``add_trace(row=, col=)`` / ``update_xaxes`` runs
@@ -212,15 +212,15 @@ def validate_figure(fig: go.Figure) -> go.Figure:
     return go.Figure(fig.to_plotly_json())
 
 
-def _vline(xref: str, yref: str, x: float, **line) -> dict:
+def vline(xref: str, yref: str, x: float, **line) -> dict:
     return dict(type="line", xref=xref, yref=f"{yref} domain", x0=x, x1=x, y0=0, y1=1, line=line)
 
 
-def _hline(xref: str, yref: str, y: float, **line) -> dict:
+def hline(xref: str, yref: str, y: float, **line) -> dict:
     return dict(type="line", xref=f"{xref} domain", yref=yref, x0=0, x1=1, y0=y, y1=y, line=line)
 
 
-def _range_text(a: int, b: int) -> str:
+def range_text(a: int, b: int) -> str:
     return f"{a}" if a == b else f"{a}–{b}"
 
 

@@ -15,10 +15,12 @@ import numpy as np
 import plotly.graph_objects as go
 
 from pcpviz.views.figures.aggregate import run_edges
-from pcpviz.views.figures.canvas import (FLAG_COLOR, _Canvas, _L_NULL, _L_PAD, _L_REPLICA, _L_WRITTEN, _range_text,
-                                         _req_levels, strip_heat, strip_labels, _vline, as_figure)
+from pcpviz.views.figures.canvas import (FLAG_COLOR, Canvas, L_NULL, L_PAD, L_REPLICA, L_WRITTEN, range_text,
+                                         req_levels, strip_heat, strip_labels, vline, as_figure)
 from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
-from pcpviz.views.figures.step_data import Rec, _arr, _g2, _is_replicated, step_layout
+from pcpviz.trace import Record
+from pcpviz.trace.shapes import slot_groups
+from pcpviz.views.figures.step_data import is_replicated, step_layout, view_array
 
 __all__ = ["slot_mappings_spec", "slot_mappings_figure"]
 
@@ -36,10 +38,10 @@ def _slot_strip(slots: np.ndarray, req: np.ndarray, status: np.ndarray | None, l
     for j, (x, y, q, u, v) in enumerate(zip(a.tolist(), b.tolist(), req[a].tolist() if n else [],
                                             s0.tolist(), s1.tolist())):
         pad = u < 0
-        level.append(_L_PAD if pad else _L_NULL if q < 0 else levels[q])
-        text.append("PAD" if pad else (_range_text(u, v), f"{u}…") if v != u else str(u))
-        h = f"{label}<br>{index_name} {_range_text(x, y - 1)}<br>"
-        h += "PAD (-1): nothing written" if pad else f"slot {_range_text(u, v)}"
+        level.append(L_PAD if pad else L_NULL if q < 0 else levels[q])
+        text.append("PAD" if pad else (range_text(u, v), f"{u}…") if v != u else str(u))
+        h = f"{label}<br>{index_name} {range_text(x, y - 1)}<br>"
+        h += "PAD (-1): nothing written" if pad else f"slot {range_text(u, v)}"
         if status is not None and not pad:
             h += "<br>" + {2: "KV written", 1: "replica: not written", 0: "padding"}[int(status[x])]
         hover.append(h)
@@ -54,17 +56,17 @@ def _mask_strip(status: np.ndarray, req: np.ndarray) -> Lane:
     """The KV write mask over the gathered rows: runs of equal status and request."""
     e = run_edges(status.shape[0], keys=[status, req])
     st = status[e[:-1]].tolist()
-    lev = {2: _L_WRITTEN, 1: _L_REPLICA, 0: _L_PAD}
+    lev = {2: L_WRITTEN, 1: L_REPLICA, 0: L_PAD}
     names = {2: "written", 1: "replica: not written", 0: "padding"}
     marks = np.array([{2: "W", 1: "r", 0: "·"}[x] for x in st], dtype=object)
     return Lane(e, np.array([lev[x] for x in st], dtype=float),
                 [({2: "written", 1: "replica", 0: "pad"}[x], {2: "W", 1: "r", 0: "·"}[x]) for x in st],
-                [f"{names[x]}<br>gathered rows {_range_text(a, b - 1)}"
+                [f"{names[x]}<br>gathered rows {range_text(a, b - 1)}"
                  for x, a, b in zip(st, e[:-1].tolist(), e[1:].tolist())],
                 lambda run, _tok: marks[run].tolist())
 
 
-def slot_mappings_spec(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
+def slot_mappings_spec(target: Record, draft: Record | None = None, *, draft_phase: str | None = None,
                        highlight: str | None = None, colors: Mapping[str, int] | None = None,
                        group: int = 0, windows: Mapping[str, tuple[float, float]] | None = None,
                        px: int = PLOT_PX) -> dict:
@@ -75,16 +77,16 @@ def slot_mappings_spec(target: Rec, draft: Rec | None = None, *, draft_phase: st
     ``windows`` maps a strip's x axis (``"xaxis"``, ``"xaxis2"``, ...) to the range shown, drawn
     ``px`` pixels wide at its level of detail (``lod``)."""
     sl = step_layout(target)
-    levels = _req_levels(sl.req_ids, colors, highlight)
+    levels = req_levels(sl.req_ids, colors, highlight)
     n, p, t, r = sl.pcp, sl.padded, sl.num_tokens, sl.num_reqs
     strips = []
-    sg = _g2(_arr(target, "slot_mapping_global"))
+    sg = slot_groups(view_array(target, "slot_mapping_global"))
     if sg is not None:
         sgg = sg[group][:t] if sg.shape[0] > group else np.zeros(0, np.int64)
         strips.append((f"slot_mapping_global [G={sg.shape[0]}, T={sg.shape[1]}] (global token order)",
                        _slot_strip(sgg, sl.token_req[: sgg.shape[0]], None, levels, "global", "global token"),
                        "global token", None))
-    sgat = _g2(_arr(target, "slot_mapping_gathered"))
+    sgat = slot_groups(view_array(target, "slot_mapping_gathered"))
     status = sl.row_status()
     rreq = sl.row_req()
     if sgat is not None:
@@ -98,10 +100,10 @@ def slot_mappings_spec(target: Rec, draft: Rec | None = None, *, draft_phase: st
                    f"(T = {t}); W written, r replica, · padding", _mask_strip(status, rreq),
                    "gathered row (rank-major)", p))
     flag_note = None
-    sd = _g2(_arr(draft, "slot_mapping_draft"))
+    sd = slot_groups(view_array(draft, "slot_mapping_draft"))
     if sd is not None:
         v = sd[group] if sd.shape[0] > group else np.zeros(0, np.int64)
-        replicated = _is_replicated(draft, target)
+        replicated = is_replicated(draft, target)
         if replicated:
             dreq = np.arange(v.shape[0]) if v.shape[0] == r else np.full(v.shape[0], -1)
             what = (f"{draft_phase or 'draft'} slot_mapping_draft [G={sd.shape[0]}, {v.shape[0]}] "
@@ -120,7 +122,7 @@ def slot_mappings_spec(target: Rec, draft: Rec | None = None, *, draft_phase: st
     else:
         strips.append(("draft slot mapping: no draft step recorded", _slot_strip(
             np.zeros(0, np.int64), np.zeros(0, np.int64), None, levels, "draft", "row"), "", None))
-    fig = _Canvas([[1]] * len(strips), vertical_spacing=0.62 / len(strips) if len(strips) > 1 else 0.1,
+    fig = Canvas([[1]] * len(strips), vertical_spacing=0.62 / len(strips) if len(strips) > 1 else 0.1,
                   subplot_titles=[s[0] for s in strips])
     shapes = fig.shapes
     annots = fig.annotations
@@ -137,7 +139,7 @@ def slot_mappings_spec(target: Rec, draft: Rec | None = None, *, draft_phase: st
         if rank_p:
             xr, yr = fig.ref(k + 1, 1)
             for q in range(1, n):
-                shapes.append(_vline(xr, yr, q * rank_p, color="#333", width=2))
+                shapes.append(vline(xr, yr, q * rank_p, color="#333", width=2))
     if flag_note:
         annots.append(dict(text=flag_note, xref="paper", yref="paper", x=1, y=-0.08, xanchor="right",
                            showarrow=False, font=dict(color=FLAG_COLOR, size=13), bgcolor="#fff3f3",
@@ -147,7 +149,7 @@ def slot_mappings_spec(target: Rec, draft: Rec | None = None, *, draft_phase: st
                                       "text = slot id)"))
 
 
-def slot_mappings_figure(target: Rec, draft: Rec | None = None, *, draft_phase: str | None = None,
+def slot_mappings_figure(target: Record, draft: Record | None = None, *, draft_phase: str | None = None,
                          highlight: str | None = None, colors: Mapping[str, int] | None = None,
                          group: int = 0, windows: Mapping[str, tuple[float, float]] | None = None) -> go.Figure:
     """``slot_mappings_spec`` as a ``go.Figure``."""

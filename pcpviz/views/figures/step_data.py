@@ -12,45 +12,23 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable
 
 import numpy as np
 
 from pcpviz.trace.bounds import step_problems
 from pcpviz.trace.reader import Record
-from pcpviz.trace.schema import SEGMENT_DTYPE
+from pcpviz.trace.schema import DRAFT_VIEW_REPLICATED, SEGMENT_DTYPE
+from pcpviz.trace.shapes import table_groups, view_text
 
-__all__ = ["Rec", "StepLayout", "step_layout", "layout_summary", "recorded_phases", "draft_source_phase", "trace_req_ids", "load_check_report"]
-
-Rec = Mapping[str, np.ndarray]
-"""One phase's views: ``trace.record(step, rank, phase)``."""
+__all__ = ["view_array", "is_replicated", "StepLayout", "step_layout", "layout_summary", "recorded_phases", "draft_source_phase", "trace_req_ids", "load_check_report"]
 
 
-def _arr(rec: Rec | None, name: str, default=None):
+def view_array(rec: Record | None, name: str, default=None):
+    """``rec[name]`` as an array, ``default`` when ``rec`` is None or lacks the view."""
     if rec is None or name not in rec:
         return default
     return np.asarray(rec[name])
-
-
-def _g2(a: np.ndarray | None) -> np.ndarray | None:
-    """A slot mapping as [G, n] (1-D arrays are one group)."""
-    if a is None:
-        return None
-    a = np.asarray(a)
-    return a[None, :] if a.ndim == 1 else a
-
-
-def _g3(a: np.ndarray | None) -> np.ndarray | None:
-    """A block table as [G, rows, W]."""
-    if a is None:
-        return None
-    a = np.asarray(a)
-    return a[None] if a.ndim == 2 else a
-
-
-def _str0(a) -> str:
-    a = np.asarray(a)
-    return str(a.item() if a.ndim == 0 else a.ravel()[0]) if a.size else ""
 
 
 @dataclass(frozen=True)
@@ -94,7 +72,7 @@ _LAYOUT_CACHE_SIZE = 16
 _layouts: OrderedDict[int, tuple[Record, StepLayout]] = OrderedDict()
 
 
-def step_layout(target: Rec) -> StepLayout:
+def step_layout(target: Record) -> StepLayout:
     """``StepLayout`` of a ``target`` record (needs the global-batch and layout views).
 
     A trace's ``Record`` is read-only, so its layout is computed once and kept for the last
@@ -122,7 +100,7 @@ def recorded_phases(trace: Any, step: int, rank: int) -> list[str]:
     return trace.phases(step, rank)
 
 
-def layout_summary(target: Rec | None) -> str | None:
+def layout_summary(target: Record | None) -> str | None:
     """``T=48, R=2, P=26, per-rank [22, 26]`` for a target record with a layout (None without
     one); for a malformed one what is wrong, as text (escape it for HTML)."""
     if target is None or "per_rank_num_tokens" not in target:
@@ -134,13 +112,13 @@ def layout_summary(target: Rec | None) -> str | None:
     return f"T={sl.num_tokens}, R={sl.num_reqs}, P={sl.padded}, per-rank {sl.per_rank_num_tokens.tolist()}"
 
 
-def _step_layout(target: Rec) -> StepLayout:
+def _step_layout(target: Record) -> StepLayout:
     problems = step_problems({"target": target})
     if problems:  # sizes from a malformed record are never allocated
         raise ValueError(f"malformed views: {problems[0]}")
     req_ids = tuple(str(x) for x in np.asarray(target["req_ids"]).ravel())
     q = np.asarray(target["num_scheduled_tokens"], dtype=np.int64)
-    qsl = _arr(target, "query_start_loc")
+    qsl = view_array(target, "query_start_loc")
     qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int64) if qsl is None else qsl.astype(np.int64)
     per_rank = np.asarray(target["per_rank_num_tokens"], dtype=np.int64)
     n = int(per_rank.shape[0])
@@ -188,11 +166,13 @@ def draft_source_phase(phases: Iterable[str], selected: str | None) -> str | Non
     return drafts[0] if drafts else None
 
 
-def _is_replicated(draft: Rec, target: Rec | None) -> bool:
-    v = _arr(draft, "view")
+def is_replicated(draft: Record, target: Record | None) -> bool:
+    """The draft phase ran on the replicated layout view (every rank, the global rows): its
+    ``view`` field says so, or (traces without it) its block table has one row per request."""
+    v = view_array(draft, "view")
     if v is not None:
-        return _str0(v) == "replicated"
-    bt = _g3(_arr(draft, "block_table_draft"))
+        return view_text(v) == DRAFT_VIEW_REPLICATED
+    bt = table_groups(view_array(draft, "block_table_draft"))
     return target is not None and bt is not None and bt.shape[1] == len(np.asarray(target["req_ids"]))
 
 

@@ -14,8 +14,10 @@ import numpy as np
 import plotly.graph_objects as go
 
 from pcpviz.views.figures.block_tables import draft_block_table_flags
-from pcpviz.views.figures.canvas import DIM_COLOR, _Canvas, _range_text, _stepped_colorscale, _vline, as_figure
-from pcpviz.views.figures.step_data import Rec, _arr, _g2, _is_replicated, step_layout
+from pcpviz.views.figures.canvas import DIM_COLOR, Canvas, range_text, stepped_colorscale, vline, as_figure
+from pcpviz.trace import Record
+from pcpviz.trace.shapes import slot_groups
+from pcpviz.views.figures.step_data import is_replicated, step_layout, view_array
 
 __all__ = ["draft_timeline_spec", "draft_timeline_figure"]
 
@@ -29,7 +31,7 @@ _KIND_COLORS = {  # timeline cell backgrounds
 }
 
 
-def draft_timeline_spec(phases: Mapping[str, Rec], *, step: int | None = None, rank: int | None = None,
+def draft_timeline_spec(phases: Mapping[str, Record], *, step: int | None = None, rank: int | None = None,
                         selected_phase: str | None = None, highlight: str | None = None,
                         group: int = 0) -> dict:
     """One step as columns target → draft_0 → gather → draft_1 … → verify, one row per request
@@ -46,10 +48,10 @@ def draft_timeline_spec(phases: Mapping[str, Rec], *, step: int | None = None, r
     req_ids = [str(x) for x in np.asarray(base["req_ids"]).ravel()] if base is not None and "req_ids" in base else []
     r = len(req_ids)
     drafts = [ph for ph in order if ph.startswith("draft_")]
-    has_replicated = any(_is_replicated(phases[ph], target) for ph in drafts)
+    has_replicated = any(is_replicated(phases[ph], target) for ph in drafts)
     cols: list[str] = []
     for ph in order:
-        if ph.startswith("draft_") and has_replicated and "gather" not in cols and _is_replicated(phases[ph], target):
+        if ph.startswith("draft_") and has_replicated and "gather" not in cols and is_replicated(phases[ph], target):
             cols.append("gather")
         cols.append(ph)
     kinds = np.full((max(r, 1), len(cols)), "absent", dtype=object)
@@ -57,22 +59,22 @@ def draft_timeline_spec(phases: Mapping[str, Rec], *, step: int | None = None, r
     hover = np.full((max(r, 1), len(cols)), "", dtype=object)
     ticks = []
     sl = step_layout(target) if target is not None and "per_rank_num_tokens" in target else None
-    first_replicated = next((ph for ph in drafts if _is_replicated(phases[ph], target)), None)
+    first_replicated = next((ph for ph in drafts if is_replicated(phases[ph], target)), None)
     gather_flags = draft_block_table_flags(target, phases[first_replicated], group) \
         if first_replicated is not None and target is not None else []
     flagged_rows = {f.row: f for f in gather_flags}
     for c, ph in enumerate(cols):
         if ph == "target" and target is not None and sl is not None:
             pos = np.asarray(target["positions"])
-            sq = _arr(target, "seq_lens")
+            sq = view_array(target, "seq_lens")
             for i in range(r):
                 a, b = int(sl.query_start_loc[i]), int(sl.query_start_loc[i + 1])
                 if b > a:
                     kinds[i, c] = "global"
-                    text[i, c] = f"pos {_range_text(int(pos[a]), int(pos[b - 1]))}" + \
+                    text[i, c] = f"pos {range_text(int(pos[a]), int(pos[b - 1]))}" + \
                         (f"<br>len {int(sq[i])}" if sq is not None else "")
                     hover[i, c] = (f"{req_ids[i]} target (global batch): {b - a} tokens, positions "
-                                   f"{_range_text(int(pos[a]), int(pos[b - 1]))}")
+                                   f"{range_text(int(pos[a]), int(pos[b - 1]))}")
             ticks.append(f"<b>target</b><br>global T={sl.num_tokens}<br>→ P={sl.padded} rows/rank")
         elif ph == "gather":
             for i in range(r):
@@ -83,9 +85,9 @@ def draft_timeline_spec(phases: Mapping[str, Rec], *, step: int | None = None, r
                                if f else f"{req_ids[i]}: {first_replicated} uses its global block-table row")
             ticks.append("<b>gather</b><br>block tables<br>→ global order")
         elif ph == "verify" and verify is not None:
-            acc = _arr(verify, "num_accepted")
-            nd = _arr(verify, "num_draft_tokens")
-            ns = _arr(verify, "num_sampled")
+            acc = view_array(verify, "num_accepted")
+            nd = view_array(verify, "num_draft_tokens")
+            ns = view_array(verify, "num_sampled")
             vids = [str(x) for x in np.asarray(verify["req_ids"]).ravel()] if "req_ids" in verify else req_ids
             for j, rid in enumerate(vids):
                 if rid not in req_ids:
@@ -102,12 +104,12 @@ def draft_timeline_spec(phases: Mapping[str, Rec], *, step: int | None = None, r
             ticks.append("<b>verify</b> · global<br>accepted / drafted<br>(the previous step's drafts)")
         elif ph.startswith("draft_"):
             d = phases[ph]
-            dpos = _arr(d, "draft_positions", np.zeros(0, np.int64))
-            dsl = _arr(d, "draft_seq_lens", np.zeros(0, np.int64))
-            dtok = _arr(d, "draft_tokens")
-            sm = _g2(_arr(d, "slot_mapping_draft"))
+            dpos = view_array(d, "draft_positions", np.zeros(0, np.int64))
+            dsl = view_array(d, "draft_seq_lens", np.zeros(0, np.int64))
+            dtok = view_array(d, "draft_tokens")
+            sm = slot_groups(view_array(d, "slot_mapping_draft"))
             sm_shape = f"[{sm.shape[0]}, {sm.shape[1]}]" if sm is not None else "?"
-            if _is_replicated(d, target):
+            if is_replicated(d, target):
                 for i in range(min(r, dpos.shape[0])):
                     kinds[i, c] = "replicated"
                     s = f"pos {int(dpos[i])}"
@@ -122,8 +124,8 @@ def draft_timeline_spec(phases: Mapping[str, Rec], *, step: int | None = None, r
                 ticks.append(f"<b>{ph}</b> · replicated<br>{dpos.shape[0]} rows (R)<br>slots {sm_shape} unexpanded")
             else:
                 # rank-local: this rank's segments, in local-row order
-                lids = [str(x) for x in np.asarray(_arr(target, "local_req_ids", np.array([], dtype=str))).ravel()]
-                lqsl = _arr(target, "local_query_start_loc")
+                lids = [str(x) for x in np.asarray(view_array(target, "local_req_ids", np.array([], dtype=str))).ravel()]
+                lqsl = view_array(target, "local_query_start_loc")
                 for i, rid in enumerate(req_ids):
                     segs = [k for k, x in enumerate(lids) if x == rid]
                     if not segs or lqsl is None:
@@ -135,7 +137,7 @@ def draft_timeline_spec(phases: Mapping[str, Rec], *, step: int | None = None, r
                     for k in segs:
                         a, b = int(lqsl[k]), int(lqsl[k + 1])
                         if b > a and b <= dpos.shape[0]:
-                            ranges.append(_range_text(int(dpos[a]), int(dpos[b - 1])))
+                            ranges.append(range_text(int(dpos[a]), int(dpos[b - 1])))
                     lens = [int(dsl[k]) for k in segs if k < dsl.shape[0]]
                     text[i, c] = "pos " + ", ".join(ranges) + ("<br>len " + ", ".join(map(str, lens)) if lens else "")
                     hover[i, c] = f"{rid} {ph} (rank-local, rank {rank}): positions {', '.join(ranges)}, seq_lens {lens}"
@@ -149,10 +151,10 @@ def draft_timeline_spec(phases: Mapping[str, Rec], *, step: int | None = None, r
         dim = np.array([rid != highlight for rid in req_ids])
         z[dim, :] = len(_KIND_COLORS)
     ylabels = req_ids or [""]
-    fig = _Canvas([[1]])
+    fig = Canvas([[1]])
     fig.add(dict(
         type="heatmap", z=z, x=list(range(len(cols))), y=ylabels, text=text, texttemplate="%{text}",
-        textfont=dict(size=10), hovertext=hover, hoverinfo="text", colorscale=_stepped_colorscale(colors),
+        textfont=dict(size=10), hovertext=hover, hoverinfo="text", colorscale=stepped_colorscale(colors),
         zmin=-0.5, zmax=len(colors) - 0.5, showscale=False, xgap=3, ygap=3,
     ))
     fig.axis("y", autorange="reversed")
@@ -161,7 +163,7 @@ def draft_timeline_spec(phases: Mapping[str, Rec], *, step: int | None = None, r
     annots = fig.annotations
     if "gather" in cols:
         g = cols.index("gather")
-        shapes.append(_vline("x", "y", g - 0.5, color="#7b3fa0", width=3, dash="dash"))
+        shapes.append(vline("x", "y", g - 0.5, color="#7b3fa0", width=3, dash="dash"))
         annots.append(dict(x=g - 0.5, y=0, xref="x", yref="paper", yanchor="top", xanchor="center",
                            showarrow=False, yshift=-4, text="▲ view switch: rank-local → replicated "
                            "(block tables gathered back to global order)", font=dict(color="#7b3fa0", size=11)))
@@ -182,7 +184,7 @@ def draft_timeline_spec(phases: Mapping[str, Rec], *, step: int | None = None, r
     )
 
 
-def draft_timeline_figure(phases: Mapping[str, Rec], *, step: int | None = None, rank: int | None = None,
+def draft_timeline_figure(phases: Mapping[str, Record], *, step: int | None = None, rank: int | None = None,
                           selected_phase: str | None = None, highlight: str | None = None,
                           group: int = 0) -> go.Figure:
     """``draft_timeline_spec`` as a ``go.Figure``."""

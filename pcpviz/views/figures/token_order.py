@@ -17,12 +17,13 @@ from typing import Mapping
 import numpy as np
 import plotly.graph_objects as go
 
-from pcpviz.views.figures.aggregate import _run_lines, run_edges
-from pcpviz.views.figures.canvas import (DIM_COLOR, PAD_COLOR, REPLICA_COLOR, TOKEN_LIMIT, WRITTEN_COLOR, _Canvas,
-                                         _L_PAD, _L_REPLICA, _L_WRITTEN, _hline, _range_text, _req_levels,
-                                         strip_heat, strip_labels, _vline, as_figure)
+from pcpviz.views.figures.aggregate import run_lines, run_edges
+from pcpviz.views.figures.canvas import (DIM_COLOR, PAD_COLOR, REPLICA_COLOR, TOKEN_LIMIT, WRITTEN_COLOR, Canvas,
+                                         L_PAD, L_REPLICA, L_WRITTEN, hline, range_text, req_levels,
+                                         strip_heat, strip_labels, vline, as_figure)
 from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
-from pcpviz.views.figures.step_data import Rec, StepLayout, step_layout
+from pcpviz.trace import Record
+from pcpviz.views.figures.step_data import StepLayout, step_layout
 
 __all__ = ["token_order_spec", "token_order_figure"]
 
@@ -57,12 +58,12 @@ def _lane(sl: StepLayout, li: int, lane: tuple[np.ndarray, np.ndarray, np.ndarra
         if q >= 0:
             level.append(levels[q])
             label.append((f"{sl.req_ids[q]} c{c}", f"c{c}"))
-            hover.append(f"{sl.req_ids[q]} · chunk {c}<br>{where} {_range_text(a, b)}"
-                         f"<br>global token {_range_text(g, g + b - a)}")
+            hover.append(f"{sl.req_ids[q]} · chunk {c}<br>{where} {range_text(a, b)}"
+                         f"<br>global token {range_text(g, g + b - a)}")
         else:
-            level.append(_L_PAD)
+            level.append(L_PAD)
             label.append(("pad", "·"))
-            hover.append(f"padding<br>{where} {_range_text(a, b)}")
+            hover.append(f"padding<br>{where} {range_text(a, b)}")
     chunk = np.where(rq >= 0, ck, -1)
 
     def text(run: np.ndarray, _tok: np.ndarray) -> list[str]:
@@ -76,8 +77,8 @@ def _mask_lane(status: np.ndarray) -> Lane:
     e = run_edges(status.shape[0], keys=[status])
     st = status[e[:-1]].tolist()
     names = {2: "written", 1: "replica", 0: "pad"}
-    lev = {2: _L_WRITTEN, 1: _L_REPLICA, 0: _L_PAD}
-    hover = [f"{_MASK_NAMES[s]}<br>gathered rows {_range_text(a, b - 1)}"
+    lev = {2: L_WRITTEN, 1: L_REPLICA, 0: L_PAD}
+    hover = [f"{_MASK_NAMES[s]}<br>gathered rows {range_text(a, b - 1)}"
              for s, a, b in zip(st, e[:-1].tolist(), e[1:].tolist())]
     marks = np.array([{2: "W", 1: "r", 0: "·"}[s] for s in st], dtype=object)
     return Lane(e, np.array([lev[s] for s in st], dtype=float), [names[s] for s in st], hover,
@@ -87,7 +88,7 @@ def _mask_lane(status: np.ndarray) -> Lane:
 _MASK_NAMES = {2: "written", 1: "masked (extra replica)", 0: "padding"}
 
 
-def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | None = None,
+def token_order_spec(target: Record, *, rank: int | None = None, highlight: str | None = None,
                      colors: Mapping[str, int] | None = None, title: str | None = None,
                      windows: Mapping[str, tuple[float, float]] | None = None, px: int = PLOT_PX) -> dict:
     """Lanes (global batch vs each rank's local rows, colour = request, text = chunk, grey =
@@ -100,13 +101,13 @@ def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | N
     rows = _lane_rows(sl)
     width = max(t, p, 1)
     windows = windows or {}
-    levels = _req_levels(sl.req_ids, colors, highlight)
+    levels = req_levels(sl.req_ids, colors, highlight)
     lanes = [_lane(sl, li, lane, e, levels) for li, (lane, e) in enumerate(zip(rows, _lane_runs(rows)))]
     drawn = draw_strip(lanes, window=windows.get("xaxis"), px=px)
     labels = ["global"] + [f"rank {k}" + (" ◀" if rank == k else "") for k in range(n)]
     what = ("per token (colour = request, text = chunk, grey = padding)" if drawn.per_token else
             "runs of request and chunk (colour = request, c = chunk, grey = padding; zoom for tokens)")
-    fig = _Canvas(
+    fig = Canvas(
         [[2], [1, 1], [2]], vertical_spacing=0.13, horizontal_spacing=0.08, row_heights=[0.42, 0.42, 0.16],
         subplot_titles=(
             f"token order: global batch vs each rank's local rows, {what}",
@@ -140,7 +141,7 @@ def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | N
     gvals = sl.padded_gather_idx
 
     def points(x: np.ndarray, y: np.ndarray, sel: np.ndarray, lines: bool) -> tuple:
-        return _run_lines(x, y, sel) if lines else (x[sel], y[sel])
+        return run_lines(x, y, sel) if lines else (x[sel], y[sel])
 
     # The same five scatter traces, with the same properties, at every step (one per row status,
     # the rows of the requests a highlight dims, the restore map): the Workbench then restyles
@@ -162,8 +163,8 @@ def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | N
                  marker=dict(color="#2ca02c", size=5), line=dict(color="#2ca02c", width=3), name="restore",
                  showlegend=True, hovertemplate="global token %{x} ← gathered row %{y}<extra></extra>"), 2, 2)
     for k in range(1, n):
-        shapes.append(_vline(x2r, y2r, k * p - 0.5, color="#888", dash="dot"))
-        shapes.append(_hline(x3r, y3r, k * p - 0.5, color="#888", dash="dot"))
+        shapes.append(vline(x2r, y2r, k * p - 0.5, color="#888", dash="dot"))
+        shapes.append(hline(x3r, y3r, k * p - 0.5, color="#888", dash="dot"))
     fig.axis("x", 2, 1, title=dict(text="gathered row (rank-major, P per rank)", standoff=2))
     fig.axis("y", 2, 1, title=dict(text="global token"))
     fig.axis("x", 2, 2, title=dict(text="global token", standoff=2))
@@ -175,7 +176,7 @@ def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | N
     fig.annotations.extend(strip_labels(x4r, y4r, mask))
     fig.axis("x", 3, 1, range=list(mask.window))
     for k in range(1, n):
-        shapes.append(_vline(x4r, y4r, k * p, color="#555", width=1))
+        shapes.append(vline(x4r, y4r, k * p, color="#555", width=1))
     return fig.spec(
         height=560 + 26 * n, margin=dict(l=70, r=20, t=70, b=30),
         title=dict(text=title or (f"step layout: PCP={n}, T={t}, P={p}, per-rank tokens "
@@ -184,7 +185,7 @@ def token_order_spec(target: Rec, *, rank: int | None = None, highlight: str | N
     )
 
 
-def token_order_figure(target: Rec, *, rank: int | None = None, highlight: str | None = None,
+def token_order_figure(target: Record, *, rank: int | None = None, highlight: str | None = None,
                        colors: Mapping[str, int] | None = None, title: str | None = None,
                        windows: Mapping[str, tuple[float, float]] | None = None) -> go.Figure:
     """``token_order_spec`` as a ``go.Figure``."""

@@ -1,0 +1,83 @@
+"""View names a check reads, held to the schema: a misspelled view fails at import.
+
+``check`` (``pcpviz.analysis.checks.context``) passes each decorated function here; every
+string literal it hands to its context as a view (``c.t(view)``, ``c.need(phase, view)``,
+``c.get``, ``c.expect``, ``c.no_null_block``, ``c.fail``, also on ``c.prev()``) must be a view of
+``pcpviz.trace.schema.VIEW_SPECS`` — declared for that phase when the phase is a literal too.
+Without the check, a misspelled name would make ``c.need`` skip the check on every step.
+
+PCP=2 example: ``c.need("verify", "num_acceptd")`` in a check named ``k`` raises
+``ValueError: check 'k': c.need('verify', 'num_acceptd') (line 3): no view 'num_acceptd' in
+pcpviz.trace.schema.VIEW_SPECS``.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from typing import Callable
+
+from pcpviz.trace.schema import KNOWN_VIEWS, view_spec
+
+__all__ = ["VIEW_METHODS", "undeclared_views_read", "function_views_read"]
+
+VIEW_METHODS: dict[str, int] = {"t": 0, "need": 1, "get": 1, "expect": 1, "no_null_block": 1, "fail": 1}
+"""Context method -> the position of its view argument (the phase, when any, comes before it)."""
+
+
+def _literal(node: ast.AST | None) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def function_views_read(tree: ast.FunctionDef) -> list[tuple[str | None, str, str, int]]:
+    """``(phase or None, view, call text, line)`` of each literal view name ``tree`` (a check
+    function or a helper taking the context first) reads from its context."""
+    if not tree.args.args:
+        return []
+    ctx = {tree.args.args[0].arg}
+    for node in ast.walk(tree):  # p = c.prev(): the previous step's context
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) \
+                and isinstance(node.value.func, ast.Attribute) and node.value.func.attr == "prev" \
+                and isinstance(node.value.func.value, ast.Name) and node.value.func.value.id in ctx:
+            ctx |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    out = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr in VIEW_METHODS and isinstance(node.func.value, ast.Name)
+                and node.func.value.id in ctx):
+            continue
+        at = VIEW_METHODS[node.func.attr]
+        view = _literal(node.args[at]) if len(node.args) > at else None
+        if view is None:
+            continue
+        phase = _literal(node.args[0]) if at else "target"
+        shown = ", ".join(repr(a.value) if isinstance(a, ast.Constant) else "…" for a in node.args[:at + 1])
+        out.append((phase, view, f"{node.func.value.id}.{node.func.attr}({shown})", node.lineno))
+    return out
+
+
+def undeclared_views_read(tree: ast.FunctionDef) -> list[str]:
+    """One line per literal view ``tree`` reads that the schema does not declare (for its
+    phase, when the phase is a literal)."""
+    bad = []
+    for phase, view, call, line in function_views_read(tree):
+        if view not in KNOWN_VIEWS:
+            bad.append(f"{call} (line {line}): no view {view!r} in pcpviz.trace.schema.VIEW_SPECS")
+        elif phase is not None and view_spec(phase, view) is None:
+            bad.append(f"{call} (line {line}): view {view!r} is not declared for phase {phase!r}")
+    return bad
+
+
+def validate_check(name: str, fn: Callable) -> None:
+    """Raise ``ValueError`` naming the check and the call when ``fn`` reads an undeclared view
+    (a function whose source cannot be read, e.g. made by ``exec``, is left to the tests)."""
+    try:
+        src = textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        return
+    tree = ast.parse(src).body[0]
+    if isinstance(tree, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        bad = undeclared_views_read(tree)
+        if bad:
+            raise ValueError(f"check {name!r}: {bad[0]}")
