@@ -1,7 +1,8 @@
 """CONTRIBUTING.md stays true: each recipe is performed on a temporary copy of the package, with
 the code blocks taken from CONTRIBUTING.md itself, and what the recipe promises is checked (the
 new check runs and is reported, the new view is declared, compared by diff and documented, the
-new fault is injectable, caught and passes the registry test, the producer's trace meets the
+new fault is injectable, caught and passes the registry test, the new panel is drawn by the
+Workbench and the HTML export, the producer's trace meets the
 contract); every file and name the document mentions exists."""
 
 from __future__ import annotations
@@ -154,6 +155,37 @@ def test_add_a_fault(copy):
     assert out == dict(caught=True, inject=[name], synthetic=True, documented=True)
 
 
+def test_add_a_panel(copy):
+    (block,) = _blocks("Add a panel")
+    name = re.search(r'@panel\("(\w+)"', block).group(1)
+    path = copy / "pcpviz/views/panels.py"
+    path.write_text(path.read_text(encoding="utf-8") + "\n\n" + block, encoding="utf-8")
+    out = _python(copy, f"""
+        import json, tempfile
+        from pathlib import Path
+        import pcpviz.trace as pt
+        from pcpviz.synthetic import RequestSpec, generate
+        from pcpviz.views.export.html import embedded_data, export_html
+        from pcpviz.views.widgets.workbench import AFFECTS, Workbench
+        d = Path(tempfile.mkdtemp())
+        t = pt.open(generate([RequestSpec("a", 20, 6), RequestSpec("b", 9, 5)], pcp=2,
+                             num_speculative_tokens=2).write(d / "t"))
+        wb = Workbench(t, step=0, rank=1, checks=False)
+        drawn = list(wb.figures["{name}"].data[0].y)
+        wb.set(step=1)
+        page = Path(export_html(t, d / "r.html", checks=False)).read_text()
+        data = embedded_data(page)
+        print(json.dumps(dict(
+            workbench=drawn == t.record(0, 1, "target")["positions"].tolist(),
+            moved=list(wb.figures["{name}"].data[0].y) == t.record(1, 1, "target")["positions"].tolist(),
+            affects=sorted(c for c, names in AFFECTS.items() if "{name}" in names),
+            exported=data["figs"]["0,1"]["{name}"]["data"][0]["y"] == t.record(0, 1, "target")["positions"].tolist(),
+            listed="{name}" in data["views"], titled="Positions — the position" in page)))
+    """)
+    assert out == dict(workbench=True, moved=True, affects=["rank", "step"], exported=True, listed=True,
+                       titled=True)
+
+
 def test_add_a_producer(tmp_path):
     from pcpviz.analysis.checks import run_checks
     from pcpviz.trace import open as open_trace
@@ -179,6 +211,7 @@ DEFINED_IN = {  # a name CONTRIBUTING.md mentions -> the file that defines it
     "undeclared_views": "pcpviz/trace/validate.py", "fault": "pcpviz/faults.py",
     "PRODUCERS": "pcpviz/faults.py", "PRODUCER_MODULES": "pcpviz/faults.py", "ENGINE": "pcpviz/faults.py",
     "SYNTHETIC": "pcpviz/faults.py", "RULES": "pcpviz/analysis/explain/rules.py", "_rank_phases": "pcpviz/synthetic.py",
+    "PANELS": "pcpviz/views/panels.py", "PanelInput": "pcpviz/views/panels.py", "drawn": "pcpviz/views/figures/violations.py",
     "CASES": "tests/analysis/test_checks.py", "clean_run": "tests/helpers/tracegen.py", "corrupt": "tests/helpers/tracegen.py",
 }
 
