@@ -8,7 +8,8 @@ runs replicated on every rank with one row per request; verify then shows accept
 
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import numpy as np
 import plotly.graph_objects as go
@@ -17,7 +18,7 @@ from pcpviz.views.figures.block_tables import draft_block_table_flags
 from pcpviz.views.figures.canvas import DIM_COLOR, Canvas, range_text, stepped_colorscale, vline, as_figure
 from pcpviz.trace import Record
 from pcpviz.trace.shapes import slot_groups
-from pcpviz.views.figures.step_data import is_replicated, step_layout, view_array
+from pcpviz.views.figures.step_data import StepLayout, is_replicated, step_layout, view_array
 
 __all__ = ["draft_timeline_spec", "draft_timeline_figure"]
 
@@ -29,6 +30,165 @@ _KIND_COLORS = {  # timeline cell backgrounds
     "flag": "#f6c3c0",
     "absent": "#f7f7f7",
 }
+
+
+@dataclass
+class _Grid:
+    """The timeline's cells: one row per request (global order), one column per phase."""
+
+    req_ids: list[str]
+    kinds: np.ndarray  # object[max(R, 1), C]: a key of _KIND_COLORS
+    text: np.ndarray  # object[max(R, 1), C]
+    hover: np.ndarray  # object[max(R, 1), C]
+
+
+def _columns(order: list[str], phases: Mapping[str, Record], target: Record | None) -> list[str]:
+    """The phases in causal order, with ``gather`` before the first replicated draft phase."""
+    drafts = [ph for ph in order if ph.startswith("draft_")]
+    has_replicated = any(is_replicated(phases[ph], target) for ph in drafts)
+    cols: list[str] = []
+    for ph in order:
+        if ph.startswith("draft_") and has_replicated and "gather" not in cols and is_replicated(phases[ph], target):
+            cols.append("gather")
+        cols.append(ph)
+    return cols
+
+
+def _target_col(g: _Grid, c: int, target: Record, sl: StepLayout) -> str:
+    pos = np.asarray(target["positions"])
+    sq = view_array(target, "seq_lens")
+    for i in range(len(g.req_ids)):
+        a, b = int(sl.query_start_loc[i]), int(sl.query_start_loc[i + 1])
+        if b > a:
+            g.kinds[i, c] = "global"
+            g.text[i, c] = f"pos {range_text(int(pos[a]), int(pos[b - 1]))}" + \
+                (f"<br>len {int(sq[i])}" if sq is not None else "")
+            g.hover[i, c] = (f"{g.req_ids[i]} target (global batch): {b - a} tokens, positions "
+                             f"{range_text(int(pos[a]), int(pos[b - 1]))}")
+    return f"<b>target</b><br>global T={sl.num_tokens}<br>→ P={sl.padded} rows/rank"
+
+
+def _gather_col(g: _Grid, c: int, flagged_rows: Mapping[int, Any], first_replicated: str | None) -> str:
+    for i in range(len(g.req_ids)):
+        f = flagged_rows.get(i)
+        g.kinds[i, c] = "flag" if f else "ok"
+        g.text[i, c] = ("✗ zero row" if f.kind == "zero" else "✗ stale row") if f else "✓ global row"
+        g.hover[i, c] = (f.describe() + f"<br>expected {f.expected[:8].tolist()}<br>actual {f.actual[:8].tolist()}"
+                         if f else f"{g.req_ids[i]}: {first_replicated} uses its global block-table row")
+    return "<b>gather</b><br>block tables<br>→ global order"
+
+
+def _verify_col(g: _Grid, c: int, verify: Record) -> str:
+    acc = view_array(verify, "num_accepted")
+    nd = view_array(verify, "num_draft_tokens")
+    ns = view_array(verify, "num_sampled")
+    vids = [str(x) for x in np.asarray(verify["req_ids"]).ravel()] if "req_ids" in verify else g.req_ids
+    for j, rid in enumerate(vids):
+        if rid not in g.req_ids:
+            continue
+        i = g.req_ids.index(rid)
+        g.kinds[i, c] = "global"
+        parts = []
+        if acc is not None and nd is not None:
+            parts.append(f"acc {int(acc[j])}/{int(nd[j])}")
+        if ns is not None:
+            parts.append(f"{int(ns[j])} sampled")
+        g.text[i, c] = "<br>".join(parts)
+        g.hover[i, c] = f"{rid} verify: " + ", ".join(parts)
+    return "<b>verify</b> · global<br>accepted / drafted<br>(the previous step's drafts)"
+
+
+def _replicated_col(g: _Grid, c: int, ph: str, d: Record, flagged: Mapping[int, Any]) -> str:
+    """A draft phase on the replicated layout view: one row per request (R rows)."""
+    dpos = view_array(d, "draft_positions", np.zeros(0, np.int64))
+    dsl = view_array(d, "draft_seq_lens", np.zeros(0, np.int64))
+    dtok = view_array(d, "draft_tokens")
+    for i in range(min(len(g.req_ids), dpos.shape[0])):
+        g.kinds[i, c] = "replicated"
+        s = f"pos {int(dpos[i])}"
+        if i < dsl.shape[0]:
+            s += f"<br>len {int(dsl[i])}"
+        if dtok is not None and i < dtok.shape[0]:
+            s += f"<br>→ tok {int(dtok[i])}"
+        g.text[i, c] = s
+        g.hover[i, c] = f"{g.req_ids[i]} {ph} (replicated): " + s.replace("<br>", ", ")
+        if i in flagged:
+            g.kinds[i, c] = "flag"
+    return f"<b>{ph}</b> · replicated<br>{dpos.shape[0]} rows (R)<br>slots {_slots_shape(d)} unexpanded"
+
+
+def _rank_local_col(g: _Grid, c: int, ph: str, d: Record, *, target: Record | None, rank: int | None) -> str:
+    """A draft phase on the rank-local layout view: this rank's segments, in local-row order."""
+    dpos = view_array(d, "draft_positions", np.zeros(0, np.int64))
+    dsl = view_array(d, "draft_seq_lens", np.zeros(0, np.int64))
+    lids = [str(x) for x in np.asarray(view_array(target, "local_req_ids", np.array([], dtype=str))).ravel()]
+    lqsl = view_array(target, "local_query_start_loc")
+    for i, rid in enumerate(g.req_ids):
+        segs = [k for k, x in enumerate(lids) if x == rid]
+        if not segs or lqsl is None:
+            g.text[i, c] = f"— (not on rank {rank})" if rank is not None else "—"
+            g.hover[i, c] = f"{rid} has no rows on this rank in {ph}"
+            continue
+        g.kinds[i, c] = "rank_local"
+        ranges = []
+        for k in segs:
+            a, b = int(lqsl[k]), int(lqsl[k + 1])
+            if b > a and b <= dpos.shape[0]:
+                ranges.append(range_text(int(dpos[a]), int(dpos[b - 1])))
+        lens = [int(dsl[k]) for k in segs if k < dsl.shape[0]]
+        g.text[i, c] = "pos " + ", ".join(ranges) + ("<br>len " + ", ".join(map(str, lens)) if lens else "")
+        g.hover[i, c] = f"{rid} {ph} (rank-local, rank {rank}): positions {', '.join(ranges)}, seq_lens {lens}"
+    return f"<b>{ph}</b> · rank-local<br>{dpos.shape[0]} local rows<br>slots {_slots_shape(d)} expanded"
+
+
+def _slots_shape(d: Record) -> str:
+    sm = slot_groups(view_array(d, "slot_mapping_draft"))
+    return f"[{sm.shape[0]}, {sm.shape[1]}]" if sm is not None else "?"
+
+
+def _marks(fig: Canvas, cols: list[str], *, rows: int, selected_phase: str | None, highlight_row: int | None) -> None:
+    """The layout-view switch before ``gather``, the selected phase's column, the highlighted row."""
+    if "gather" in cols:
+        g = cols.index("gather")
+        fig.shapes.append(vline("x", "y", g - 0.5, color="#7b3fa0", width=3, dash="dash"))
+        fig.annotations.append(dict(x=g - 0.5, y=0, xref="x", yref="paper", yanchor="top", xanchor="center",
+                                    showarrow=False, yshift=-4, text="▲ view switch: rank-local → replicated "
+                                    "(block tables gathered back to global order)",
+                                    font=dict(color="#7b3fa0", size=11)))
+    if selected_phase in cols:
+        s = cols.index(selected_phase)
+        fig.shapes.append(dict(type="rect", xref="x", yref="y", x0=s - 0.5, x1=s + 0.5, y0=-0.5, y1=rows - 0.5,
+                               line=dict(color="#111", width=3)))
+    if highlight_row is not None:
+        i = highlight_row
+        fig.shapes.append(dict(type="rect", xref="x", yref="y", x0=-0.5, x1=len(cols) - 0.5, y0=i - 0.5, y1=i + 0.5,
+                               line=dict(color="#111", width=2, dash="dot")))
+
+
+def _fill(g: _Grid, cols: list[str], phases: Mapping[str, Record], *, rank: int | None, group: int) -> list[str]:
+    """Fill every column of ``g``; returns the column tick texts."""
+    target, verify = phases.get("target"), phases.get("verify")
+    sl = step_layout(target) if target is not None and "per_rank_num_tokens" in target else None
+    drafts = [ph for ph in cols if ph.startswith("draft_")]
+    first_replicated = next((ph for ph in drafts if is_replicated(phases[ph], target)), None)
+    gather_flags = draft_block_table_flags(target, phases[first_replicated], group) \
+        if first_replicated is not None and target is not None else []
+    flagged_rows = {f.row: f for f in gather_flags}
+    ticks = []
+    for c, ph in enumerate(cols):
+        if ph == "target" and target is not None and sl is not None:
+            ticks.append(_target_col(g, c, target, sl))
+        elif ph == "gather":
+            ticks.append(_gather_col(g, c, flagged_rows, first_replicated))
+        elif ph == "verify" and verify is not None:
+            ticks.append(_verify_col(g, c, verify))
+        elif ph.startswith("draft_") and is_replicated(phases[ph], target):
+            ticks.append(_replicated_col(g, c, ph, phases[ph], flagged_rows if ph == first_replicated else {}))
+        elif ph.startswith("draft_"):
+            ticks.append(_rank_local_col(g, c, ph, phases[ph], target=target, rank=rank))
+        else:
+            ticks.append(f"<b>{ph}</b>")
+    return ticks
 
 
 def draft_timeline_spec(phases: Mapping[str, Record], *, step: int | None = None, rank: int | None = None,
@@ -43,138 +203,30 @@ def draft_timeline_spec(phases: Mapping[str, Record], *, step: int | None = None
 
     order = sorted((ph for ph in phases if ph != "dummy"), key=phase_sort_key)
     target = phases.get("target")
-    verify = phases.get("verify")
-    base = target if target is not None else verify
+    base = target if target is not None else phases.get("verify")
     req_ids = [str(x) for x in np.asarray(base["req_ids"]).ravel()] if base is not None and "req_ids" in base else []
     r = len(req_ids)
-    drafts = [ph for ph in order if ph.startswith("draft_")]
-    has_replicated = any(is_replicated(phases[ph], target) for ph in drafts)
-    cols: list[str] = []
-    for ph in order:
-        if ph.startswith("draft_") and has_replicated and "gather" not in cols and is_replicated(phases[ph], target):
-            cols.append("gather")
-        cols.append(ph)
-    kinds = np.full((max(r, 1), len(cols)), "absent", dtype=object)
-    text = np.full((max(r, 1), len(cols)), "", dtype=object)
-    hover = np.full((max(r, 1), len(cols)), "", dtype=object)
-    ticks = []
-    sl = step_layout(target) if target is not None and "per_rank_num_tokens" in target else None
-    first_replicated = next((ph for ph in drafts if is_replicated(phases[ph], target)), None)
-    gather_flags = draft_block_table_flags(target, phases[first_replicated], group) \
-        if first_replicated is not None and target is not None else []
-    flagged_rows = {f.row: f for f in gather_flags}
-    for c, ph in enumerate(cols):
-        if ph == "target" and target is not None and sl is not None:
-            pos = np.asarray(target["positions"])
-            sq = view_array(target, "seq_lens")
-            for i in range(r):
-                a, b = int(sl.query_start_loc[i]), int(sl.query_start_loc[i + 1])
-                if b > a:
-                    kinds[i, c] = "global"
-                    text[i, c] = f"pos {range_text(int(pos[a]), int(pos[b - 1]))}" + \
-                        (f"<br>len {int(sq[i])}" if sq is not None else "")
-                    hover[i, c] = (f"{req_ids[i]} target (global batch): {b - a} tokens, positions "
-                                   f"{range_text(int(pos[a]), int(pos[b - 1]))}")
-            ticks.append(f"<b>target</b><br>global T={sl.num_tokens}<br>→ P={sl.padded} rows/rank")
-        elif ph == "gather":
-            for i in range(r):
-                f = flagged_rows.get(i)
-                kinds[i, c] = "flag" if f else "ok"
-                text[i, c] = ("✗ zero row" if f.kind == "zero" else "✗ stale row") if f else "✓ global row"
-                hover[i, c] = (f.describe() + f"<br>expected {f.expected[:8].tolist()}<br>actual {f.actual[:8].tolist()}"
-                               if f else f"{req_ids[i]}: {first_replicated} uses its global block-table row")
-            ticks.append("<b>gather</b><br>block tables<br>→ global order")
-        elif ph == "verify" and verify is not None:
-            acc = view_array(verify, "num_accepted")
-            nd = view_array(verify, "num_draft_tokens")
-            ns = view_array(verify, "num_sampled")
-            vids = [str(x) for x in np.asarray(verify["req_ids"]).ravel()] if "req_ids" in verify else req_ids
-            for j, rid in enumerate(vids):
-                if rid not in req_ids:
-                    continue
-                i = req_ids.index(rid)
-                kinds[i, c] = "global"
-                parts = []
-                if acc is not None and nd is not None:
-                    parts.append(f"acc {int(acc[j])}/{int(nd[j])}")
-                if ns is not None:
-                    parts.append(f"{int(ns[j])} sampled")
-                text[i, c] = "<br>".join(parts)
-                hover[i, c] = f"{rid} verify: " + ", ".join(parts)
-            ticks.append("<b>verify</b> · global<br>accepted / drafted<br>(the previous step's drafts)")
-        elif ph.startswith("draft_"):
-            d = phases[ph]
-            dpos = view_array(d, "draft_positions", np.zeros(0, np.int64))
-            dsl = view_array(d, "draft_seq_lens", np.zeros(0, np.int64))
-            dtok = view_array(d, "draft_tokens")
-            sm = slot_groups(view_array(d, "slot_mapping_draft"))
-            sm_shape = f"[{sm.shape[0]}, {sm.shape[1]}]" if sm is not None else "?"
-            if is_replicated(d, target):
-                for i in range(min(r, dpos.shape[0])):
-                    kinds[i, c] = "replicated"
-                    s = f"pos {int(dpos[i])}"
-                    if i < dsl.shape[0]:
-                        s += f"<br>len {int(dsl[i])}"
-                    if dtok is not None and i < dtok.shape[0]:
-                        s += f"<br>→ tok {int(dtok[i])}"
-                    text[i, c] = s
-                    hover[i, c] = f"{req_ids[i]} {ph} (replicated): " + s.replace("<br>", ", ")
-                    if ph == first_replicated and i in flagged_rows:
-                        kinds[i, c] = "flag"
-                ticks.append(f"<b>{ph}</b> · replicated<br>{dpos.shape[0]} rows (R)<br>slots {sm_shape} unexpanded")
-            else:
-                # rank-local: this rank's segments, in local-row order
-                lids = [str(x) for x in np.asarray(view_array(target, "local_req_ids", np.array([], dtype=str))).ravel()]
-                lqsl = view_array(target, "local_query_start_loc")
-                for i, rid in enumerate(req_ids):
-                    segs = [k for k, x in enumerate(lids) if x == rid]
-                    if not segs or lqsl is None:
-                        text[i, c] = f"— (not on rank {rank})" if rank is not None else "—"
-                        hover[i, c] = f"{rid} has no rows on this rank in {ph}"
-                        continue
-                    kinds[i, c] = "rank_local"
-                    ranges = []
-                    for k in segs:
-                        a, b = int(lqsl[k]), int(lqsl[k + 1])
-                        if b > a and b <= dpos.shape[0]:
-                            ranges.append(range_text(int(dpos[a]), int(dpos[b - 1])))
-                    lens = [int(dsl[k]) for k in segs if k < dsl.shape[0]]
-                    text[i, c] = "pos " + ", ".join(ranges) + ("<br>len " + ", ".join(map(str, lens)) if lens else "")
-                    hover[i, c] = f"{rid} {ph} (rank-local, rank {rank}): positions {', '.join(ranges)}, seq_lens {lens}"
-                ticks.append(f"<b>{ph}</b> · rank-local<br>{dpos.shape[0]} local rows<br>slots {sm_shape} expanded")
-        else:
-            ticks.append(f"<b>{ph}</b>")
+    cols = _columns(order, phases, target)
+    shape = (max(r, 1), len(cols))
+    g = _Grid(req_ids, np.full(shape, "absent", dtype=object), np.full(shape, "", dtype=object),
+              np.full(shape, "", dtype=object))
+    ticks = _fill(g, cols, phases, rank=rank, group=group)
     level_of = {k: i for i, k in enumerate(_KIND_COLORS)}
     colors = list(_KIND_COLORS.values()) + [DIM_COLOR]
-    z = np.vectorize(lambda k: level_of[k])(kinds).astype(float) if kinds.size else np.zeros((1, 1))
-    if highlight is not None and highlight in req_ids:
-        dim = np.array([rid != highlight for rid in req_ids])
-        z[dim, :] = len(_KIND_COLORS)
-    ylabels = req_ids or [""]
+    z = np.vectorize(lambda k: level_of[k])(g.kinds).astype(float) if g.kinds.size else np.zeros((1, 1))
+    lit = highlight is not None and highlight in req_ids
+    if lit:
+        z[np.array([rid != highlight for rid in req_ids]), :] = len(_KIND_COLORS)
     fig = Canvas([[1]])
     fig.add(dict(
-        type="heatmap", z=z, x=list(range(len(cols))), y=ylabels, text=text, texttemplate="%{text}",
-        textfont=dict(size=10), hovertext=hover, hoverinfo="text", colorscale=stepped_colorscale(colors),
+        type="heatmap", z=z, x=list(range(len(cols))), y=req_ids or [""], text=g.text, texttemplate="%{text}",
+        textfont=dict(size=10), hovertext=g.hover, hoverinfo="text", colorscale=stepped_colorscale(colors),
         zmin=-0.5, zmax=len(colors) - 0.5, showscale=False, xgap=3, ygap=3,
     ))
     fig.axis("y", autorange="reversed")
     fig.axis("x", tickvals=list(range(len(cols))), ticktext=ticks, side="top", range=[-0.5, len(cols) - 0.5])
-    shapes = fig.shapes
-    annots = fig.annotations
-    if "gather" in cols:
-        g = cols.index("gather")
-        shapes.append(vline("x", "y", g - 0.5, color="#7b3fa0", width=3, dash="dash"))
-        annots.append(dict(x=g - 0.5, y=0, xref="x", yref="paper", yanchor="top", xanchor="center",
-                           showarrow=False, yshift=-4, text="▲ view switch: rank-local → replicated "
-                           "(block tables gathered back to global order)", font=dict(color="#7b3fa0", size=11)))
-    if selected_phase in cols:
-        s = cols.index(selected_phase)
-        shapes.append(dict(type="rect", xref="x", yref="y", x0=s - 0.5, x1=s + 0.5, y0=-0.5, y1=max(r, 1) - 0.5,
-                           line=dict(color="#111", width=3)))
-    if highlight is not None and highlight in req_ids:
-        i = req_ids.index(highlight)
-        shapes.append(dict(type="rect", xref="x", yref="y", x0=-0.5, x1=len(cols) - 0.5, y0=i - 0.5, y1=i + 0.5,
-                           line=dict(color="#111", width=2, dash="dot")))
+    _marks(fig, cols, rows=max(r, 1), selected_phase=selected_phase,
+           highlight_row=req_ids.index(highlight) if lit else None)
     where = ", ".join(x for x in (f"step {step}" if step is not None else "",
                                   f"rank {rank}" if rank is not None else "") if x)
     return fig.spec(

@@ -88,53 +88,17 @@ def _mask_lane(status: np.ndarray) -> Lane:
 _MASK_NAMES = {2: "written", 1: "masked (extra replica)", 0: "padding"}
 
 
-def token_order_spec(target: Record, *, rank: int | None = None, highlight: str | None = None,
-                     colors: Mapping[str, int] | None = None, title: str | None = None,
-                     windows: Mapping[str, tuple[float, float]] | None = None, px: int = PLOT_PX) -> dict:
-    """Lanes (global batch vs each rank's local rows, colour = request, text = chunk, grey =
-    padding), the gather/restore index maps and the KV write mask of one step's ``target``.
-
-    ``windows`` maps an x axis (``"xaxis"`` the lanes, ``"xaxis4"`` the write mask) to the range
-    shown (None: everything), drawn ``px`` pixels wide at its level of detail (``lod``)."""
-    sl = step_layout(target)
+def _index_maps(fig: Canvas, sl: StepLayout, highlight: str | None) -> None:
+    """The gather map (gathered row -> global token, by row status) and the restore map
+    (global token -> gathered row), rows (2, 1) and (2, 2) of the token-order figure."""
     n, p, t = sl.pcp, sl.padded, sl.num_tokens
-    rows = _lane_rows(sl)
-    width = max(t, p, 1)
-    windows = windows or {}
-    levels = req_levels(sl.req_ids, colors, highlight)
-    lanes = [_lane(sl, li, lane, e, levels) for li, (lane, e) in enumerate(zip(rows, _lane_runs(rows)))]
-    drawn = draw_strip(lanes, window=windows.get("xaxis"), px=px)
-    labels = ["global"] + [f"rank {k}" + (" ◀" if rank == k else "") for k in range(n)]
-    what = ("per token (colour = request, text = chunk, grey = padding)" if drawn.per_token else
-            "runs of request and chunk (colour = request, c = chunk, grey = padding; zoom for tokens)")
-    fig = Canvas(
-        [[2], [1, 1], [2]], vertical_spacing=0.13, horizontal_spacing=0.08, row_heights=[0.42, 0.42, 0.16],
-        subplot_titles=(
-            f"token order: global batch vs each rank's local rows, {what}",
-            "padded_gather_idx: gathered row → global token",
-            "hidden_restore_idx: global token → gathered row",
-            "KV write mask over the gathered rows (blue written, orange replica not written, grey pad)",
-        ),
-    )
-    fig.add(strip_heat(drawn, labels, name="lanes"), 1, 1)
-    xa, ya = fig.ref(1, 1)
-    fig.annotations.extend(strip_labels(xa, ya, drawn))
-    fig.axis("y", 1, 1, autorange="reversed")
-    fig.axis("x", 1, 1, range=list(drawn.window))
     shapes = fig.shapes
-    (x1r, y1r), (x2r, y2r), (x3r, y3r), (x4r, y4r) = fig.ref(1, 1), fig.ref(2, 1), fig.ref(2, 2), fig.ref(3, 1)
-    if rank is not None and 0 <= rank < n:
-        shapes.append(dict(type="rect", xref=x1r, yref=y1r, x0=0, x1=width, y0=rank + 0.5, y1=rank + 1.5,
-                           line=dict(color="#333", width=2), fillcolor="rgba(0,0,0,0)"))
-
-    # gather / restore maps
+    (x2r, y2r), (x3r, y3r) = fig.ref(2, 1), fig.ref(2, 2)
     status = sl.row_status()
     rows = np.arange(n * p)
     hl_rows = None
     if highlight is not None and highlight in sl.req_ids:
-        hi = sl.req_ids.index(highlight)
-        rr = sl.row_req()
-        hl_rows = rr == hi
+        hl_rows = sl.row_req() == sl.req_ids.index(highlight)
     names = _MASK_NAMES
     cols = {2: WRITTEN_COLOR, 1: REPLICA_COLOR, 0: PAD_COLOR}
     big = n * p > TOKEN_LIMIT
@@ -170,8 +134,50 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
     fig.axis("x", 2, 2, title=dict(text="global token", standoff=2))
     fig.axis("y", 2, 2, title=dict(text="gathered row"))
 
+
+def token_order_spec(target: Record, *, rank: int | None = None, highlight: str | None = None,
+                     colors: Mapping[str, int] | None = None, title: str | None = None,
+                     windows: Mapping[str, tuple[float, float]] | None = None, px: int = PLOT_PX) -> dict:
+    """Lanes (global batch vs each rank's local rows, colour = request, text = chunk, grey =
+    padding), the gather/restore index maps and the KV write mask of one step's ``target``.
+
+    ``windows`` maps an x axis (``"xaxis"`` the lanes, ``"xaxis4"`` the write mask) to the range
+    shown (None: everything), drawn ``px`` pixels wide at its level of detail (``lod``)."""
+    sl = step_layout(target)
+    n, p, t = sl.pcp, sl.padded, sl.num_tokens
+    rows = _lane_rows(sl)
+    width = max(t, p, 1)
+    windows = windows or {}
+    levels = req_levels(sl.req_ids, colors, highlight)
+    lanes = [_lane(sl, li, lane, e, levels) for li, (lane, e) in enumerate(zip(rows, _lane_runs(rows)))]
+    drawn = draw_strip(lanes, window=windows.get("xaxis"), px=px)
+    labels = ["global"] + [f"rank {k}" + (" ◀" if rank == k else "") for k in range(n)]
+    what = ("per token (colour = request, text = chunk, grey = padding)" if drawn.per_token else
+            "runs of request and chunk (colour = request, c = chunk, grey = padding; zoom for tokens)")
+    fig = Canvas(
+        [[2], [1, 1], [2]], vertical_spacing=0.13, horizontal_spacing=0.08, row_heights=[0.42, 0.42, 0.16],
+        subplot_titles=(
+            f"token order: global batch vs each rank's local rows, {what}",
+            "padded_gather_idx: gathered row → global token",
+            "hidden_restore_idx: global token → gathered row",
+            "KV write mask over the gathered rows (blue written, orange replica not written, grey pad)",
+        ),
+    )
+    fig.add(strip_heat(drawn, labels, name="lanes"), 1, 1)
+    xa, ya = fig.ref(1, 1)
+    fig.annotations.extend(strip_labels(xa, ya, drawn))
+    fig.axis("y", 1, 1, autorange="reversed")
+    fig.axis("x", 1, 1, range=list(drawn.window))
+    shapes = fig.shapes
+    (x1r, y1r), (x4r, y4r) = fig.ref(1, 1), fig.ref(3, 1)
+    if rank is not None and 0 <= rank < n:
+        shapes.append(dict(type="rect", xref=x1r, yref=y1r, x0=0, x1=width, y0=rank + 0.5, y1=rank + 1.5,
+                           line=dict(color="#333", width=2), fillcolor="rgba(0,0,0,0)"))
+
+    _index_maps(fig, sl, highlight)
+
     # write mask strip
-    mask = draw_strip([_mask_lane(status)], window=windows.get("xaxis4"), px=px)
+    mask = draw_strip([_mask_lane(sl.row_status())], window=windows.get("xaxis4"), px=px)
     fig.add(strip_heat(mask, ["write"], name="kv_write_mask", ygap=0), 3, 1)
     fig.annotations.extend(strip_labels(x4r, y4r, mask))
     fig.axis("x", 3, 1, range=list(mask.window))
