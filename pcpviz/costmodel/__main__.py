@@ -14,7 +14,7 @@ import os
 import sys
 
 from pcpviz.cli.guard import bounded_int
-from pcpviz.costmodel.specs import H200, MODEL_NAMES, _repo_root, model_by_name
+from pcpviz.costmodel.specs import H200, MODEL_NAMES, repo_root, model_by_name
 
 DEFAULT_FIT = os.path.join("data", "bench", "costmodel_fit.json")
 DEFAULT_TP = {"tiny": 1, "deepseek-v3": 8}  # fp8 DeepSeek-V3 (671 GB) needs 8 H200s to hold it
@@ -77,7 +77,7 @@ def cmd_fit(args) -> int:
     from pcpviz.cli.guard import check_output_file
     from pcpviz.costmodel.fit import fit, format_fit, write_fit
 
-    out = os.path.join(_repo_root(), DEFAULT_FIT) if args.out is None else args.out
+    out = os.path.join(repo_root(), DEFAULT_FIT) if args.out is None else args.out
     if out != "-":
         check_output_file(out, "--out")
     f = fit()
@@ -97,7 +97,7 @@ def cmd_predict(args) -> int:
                                        prefill_time)
     from pcpviz.costmodel.step import seconds_text as _ms
 
-    path = args.fit or os.path.join(_repo_root(), DEFAULT_FIT)
+    path = args.fit or os.path.join(repo_root(), DEFAULT_FIT)
     systems = load_fit(path)
     if args.system not in systems:
         raise ValueError(f"--system {args.system}: not in {path} (has {', '.join(sorted(systems))})")

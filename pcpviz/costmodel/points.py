@@ -34,7 +34,7 @@ import dataclasses
 import os
 from typing import Any
 
-from pcpviz.costmodel.specs import _repo_root
+from pcpviz.costmodel.specs import repo_root
 
 __all__ = ["Case", "MeasuredPoint", "RatioPoint", "Unchecked", "Points", "load_points", "DEFAULT_SOURCES"]
 
@@ -236,7 +236,7 @@ def load_points(root: str | None = None, sources: tuple[str, ...] = DEFAULT_SOUR
     among them: its K=2 acceptance is lent to decode points that record none."""
     from pcpviz.cli.guard import read_json_file
 
-    root = root or _repo_root()
+    root = root or repo_root()
     docs = {}
     for rel in sources:
         docs[rel] = read_json_file(os.path.join(root, rel), "points file")

@@ -218,5 +218,6 @@ class System:
                 raise ValueError(f"System {self.name}: {f.name} must be in (0, 1], got {v!r}")
 
 
-def _repo_root() -> str:
+def repo_root() -> str:
+    """The checkout's root (where data/ and benchmarks/ live): three levels above this file."""
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

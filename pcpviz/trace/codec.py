@@ -158,7 +158,7 @@ def padded_size(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def row_crc32(step: int, phase: str, view: str, tag: str, shape: tuple[int, ...], stored) -> int:
+def row_crc32(step: int, phase: str, view: str, *, tag: str, shape: tuple[int, ...], stored) -> int:
     """crc32 of a row: its identity, type, shape and stored (padded) bytes."""
     head = f"{step}\0{phase}\0{view}\0{tag}\0{','.join(map(str, shape))}\0".encode("utf-8")
     return zlib.crc32(stored, zlib.crc32(head)) & 0xFFFFFFFF

@@ -42,7 +42,7 @@ from . import schema as S
 from .errors import TraceError, TraceWarning
 from .runmeta import check_version, file_kind, open_for_reading, read_meta
 
-__all__ = ["open", "Trace", "Record", "RankFile"]
+__all__ = ["open", "Trace", "Record", "RankFile", "steps_summary"]
 
 MAX_RANKS = 4096
 """Rank files past this many ranks (``rank99999.arrow``) are not read (run.json's pcp is bounded the same)."""
@@ -139,7 +139,7 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-def _steps_summary(steps: list[int] | tuple[int, ...]) -> str:
+def steps_summary(steps: list[int] | tuple[int, ...]) -> str:
     """``0-5, 7, 9-12`` for a sorted list of steps."""
     if not steps:
         return "none"
@@ -399,7 +399,7 @@ class Trace:
 
     def __repr__(self) -> str:
         return (f"Trace({str(self.path)!r}, ranks={self.ranks}, "
-                f"steps={_steps_summary(self._steps)}, warnings={len(self.warnings)})")
+                f"steps={steps_summary(self._steps)}, warnings={len(self.warnings)})")
 
     def _file(self, rank: int) -> RankFile:
         try:
@@ -412,7 +412,7 @@ class Trace:
         entry = self._entries.get((step, rank))
         if entry is None:
             raise KeyError(f"step {step!r} not recorded on rank {rank} "
-                           f"(rank {rank} has steps {_steps_summary(info.steps)})")
+                           f"(rank {rank} has steps {steps_summary(info.steps)})")
         return entry
 
 
@@ -422,7 +422,7 @@ def _decode_rows(entry: _StepEntry, phase: str) -> dict[str, np.ndarray]:
         start, stop = int(entry.offsets[row.index]), int(entry.offsets[row.index + 1])
         stored = entry.values.slice(start, stop - start)
         where = f"{entry.path}: step {entry.step}: view {row.view!r} (phase {phase!r})"
-        if S.row_crc32(entry.step, phase, row.view, row.tag, row.shape, stored) != row.crc:
+        if S.row_crc32(entry.step, phase, row.view, tag=row.tag, shape=row.shape, stored=stored) != row.crc:
             raise TraceError(f"{where}: corrupt data (crc32 mismatch)")
         try:
             out[row.view] = S.decode_payload(row.tag, row.shape, stored)

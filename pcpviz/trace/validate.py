@@ -237,9 +237,9 @@ def _good(meta: Mapping[str, Any], key: str) -> Any:
 # --------------------------------------------------------------------------- the data
 
 def _steps_text(steps: list[int]) -> str:
-    from .reader import _steps_summary
+    from .reader import steps_summary
 
-    return _steps_summary(sorted(steps))
+    return steps_summary(sorted(steps))
 
 
 def validate(trace: Any) -> TraceStatus:

@@ -309,7 +309,7 @@ def _build_batch(step: int, rows: list[tuple[str, str, S.Encoded]]) -> pa.Record
         values[start:start + len(enc.payload)] = np.frombuffer(enc.payload, dtype=np.uint8)
         if enc.tag == S.STR_TAG:
             values[start + len(enc.payload):stop] = ord(" ")  # JSON ignores trailing spaces
-        crcs[i] = S.row_crc32(step, phase, view, enc.tag, enc.shape, values[start:stop].data)
+        crcs[i] = S.row_crc32(step, phase, view, tag=enc.tag, shape=enc.shape, stored=values[start:stop].data)
     index_crc = S.step_crc32(step, ((phase, view, enc.tag, enc.shape, size, int(crc))
                                     for (phase, view, enc), size, crc in zip(rows, sizes, crcs)))
     data = pa.LargeBinaryArray.from_buffers(

@@ -163,36 +163,31 @@ def chrome_trace(trace: Trace | str | os.PathLike, *, rank: int | None = None) -
     return _build(trace, *_collect(trace), only=rank)
 
 
-def _build(trace: Trace, items: list[dict], recorded: bool, max_k: int, has_dummy: bool,
-           only: int | None) -> dict[str, Any]:
-    lanes = _lane_order(max_k, has_dummy)
-    tid = {name: i for i, name in enumerate(lanes)}
-    world = trace.meta.get("pcp")
-    world = int(world) if isinstance(world, int) and not isinstance(world, bool) else len(trace.ranks)
-    ranks = trace.ranks if only is None else [only]
-    if only is not None and only not in trace.ranks:
-        raise ValueError(f"no rank {only} in {trace.path} (ranks: {trace.ranks})")
+def _synthetic_times(items: list[dict]) -> None:
+    """Give every item ``t``: steps back to back, phases sequential, ranks aligned (a trace
+    without recorded timestamps)."""
+    counts: dict[tuple[int, int], int] = {}
+    for it in items:
+        counts[(it["step"], it["rank"])] = counts.get((it["step"], it["rank"]), 0) + 1
+    per_step: dict[int, int] = {}
+    for (s, _), c in counts.items():
+        per_step[s] = max(per_step.get(s, 0), c)
+    steps = sorted(per_step)
+    start, t = {}, 0
+    for s in steps:
+        start[s] = t
+        t += per_step[s] * SYNTHETIC_PHASE_US + _STEP_GAP_US
+    counters: dict[tuple[int, int], int] = {}
+    for it in items:
+        key = (it["rank"], it["step"])
+        i = counters.get(key, 0)
+        counters[key] = i + 1
+        t0 = start[it["step"]] + i * SYNTHETIC_PHASE_US
+        it["t"] = (t0, t0 + SYNTHETIC_PHASE_US)
 
-    if not recorded:  # synthetic: steps back to back, phases sequential, ranks aligned
-        counts: dict[tuple[int, int], int] = {}
-        for it in items:
-            counts[(it["step"], it["rank"])] = counts.get((it["step"], it["rank"]), 0) + 1
-        per_step: dict[int, int] = {}
-        for (s, _), c in counts.items():
-            per_step[s] = max(per_step.get(s, 0), c)
-        steps = sorted(per_step)
-        start, t = {}, 0
-        for s in steps:
-            start[s] = t
-            t += per_step[s] * SYNTHETIC_PHASE_US + _STEP_GAP_US
-        counters: dict[tuple[int, int], int] = {}
-        for it in items:
-            key = (it["rank"], it["step"])
-            i = counters.get(key, 0)
-            counters[key] = i + 1
-            t0 = start[it["step"]] + i * SYNTHETIC_PHASE_US
-            it["t"] = (t0, t0 + SYNTHETIC_PHASE_US)
 
+def _metadata_events(ranks: list[int], tid: dict[str, int]) -> list[dict[str, Any]]:
+    """Process (rank) and thread (lane) names and sort order."""
     events: list[dict[str, Any]] = []
     for r in ranks:
         events.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0, "ts": 0,
@@ -204,6 +199,13 @@ def _build(trace: Trace, items: list[dict], recorded: bool, max_k: int, has_dumm
                            "args": {"name": name}})
             events.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": i, "ts": 0,
                            "args": {"sort_index": i}})
+    return events
+
+
+def _phase_events(items: list[dict], ranks: list[int], tid: dict[str, int], num_lanes: int) -> list[dict[str, Any]]:
+    """One span per phase, one per step (the phases' extent, with the step's counts) and the
+    accepted-draft counter at each verify."""
+    events: list[dict[str, Any]] = []
     spans: dict[tuple[int, int], list] = {}
     for it in items:
         if it["rank"] not in ranks:
@@ -211,7 +213,7 @@ def _build(trace: Trace, items: list[dict], recorded: bool, max_k: int, has_dumm
         t0, t1 = it["t"]
         dur = max(t1 - t0, 0)
         events.append({"ph": "X", "cat": EVENT_CATEGORY, "name": f"step {it['step']} {it['phase']}",
-                       "pid": it["rank"], "tid": tid.get(it["phase"], len(lanes)), "ts": t0, "dur": dur,
+                       "pid": it["rank"], "tid": tid.get(it["phase"], num_lanes), "ts": t0, "dur": dur,
                        "args": it["args"]})
         span = spans.setdefault((it["rank"], it["step"]), [t0, t0 + dur, {}])
         span[0], span[1] = min(span[0], t0), max(span[1], t0 + dur)
@@ -230,6 +232,21 @@ def _build(trace: Trace, items: list[dict], recorded: bool, max_k: int, has_dumm
     for (r, step), (t0, t1, extra) in sorted(spans.items()):
         events.append({"ph": "X", "cat": EVENT_CATEGORY, "name": f"step {step}", "pid": r,
                        "tid": tid["step"], "ts": t0, "dur": t1 - t0, "args": {"step": step, **extra}})
+    return events
+
+
+def _build(trace: Trace, items: list[dict], recorded: bool, max_k: int, has_dummy: bool,
+           only: int | None) -> dict[str, Any]:
+    lanes = _lane_order(max_k, has_dummy)
+    tid = {name: i for i, name in enumerate(lanes)}
+    world = trace.meta.get("pcp")
+    world = int(world) if isinstance(world, int) and not isinstance(world, bool) else len(trace.ranks)
+    ranks = trace.ranks if only is None else [only]
+    if only is not None and only not in trace.ranks:
+        raise ValueError(f"no rank {only} in {trace.path} (ranks: {trace.ranks})")
+    if not recorded:
+        _synthetic_times(items)
+    events = _metadata_events(ranks, tid) + _phase_events(items, ranks, tid, len(lanes))
     meta = trace.meta
     # Key order matters: HTA reads the metadata (distributedInfo) only up to "traceEvents".
     doc: dict[str, Any] = {"schemaVersion": 1}

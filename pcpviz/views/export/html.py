@@ -253,12 +253,13 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
     target = recs["target"]
     dp = fg.draft_source_phase(recs, None)
     draft = recs.get(dp) if dp else None
-    flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft), recs=recs)
+    flags = fg.drawn("block_tables", lambda: fg.draft_block_table_flags(target, draft), step=step, rank=rank,
+                     recs=recs)
     flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
     inp = PanelInput(step=step, rank=rank, recs=recs, phase=dp, draft_phase=dp, colors=colors, flags=flags)
     figs, marks_all = {}, []
     for p in step_panels():  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
-        figs[p.name] = fig = fg.as_figure(fg.drawn(p.name, step, rank, lambda p=p: p.spec(inp), recs=recs))
+        figs[p.name] = fig = fg.as_figure(fg.drawn(p.name, lambda p=p: p.spec(inp), step=step, rank=rank, recs=recs))
         for m in panel_marks(p, violations, inp):
             fg.mark_violation(fig, m)
             marks_all.append(m)

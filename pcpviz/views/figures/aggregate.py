@@ -18,7 +18,7 @@ import numpy as np
 __all__ = ["run_edges"]
 
 
-def run_edges(n: int, keys: Sequence[np.ndarray] = (), arith: Sequence[np.ndarray] = (),
+def run_edges(n: int, *, keys: Sequence[np.ndarray] = (), arith: Sequence[np.ndarray] = (),
               arith_valid: Sequence[np.ndarray] | None = None) -> np.ndarray:
     """int64[m+1]: edges of the maximal runs of ``n`` entries.
 

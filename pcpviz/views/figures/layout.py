@@ -48,28 +48,10 @@ def lanes_matrix(layout: PCPLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray,
     return req, chunk, gtok, labels
 
 
-def layout_figure(
-    layout: PCPLayout,
-    req_names: list[str] | None = None,
-    highlight_req: int | None = None,
-    title: str | None = None,
-) -> go.Figure:
-    """Three stacked panels: lanes, gather/restore maps, KV write mask."""
-    n, p, t = layout.pcp_world_size, layout.padded_num_tokens, layout.num_tokens
+def _lane_traces(fig: go.Figure, layout: PCPLayout, names: list[str], highlight_req: int | None) -> None:
+    """Row 1: the lanes (global batch, then each rank's local rows), padding grey."""
     r = layout.num_reqs
-    names = req_names or [f"req {i}" for i in range(r)]
     req, chunk, gtok, labels = lanes_matrix(layout)
-
-    fig = make_subplots(
-        rows=3, cols=2, vertical_spacing=0.14, horizontal_spacing=0.08, row_heights=[0.45, 0.4, 0.15],
-        specs=[[{"colspan": 2}, None], [{}, {}], [{"colspan": 2}, None]],
-        subplot_titles=(
-            "token order: global batch vs each rank's local rows (text = chunk)",
-            "padded_gather_idx: all-gathered row → global token",
-            "hidden_restore_idx: global token → all-gathered row",
-            "KV write mask over the all-gathered rows",
-        ),
-    )
     z = req.astype(float)
     z[req < 0] = np.nan
     if highlight_req is not None:
@@ -103,9 +85,11 @@ def layout_figure(
     )
     fig.update_yaxes(autorange="reversed", row=1, col=1)
 
-    real = layout.is_real_row()
+
+def _map_traces(fig: go.Figure, layout: PCPLayout, status: np.ndarray) -> None:
+    """Row 2: the gather map by row status (left) and the restore map (right)."""
+    n, p, t = layout.pcp_world_size, layout.padded_num_tokens, layout.num_tokens
     rows = np.arange(n * p)
-    status = np.where(layout.kv_write_mask, "written", np.where(real, "masked (extra replica)", "padding"))
     for label, color in (("written", "#1f77b4"), ("masked (extra replica)", "#ff7f0e"), ("padding", PAD_COLOR)):
         sel = status == label
         fig.add_trace(
@@ -132,10 +116,35 @@ def layout_figure(
     fig.update_xaxes(title_text="global token", title_standoff=2, row=2, col=2)
     fig.update_yaxes(title_text="gathered row", row=2, col=2)
 
+
+def layout_figure(
+    layout: PCPLayout,
+    req_names: list[str] | None = None,
+    *,
+    highlight_req: int | None = None,
+    title: str | None = None,
+) -> go.Figure:
+    """Three stacked panels: lanes, gather/restore maps, KV write mask."""
+    n, p, t = layout.pcp_world_size, layout.padded_num_tokens, layout.num_tokens
+    names = req_names or [f"req {i}" for i in range(layout.num_reqs)]
+    fig = make_subplots(
+        rows=3, cols=2, vertical_spacing=0.14, horizontal_spacing=0.08, row_heights=[0.45, 0.4, 0.15],
+        specs=[[{"colspan": 2}, None], [{}, {}], [{"colspan": 2}, None]],
+        subplot_titles=(
+            "token order: global batch vs each rank's local rows (text = chunk)",
+            "padded_gather_idx: all-gathered row → global token",
+            "hidden_restore_idx: global token → all-gathered row",
+            "KV write mask over the all-gathered rows",
+        ),
+    )
+    _lane_traces(fig, layout, names, highlight_req)
+    real = layout.is_real_row()
+    status = np.where(layout.kv_write_mask, "written", np.where(real, "masked (extra replica)", "padding"))
+    _map_traces(fig, layout, status)
     mask_z = np.where(layout.kv_write_mask, 2.0, np.where(real, 1.0, 0.0))[None, :]
     fig.add_trace(
         go.Heatmap(
-            z=mask_z, x=rows, y=["write"], zmin=0, zmax=2, showscale=False, xgap=1,
+            z=mask_z, x=np.arange(n * p), y=["write"], zmin=0, zmax=2, showscale=False, xgap=1,
             colorscale=[[0, PAD_COLOR], [0.5, "#ff7f0e"], [1, "#1f77b4"]],
             hovertext=status[None, :], hoverinfo="text+x", name="kv_write_mask",
         ),

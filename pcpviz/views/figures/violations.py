@@ -67,7 +67,7 @@ def message_spec(text: str, *, height: int = 120) -> dict:
                                    "shapes": [], "annotations": []}}
 
 
-def drawn(view: str, step: int, rank: int, build, *, recs=None):
+def drawn(view: str, build, *, step: int, rank: int, recs=None):
     """``build()``, or a ``message_spec`` naming the view, step and rank when a view it reads is
     missing or malformed (a producer that records fewer views, or a damaged one); a
     ``TraceError`` (a payload failing its crc32) still raises. PCP=2 example: a target record

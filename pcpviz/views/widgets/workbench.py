@@ -329,8 +329,8 @@ class Workbench(W.VBox):
             recs = self.records(step, rank)
             target = recs.get("target")
             draft = recs.get(draft_phase) if draft_phase else None
-            flags = fg.drawn("block_tables", step, rank, lambda: fg.draft_block_table_flags(target, draft)
-                             if target is not None else [], recs=recs)
+            flags = fg.drawn("block_tables", lambda: fg.draft_block_table_flags(target, draft)
+                             if target is not None else [], step=step, rank=rank, recs=recs)
             self._flag_cache[key] = flags if isinstance(flags, list) else []  # a message: no flags
         return self._flag_cache[key]
 
@@ -384,7 +384,7 @@ class Workbench(W.VBox):
     def _build_or_explain(self, view: str) -> dict:
         """``_build``, or a placeholder naming the panel when a view it needs is missing (traces
         from other producers may omit views) or malformed (``fg.drawn``)."""
-        return fg.drawn(view, self.step.value, self.rank.value, lambda: self._build(view),
+        return fg.drawn(view, lambda: self._build(view), step=self.step.value, rank=self.rank.value,
                         recs=self.records() if PANELS[view].per_step else None)
 
     def _render(self, views: Iterable[str]) -> None:
