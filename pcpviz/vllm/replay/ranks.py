@@ -92,10 +92,14 @@ def stand_in_vllm_config(c: ReplayConfig, drafter: str = "mtp") -> SimpleNamespa
         speculative_config=SimpleNamespace(
             method="dspark" if dspark else "mtp", num_speculative_tokens=c.k, use_dspark=lambda: dspark,
             use_multi_module_mtp=lambda: False, draft_model_config=draft_model_config,
-            use_local_argmax_reduction=False, enable_adaptive_verification=False, draft_sample_method="greedy"),
+            use_local_argmax_reduction=False, enable_adaptive_verification=False, draft_sample_method="greedy",
+            uses_dynamic_speculative_decoding=lambda: False),
         compilation_config=SimpleNamespace(cudagraph_mode=CUDAGraphMode.NONE, fast_moe_cold_start=False,
-                                           static_forward_context={}),
+                                           static_forward_context={}, cudagraph_capture_sizes=[],
+                                           max_cudagraph_capture_size=0),
         scheduler_config=SimpleNamespace(max_num_seqs=c.max_num_reqs, max_num_batched_tokens=c.max_num_tokens),
+        cache_config=SimpleNamespace(use_kda_recoverssm=False),  # read by the CUDA-graph managers
+        num_speculative_tokens=c.k,
     )
 
 

@@ -68,4 +68,21 @@ SCENARIOS: dict[str, Scenario] = {
         rejections={(1, "d0"): 9, (2, "d0"): 1, (2, "d2"): 0, (3, "d0"): 0, (3, "d2"): 1, (3, "p1"): 1},
         drafter="dspark",
     ),
+    "full_graphs": Scenario(
+        "full_graphs",
+        "five short prompts, then decode-only steps of 5 requests (and 4 after one finishes): with "
+        "max_num_seqs=5 and K=2, vLLM's default capture sizes give the draft prefill a FULL graph for 5 "
+        "requests and the draft decodes none (docs/findings/full-draft-prefill-state.md)",
+        (ScenarioRequest("f0", 4), ScenarioRequest("f1", 5), ScenarioRequest("f2", 6), ScenarioRequest("f3", 7),
+         ScenarioRequest("f4", 3, finish=2)),
+        num_steps=4,
+        rejections={(1, "f0"): 1, (1, "f3"): 9, (2, "f1"): 1, (3, "f2"): 9},
+    ),
+    "one_decode": Scenario(
+        "one_decode",
+        "one prompt, then one decode with K drafts: with sharded decodes only its owner rank sees a "
+        "uniform decode batch in the draft prefill dispatch",
+        (ScenarioRequest("o0", 6),),
+        num_steps=2,
+    ),
 }

@@ -79,7 +79,11 @@ def stand_in_sampler(st: RankState, hidden: torch.Tensor, batch: InputBatch, ste
     return sampled, num_sampled, num_rejected
 
 
-def rank_step(st: RankState, out: SchedulerOutput, step: int, sched: ScriptedScheduler) -> StepOut:
+def rank_step(st: RankState, out: SchedulerOutput, step: int, sched: ScriptedScheduler, *,
+              eager_drafts: bool = True) -> StepOut:
+    """One step on one rank. ``eager_drafts=False`` lets ``propose`` dispatch its draft forwards
+    through the speculator's CUDA-graph managers (``pcpviz.vllm.replay.graphs``); by default it
+    runs them eagerly (``is_profile=True``: there are no graph managers on CPU)."""
     c, runner, manager = st.c, st.runner, st.manager
     # execute_model: request-state updates (GPUModelRunner's own methods, stand-in self)
     GPUModelRunner.finish_requests(runner, out)
@@ -116,7 +120,7 @@ def rank_step(st: RankState, out: SchedulerOutput, step: int, sched: ScriptedSch
         draft_tokens = st.spec.propose(
             batch, attn_metadata, slot_by_layer, get_drafter_hidden_states(st.target, draft_hidden), aux,
             num_sampled, num_rejected, st.req_states.last_sampled_tokens, st.req_states.next_prefill_tokens,
-            st.temperature, st.seeds, num_speculative_tokens=c.k, is_profile=True)
+            st.temperature, st.seeds, num_speculative_tokens=c.k, is_profile=eager_drafts)
         st.req_states.draft_tokens[batch.idx_mapping] = draft_tokens
     return StepOut(list(batch.req_ids), num_sampled.numpy().copy(), num_rejected.numpy().copy(),
                     sampled.numpy().copy(), draft_tokens.clone().numpy(), slot_mappings.clone().numpy(),
