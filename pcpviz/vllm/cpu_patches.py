@@ -109,15 +109,6 @@ class FakePCPGroup:
         """Release ranks blocked in a collective (they raise BrokenBarrierError)."""
         self._barrier.abort()
 
-    def reset(self) -> None:
-        """Make an aborted group usable again (call while no rank is in a collective)."""
-        self._barrier.reset()
-
-    @property
-    def num_waiting(self) -> int:
-        """Ranks blocked in a collective right now, waiting for the others."""
-        return self._barrier.n_waiting
-
     def all_gather(self, input_: Any, dim: int = 0) -> Any:
         """Concatenate every rank's tensor along ``dim``, in rank order."""
         import torch

@@ -189,9 +189,27 @@ def _rows(t: torch.Tensor, n: int) -> np.ndarray:
     return t[:n].to(torch.int64).clone().numpy()
 
 
-def _abort_when_done(group: FakePCPGroup, fn: Any) -> Any:
-    """Run ``fn(rank)``; once a rank has finished, a rank blocked in a collective waits for a
-    rank that will never come: abort the group then (it raises BrokenBarrierError there)."""
+class _WatchedGroup(FakePCPGroup):
+    """A ``FakePCPGroup`` that counts the ranks inside an ``all_gather`` right now."""
+
+    def __init__(self, world_size: int, *, timeout: float) -> None:
+        super().__init__(world_size, timeout=timeout)
+        self.inside = 0
+        self._count_lock = threading.Lock()
+
+    def all_gather(self, input_: Any, dim: int = 0) -> Any:
+        with self._count_lock:
+            self.inside += 1
+        try:
+            return super().all_gather(input_, dim)
+        finally:
+            with self._count_lock:
+                self.inside -= 1
+
+
+def _abort_when_done(group: _WatchedGroup, fn: Any) -> Any:
+    """Run ``fn(rank)``; once a rank has finished, a rank inside a collective waits for a rank
+    that will never come: abort the group then (it raises BrokenBarrierError there)."""
     done: set[int] = set()
 
     def body(rank: int) -> Any:
@@ -200,7 +218,7 @@ def _abort_when_done(group: FakePCPGroup, fn: Any) -> Any:
         finally:
             done.add(rank)
             while len(done) < group.world_size:
-                if group.num_waiting > 0:
+                if group.inside > 0:
                     group.abort()
                     break
                 time.sleep(0.02)
@@ -219,7 +237,7 @@ def probe_full_graphs(*, mode: str = "FULL_DECODE_ONLY", decodes: str = "replica
     sizes = capture_sizes(max_num_seqs=max_num_seqs, k=k, max_num_batched_tokens=c.max_num_tokens, mode=cg_mode)
     sched = ScriptedScheduler(sc, c)
     vllm_config = stand_in_vllm_config(c, "mtp")
-    group = FakePCPGroup(pcp, timeout=120.0)
+    group = _WatchedGroup(pcp, timeout=120.0)
     states: list[Any] = [None] * pcp
     watches: list[Any] = [None] * pcp
     graphs: dict[str, int] = {}
@@ -238,14 +256,14 @@ def probe_full_graphs(*, mode: str = "FULL_DECODE_ONLY", decodes: str = "replica
         out, _ = sched.schedule(step, True)
         for w in watches:
             w.reset()
-        group.reset()
+        group = _WatchedGroup(pcp, timeout=120.0)  # a fresh group: an aborted one stays broken
         try:
             outs = run_ranks(group, _abort_when_done(group, lambda rank: _observed_step(states[rank], watches[rank],
                                                                                        out, step, sched)))
         except threading.BrokenBarrierError:
             calls = list(group.all_gather_calls)
             mismatch = (f"step {step}: a rank waited in an all_gather that another rank never entered (all_gather "
-                        f"calls so far per rank: {calls}; draft prefill modes per rank: "
+                        f"calls in this step per rank: {calls}; draft prefill modes per rank: "
                         f"{[w.prefill_mode for w in watches]})")
             break
         steps.append(tuple(o for o, _ in outs))
