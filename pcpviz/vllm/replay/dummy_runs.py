@@ -44,7 +44,7 @@ from pcpviz.vllm.replay.scenarios import SCENARIOS
 from pcpviz.vllm.replay.scheduler import ScriptedScheduler
 from pcpviz.vllm.replay.step import dflash_inputs_without_gather, rank_step
 
-__all__ = ["DummyRunObservation", "DUMMY_FIXES", "probe_dummy_run", "dummy_run"]
+__all__ = ["DummyRunObservation", "DUMMY_FIXES", "probe_dummy_run", "dummy_run", "format_observations"]
 
 DUMMY_FIXES = ("zero_input_block_tables",)
 
@@ -175,3 +175,16 @@ def _observe(st: RankState, group: FakePCPGroup, kind: str, live: dict[str, list
         ones, zeros = torch.ones(num_reqs, dtype=torch.int32), torch.zeros(num_reqs, dtype=torch.int32)
         non_pcp = dflash_inputs_without_gather(st, batch, ones, zeros)["slot_mapping_draft_no_gather"].reshape(-1)
     return DummyRunObservation(st.drafter, kind, st.rank, gathers, rows, draft_slots, kv_writes, hits, non_pcp)
+
+
+def format_observations(obs: list[DummyRunObservation]) -> str:
+    """One line per rank: collectives, the drafter's slots, the live requests whose K/V it wrote."""
+    return "\n".join(f"{o.drafter} {o.kind} dummy run, rank {o.rank}: {o.all_gathers} all_gathers, input_block_tables "
+                     f"row 0 {o.input_block_tables_rows[0, :4].tolist()}..., drafter slots {o.draft_slots.tolist()}, "
+                     f"live K/V written {o.hits or 'none'}" for o in obs)
+
+
+if __name__ == "__main__":  # python -m pcpviz.vllm.replay.dummy_runs: the finding's reproduction
+    for kwargs in (dict(drafter="dspark"), dict(drafter="dspark", fix="zero_input_block_tables"), dict(drafter="mtp")):
+        print(kwargs)
+        print(format_observations(probe_dummy_run(**kwargs)))

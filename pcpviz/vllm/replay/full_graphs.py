@@ -105,6 +105,20 @@ class FullGraphProbe:
     def stale(self) -> list[ProposeObservation]:
         return [o for obs in self.steps for o in obs if o.stale_forwards()]
 
+    def format(self) -> str:
+        """One line per step and rank: the graph modes, what each draft forward read, the leftover."""
+        lines = [f"{self.mode}, decodes {self.decodes}, max_num_seqs {self.max_num_seqs}, capture sizes "
+                 f"{list(self.capture_sizes)}, stand-in FULL graphs {self.graphs}, fix {self.fix}"]
+        for obs in self.steps:
+            for o in obs:
+                reads = "; ".join(f"{f.phase} ({f.mode}) read the {f.reads}" + (" [STALE]" if f.stale else "")
+                                  for f in o.forwards)
+                lines.append(f"step {o.step} rank {o.rank}: {o.num_reqs} requests; {reads}; draft_prefill_batch "
+                             f"{'left set' if o.left_set else 'cleared'} at the end of propose")
+        if self.collective_mismatch:
+            lines.append("collective mismatch: " + self.collective_mismatch)
+        return "\n".join(lines)
+
 
 class _Watch:
     """Instance wrappers on one rank's speculator, PCP manager and graph managers (vLLM's methods
@@ -294,3 +308,8 @@ def _validate(mode: str, decodes: str, scenario: str, fix: str | None) -> CUDAGr
     if fix is not None and fix not in FIXES:
         raise ValueError(f"fix must be None or one of {FIXES}, got {fix!r}")
     return CUDAGraphMode[mode]
+
+
+if __name__ == "__main__":  # python -m pcpviz.vllm.replay.full_graphs: the finding's reproduction
+    print(probe_full_graphs().format())
+    print(probe_full_graphs(decodes="sharded", scenario="one_decode").format())

@@ -39,7 +39,8 @@ from vllm.platforms import current_platform
 from vllm.v1.worker.gpu import cudagraph_utils
 from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
 
-__all__ = ["capture_sizes", "init_graph_managers", "capture_stand_ins", "StandInGraph", "GRAPH_STAND_INS"]
+__all__ = ["capture_sizes", "init_graph_managers", "draft_prefill_manager", "eager_decodes_after_full_prefill",
+           "capture_stand_ins", "StandInGraph", "GRAPH_STAND_INS"]
 
 GRAPH_STAND_INS = (
     "CUDA graphs: vLLM's VllmConfig._set_cudagraph_sizes, SpeculatorCudaGraphManager._init_candidates, "
@@ -87,6 +88,46 @@ def init_graph_managers(spec: Any, mode: CUDAGraphMode, sizes: list[int]) -> Non
     cc.cudagraph_mode, cc.cudagraph_capture_sizes, cc.max_cudagraph_capture_size = mode, list(sizes), max(sizes)
     with _cpu_graph_manager_env():
         spec.init_cudagraph_manager(mode)
+
+
+def draft_prefill_manager(mode: CUDAGraphMode, *, sizes: list[int], max_num_seqs: int, k: int,
+                          decode: bool = False) -> Any:
+    """The draft prefill's ``SpeculatorCudaGraphManager`` (decode query length K+1; ``decode=True``:
+    the draft decodes' one, query length 1, mode as ``init_cudagraph_manager`` narrows it), marked
+    captured, for ``dispatch`` alone (no graph is replayed)."""
+    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils import SpeculatorCudaGraphManager
+
+    if decode:
+        mode = CUDAGraphMode.FULL_DECODE_ONLY if mode.decode_mode() == CUDAGraphMode.FULL else CUDAGraphMode.NONE
+
+    cfg = SimpleNamespace(
+        compilation_config=SimpleNamespace(cudagraph_mode=mode, cudagraph_capture_sizes=list(sizes),
+                                           max_cudagraph_capture_size=max(sizes)),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1),
+        speculative_config=SimpleNamespace(uses_dynamic_speculative_decoding=lambda: False),
+        cache_config=SimpleNamespace(use_kda_recoverssm=False), num_speculative_tokens=k)
+    with _cpu_graph_manager_env():
+        mgr = SpeculatorCudaGraphManager(cfg, "cpu", mode, 1 if decode else k + 1)
+    mgr._graphs_captured = True  # noqa: SLF001 - dispatch only answers once capture has run
+    return mgr
+
+
+def eager_decodes_after_full_prefill(*, max_num_seqs: int, k: int, mode: CUDAGraphMode = CUDAGraphMode.FULL_DECODE_ONLY,
+                                     max_num_batched_tokens: int = 8192) -> list[int]:
+    """Request counts R of a decode-only step with a uniform local batch on every rank (replicated
+    decodes) whose draft prefill dispatches a FULL graph while its draft decodes find none, with
+    vLLM's default capture sizes. ``max_num_seqs=5, k=2`` -> ``[5]``; 256 -> ``[]``; K = 1 has no
+    draft decode -> ``[]``."""
+    if k < 2:
+        return []
+    sizes = capture_sizes(max_num_seqs=max_num_seqs, k=k, max_num_batched_tokens=max_num_batched_tokens, mode=mode)
+    pre = draft_prefill_manager(mode, sizes=sizes, max_num_seqs=max_num_seqs, k=k)
+    dec = draft_prefill_manager(mode, sizes=sizes, max_num_seqs=max_num_seqs, k=k, decode=True)
+    q = k + 1
+    return [r for r in range(1, max_num_seqs + 1)
+            if pre.dispatch(r, r * q, q, 0).cg_mode == CUDAGraphMode.FULL
+            and dec.dispatch(r, r, 1, 0).cg_mode != CUDAGraphMode.FULL]
 
 
 @dataclass
