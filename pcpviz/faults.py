@@ -186,6 +186,26 @@ DRAFT_PREFILL_READS_CAPTURED_BUFFERS = fault(
               "padded layout; every position collapses, outputs unchanged",
 )
 
+DRAFT_DECODES_READ_PREFILL_BATCH = fault(
+    "draft_decodes_read_prefill_batch",
+    "after a FULL draft-prefill replay the PCP manager's draft_prefill_batch stays set (the replay "
+    "runs no Python, so restore_draft_prefill never clears it); eager draft decodes of the same step "
+    "are then handed the draft prefill's rank-local batch: each is fed its first R ids and positions "
+    "instead of the previous draft tokens at the next positions (the engine, which shards decodes, feeds "
+    "the rows that batch holds under replicated decodes: the global ones; decode-only steps only). Slots "
+    "and attention metadata stay right, so the drafter's K/V is written at the right slots from the wrong rows",
+    caught_by="draft_input_ids", producers=_ENGINE,
+    where="TargetDependentARSpeculator.propose: the FULL branch (run_fullgraph) skips _prefill's "
+          "restore_draft_prefill; _run_model -> PCPManager.get_draft_input_buffers",
+    models="acceptance falling from draft position 1 with the same tokens, only with a FULL draft-prefill "
+           "graph and eager draft decodes in one step (FULL_DECODE_ONLY / FULL_AND_PIECEWISE, PCP > 1)",
+    source="pcpviz's finding, reproduced with vLLM 0.33.0's graph dispatch on CPU "
+           "(docs/findings/full-draft-prefill-state.md)",
+    signature="on decode-only steps draft_k's (k >= 1) draft_input_ids are the first R of draft_0's "
+              "draft_global_input_ids (the draft prefill's rows with replicated decodes), not draft_{k-1}'s "
+              "tokens; draft_0 is right; acceptance falls from position 1, every rank alike, outputs unchanged",
+)
+
 RANK_DIVERGENT_ACCEPTANCE = fault(
     "rank_divergent_acceptance",
     "ranks other than 0 accept one draft fewer than rank 0, so their request cursors, draft "

@@ -97,13 +97,13 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
             with timer.phase("gather"):
                 worker._write_input_block_tables(h.table, batch.idx_mapping, max_rows=cap)
         block_rows = worker.input_block_tables[:r].copy()
-        decode = _draft_decode_inputs(worker, batch, h.table, last_idx=last_idx, k=k)
+        decode = _draft_decode_inputs(worker, batch, h.table, last_idx=last_idx, k=k, draft_ids=draft_ids)
         arrays.update({
             "block_rows": (pad(block_rows, rows), torch.int32),
             "dpos": (np.stack([pad(p, rows) for p in decode["positions"]]), torch.int64),
             "dseq": (np.stack([pad(s, rows) for s in decode["seq_lens"]]), torch.int64),
             "dslots": (np.stack([pad(s, rows, -1) for s in decode["slots"]]), torch.int64),
-            "qsl": (np.arange(rows + 1, dtype=np.int64), torch.int64),
+            "qsl": (np.arange(rows + 1, dtype=np.int64), torch.int64), **_stale_arrays(decode, rows),
         })
     with timer.phase("h2d"):
         dt = worker.upload_inputs(("draft", shape), arrays)
@@ -153,7 +153,7 @@ def _record_decodes(rec, decode, drafts, handed, *, block_rows, marks, r, fold_n
         written = decode["slots"][j - 1].copy()
         if fold_n > 1:
             written[r // fold_n:] = -1  # what the faulty fold actually wrote
-        rec.draft_decode(step=j, ids=drafts[:r, j - 1], positions=decode["positions"][j - 1],
+        rec.draft_decode(step=j, ids=decode.get("stale_ids", drafts[:r, j - 1]), positions=decode["positions"][j - 1],
                          seq_lens=decode["seq_lens"][j - 1], block_rows=block_rows, slots=written,
                          tokens=drafts[:r, j], t0=marks[j - 1], t1=marks[j] if j < drafts.shape[1] - 1 else marks[-1])
         rec.fingerprints(f"draft_{j}", hidden_in=handed[2 * j - 1][:r], hidden_out=handed[2 * j][:r])
@@ -170,7 +170,7 @@ def _next_prompt_tokens(worker, sched) -> np.ndarray:
     return out
 
 
-def _draft_decode_inputs(worker, batch, table, *, last_idx, k) -> dict[str, list[np.ndarray]]:
+def _draft_decode_inputs(worker, batch, table, *, last_idx, k, draft_ids=None) -> dict[str, list[np.ndarray]]:
     """Positions, seq_lens and slots (int64[R] each) of draft steps 1..K-1."""
     model, cfg, faults = worker.model, worker.cfg, worker.faults
     r = batch.num_reqs
@@ -197,6 +197,14 @@ def _draft_decode_inputs(worker, batch, table, *, last_idx, k) -> dict[str, list
         out["positions"].append(positions)
         out["seq_lens"].append(positions + 1)
         out["slots"].append(slots)
+    if F.DRAFT_DECODES_READ_PREFILL_BATCH in faults and worker.group.world_size > 1 and r \
+            and not batch.is_prefilling.any() and draft_ids is not None:
+        # The fault, on a decode-only step (where vLLM's draft prefill can replay a FULL graph): each
+        # draft decode is fed the first R rows of the draft prefill's batch, which with replicated
+        # decodes (the case where every rank's local batch is uniform) is the global decode rows.
+        out["stale_ids"] = np.resize(draft_ids, r) if draft_ids.shape[0] < r else draft_ids[:r].copy()
+        out["stale_positions"] = np.resize(batch.positions, r) if batch.positions.shape[0] < r \
+            else batch.positions[:r].copy()
     return out
 
 
@@ -214,6 +222,14 @@ def _draft_prefill(worker, d, dt, *, hidden_local, bounds, hidden_rank_local, ho
         else:
             h_last = worker.group.all_gather(mtp_local)[d["restore"]][dt["read_idx"]]  # [R', H]
         return model.mtp_logits(h_last).argmax(-1), h_last, mtp_local, hidden_in
+
+
+def _stale_arrays(decode: dict, rows: int) -> dict[str, tuple[np.ndarray, torch.dtype]]:
+    """The device inputs of ``draft_decodes_read_prefill_batch`` (none without the fault)."""
+    if "stale_ids" not in decode:
+        return {}
+    return {"stale_ids": (pad(decode["stale_ids"], rows), torch.int64),
+            "stale_positions": (pad(decode["stale_positions"], rows), torch.int64)}
 
 
 def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=False):
@@ -235,7 +251,9 @@ def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=Fal
                                   fold_without_shape_check=fold, bounds=bounds[j - 1], slots_checked=True)
             if keep:
                 handed.append(hidden)  # what step j reads (== handed[j - 1] unless a hand-off broke)
-            mtp_h = model.mtp_forward(ids, dt["dpos"][j - 1], hidden, attn)
+            # the fault draft_decodes_read_prefill_batch: every step fed the draft prefill's first rows
+            inputs = (dt["stale_ids"], dt["stale_positions"]) if "stale_ids" in dt else (ids, dt["dpos"][j - 1])
+            mtp_h = model.mtp_forward(*inputs, hidden, attn)
             ids = model.mtp_logits(mtp_h).argmax(-1)
             hidden = model.mtp_recycle_hidden(mtp_h)
             if keep:

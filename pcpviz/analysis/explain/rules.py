@@ -240,6 +240,31 @@ def _captured_buffers_unseen(f: Findings, sym) -> Signature:
                                        if meta.get("cudagraph_mode") else "")))
 
 
+def _decodes_read_prefill_batch(f: Findings) -> Signature:
+    """draft_1's inputs are the draft prefill batch's first rows (with replicated decodes: the global
+    draft ids in decode order) rather than draft_0's tokens."""
+    t = f.trace
+    seen = wrong = 0
+    for r in t.ranks:
+        for step in t.rank_steps(r):
+            if not (t.has(step, r, "draft_0") and t.has(step, r, "draft_1")):
+                continue
+            d0, d1 = t.record(step, r, "draft_0"), t.record(step, r, "draft_1")
+            if not all(v in d0 for v in ("draft_global_input_ids", "draft_tokens")) or "draft_input_ids" not in d1:
+                continue
+            fed, prev = np.asarray(d1["draft_input_ids"]), np.asarray(d0["draft_tokens"])
+            if np.array_equal(fed, prev):
+                continue
+            wrong += 1
+            batch = np.asarray(d0["draft_global_input_ids"])
+            seen += bool(fed.shape[0] <= batch.shape[0] and np.array_equal(fed, batch[: fed.shape[0]]))
+    if not wrong:
+        return NOTHING
+    if seen == wrong:
+        return _yes(f"on {wrong} (step, rank) draft_1 was fed the first rows of the draft prefill's ids, not "
+                    "draft_0's tokens: the draft prefill's batch, left set")
+    return _no(f"{wrong - seen} of {wrong} wrong draft_1 inputs are not the draft prefill's first rows")
+
 RULES: dict[str, Rule] = {
     F.SKIP_DRAFT_BLOCK_TABLE_GATHER: _skip_gather,
     F.FOLD_SLOT_MAPPING_WITHOUT_SHAPE_CHECK: _fold,
@@ -251,6 +276,7 @@ RULES: dict[str, Rule] = {
     F.DRAFT_CURSOR_DRIFT_AFTER_REJECTION: _drift,
     F.DRAFT_HIDDEN_RANK_LOCAL: _hidden_local,
     F.DRAFT_PREFILL_READS_CAPTURED_BUFFERS: _captured_buffers,
+    F.DRAFT_DECODES_READ_PREFILL_BATCH: _decodes_read_prefill_batch,
 }
 """Fault name -> its confirmation/contradiction predicates: one for every fault the engine
 injects (``pcpviz.faults.faults_of(ENGINE)``; tests/analysis/test_fault_registry.py checks)."""
