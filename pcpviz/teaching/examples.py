@@ -406,9 +406,9 @@ def dspark_drafter_config(pcp: int, dcp: int = 1, *, tp: int = 1, draft_use_mla:
     real ``ParallelConfig`` and report the config the drafter receives (imports vLLM on CPU).
 
     The drafter's config is a shallow ``copy.copy`` with ``prefill_context_parallel_size=1`` and
-    DCP kept only for an MLA drafter. PCP=2: the DSpark drafter is built without PCP. With PCP
-    gone, ``ParallelConfig`` requires TP % DCP == 0 again, so an MLA drafter with DCP = PCP > TP
-    is refused here (``error``) although ``validate_config`` accepted DCP = PCP."""
+    DCP kept only for an MLA drafter; PCP=2: its layers get ``use_pcp`` False. With PCP gone,
+    ``ParallelConfig`` refuses ``tp % dcp != 0`` again: an MLA drafter whose TP is not a multiple
+    of DCP (TP 1 or 3, DCP = PCP = 2) is refused here (``error``), though ``validate_config`` passed."""
     from pcpviz.vllm.cpu_patches import apply_cpu_patches
 
     apply_cpu_patches()

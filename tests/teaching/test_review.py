@@ -37,8 +37,10 @@ def test_cited_vllm_line_holds_the_anchor(ref):
 
 def test_evidence_exists():
     notebooks = {p.name[:2] for p in (ROOT / "notebooks").glob("*.ipynb")}
-    from pcpviz.teaching import examples as teach
+    from pcpviz.teaching import buffer_order, claims, coverage, examples, pcp_rules, vllm_runs
     from pcpviz.vllm.replay import SCENARIOS
+
+    teaching = {n for mod in (examples, pcp_rules, vllm_runs, buffer_order, claims, coverage) for n in mod.__all__}
 
     for p in review.REVIEW_MAP:
         assert p.evidence, p.key
@@ -51,7 +53,9 @@ def test_evidence_exists():
             elif kind == "notebook":
                 assert name in notebooks, ev
             elif kind == "teach":
-                assert name in teach.__all__, ev
+                assert name in teaching, ev
+            elif kind == "finding":
+                assert (ROOT / "docs" / "findings" / f"{name}.md").is_file(), ev
             elif kind == "replay":
                 assert name in SCENARIOS, ev
             elif kind == "test":
@@ -60,6 +64,15 @@ def test_evidence_exists():
                 assert not func or f"def {func}(" in text, ev
             else:
                 pytest.fail(f"{p.key}: unknown evidence kind {ev!r}")
+
+
+def test_every_risk_says_what_is_demonstrated_and_what_only_read():
+    risks = [p for p in review.REVIEW_MAP if p.key.startswith("risk")]
+    assert {p.key.rstrip("b") for p in risks} == {f"risk {i}" for i in range(1, 6)}
+    for p in risks:
+        assert p.demonstrated and p.only_read, p.key
+    md = review.review_markdown()
+    assert "| demonstrated with vLLM's code | only read |" in md.splitlines()[0]
 
 
 def test_k1_returns_before_the_gather():
