@@ -79,4 +79,17 @@ def test_jobs_are_listed():
     jobs = res.stdout.split()
     assert res.returncode == 0
     assert {"trace-k1", "trace-k2", "trace-k3", "trace-chunked", "trace-piecewise", "serve", "bench", "engine",
-            "piecewise-address-check"} <= set(jobs)
+            "piecewise-address-check", "full-graphs"} <= set(jobs)
+
+
+def test_full_graphs_job_runs_vllm_unrecorded_in_the_asked_mode():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_jobs", TOOLS / "jobs.py")
+    jobs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(jobs)
+    job = jobs.unrecorded_job(["a"], "FULL_DECODE_ONLY")
+    llm = job["llm"]
+    assert llm["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"} and not llm["enforce_eager"]
+    assert llm["prefill_context_parallel_size"] == 2 and llm["speculative_config"]["num_speculative_tokens"] == 2
+    assert jobs.unrecorded_job(["a"], "NONE")["llm"]["enforce_eager"] and "full-graphs" in jobs.JOBS

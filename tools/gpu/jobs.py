@@ -250,6 +250,61 @@ def _serve(_: dict) -> dict:
             "spec_metrics": spec[:12], **(_check(trace_dir) if meta_path.exists() else {"check": "no trace"})}
 
 
+# A child process that runs vLLM without the recording plugin (a FULL replay runs no Python, so
+# nothing could be recorded) and prints one RESULT line: tokens and vLLM's spec-decode counters.
+_UNRECORDED_CHILD = r"""
+import json, sys, time
+from vllm import LLM, SamplingParams
+job = json.loads(sys.argv[1])
+llm = LLM(**job["llm"])
+t0 = time.time()
+outs = llm.generate(job["prompts"], SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]))
+metrics = {m.name: getattr(m, "values", getattr(m, "value", None)) for m in llm.get_metrics() if "spec_decode" in m.name}
+print("RESULT " + json.dumps({"seconds": round(time.time() - t0, 1), "metrics": metrics,
+                              "tokens": [list(o.outputs[0].token_ids) for o in outs]}, default=str), flush=True)
+"""
+
+
+def unrecorded_job(prompts: list, mode: str, *, max_tokens: int = 24) -> dict:
+    """The ``vllm.LLM`` keywords and inputs of one unrecorded PCP = 2, K = 2 run in ``mode``."""
+    llm = {"model": MODEL, "prefill_context_parallel_size": 2, "seed": 0, "enforce_eager": mode == "NONE",
+           "speculative_config": {"method": "mtp", "num_speculative_tokens": 2},
+           "compilation_config": {"cudagraph_mode": mode}, **ENGINE_ARGS}
+    return {"llm": llm, "prompts": prompts, "max_tokens": max_tokens}
+
+
+def _unrecorded(name: str, job_spec: dict, timeout_s: float = 420) -> dict:
+    """Run ``job_spec`` in its own session; a timeout (a hang) kills the whole process group."""
+    env = {k: v for k, v in os.environ.items() if k != "PCPVIZ_TRACE_DIR"}
+    env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+    proc = subprocess.Popen([sys.executable, "-c", _UNRECORDED_CHILD, json.dumps(job_spec)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)
+    t0 = time.time()
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        outcome = "completed" if proc.returncode == 0 else f"exited with code {proc.returncode}"
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        outcome = f"timed out after {timeout_s:.0f} s (hung)"
+    (RESULTS / "logs" / f"{name}.log").write_text(out or "")
+    result = next((json.loads(ln[7:]) for ln in (out or "").splitlines() if ln.startswith("RESULT ")), {})
+    return {"outcome": outcome, "seconds": round(time.time() - t0, 1), **result}
+
+
+@job("full-graphs")
+def _full_graphs(_: dict) -> dict:
+    """docs/findings/full-draft-prefill-state.md on GPUs, tiny model, PCP = 2, K = 2, unrecorded: four
+    prompts under FULL_DECODE_ONLY (decodes sharded over the ranks: no rank's draft prefill is a uniform
+    batch, so no FULL draft prefill; the draft decodes replay FULL graphs), then one prompt eager and
+    under FULL_DECODE_ONLY (one sharded decode: the owner rank's draft prefill replays a FULL graph while
+    the other rank's runs eagerly with its all-gathers; the CPU replay predicts a hang)."""
+    one = TRACE_PROMPTS[:1]
+    return {"four_full_decode_only": _unrecorded("full-graphs-four", unrecorded_job(TRACE_PROMPTS, "FULL_DECODE_ONLY")),
+            "one_eager": _unrecorded("full-graphs-one-eager", unrecorded_job(one, "NONE")),
+            "one_full_decode_only": _unrecorded("full-graphs-one", unrecorded_job(one, "FULL_DECODE_ONLY"), 300)}
+
+
 @job("bench")
 def _bench(_: dict) -> dict:
     out = RESULTS / "bench" / "vllm_h200x2.json"
