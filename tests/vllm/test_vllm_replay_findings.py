@@ -57,6 +57,23 @@ def test_full_prefill_replay_leaves_the_batch_and_an_eager_decode_reads_it(full)
     assert [o.found_set for o in by_step[2]] == [True, True] and [o.found_set for o in by_step[1]] == [False, False]
 
 
+def test_the_findings_figures(full):
+    """The numbers docs/findings/full-draft-prefill-state.md quotes."""
+    from vllm.config import CUDAGraphMode
+
+    from pcpviz.vllm.replay.graphs import eager_decodes_after_full_prefill
+
+    assert full.capture_sizes == (1, 2, 3, 4, 6, 8, 12, 15, 16, 24)
+    (decode,) = [f for f in full.steps[1][0].forwards if f.phase == "draft_decode"]
+    assert (decode.input_ids.tolist(), decode.positions.tolist()) == ([14, 92, 0, 0, 25], [4, 5, 6, 5, 6])
+    assert (decode.expected_input_ids.tolist(), decode.expected_positions.tolist()) == ([0, 20, 12, 85, 75],
+                                                                                      [6, 8, 9, 8, 6])
+    assert full.steps[1][0].forwards[0].slot_mapping[:5].tolist() == [43, 8, 17, 26, 35]
+    gaps = {n: eager_decodes_after_full_prefill(max_num_seqs=n, k=2) for n in (5, 8, 10, 16, 100, 128, 256)}
+    assert gaps == {5: [5], 8: [], 10: [9, 10], 16: [], 100: [97, 98, 99, 100], 128: [], 256: []}
+    assert eager_decodes_after_full_prefill(max_num_seqs=10, k=2, mode=CUDAGraphMode.FULL_AND_PIECEWISE) == [9, 10]
+
+
 def test_full_prefill_replay_reads_the_captured_buffers_and_slot_mapping(full):
     o = full.steps[1][0]
     prefill = o.forwards[0]
@@ -113,6 +130,13 @@ def test_dspark_dummy_run_with_attention_writes_a_live_requests_draft_kv():
         assert (o.non_pcp_draft_slots == -1).all()  # BlockTables.get_dummy_block_tables: PAD
         assert o.all_gathers > 0  # the target's expanded dummy mapping took the all-gather branch
     assert obs[0].kv_writes == obs[1].kv_writes
+
+
+def test_dspark_dummy_run_figures():
+    """The numbers docs/findings/dspark-dummy-run-stale-block-tables.md quotes."""
+    for o in probe_dummy_run(drafter="dspark", kind="attention"):
+        assert o.input_block_tables_rows[0, :4].tolist() == [1, 2, 3, 4] and o.draft_slots.tolist() == [5, 6]
+        assert o.hits == {"d0": [5, 6]} and [p for _, p in sorted(o.kv_writes.items())] == [1.0, 2.0]
 
 
 def test_dspark_dummy_fix_zero_input_block_tables():
