@@ -136,7 +136,7 @@ def test_dspark_dummy_run_figures():
     """The numbers docs/findings/dspark-dummy-run-stale-block-tables.md quotes."""
     for o in probe_dummy_run(drafter="dspark", kind="attention"):
         assert o.input_block_tables_rows[0, :4].tolist() == [1, 2, 3, 4] and o.draft_slots.tolist() == [5, 6]
-        assert o.hits == {"d0": [5, 6]} and [p for _, p in sorted(o.kv_writes.items())] == [1.0, 2.0]
+        assert o.hits == {"d0": [5, 6]} and [v[1] for _, v in sorted(o.kv_writes.items())] == [1.0, 2.0]
 
 
 def test_dspark_dummy_fix_zero_input_block_tables():
