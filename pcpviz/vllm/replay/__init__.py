@@ -60,7 +60,14 @@ The package, one concern per module:
 ``scheduler``     ``ScriptedScheduler``: ``SchedulerOutput`` per step
 ``step``          one step on one rank (``rank_step``), the profile run (``dummy_step``)
 ``driver``        ``replay()`` and ``ReplayResult``
+``graphs``        vLLM's CUDA-graph sizing, managers and dispatch; stand-in graphs
+``full_graphs``   ``probe_full_graphs()``: the FULL draft-prefill control flow
+``dummy_runs``    ``probe_dummy_run()``: dummy runs with and without attention
 ================  ================================================================
+
+The probes (``full_graphs``, ``dummy_runs``) drive the same classes outside ``replay()`` and
+return what they measured; docs/findings/full-draft-prefill-state.md and
+docs/findings/dspark-dummy-run-stale-block-tables.md are written from them.
 
 Importing this package applies ``pcpviz.vllm.cpu_patches`` and imports vLLM (about 15 s); its
 modules import vLLM inside ``cpu_environment()`` (interpreted Triton kernels), and the process
