@@ -116,15 +116,24 @@ class Findings:
         right and a higher row wrong): the wrong rows follow the batch's end, not a fixed
         capacity; None otherwise."""
         per: dict[int, tuple[int, set[int], set[int]]] = {}
+        prev_g = last_g = prev_step = None
         for step, _, tgt, rec in self._draft_decodes():
             if "block_table_global" not in tgt or "block_table_draft" not in rec:
                 continue
             d, g = _g(rec["block_table_draft"]), _g(tgt["block_table_global"])
+            if step != prev_step and prev_step is not None:
+                prev_g = last_g
+            last_g, prev_step = g, step
             rows = min(d.shape[0], g.shape[0])
             w = min(d.shape[1], g.shape[1]) if d.ndim == 2 and g.ndim == 2 else 0
             wrong = {i for i in range(rows) if not (np.array_equal(d[i, :w], g[i, :w]) and not d[i, w:].any())}
+            # a right row proves the gather reached it only if a stale copy would have been wrong:
+            # its global row changed since the previous step (or did not exist then)
+            informative = {i for i in set(range(rows)) - wrong
+                           if prev_g is None or i >= prev_g.shape[0] or prev_g.shape[1:] != g.shape[1:]
+                           or not np.array_equal(prev_g[i], g[i])}
             n, ws, rs = per.get(step, (rows, set(), set()))
-            per[step] = (rows, ws | wrong, rs | (set(range(rows)) - wrong))
+            per[step] = (rows, ws | wrong, rs | informative)
         for s, (rs_, ws, _) in per.items():
             if not ws:
                 continue
