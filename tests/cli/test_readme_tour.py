@@ -141,7 +141,7 @@ def test_the_fault_demo_compares_matching_runs(tour):
 
 def test_explain_names_the_injected_fault(tour):
     out = _one(tour, "pcpviz explain").stdout
-    assert "verdict: FAULT: most likely skip_draft_block_table_gather" in out, out
+    assert "verdict: FAULT: skip_draft_block_table_gather" in out and "confirmed:" in out, out
 
 
 def test_diff_names_the_injected_faults_view_and_the_acceptance_it_costs(tour):
