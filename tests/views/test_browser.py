@@ -244,6 +244,7 @@ def test_workbench_renders_and_moves_in_jupyterlab(lab):
             page.screenshot(path=str(SHOTS / "00_quickstart_page.png"), clip={"x": 0, "y": 0, "width": 1400,
                                                                                 "height": 1100})
             wb.screenshot(path=str(SHOTS / "00_quickstart_workbench_step0.png"))
+            _zoom_reveals_tokens(page)  # step 0 holds hundreds of tokens: runs at full width, cells zoomed
 
             # move the step slider one notch with the keyboard
             handle = wb.locator(".widget-slider .noUi-handle").first
@@ -269,8 +270,6 @@ def test_workbench_renders_and_moves_in_jupyterlab(lab):
             page.wait_for_timeout(800)
             wb.screenshot(path=str(SHOTS / "00_quickstart_workbench_step1.png"))
             assert not [e for e in errors if "plotly" in e.lower() or "anywidget" in e.lower()], errors
-            _zoom_reveals_tokens(page)
-            _reload_redraws_or_says_rerun(page, base, token)
         finally:
             browser.close()
     assert _digest(TRACE) == before, "the notebook modified the shipped trace"
@@ -290,27 +289,6 @@ def _zoom_reveals_tokens(page) -> None:
             raise AssertionError(f"zoomed to 12 tokens, the token-order view shows {page.evaluate(count)} cell texts")
         page.wait_for_timeout(300)
     page.locator(".pcpviz-workbench").first.screenshot(path=str(SHOTS / "00_quickstart_workbench_zoom.png"))
-
-
-RELOAD_NOTE = "re-run this cell"
-
-
-def _reload_redraws_or_says_rerun(page, base: str, token: str) -> None:
-    """A page reload with the kernel alive: the Workbench draws its figures again, or says in one
-    visible line to re-run the cell (the widget stack cannot restore the FigureWidgets)."""
-    page.reload(wait_until="domcontentloaded")
-    page.wait_for_selector(".pcpviz-workbench", timeout=90_000)
-    page.wait_for_timeout(8000)  # the note shows once the figures have had time to draw
-    state = page.evaluate("""() => {
-        const wb = document.querySelector('.pcpviz-workbench');
-        const drawn = [...wb.querySelectorAll('.js-plotly-plot')].filter(p => p.querySelector('.hm, .trace')).length;
-        const note = wb.querySelector('.pcpviz-reload-note');
-        const shown = note && getComputedStyle(note).display !== 'none' && getComputedStyle(note).visibility !== 'hidden';
-        return {drawn, shown: !!shown, text: shown ? note.innerText : ''}; }""")
-    page.screenshot(path=str(SHOTS / "00_quickstart_after_reload.png"), clip={"x": 0, "y": 0, "width": 1400,
-                                                                              "height": 1400})
-    assert state["drawn"] >= 5 or (state["shown"] and RELOAD_NOTE in state["text"]), state
-    assert not (state["drawn"] >= 5 and state["shown"]), f"figures drawn but the re-run note shows: {state}"
 
 
 @pytest.mark.parametrize("name", ["03_mtp_draft_steps.ipynb", "04_acceptance_regression.ipynb"])
