@@ -196,7 +196,10 @@ def test_replay_through_the_plugins_classes_records_a_passing_trace(enable_run):
     assert sorted(p.name for p in trace_dir.iterdir()) == ["rank0.arrow", "rank1.arrow", "run.json"]
     assert len(t.steps) == res["replay"]["steps"] == 5  # dummy runs are not recorded by default
     report = run_checks(t)
-    assert report.ok and not report.skipped, report.format()
+    # the plugin does not record the engine-only views (hidden-state fingerprints, top1_token):
+    # only the checks that need them skip
+    engine_only = {"hidden_restored", "hidden_handoffs", "target_outputs_agree", "verify_greedy"}
+    assert report.ok and set(report.skipped) <= engine_only, report.format()
 
 
 def test_import_hook_patches_when_the_runner_module_loads(hook_run):
