@@ -1,13 +1,4 @@
-"""This directory drives the real vLLM 0.33.0 on CPU: vLLM's worker modules must be first
-imported under ``pcpviz.vllm.cpu_patches`` (Triton kernels interpreted). Applying the patches
-when this directory is collected, before any of its modules is imported, makes the outcome
-independent of test order; they change vLLM's own objects only and leave the process
-environment as it was (``cpu_environment()`` is scoped). A GPU session (``-m gpu``) skips them.
-"""
+"""This directory drives the real vLLM 0.33.0 on CPU: the patches are applied when it is collected
+(tests/helpers/vllm_cpu_patches.py says why)."""
 
-
-def pytest_configure(config):
-    if "gpu" not in (config.getoption("markexpr", "") or ""):
-        from pcpviz.vllm import cpu_patches
-
-        cpu_patches.apply_cpu_patches()
+from vllm_cpu_patches import pytest_configure  # noqa: F401 - the hook pytest calls
