@@ -1,13 +1,14 @@
 """Engine benchmark: prints ratios measured in one run, and writes them as JSON.
 
     python benchmarks/bench_engine.py --device cuda --out data/bench/h200x2.json   # 2 GPUs
+    python benchmarks/bench_engine.py --device cuda --out data/bench/h200x1.json   # 1 GPU: PCP=1 only
     python benchmarks/bench_engine.py --device cpu --small                          # smoke run
 
 Measures (every figure from the same invocation):
 * ``prefill_pcp2_over_pcp1``  the target-forward time of a long prompt's prefill step at PCP=2 over
                               PCP=1 (ideal 0.5), the second of two such steps in one run (warm);
 * ``mtp_decode_speedup``      decode tokens/s with MTP K=2 over no speculation, batch 1;
-* ``recording_overhead``      loop time with the trace on over off (PCP=2, K=2);
+* ``recording_overhead``      loop time with the trace on over off (PCP=2, K=2; PCP=1 on one GPU);
 * ``acceptance_rate_per_pos`` for K=2 and K=3 on held-out Python source;
 * ``tokens_equal``            the same prompts on CPU (gloo) and on the device (NCCL) give the same
                               tokens, and match ``data/bench/expected_tokens.json`` (made on CPU here).
@@ -25,7 +26,9 @@ Measures (every figure from the same invocation):
                               and whether the tokens are the same (CUDA only);
 * ``beside_vllm``             decode ms/token at PCP=2 batch 1 (K=0, K=2) and the prefill step at PCP=1
                               and 2, the engine's next to real vLLM's (``data/bench/vllm_h200x2.json``).
-Times are the engine loop's wall time (process start and model load excluded; one warm-up
+On one GPU the PCP=2 figures (``prefill_pcp2_over_pcp1``, ``decode_pcp2``) are not taken and
+acceptance and recording run at PCP=1 (``max_pcp`` in the JSON); ``prefill_step_ms_pcp1`` is the
+32k prefill step. Times are the engine loop's wall time (process start and model load excluded; one warm-up
 forward first). Each configuration runs ``--repeat`` times and the minimum is kept; its last
 repeat runs with the phase timer on and gives ``phases`` (and ``phases_wall_s``: the timer's
 own cost is the difference to the untimed best).
@@ -143,11 +146,14 @@ def main() -> None:
     short = prompts["short"][:3]
     out: dict = {"device": dev, "dtype": args.dtype, "long_prompt_tokens": len(long_ids), "decode_tokens": args.decode_tokens,
                  "engine_kernels": os.environ.get("PCPVIZ_KERNELS", "1") != "0", "phases": {}}
+    max_pcp = 2  # PCP=2 needs two GPUs; on one, every PCP=2 section runs at PCP=1 or is skipped
     if dev == "cuda":
         import torch
 
         out["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         out["torch"] = torch.__version__
+        max_pcp = min(2, torch.cuda.device_count())
+    out["max_pcp"] = max_pcp
 
     def run_(*a, **kw):  # every section but tokens runs at --dtype
         return pcpviz.run(*a, dtype=args.dtype, **kw)
@@ -172,16 +178,19 @@ def main() -> None:
     def _tokens():
         common = dict(num_speculative_tokens=2, max_new_tokens=32, max_num_batched_tokens=64, progress=False)
         runs = {}
-        for name, kw in (("cpu_pcp2", dict(device="cpu", pcp=2)), (f"{dev}_pcp2", dict(device=dev, pcp=2)),
-                         (f"{dev}_pcp1", dict(device=dev, pcp=1))):
+        configs = [("cpu_pcp2", dict(device="cpu", pcp=2)), (f"{dev}_pcp1", dict(device=dev, pcp=1))]
+        if max_pcp > 1:
+            configs.insert(1, (f"{dev}_pcp2", dict(device=dev, pcp=2)))
+        for name, kw in configs:
             runs[name] = pcpviz.run(short, trace_dir=args.trace_out if name == f"{dev}_pcp2" else None,
                                     **common, **kw).output_token_ids
         expected_path = os.path.join(ROOT, "data", "bench", "expected_tokens.json")
         expected = json.load(open(expected_path))["output_token_ids"] if os.path.exists(expected_path) else None
+        ref = f"{dev}_pcp2" if max_pcp > 1 else f"{dev}_pcp1"
         out["tokens_equal"] = {
-            "cpu_vs_device_pcp2": runs["cpu_pcp2"] == runs[f"{dev}_pcp2"],
-            "device_pcp1_vs_pcp2": runs[f"{dev}_pcp1"] == runs[f"{dev}_pcp2"],
-            "vs_expected_file": (runs[f"{dev}_pcp2"] == expected) if expected is not None else None,
+            f"cpu_pcp2_vs_{ref}": runs["cpu_pcp2"] == runs[ref],
+            "device_pcp1_vs_pcp2": runs[f"{dev}_pcp1"] == runs[f"{dev}_pcp2"] if max_pcp > 1 else None,
+            "vs_expected_file": (runs[ref] == expected) if expected is not None else None,
         }
         if expected is None and dev == "cpu":
             with open(expected_path, "w") as f:
@@ -192,7 +201,7 @@ def main() -> None:
 
     # -- warm-up: compile the Triton kernels once (their disk cache is shared by the rank processes)
     def _warmup():
-        for pcp, k in ((1, 0), (1, 2), (2, 2)):
+        for pcp, k in ((1, 0), (1, 2), (2, 2))[: 3 if max_pcp > 1 else 2]:
             run_(short[:1], pcp=pcp, num_speculative_tokens=k, max_new_tokens=8, device=dev, progress=False)
 
     section("warmup", _warmup)
@@ -210,7 +219,7 @@ def main() -> None:
         pre = dict(num_speculative_tokens=0, max_new_tokens=1, max_num_batched_tokens=len(long_ids) + 8,
                    device=dev, progress=False)
         secs, toks = {}, {}
-        for pcp in (1, 2):
+        for pcp in (1, 2)[:max_pcp]:
             with tempfile.TemporaryDirectory() as d:
                 res = run_([long_ids, second], pcp=pcp, trace_dir=d, time_phases=True, **pre)
                 out["phases"][f"prefill_pcp{pcp}"] = phase_summary(res)
@@ -224,8 +233,10 @@ def main() -> None:
                 secs[f"pcp{pcp}"] = durations
                 toks[pcp] = res.output_token_ids
         out["prefill_step_s"] = secs
-        out["prefill_pcp2_over_pcp1"] = secs["pcp2"][-1] / secs["pcp1"][-1]
-        out["prefill_tokens_equal"] = toks[1] == toks[2]
+        if max_pcp > 1:
+            out["prefill_pcp2_over_pcp1"] = secs["pcp2"][-1] / secs["pcp1"][-1]
+            out["prefill_tokens_equal"] = toks[1] == toks[2]
+        out["prefill_step_ms_pcp1"] = 1e3 * secs["pcp1"][-1]
 
     section('prefill', _prefill)
 
@@ -264,7 +275,8 @@ def main() -> None:
             ms[f"k{k}_steady"] = steady_decode(res)
         out["decode_ms_per_token_pcp2"] = ms
 
-    section("decode_pcp2", _decode_pcp2)
+    if max_pcp > 1:
+        section("decode_pcp2", _decode_pcp2)
 
     # -- decode steps from CUDA graphs against the eager path (same tokens?) ---------------------
     def _graphs():
@@ -288,7 +300,7 @@ def main() -> None:
     def _acceptance():
         acc = {}
         for k in (2, 3):
-            r = run_(prompts["short"], pcp=2, num_speculative_tokens=k, device=dev,
+            r = run_(prompts["short"], pcp=max_pcp, num_speculative_tokens=k, device=dev,
                            max_new_tokens=args.decode_tokens // 2, progress=False)
             acc[f"k{k}"] = {"per_pos": r.acceptance_rate_per_pos, "mean_acceptance_length": r.mean_acceptance_length,
                             "num_drafts": r.num_drafts}
@@ -300,7 +312,7 @@ def main() -> None:
     def _recording():
         import tempfile
 
-        rec = dict(pcp=2, num_speculative_tokens=2, device=dev, max_new_tokens=args.decode_tokens // 2,
+        rec = dict(pcp=max_pcp, num_speculative_tokens=2, device=dev, max_new_tokens=args.decode_tokens // 2,
                    progress=False)
         off, off_timed = best(lambda tp: run_(short, time_phases=tp, **rec), args.repeat)
         with tempfile.TemporaryDirectory() as d:

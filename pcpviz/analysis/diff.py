@@ -9,7 +9,9 @@ global rows differently still compares equal. What is compared:
   draft phase's ``draft_tokens``, draft_0's global inputs and last-token rows, the
   replicated draft decodes, and the whole verify outcome;
 * only when both runs have the same PCP size, ranks and request order: the layout and the
-  rank-local views, rank by rank.
+  rank-local views, rank by rank;
+* when the runs batched the requests differently (vLLM adds requests as they arrive), each
+  request's timeline instead of step by step (``pcpviz.analysis.timelines``).
 
 When the PCP sizes differ, every rank of one run is compared with the lowest rank of the
 other (the global views must be identical on all ranks anyway). Timing views
@@ -34,6 +36,7 @@ import numpy as np
 
 from pcpviz.analysis.acceptance import Acceptance, RequestAcceptance, StepAcceptance, acceptance
 from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
+from pcpviz.analysis.timelines import compare_timelines, same_schedule
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
@@ -330,6 +333,39 @@ def _well_formed_pairs(ta: Trace, tb: Trace, step: int, pairs: list, record) -> 
     return out
 
 
+def _by_request(ta: Trace, tb: Trace, pairs: list, record, notes: list[str], *, found: list,
+                ignore: frozenset[str] | set[str]) -> tuple[int, list, int] | None:
+    """None when the two runs batched the requests alike, or diverged before they batched them
+    differently (then step by step shows where); else every global view compared request by
+    request (``compare_timelines``): divergences go to ``record`` (``found`` sorted by step), and
+    ``(views compared, [], steps both recorded)``."""
+    ref_a, ref_b = pairs[0] if pairs else (None, None)
+    shifted = None if ref_a is None or ref_b is None else same_schedule(ta, tb, rank_a=ref_a, rank_b=ref_b)
+    if shifted is None:
+        return None
+    compared = benign = 0
+    divs: list[Divergence] = []
+    for ra, rb in pairs:
+        for d in compare_timelines(ta, tb, rank_a=ra, rank_b=rb, ignore=ignore):
+            if "compared" in d:
+                compared += d["compared"]
+            elif "benign" in d:
+                benign += 1
+            else:
+                divs.append(Divergence(**d))
+    if any(d.step < shifted for d in divs):
+        return None  # they diverged while still batched alike: the other batches follow from it
+    notes.append(f"the runs batched the requests differently (from step {shifted} on): global views "
+                 "compared request by request, each request's k-th step against its k-th")
+    for d in divs:
+        record(d)
+    if benign:
+        notes.append(f"{benign} draft views differ only in drafts the next verification rejected in both "
+                     "runs, or never verified (a request's last step): not counted")
+    found.sort(key=lambda d: d.step)  # the earliest step first, whichever request it is
+    return compared, [], len(set(ta.steps) & set(tb.steps))
+
+
 def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                 ignore: frozenset[str] | set[str] = DEFAULT_IGNORE,
                 max_divergences: int = 200) -> DiffReport:
@@ -356,11 +392,8 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
 
     found: list[Divergence] = []
     seen: set[tuple] = set()
-    total = 0
-    views_compared = 0
-    steps_compared = 0
-    order_noted = False
-    local_compared_any = False
+    total = views_compared = steps_compared = 0
+    order_noted = local_compared_any = False
 
     def record(d: Divergence) -> None:
         nonlocal total
@@ -371,6 +404,9 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
             found.append(d)
 
     steps = sorted(set(ta.steps) | set(tb.steps))
+    if (by_request := _by_request(ta, tb, pairs if same_layout else [(ref_a, ref_b)], record, notes,
+                                  found=found, ignore=ignore)) is not None:  # other batches: per request
+        views_compared, steps, steps_compared = by_request
     for step in steps:
         in_a = [r for r in ta.ranks if step in set(ta.rank_steps(r))]
         in_b = [r for r in tb.ranks if step in set(tb.rank_steps(r))]
@@ -456,7 +492,7 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                             req = align.req_of_token(i)
                     record(Divergence(step, phase, view, ra, rb, reason, req_id=req, index=idx,
                                       expected=short_repr(ea, idx), actual=short_repr(eb, idx)))
-    if not steps:
+    if not ta.steps and not tb.steps:
         notes.append("no steps in either run")
     acc_a, acc_b = acceptance(ta), acceptance(tb)
     return DiffReport(str(ta.path), str(tb.path), total == 0, found[0] if found else None, tuple(found),

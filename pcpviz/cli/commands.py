@@ -14,7 +14,8 @@
 Also `python -m pcpviz ...`. Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad input
 (one-line reason on stderr; an invalid run.json too), 3 incomplete trace (data lost: a missing or
 unreadable rank file, steps dropped after a damaged record, steps missing on some ranks; one
-"incomplete:" line each on stderr), 141 stdout closed early (| head).
+"incomplete:" line each on stderr; a run that did not finish or is being written), 130/143
+`pcpviz run` stopped by SIGINT/SIGTERM (its trace marked partial), 141 stdout closed early (| head).
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         for fault in faults_of(ENGINE).values():
             print(f"{fault.name}\n    {fault.summary}\n    vLLM: {fault.where}\n    caught by: {fault.caught_by}")
         return EXIT_OK
-    from pcpviz.engine.launch import RankError, run
+    from pcpviz.engine.launch import RankError, RunInterrupted, run
 
     prompts = list(args.prompt or [])
     try:
@@ -172,9 +173,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         res = run(prompts, progress=not args.quiet, **_engine_options(args))
     except ValueError as e:
         raise UsageError(f"pcpviz run: {e}") from None
-    except RankError as e:
+    except (RankError, RunInterrupted) as e:  # a stop: 130 (SIGINT) or 143 (SIGTERM), its trace marked partial
         print(f"pcpviz run: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return 128 + e.signum if isinstance(e, RunInterrupted) else EXIT_FAILED
     doc = res.summary()
     for i, text in enumerate(res.texts):
         print(f"--- request {i} ({len(res.output_token_ids[i])} tokens)\n{text}")
@@ -312,8 +313,9 @@ def _add_check(sub) -> None:
                                    "Exit 0 all pass (skipped checks are reported), 1 a check "
                                    "failed, 2 unreadable trace or invalid run.json, 3 incomplete "
                                    "trace (a rank file missing or unreadable, steps lost after a "
-                                   "damaged record or missing on some ranks: one 'incomplete:' "
-                                   "line each on stderr; the checks still run on what is left).")
+                                   "damaged record or missing on some ranks, a run unfinished, stopped "
+                                   "early or still being written: one 'incomplete:' line each on "
+                                   "stderr; the checks still run on what is left).")
     p.add_argument("trace", type=path, help="run directory (or its run.json)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_cmd_check)
@@ -459,9 +461,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     """Drive vLLM 0.33.0's real PCP + MTP classes on CPU through a scripted scenario and record
     the trace (see pcpviz.vllm.replay). vLLM's model runner, PCP manager, block tables and MTP
     proposer run as they are; the models are small stand-ins."""
-    if args.pcp < 2:  # the cheap checks before importing vLLM (seconds)
-        raise UsageError(f"pcpviz replay: pcp must be an int >= 2 (PCP is off at 1), got {args.pcp}")
-    if args.mtp > 4:
+    if args.mtp > 4:  # the cheap checks before importing vLLM (seconds)
         raise UsageError(f"pcpviz replay: mtp (num_speculative_tokens) must be an int in 1..4, got {args.mtp}")
     from pcpviz.trace import claim
     from pcpviz.trace.owner import check_target
@@ -483,7 +483,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"pcpviz replay: {' '.join(str(e).split())}") from None
     print(f"replayed {len(res.steps)} steps of '{res.scenario}' on {res.pcp} ranks (K={res.num_speculative_tokens}, "
-          f"{'sharded' if res.shard_decode_requests else 'replicated'} decodes) in {res.seconds:.1f}s; "
+          f"{'no PCP' if res.pcp == 1 else ('sharded' if res.shard_decode_requests else 'replicated') + ' decodes'}) in {res.seconds:.1f}s; "
           f"trace {res.trace_path}")
     if not args.check:
         return EXIT_OK
@@ -497,7 +497,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
 def _add_replay(sub) -> None:
     p = sub.add_parser("replay", help="replay real vLLM 0.33.0 PCP + MTP code on CPU and record a trace",
                        description=_cmd_replay.__doc__)
-    p.add_argument("--pcp", type=_positive_int, default=2, help="PCP ranks (threads), >= 2")
+    p.add_argument("--pcp", type=_positive_int, default=2, help="PCP ranks (threads); 1: the PCP=1 baseline")
     p.add_argument("--mtp", type=_positive_int, default=2, help="num_speculative_tokens K (1..4)")
     p.add_argument("--trace", type=path, required=True, help="write the trace to this directory")
     p.add_argument("--scenario", choices=["mixed", "decode_only", "dspark"], default="mixed",

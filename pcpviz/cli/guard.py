@@ -8,8 +8,9 @@ Exit codes (``pcpviz --help`` lists them):
 0 ok; 1 a check failed or runs differ; 2 bad input (one-line reason on stderr: a bad option,
 an unreadable trace, an invalid run.json; "incomplete:" lines of damage found first may
 precede it); 3 incomplete trace (data lost: a missing or
-unreadable rank file, steps dropped after a damaged record, steps missing on some ranks);
-141 stdout was closed early (``| head``).
+unreadable rank file, steps dropped after a damaged record, steps missing on some ranks, a
+run that did not finish or is still being written: ``pcpviz.trace.completion``); 130/143
+``pcpviz run`` stopped by SIGINT/SIGTERM; 141 stdout was closed early (``| head``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ EXIT_PIPE = 141
 EXIT_CODES_HELP = ("Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad input (one-line reason "
                    "on stderr; includes an invalid run.json), 3 incomplete trace (data lost: a "
                    "missing or unreadable rank file, steps dropped after a damaged record, steps "
-                   "missing on some ranks; one 'incomplete:' line each on stderr), 141 stdout "
-                   "closed early.")
+                   "missing on some ranks, a run that did not finish or is still being written; "
+                   "one 'incomplete:' line each on stderr), 130/143 'pcpviz run' stopped by "
+                   "SIGINT/SIGTERM (trace marked partial), 141 stdout closed early.")
 
 MAX_JSON_INPUT_BYTES = 64 << 20
 

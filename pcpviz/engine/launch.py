@@ -9,7 +9,10 @@ Each rank is its own process (``python -m pcpviz.engine.rank_main``), joined
 through env:// (gloo on CPU, NCCL on CUDA). The launcher shows progress, and if
 any rank fails it stops the others and raises ``RankError`` naming the rank and
 its error; a rank stuck on a dead peer gives up after ``timeout_s`` (the process
-group's collective timeout).
+group's collective timeout). SIGINT or SIGTERM (Ctrl-C, ``kill``) stop the run
+cleanly: the ranks finish the step in flight and close their trace files marked
+``partial`` (``pcpviz.trace.completion``), then ``RunInterrupted`` is raised; a
+second signal, or ranks still running after ``STOP_GRACE_S``, kill them.
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ from typing import Sequence
 
 from pcpviz.engine.prompt_budget import check_prompt_budget
 from pcpviz.analysis.acceptance import json_ratio
+from pcpviz.engine.stops import RunInterrupted, StopGuard
+from pcpviz.engine.trace_dir import start_trace, trace_meta
 
-__all__ = ["run", "RunResult", "RankError", "build_config", "start_trace"]
+__all__ = ["run", "RunResult", "RankError", "RunInterrupted", "build_config", "start_trace", "trace_meta"]
+
 
 MAX_CPU_RANKS = 32
 """Most ranks (processes) a CPU run starts."""
@@ -244,33 +250,6 @@ def _profile_target(path) -> str:
     return path
 
 
-def start_trace(cfg: dict, command: str = "pcpviz run"):
-    """Claim ``cfg["trace_dir"]`` for this run and write its run.json; returns the claim
-    (``pcpviz.trace.owner.Claim``; release it when the ranks are done) and stores its token
-    in ``cfg["trace_owner"]`` for the rank processes. Raises ValueError (one line) when the
-    directory is another writer's, not empty (without ``overwrite``) or not writable."""
-    from pcpviz.trace import claim, write_run_meta
-
-    meta = {
-        "producer": "pcpviz-engine",
-        "pcp": cfg["pcp"], "dcp": 1, "num_speculative_tokens": cfg["num_speculative_tokens"],
-        "block_size": cfg["block_size"], "shard_decode_requests": cfg["shard_decode_requests"]
-        if cfg["shard_decode_requests"] is not None else cfg["pcp"] > 1,
-        "model": os.path.basename(cfg["model_dir"]), "device": cfg["device"], "inject": cfg["inject"],
-        "max_num_batched_tokens": cfg["max_num_batched_tokens"], "seed": cfg["seed"],
-        "num_requests": len(cfg["prompt_token_ids"]), "max_new_tokens": cfg["max_new_tokens"],
-        "prompt_token_ids": cfg["prompt_token_ids"], "dtype": cfg.get("dtype", "float32"),
-    }
-    owner = claim(cfg["trace_dir"], overwrite=cfg.get("overwrite", False), command=command)
-    try:
-        write_run_meta(cfg["trace_dir"], meta, exclusive=True)
-    except (OSError, ValueError) as exc:
-        owner.release()
-        raise ValueError(f"{cfg['trace_dir']}: cannot write run.json ({' '.join(str(exc).split())})") from None
-    cfg["trace_owner"] = owner.token
-    return owner
-
-
 _WORK_PREFIX = "pcpviz-run-"
 _PEER_ERRORS = re.compile(r"connection closed by peer|connection reset|broken pipe|timed out|timeout|"
                           r"socket|recvbytes|sendbytes|remote process exited|peer", re.IGNORECASE)
@@ -405,6 +384,15 @@ def _blame(ranks: list[_Rank], work: str) -> RankError:
     return RankError(failed[0].rank, errors[failed[0].rank])
 
 
+def _progress_bar(cfg: dict):
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(cfg["prompt_token_ids"]) * cfg["max_new_tokens"],
+               desc=f"PCP={cfg['pcp']} K={cfg['num_speculative_tokens']}", unit="tok")
+    bar.set_postfix_str(f"prefill 0/{sum(len(p) for p in cfg['prompt_token_ids'])}")
+    return bar
+
+
 def _launch(cfg: dict, progress: bool) -> dict:
     _clean_stale_work_dirs()
     work = tempfile.mkdtemp(prefix=f"{_WORK_PREFIX}{os.getpid()}-")
@@ -414,14 +402,8 @@ def _launch(cfg: dict, progress: bool) -> dict:
         json.dump(cfg, f)
     port = _free_port()
     ranks: list[_Rank] = []
-    total = len(cfg["prompt_token_ids"]) * cfg["max_new_tokens"]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=total, desc=f"PCP={cfg['pcp']} K={cfg['num_speculative_tokens']}", unit="tok")
-        prompt_tokens = sum(len(p) for p in cfg["prompt_token_ids"])
-        bar.set_postfix_str(f"prefill 0/{prompt_tokens}")
+    bar = _progress_bar(cfg) if progress else None
+    guard = StopGuard()  # SIGINT/SIGTERM: the ranks stop between two steps (pcpviz.engine.stops)
     try:
         for rank in range(cfg["pcp"]):
             # -P and cwd=work: a pcpviz/ folder in the caller's directory cannot shadow the package
@@ -431,6 +413,7 @@ def _launch(cfg: dict, progress: bool) -> dict:
                 text=True, preexec_fn=_die_with_parent,
             )
             ranks.append(_Rank(rank, proc))
+            guard.add(proc)
         last = [0]
 
         def pump() -> None:  # rank 0's progress lines (rank_main.progress_line)
@@ -449,6 +432,7 @@ def _launch(cfg: dict, progress: bool) -> dict:
         deadline = time.monotonic() + cfg["timeout_s"] * 4 + 600
         while True:
             codes = [r.proc.poll() for r in ranks]
+            guard.wait(os.path.join(work, "result.json"))
             if any(c not in (None, 0) for c in codes):
                 # Give the peers a moment to fail too, then blame the cause, not the first seen.
                 grace = time.monotonic() + 2.0
@@ -464,6 +448,7 @@ def _launch(cfg: dict, progress: bool) -> dict:
         reader.join(timeout=5)
         with open(os.path.join(work, "result.json")) as f:
             result = json.load(f)
+        guard.check(result, cfg.get("trace_dir"))
         digests = []
         for rank in range(cfg["pcp"]):
             with open(os.path.join(work, f"rank{rank}.json")) as f:
@@ -471,6 +456,7 @@ def _launch(cfg: dict, progress: bool) -> dict:
         result["kv_cache_digests"] = digests
         return result
     finally:
+        guard.close()
         for r in ranks:
             if r.proc.poll() is None:
                 r.proc.kill()

@@ -9,7 +9,8 @@ MASTER_PORT)::
         -m pcpviz.engine.rank_main run.cfg.json                 # on every host
 
 Rank 0 owns the scheduler and broadcasts each step's plan; every rank writes its
-own trace file, and rank 0 the result JSON. An exception on any rank is written
+own trace file, and rank 0 the result JSON. SIGINT/SIGTERM stop the run between two steps
+(``stop_requested``): every rank closes its trace ``partial`` and exits 0. An exception on any rank is written
 to ``error_rank<r>.txt`` next to the result so the launcher can name the rank.
 """
 
@@ -21,7 +22,10 @@ import sys
 import time
 import traceback
 
+from pcpviz.engine.stops import STOP_KEY, catch_rank_stops, stop_requested
+
 __all__ = ["main", "run_rank"]
+
 
 
 def run_rank(cfg: dict) -> dict | None:
@@ -35,6 +39,7 @@ def run_rank(cfg: dict) -> dict | None:
     from pcpviz.engine.scheduler import Scheduler, SchedulerOutput
     from pcpviz.engine.worker import EngineConfig, Worker
     from pcpviz.trace import TraceWriter
+    from pcpviz.trace.completion import PARTIAL
 
     rank = int(os.environ.get("RANK", "0"))
     device_kind = cfg["device"]
@@ -76,8 +81,7 @@ def run_rank(cfg: dict) -> dict | None:
     # The launcher claimed the directory and cleared it (pcpviz.trace.owner); the rank file is
     # created exclusively, so a file this run did not create is never replaced. Steps are
     # written by a background thread (pcpviz.engine.recorder): the loop never waits on disk.
-    writer = AsyncRecorder(TraceWriter(cfg["trace_dir"], rank, owner=cfg.get("trace_owner"))) \
-        if cfg.get("trace_dir") else None
+    writer = AsyncRecorder(_trace_sink(cfg, rank, TraceWriter)) if cfg.get("trace_dir") else None
     sched = None
     if rank == 0:
         sched = Scheduler(
@@ -94,6 +98,7 @@ def run_rank(cfg: dict) -> dict | None:
     last_said = 0.0
     counts = Counts().widened(max(k, 0))
     steps = 0
+    stopped: str | None = None  # the signal that stopped the run between two steps (_next_plan)
     step_ms: list[tuple[str, float]] = []  # (kind, wall ms) of every step, from the plan to the verdict
     t_start = time.perf_counter()
     try:
@@ -101,18 +106,8 @@ def run_rank(cfg: dict) -> dict | None:
             t_step = time.perf_counter()
             with timer.step() as step_info:
                 with timer.phase("schedule"):
-                    plan = None
-                    if sched is not None and not sched.done:
-                        plan = sched.schedule()
-                        if not plan.rows:
-                            raise RuntimeError(f"step {plan.step}: the scheduler found nothing to run "
-                                               "(max_num_batched_tokens too small for a decode of 1+K tokens?)")
-                    # Rank 0 keeps its own plan; the others rebuild it from the broadcast JSON.
-                    doc = group.broadcast_json(None if plan is None else plan.to_json()) \
-                        if group.world_size > 1 else plan
-                    if doc is not None and plan is None:
-                        plan = SchedulerOutput.from_json(doc)
-                if doc is None:
+                    plan, stopped = _next_plan(sched, group, SchedulerOutput)
+                if plan is None:
                     step_info["kind"] = None  # the closing broadcast: not a step
                     break
                 if debug_exit == (rank, plan.step):
@@ -135,10 +130,10 @@ def run_rank(cfg: dict) -> dict | None:
                         counts = counts + count(res.num_accepted, res.num_draft_tokens)
                         last_said = progress_line(sched, plan.step, last_said)
             step_ms.append((kind, 1e3 * (time.perf_counter() - t_step)))
-    except BaseException:
+    except BaseException as exc:
         if writer is not None:  # the steps this rank completed reach the disk before it fails
             try:
-                writer.close()
+                writer.close(status=PARTIAL, reason=" ".join(f"{type(exc).__name__}: {exc}".split())[:200])
             except BaseException:  # noqa: BLE001 - the step's own error is the one to report
                 pass
         raise
@@ -147,8 +142,8 @@ def run_rank(cfg: dict) -> dict | None:
     wall = time.perf_counter() - t_start
     if profiler is not None:
         profiler.close()
-    if writer is not None:
-        writer.close()  # waits for the queued steps; a writer failure is raised here (one line)
+    if writer is not None:  # waits for the queued steps; a writer failure is raised here (one line)
+        writer.close(**({"status": PARTIAL, "reason": f"stopped by {stopped}"} if stopped else {}))
     info = {"rank": rank, "kv_cache_digest": worker.cache.digest(), "num_collectives": group.num_collectives,
             "phases": timer.summary()}
     if worker.graphs is not None:
@@ -167,6 +162,7 @@ def run_rank(cfg: dict) -> dict | None:
             for r in sched.requests
         ],
         "num_steps": steps,
+        "stopped": stopped,
         # pcpviz.analysis.acceptance's definitions; None (JSON null) where nothing was drafted
         "num_drafts": counts.num_drafts,
         "num_draft_tokens": counts.num_draft_tokens,
@@ -179,6 +175,40 @@ def run_rank(cfg: dict) -> dict | None:
         "phases": info["phases"],
         "graphs": info.get("graphs"),
     }
+
+
+def _trace_sink(cfg: dict, rank: int, writer_cls):
+    """Where the rank's steps go: its rank file, or in flight-recorder mode
+    (``PCPVIZ_FLIGHT_RECORDER``, ``pcpviz.trace.flight``) a ring of its last steps that is dumped
+    as a trace on low acceptance, a signal, an exception or the end of the run."""
+    from pcpviz.trace.flight import FlightConfig, FlightRing
+
+    flight = FlightConfig.from_env()
+    if flight is None:
+        return writer_cls(cfg["trace_dir"], rank, owner=cfg.get("trace_owner"))
+    from pcpviz.engine.launch import trace_meta
+
+    return FlightRing(flight, cfg["trace_dir"], rank, lambda: trace_meta(cfg))
+
+
+def _next_plan(sched, group, plan_cls):
+    """``(plan, stopped)``: the step's plan (None: the run is over), on every rank. Rank 0 keeps
+    its own plan; the others rebuild it from the broadcast JSON. A stop (SIGINT/SIGTERM on rank 0)
+    travels in place of the plan, between two steps: ``stopped`` names the signal."""
+    plan = None
+    stop = stop_requested() if sched is not None else None
+    if sched is not None and not sched.done and stop is None:
+        plan = sched.schedule()
+        if not plan.rows:
+            raise RuntimeError(f"step {plan.step}: the scheduler found nothing to run "
+                               "(max_num_batched_tokens too small for a decode of 1+K tokens?)")
+    out = {STOP_KEY: stop} if stop else (None if plan is None else plan.to_json())
+    doc = group.broadcast_json(out) if group.world_size > 1 else (out if stop else plan)
+    if isinstance(doc, dict) and STOP_KEY in doc:
+        return None, str(doc[STOP_KEY])
+    if doc is not None and plan is None:
+        plan = plan_cls.from_json(doc)
+    return plan, None
 
 
 PIPE_EVERY_S = 0.1  # the launcher's bar needs no more; a line per step costs the decode loop
@@ -295,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = json.load(f)
     rank = int(os.environ.get("RANK", "0"))
     out_dir = cfg["work_dir"]
+    catch_rank_stops()
     _stack_dumps(rank)
     try:
         result = run_rank(cfg)

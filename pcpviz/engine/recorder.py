@@ -74,15 +74,20 @@ class AsyncRecorder:
         """Wait until every submitted step is written (or the writer has failed)."""
         self._queue.join()
 
-    def close(self) -> None:
-        """Write what is queued, stop the thread, close the file; raise the writer's error."""
+    def close(self, **ending) -> None:
+        """Write what is queued, stop the thread, close the file (``ending``: ``status`` and
+        ``reason`` for ``TraceWriter.close``); raise the writer's error. A writer that failed
+        closes ``partial``, naming its error."""
         if self._closed:
             return
         self._closed = True
         self._queue.put(_STOP)
         self._thread.join()
+        if self._error is not None:
+            ending = {"status": "partial", "reason": f"writer failed at step {self._error_step}: "
+                      + " ".join(str(self._error).split())[:160]}
         try:
-            self.writer.close()
+            self.writer.close(**ending)
         finally:
             self._raise_if_failed()
 

@@ -67,8 +67,18 @@ def _check_struct_fields(dt: np.dtype) -> None:
                              "only int/uint/float/bool/complex fields are supported")
 
 
+_FAST_TAGS: dict[np.dtype, str] = {}  # native little-endian numeric dtypes seen -> their tag
+
+
 def encode_value(value: Any) -> Encoded:
-    """Encode a view value (array-like) for storage; ValueError says what is not supported."""
+    """Encode a view value (array-like) for storage; ValueError says what is not supported.
+
+    A C-contiguous array of a little-endian numeric dtype seen before takes a fast path (no
+    conversion, no copy): the recorder's step is dozens of such views."""
+    if type(value) is np.ndarray and value.flags.c_contiguous:
+        tag = _FAST_TAGS.get(value.dtype)
+        if tag is not None:
+            return Encoded(tag, value.shape, memoryview(value.reshape(-1).view(np.uint8)))
     try:
         arr = value if isinstance(value, np.ndarray) else np.asarray(value)
     except (TypeError, ValueError, RuntimeError) as exc:  # ragged lists, bfloat16/CUDA tensors
@@ -94,6 +104,8 @@ def encode_value(value: Any) -> Encoded:
     elif dt.kind in _NUMERIC_KINDS and dt.subdtype is None:
         le = dt.newbyteorder("<")
         tag = le.str
+        if le == dt and len(_FAST_TAGS) < 256:
+            _FAST_TAGS[dt] = tag
     else:
         raise ValueError(f"dtype {dt.str!r} is not supported "
                          "(int/uint/float/bool/complex, str, or structured)")

@@ -39,7 +39,8 @@ from pathlib import Path
 
 from . import schema as S
 
-__all__ = ["LOCK_FILE", "Claim", "claim", "check_target", "check_writer", "open_regular", "trace_files"]
+__all__ = ["LOCK_FILE", "Claim", "claim", "check_target", "check_writer", "writer_busy", "open_regular",
+           "trace_files"]
 
 LOCK_FILE = ".writer.lock"
 """Name of the lock file inside a claimed run directory."""
@@ -128,12 +129,13 @@ def _key(path: Path) -> str:
 
 
 def trace_files(run_dir: Path) -> list[Path]:
-    """The files a trace consists of in ``run_dir``: run.json, rank files, run.json temporaries."""
+    """The files a trace consists of in ``run_dir``: run.json, rank files, the completion record,
+    their temporaries."""
     out = []
     for child in sorted(run_dir.iterdir()):
         name = child.name
-        if (name == S.RUN_META_FILE or S.RANK_FILE_RE.match(name)
-                or (name.startswith(".run.json.") and name.endswith(".tmp"))):
+        if (name in (S.RUN_META_FILE, S.COMPLETION_FILE) or S.RANK_FILE_RE.match(name)
+                or (name.startswith((".run.json.", ".complete.json.")) and name.endswith(".tmp"))):
             out.append(child)
     return out
 
@@ -217,6 +219,12 @@ def _busy_message(p: Path, token: str | None = None) -> str | None:
         return None
     return (f"{p}: in use by {_describe(doc)}; wait for it to finish or choose another "
             "directory")
+
+
+def writer_busy(path: Path) -> str | None:
+    """The one-line 'in use by pid ...' of a live writer that claimed ``path`` (another process's,
+    or a claim this process holds under another token), None when nobody holds it."""
+    return _busy_message(Path(path), token="")
 
 
 def check_writer(path: Path, token: str | None) -> None:

@@ -111,6 +111,7 @@ class RankFile:
     size: int  # bytes in the file when it was opened
     good_bytes: int  # bytes of complete messages (schema, steps, end-of-stream marker)
     closed: bool  # the writer closed it (end-of-stream marker present)
+    finalizes: bool = False  # its writer promised a completion record (``completion.COMPLETION_KEY``)
 
 
 # --------------------------------------------------------------------------- index entries
@@ -177,7 +178,9 @@ def _check_header_bytes(path: Path, size: int, head: bytes) -> None:
         raise _TailDamage(f"truncated inside its schema header ({size} of {8 + meta_len} bytes)")
 
 
-def _check_schema(path: Path, rank: int, schema: pa.Schema, version: int) -> None:
+def _check_schema(path: Path, rank: int, schema: pa.Schema, version: int) -> bool:
+    """Raise TraceError for a foreign or mismatched schema; True if the file's writer promised
+    a completion record."""
     md = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
           for k, v in (schema.metadata or {}).items()}
     if S.META_SCHEMA_KEY not in md:
@@ -192,6 +195,7 @@ def _check_schema(path: Path, rank: int, schema: pa.Schema, version: int) -> Non
     if not schema.remove_metadata().equals(S.ARROW_SCHEMA):
         raise TraceError(f"{path}: unexpected columns ({_columns(schema)}); expected "
                          f"{_columns(S.ARROW_SCHEMA)}")
+    return md.get(S.COMPLETION_KEY) == S.COMPLETION_FILE
 
 
 def _columns(schema: pa.Schema) -> str:
@@ -284,6 +288,7 @@ def _scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankFile, list
     seen: dict[int, int] = {}
     good = 0
     closed = False
+    finalizes = False
     note = None
     try:
         _check_header_bytes(path, size, head)
@@ -291,7 +296,7 @@ def _scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankFile, list
             reader = pa.ipc.open_stream(source)
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise TraceError(f"{path}: not an Arrow IPC stream (foreign file): {_one_line(exc)}") from None
-        _check_schema(path, rank, reader.schema, version)
+        finalizes = _check_schema(path, rank, reader.schema, version)
         good = source.tell()
         while True:
             try:
@@ -320,7 +325,7 @@ def _scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankFile, list
         last = f"step {entries[-1].step}" if entries else "no complete step"
         note = (f"{path}: {damage}; last complete step: {last}; "
                 f"{size - good} trailing bytes not read")
-    info = RankFile(rank, path, tuple(e.step for e in entries), size, good, closed)
+    info = RankFile(rank, path, tuple(e.step for e in entries), size, good, closed, finalizes)
     return info, entries, note
 
 

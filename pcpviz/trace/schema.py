@@ -7,6 +7,7 @@ A run is a directory::
       run.json       {"pcpviz_trace_schema": 2, "producer": ..., "pcp": 2, ...}  (any JSON dict)
       rank0.arrow    Arrow IPC *stream*: schema header, then one record batch per engine step
       rank1.arrow    ...
+      complete.json  how each rank's writer ended, written last (``pcpviz.trace.completion``)
 
 Each rank file is an Arrow IPC stream whose schema metadata carries ``pcpviz_trace_schema`` (the
 version, as text) and ``rank``. Every completed engine step is **one record batch** with one row
@@ -53,7 +54,9 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import pyarrow as pa
 
+from .files import COMPLETION_FILE, COMPLETION_KEY, RANK_FILE_RE, RUN_META_FILE, rank_file_name  # noqa: F401
 from .fingerprints import FINGERPRINT_ROWS, FINGERPRINT_SPEC
+from .graph_views import GRAPH_ROWS
 from .versions import SCHEMA_VERSIONS, upgrade_views  # noqa: F401 - re-exported, like the codec below
 from .codec import (  # noqa: F401 - the value codec, re-exported (``schema.encode_value`` ...)
     ALIGN, STR_TAG, STRUCT_PREFIX, Encoded, check_shape, decode_payload, encode_value, padded_size,
@@ -61,7 +64,8 @@ from .codec import (  # noqa: F401 - the value codec, re-exported (``schema.enco
 )
 
 __all__ = [
-    "SCHEMA_VERSION", "SCHEMA_VERSIONS", "upgrade_views", "META_SCHEMA_KEY", "META_RANK_KEY", "RUN_META_FILE", "rank_file_name",
+    "SCHEMA_VERSION", "SCHEMA_VERSIONS", "upgrade_views", "META_SCHEMA_KEY", "META_RANK_KEY", "RUN_META_FILE",
+    "COMPLETION_FILE", "COMPLETION_KEY", "rank_file_name",
     "PHASE_TARGET", "PHASE_VERIFY", "PHASE_DUMMY", "DRAFT_PHASE_PREFIX", "PHASES",
     "draft_phase", "draft_index", "is_valid_phase", "phase_sort_key", "causal_phase_key", "int_view",
     "GLOBAL_BATCH_VIEWS", "LAYOUT_VIEWS", "LOCAL_BATCH_VIEWS", "BLOCK_TABLE_VIEWS",
@@ -80,17 +84,6 @@ META_SCHEMA_KEY = "pcpviz_trace_schema"
 
 META_RANK_KEY = "rank"
 """Arrow schema metadata key holding the rank a file belongs to (must match its file name)."""
-
-RUN_META_FILE = "run.json"
-"""Name of the run's meta file inside the run directory."""
-
-RANK_FILE_RE = re.compile(r"^rank(0|[1-9][0-9]*)\.arrow$")
-"""File names of rank files; the number is the rank."""
-
-
-def rank_file_name(rank: int) -> str:
-    """``rank3.arrow`` for rank 3."""
-    return f"rank{int(rank)}.arrow"
 
 
 # --------------------------------------------------------------------------- phases
@@ -169,7 +162,7 @@ def phase_sort_key(phase: str) -> tuple[int, int]:
 #   r  local request rows of this rank        [2]     G  KV-cache groups               [1]
 #   W  block-table columns (trimmed to use)           K  num_speculative_tokens        [2]
 #   S  sampled rows: sum(1 + num_draft_tokens)        Q  DSpark query rows per request
-#   S' segments of all ranks (rows of ``segments``)
+#   S' segments of all ranks (rows of ``segments``)   M  graph inputs handed at moved addresses
 
 PHASE_CLASSES = (PHASE_TARGET, "draft_0", "draft_k", PHASE_VERIFY, PHASE_DUMMY)
 """The phase classes views are declared for: ``draft_k`` stands for every draft phase k >= 1."""
@@ -405,6 +398,7 @@ VIEW_SPECS: tuple[ViewSpec, ...] = tuple(
         ("all_gathers", "int64", "[]", "replay only: collectives of this rank's fake PCP group"),
         ("draft_tokens", "int64", "[R, K]", "what the dummy propose returned"),
     ], scope=RANK)
+    + [v for phases, rows, extra in GRAPH_ROWS for v in _specs("CUDA graphs", phases, rows, scope=RANK, **extra)]
     + _specs("timing", _ALL, [
         ("t_start_us", "int64", "[]", "wall clock when the phase started (µs since the epoch)"),
         ("t_end_us", "int64", "[]", "wall clock when the phase ended (µs since the epoch)"),
@@ -592,6 +586,7 @@ def arrow_schema(rank: int) -> pa.Schema:
         META_SCHEMA_KEY: str(SCHEMA_VERSION),
         META_RANK_KEY: str(int(rank)),
         "pcpviz_version": __version__,
+        COMPLETION_KEY: COMPLETION_FILE,
     })
 
 

@@ -11,9 +11,11 @@ Every problem is one line naming the file and the key (or rank), in one of two k
     the prompt tokens fed, ``num_steps`` vs the steps. Bad input: the
     CLI exits 2.
 ``incomplete``
-    data was lost: a rank file run.json promises is missing or unreadable (a directory, a
-    device, a dangling link), bytes after a damaged or partial record were dropped, or a
-    step some rank recorded is missing on another. The CLI exits 3.
+    data was lost or the run did not finish: a rank file run.json promises is missing or
+    unreadable (a directory, a device, a dangling link), bytes after a damaged or partial record
+    were dropped, a step some rank recorded is missing on another, or the completion record
+    (``completion``) is missing, says a rank stopped early (``partial``) or disagrees with its
+    file; a live writer still holds the trace. The CLI exits 3.
 
 A PCP=2, K=2 trace whose rank 1 lost its steps after step 15 (a flipped byte in step 16's
 index)::
@@ -35,6 +37,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from . import schema as S
+from .completion import judge
 from .errors import TraceError
 
 __all__ = ["INVALID", "INCOMPLETE", "Problem", "TraceStatus", "META_SCHEMA", "validate_meta",
@@ -71,6 +74,7 @@ class TraceStatus:
     """``validate``'s answer: the problems found (none for a whole, truthful trace)."""
 
     problems: tuple[Problem, ...] = ()
+    ending: str = ""  # how the run ended (``completion.judge``): complete, partial: ..., unfinished, ...
 
     @property
     def valid(self) -> bool:
@@ -93,14 +97,15 @@ class TraceStatus:
     def summary(self) -> str:
         """One line: ``complete`` or what is wrong first and how many problems there are."""
         if not self.problems:
-            return "trace complete; run.json valid"
+            return "trace complete; run.json valid" + (f" (ending {self.ending})" if self.ending.startswith(
+                "not recorded") or "marked" in self.ending else "")
         first = self.problems[0]
         more = f" (and {len(self.problems) - 1} more)" if len(self.problems) > 1 else ""
         head = "INVALID run.json" if first.kind == INVALID else "INCOMPLETE trace"
         return f"{head}: {first.message}{more}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"valid": self.valid, "complete": self.complete,
+        return {"valid": self.valid, "complete": self.complete, "ending": self.ending,
                 "problems": [p.to_dict() for p in self.problems]}
 
 
@@ -294,10 +299,12 @@ def validate(trace: Any) -> TraceStatus:
                        f"hold {len(all_steps)} steps")
         else:
             invalid("num_steps", f"{num_steps}, but the rank files hold {len(all_steps)} steps")
+    ending, ended = judge(trace, pcp)  # how the run ended (pcpviz.trace.completion)
+    problems += [Problem(INCOMPLETE, file, key, message) for file, key, message in ended]
     _check_drafts(trace, meta, invalid)
     _check_block_size(trace, meta, invalid)
     _check_prompts(trace, meta, invalid)
-    return TraceStatus(tuple(problems))
+    return TraceStatus(tuple(problems), ending)
 
 
 _SEQUENTIAL_DRAFTERS = frozenset({"mtp", "deepseek_mtp", "eagle", "eagle3"})

@@ -19,13 +19,22 @@ writes nothing), then serialized into one IPC message and handed to the kernel w
 returned from survives the process being killed (``fsync=True`` additionally survives a machine
 crash, at a cost per step). A kill during the write leaves a partial trailing message, which the
 reader drops with a warning.
+
+Ending (``pcpviz.trace.completion``): while open the writer holds an exclusive ``flock`` on its
+rank file (readers report "still being written"); ``close()`` writes the end-of-stream marker,
+then this rank's entry of ``complete.json`` (status ``complete``, or ``partial`` with a reason:
+``close(status="partial", reason="stopped by SIGINT")``; leaving a ``with`` block by an
+exception closes it ``partial`` with the exception named), and only then releases the file.
+A process killed outright leaves neither, so its trace reads as unfinished.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
+import zlib
 from numbers import Integral
 from pathlib import Path
 from typing import Any, Mapping
@@ -34,6 +43,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import schema as S
+from .completion import COMPLETE, PARTIAL, forget, record_end
 from .owner import check_writer, open_regular
 
 __all__ = ["TraceWriter", "write_run_meta"]
@@ -201,7 +211,11 @@ class TraceWriter:
         except FileExistsError:
             raise FileExistsError(f"{self.path}: already exists (created by another writer just "
                                   "now); write to a new run directory") from None
+        self.steps_written = 0
+        self.bytes_written = 0
         try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # "still being written" to readers
+            forget(self.run_dir, self.rank)  # an overwritten rank's old ending is not this file's
             if text is not None:
                 _install_meta(self.run_dir, text, replace=True)
             else:
@@ -236,25 +250,43 @@ class TraceWriter:
         batch = self._encode_step(step, phases)
         self._write(batch.serialize())
         self.last_step = step
+        self.steps_written += 1
 
-    def close(self) -> None:
-        """Write the end-of-stream marker and close. Idempotent."""
+    def close(self, *, status: str = COMPLETE, reason: str = "finished") -> None:
+        """Finalize and close (idempotent): the end-of-stream marker, then this rank's entry of
+        the completion record (``status`` ``complete`` or ``partial``, ``reason`` why it ended),
+        then the file lock is released. After a failed write (a partial step at the end) neither
+        is written. OSError (one line) if the record cannot be written; the file is closed
+        either way."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
         try:
             if not self._broken:
                 _write_all(fd, _EOS)
+                self.bytes_written += len(_EOS)
                 if self.fsync:
                     os.fsync(fd)
+                try:
+                    record_end(self.run_dir, self.rank, status=status, reason=reason, steps=self.steps_written,
+                               last_step=self.last_step, nbytes=self.bytes_written)
+                except OSError as exc:
+                    raise OSError(exc.errno, f"{self.run_dir / S.COMPLETION_FILE}: cannot write the completion "
+                                  f"record ({exc.strerror or exc})") from None
         finally:
-            os.close(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)  # also for copies of the fd a fork inherited
+            finally:
+                os.close(fd)
 
     def __enter__(self) -> "TraceWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.close(status=PARTIAL, reason=" ".join(f"{exc_type.__name__}: {exc}".split())[:200])
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"last_step={self.last_step}"
@@ -265,6 +297,7 @@ class TraceWriter:
     def _write(self, data) -> None:
         try:
             _write_all(self._fd, data)
+            self.bytes_written += memoryview(data).nbytes
             if self.fsync:
                 os.fsync(self._fd)
         except OSError as exc:
@@ -297,28 +330,44 @@ class TraceWriter:
         return _build_batch(step, rows)
 
 
+_NAME_COLUMNS: dict[tuple, tuple[pa.Array, pa.Array, pa.Array]] = {}  # (phase, view, tag) rows -> columns
+_PAD = {0: b"", **{n: b"\0" * n for n in range(1, S.ALIGN)}}
+_SPACES = {0: b"", **{n: b" " * n for n in range(1, S.ALIGN)}}
+
+
 def _build_batch(step: int, rows: list[tuple[str, str, S.Encoded]]) -> pa.RecordBatch:
-    """One record batch; payloads are copied once into a single aligned values buffer."""
-    sizes = [S.padded_size(len(enc.payload)) for _, _, enc in rows]
-    offsets = np.zeros(len(rows) + 1, dtype=np.int64)  # int64[n+1]
-    np.cumsum(sizes, out=offsets[1:])
-    values = np.zeros(int(offsets[-1]), dtype=np.uint8)  # uint8[total]: zero padding
+    """One record batch; payloads are joined once into a single aligned values buffer (padding:
+    zeros, spaces after JSON). The phase/view/dtype columns of a recurring set of rows are reused."""
+    parts: list = []
+    sizes: list[int] = []
     crcs = np.empty(len(rows), dtype=np.uint32)  # uint32[n]
     for i, (phase, view, enc) in enumerate(rows):
-        start, stop = int(offsets[i]), int(offsets[i + 1])
-        values[start:start + len(enc.payload)] = np.frombuffer(enc.payload, dtype=np.uint8)
-        if enc.tag == S.STR_TAG:
-            values[start + len(enc.payload):stop] = ord(" ")  # JSON ignores trailing spaces
-        crcs[i] = S.row_crc32(step, phase, view, tag=enc.tag, shape=enc.shape, stored=values[start:stop].data)
+        n = len(enc.payload)
+        pad = (_SPACES if enc.tag == S.STR_TAG else _PAD)[-n % S.ALIGN]
+        parts.append(enc.payload)
+        if pad:
+            parts.append(pad)
+        sizes.append(n + len(pad))
+        head = f"{step}\0{phase}\0{view}\0{enc.tag}\0{','.join(map(str, enc.shape))}\0".encode("utf-8")
+        crcs[i] = zlib.crc32(pad, zlib.crc32(enc.payload, zlib.crc32(head))) & 0xFFFFFFFF
+    offsets = np.zeros(len(rows) + 1, dtype=np.int64)  # int64[n+1]
+    np.cumsum(sizes, out=offsets[1:])
+    values = b"".join(parts)
     index_crc = S.step_crc32(step, ((phase, view, enc.tag, enc.shape, size, int(crc))
                                     for (phase, view, enc), size, crc in zip(rows, sizes, crcs)))
+    key = tuple((phase, view, enc.tag) for phase, view, enc in rows)
+    names = _NAME_COLUMNS.get(key)
+    if names is None:
+        names = (pa.array([k[0] for k in key], pa.string()), pa.array([k[1] for k in key], pa.string()),
+                 pa.array([k[2] for k in key], pa.string()))
+        if len(_NAME_COLUMNS) > 512:
+            _NAME_COLUMNS.clear()
+        _NAME_COLUMNS[key] = names
     data = pa.LargeBinaryArray.from_buffers(
         pa.large_binary(), len(rows), [None, pa.py_buffer(offsets), pa.py_buffer(values)])
     return pa.RecordBatch.from_arrays([
         pa.array(np.full(len(rows), step, dtype=np.int64)),
-        pa.array([phase for phase, _, _ in rows], pa.string()),
-        pa.array([view for _, view, _ in rows], pa.string()),
-        pa.array([enc.tag for _, _, enc in rows], pa.string()),
+        *names,
         pa.array([list(enc.shape) for _, _, enc in rows], pa.list_(pa.int64())),
         data,
         pa.array(crcs, pa.uint32()),

@@ -27,8 +27,10 @@ The same deployment as a server (``vllm serve``; ``-pcp`` / ``-sc`` / ``-cc`` ar
         --speculative-config '{"method": "mtp", "num_speculative_tokens": 2}' \\
         --enforce-eager
 
-Only ``cudagraph_mode`` ``PIECEWISE`` or ``NONE`` are offered: a FULL CUDA-graph replay runs no
-Python, so the recording hooks would not see the steps it replays.
+``pcp=1`` records a deployment without PCP (the baseline a PCP run of the same prompts is diffed
+against). ``cudagraph_mode`` ``PIECEWISE``, ``NONE`` or ``FULL_AND_PIECEWISE`` (see
+``CUDAGRAPH_MODES``: a FULL replay runs no Python, so the draft inputs of the steps it replays
+are not recorded).
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ from pcpviz.vllm import SUPPORTED_VLLM_VERSION  # the one definition
 
 __all__ = ["run", "build_vllm_launch", "VllmLaunch", "LaunchError", "preflight", "gpus_missing", "CUDAGRAPH_MODES"]
 
-CUDAGRAPH_MODES = ("PIECEWISE", "NONE")
+CUDAGRAPH_MODES = ("PIECEWISE", "NONE", "FULL_AND_PIECEWISE")
+"""What ``run`` records. FULL_AND_PIECEWISE replays uniform decode steps as FULL graphs: the
+target's views and the verify outcome are recorded (their Python still runs), the draft phases
+those graphs replay carry only their tokens (``graph_mode`` FULL; one warning)."""
 ENV_TRACE_DIR = "PCPVIZ_TRACE_DIR"
 
 
@@ -103,15 +108,15 @@ def build_vllm_launch(
     Raises ValueError (one line) for a bad configuration. ``extra_engine_args`` are more
     ``vllm.LLM`` keywords (they may override the ones built here, except ``model``).
     """
-    for name, value, low in (("pcp", pcp, 2), ("tp", tp, 1), ("num_speculative_tokens", num_speculative_tokens, 1),
+    for name, value, low in (("pcp", pcp, 1), ("tp", tp, 1), ("num_speculative_tokens", num_speculative_tokens, 1),
                              ("max_tokens", max_tokens, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}"
-                             + (" (PCP is off at 1: nothing to record)" if name == "pcp" else ""))
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     mode = str(cudagraph_mode).upper()
     if mode not in CUDAGRAPH_MODES:
         raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {cudagraph_mode!r} "
-                         "(a FULL CUDA-graph replay runs no Python: the recording hooks would miss its steps)")
+                         "(FULL and FULL_DECODE_ONLY replay the drafter's steps with no Python running: the "
+                         "recording would miss their inputs)")
     if isinstance(prompts, (str, bytes)) or not prompts:
         raise ValueError("prompts must be a non-empty list of strings or token-id lists")
     prompt_list = [_prompt(p) for p in prompts]
@@ -253,6 +258,8 @@ def run(
                      "prompts": launch.prompts, "output_token_ids": outputs,
                      "vllm_spec_decode_metrics": result.get("spec_decode_metrics", {})})
         write_run_meta(launch.trace_dir, meta)
+    if not meta_path.exists() and any(launch.trace_dir.glob("flight-*")):
+        return None, outputs  # flight recorder (PCPVIZ_FLIGHT_RECORDER): the dumps are the traces
     return open_trace(launch.trace_dir), outputs
 
 

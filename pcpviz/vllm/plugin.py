@@ -26,18 +26,26 @@ Behaviour of ``register()``:
   ``property(lambda self: RecordingPCPManager)`` — the hook vLLM provides for choosing the PCP
   manager class (``maybe_build_pcp_manager(..., cls=self.pcp_manager_cls)``) — and
   ``pcpviz.vllm.recording.install_wrappers()`` wraps ``TargetDependentARSpeculator.propose`` /
-  ``_run_model``, ``DFlashSpeculator.propose``, ``dflash.speculator.prepare_dflash_inputs`` and
-  ``GPUModelRunner.postprocess_sampled``; ``gather_block_tables`` / ``compute_slot_mappings``
-  are wrapped on the speculator's own ``BlockTables`` instance at its first ``propose``;
+  ``_run_model``, ``DFlashSpeculator.propose``, ``dflash.speculator.prepare_dflash_inputs``,
+  ``GPUModelRunner.postprocess_sampled`` and, for PCP = 1 (where vLLM builds no PCP manager),
+  ``GPUModelRunner.__init__`` / ``prepare_inputs`` / ``prepare_attn``; ``gather_block_tables`` /
+  ``compute_slot_mappings`` are wrapped on the speculator's own ``BlockTables`` instance at its
+  first ``propose``; the graph-replay ledger wraps ``CUDAGraphWrapper.__call__`` and
+  ``CudaGraphManager.run_fullgraph`` (``recording.graphs``); ``Worker.shutdown`` finalizes the
+  process's rank files (end-of-stream marker, ``complete.json``) on every clean shutdown;
 * **where traces go**: each PCP rank's TP-rank-0 worker writes
-  ``$PCPVIZ_TRACE_DIR/rank{pcp_rank}.arrow``; PCP rank 0 writes ``run.json`` (producer
-  ``"vllm-plugin"``, vllm_version, pcp, dcp, num_speculative_tokens, block_size, model, ...).
-  Other TP ranks hold the same batch views and record nothing. Dummy/profile runs are skipped
-  unless ``PCPVIZ_RECORD_DUMMY=1``. A rank file that already exists is not overwritten
-  (recording is disabled on that rank with a warning): use a fresh directory per run.
+  ``$PCPVIZ_TRACE_DIR/rank{pcp_rank}.arrow`` (PCP = 1: ``rank0.arrow``); PCP rank 0 writes
+  ``run.json`` (producer ``"vllm-plugin"``, vllm_version, pcp, dcp, num_speculative_tokens,
+  block_size, model, ...). Other TP ranks hold the same batch views and record nothing.
+  Dummy/profile runs are skipped unless ``PCPVIZ_RECORD_DUMMY=1``. A rank file that already
+  exists is not overwritten (recording is disabled on that rank with a warning): use a fresh
+  directory per run;
+* **what it cannot record is one warning**: a process that builds vLLM's V1 model runner
+  (``VLLM_USE_V2_MODEL_RUNNER=0``, or a feature the V2 runner lacks) records nothing and says so;
+  draft forwards replayed as FULL CUDA graphs (``FULL_AND_PIECEWISE``) run no Python, so their
+  phases carry only their draft tokens, and the first one is logged.
 
-Record with ``cudagraph_mode`` ``NONE`` or ``PIECEWISE``: a FULL CUDA-graph replay runs no
-Python, so the hooks would not fire for the steps it replays (``docs/vllm-0.33-pcp-mtp.md#cuda-graphs``).
+``cudagraph_mode`` ``NONE`` or ``PIECEWISE`` record every view (``docs/vllm-0.33-pcp-mtp.md#cuda-graphs``).
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ __all__ = ["register", "status", "SUPPORTED_VLLM_VERSION", "ENV_TRACE_DIR", "RUN
 
 ENV_TRACE_DIR = "PCPVIZ_TRACE_DIR"
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
+V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"  # vLLM's V1 model runner: not recorded
 
 logger = logging.getLogger("vllm.pcpviz")
 
@@ -97,11 +106,15 @@ def register() -> None:
             if problem:
                 _disable(problem)
                 return
+            if V1_RUNNER_MODULE in sys.modules:
+                _warn_on_v1_runner(sys.modules[V1_RUNNER_MODULE])
+            else:
+                sys.meta_path.insert(0, _RunnerImportHook(V1_RUNNER_MODULE, _warn_on_v1_runner))
             if RUNNER_MODULE in sys.modules:
                 _install()
             else:
                 _status = "pending"
-                _finder = _RunnerImportHook()
+                _finder = _RunnerImportHook(RUNNER_MODULE, lambda module: _install())
                 sys.meta_path.insert(0, _finder)
         except Exception as exc:  # noqa: BLE001 - a plugin must never break vLLM
             _disable(f"{type(exc).__name__}: {exc}")
@@ -177,23 +190,55 @@ def _install() -> None:
             _disable(f"{type(exc).__name__}: {exc}")
 
 
+def _warn_on_v1_runner(module: Any) -> None:
+    """Wrap the V1 ``GPUModelRunner.__init__``: building one means this process records nothing,
+    which is said once (instead of leaving an empty trace directory)."""
+    cls = getattr(module, "GPUModelRunner", None)
+    init = getattr(cls, "__init__", None)
+    if cls is None or getattr(init, "_pcpviz_v1_warning", False):
+        return
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        global _v1_warned
+        if not _v1_warned:
+            _v1_warned = True
+            logger.warning("pcpviz: this vLLM worker runs the V1 model runner, which pcpviz does not record: "
+                           "nothing is written to %s (set VLLM_USE_V2_MODEL_RUNNER=1; PCP needs it anyway)",
+                           os.environ.get(ENV_TRACE_DIR))
+
+    __init__._pcpviz_v1_warning = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+
+
+_v1_warned = False
+
+
 class _RunnerImportHook(importlib.abc.MetaPathFinder):
-    """Runs ``_install()`` right after ``vllm.v1.worker.gpu.model_runner`` is executed."""
+    """Runs ``then(module)`` right after the module ``name`` is executed (one shot)."""
+
+    def __init__(self, name: str = RUNNER_MODULE, then: Any = None) -> None:
+        self.name = name
+        self.then = then if then is not None else (lambda module: _install())
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != RUNNER_MODULE:
+        if fullname != self.name:
             return None
         sys.meta_path.remove(self)  # one shot; also avoids finding ourselves below
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            _disable(f"cannot hook the import of {RUNNER_MODULE}")
+            if self.name == RUNNER_MODULE:
+                _disable(f"cannot hook the import of {RUNNER_MODULE}")
             return spec
-        loader = spec.loader
+        loader, then = spec.loader, self.then
         original_exec = loader.exec_module
 
         def exec_module(module: Any) -> None:
             original_exec(module)
-            _install()
+            try:
+                then(module)
+            except Exception as exc:  # noqa: BLE001 - a plugin must never break vLLM
+                logger.warning("pcpviz: %s: %s: %s", fullname, type(exc).__name__, exc)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec

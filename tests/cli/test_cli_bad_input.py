@@ -102,7 +102,7 @@ TABLE = [
     (["replay", "--trace", "{trace}"], "already holds a trace", True),
     (["replay", "--trace", "{file}"], "exists and is not a directory", False),
     (["replay", "--trace", "{tmp}/r", "--block-size", "1000000000"], "--block-size: expected an integer", False),
-    (["replay", "--trace", "{tmp}/r", "--pcp", "1"], "pcp must be an int >= 2", False),
+    (["replay", "--trace", "{tmp}/r", "--pcp", "0"], "expected a positive integer", False),
     (["nosuchcommand"], "invalid choice", False),
     # an empty path is refused, not taken as "not given" (--json "") or as "." (--trace "")
     (["run", "--prompt", "x", "--json", ""], "argument --json: expected a path, got ''", True),
@@ -173,7 +173,7 @@ def test_two_concurrent_runs_into_one_directory(tmp_path):
     lines = loser.strip().splitlines()
     assert len(lines) == 1 and str(d) in lines[0] and ("in use by pid" in lines[0] or "already holds a trace" in lines[0])
     # the winner's trace is whole and consistent: one run.json, its rank files, no lock left
-    assert sorted(p.name for p in d.iterdir()) == ["rank0.arrow", "rank1.arrow", "run.json"]
+    assert sorted(p.name for p in d.iterdir()) == ["complete.json", "rank0.arrow", "rank1.arrow", "run.json"]
     t = pt.open(d)
     assert pt.validate(t).ok and t.meta["num_speculative_tokens"] == 1
 

@@ -314,7 +314,7 @@ def test_shipped_real_traces_table_matches_the_traces():
     import pcpviz.trace as pt
     from pcpviz.analysis.acceptance import acceptance
 
-    rows = re.findall(r"^\| `((?:vllm|vllm-serve)-h200x2[\w-]*)` \| .*? \| (\d+) \| (.*?) / (.*?) \|$",
+    rows = re.findall(r"^\| `((?:vllm|vllm-serve)-h200x\d[\w-]*)` \| .*? \| (\d+) \| (.*?) / (.*?) \|$",
                       (DOCS / "figures.md").read_text(encoding="utf-8"), flags=re.M)
     assert len(rows) == len(list((ROOT / "data" / "traces").glob("vllm-*"))), rows
     for name, steps, ours, theirs in rows:
@@ -323,6 +323,9 @@ def test_shipped_real_traces_table_matches_the_traces():
         rates = [float(x) for x in ours.replace("**", "").split(",")]
         assert rates == pytest.approx(acceptance(trace).rate_per_position, abs=0.0051), name
         counter = trace.meta.get("vllm_spec_decode_metrics")
+        if counter is None and "flight_recorder" in trace.meta:  # a dump: no counter beside it
+            assert theirs.strip() == "-", name
+            continue
         if counter is not None:
             rates = counter["acceptance_rate_per_pos"]
         else:  # `vllm serve`: the Prometheus lines scraped after the completions

@@ -135,6 +135,8 @@ def swap(rng: random.Random, d: Path, base: Path) -> str:
         else:
             other = rng.choice(refutable)
     files = _rank_files(d)
+    if how == "swap ranks" and len(files) < 2:  # a PCP=1 trace: nothing to swap with
+        how = "foreign rank"
     if how == "swap ranks":
         a, b = files[0], files[-1]
         tmp = d / "tmp.swap"
@@ -143,7 +145,8 @@ def swap(rng: random.Random, d: Path, base: Path) -> str:
         tmp.rename(b)
     elif how == "foreign rank":
         f = rng.choice(files)
-        shutil.copyfile(other / f.name, f)
+        src = other / f.name if (other / f.name).exists() else other / "rank0.arrow"  # a PCP=1 run has rank 0 only
+        shutil.copyfile(src, f)
     elif how == "extra rank":
         shutil.copyfile(files[-1], d / f"rank{len(files)}.arrow")
     else:

@@ -66,6 +66,8 @@ def test_specs_are_complete_and_consistent():
     assert S.view_spec("verify", "sampled_token_ids").pad == "-1 past num_sampled"
     assert S.view_spec("target", "no_such_view") is None
     fps = {"hidden_local_fp", "hidden_fp", "hidden_in_fp", "mtp_local_fp", "hidden_last_fp", "hidden_out_fp"}
-    assert {"t_start_us", "t_end_us", "hidden_hash", "idx_mapping", "local_idx_mapping"} | fps == S.RUN_SPECIFIC_VIEWS
+    graphs = {"graph_replays", "graph_full_replays", "graph_inputs_moved", "graph_mode"}  # the replay ledger
+    assert {"t_start_us", "t_end_us", "hidden_hash", "idx_mapping", "local_idx_mapping"} | fps | graphs == \
+        S.RUN_SPECIFIC_VIEWS
     table = S.views_markdown()
     assert table.count("\n") == len(S.VIEW_SPECS) + 1 and "`int64[N*P]`" in table

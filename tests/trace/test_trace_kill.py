@@ -102,6 +102,10 @@ def test_sigkill_mid_step_keeps_every_completed_step(tmp_path, pause_step):
 
     with pytest.raises(pt.TraceError, match=str(rank1).replace(".", r"\.")):
         pt.open(run, strict=True)
+    # finished is not crashed: no writer wrote its completion record
+    status = pt.validate(t)
+    assert not status.complete and status.ending == "unfinished"
+    assert any("complete.json: missing: no writer finished" in ln for ln in status.lines("incomplete"))
 
 
 def test_sigkill_free_running_writer(tmp_path):
@@ -145,3 +149,4 @@ def test_sigkill_free_running_writer(tmp_path):
     else:
         assert t.files[0].good_bytes == size
         assert pt.open(run, strict=True).rank_steps(0) == steps
+    assert pt.validate(t).ending == "unfinished"  # a whole prefix, but the run did not finish

@@ -11,7 +11,9 @@ import pcpviz.trace as pt
 import pcpviz.vllm
 from pcpviz.analysis.mirror import mirror
 
-TRACES = sorted(p for p in (Path(__file__).resolve().parents[2] / "data" / "traces").iterdir() if p.is_dir())
+# the PCP data path: the PCP = 2 traces (a PCP = 1 trace has no layout or rank-local views to mirror)
+TRACES = sorted(p for p in (Path(__file__).resolve().parents[2] / "data" / "traces").iterdir()
+                if p.is_dir() and "pcp1" not in p.name)
 REAL = [p for p in TRACES if p.name.startswith("vllm-")]
 
 

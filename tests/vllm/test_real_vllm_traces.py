@@ -19,10 +19,15 @@ REAL = sorted(p for p in ROOT.iterdir() if p.is_dir() and p.name.startswith("vll
 @pytest.mark.parametrize("path", REAL, ids=[p.name for p in REAL])
 def test_provenance(path):
     meta = json.loads((path / "run.json").read_text())
+    gpus = 1 if "h200x1" in path.name else 2
     assert meta["producer"] == "vllm-plugin" and meta["vllm_version"] == "0.33.0"
-    assert meta["gpus"] == ["NVIDIA H200", "NVIDIA H200"] and meta["torch_version"].startswith("2.11")
-    assert meta["pcp"] == 2 and meta["cudagraph_mode"] in ("NONE", "PIECEWISE")
-    assert meta["command"] and meta["job"]["command"].startswith("python3 tools/gpu/jobs.py ")
+    assert meta["gpus"] == ["NVIDIA H200"] * gpus and meta["torch_version"].startswith("2.11")
+    assert meta["pcp"] == gpus and meta["cudagraph_mode"] in ("NONE", "PIECEWISE")
+    assert meta["command"]
+    if "flight" in path.name:  # a flight-recorder dump: its run.json says what triggered it
+        assert meta["flight_recorder"]["trigger"].startswith("acceptance ")
+    else:
+        assert meta["job"]["command"].startswith("python3 tools/gpu/jobs.py ")
 
 
 @pytest.mark.parametrize("path", REAL, ids=[p.name for p in REAL])
@@ -41,8 +46,8 @@ def test_sampled_tokens_are_padded_past_num_sampled(path):
     assert rows > 0
 
 
-@pytest.mark.parametrize("path", [p for p in REAL if "mtp" in p.name and "serve" not in p.name],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p for p in REAL if "mtp" in p.name and "serve" not in p.name
+                                  and "flight" not in p.name], ids=lambda p: p.name)
 def test_vllm_counters_match_the_trace(path):
     """vLLM's own counters (LLM.get_metrics(), stored by pcpviz.vllm.run) against the same figures
     computed from the recorded verify steps. vLLM counts a draft when its scheduler takes in that
@@ -108,3 +113,81 @@ def test_engine_reproduces_vllm_step0_drafts(inject, reference, tmp_path):
         ref.record(0, 0, "target")["per_rank_num_tokens"].tolist()
     for phase in ("draft_0", "draft_1"):
         assert ours.record(0, 0, phase)["draft_tokens"].tolist() == ref.record(0, 0, phase)["draft_tokens"].tolist()
+
+
+# --------------------------------------------------------------------------- one H200, PCP = 1 (issue 24)
+
+PCP1 = ROOT / "vllm-h200x1-pcp1-mtp2"
+PCP1_PIECEWISE = ROOT / "vllm-h200x1-pcp1-mtp2-piecewise"
+PCP2 = ROOT / "vllm-h200x2-pcp2-mtp2"
+FLIGHT = ROOT / "vllm-h200x1-pcp1-mtp2-flight-acceptance"
+
+
+def test_the_pcp1_run_is_good_for_the_pcp2_run_of_the_same_prompts():
+    """Real vLLM at PCP=1 on one H200 (tools/gpu/jobs.py trace-pcp1) against the shipped PCP=2
+    trace of the same prompts, K and budget: the same tokens, and no divergence on any global
+    view, although vLLM's engine core batched the requests differently (request 0 ran alone one
+    step longer at PCP=2), so the diff compares each request's own timeline."""
+    from pcpviz.analysis.diff import diff_traces
+    from pcpviz.analysis.explain import explain
+
+    m1, m2 = (json.loads((p / "run.json").read_text()) for p in (PCP1, PCP2))
+    assert m1["prompts"] == m2["prompts"] and m1["output_token_ids"] == m2["output_token_ids"]
+    for a, b in ((PCP1, PCP2), (PCP2, PCP1)):
+        rep = diff_traces(a, b)
+        assert rep.same, rep.format()
+        assert rep.views_compared > 2000 and any("batched the requests differently" in n for n in rep.notes)
+    assert explain(PCP2, PCP1).ok
+
+
+def test_a_global_divergence_is_still_found_against_the_pcp1_run(tmp_path):
+    from pcpviz.analysis.diff import diff_traces
+
+    src = pt.open(PCP1)
+    meta = {k: v for k, v in src.meta.items() if k != "pcpviz_trace_schema"}
+    with pt.TraceWriter(tmp_path / "bad", 0, meta=meta) as w:
+        for s in src.steps:
+            phases = {ph: {k: np.array(v) for k, v in src.record(s, 0, ph).items()} for ph in src.phases(s, 0)}
+            if s == 6:
+                phases["target"]["positions"][-1] += 1  # the last request's last token at another position
+            w.write_step(s, phases)
+    rep = diff_traces(PCP2, tmp_path / "bad")
+    assert not rep.same and (rep.first.phase, rep.first.view) == ("target", "positions"), rep.format()
+    assert rep.first.req_id is not None and rep.first.step == 7 and "b step 6" in rep.first.message, rep.first
+
+
+def test_the_graph_replay_ledger_passes_on_the_real_piecewise_run():
+    from pcpviz.analysis.checks import run_checks
+
+    t = pt.open(PCP1_PIECEWISE)
+    res = run_checks(t, checks="graph_inputs_are_captured")["graph_inputs_are_captured"]
+    assert res.verdict == "pass" and res.evaluated >= len(t.steps) - 1
+    replays = sum(int(t.record(s, 0, ph)["graph_replays"]) for s in t.steps for ph in t.phases(s, 0)
+                  if "graph_replays" in t.record(s, 0, ph))
+    assert replays > 100  # every piece of every PIECEWISE forward, target and drafter
+
+
+@pytest.mark.parametrize("path", [PCP1, PCP1_PIECEWISE], ids=lambda p: p.name)
+def test_the_plugin_finalized_its_rank_file_when_vllm_shut_down(path):
+    t = pt.open(path)
+    assert t.files[0].closed and t.files[0].finalizes
+    status = pt.validate(t)
+    assert status.ok and status.ending == "complete"
+    assert json.loads((path / "complete.json").read_text())["ranks"]["0"]["reason"] == "finished: vLLM shut down"
+
+
+def test_the_flight_recorder_dump_of_real_vllm():
+    """tools/gpu/jobs.py flight-pcp1: the last 16 steps kept, acceptance 0.5 < 0.9 over 8 drafted
+    steps dumped them (the run went on writing nothing)."""
+    from pcpviz.analysis.checks import run_checks
+
+    t = pt.open(FLIGHT)
+    fr = t.meta["flight_recorder"]
+    assert fr["steps_kept"] == 16 and fr["acceptance_threshold"] == 0.9 and fr["window"] == 8
+    assert t.steps == list(range(fr["steps"][0], fr["steps"][1] + 1))
+    status = pt.validate(t)
+    assert status.ok and status.ending == "complete"
+    assert json.loads((FLIGHT / "complete.json").read_text())["ranks"]["0"]["reason"].startswith(
+        "flight recorder: acceptance 0.500 < 0.9")
+    report = run_checks(t)
+    assert report.ok and not report.failed, report.format()

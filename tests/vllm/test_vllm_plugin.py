@@ -193,13 +193,33 @@ def test_replay_through_the_plugins_classes_records_a_passing_trace(enable_run):
     t = open_trace(trace_dir)
     assert t.meta["producer"] == "vllm-plugin" and t.meta["vllm_version"] == "0.33.0"
     assert (t.meta["pcp"], t.meta["num_speculative_tokens"], t.meta["block_size"]) == (2, 2, 4)
-    assert sorted(p.name for p in trace_dir.iterdir()) == ["rank0.arrow", "rank1.arrow", "run.json"]
+    assert sorted(p.name for p in trace_dir.iterdir()) == ["complete.json", "rank0.arrow", "rank1.arrow", "run.json"]
     assert len(t.steps) == res["replay"]["steps"] == 5  # dummy runs are not recorded by default
     report = run_checks(t)
     # the plugin does not record the engine-only views (hidden-state fingerprints, top1_token):
     # only the checks that need them skip
     engine_only = {"hidden_restored", "hidden_handoffs", "target_outputs_agree", "verify_greedy"}
-    assert report.ok and set(report.skipped) <= engine_only, report.format()
+    assert report.ok and set(report.skipped) <= engine_only | {"graph_inputs_are_captured"}, report.format()  # no graphs
+
+
+def test_a_v1_model_runner_is_one_warning_not_an_empty_directory(caplog):
+    """Stand-in module for vLLM's V1 runner (building the real one needs a GPU config): the
+    plugin's hook on its class says once that nothing is recorded."""
+    import types
+
+    from pcpviz.vllm import plugin
+
+    class GPUModelRunner:
+        def __init__(self, x):
+            self.x = x
+
+    module = types.SimpleNamespace(GPUModelRunner=GPUModelRunner)
+    plugin._warn_on_v1_runner(module)
+    plugin._warn_on_v1_runner(module)  # idempotent
+    with caplog.at_level(logging.WARNING, logger="vllm.pcpviz"):
+        GPUModelRunner(1), GPUModelRunner(2)
+    lines = [r.getMessage() for r in caplog.records if "V1 model runner" in r.getMessage()]
+    assert len(lines) == 1 and "VLLM_USE_V2_MODEL_RUNNER=1" in lines[0] and GPUModelRunner(3).x == 3
 
 
 def test_import_hook_patches_when_the_runner_module_loads(hook_run):
@@ -331,9 +351,9 @@ def test_launch_kwargs_are_vllms_own_argument_names(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(pcp=1), "pcp must be an int >= 2"),
+    (dict(pcp=0), "pcp must be an int >= 1"),
     (dict(num_speculative_tokens=0), "num_speculative_tokens must be an int >= 1"),
-    (dict(cudagraph_mode="FULL_DECODE_ONLY"), "cudagraph_mode must be one of PIECEWISE, NONE"),
+    (dict(cudagraph_mode="FULL_DECODE_ONLY"), "cudagraph_mode must be one of PIECEWISE, NONE, FULL_AND_PIECEWISE"),
     (dict(prompts=[]), "prompts must be a non-empty list"),
     (dict(prompts=[3.5]), "a prompt must be a string or a list of token ids"),
     (dict(extra_engine_args={"model": "x"}), "must not set 'model'"),

@@ -72,19 +72,23 @@ def _check(trace_dir: Path) -> dict:
 
 
 def _vllm_trace(name: str, *, job_name: str, k: int, prompts: list, mode: str = "NONE",
-                max_tokens: int = MAX_TOKENS, extra: dict | None = None, timeout_s: float = 420) -> dict:
+                max_tokens: int = MAX_TOKENS, extra: dict | None = None, timeout_s: float = 420,
+                pcp: int = 2) -> dict:
     from pcpviz.vllm.launch import run
 
     trace_dir = RESULTS / "traces" / name
     lines: list[str] = []
     t0 = time.time()
     try:
-        trace, outputs = run(MODEL, prompts, pcp=2, num_speculative_tokens=k, trace_dir=trace_dir,
+        trace, outputs = run(MODEL, prompts, pcp=pcp, num_speculative_tokens=k, trace_dir=trace_dir,
                              max_tokens=max_tokens, cudagraph_mode=mode,
                              extra_engine_args={**ENGINE_ARGS, **(extra or {})}, progress=lines.append,
                              timeout_s=timeout_s)
     finally:
         (RESULTS / "logs" / f"{name}.log").write_text("\n".join(lines) + "\n")
+    if trace is None:  # flight recorder: dumps only
+        return {"trace": str(trace_dir.relative_to(RESULTS)), "seconds": round(time.time() - t0, 1),
+                "tokens": [len(o) for o in outputs]}
     _stamp(trace_dir, job_name)
     return {"trace": str(trace_dir.relative_to(RESULTS)), "seconds": round(time.time() - t0, 1),
             "steps": len(trace.steps), "tokens": [len(o) for o in outputs], **_check(trace_dir)}
@@ -152,6 +156,67 @@ def _piecewise_address_check(_: dict) -> dict:
                   if 'File "' in ln or "Input addresses" in ln or "_run_model" in ln or "propose" in ln]
     (RESULTS / "logs" / "piecewise-address-check.txt").write_text("\n".join(frames))
     return {**result, "assertions": len(hits), "frames": frames[-14:]}
+
+
+def _diff(good: Path, bad: Path) -> dict:
+    """``pcpviz diff GOOD BAD``: exit code and the result lines."""
+    res = subprocess.run([sys.executable, "-m", "pcpviz.cli", "diff", str(good), str(bad)], capture_output=True,
+                         text=True, timeout=300)
+    out = (res.stdout + res.stderr).strip().splitlines()
+    return {"diff_rc": res.returncode, "diff": [ln for ln in out if "result" in ln or "first divergence" in ln
+                                                or "compared" in ln or "note" in ln][:8]}
+
+
+def _pcp1(name: str, job_name: str, mode: str) -> dict:
+    """PCP=1 (one GPU), the prompts, K and budget of trace-k2: the GOOD run for the shipped PCP=2
+    trace (issue 24); the job also diffs them and says how the trace ended."""
+    out = _vllm_trace(name, job_name=job_name, k=2, prompts=TRACE_PROMPTS, mode=mode, pcp=1,
+                      timeout_s=540 if mode != "NONE" else 420)
+    trace_dir = RESULTS / "traces" / name
+    out.update(_diff(REPO / "data" / "traces" / "vllm-h200x2-pcp2-mtp2", trace_dir))
+    out["complete"] = json.loads((trace_dir / "complete.json").read_text()) if (trace_dir / "complete.json").exists() \
+        else None
+    return out
+
+
+@job("trace-pcp1")
+def _trace_pcp1(_: dict) -> dict:
+    return _pcp1("vllm-h200x1-pcp1-mtp2", "trace-pcp1", "NONE")
+
+
+@job("trace-pcp1-piecewise")
+def _trace_pcp1_piecewise(_: dict) -> dict:
+    return _pcp1("vllm-h200x1-pcp1-mtp2-piecewise", "trace-pcp1-piecewise", "PIECEWISE")
+
+
+@job("flight-pcp1")
+def _flight_pcp1(_: dict) -> dict:
+    """The flight recorder on real vLLM (PCP=1, eager): the last 16 steps kept; acceptance below
+    0.9 over 8 drafted steps dumps them (this model accepts ~0.6), as does the shutdown."""
+    env = {"PCPVIZ_FLIGHT_RECORDER": "16", "PCPVIZ_FLIGHT_ACCEPTANCE": "0.9", "PCPVIZ_FLIGHT_WINDOW": "8",
+           "PCPVIZ_FLIGHT_MAX_DUMPS": "2"}
+    os.environ.update(env)
+    try:
+        out = _vllm_trace("vllm-h200x1-pcp1-mtp2-flight", job_name="flight-pcp1", k=2, prompts=TRACE_PROMPTS,
+                          pcp=1)
+    finally:
+        for key in env:
+            os.environ.pop(key, None)
+    base = RESULTS / "traces" / "vllm-h200x1-pcp1-mtp2-flight"
+    out["env"] = env
+    out["dumps"] = {d.name: _check(d) for d in sorted(base.glob("flight-*"))}
+    return out
+
+
+@job("overhead")
+def _overhead(_: dict) -> dict:
+    """benchmarks/bench_plugin_overhead.py: recording off / on / flight recorder, interleaved, one
+    process, FULL_AND_PIECEWISE (the figures of data/bench/plugin_overhead_h200x1.json)."""
+    out = RESULTS / "bench" / "plugin_overhead_h200x1.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_plugin_overhead.py"), "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
+    (RESULTS / "logs" / "overhead.log").write_text(res.stdout + res.stderr)
+    return {"rc": res.returncode, "tail": (res.stdout + res.stderr).strip().splitlines()[-16:]}
 
 
 @job("engine")

@@ -22,7 +22,8 @@ What goes into the parts (from the vllm 0.33.0 wheel and ``tools/gpu/wheels.txt`
 * the light wheels of ``tools/gpu/wheels.txt`` (CPython 3.12, x86-64, no dependencies: closed list).
 
 Large files are cut into chunks so that no part exceeds ``--part-mb`` (the device tool sends at
-most 64 MiB a command, the repository included). ``manifest.json`` (in every part) lists each
+most 64 MiB a command, the repository included: stage.py says which part size fits when the
+repository has grown past the default's room). ``manifest.json`` (in every part) lists each
 file's chunks and sha256; ``install.py`` refuses a part whose chunk does not match.
 """
 
@@ -49,6 +50,16 @@ LEFT_OUT = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libt
             "vllm/third_party/deep_gemm/_C_extension.abi3.so", "vllm/vllm-rs", "vllm/_flashkda_C.abi3.so")
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "any")
+
+
+TRANSFER_BYTES = 64 << 20  # what one device command carries: the repository and one part
+
+
+def repo_bytes() -> int:
+    """Bytes of the files a device command carries besides the part (git's tracked files)."""
+    res = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True)
+    names = [n for n in res.stdout.decode("utf-8", "replace").split("\0") if n] if res.returncode == 0 else []
+    return sum((REPO / n).stat().st_size for n in names if (REPO / n).is_file())
 
 
 def _pip_download(args: list[str], dest: Path) -> None:
@@ -173,10 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=REPO / ".gpu", help="where the parts go (git-ignored)")
     ap.add_argument("--work", type=Path, default=REPO / ".gpu-work", help="download and build cache")
     ap.add_argument("--vllm-wheel", type=Path, default=None, help="a vllm-0.33.0 wheel already on disk")
-    ap.add_argument("--part-mb", type=float, default=46.0, help="size of a part in MB (10^6 bytes)")
+    ap.add_argument("--part-mb", type=float, default=44.0, help="size of a part in MB (10^6 bytes)")
     a = ap.parse_args(argv)
     if a.part_mb < 1:
         ap.error("--part-mb must be at least 1")
+    room = TRANSFER_BYTES - repo_bytes()
+    if a.part_mb * 1e6 > room:
+        print(f"stage.py: note: the repository's files take {repo_bytes() / 1e6:.1f} MB of the {TRANSFER_BYTES / 2**20:.0f} "
+              f"MiB a device command carries; a part of {a.part_mb:g} MB does not fit beside them: use "
+              f"--part-mb {int(room / 1e6)}", file=sys.stderr)
     files = build_files(a.work, a.vllm_wheel)
     parts = plan_parts(files, int(a.part_mb * 1e6))
     manifest = write_parts(parts, a.out)

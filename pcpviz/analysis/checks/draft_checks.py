@@ -39,7 +39,8 @@ def _partial_chunk_last_rows(c: Ctx) -> None:
 @check("draft_prefill_rank_local",
         "draft_0 is rank_local: it reuses the target's local rows (draft_positions == "
         "local_positions, draft_seq_lens == local_seq_lens, block_table_draft == "
-        "block_table_local) and the target's gathered slot mapping ([G, N*P])")
+        "block_table_local) and the target's gathered slot mapping ([G, N*P]); at PCP = 1 the "
+        "target's global rows, block tables and slot mapping")
 def draft_prefill_rank_local(c: Ctx) -> None:
     if not c.has("draft_0"):
         raise Skip("no draft_0 phase")
@@ -57,18 +58,41 @@ def draft_prefill_rank_local(c: Ctx) -> None:
              ("draft_positions", "local_positions", np.asarray),
              ("draft_seq_lens", "local_seq_lens", np.asarray),
              ("block_table_draft", "block_table_local", _g3)]
+    single = c.pcp() == 1 and c.get("target", "local_positions") is None
+    if single:  # PCP = 1: the draft prefill runs on the global batch (rows past T are padding)
+        pairs = [("slot_mapping_draft", "slot_mapping_global", _g2), ("draft_positions", "positions", np.asarray),
+                 ("draft_seq_lens", "seq_lens", np.asarray), ("block_table_draft", "block_table_global", _g3)]
     for dview, tview, norm in pairs:
         d, t = c.get("draft_0", dview), c.get("target", tview)
         if d is None or t is None:
             continue
         checked = True
         d, t = norm(d), norm(t)
+        if single and dview in ("slot_mapping_draft", "draft_positions") and d.shape[-1] >= t.shape[-1]:
+            d = d[..., : t.shape[-1]]
+            if dview == "draft_positions":  # rows past q - num_rejected keep stale positions (never read)
+                keep = _accepted_rows(c)
+                if keep is not None and keep.shape == d.shape:
+                    d, t = np.where(keep, d, -1), np.where(keep, t, -1)
         if dview == "slot_mapping_draft" and d.shape[-1] != t.shape[-1]:
             c.fail("draft_0", dview, f"length {d.shape[-1]}, expected the expanded N*P="
                    f"{t.shape[-1]} (the target's gathered mapping)")
         c.expect("draft_0", dview, t, d, f"{dview} != the target's {tview}")
     if not checked:
-        raise Skip("no slot_mapping_draft")
+        raise Skip("no slot_mapping_draft" if c.get("draft_0", "slot_mapping_draft") is None
+                   else "no target slot mapping to compare with")
+
+
+def _accepted_rows(c: Ctx) -> np.ndarray | None:
+    """bool[T]: global rows below each request's q - num_rejected (what the draft prefill's
+    ``prepare_prefill_inputs`` writes); None without the verify outcome."""
+    rej = c.get("verify", "num_rejected")
+    qsl = c.qsl()
+    if rej is None or rej.shape[0] != qsl.shape[0] - 1:
+        return None
+    q = np.diff(qsl)
+    row = np.repeat(np.arange(q.shape[0]), q)
+    return (np.arange(int(qsl[-1])) - qsl[row]) < (q - rej.astype(np.int64))[row]
 
 
 @check("draft_last_token_indices",

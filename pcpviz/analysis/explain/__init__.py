@@ -259,7 +259,12 @@ def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | No
     hyps = _rank([_hypothesis(name, f, sym) for name in faults_of(ENGINE)], report)
     verdict, headline = _verdict(report, sym, hyps)
     if not report.complete:
-        headline += "; the trace is INCOMPLETE (data lost): this covers only the steps that are left"
+        ending = getattr(report.status, "ending", "")
+        why = {"being written": "it is still being written",
+               "unfinished": "the run did not finish: killed or crashed?"}.get(ending) or (
+            f"the run stopped early: {ending.removeprefix('partial: ')}" if ending.startswith("partial")
+            else "data lost")
+        headline += f"; the trace is INCOMPLETE ({why}): this covers only the steps that are left"
     return Explanation(str(tb.path), verdict, headline, sym, hyps)
 
 

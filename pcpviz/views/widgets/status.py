@@ -95,8 +95,11 @@ def checks_widget(report: Any, violations: Sequence[Any], jump: Callable[[Any], 
     problems = [] if status is None else status.lines()
     if problems:
         summary = status.summary() + " — " + summary
+    ending = "" if status is None else getattr(status, "ending", "")
     notes = W.HTML("".join(f"<div style='color:#c00;font-size:12px'>⚠ {html.escape(line)}</div>"
-                           for line in problems))
+                           for line in problems)
+                   + (f"<div style='font-size:12px'>run ended: {html.escape(ending)}</div>"
+                      if ending and ending != "complete" else ""))
     acc = W.Accordion(children=[W.VBox([notes, W.HBox(buttons, layout=W.Layout(flex_flow="row wrap")), table])])
     acc.set_title(0, ("✗ " if report.failed or problems else "✓ ") + summary)
     acc.selected_index = 0 if report.failed or problems else None

@@ -52,7 +52,9 @@ The package, one concern per module:
 ``drafts``             ``DraftContext``: one ``propose`` call, a phase per draft forward
 ``manager``            ``RecordingPCPManager`` (the ``PCPManager`` overrides)
 ``wrappers``           the speculator / runner / warm-up method wrappers
-``host``               copies on the device, moved to the host once per step
+``host``               copies on the device (packed per dtype), staged to the host per step
+``sink``               where finished steps go, off the step's path: rank file or flight ring
+``graphs``             the graph-replay ledger (CUDA-graph captures vs replays)
 ``meta``               run.json keys learned from the process and the speculator
 =====================  ==========================================================
 
@@ -64,10 +66,13 @@ from __future__ import annotations
 
 from pcpviz.vllm.recording.manager import RecordingPCPManager
 from pcpviz.vllm.recording.recorder import RankRecorder
-from pcpviz.vllm.recording.sessions import ENV_RECORD_DUMMY, ENV_TRACE_DIR, TraceSession, active_session, session
-from pcpviz.vllm.recording.wrappers import install_wrappers, recorder_of, uninstall_wrappers, wrapped_targets
+from pcpviz.vllm.recording.sessions import (ENV_RECORD_DUMMY, ENV_TRACE_DIR, TraceSession, active_session,
+                                             current_session, session, set_mode)
+from pcpviz.vllm.recording.wrappers import (attach_runner, install_wrappers, owner_recorder, recorder_of,
+                                             uninstall_wrappers, wrapped_targets)
 
 __all__ = [
     "ENV_TRACE_DIR", "ENV_RECORD_DUMMY", "RecordingPCPManager", "RankRecorder", "TraceSession",
     "session", "active_session", "install_wrappers", "uninstall_wrappers", "wrapped_targets", "recorder_of",
+    "owner_recorder", "attach_runner", "current_session", "set_mode",
 ]

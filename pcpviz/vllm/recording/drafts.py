@@ -8,6 +8,8 @@ inputs of the forward about to run), ``BlockTables.compute_slot_mappings`` and
 ``gather_block_tables`` on the speculator's instance, the PCP manager's draft-prefill hooks
 and, for DSpark/DFlash, ``prepare_dflash_inputs`` (``on_dflash_inputs``).
 
+At PCP = 1 (no PCP manager) ``draft_0`` runs on the whole global batch (view ``replicated``,
+the target's ``T`` rows, block tables and slot mapping; ``draft_global_input_ids`` its ids).
 PCP=2, K=2, two decode requests: ``draft_0`` runs on the target's rank-local rows (view
 ``rank_local``: this rank's share of the global batch, ``draft_global_input_ids`` the shifted
 ids before the gather); ``draft_1`` runs replicated on the global batch (view ``replicated``,
@@ -17,6 +19,7 @@ to each phase from the ``int64[R, K]`` that ``propose`` returns.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +33,9 @@ if TYPE_CHECKING:
     from pcpviz.vllm.recording.recorder import RankRecorder
 
 __all__ = ["DraftContext", "first_layer_slots", "fake_group_all_gathers"]
+
+logger = logging.getLogger("vllm.pcpviz")
+_warned_full = False  # the FULL-replay warning is given once per process
 
 
 def fake_group_all_gathers() -> int | None:
@@ -77,12 +83,15 @@ class DraftContext:
         self.t0 = now_us()
         self.all_gathers_before = fake_group_all_gathers()
         self.hidden_gathers = 0
+        self.full_replays = 0  # FULL CUDA-graph replays inside this propose (graphs.py)
+        self.k = int(getattr(spec, "num_speculative_steps", 1) or 1)
 
     def phase_name(self, k: int) -> str:
         return "dummy" if self.dummy else f"draft_{k}"
 
-    def on_forward(self, num_tokens: int, slot_mappings: Any) -> None:
-        """Snapshot the inputs of the draft forward that is about to run."""
+    def on_forward(self, num_tokens: int, slot_mappings: Any, graph_mode: str = "NONE") -> None:
+        """Snapshot the inputs of the draft forward that is about to run (``graph_mode``: the
+        CUDA-graph mode it runs in, NONE or PIECEWISE)."""
         spec, rec = self.spec, self.rec
         now = now_us()
         if self.phases and not self.dummy:
@@ -95,7 +104,7 @@ class DraftContext:
         r = self.num_reqs
         manager = spec.pcp_manager
         local = getattr(manager, "draft_prefill_batch", None)
-        views: dict[str, Any] = {"t_start_us": np.array(now, dtype=np.int64)}
+        views: dict[str, Any] = {"t_start_us": np.array(now, dtype=np.int64), "graph_mode": np.array(graph_mode)}
         if self.dummy:
             self.phases.append(name)
             views = {"draft_forwards": np.array(len(self.phases), dtype=np.int64)}
@@ -114,6 +123,16 @@ class DraftContext:
                          block_table_draft=rows, block_table_draft_stale_tail=stale)
             if self.global_draft_ids is not None:
                 views["draft_global_input_ids"] = self.global_draft_ids
+        elif k == 0 and manager is None:
+            # PCP = 1: the draft prefill runs on the global batch with the target's attention
+            # metadata, block tables and slot mapping (its ids are the global shifted ids).
+            buf, g = spec.input_buffers, self.input_batch
+            rows, stale = block_rows(spec.block_tables, [t[:r] for t in spec.block_tables.input_block_tables],
+                                     g.idx_mapping[:r])
+            views.update(view=np.array("replicated"), draft_input_ids=buf.input_ids[:num_tokens],
+                         draft_positions=buf.positions[:num_tokens], draft_seq_lens=g.seq_lens[:r],
+                         draft_global_input_ids=buf.input_ids[: g.num_tokens],
+                         block_table_draft=rows, block_table_draft_stale_tail=stale)
         else:
             buf = spec.input_buffers
             rows, stale = block_rows(spec.block_tables, [t[:r] for t in spec.block_tables.input_block_tables],
@@ -124,15 +143,32 @@ class DraftContext:
         if k == 0:
             views["draft_last_token_indices"] = spec.last_token_indices[:r]
         slots = None
-        if local is None and self.last_slots is not None:
+        if local is None and k > 0 and self.last_slots is not None:
             slots = self.last_slots[:, :r]  # compute_slot_mappings of this decode step: unexpanded
         if slots is None:
             slots = first_layer_slots(slot_mappings, spec)
-            if slots is not None and local is None:
+            if slots is not None and local is None and k > 0:
                 slots = slots[:, :r]
         if slots is not None:
             views["slot_mapping_draft"] = slots
         rec.put(name, **views)
+
+    def _replayed_phases(self, k: int) -> None:
+        """Draft forwards that ran as FULL CUDA-graph replays run no Python (no ``_run_model``):
+        their phases get the draft tokens only, and the process warns once."""
+        missing = [f"draft_{i}" for i in range(k) if f"draft_{i}" not in self.phases]
+        if not missing:
+            return
+        global _warned_full
+        if not _warned_full:
+            _warned_full = True
+            logger.warning("pcpviz: %s ran as FULL CUDA-graph replays (no Python runs inside them): their inputs "
+                           "are not recorded, only their draft tokens (record with cudagraph_mode PIECEWISE or NONE "
+                           "for every view)", ", ".join(missing))
+        for name in missing:
+            self.rec.put(name, view=np.array("rank_local" if name == "draft_0" and self.spec.pcp_manager is not None
+                                             else "replicated"), graph_mode=np.array("FULL"))
+        self.phases = sorted(set(self.phases) | set(missing), key=lambda n: int(n.split("_")[1]))
 
     def on_compute_slot_mappings(self, out: torch.Tensor) -> None:
         self.compute_slot_calls += 1
@@ -187,6 +223,8 @@ class DraftContext:
         if draft_tokens is None:
             return
         dt = draft_tokens.detach()
+        if self.dflash_inputs is None:
+            self._replayed_phases(dt.shape[1])
         if self.dflash_inputs is not None:
             # DSpark/DFlash: one replicated forward proposes all K tokens of a request. The
             # view contract is one token per request per draft phase: draft_tokens is the first

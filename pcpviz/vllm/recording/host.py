@@ -1,10 +1,11 @@
 """Copies of vLLM's tensors taken when a hook fires, moved to the host once per step.
 
-A hook clones what it records on its device (``copy_now``): vLLM's persistent buffers are
-overwritten by the next step (and CUDA graphs replay them by address, so they are never
-re-allocated). At the end of the step ``host_all`` moves every view of the step to NumPy
-with two device synchronisations in all, and ``trim_block_tables`` cuts the block-table
-views to the columns in use.
+A hook copies what it records on its device (``copy_views``: one packed copy per dtype):
+vLLM's persistent buffers are overwritten by the next step (and CUDA graphs replay them by
+address, so they are never re-allocated). At the end of the step ``stage`` starts the copies
+to pinned host memory and records one event, without waiting; the step is resolved to NumPy
+(``StagedStep.resolve``) later, off the step's path, and ``trim_block_tables`` cuts the
+block-table views to the columns in use.
 
 Block-table rows as a forward pass sees them (``block_rows``), PCP=2, block size 4, a
 request with 6 tokens (2 blocks) in a persistent row that held a 3-block request before::
@@ -16,13 +17,15 @@ request with 6 tokens (2 blocks) in a persistent row that held a 3-block request
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["copy_now", "to_host", "host_all", "now_us", "block_rows", "trim_block_tables"]
+__all__ = ["copy_now", "copy_views", "Packed", "StagedStep", "stage", "to_host", "host_all", "now_us",
+           "block_rows", "trim_block_tables"]
 
 
 def copy_now(value: Any) -> Any:
@@ -34,41 +37,144 @@ def copy_now(value: Any) -> Any:
     return value
 
 
+class Packed:
+    """A view copied into one flat device buffer with the other views of its hook call that
+    share its dtype (one kernel for all of them instead of one clone each)."""
+
+    __slots__ = ("buf", "start", "shape")
+
+    def __init__(self, buf: torch.Tensor, start: int, shape: tuple[int, ...]) -> None:
+        self.buf, self.start, self.shape = buf, start, shape
+
+
+def copy_views(views: dict[str, Any]) -> dict[str, Any]:
+    """The copies of one hook call's views: device tensors packed per dtype (``Packed``; a lone
+    one is cloned), host values copied. A PCP=2 target hook with 14 int64/int32 device views
+    launches 2 copy kernels, not 14."""
+    out: dict[str, Any] = {}
+    groups: dict[tuple[Any, Any], list[tuple[str, torch.Tensor]]] = {}
+    for name, value in views.items():
+        if isinstance(value, torch.Tensor) and value.is_cuda:
+            groups.setdefault((value.dtype, value.device), []).append((name, value.detach()))
+        else:
+            out[name] = copy_now(value)
+    for items in groups.values():
+        if len(items) == 1:
+            out[items[0][0]] = items[0][1].clone()
+            continue
+        flat = torch.cat([t.reshape(-1) for _, t in items])
+        start = 0
+        for name, t in items:
+            out[name] = Packed(flat, start, tuple(t.shape))
+            start += t.numel()
+    return out
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.numpy() if t.dtype != torch.bfloat16 else t.float().numpy()
+
+
+class _PinnedPool:
+    """Pinned host buffers reused for the steps' copies (PyTorch's caching host allocator would
+    hand out fresh pinned blocks while earlier steps' arrays are alive, and pinning memory costs
+    far more than a copy). A buffer goes back to the pool when its step is resolved (copied out)."""
+
+    def __init__(self) -> None:
+        self.free: list[torch.Tensor] = []
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        with self.lock:
+            for i, buf in enumerate(self.free):
+                if buf.numel() >= nbytes:
+                    return self.free.pop(i)
+        return torch.empty(max(nbytes * 2, 1 << 16), dtype=torch.uint8, pin_memory=True)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self.lock:
+            if len(self.free) < 8:
+                self.free.append(buf)
+
+
+_POOL: _PinnedPool | None = None
+
+
+class StagedStep:
+    """A step's views on their way to the host: device buffers copied into one pinned buffer
+    without waiting, one CUDA event after them; ``resolve()`` waits for it (by then, usually long
+    done) and returns the step as NumPy arrays of its own (the pinned buffer is reused)."""
+
+    def __init__(self, phases: dict[str, dict[str, Any]], host: dict[int, torch.Tensor],
+                 event: Any, buf: torch.Tensor | None = None) -> None:
+        self.phases, self.host, self.event, self.buf = phases, host, event, buf
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def resolve(self) -> dict[str, dict[str, Any]]:
+        if self.event is not None:
+            self.event.synchronize()
+        out: dict[str, dict[str, Any]] = {}
+        for name, views in self.phases.items():
+            res = out[name] = {}
+            for v, x in views.items():
+                if isinstance(x, Packed):
+                    flat = self.host.get(id(x.buf), x.buf)
+                    n = int(np.prod(x.shape, dtype=np.int64))
+                    res[v] = _numpy(flat[x.start:x.start + n].reshape(x.shape)).copy()
+                elif isinstance(x, torch.Tensor):
+                    res[v] = _numpy(self.host[id(x)]).copy() if id(x) in self.host else _numpy(x)
+                else:
+                    res[v] = to_host(x)
+        self.host = {}
+        if self.buf is not None and _POOL is not None:
+            _POOL.give(self.buf)  # every view was copied out of it
+            self.buf = None
+        return out
+
+
+def stage(phases: dict[str, dict[str, Any]]) -> StagedStep:
+    """Start moving a step's device copies to the host (one pinned buffer of a small pool,
+    ``non_blocking``, on the current stream, where the hooks took them) and record one event;
+    no synchronisation."""
+    global _POOL
+    tensors: dict[int, torch.Tensor] = {}
+    for views in phases.values():
+        for x in views.values():
+            t = x.buf if isinstance(x, Packed) else x
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                tensors.setdefault(id(t), t)
+    if not tensors:
+        return StagedStep(phases, {}, None)
+    sizes = {k: -(-t.numel() * t.element_size() // 8) * 8 for k, t in tensors.items()}
+    if _POOL is None:
+        _POOL = _PinnedPool()
+    buf = _POOL.take(sum(sizes.values()))
+    host: dict[int, torch.Tensor] = {}
+    off = 0
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        dst = buf[off:off + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
+        dst.copy_(t, non_blocking=True)
+        host[k] = dst
+        off += sizes[k]
+    event = torch.cuda.Event()
+    event.record()
+    return StagedStep(phases, host, event, buf)
+
+
 def to_host(value: Any) -> Any:
     """A tensor (or a list of tensors, stacked) as a NumPy array; bfloat16 as float32."""
     if isinstance(value, torch.Tensor):
-        value = value.cpu()
-        return value.numpy() if value.dtype != torch.bfloat16 else value.float().numpy()
+        return _numpy(value.cpu())
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
         return np.stack([to_host(v) for v in value])
     return value
 
 
 def host_all(phases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every view of a step on the host, with two device synchronisations for the whole step
-    instead of one per view: after a device-wide sync (the clones may sit on any of vLLM's
-    streams), device tensors are copied into pinned host memory without blocking (PyTorch's
-    caching host allocator reuses the buffers), then the step's copies are awaited once."""
-    staged: dict[str, dict[str, Any]] = {}
-    synced = False
-    if torch.cuda.is_available() and any(isinstance(x, torch.Tensor) and x.is_cuda
-                                         for views in phases.values() for x in views.values()):
-        torch.cuda.synchronize()  # the clones may sit on any of vLLM's streams
-    for name, views in phases.items():
-        if not views:
-            continue
-        out = staged[name] = {}
-        for v, x in views.items():
-            if isinstance(x, torch.Tensor) and x.is_cuda:
-                buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-                buf.copy_(x, non_blocking=True)
-                out[v] = buf
-                synced = True
-            else:
-                out[v] = x
-    if synced:
-        torch.cuda.current_stream().synchronize()
-    return {name: {v: to_host(x) for v, x in views.items()} for name, views in staged.items()}
+    """Every view of a step on the host at once (``stage`` then ``resolve``)."""
+    return stage(phases).resolve()
 
 
 def now_us() -> int:

@@ -31,17 +31,39 @@ import torch
 
 from pcpviz.trace import TraceWriter, segments_table, write_run_meta
 from pcpviz.vllm.recording.drafts import DraftContext
-from pcpviz.vllm.recording.host import block_rows, copy_now, host_all, now_us, trim_block_tables
+from pcpviz.vllm.recording.graphs import ledger_views
+from pcpviz.vllm.recording.host import block_rows, copy_views, now_us, stage
 from pcpviz.vllm.recording.meta import environment_meta, speculator_meta
+from pcpviz.vllm.recording.sink import StepSink
 from pcpviz.vllm.recording.wrappers import install_instance_wrappers, warming_up
 
 if TYPE_CHECKING:
     from pcpviz.vllm.recording.manager import RecordingPCPManager
     from pcpviz.vllm.recording.sessions import TraceSession
 
-__all__ = ["RankRecorder"]
+__all__ = ["RankRecorder", "global_batch_views"]
 
 logger = logging.getLogger("vllm.pcpviz")
+
+
+def global_batch_views(g: Any) -> dict[str, Any]:
+    """The global batch of a step (``InputBatch``: PCP manager's argument, or PCP=1's batch)."""
+    r, t = g.num_reqs, g.num_tokens
+    return dict(
+        req_ids=np.array(g.req_ids, dtype=str),
+        idx_mapping=g.idx_mapping[:r],
+        num_scheduled_tokens=np.asarray(g.num_scheduled_tokens[:r], dtype=np.int64),
+        num_computed_tokens=np.asarray(g.num_computed_tokens_np[:r], dtype=np.int64),
+        query_start_loc=g.query_start_loc[: r + 1],
+        positions=g.positions[:t],
+        input_ids=g.input_ids[:t],
+        seq_lens=g.seq_lens[:r],
+        is_prefilling=np.asarray(g.is_prefilling_np[:r], dtype=bool),
+        prefill_len=np.asarray(g.prefill_len_np[:r], dtype=np.int64),
+        logits_indices=g.logits_indices,
+        num_draft_tokens=(np.zeros(r, dtype=np.int64) if g.num_draft_tokens_per_req is None
+                          else np.asarray(g.num_draft_tokens_per_req[:r], dtype=np.int64)),
+    )
 
 
 class RankRecorder:
@@ -53,15 +75,18 @@ class RankRecorder:
         self.pcp_world_size = pcp_world_size
         self.step = 0
         self.phases: dict[str, dict[str, Any]] | None = None
-        self.writer: TraceWriter | None = None
+        self.sink = StepSink(self)
         self.meta: dict[str, Any] = {}
         self.disabled = False
+        self.disabled_reason = ""
         self.closed = False
         self.seconds = 0.0  # time spent inside recording hooks
         self.steps_written = 0
         self.global_batch: Any = None  # the step's global InputBatch (verify rows)
+        self.graph_notes: dict[str, list] = {}  # phase -> [replays, full replays, moved inputs] (graphs)
         self._layout: tuple[list, list[int]] | None = None
         self._lock = threading.Lock()
+        self._meta_lock = threading.Lock()
 
     # -- error policy
     def guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -75,6 +100,8 @@ class RankRecorder:
             if self.session.strict:
                 raise
             self.disabled = True
+            self.disabled_reason = (f"recording switched off after an error in {getattr(fn, '__name__', fn)}: "
+                                    f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
             logger.warning("pcpviz: recording disabled on PCP rank %d after an error in %s: %s: %s "
                            "(vLLM continues unaffected)", self.rank, getattr(fn, "__name__", fn),
                            type(exc).__name__, exc)
@@ -87,6 +114,7 @@ class RankRecorder:
         if self.phases is not None:
             self.flush()
         self.phases = {}
+        self.graph_notes = {}
 
     def phase(self, name: str) -> dict[str, Any]:
         if self.phases is None:
@@ -94,41 +122,61 @@ class RankRecorder:
         return self.phases.setdefault(name, {})
 
     def put(self, phase: str, **views: Any) -> None:
-        ph = self.phase(phase)
-        for name, value in views.items():
-            ph[name] = copy_now(value)
+        self.phase(phase).update(copy_views(views))
 
     def flush(self) -> None:
-        """Write the pending step (if any) as one record batch."""
+        """Hand the pending step (if any) to the sink: staged now, written off the step's path."""
         with self._lock:
             phases, self.phases = self.phases, None
+            notes, self.graph_notes = self.graph_notes, {}
             if not phases or self.closed:
                 return
-            out = host_all(phases)
-            trim_block_tables(out)
-            if self.writer is None:
-                self._open_writer()
-            self.writer.write_step(self.step, out)
-            self.step += 1
+            for ph, views in ledger_views(notes).items():
+                if ph in phases:
+                    phases[ph].update(views)
+            staged = stage(phases)
+            step, self.step = self.step, self.step + 1
             self.steps_written += 1
+        self.sink.submit(step, staged)
 
-    def _open_writer(self) -> None:
-        s = self.session
-        meta = None
-        if self.rank == 0:
-            self.meta.update(environment_meta())
-            meta = {**s.meta, **self.meta}
-        self.writer = TraceWriter(s.run_dir, self.rank, meta=meta, overwrite=s.overwrite)
+    def run_meta(self) -> dict[str, Any]:
+        """run.json's keys as this rank knows them (rank 0 writes it; any thread)."""
+        with self._meta_lock:
+            if "torch_version" not in self.meta:
+                self.meta.update(environment_meta())
+            return {**self.session.meta, **self.meta}
+
+    def flush_quietly(self) -> None:
+        """Write the pending step if it can be (an exception just broke the step: best effort)."""
+        try:
+            if not self.disabled:
+                self.flush()
+        except Exception:  # noqa: BLE001 - the step's own exception is the one that matters
+            self.phases = None
+
+    def dump(self, trigger: str) -> None:
+        """Flight-recorder mode: dump the ring now (``trigger`` names why); else nothing."""
+        self.sink.dump(trigger)
 
     def update_meta(self, **meta: Any) -> None:
-        fresh = {k: v for k, v in meta.items() if self.meta.get(k) != v}
-        if not fresh:
-            return
-        self.meta.update(fresh)
-        if self.writer is not None and self.rank == 0:
-            write_run_meta(self.session.run_dir, {**self.session.meta, **self.meta})
+        with self._meta_lock:
+            fresh = {k: v for k, v in meta.items() if self.meta.get(k) != v}
+            if not fresh:
+                return
+            self.meta.update(fresh)
+        if self.sink.wrote_run_meta and self.rank == 0:
+            write_run_meta(self.session.run_dir, self.run_meta())
 
-    def close(self) -> None:
+    @property
+    def writer(self) -> TraceWriter | None:
+        """The rank file's writer once the first step was written (None before, and in flight mode)."""
+        return self.sink.writer
+
+    def close(self, reason: str = "finished") -> None:
+        """Write the pending step and finalize the rank file (end-of-stream marker, completion
+        record) and the flight ring: ``complete`` with ``reason``, or ``partial`` when recording
+        was switched off after an error, the size cap was reached or the last step could not be
+        written. Idempotent."""
         if self.closed:
             return
         try:
@@ -137,11 +185,12 @@ class RankRecorder:
         except Exception as exc:  # noqa: BLE001
             if self.session.strict:
                 raise
+            self.disabled_reason = f"the last step could not be written: {type(exc).__name__}: {exc}"
             logger.warning("pcpviz: could not write the last step on PCP rank %d: %s", self.rank, exc)
         finally:
             self.closed = True
-            if self.writer is not None:
-                self.writer.close()
+            self.sink.close({"status": "partial", "reason": self.disabled_reason} if self.disabled_reason
+                            else {"status": "complete", "reason": reason})
 
     # -- target: global batch, layout, local batch
     def on_layout(self, segments_by_rank: list, per_rank_num_tokens: list[int]) -> None:
@@ -149,27 +198,13 @@ class RankRecorder:
 
     def on_partition(self, manager: RecordingPCPManager, global_batch: Any, local: Any, t0: int) -> None:
         self.global_batch = global_batch
-        g, r, t = global_batch, global_batch.num_reqs, global_batch.num_tokens
         nr = local.num_reqs
         p = local.num_tokens_after_padding
         segs, per_rank = self._layout or ([], [])
         self._layout = None
         is_padding = local.is_padding
         views: dict[str, Any] = dict(
-            # global batch
-            req_ids=np.array(g.req_ids, dtype=str),
-            idx_mapping=g.idx_mapping[:r],
-            num_scheduled_tokens=np.asarray(g.num_scheduled_tokens[:r], dtype=np.int64),
-            num_computed_tokens=np.asarray(g.num_computed_tokens_np[:r], dtype=np.int64),
-            query_start_loc=g.query_start_loc[: r + 1],
-            positions=g.positions[:t],
-            input_ids=g.input_ids[:t],
-            seq_lens=g.seq_lens[:r],
-            is_prefilling=np.asarray(g.is_prefilling_np[:r], dtype=bool),
-            prefill_len=np.asarray(g.prefill_len_np[:r], dtype=np.int64),
-            logits_indices=g.logits_indices,
-            num_draft_tokens=(np.zeros(r, dtype=np.int64) if g.num_draft_tokens_per_req is None
-                              else np.asarray(g.num_draft_tokens_per_req[:r], dtype=np.int64)),
+            **global_batch_views(global_batch),
             # layout
             segments=segments_table(
                 [[(s.global_batch_req_idx, s.global_batch_slice.start, s.global_batch_slice.stop,
@@ -203,6 +238,28 @@ class RankRecorder:
         self.put("target", **views)
         self.update_meta(pcp=manager.pcp_world_size, dcp=manager.dcp_world_size,
                          shard_decode_requests=bool(manager.shard_decode_requests))
+
+    def on_global_batch(self, runner: Any, batch: Any, t0: int) -> None:
+        """PCP=1 (no PCP manager): the batch ``GPUModelRunner.prepare_inputs`` returns is the
+        global batch, and the sampler reads its ``logits_indices`` rows."""
+        self.global_batch = batch
+        views: dict[str, Any] = dict(**global_batch_views(batch), sampled_logits_rows=batch.logits_indices,
+                                     sampled_from=np.array("global"), t_start_us=np.array(t0, dtype=np.int64))
+        if warming_up():
+            views["warmup"] = np.array(True)
+        self.put("target", **views)
+        self.update_meta(pcp=1, dcp=int(getattr(runner, "dcp_size", 1) or 1))
+
+    def on_runner_attn(self, runner: Any, batch: Any, *, block_tables: Any, slot_mappings: torch.Tensor) -> None:
+        """PCP=1: ``GPUModelRunner.prepare_attn``'s block-table rows (batch order) and slots."""
+        bt = runner.block_tables
+        r = batch.num_reqs
+        rows, stale = block_rows(bt, [t[:r] for t in block_tables], batch.idx_mapping[:r])
+        self.put("target", block_table_global=rows, block_table_global_stale_tail=stale,
+                 slot_mapping_global=slot_mappings[:, : batch.num_tokens])
+        self.update_meta(block_size=int(bt.block_sizes[0]), block_sizes=[int(b) for b in bt.block_sizes],
+                         dcp_rank=int(getattr(runner, "dcp_rank", 0) or 0),
+                         dcp_interleave=int(getattr(runner, "cp_interleave", 1) or 1))
 
     def on_prepare_attn(self, manager: RecordingPCPManager, local: Any, block_tables: Any) -> None:
         bt = manager._block_tables
@@ -246,6 +303,9 @@ class RankRecorder:
         cols = torch.arange(sampled.shape[-1], device=sampled.device)
         sampled = sampled.masked_fill(cols.unsqueeze(0) >= ns.to(sampled.device).unsqueeze(-1), -1)
         views["idx_mapping"] = idx_mapping
+        target = (self.phases or {}).get("target")
+        if target is not None and "t_end_us" not in target:
+            target["t_end_us"] = np.array(t0, dtype=np.int64)  # PCP=1: no restore_for_sampling
         self.put("verify", **views, sampled_token_ids=sampled, num_sampled=ns,
                  num_rejected=num_rejected.to(torch.int64), num_accepted=(ns - 1).clamp_(min=0),
                  t_start_us=np.array(t0, dtype=np.int64), t_end_us=np.array(now_us(), dtype=np.int64))

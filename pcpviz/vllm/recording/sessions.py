@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from pcpviz.trace.flight import FlightConfig
 from pcpviz.vllm.recording.recorder import RankRecorder
 
-__all__ = ["ENV_TRACE_DIR", "ENV_RECORD_DUMMY", "TraceSession", "session", "active_session"]
+__all__ = ["ENV_TRACE_DIR", "ENV_RECORD_DUMMY", "TraceSession", "session", "active_session", "current_session", "set_mode", "MODES",
+           "close_active_session"]
 
 ENV_TRACE_DIR = "PCPVIZ_TRACE_DIR"
 """Directory the plugin records into (unset or empty: the plugin is inert)."""
@@ -42,12 +45,14 @@ class TraceSession:
     ``strict``: re-raise exceptions from hooks (replay) instead of disabling recording
     (plugin). ``record_dummy``: record ``propose(dummy_run=True)`` as a step with phase
     ``dummy``. ``tp_rank``: only this TP rank records (other TP ranks hold the same batch
-    views); ``None`` disables the filter.
+    views); ``None`` disables the filter. ``flight``: keep the last steps in host memory and
+    dump them on a trigger instead of writing every step (the plugin's comes from
+    ``PCPVIZ_FLIGHT_RECORDER``).
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, producer: str, meta: Mapping[str, Any] | None = None,
                  strict: bool = False, record_dummy: bool = True, overwrite: bool = False,
-                 tp_rank: int | None = 0) -> None:
+                 tp_rank: int | None = 0, flight: FlightConfig | None = None) -> None:
         self.run_dir = Path(run_dir)
         self.meta: dict[str, Any] = {"producer": producer, **dict(meta or {})}
         self.strict = strict
@@ -55,21 +60,28 @@ class TraceSession:
         self.overwrite = overwrite
         self.tp_rank = tp_rank
         self.recorders: dict[int, RankRecorder] = {}
+        self.flight: FlightConfig | None = flight  # flight-recorder mode (pcpviz.trace.flight)
+        self.mode = "flight" if flight is not None else "record"  # or "off" (set_mode)
         self._lock = threading.Lock()
 
     def recorder_for(self, manager: Any) -> RankRecorder | None:
         """A recorder for the manager's PCP rank (None on a TP rank that does not record)."""
+        return self.recorder_for_rank(manager.pcp_rank, manager.pcp_world_size)
+
+    def recorder_for_rank(self, pcp_rank: int, pcp_world_size: int) -> RankRecorder | None:
+        """A recorder for PCP rank ``pcp_rank`` of ``pcp_world_size`` (PCP = 1: rank 0 of 1, the
+        model runner's own); None on a TP rank that does not record."""
         if self.tp_rank is not None and _tp_rank() != self.tp_rank:
             return None
         with self._lock:
-            rec = RankRecorder(self, manager.pcp_rank, manager.pcp_world_size)
-            self.recorders[manager.pcp_rank] = rec
+            rec = RankRecorder(self, pcp_rank, pcp_world_size)
+            self.recorders[pcp_rank] = rec
             return rec
 
-    def close(self) -> None:
-        """Write every pending step and close the rank files (idempotent)."""
+    def close(self, reason: str = "finished") -> None:
+        """Write every pending step and finalize the rank files (idempotent)."""
         for rec in list(self.recorders.values()):
-            rec.close()
+            rec.close(reason)
 
     @property
     def seconds_recording(self) -> float:
@@ -91,6 +103,52 @@ def session(run_dir: str | os.PathLike, **kwargs: Any) -> Iterator[TraceSession]
             _session = previous
 
 
+MODES = ("record", "flight", "off")
+
+
+def set_mode(mode: str, *, flight: FlightConfig | None = None) -> None:
+    """Switch this process's recording between ``record`` (every step to the rank files),
+    ``flight`` (the last steps in host memory, ``flight`` or the session's config) and ``off``
+    (the wrappers removed: vLLM runs as without the plugin) between two ``generate`` calls; what
+    is pending is written first. For the interleaved on/off repeats of
+    ``benchmarks/bench_plugin_overhead.py``."""
+    from pcpviz.vllm.recording.wrappers import install_wrappers, uninstall_wrappers
+
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    s = current_session()
+    if s is None:
+        raise ValueError("no recording session in this process (is PCPVIZ_TRACE_DIR set?)")
+    for rec in list(s.recorders.values()):
+        rec.flush_quietly()
+        rec.sink.drain()
+    if mode == "flight":
+        s.flight = flight or s.flight
+        if s.flight is None:
+            raise ValueError("flight mode needs a FlightConfig (or PCPVIZ_FLIGHT_RECORDER)")
+    if mode == "off":
+        uninstall_wrappers()
+    else:
+        install_wrappers()
+        from pcpviz.vllm.recording.wrappers import ensure_warm_up_wrapper
+
+        ensure_warm_up_wrapper()
+    s.mode = mode
+
+
+def current_session() -> TraceSession | None:
+    """The active session if there is one (never creates the plugin's)."""
+    return _session
+
+
+def close_active_session(reason: str) -> None:
+    """Finalize the plugin's session of this process, if it has one (``Worker.shutdown``, exit)."""
+    with _session_lock:
+        s = _session
+    if s is not None:
+        s.close(reason)
+
+
 def active_session() -> TraceSession | None:
     """The session a new ``RecordingPCPManager`` records into: the one opened with
     ``session()``, else one made from ``$PCPVIZ_TRACE_DIR`` (the plugin's), else None."""
@@ -100,9 +158,19 @@ def active_session() -> TraceSession | None:
             run_dir = os.environ.get(ENV_TRACE_DIR, "").strip()
             if run_dir:
                 _session = TraceSession(run_dir, producer="vllm-plugin",
-                                        record_dummy=os.environ.get(ENV_RECORD_DUMMY, "") == "1")
-                atexit.register(_session.close)
+                                        record_dummy=os.environ.get(ENV_RECORD_DUMMY, "") == "1",
+                                        flight=_flight_from_env())
+                atexit.register(_session.close, "finished: process exit")
         return _session
+
+
+def _flight_from_env() -> FlightConfig | None:
+    """``PCPVIZ_FLIGHT_*`` (docs/gpu.md); a bad value is one warning and full recording."""
+    try:
+        return FlightConfig.from_env()
+    except ValueError as exc:
+        logging.getLogger("vllm.pcpviz").warning("pcpviz: %s; recording every step instead", exc)
+        return None
 
 
 def _tp_rank() -> int:

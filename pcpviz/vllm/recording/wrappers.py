@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from pcpviz.vllm.recording.recorder import RankRecorder
 
 __all__ = ["install_wrappers", "uninstall_wrappers", "wrapped_targets", "install_instance_wrappers",
-           "ensure_warm_up_wrapper", "recorder_of", "warming_up", "current_draft"]
+           "ensure_warm_up_wrapper", "recorder_of", "live_recorder", "owner_recorder", "attach_runner", "warming_up", "current_draft"]
 
 _tls = threading.local()  # .ctx: the DraftContext of the propose running on this thread
 _warmup_depth = 0  # > 0 inside vLLM's Worker.compile_or_warm_up_model (this process)
@@ -64,8 +64,13 @@ def warming_up() -> bool:
 def recorder_of(manager: Any) -> RankRecorder | None:
     """The live recorder of a ``RecordingPCPManager`` (None for anything else, and during
     vLLM's warm-up unless the session records dummy runs: ``PCPVIZ_RECORD_DUMMY=1``)."""
-    rec = getattr(manager, "_pcpviz_recorder", None)
-    if rec is None or rec.disabled or rec.closed:
+    return live_recorder(getattr(manager, "_pcpviz_recorder", None))
+
+
+def live_recorder(rec: RankRecorder | None) -> RankRecorder | None:
+    """``rec`` if it records now (not switched off, not closed, not inside vLLM's warm-up unless
+    dummy runs are recorded), else None."""
+    if rec is None or rec.disabled or rec.closed or rec.session.mode == "off":
         return None
     if _warmup_depth > 0 and not rec.session.record_dummy:
         return None
@@ -86,12 +91,91 @@ def _mark(fn: Callable[..., Any], original: Callable[..., Any]) -> Callable[...,
     return fn
 
 
+def owner_recorder(obj: Any) -> RankRecorder | None:
+    """The live recorder of a model runner or speculator: its PCP manager's (PCP > 1), else its
+    own (PCP = 1: ``attach_runner``)."""
+    manager = getattr(obj, "pcp_manager", None)
+    return recorder_of(manager) if manager is not None else recorder_of(obj)
+
+
+def attach_runner(runner: Any, session: Any) -> RankRecorder | None:
+    """PCP = 1 (no ``PCPManager``): give ``runner`` and its speculator a recorder of
+    ``session`` (rank 0 of 1; None on a TP rank that does not record). The plugin calls it
+    when a ``GPUModelRunner`` is built, the CPU replay on its stand-in runner."""
+    rec = session.recorder_for_rank(0, 1)
+    runner._pcpviz_recorder = rec
+    spec = getattr(runner, "speculator", None)
+    if spec is not None:
+        spec._pcpviz_recorder = rec
+    return rec
+
+
+def _wrap_runner_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        ensure_warm_up_wrapper()
+        if getattr(self, "pcp_manager", None) is None:
+            from pcpviz.vllm.recording.sessions import active_session
+
+            s = active_session()
+            if s is not None:
+                attach_runner(self, s)
+
+    return _mark(__init__, original)
+
+
+def _wrap_prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def prepare_inputs(self, *args: Any, **kwargs: Any) -> Any:
+        rec = recorder_of(self) if getattr(self, "pcp_manager", None) is None else None
+        if rec is None:
+            return original(self, *args, **kwargs)
+        t0 = now_us()
+        rec.guard(rec.begin_step)
+        batch = original(self, *args, **kwargs)
+        rec.guard(rec.on_global_batch, self, batch, t0)
+        return batch
+
+    return _mark(prepare_inputs, original)
+
+
+def _wrap_prepare_attn(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def prepare_attn(self, input_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, input_batch, *args, **kwargs)
+        rec = recorder_of(self) if getattr(self, "pcp_manager", None) is None else None
+        if rec is not None:
+            rec.guard(rec.on_runner_attn, self, input_batch, block_tables=out[0], slot_mappings=out[1])
+        return out
+
+    return _mark(prepare_attn, original)
+
+
+def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``execute_model`` / ``sample_tokens``: an exception in a step makes the flight recorder
+    dump its ring (then the exception goes on as before)."""
+    @functools.wraps(original)
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(self, *args, **kwargs)
+        except Exception as exc:
+            rec = getattr(getattr(self, "pcp_manager", None), "_pcpviz_recorder", None) or \
+                getattr(self, "_pcpviz_recorder", None)
+            if rec is not None and not rec.closed:
+                rec.flush_quietly()
+                rec.dump(f"exception: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
+            raise
+
+    return _mark(step, original)
+
+
 def _wrap_propose(original: Callable[..., Any]) -> Callable[..., Any]:
     sig = inspect.signature(original)
 
     @functools.wraps(original)
     def propose(self, *args: Any, **kwargs: Any) -> Any:
-        rec = recorder_of(getattr(self, "pcp_manager", None))
+        rec = owner_recorder(self)
         if rec is None:
             return original(self, *args, **kwargs)
         try:
@@ -122,7 +206,8 @@ def _wrap_run_model(original: Callable[..., Any]) -> Callable[..., Any]:
     def _run_model(self, num_tokens, attn_metadata=None, slot_mappings=None, *args: Any, **kwargs: Any) -> Any:
         ctx = current_draft()
         if ctx is not None and ctx.spec is self:
-            ctx.rec.guard(ctx.on_forward, int(num_tokens), slot_mappings)
+            mode = kwargs.get("cudagraph_runtime_mode", args[1] if len(args) > 1 else None)
+            ctx.rec.guard(ctx.on_forward, int(num_tokens), slot_mappings, getattr(mode, "name", "NONE"))
         return original(self, num_tokens, attn_metadata, slot_mappings, *args, **kwargs)
 
     return _mark(_run_model, original)
@@ -132,7 +217,7 @@ def _wrap_postprocess_sampled(original: Callable[..., Any]) -> Callable[..., Any
     @functools.wraps(original)
     def postprocess_sampled(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args: Any,
                             **kwargs: Any) -> Any:
-        rec = recorder_of(getattr(self, "pcp_manager", None))
+        rec = owner_recorder(self)
         t0 = now_us()
         out = original(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs)
         if rec is not None:
@@ -170,27 +255,42 @@ def _wrap_warm_up(original: Callable[..., Any]) -> Callable[..., Any]:
     return _mark(compile_or_warm_up_model, original)
 
 
-def _warm_up_target() -> tuple[Any, str] | None:
-    """``(gpu_worker.Worker, "compile_or_warm_up_model")``; None where the GPU worker module
-    cannot be imported (the CPU replay never warms up)."""
+def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def shutdown(self, *args: Any, **kwargs: Any) -> Any:
+        from pcpviz.vllm.recording.sessions import close_active_session
+
+        close_active_session("finished: vLLM shut down")  # before the runner frees its buffers
+        return original(self, *args, **kwargs)
+
+    return _mark(shutdown, original)
+
+
+_WORKER_WRAPPERS = {"compile_or_warm_up_model": _wrap_warm_up, "shutdown": _wrap_shutdown}
+
+
+def _worker_targets() -> list[tuple[Any, str]]:
+    """``(gpu_worker.Worker, name)`` for ``compile_or_warm_up_model`` and ``shutdown``; [] where
+    the GPU worker module cannot be imported (the CPU replay never warms up or shuts down)."""
     try:
         from vllm.v1.worker.gpu_worker import Worker
     except Exception:  # noqa: BLE001
-        return None
-    return (Worker, "compile_or_warm_up_model") if callable(getattr(Worker, "compile_or_warm_up_model", None)) \
-        else None
+        return []
+    return [(Worker, name) for name in _WORKER_WRAPPERS if callable(getattr(Worker, name, None))]
 
 
 def ensure_warm_up_wrapper() -> None:
-    """Wrap ``Worker.compile_or_warm_up_model`` (idempotent). Called when the first
-    ``RecordingPCPManager`` is built: inside a GPU worker, after its class exists and before it
-    warms up. A no-op where the GPU worker module was never imported (the CPU replay)."""
+    """Wrap ``Worker.compile_or_warm_up_model`` (``warming_up()``) and ``Worker.shutdown``
+    (finalizes the process's trace files: every clean vLLM shutdown, ``LLM`` deleted, the engine
+    core exiting, ``vllm serve`` on SIGINT/SIGTERM, ends there). Idempotent. Called when the
+    first recording runner or PCP manager is built: inside a GPU worker, after its class exists
+    and before it warms up. A no-op where the GPU worker module was never imported."""
     if "vllm.v1.worker.gpu_worker" not in sys.modules:
         return
     with _install_lock:
-        warm = _warm_up_target()
-        if warm is not None and not _wrapped(getattr(*warm)):
-            setattr(warm[0], warm[1], _wrap_warm_up(getattr(*warm)))
+        for owner, name in _worker_targets():
+            if not _wrapped(getattr(owner, name)):
+                setattr(owner, name, _WORKER_WRAPPERS[name](getattr(owner, name)))
 
 
 def install_instance_wrappers(spec: Any) -> None:
@@ -236,6 +336,11 @@ def wrapped_targets() -> list[tuple[Any, str]]:
         (dflash_speculator.DFlashSpeculator, "propose"),
         (dflash_speculator, "prepare_dflash_inputs"),
         (GPUModelRunner, "postprocess_sampled"),
+        (GPUModelRunner, "__init__"),
+        (GPUModelRunner, "prepare_inputs"),
+        (GPUModelRunner, "prepare_attn"),
+        (GPUModelRunner, "execute_model"),
+        (GPUModelRunner, "sample_tokens"),
     ]
 
 
@@ -244,12 +349,17 @@ _WRAPPERS = {
     "_run_model": _wrap_run_model,
     "prepare_dflash_inputs": _wrap_prepare_dflash_inputs,
     "postprocess_sampled": _wrap_postprocess_sampled,
+    "__init__": _wrap_runner_init,
+    "prepare_inputs": _wrap_prepare_inputs,
+    "prepare_attn": _wrap_prepare_attn,
+    "execute_model": _wrap_step,
+    "sample_tokens": _wrap_step,
 }
 
 
 def install_wrappers() -> None:
-    """Patch the speculator / runner methods (idempotent). Inert unless the object's PCP
-    manager is a ``RecordingPCPManager`` with a live recorder."""
+    """Patch the speculator / runner methods and the graph ledger's targets (idempotent). Inert
+    unless the object has a live recorder (its PCP manager's, or its own at PCP = 1)."""
     global _installed
     with _install_lock:
         if _installed:
@@ -259,6 +369,9 @@ def install_wrappers() -> None:
             if _wrapped(current):
                 continue
             setattr(owner, name, _WRAPPERS[name](current))
+        from pcpviz.vllm.recording.graphs import install_graph_wrappers
+
+        install_graph_wrappers()
         _installed = True
 
 
@@ -267,8 +380,10 @@ def uninstall_wrappers() -> None:
     global _installed
     with _install_lock:
         targets = wrapped_targets()
-        warm = _warm_up_target() if "vllm.v1.worker.gpu_worker" in sys.modules else None
-        for owner, name in targets + ([warm] if warm else []):
+        from pcpviz.vllm.recording.graphs import graph_targets
+
+        worker = _worker_targets() if "vllm.v1.worker.gpu_worker" in sys.modules else []
+        for owner, name in targets + worker + [(o, n) for o, n, _ in graph_targets()]:
             current = getattr(owner, name)
             if _wrapped(current):
                 setattr(owner, name, current._pcpviz_original)

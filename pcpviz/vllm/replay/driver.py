@@ -72,8 +72,8 @@ class ReplayResult:
 
 
 def _validate(pcp: int, mtp: int, scenario: str, decodes: str, block_size: int) -> Scenario:
-    if not isinstance(pcp, int) or pcp < 2:
-        raise ValueError(f"pcp must be an int >= 2 (PCP is off at 1), got {pcp!r}")
+    if not isinstance(pcp, int) or isinstance(pcp, bool) or pcp < 1:
+        raise ValueError(f"pcp must be an int >= 1, got {pcp!r}")
     if pcp > 8:
         raise ValueError(f"pcp={pcp}: the CPU replay runs ranks as threads; use at most 8")
     if not isinstance(mtp, int) or not 1 <= mtp <= 4:
@@ -84,6 +84,8 @@ def _validate(pcp: int, mtp: int, scenario: str, decodes: str, block_size: int) 
         raise ValueError(f"decodes must be 'sharded' or 'replicated', got {decodes!r}")
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    if pcp == 1 and SCENARIOS[scenario].drafter == "dspark":
+        raise ValueError("the dspark scenario needs pcp >= 2 (its PCP path is what it replays)")
     if SCENARIOS[scenario].drafter == "dspark" and decodes != "sharded":
         raise ValueError("the dspark scenario runs with a real ParallelConfig, whose pcp_shard_decode_requests "
                          "is PCP > 1 and DCP == 1: decodes are sharded")
@@ -116,7 +118,7 @@ def replay(
     Raises ValueError for bad arguments.
     """
     sc = _validate(pcp, mtp, scenario, decodes, block_size)
-    c = ReplayConfig(pcp=pcp, k=mtp, shard=decodes == "sharded", block_size=block_size, max_num_reqs=8,
+    c = ReplayConfig(pcp=pcp, k=mtp, shard=pcp > 1 and decodes == "sharded", block_size=block_size, max_num_reqs=8,
                 max_num_tokens=96, max_model_len=128, vocab=97, hidden=8)
     recording.install_wrappers()
     sched = ScriptedScheduler(sc, c)
@@ -129,20 +131,7 @@ def replay(
         # What GPUModelRunner.__init__ would build: its pcp_manager_cls property (the plugin's
         # RecordingPCPManager when the plugin is enabled), recording into the plugin's session.
         manager_cls = GPUModelRunner.__dict__["pcp_manager_cls"].fget(None)
-    meta = {
-        "producer": PRODUCER, "vllm_version": vllm.__version__, "pcp": pcp, "dcp": 1,
-        "num_speculative_tokens": mtp, "block_size": block_size, "block_sizes": [block_size],
-        "shard_decode_requests": c.shard, "scenario": sc.name, "scenario_description": sc.description,
-        "speculative_method": "dspark" if sc.drafter == "dspark" else "mtp",
-        "models": MODELS_DECLARATION, "stand_ins": STAND_INS, "model": "pcpviz stand-in (no weights)",
-        "max_num_seqs": c.max_num_reqs, "max_num_batched_tokens": c.max_num_tokens,
-        "max_model_len": c.max_model_len, "vocab_size": c.vocab, "cudagraph_mode": "NONE",
-        "prompt_token_ids": {rid: p for rid, p in sched.prompts.items()},
-    }
-    if sc.drafter == "dspark":
-        meta["dspark_status"] = DSPARK_STATUS
-        meta["models"] = MODELS_DECLARATION + "; " + DSPARK_MODEL_DECLARATION
-        meta["stand_ins"] = {**STAND_INS, "dspark_model": DSPARK_MODEL_DECLARATION}
+    meta = _meta(sc, c, sched)
     group = FakePCPGroup(pcp, timeout=120.0)
     t_start = time.perf_counter()
     states: list[RankState | None] = [None] * pcp
@@ -152,6 +141,8 @@ def replay(
 
     def build(rank: int) -> None:
         states[rank] = RankState(c, vllm_config, manager_cls, sched.num_slots, sc.drafter)
+        if states[rank].manager is None and record and recording.current_session() is not None:
+            recording.attach_runner(states[rank].runner, recording.current_session())  # PCP = 1
 
     def run_all(sess: recording.TraceSession | None) -> None:
         nonlocal dummy_out
@@ -194,7 +185,8 @@ def replay(
     else:
         run_all(None)
         ambient = recording.active_session() if issubclass(manager_cls, RecordingPCPManager) else None
-        mine = [recording.recorder_of(s.manager) or getattr(s.manager, "_pcpviz_recorder", None) for s in states]
+        mine = [recording.owner_recorder(s.runner) or getattr(s.manager or s.runner, "_pcpviz_recorder", None)
+                for s in states]
         if ambient is not None and any(r is not None for r in mine):
             for r in mine:
                 if r is not None:
@@ -206,7 +198,27 @@ def replay(
         steps=steps, dummy=dummy_out,
         kv_target=[s.kv_target.numpy().copy() for s in states], kv_draft=[s.kv_draft.numpy().copy() for s in states],
         all_gathers=list(group.all_gather_calls), seconds=time.perf_counter() - t_start, step_seconds=step_seconds,
-        recording_seconds=rec_seconds, meta=meta, manager_class=type(states[0].manager))
+        recording_seconds=rec_seconds, meta=meta,
+        manager_class=PCPManager if states[0].manager is None else type(states[0].manager))
+
+
+def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler) -> dict[str, Any]:
+    """run.json of a replay: the stand-ins it ran and the vLLM settings they stand in for."""
+    meta = {
+        "producer": PRODUCER, "vllm_version": vllm.__version__, "pcp": c.pcp, "dcp": 1,
+        "num_speculative_tokens": c.k, "block_size": c.block_size, "block_sizes": [c.block_size],
+        "shard_decode_requests": c.shard, "scenario": sc.name, "scenario_description": sc.description,
+        "speculative_method": "dspark" if sc.drafter == "dspark" else "mtp",
+        "models": MODELS_DECLARATION, "stand_ins": STAND_INS, "model": "pcpviz stand-in (no weights)",
+        "max_num_seqs": c.max_num_reqs, "max_num_batched_tokens": c.max_num_tokens,
+        "max_model_len": c.max_model_len, "vocab_size": c.vocab, "cudagraph_mode": "NONE",
+        "prompt_token_ids": {rid: p for rid, p in sched.prompts.items()},
+    }
+    if sc.drafter == "dspark":
+        meta["dspark_status"] = DSPARK_STATUS
+        meta["models"] = MODELS_DECLARATION + "; " + DSPARK_MODEL_DECLARATION
+        meta["stand_ins"] = {**STAND_INS, "dspark_model": DSPARK_MODEL_DECLARATION}
+    return meta
 
 
 def _check_run_dir(path: Path, overwrite: bool) -> None:

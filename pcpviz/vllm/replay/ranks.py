@@ -113,21 +113,20 @@ class RankState:
 
     def __init__(self, c: ReplayConfig, vllm_config: SimpleNamespace, manager_cls: type[PCPManager],
                  num_slots: int, drafter: str) -> None:
-        self.c = c
-        self.drafter = drafter
-        self.vllm_config = vllm_config
+        self.c, self.drafter, self.vllm_config = c, drafter, vllm_config
         self.req_states = RequestState(max_num_reqs=c.max_num_reqs, max_model_len=c.max_model_len,
                                        max_num_batched_tokens=c.max_num_tokens, num_speculative_steps=c.k,
                                        vocab_size=c.vocab, device=CPU)
         self.block_tables = BlockTables([c.block_size], c.max_num_reqs, c.max_num_tokens, [c.max_blocks], CPU)
-        self.manager = maybe_build_pcp_manager(vllm_config, CPU, False, cls=manager_cls)
-        assert self.manager is not None and type(self.manager) is manager_cls
-        self.manager.set_block_tables(self.block_tables)  # initialize_kv_cache
-        self.rank = self.manager.pcp_rank
+        self.manager = maybe_build_pcp_manager(vllm_config, CPU, False, cls=manager_cls)  # None at PCP = 1
+        assert self.manager is None if c.pcp == 1 else type(self.manager) is manager_cls
+        if self.manager is not None:
+            self.manager.set_block_tables(self.block_tables)  # initialize_kv_cache
+        self.rank = 0 if self.manager is None else self.manager.pcp_rank
         self.input_buffers = InputBuffers(c.max_num_reqs, c.max_num_tokens, CPU)
         self.kv_target = torch.full((num_slots, 2), -1.0)
         self.kv_draft = torch.full((num_slots, 2), -1.0)
-        self.target = StandInTarget(TARGET_LAYER, c.vocab, c.hidden, self.kv_target, c.shard, 0)
+        self.target = StandInTarget(TARGET_LAYER, c.vocab, c.hidden, self.kv_target, c.shard, 0, use_pcp=c.pcp > 1)
         self.target.aux_hidden_states = drafter == "dspark"  # requires_aux_hidden_states("dspark")
         draft_layer = DSPARK_LAYER if drafter == "dspark" else MTP_LAYER
         self.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[TARGET_LAYER,
@@ -158,7 +157,7 @@ class RankState:
             spec.model = StandInDSpark(draft_layer, c.vocab, c.hidden, self.kv_draft, c.shard, 1, use_pcp=False)
         else:
             spec = MTPSpeculator(vllm_config, CPU)
-            spec.model = StandInMTP(draft_layer, c.vocab, c.hidden, self.kv_draft, c.shard, 1)
+            spec.model = StandInMTP(draft_layer, c.vocab, c.hidden, self.kv_draft, c.shard, 1, use_pcp=c.pcp > 1)
         spec.draft_attn_layer_names = {draft_layer}
         # set_attn(), with a stand-in attention group instead of init_attn_backend():
         spec.model_state = model_state
@@ -176,7 +175,7 @@ class RankState:
             spec._layer_group_idx = None
             spec._group_causal = not spec.requires_non_causal
         spec.pcp_manager = self.manager
-        self.spec = spec
+        self.spec = runner.speculator = spec  # runner.speculator: recording.attach_runner (PCP = 1)
         self.temperature = torch.zeros(c.max_num_reqs, dtype=torch.float32)
         self.seeds = torch.zeros(c.max_num_reqs, dtype=torch.int64)
         if drafter == "dspark":

@@ -91,8 +91,8 @@ def rank_step(st: RankState, out: SchedulerOutput, step: int, sched: ScriptedSch
     GPUModelRunner.update_requests(runner, out)
     st.block_tables.apply_staged_writes()
     batch_req_state, uniform = GPUModelRunner.gather_batch_req_state(runner, out, False)
-    num_toks = manager.get_num_tokens_for_dispatch(batch_req_state.num_scheduled_tokens,
-                                                   batch_req_state.is_prefilling_np)
+    num_toks = batch_req_state.num_tokens if manager is None else manager.get_num_tokens_for_dispatch(
+        batch_req_state.num_scheduled_tokens, batch_req_state.is_prefilling_np)
     batch_desc, _ = dispatch_cg_and_sync_dp(None, len(out.num_scheduled_tokens), num_toks, uniform, 1, 0,
                                             need_eager=True)
     local = GPUModelRunner.prepare_inputs(runner, out, batch_req_state, batch_desc, 0)  # partition_batch inside
@@ -109,7 +109,7 @@ def rank_step(st: RankState, out: SchedulerOutput, step: int, sched: ScriptedSch
         hidden, aux = model_output if isinstance(model_output, tuple) else (model_output, None)
         # sample_tokens
         draft_hidden = hidden
-        hidden, aux, batch = manager.restore_for_sampling(hidden, aux)
+        hidden, aux, batch = (hidden, aux, local) if manager is None else manager.restore_for_sampling(hidden, aux)
         sampled, num_sampled, num_rejected = stand_in_sampler(st, hidden, batch, step, sched)
         GPUModelRunner.postprocess_sampled(runner, batch.idx_mapping, sampled, num_sampled, num_rejected,
                                            batch.query_start_loc)
@@ -148,7 +148,7 @@ def dflash_inputs_without_gather(st: RankState, batch: InputBatch, num_sampled: 
     out = {"slot_mapping_draft_no_gather": sc["query_slots"][:nq].clone().numpy()[None],
            "draft_context_slot_mapping_no_gather": sc["context_slots"][: batch.num_tokens].clone().numpy()[None],
            "block_table_draft_no_gather": rows.numpy()[None]}
-    rec = recording.recorder_of(st.manager)
+    rec = recording.owner_recorder(st.runner)
     if rec is not None:
         rec.guard(rec.put, "draft_0", **out)
     return out
@@ -165,7 +165,8 @@ def dummy_step(st: RankState, group: FakePCPGroup) -> dict[str, Any]:
     all_gathers_before = group.all_gather_calls[st.rank]
     with torch.inference_mode():
         batch = InputBatch.make_dummy(num_reqs, num_tokens, st.input_buffers)
-        batch = st.manager.prepare_inputs_for_capture_or_profile(batch)
+        if st.manager is not None:
+            batch = st.manager.prepare_inputs_for_capture_or_profile(batch)
         with set_forward_context(None, st.vllm_config, num_tokens=num_tokens):
             model_output = st.target(batch.input_ids, batch.positions)
         hidden, aux = model_output if isinstance(model_output, tuple) else (model_output, None)
@@ -180,7 +181,7 @@ def dummy_step(st: RankState, group: FakePCPGroup) -> dict[str, Any]:
         "all_gathers": group.all_gather_calls[st.rank] - all_gathers_before,
         "input_block_tables_unchanged": all(torch.equal(a, b) for a, b in zip(tables_before,
                                                                                st.block_tables.input_block_tables)),
-        "draft_prefill_batch_none": st.manager.draft_prefill_batch is None,
+        "draft_prefill_batch_none": st.manager is None or st.manager.draft_prefill_batch is None,
         "draft_tokens": draft.clone().numpy(),
     }
     if st.drafter == "mtp":

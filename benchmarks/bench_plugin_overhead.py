@@ -1,0 +1,153 @@
+"""What the vLLM plugin costs a deployment: recording off / on / flight recorder, side by side in
+one process, one GPU (real vLLM 0.33.0, the shipped model, MTP K=2, CUDA graphs).
+
+    source /root/pcpviz-gpu/env.sh      # after tools/gpu/install.py (docs/gpu.md)
+    python3 benchmarks/bench_plugin_overhead.py --out data/bench/plugin_overhead_h200x1.json
+
+One ``vllm.LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the engine core and the
+worker run here and ``pcpviz.vllm.recording.set_mode`` switches them), ``cudagraph_mode``
+FULL_AND_PIECEWISE, prefix caching off. Four workloads, each timed as one ``generate`` call per
+mode on the same prompts (another set each repeat), the modes interleaved (rotated each
+repeat), ``--repeats`` times; the figure is the median:
+
+* ``decode_b1`` / ``decode_b32``: 1 / 32 prompts of 256 tokens, 128 / 64 new tokens each;
+* ``prefill_b1`` / ``prefill_b32``: 1 prompt of 8,192 tokens / 32 of 1,024, one new token each.
+
+Modes: ``off`` (the plugin's wrappers removed: vLLM as without it), ``record`` (every step to the
+rank file), ``flight`` (the last 64 steps in host memory, nothing written). Also reported: trace
+bytes and ring bytes per step for each workload, and the same for batch 64 with 32k-token contexts
+(64 prompts of 32,000 tokens prefilled, then 16 decode steps), measured, next to the formula.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = str(ROOT / "data" / "models" / "pcpviz-tiny-dsv3")
+MODES = ("off", "record", "flight")
+WORKLOADS = {  # name: (prompts, prompt tokens, new tokens)
+    "decode_b1": (1, 256, 128),
+    "decode_b32": (32, 256, 64),
+    "prefill_b1": (1, 8192, 1),
+    "prefill_b32": (32, 1024, 1),
+}
+LONG = (64, 32000, 16)  # batch 64, 32k-token contexts
+
+
+def _ids(n_prompts: int, length: int, salt: int) -> list[list[int]]:
+    """Distinct token-id prompts from the held-out text (no two share a prefix: no cache hits)."""
+    sys.path.insert(0, str(ROOT))
+    from pcpviz.engine.tokenizer import encode
+
+    text = json.loads((ROOT / "data" / "bench" / "prompts.json").read_text())["long"]
+    ids = encode(text)
+    while len(ids) < length + 7919 * (n_prompts + 2):
+        ids = ids + ids[1:]
+    return [ids[(i + salt) * 7919 % 9973:][:length] for i in range(n_prompts)]
+
+
+def _rank_file(trace: Path) -> Path:
+    return trace / "rank0.arrow"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--mode", default="FULL_AND_PIECEWISE", help="cudagraph_mode")
+    ap.add_argument("--no-long", action="store_true", help="skip the batch-64 32k-context measurement")
+    a = ap.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="pcpviz-overhead-"))
+    trace = work / "trace"
+    os.environ.update(PCPVIZ_TRACE_DIR=str(trace), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="1")
+    from vllm import LLM, SamplingParams
+
+    from pcpviz.trace.flight import FlightConfig
+    from pcpviz.vllm import recording
+
+    kwargs = dict(model=MODEL, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                  compilation_config={"cudagraph_mode": a.mode}, gpu_memory_utilization=0.3,
+                  disable_custom_all_reduce=True, enable_prefix_caching=False, max_num_batched_tokens=16384,
+                  max_num_seqs=64, max_model_len=32768, seed=0)
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    startup = time.perf_counter() - t0
+    flight = FlightConfig(steps=64, signal=None)
+    session = recording.current_session()
+    rec = next(iter(session.recorders.values()))
+
+    def run(prompts: list[list[int]], new: int) -> float:
+        sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    def sizes(mode: str, fn) -> dict:
+        """Bytes per recorded step of ``fn()`` in ``mode`` (rank file growth, ring bytes)."""
+        recording.set_mode(mode, flight=flight)
+        steps0 = rec.steps_written
+        size0 = rec.writer.bytes_written if rec.writer is not None else 0
+        fn()
+        recording.set_mode(mode, flight=flight)  # drains what is in flight
+        steps = rec.steps_written - steps0
+        if mode == "record":
+            return {"steps": steps, "trace_bytes_per_step": round((rec.writer.bytes_written - size0) / max(steps, 1))}
+        ring = rec.sink.ring
+        kept = list(ring.ring)[-min(steps, len(ring.ring)):] if steps else []
+        return {"steps": steps, "ring_bytes_per_step": round(sum(n for *_, n in kept) / max(len(kept), 1)),
+                "ring_bytes": ring.bytes, "ring_steps": len(ring.ring)}
+
+    res: dict = {"command": "python3 benchmarks/bench_plugin_overhead.py --out data/bench/plugin_overhead_h200x1.json",
+                 "llm_kwargs": kwargs, "startup_s": round(startup, 1), "repeats": a.repeats,
+                 "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("VLLM_", "PCPVIZ_"))},
+                 "flight": flight.to_meta(), "workloads": {}}
+    for name, (n, length, new) in WORKLOADS.items():
+        # The same prompts for every mode of a repeat (prefix caching is off: no run reuses
+        # another's KV), so each mode does the same steps; another prompt each repeat.
+        prompts = [_ids(n, length, salt) for salt in range(a.repeats + 3)]
+        recording.set_mode("off")
+        run(prompts[-1], new)  # warm-up
+        times: dict[str, list[float]] = {m: [] for m in MODES}
+        for r in range(a.repeats):
+            for m in MODES[r % len(MODES):] + MODES[: r % len(MODES)]:  # rotated: no mode always first
+                recording.set_mode(m, flight=flight)
+                times[m].append(run(prompts[r], new))
+        med = {m: statistics.median(v) for m, v in times.items()}
+        entry = {"prompts": n, "prompt_tokens": length, "new_tokens": new,
+                 "seconds": {m: [round(x, 5) for x in v] for m, v in times.items()},
+                 "median_s": {m: round(v, 5) for m, v in med.items()},
+                 "record_over_off": round(med["record"] / med["off"], 4),
+                 "flight_over_off": round(med["flight"] / med["off"], 4)}
+        entry.update(sizes("record", lambda: run(prompts[0], new)))
+        entry.update(sizes("flight", lambda: run(prompts[0], new)))
+        res["workloads"][name] = entry
+        print(name, json.dumps({k: entry[k] for k in ("median_s", "record_over_off", "flight_over_off")}), flush=True)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(res, indent=1))
+    if not a.no_long:
+        n, length, new = LONG
+        long_prompts = _ids(n, length, 3)
+        t = time.perf_counter()
+        rec_long = sizes("record", lambda: run(long_prompts, new))
+        fl_long = sizes("flight", lambda: run(_ids(n, length, 5), new))
+        res["b64_ctx32k"] = {"prompts": n, "prompt_tokens": length, "new_tokens": new, "record": rec_long,
+                             "flight": fl_long, "seconds": round(time.perf_counter() - t, 1)}
+    recording.set_mode("off")
+    res["formula"] = ("decode step, R requests of context C, block size 16, K=2 (FULL_AND_PIECEWISE: draft "
+                      "decodes replayed, their block tables not recorded): ~ R * 4 bytes * C/16 * 2 block tables "
+                      "(target global, draft_0) + ~150 bytes * R of per-request views + ~6 kB fixed")
+    a.out.write_text(json.dumps(res, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k not in ("workloads",)})[:2000], flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
