@@ -64,6 +64,7 @@ class Record(Mapping[str, np.ndarray]):
     rank: int
     phase: str
     views: Mapping[str, np.ndarray]
+    pcp: int | None = None  # run.json's PCP world size (None when the record's run is not known)
 
     def __getitem__(self, name: str) -> np.ndarray:
         try:
@@ -350,6 +351,8 @@ class Trace:
         self._cache: OrderedDict[tuple[int, int, str], Record] = OrderedDict()
         self._cache_size = max(0, int(cache_size))
         self._lock = threading.Lock()
+        pcp = meta.get("pcp")
+        self._pcp = pcp if isinstance(pcp, int) and not isinstance(pcp, bool) else None
 
     @property
     def steps(self) -> list[int]:
@@ -386,7 +389,7 @@ class Trace:
             raise KeyError(f"phase {phase!r} not recorded at step {step} on rank {rank} "
                            f"(phases: {', '.join(entry.phases)})")
         views = S.upgrade_views(self.version, phase, _decode_rows(entry, phase))
-        rec = Record(int(step), int(rank), phase, MappingProxyType(dict(views)))
+        rec = Record(int(step), int(rank), phase, MappingProxyType(dict(views)), pcp=self._pcp)
         with self._lock:
             self._cache[key] = rec
             while len(self._cache) > self._cache_size:

@@ -196,7 +196,7 @@ def test_async_recorder_writes_byte_identical_files(tmp_path):
 
 class _FailingWriter:
     def __init__(self, path, fail_at):
-        self.path, self.fail_at, self.written, self.closed = path, fail_at, [], False
+        self.path, self.fail_at, self.written, self.closed, self.ending = path, fail_at, [], False, None
 
     def write_step(self, step, phases):
         if step == self.fail_at:
@@ -204,8 +204,8 @@ class _FailingWriter:
         assert all(not isinstance(v, Pending) for views in phases.values() for v in views.values())
         self.written.append(step)
 
-    def close(self):
-        self.closed = True
+    def close(self, **ending):  # TraceWriter.close's keywords: status, reason
+        self.closed, self.ending = True, ending
 
 
 def test_async_recorder_failure_is_one_line_and_nothing_after_it_is_written():
@@ -221,6 +221,7 @@ def test_async_recorder_failure_is_one_line_and_nothing_after_it_is_written():
     line = str(err.value)
     assert "\n" not in line and "runs/t/rank0.arrow" in line and "step 2" in line and "No space" in line
     assert w.written == [0, 1] and w.closed
+    assert w.ending["status"] == "partial" and "writer failed at step 2" in w.ending["reason"]
 
 
 def test_step_record_takes_keyword_arguments_only():

@@ -472,3 +472,27 @@ def _walk(widget):
     yield widget
     for c in getattr(widget, "children", ()):
         yield from _walk(c)
+
+
+def test_a_pcp1_run_is_laid_out_as_the_identity_and_a_damaged_pcp2_step_is_not():
+    """A PCP=1 plugin run records no layout views: rank 0's rows are the global tokens, every
+    one written. A PCP=2 record without them is damage and is never drawn as PCP=1."""
+    from dataclasses import replace
+
+    from pcpviz.trace.reader import Record
+
+    t1 = pt.open(REPO / "data" / "traces" / "vllm-h200x1-pcp1-mtp2")
+    step = max(t1.steps, key=lambda s: int(np.asarray(t1.record(s, 0, "target")["num_scheduled_tokens"]).sum()))
+    target = t1.record(step, 0, "target")
+    sl = fg.step_layout(target)
+    t = int(np.asarray(target["num_scheduled_tokens"]).sum())
+    assert (sl.pcp, sl.padded, sl.per_rank_num_tokens.tolist()) == (1, t, [t])
+    assert np.array_equal(sl.padded_gather_idx, np.arange(t)) and sl.kv_write_mask.all()
+    assert (sl.row_req() == sl.token_req).all()
+    spec = Workbench(t1, step=step, checks=False)._spec("token_order")
+    assert "PCP=1" in spec["layout"]["title"]["text"] and "rank 0's rows are the global batch" in spec["layout"]["title"]["text"]
+    damaged = Record(target.step, 0, "target", target.views, pcp=2)
+    assert not fg.has_layout(damaged)
+    with pytest.raises(KeyError, match="per_rank_num_tokens"):
+        fg.step_layout(damaged)
+    assert fg.has_layout(replace(damaged, pcp=1))

@@ -151,3 +151,30 @@ def test_profile_runs_and_mtp_dummy_runs_write_no_kv(drafter):
     if drafter == "mtp":  # MTP's dummy decodes: idx_mapping -1, PAD slots; its collectives: all-gathers
         for o in probe_dummy_run(drafter="mtp", kind="attention"):
             assert not o.kv_writes and (o.draft_slots == -1).all() and o.all_gathers > 0
+
+
+def test_graph_manager_stand_ins_stay_while_any_rank_thread_still_builds():
+    """The rank threads build their graph managers at once: one leaving must not put vLLM's
+    own get_pp_group back under another still building (the replay then fails with 'pipeline
+    model parallel group is not initialized', as it did under load)."""
+    import threading
+
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    from pcpviz.vllm.replay import graphs
+
+    own = cudagraph_utils.get_pp_group
+    inside, left = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with graphs._cpu_graph_manager_env():
+            inside.set()
+        left.set()
+
+    with graphs._cpu_graph_manager_env():
+        t = threading.Thread(target=other)
+        t.start()
+        assert inside.wait(10) and left.wait(10)
+        assert cudagraph_utils.get_pp_group is not own and cudagraph_utils.get_pp_group().is_first_rank
+        t.join()
+    assert cudagraph_utils.get_pp_group is own

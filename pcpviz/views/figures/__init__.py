@@ -42,15 +42,15 @@ from pcpviz.views.figures.canvas import (DIM_COLOR, FLAG_COLOR, TEMPLATE, TOKEN_
                                    as_figure, request_color_index, safe_spec, safe_text, shorten, validate_figure)
 from pcpviz.views.figures.lod import PLOT_PX, draw_strip, lod_enabled, pixel_cells
 from pcpviz.views.figures.slot_mappings import slot_mappings_figure, slot_mappings_spec
-from pcpviz.views.figures.step_data import (StepLayout, draft_source_phase, layout_summary, load_check_report, recorded_phases, step_layout,
-                                      trace_req_ids)
+from pcpviz.views.figures.step_data import (StepLayout, draft_source_phase, has_layout, layout_summary, load_check_report,
+                                            recorded_phases, step_layout, trace_req_ids)
 from pcpviz.views.figures.timeline import draft_timeline_figure, draft_timeline_spec
 from pcpviz.views.figures.token_order import token_order_figure, token_order_spec
 from pcpviz.views.figures.violations import drawn, mark_violation, message_spec, violation_marks, violation_view
 
 __all__ = [
     "TOKEN_LIMIT", "TEMPLATE", "FLAG_COLOR", "DIM_COLOR", "PLOT_PX",
-    "StepLayout", "step_layout", "layout_summary", "recorded_phases", "run_edges", "pixel_cells", "draw_strip", "lod_enabled",
+    "StepLayout", "step_layout", "has_layout", "layout_summary", "recorded_phases", "run_edges", "pixel_cells", "draw_strip", "lod_enabled",
     "RowFlag", "draft_block_table_flags", "draft_source_phase",
     "AcceptanceStats", "acceptance_stats", "trace_acceptance",
     "token_order_figure", "block_tables_figure", "slot_mappings_figure",

@@ -21,7 +21,8 @@ from pcpviz.trace.reader import Record
 from pcpviz.trace.schema import DRAFT_VIEW_REPLICATED, SEGMENT_DTYPE
 from pcpviz.trace.shapes import table_groups, view_text
 
-__all__ = ["view_array", "is_replicated", "StepLayout", "step_layout", "layout_summary", "recorded_phases", "draft_source_phase", "trace_req_ids", "load_check_report"]
+__all__ = ["view_array", "is_replicated", "StepLayout", "step_layout", "has_layout", "single_rank", "LAYOUT_VIEWS",
+           "layout_summary", "recorded_phases", "draft_source_phase", "trace_req_ids", "load_check_report"]
 
 
 def view_array(rec: Record | None, name: str, default=None):
@@ -100,10 +101,29 @@ def recorded_phases(trace: Any, step: int, rank: int) -> list[str]:
     return trace.phases(step, rank)
 
 
+LAYOUT_VIEWS = ("per_rank_num_tokens", "padded_gather_idx", "kv_write_mask", "hidden_restore_idx")
+"""The target views a PCP layout is rebuilt from."""
+
+
+def single_rank(target: Record | None) -> bool:
+    """``target`` comes from a PCP=1 run that recorded no layout: with one rank the local batch
+    is the global batch, so ``step_layout`` lays it out as the identity (P = T, every row written).
+
+    Only a record that knows its run is PCP=1 (``Record.pcp``, from run.json) qualifies: a PCP>1
+    record missing its layout views is damaged, and is never drawn as if it were PCP=1."""
+    return (target is not None and getattr(target, "pcp", None) == 1
+            and not any(v in target for v in LAYOUT_VIEWS))
+
+
+def has_layout(target: Record | None) -> bool:
+    """``step_layout(target)`` has what it needs: recorded layout views, or a PCP=1 record."""
+    return target is not None and ("per_rank_num_tokens" in target or single_rank(target))
+
+
 def layout_summary(target: Record | None) -> str | None:
     """``T=48, R=2, P=26, per-rank [22, 26]`` for a target record with a layout (None without
     one); for a malformed one what is wrong, as text (escape it for HTML)."""
-    if target is None or "per_rank_num_tokens" not in target:
+    if not has_layout(target):
         return None
     try:
         sl = step_layout(target)
@@ -120,12 +140,18 @@ def _step_layout(target: Record) -> StepLayout:
     q = np.asarray(target["num_scheduled_tokens"], dtype=np.int64)
     qsl = view_array(target, "query_start_loc")
     qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int64) if qsl is None else qsl.astype(np.int64)
-    per_rank = np.asarray(target["per_rank_num_tokens"], dtype=np.int64)
+    if single_rank(target):  # PCP=1: rank 0's rows are the global tokens, all written
+        t1 = int(qsl[-1]) if qsl.size else 0
+        per_rank = np.array([t1], dtype=np.int64)
+        gather = restore = np.arange(t1, dtype=np.int64)
+        mask = np.ones(t1, dtype=bool)
+    else:
+        per_rank = np.asarray(target["per_rank_num_tokens"], dtype=np.int64)
+        gather = np.asarray(target["padded_gather_idx"], dtype=np.int64)
+        mask = np.asarray(target["kv_write_mask"], dtype=bool)
+        restore = np.asarray(target["hidden_restore_idx"], dtype=np.int64)
     n = int(per_rank.shape[0])
-    gather = np.asarray(target["padded_gather_idx"], dtype=np.int64)
     p = gather.shape[0] // max(n, 1)
-    mask = np.asarray(target["kv_write_mask"], dtype=bool)
-    restore = np.asarray(target["hidden_restore_idx"], dtype=np.int64)
     segs = target.get("segments")
     segs = np.zeros(0, dtype=SEGMENT_DTYPE) if segs is None else np.asarray(segs)
     t = int(qsl[-1]) if qsl.size else 0

@@ -18,7 +18,7 @@ from pcpviz.views.figures.block_tables import draft_block_table_flags
 from pcpviz.views.figures.canvas import DIM_COLOR, Canvas, range_text, stepped_colorscale, vline, as_figure
 from pcpviz.trace import Record
 from pcpviz.trace.shapes import slot_groups
-from pcpviz.views.figures.step_data import StepLayout, is_replicated, step_layout, view_array
+from pcpviz.views.figures.step_data import StepLayout, has_layout, is_replicated, step_layout, view_array
 
 __all__ = ["draft_timeline_spec", "draft_timeline_figure"]
 
@@ -168,7 +168,7 @@ def _marks(fig: Canvas, cols: list[str], *, rows: int, selected_phase: str | Non
 def _fill(g: _Grid, cols: list[str], phases: Mapping[str, Record], *, rank: int | None, group: int) -> list[str]:
     """Fill every column of ``g``; returns the column tick texts."""
     target, verify = phases.get("target"), phases.get("verify")
-    sl = step_layout(target) if target is not None and "per_rank_num_tokens" in target else None
+    sl = step_layout(target) if has_layout(target) else None
     drafts = [ph for ph in cols if ph.startswith("draft_")]
     first_replicated = next((ph for ph in drafts if is_replicated(phases[ph], target)), None)
     gather_flags = draft_block_table_flags(target, phases[first_replicated], group) \

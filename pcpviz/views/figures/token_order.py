@@ -23,7 +23,7 @@ from pcpviz.views.figures.canvas import (DIM_COLOR, PAD_COLOR, REPLICA_COLOR, TO
                                          strip_heat, strip_labels, vline, as_figure)
 from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
 from pcpviz.trace import Record
-from pcpviz.views.figures.step_data import StepLayout, step_layout
+from pcpviz.views.figures.step_data import StepLayout, single_rank, step_layout
 
 __all__ = ["token_order_spec", "token_order_figure"]
 
@@ -186,7 +186,9 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
     return fig.spec(
         height=560 + 26 * n, margin=dict(l=70, r=20, t=70, b=30),
         title=dict(text=title or (f"step layout: PCP={n}, T={t}, P={p}, per-rank tokens "
-                                  f"{sl.per_rank_num_tokens.tolist()}, requests {', '.join(sl.req_ids)}")),
+                                  f"{sl.per_rank_num_tokens.tolist()}, requests {', '.join(sl.req_ids)}"
+                                  + (" (a PCP=1 run records no layout: rank 0's rows are the global batch)"
+                                     if single_rank(target) else ""))),
         legend=dict(orientation="h", y=-0.06), showlegend=True,
     )
 

@@ -28,6 +28,7 @@ FULL graph and its draft decodes run eagerly.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -69,16 +70,33 @@ def capture_sizes(*, max_num_seqs: int, k: int, max_num_batched_tokens: int, mod
     return list(cc.cudagraph_capture_sizes)
 
 
+_env_lock = threading.Lock()
+_env_users = 0
+_env_saved: tuple[Any, Any] | None = None
+
+
 @contextlib.contextmanager
 def _cpu_graph_manager_env() -> Iterator[None]:
-    """While a CudaGraphManager is built: one pipeline stage, no graph pool (both need a GPU)."""
-    pp, pool = cudagraph_utils.get_pp_group, current_platform.get_global_graph_pool
-    cudagraph_utils.get_pp_group = lambda: SimpleNamespace(is_first_rank=True, is_last_rank=True)
-    current_platform.get_global_graph_pool = lambda: None
+    """While a CudaGraphManager is built: one pipeline stage, no graph pool (both need a GPU).
+
+    The replay's rank threads build their managers at the same time, so the stand-ins are put
+    in by the first thread to enter and taken out by the last to leave (a plain save/restore
+    per thread would restore vLLM's own ``get_pp_group`` under a thread still building)."""
+    global _env_users, _env_saved
+    with _env_lock:
+        if _env_users == 0:
+            _env_saved = (cudagraph_utils.get_pp_group, current_platform.get_global_graph_pool)
+            cudagraph_utils.get_pp_group = lambda: SimpleNamespace(is_first_rank=True, is_last_rank=True)
+            current_platform.get_global_graph_pool = lambda: None
+        _env_users += 1
     try:
         yield
     finally:
-        cudagraph_utils.get_pp_group, current_platform.get_global_graph_pool = pp, pool
+        with _env_lock:
+            _env_users -= 1
+            if _env_users == 0 and _env_saved is not None:
+                cudagraph_utils.get_pp_group, current_platform.get_global_graph_pool = _env_saved
+                _env_saved = None
 
 
 def init_graph_managers(spec: Any, mode: CUDAGraphMode, sizes: list[int]) -> None:
