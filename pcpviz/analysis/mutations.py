@@ -4,7 +4,9 @@ diagnosis benchmark (``benchmarks/bench_diagnosis.py``) and its CI subset.
 A ``Mutation`` names the file (relative to the ``pcpviz`` package), the exact text it replaces
 (which must occur once) and the replacement, where the bug lives (``phase``, ``view``: the first
 wrong value a correct diagnosis points at), and whether it is a ``harmless`` refactor (its runs
-must equal the clean ones). ``apply(root)`` patches a copy of the package under ``root``.
+must equal the clean ones). ``apply(root)`` patches a copy of the package under ``root``; ``plant(name, root)`` makes that
+copy, ready to run (``python -m pcpviz.analysis.mutations NAME DIR`` from a shell; then run with
+``PYTHONPATH=DIR``: the README's tour and notebook 04 do this to show a bug in no catalogue).
 
 PCP=2 example: ``draft_wrong_request_slot`` rolls the batch's ``idx_mapping`` by one row in the
 draft decodes' slot computation, so request 1 writes its draft KV into request 0's block; the
@@ -13,11 +15,13 @@ first wrong value is draft_1's ``slot_mapping_draft``.
 
 from __future__ import annotations
 
+import argparse
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Mutation", "MUTATIONS", "copy_package"]
+__all__ = ["Mutation", "MUTATIONS", "PLANTED_MARK", "copy_package", "plant", "main"]
 
 
 @dataclass(frozen=True)
@@ -159,3 +163,68 @@ MUTATIONS: tuple[Mutation, ...] = (
        "np.zeros((0, first.shape[0]), np.int64)\n",
        None, None, "refactor: the draft positions step by step", harmless=True),
 )
+
+
+PLANTED_MARK = ".pcpviz-planted"
+"""The file ``plant`` leaves in its directory (holding the mutation's name): what ``overwrite`` may replace."""
+
+
+def plant(name: str, root: Path | str, *, overwrite: bool = False) -> Path:
+    """Copy this ``pcpviz`` package to ``root/pcpviz``, apply mutation ``name`` to the copy and
+    link ``root/data`` to this checkout's ``data/`` (the model the engine loads); returns
+    ``root``. Run the planted engine with ``PYTHONPATH=root`` ahead of this one.
+
+    Raises ValueError for an unknown name or a ``root`` that exists and is not empty, unless
+    ``overwrite`` and ``root`` is an earlier planted copy (it holds ``PLANTED_MARK`` and nothing
+    but what ``plant`` writes): then that copy is replaced."""
+    by_name = {m.name: m for m in MUTATIONS}
+    if name not in by_name:
+        raise ValueError(f"unknown mutation {name!r} (python -m pcpviz.analysis.mutations --list)")
+    root = Path(root)
+    if root.is_symlink() or (root.exists() and not root.is_dir()):
+        raise ValueError(f"{root}: not a directory")
+    if root.exists() and any(root.iterdir()):
+        own = {"pcpviz", "data", PLANTED_MARK}
+        if not (overwrite and (root / PLANTED_MARK).is_file() and {p.name for p in root.iterdir()} <= own):
+            raise ValueError(f"{root}: exists and is not empty"
+                             + ("" if overwrite else " (--overwrite replaces an earlier planted copy)"))
+        shutil.rmtree(root / "pcpviz", ignore_errors=True)
+        if (root / "data").is_symlink():
+            (root / "data").unlink()
+    src = Path(__file__).resolve().parents[1]
+    copy_package(src, root)
+    data = src.parent / "data"
+    if data.is_dir():
+        (root / "data").symlink_to(data)
+    by_name[name].apply(root)
+    (root / PLANTED_MARK).write_text(name + "\n")
+    return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pcpviz.analysis.mutations NAME DIR`` plants a bug; ``--list`` lists them."""
+    ap = argparse.ArgumentParser(prog="python -m pcpviz.analysis.mutations",
+                                 description="Plant a realistic bug that is in no catalogue into a copy of pcpviz.")
+    ap.add_argument("name", nargs="?", help="the mutation (--list shows them)")
+    ap.add_argument("dir", nargs="?", help="an empty or new directory for the planted copy")
+    ap.add_argument("--list", action="store_true", help="list the mutations and what each breaks")
+    ap.add_argument("--overwrite", action="store_true", help="replace an earlier planted copy in DIR")
+    a = ap.parse_args(argv)
+    if a.list or a.name is None:
+        for m in MUTATIONS:
+            print(f"{m.name:38s} {'(harmless refactor) ' if m.harmless else ''}{m.what}")
+        return 0
+    if a.dir is None:
+        print("mutations: give the directory for the planted copy (NAME DIR)", file=sys.stderr)
+        return 2
+    try:
+        root = plant(a.name, a.dir, overwrite=a.overwrite)
+    except (ValueError, OSError) as exc:
+        print(f"mutations: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    print(f"planted {a.name} in {root}/pcpviz; run it with PYTHONPATH={root} (e.g. PYTHONPATH={root} pcpviz run ...)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -63,7 +63,7 @@ def gpu_commands() -> list[str]:
     return _join([x for x in block.splitlines() if x.strip() and not x.lstrip().startswith("#")])
 
 
-WRITES = ("--trace", "--json", "--chrome", "--write-config")  # a command with one writes files
+WRITES = ("--trace", "--json", "--chrome", "--write-config", "--overwrite")  # a command with one writes files
 
 
 def test_the_tour_is_parsed():
@@ -140,7 +140,7 @@ def test_the_fault_demo_compares_matching_runs(tour):
 
 
 def test_explain_names_the_injected_fault(tour):
-    out = _one(tour, "pcpviz explain").stdout
+    out = _one(tour, "pcpviz explain runs/bad").stdout
     assert "verdict: FAULT: skip_draft_block_table_gather" in out and "confirmed:" in out, out
 
 
@@ -172,3 +172,21 @@ def test_the_layout_diagram_shown_is_the_commands_output(tour):
     blocks = _blocks(_section("Quick tour"), "text")
     layout = _one(tour, "pcpviz layout --pcp 2 --batch p13,d1,d4")
     assert layout.stdout in blocks, "README's layout diagram differs from `pcpviz layout`'s output"
+
+
+def test_the_planted_bug_is_explained_by_its_mechanism_and_no_fault_is_named(tour):
+    """The tour's bug in no catalogue: a planted copy of pcpviz, run as the README says; explain
+    gives UNEXPLAINED with the first wrong view, and the README quotes what was printed."""
+    plant = _one(tour, "python -m pcpviz.analysis.mutations")
+    assert plant.returncode == 0 and "planted draft_prefill_hidden_shifted" in plant.stdout, plant.stderr
+    out = _one(tour, "pcpviz explain runs/mystery").stdout
+    verdict = next(line for line in out.splitlines() if "verdict:" in line)
+    assert "verdict: UNEXPLAINED: first wrong view: step 0, rank 0, phase draft_0, view hidden_in_fp" in verdict, out
+    assert "hidden_handoffs" in verdict and "tokens unchanged" in verdict and "not sure of: the cause" in verdict
+    assert "FAULT" not in verdict
+    runs = {c: r for c, r in tour[0].items() if "pcpviz run" in c and "--write-config" not in c}
+    pos0 = {("mystery" if "runs/mystery" in c else "demo" if "runs/demo " in c else "bad"):
+            float(re.search(r"acceptance per position \[([\d.]+)", r.stdout).group(1)) for c, r in runs.items()}
+    prose = " ".join(_section("Quick tour").split())
+    assert f"acceptance at position 0 falls from {pos0['demo']:.2f} to {pos0['mystery']:.2f}" in prose, pos0
+    assert pos0["mystery"] <= pos0["demo"] - 0.3, pos0
