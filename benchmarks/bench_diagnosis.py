@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -27,7 +25,7 @@ import pcpviz
 from pcpviz.analysis.checks import run_checks
 from pcpviz.analysis.diff import diff_traces
 from pcpviz.analysis.explain import CLEAN, FAULT, explain
-from pcpviz.analysis.mutations import MUTATIONS, Mutation, copy_package
+from pcpviz.analysis.mutations import MUTATIONS, Mutation, copy_package, run_planted
 
 ROOT = Path(__file__).resolve().parents[1]
 A = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\ndef main(argv):\n    parser = ",
@@ -77,15 +75,10 @@ def run_engine(setting: str, trace_dir: Path, package_root: Path | None) -> str 
     """Run ``setting`` with the package under ``package_root`` (None: this one); None or the
     error's last line."""
     opts = dict(SETTINGS[setting])
-    code = ("import json, sys, pcpviz; o = json.loads(sys.argv[1]); p = o.pop('prompts'); "
-            "pcpviz.run(p, trace_dir=sys.argv[2], progress=False, **o)")
-    path = [str(package_root)] if package_root is not None else []
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path + [str(ROOT), str(ROOT / "kernels")]))
-    r = subprocess.run([sys.executable, "-P", "-c", code, json.dumps(opts), str(trace_dir)], env=env,
-                       capture_output=True, text=True, timeout=900)
-    if r.returncode != 0:
-        tail = [x for x in (r.stderr or r.stdout).strip().splitlines() if x.strip()]
-        return tail[-1][:200] if tail else f"exit {r.returncode}"
+    try:
+        run_planted(package_root, opts.pop("prompts"), trace_dir, **opts)
+    except RuntimeError as exc:
+        return str(exc).split(" failed: ", 1)[-1]
     return None
 
 

@@ -16,12 +16,15 @@ first wrong value is draft_1's ``slot_mapping_draft``.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Mutation", "MUTATIONS", "PLANTED_MARK", "copy_package", "plant", "main"]
+__all__ = ["Mutation", "MUTATIONS", "PLANTED_MARK", "copy_package", "plant", "run_planted", "main"]
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,27 @@ def plant(name: str, root: Path | str, *, overwrite: bool = False) -> Path:
     by_name[name].apply(root)
     (root / PLANTED_MARK).write_text(name + "\n")
     return root
+
+
+_RUN = ("import json, sys, pcpviz; o = json.loads(sys.argv[1]); p = o.pop('prompts'); "
+        "o.setdefault('progress', False); pcpviz.run(p, trace_dir=sys.argv[2], **o)")
+
+
+def run_planted(root: Path | str | None, prompts: list[str], trace_dir: Path | str, *,
+                timeout: float = 900, **options) -> Path:
+    """``pcpviz.run(prompts, trace_dir=trace_dir, **options)`` in a child process importing the
+    package under ``root`` (a ``plant`` copy; None: this package), so a planted bug runs beside
+    the clean code of the calling process. Returns the trace directory; raises RuntimeError with
+    the child's last error line when the run fails."""
+    here = Path(__file__).resolve().parents[2]
+    path = ([str(Path(root).resolve())] if root is not None else []) + [str(here), str(here / "kernels")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    r = subprocess.run([sys.executable, "-P", "-c", _RUN, json.dumps(dict(options, prompts=list(prompts))),
+                        str(trace_dir)], env=env, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        tail = [x for x in (r.stderr or r.stdout).strip().splitlines() if x.strip()]
+        raise RuntimeError(f"the run in {trace_dir} failed: {tail[-1][:200] if tail else f'exit {r.returncode}'}")
+    return Path(trace_dir)
 
 
 def main(argv: list[str] | None = None) -> int:
