@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pcpviz.trace.fingerprints import row_fingerprints
 from pcpviz.trace.schema import segments_table
 
 __all__ = ["StepRecord", "Pending", "row_hashes", "fingerprint"]
@@ -62,23 +63,10 @@ def row_hashes(t) -> np.ndarray:
         return (bits * w).sum(axis=1, dtype=np.uint64)
 
 
-_FP_WEIGHTS: dict[tuple[str, int], torch.Tensor] = {}
-
-
 def fingerprint(t: torch.Tensor) -> Pending:
-    """A per-row fingerprint of a float tensor [rows, H], computed on the tensor's device without
-    a host sync: int64[rows] = sum over the row of its float32 bits (as int32) times fixed
-    weights below 2**16 (no overflow for H < 2**16). Equal rows give equal fingerprints, so the
-    checks can prove a hand-off moved the right rows (``hidden_in_fp == hidden_local_fp``)."""
-    x = t.detach().float().contiguous()
-    h = x.shape[-1] if x.ndim else 1
-    key = (str(x.device), h)
-    w = _FP_WEIGHTS.get(key)
-    if w is None:
-        g = torch.Generator().manual_seed(0x9C9F17)
-        w = _FP_WEIGHTS[key] = (torch.randint(1, 2**16, (h,), generator=g, dtype=torch.int64) | 1).to(x.device)
-    bits = x.reshape(-1, h).view(torch.int32).to(torch.int64)
-    return Pending((bits * w).sum(dim=-1))
+    """``pcpviz.trace.fingerprints.row_fingerprints`` of ``t`` (rows of hidden states), left on
+    the device for the recorder's thread (``Pending``): the step never waits for it."""
+    return Pending(row_fingerprints(t))
 
 
 class StepRecord:

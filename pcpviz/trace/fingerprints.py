@@ -1,8 +1,9 @@
 """Per-row fingerprints of the hidden states at every hand-off: which views carry them, and a
 self-consistent set of them for synthetic traces.
 
-The engine computes each one on the device without a host sync (``pcpviz.engine.record.
-fingerprint``: int64 per row, the row's float32 bits times fixed weights, summed); the checks
+Both producers compute each one on the device without a host sync (``row_fingerprints``: int64
+per row, the row's float32 bits times fixed weights, summed; the engine in ``pcpviz.engine.record``,
+the vLLM plugin at vLLM's own hand-offs, ``pcpviz.vllm.recording.fingerprints``); the checks
 (``pcpviz.analysis.checks.handoff_checks``) prove data movement with them: restore, the draft
 prefill reading the target's rows, each draft step reading what the one before handed on.
 
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["FINGERPRINT_ROWS", "FINGERPRINT_SPEC", "synthetic_fingerprints"]
+__all__ = ["FINGERPRINT_ROWS", "FINGERPRINT_SPEC", "row_fingerprints", "synthetic_fingerprints"]
 
-_FP = "engine only: per-row fingerprint (pcpviz.engine.record.fingerprint)"
+_FP = "per-row fingerprint (pcpviz.trace.fingerprints.row_fingerprints)"
 FINGERPRINT_ROWS: dict[str, list[tuple]] = {
     "target": [
         ("hidden_local_fp", "int64", "[P]", f"{_FP} of this rank's target hidden states before the restore"),
@@ -36,6 +37,34 @@ FINGERPRINT_ROWS: dict[str, list[tuple]] = {
 """Phase class -> the schema rows (name, dtype, shape, meaning[, extra]) of its fingerprint views
 (``pcpviz.trace.schema`` declares them with ``FINGERPRINT_SPEC``)."""
 FINGERPRINT_SPEC = dict(scope="rank", run_specific="float reductions differ across PCP sizes")
+
+
+_WEIGHTS: dict[tuple[str, int], object] = {}
+
+
+def row_fingerprints(t):
+    """int64[rows] fingerprints of a float tensor ``[rows, H]`` (torch, any device), computed
+    where the tensor lives without a host sync: the sum over the row of its float32 bits (as
+    int32) times fixed weights below 2**16 (no overflow for H < 2**16). Equal rows give equal
+    fingerprints whatever buffer holds them, so a check proves a hand-off moved the right rows
+    (``hidden_in_fp == hidden_local_fp``); bf16 rows are widened exactly first.
+
+        >>> import torch
+        >>> a = torch.arange(6.0).reshape(3, 2)
+        >>> bool((row_fingerprints(a[[2, 0]]) == row_fingerprints(a)[[2, 0]]).all())
+        True
+    """
+    import torch  # noqa: PLC0415 - the trace package itself does not need torch
+
+    x = t.detach().float().contiguous()
+    h = x.shape[-1] if x.ndim else 1
+    key = (str(x.device), h)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        g = torch.Generator().manual_seed(0x9C9F17)
+        w = _WEIGHTS[key] = (torch.randint(1, 2**16, (h,), generator=g, dtype=torch.int64) | 1).to(x.device)
+    bits = x.reshape(-1, h).view(torch.int32).to(torch.int64)
+    return (bits * w).sum(dim=-1)
 
 
 def _vfp(tag: int, *xs: np.ndarray) -> np.ndarray:

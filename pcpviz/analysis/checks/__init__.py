@@ -41,8 +41,9 @@ from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
 from .runner import CHECK_MODULES, CHECKS, run_checks
 
 ENGINE_VIEW_CHECKS = frozenset({"hidden_restored", "hidden_handoffs", "target_outputs_agree", "verify_greedy"})
-"""Checks of views only some producers record (the engine's fingerprints and top1_token; not vLLM's
-plugin yet, not older traces): skipped there, naming the missing view."""
+"""Checks of views only some producers record (fingerprints: the engine and the vLLM plugin, not
+older traces nor FULL CUDA-graph replays; top1_token: the engine alone): skipped where a view is
+missing, naming it."""
 
 __all__ = [
     "ENGINE_VIEW_CHECKS", "CHECKS", "PASS", "FAIL", "SKIPPED", "Violation", "CheckResult", "CheckReport", "run_checks",

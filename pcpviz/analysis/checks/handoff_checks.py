@@ -1,7 +1,8 @@
 """Checks of the data the model consumed: hidden-state hand-offs proven by per-row fingerprints
-(``*_fp`` views, ``pcpviz.engine.record.fingerprint``) and the target outputs every rank must
-share. Traces without fingerprints (vLLM's plugin today, older engine traces) skip them, saying
-which view is missing.
+(``*_fp`` views, ``pcpviz.trace.fingerprints.row_fingerprints``, recorded by the engine and by the
+vLLM plugin at vLLM's own hand-offs) and the target outputs every rank must share. Traces without
+fingerprints (older traces, draft forwards replayed as FULL CUDA graphs) skip them, saying which
+view is missing.
 
 PCP=2 example (a fresh 6-token prefill, P = 4 local rows, rank 0 holds tokens 0, 1, 4, 5)::
 

@@ -84,6 +84,7 @@ class DraftContext:
         self.all_gathers_before = fake_group_all_gathers()
         self.hidden_gathers = 0
         self.full_replays = 0  # FULL CUDA-graph replays inside this propose (graphs.py)
+        self.target_rows: int | None = None  # rows of the target hidden states propose received
         self.k = int(getattr(spec, "num_speculative_steps", 1) or 1)
 
     def phase_name(self, k: int) -> str:

@@ -12,9 +12,11 @@ override                        records (phase ``target`` unless noted)
 ``prepare_attn``                ``block_table_local`` (return value), ``block_table_global``
 ``prepare_slot_mappings``       ``slot_mapping_global`` (``_global_batch_slot_mappings``) and
                                 ``slot_mapping_gathered`` (return value)
-``restore_for_sampling``        ``sampled_logits_rows``, ``sampled_from`` (global or local batch)
+``restore_for_sampling``        ``sampled_logits_rows``, ``sampled_from`` (global or local batch),
+                                ``hidden_fp`` (the restored rows' fingerprints)
 ``prepare_draft_prefill``       ``draft_global_input_ids`` of ``draft_0`` (its argument)
-``restore_draft_prefill``       ``draft_prefill_restored`` of the last draft phase
+``restore_draft_prefill``       ``draft_prefill_restored`` of the last draft phase; draft_0's
+                                ``hidden_last_fp`` and ``hidden_out_fp`` (``fingerprints``)
 ``restore_hidden_states``       counts the hidden-state all-gathers of a ``propose`` (``dummy``)
 ==============================  =====================================================================
 
@@ -32,6 +34,7 @@ import numpy as np
 
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
+from pcpviz.vllm.recording import fingerprints
 from pcpviz.vllm.recording.host import now_us
 from pcpviz.vllm.recording.recorder import RankRecorder
 from pcpviz.vllm.recording.sessions import active_session
@@ -96,6 +99,7 @@ class RecordingPCPManager(PCPManager):
         rec = recorder_of(self)
         if rec is not None:
             rec.guard(rec.on_restore_for_sampling, self, batch, len(aux) if aux else 0)
+            rec.guard(fingerprints.on_restored_target, rec, hidden)
         return hidden, aux, batch
 
     def prepare_draft_prefill(self, input_batch, input_ids):
@@ -111,4 +115,6 @@ class RecordingPCPManager(PCPManager):
         ctx = current_draft()
         if ctx is not None and ctx.spec.pcp_manager is self and ctx.phases and not ctx.dummy:
             ctx.rec.guard(ctx.rec.put, ctx.phases[-1], draft_prefill_restored=np.array(was_local))
+            if was_local:
+                ctx.rec.guard(fingerprints.on_restored_draft, ctx, *out)
         return out

@@ -11,7 +11,9 @@ vLLM 0.33.0 method                                       records
 ``DFlashSpeculator.propose`` (DSpark)                    thread-local ``current_draft()``); at the end
                                                          ``draft_tokens`` and the step is written
 ``TargetDependentARSpeculator._run_model``               ``DraftContext.on_forward``: the inputs of
-                                                         each draft forward
+                                                         each draft forward; the fingerprints of the
+                                                         hidden rows it reads and returns
+                                                         (``fingerprints``)
 ``GPUModelRunner.postprocess_sampled``                   the ``verify`` phase
 ``dflash.speculator.prepare_dflash_inputs`` (module)     DSpark's replicated drafter inputs
 ``Worker.compile_or_warm_up_model``                      ``warming_up()`` while vLLM warms up
@@ -36,6 +38,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from pcpviz.vllm.recording import fingerprints
 from pcpviz.vllm.recording.host import now_us
 
 if TYPE_CHECKING:
@@ -189,6 +192,7 @@ def _wrap_propose(original: Callable[..., Any]) -> Callable[..., Any]:
         ctx = rec.guard(rec.begin_propose, self, input_batch, dummy)
         if ctx is None:
             return original(self, *args, **kwargs)
+        rec.guard(fingerprints.on_target_hidden, ctx, bound.arguments.get("last_hidden_states"))
         previous = current_draft()
         _tls.ctx = ctx
         try:
@@ -205,10 +209,14 @@ def _wrap_run_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _run_model(self, num_tokens, attn_metadata=None, slot_mappings=None, *args: Any, **kwargs: Any) -> Any:
         ctx = current_draft()
-        if ctx is not None and ctx.spec is self:
-            mode = kwargs.get("cudagraph_runtime_mode", args[1] if len(args) > 1 else None)
-            ctx.rec.guard(ctx.on_forward, int(num_tokens), slot_mappings, getattr(mode, "name", "NONE"))
-        return original(self, num_tokens, attn_metadata, slot_mappings, *args, **kwargs)
+        if ctx is None or ctx.spec is not self:
+            return original(self, num_tokens, attn_metadata, slot_mappings, *args, **kwargs)
+        mode = kwargs.get("cudagraph_runtime_mode", args[1] if len(args) > 1 else None)
+        ctx.rec.guard(ctx.on_forward, int(num_tokens), slot_mappings, getattr(mode, "name", "NONE"))
+        ctx.rec.guard(fingerprints.before_forward, ctx, int(num_tokens))
+        out = original(self, num_tokens, attn_metadata, slot_mappings, *args, **kwargs)
+        ctx.rec.guard(fingerprints.after_forward, ctx, out)
+        return out
 
     return _mark(_run_model, original)
 
