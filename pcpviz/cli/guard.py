@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import math
 import os
+import re
 import sys
 from typing import Any, Callable, Iterator, Sequence
 
@@ -26,7 +27,7 @@ from pcpviz.trace.jsonlimits import loads_bounded
 
 __all__ = ["EXIT_INCOMPLETE", "EXIT_PIPE", "EXIT_CODES_HELP", "bounded_int", "seconds", "path",
            "check_output_file", "read_json_file", "read_prompts_file", "trace_verdict", "exit_code", "SUBCOMMAND_NAMES",
-           "os_error_line", "drop_stdout", "NamedStdout", "system_error", "named_stdout"]
+           "os_error_line", "drop_stdout", "NamedStdout", "system_error", "named_stdout", "terminal_safe"]
 
 EXIT_INCOMPLETE = 3
 EXIT_PIPE = 141
@@ -137,7 +138,7 @@ def trace_verdict(trace: Any, cmd: str) -> Any:
                 if len(bad) > 1 else "")
         raise ValueError(f"invalid: {bad[0].message}{more}")
     for line in status.lines("incomplete"):
-        print(f"pcpviz {cmd}: {line}", file=sys.stderr)
+        print(f"pcpviz {cmd}: {terminal_safe(line)}", file=sys.stderr)
     return status
 
 
@@ -163,7 +164,7 @@ def system_error(argv: Sequence[str], e: BaseException) -> int:
         return EXIT_PIPE
     what = (os_error_line(e) if isinstance(e, OSError) else "input nested too deeply"
             if isinstance(e, RecursionError) else "out of memory (the input is larger than this machine can hold)")
-    print(f"{prog}: {what}", file=sys.stderr)
+    print(f"{prog}: {terminal_safe(what)}", file=sys.stderr)
     return 2
 
 
@@ -195,9 +196,26 @@ def drop_stdout() -> None:
         pass
 
 
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+"""Characters a terminal acts on or hides: C0/C1 controls but tab and newline (ESC sequences,
+carriage returns, backspaces), zero-width and bidirectional overrides (text shown reordered)."""
+
+
+def terminal_safe(text: str) -> str:
+    r"""``text`` with every character a terminal would act on or hide written as an escape, so a
+    request id, prompt or file name from a trace cannot move the cursor, recolour, clear or reorder
+    what the user reads (tab and newline stay).
+
+        >>> print(terminal_safe("req\x1b[2J0 ok\u202e"))
+        req\x1b[2J0 ok\u202e
+    """
+    return _UNSAFE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                       else f"\\u{ord(m.group()):04x}", text)
+
+
 class NamedStdout:
     """stdout whose write errors (a full disk, an I/O error) name it: ``stdout: No space left
-    on device``, not a nameless OSError."""
+    on device``, not a nameless OSError; what is written is ``terminal_safe``."""
 
     def __init__(self, stream) -> None:
         self._stream = stream
@@ -211,7 +229,8 @@ class NamedStdout:
             raise OSError(e.errno, e.strerror, "stdout") from None
 
     def write(self, text: str) -> int:
-        return self._named(self._stream.write, text)
+        self._named(self._stream.write, terminal_safe(text))
+        return len(text)
 
     def flush(self) -> None:
         self._named(self._stream.flush)
