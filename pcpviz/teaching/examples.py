@@ -30,6 +30,7 @@ import numpy as np
 
 from pcpviz.reference.batch import GlobalBatch, order_batch
 from pcpviz.reference.blocks import PAD_SLOT_ID, BlockTable, compute_slot_mappings
+from pcpviz.reference.drafts import draft_decode_positions, draft_prefill_inputs, unwritten_rows
 from pcpviz.reference.layout import PCPLayout, plan_layout
 
 __all__ = [
@@ -213,7 +214,9 @@ class DraftInputs:
 def draft_inputs(batch: GlobalBatch, *, num_sampled: Sequence[int], num_rejected: Sequence[int],
                  last_sampled: Sequence[int], next_prefill_tokens: Sequence[int],
                  num_speculative_tokens: int, num_reqs_padded: int | None = None) -> DraftInputs:
-    """``prepare_prefill_inputs`` then ``prepare_decode_inputs`` (advancing positions).
+    """``prepare_prefill_inputs`` then ``prepare_decode_inputs`` (advancing positions), computed by
+    ``pcpviz.reference.drafts`` and laid out for the notebook (rows the prefill does not write
+    marked ``STALE``, padding requests appended).
 
     Per request ``i`` with ``q`` query rows of which ``num_rejected`` were rejected drafts:
 
@@ -235,7 +238,6 @@ def draft_inputs(batch: GlobalBatch, *, num_sampled: Sequence[int], num_rejected
         ([6, 9, -1, -1], [1], [23, 24])
     """
     r = batch.num_reqs
-    k = int(num_speculative_tokens)
     pad = r if num_reqs_padded is None else int(num_reqs_padded)
     if pad < r:
         raise ValueError(f"num_reqs_padded {pad} < {r} requests")
@@ -245,23 +247,16 @@ def draft_inputs(batch: GlobalBatch, *, num_sampled: Sequence[int], num_rejected
     for name, a in arrays.items():
         if a.shape != (r,):
             raise ValueError(f"{name} needs one entry per request ({r}), got shape {a.shape}")
-    qsl, ids, pos = batch.query_start_loc, batch.input_ids, batch.positions
-    out = np.full(batch.num_tokens, STALE, dtype=np.int64)
-    last = np.zeros(pad, dtype=np.int64)
-    for i in range(r):
-        start = int(qsl[i])
-        valid = int(batch.num_scheduled_tokens[i]) - int(arrays["num_rejected"][i])
-        out[start: start + valid - 1] = ids[start + 1: start + valid]
-        last[i] = start + valid - 1
-        nxt = arrays["last_sampled"][i] if arrays["num_sampled"][i] > 0 else arrays["next_prefill_tokens"][i]
-        out[last[i]] = nxt
-    steps = max(k - 1, 0)
-    first_pos = pos[last[:r]] + 1 if r else np.zeros(0, np.int64)
-    first_len = batch.seq_lens - arrays["num_rejected"] + 1
-    dpos = first_pos[None, :] + np.arange(steps)[:, None]
-    dlen = np.zeros((steps, pad), dtype=np.int64)
-    dlen[:, :r] = first_len[None, :] + np.arange(steps)[:, None]
-    return DraftInputs(out, last, dpos.astype(np.int64), dlen)
+    ids, last = draft_prefill_inputs(batch.input_ids, batch.query_start_loc, num_rejected=arrays["num_rejected"],
+                                     num_sampled=arrays["num_sampled"], last_sampled=arrays["last_sampled"],
+                                     next_prompt_tokens=arrays["next_prefill_tokens"])
+    ids[unwritten_rows(batch.query_start_loc, last)] = STALE
+    dpos = draft_decode_positions(batch.positions, last, int(num_speculative_tokens))  # int64[K-1, R]
+    dlen = np.zeros((dpos.shape[0], pad), dtype=np.int64)  # graph padding requests: seq_len 0
+    dlen[:, :r] = dpos + 1
+    last_padded = np.zeros(pad, dtype=np.int64)
+    last_padded[:r] = last
+    return DraftInputs(ids, last_padded, dpos, dlen)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 
 from pcpviz.reference import batch as batch_mod
 from pcpviz.reference import blocks as blocks_mod
+from pcpviz.reference import drafts as drafts_mod
 from pcpviz.teaching import examples as teach
 from pcpviz.reference.batch import order_batch
 from pcpviz.reference.blocks import PAD_SLOT_ID, gather_block_table_rows, gathered_slot_mapping
@@ -35,7 +36,7 @@ def _global_slots(layout):
 
 
 def test_doctests():
-    for mod in (teach, batch_mod, blocks_mod):
+    for mod in (teach, batch_mod, blocks_mod, drafts_mod):
         res = doctest.testmod(mod)
         assert res.attempted > 0 and res.failed == 0, f"{mod.__name__}: {res}"
 
