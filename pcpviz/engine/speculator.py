@@ -216,7 +216,7 @@ def _draft_prefill(worker, d, dt, *, hidden_local, bounds, hidden_rank_local, ho
                           seq_lens=d["seq_lens"], bounds=bounds, slots_checked=True, host_lens=host_lens)
     with torch.no_grad():
         hidden_in = hidden_local  # [P, H]: the target's rank-local rows, what the MTP layer reads
-        mtp_local = model.mtp_forward(dt["ids"], dt["positions"], hidden_in, attn)
+        mtp_local = model.mtp_forward(dt["ids"], dt["positions"], hidden_in, attn=attn)
         if hidden_rank_local:
             h_last = mtp_local[dt["read_idx"]]
         else:
@@ -253,7 +253,7 @@ def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=Fal
                 handed.append(hidden)  # what step j reads (== handed[j - 1] unless a hand-off broke)
             # the fault draft_decodes_read_prefill_batch: every step fed the draft prefill's first rows
             inputs = (dt["stale_ids"], dt["stale_positions"]) if "stale_ids" in dt else (ids, dt["dpos"][j - 1])
-            mtp_h = model.mtp_forward(*inputs, hidden, attn)
+            mtp_h = model.mtp_forward(*inputs, hidden, attn=attn)
             ids = model.mtp_logits(mtp_h).argmax(-1)
             hidden = model.mtp_recycle_hidden(mtp_h)
             if keep:
