@@ -48,8 +48,8 @@ from pcpviz.reference.blocks import (
 )
 from pcpviz.reference.drafts import draft_decode_positions, draft_prefill_inputs
 from pcpviz.faults import SYNTHETIC, active_faults, validate_faults
-from pcpviz.reference.layout import (PCPLayout, gather_maps, partition_batch, plan_layout, rank_segments,
-                           replicated_requests)
+from pcpviz.reference.chunks import gather_maps, rank_segments, replicated_requests
+from pcpviz.reference.layout import PCPLayout, partition_batch, plan_layout
 from pcpviz.trace import TraceWriter, segments_table
 from pcpviz.trace.fingerprints import synthetic_fingerprints
 
@@ -147,11 +147,11 @@ def _layout_from_chunks(q: np.ndarray, prefill: np.ndarray, n: int, shard: bool,
     qsl = np.zeros(q.shape[0] + 1, dtype=np.int64)
     np.cumsum(q, out=qsl[1:])
     replicated = replicated_requests(q, prefill, n, dcp)
-    segments_by_rank = rank_segments(q, prefill, qsl, replicated, n, shard, chunk_ids)
+    segments_by_rank = rank_segments(q, prefill, qsl, replicated=replicated, n=n, shard=shard, chunk_ids=chunk_ids)
     per_rank = tuple(sum(s.num_tokens for s in segs) for segs in segments_by_rank)
     p = max(per_rank)
-    pgi, hri, mask = gather_maps(segments_by_rank, p, int(qsl[-1]), prefill, replicated, shard,
-                                 writer_rank)
+    pgi, hri, mask = gather_maps(segments_by_rank, p, int(qsl[-1]), prefill=prefill, replicated=replicated,
+                                 shard=shard, writer_rank=writer_rank)
     return PCPLayout(n, dcp, shard, q, prefill, qsl, replicated, segments_by_rank, per_rank,
                      p, pgi, hri, mask)
 
@@ -482,7 +482,7 @@ def _rank_phases(rank: int, st: _Step, layout: PCPLayout, full: np.ndarray, v: _
         }
     for j in range(1, k):
         pj = d.positions[j - 1]
-        slots = draft_decode_slot_mapping(full, s.block_size, idx_mapping, pj, **s.dcp_kw)
+        slots = draft_decode_slot_mapping(full, s.block_size, idx_mapping, positions=pj, **s.dcp_kw)
         phases[f"draft_{j}"] = {
             "view": np.array("replicated"), "draft_input_ids": d.tokens[:, j - 1], "draft_positions": pj,
             "draft_seq_lens": pj + 1,

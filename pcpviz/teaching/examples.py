@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from pcpviz.reference.batch import GlobalBatch, order_batch
-from pcpviz.reference.blocks import PAD_SLOT_ID, BlockTable, compute_slot_mappings
+from pcpviz.reference.blocks import PAD_SLOT_ID, BlockTable, draft_decode_slot_mapping
 from pcpviz.reference.drafts import draft_decode_positions, draft_prefill_inputs, unwritten_rows
 from pcpviz.reference.layout import PCPLayout, plan_layout
 
@@ -95,7 +95,7 @@ def cache_writes(layout: PCPLayout, gathered_slots: np.ndarray, rank: int) -> Ca
         >>> int(w.tokens[0]), int(w.source_rank[0]), int(w.slots[0])
         (0, 1, 100)
     """
-    layout._check_rank(rank)
+    layout.check_rank(rank)
     n, p = layout.pcp_world_size, layout.padded_num_tokens
     slots = np.asarray(gathered_slots, dtype=np.int64).reshape(-1)
     if slots.shape[0] != n * p:
@@ -132,8 +132,8 @@ class DraftDecodeIO:
                          for name, s, b in zip(names, self.slot_mapping, self.read_blocks))
 
 
-def draft_decode_io(table: np.ndarray, block_size: int, idx_mapping: np.ndarray, positions: np.ndarray,
-                    *, input_block_tables: np.ndarray) -> DraftDecodeIO:
+def draft_decode_io(table: np.ndarray, block_size: int, idx_mapping: np.ndarray, *, positions: np.ndarray,
+                    input_block_tables: np.ndarray) -> DraftDecodeIO:
     """A draft decode's writes and reads, the way vLLM 0.33.0 splits them.
 
     * **writes**: ``BlockTables.compute_slot_mappings`` reads the persistent, request-indexed
@@ -147,14 +147,15 @@ def draft_decode_io(table: np.ndarray, block_size: int, idx_mapping: np.ndarray,
     ``a`` in request-state slot 2 owning blocks [7, 3], at position 6)::
 
         >>> t = np.zeros((4, 2), np.int32); t[2] = [7, 3]
-        >>> io = draft_decode_io(t, 4, np.array([2]), np.array([6]), input_block_tables=np.zeros((4, 2), np.int32))
+        >>> io = draft_decode_io(t, 4, np.array([2]), positions=np.array([6]),
+        ...                      input_block_tables=np.zeros((4, 2), np.int32))
         >>> io.slot_mapping.tolist(), io.read_blocks
         ([14], ((0, 0),))
     """
     idx = np.asarray(idx_mapping, dtype=np.int64)
     pos = np.asarray(positions, dtype=np.int64)
     r = idx.shape[0]
-    slots = compute_slot_mappings(table, block_size, idx, np.arange(r + 1), pos, r)[0]
+    slots = draft_decode_slot_mapping(table, block_size, idx, positions=pos)[0]
     rows = np.asarray(input_block_tables)[:r].astype(np.int32)
     reads = tuple(tuple(int(b) for b in rows[i, : int(pos[i]) // block_size + 1]) for i in range(r))
     return DraftDecodeIO(slots, rows, reads)
@@ -448,7 +449,7 @@ def local_is_padding(layout: PCPLayout, rank: int, *, moe_gathers_tokens: bool) 
         >>> local_is_padding(lay, 0, moe_gathers_tokens=False).shape, local_is_padding(lay, 0, moe_gathers_tokens=True).shape
         ((12,), (24,))
     """
-    layout._check_rank(rank)
+    layout.check_rank(rank)
     p = layout.padded_num_tokens
     if moe_gathers_tokens:
         return ~layout.is_real_row()
@@ -596,14 +597,14 @@ def _scheduler_names() -> list[str]:
 
 def _write_slot_a_without_gather() -> int:
     ex = block_example()
-    io = draft_decode_io(ex.table.as_array(), ex.block_size, ex.idx_mapping, ex.draft_positions,
+    io = draft_decode_io(ex.table.as_array(), ex.block_size, ex.idx_mapping, positions=ex.draft_positions,
                          input_block_tables=ex.stale_input_block_tables)
     return int(io.slot_mapping[1])
 
 
 def _read_blocks_a_without_gather() -> list[int]:
     ex = block_example()
-    io = draft_decode_io(ex.table.as_array(), ex.block_size, ex.idx_mapping, ex.draft_positions,
+    io = draft_decode_io(ex.table.as_array(), ex.block_size, ex.idx_mapping, positions=ex.draft_positions,
                          input_block_tables=ex.stale_input_block_tables)
     return list(io.read_blocks[1])
 

@@ -364,7 +364,7 @@ def test_gather_block_table_rows_matches_numpy(width):
     idx = np.array([4, 0, 8, 4, 2], np.int64)
     nb = rng.integers(0, width + 1, size=9).astype(np.int32)
     for padded, num_blocks in [(None, None), (8, None), (7, nb), (5, nb)]:
-        want = npb.gather_block_table_rows(table, idx, padded, num_blocks)
+        want = npb.gather_block_table_rows(table, idx, padded, num_blocks=num_blocks)
         tt, it = _t(table, torch.int32, "cpu"), _t(idx, dev="cpu")
         nbt = None if num_blocks is None else _t(num_blocks, torch.int32, "cpu")
         got = K.gather_block_table_rows(tt, it, padded, nbt)
@@ -547,7 +547,7 @@ def test_gpu_small_kernels():
         got = K.compute_slot_mapping(_t(table, torch.int32), bs, _t(idx), _t(qsl), _t(pos), int(qsl[-1]) + 9)
         assert np.array_equal(got.cpu().numpy(), want)
         nb = rng.integers(0, table.shape[1] + 1, size=16).astype(np.int32)
-        want = npb.gather_block_table_rows(table, idx[idx >= 0], 16, nb)
+        want = npb.gather_block_table_rows(table, idx[idx >= 0], 16, num_blocks=nb)
         got = K.gather_block_table_rows(_t(table, torch.int32), _t(idx[idx >= 0]), 16, _t(nb, torch.int32))
         assert np.array_equal(got.cpu().numpy(), want)
     lay = plan_layout([1000, 1, 1, 77], [True, False, False, True], 4)

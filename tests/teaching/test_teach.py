@@ -93,14 +93,14 @@ def test_draft_decode_writes_ignore_input_block_tables_and_reads_depend_on_them(
     ex = teach.block_example()
     table = ex.table.as_array()
     gathered_rows = gather_block_table_rows(table, ex.idx_mapping)
-    good = teach.draft_decode_io(table, 4, ex.idx_mapping, ex.draft_positions, input_block_tables=gathered_rows)
-    bad = teach.draft_decode_io(table, 4, ex.idx_mapping, ex.draft_positions,
+    good = teach.draft_decode_io(table, 4, ex.idx_mapping, positions=ex.draft_positions, input_block_tables=gathered_rows)
+    bad = teach.draft_decode_io(table, 4, ex.idx_mapping, positions=ex.draft_positions,
                                 input_block_tables=ex.stale_input_block_tables)
     assert good.slot_mapping.tolist() == bad.slot_mapping.tolist() == [23, 14]
     assert good.read_blocks == ((5,), (7, 3)) and bad.read_blocks == ((0,), (0, 0))
     # a stale table from another step (rows of other requests) also only changes the reads
     stale = np.roll(table, 1, axis=0)
-    assert teach.draft_decode_io(table, 4, ex.idx_mapping, ex.draft_positions,
+    assert teach.draft_decode_io(table, 4, ex.idx_mapping, positions=ex.draft_positions,
                                  input_block_tables=stale).slot_mapping.tolist() == [23, 14]
 
 
@@ -109,7 +109,7 @@ def test_draft_decode_slots_equal_vllm_compute_slot_mappings():
 
     ex = teach.block_example()
     table = ex.table.as_array()
-    ours = teach.draft_decode_io(table, 4, ex.idx_mapping, ex.draft_positions,
+    ours = teach.draft_decode_io(table, 4, ex.idx_mapping, positions=ex.draft_positions,
                                  input_block_tables=ex.stale_input_block_tables).slot_mapping
     theirs = oracle.vllm_compute_slot_mappings([list(r) for r in table], 4, idx_mapping=ex.idx_mapping,
                                                query_start_loc=[0, 1, 2], positions=ex.draft_positions, num_tokens=2)

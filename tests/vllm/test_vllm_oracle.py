@@ -213,20 +213,22 @@ def test_scenario_a_gathered_slot_mapping_matches_the_note():
 
 def test_scenario_a_replicated_draft_steps_use_global_rows_and_unexpanded_slots():
     idx = [7, 6, 5, 4]  # global order d0, d1, p1, p0
-    rows = oracle.vllm_gather_block_tables(BLOCK_ROWS, 4, idx, 6)
+    rows = oracle.vllm_gather_block_tables(BLOCK_ROWS, 4, idx, num_reqs_padded=6)
     assert rows.dtype == np.int32 and rows.shape == (6, 7)
     assert [r[r > 0].tolist() for r in rows] == [BLOCK_ROWS[i] for i in idx] + [[], []]
     qsl = [0, 1, 2, 3, 4]
-    step1 = oracle.vllm_compute_slot_mappings(BLOCK_ROWS, 4, idx, qsl, [24, 13, 22, 13], 4)
-    step2 = oracle.vllm_compute_slot_mappings(BLOCK_ROWS, 4, idx, qsl, [25, 14, 23, 14], 6)
+    step1 = oracle.vllm_compute_slot_mappings(BLOCK_ROWS, 4, idx, query_start_loc=qsl, positions=[24, 13, 22, 13],
+                                              num_tokens=4)
+    step2 = oracle.vllm_compute_slot_mappings(BLOCK_ROWS, 4, idx, query_start_loc=qsl, positions=[25, 14, 23, 14],
+                                              num_tokens=6)
     assert step1.tolist() == [[28, 49, 82, 105]]
     assert step2.tolist() == [[29, 50, 83, 106, -1, -1]]  # padded tail is PAD
 
 
 def test_context_parallel_slot_mapping_runs_under_the_interpreter():
     # CP_SIZE > 1 takes the kernel branch the int1-mask patch exists for.
-    out = oracle.vllm_compute_slot_mappings([[1, 2], [3], []], 4, [0, 1], [0, 3, 4], [5, 6, 7, 2], 6,
-                                            cp_size=2, cp_rank=1)
+    out = oracle.vllm_compute_slot_mappings([[1, 2], [3], []], 4, [0, 1], query_start_loc=[0, 3, 4],
+                                            positions=[5, 6, 7, 2], num_tokens=6, cp_size=2, cp_rank=1)
     assert out.tolist() == [[6, -1, 7, -1, -1, -1]]
 
 
