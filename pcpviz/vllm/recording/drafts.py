@@ -178,7 +178,7 @@ class DraftContext:
     def on_gather_block_tables(self) -> None:
         self.block_table_gathers += 1
 
-    def on_dflash_inputs(self, input_buffers: Any, query_slots: torch.Tensor, context_positions: torch.Tensor,
+    def on_dflash_inputs(self, input_buffers: Any, query_slots: torch.Tensor, *, context_positions: torch.Tensor,
                          context_slots: torch.Tensor) -> None:
         """DSpark/DFlash's replicated drafter inputs on the global batch (one draft forward),
         what ``prepare_dflash_inputs`` just wrote."""

@@ -282,14 +282,14 @@ def probe_full_graphs(*, mode: str = "FULL_DECODE_ONLY", decodes: str = "replica
             break
         steps.append(tuple(o for o, _ in outs))
         ref = outs[0][1]
-        sched.update(out, ref.req_ids, ref.num_sampled, ref.num_rejected)
+        sched.update(out, ref.req_ids, num_sampled=ref.num_sampled, num_rejected=ref.num_rejected)
     return FullGraphProbe(mode, decodes, max_num_seqs, tuple(sizes), dict(graphs), fix, tuple(steps), mismatch,
                           tuple(s.kv_draft.numpy().copy() for s in states))
 
 
 def _observed_step(st: RankState, w: _Watch, out: Any, step: int,
                    sched: ScriptedScheduler) -> tuple[ProposeObservation, Any]:
-    res = rank_step(st, out, step, sched, eager_drafts=False)
+    res = rank_step(st, out, step=step, sched=sched, eager_drafts=False)
     manager = st.manager
     local = manager._local_batch  # noqa: SLF001
     obs = ProposeObservation(step, st.rank, len(res.req_ids), w.prefill_mode, w.decode_mode, tuple(w.forwards),
