@@ -207,7 +207,8 @@ def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
     GPUs are counted on the hosts that run the ranks, not on this one."""
     import os
 
-    from pcpviz.engine.launch import build_config, start_trace
+    from pcpviz.engine.run_config import build_config
+    from pcpviz.engine.trace_dir import start_trace
 
     try:
         cfg = build_config(prompts, count_local_devices=False, **_engine_options(args))

@@ -186,7 +186,7 @@ def _trace_sink(cfg: dict, rank: int, writer_cls):
     flight = FlightConfig.from_env()
     if flight is None:
         return writer_cls(cfg["trace_dir"], rank, owner=cfg.get("trace_owner"))
-    from pcpviz.engine.launch import trace_meta
+    from pcpviz.engine.trace_dir import trace_meta
 
     return FlightRing(flight, cfg["trace_dir"], rank, lambda: trace_meta(cfg))
 

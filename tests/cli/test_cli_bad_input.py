@@ -394,7 +394,7 @@ def test_prompts_file_is_bounded(tmp_path):
     f.write_text(json.dumps(["x"] * 5000))
     rc, _, err = run_cli(["run", "--prompts-file", str(f)])
     assert rc == 2 and err.strip().endswith("5000 prompts; a run takes at most 4096"), err
-    from pcpviz.engine.launch import build_config
+    from pcpviz.engine.run_config import build_config
 
     with pytest.raises(ValueError, match="more than 4194304 tokens"):
         build_config(["y" * 30000] * 200)
