@@ -57,7 +57,7 @@ PRODUCERS = (ENGINE, SYNTHETIC)
 
 PRODUCER_MODULES: dict[str, tuple[str, ...]] = {
     ENGINE: ("pcpviz/engine",),
-    SYNTHETIC: ("pcpviz/synthetic.py",),
+    SYNTHETIC: ("pcpviz/synthetic",),
 }
 """Where each producer's fault switches live (``tests/analysis/test_fault_registry.py`` reads them: every
 switch names a fault the producer declares, every declared fault has a switch)."""
