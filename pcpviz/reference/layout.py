@@ -14,7 +14,7 @@ The rules, for PCP size N:
   goes to one owner rank, ``decode_ordinal % N``, counting decodes only.
   Otherwise (DCP > 1) every rank computes it; ``kv_write_mask`` keeps rank 0's
   copy in the gathered slot mapping, while the KV write itself stores each rank's
-  own decode rows at rank 0's slots (``pcpviz.teaching.examples.cache_writes``).
+  own decode rows at rank 0's slots (``pcpviz.teaching.examples.kv_writes.cache_writes``).
 * with DCP > 1, a prefill too short to fill 2N chunks (``(2N-1)*ceil(q/2N) >= q``)
   is treated like a decode.
 * each rank's rows are ordered decodes first, then prefills, by global row and

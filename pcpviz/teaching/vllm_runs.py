@@ -117,7 +117,7 @@ def draft_prefill_graph_modes(layout: PCPLayout, mode: str, *, k: int, max_num_s
     _vllm()
     from vllm.config import CUDAGraphMode
 
-    from pcpviz.teaching.examples import draft_prefill_dispatch
+    from pcpviz.teaching.examples.pcp_paths import draft_prefill_dispatch
     from pcpviz.vllm.replay.graphs import capture_sizes, draft_prefill_manager
 
     cg = CUDAGraphMode[mode]

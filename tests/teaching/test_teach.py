@@ -16,6 +16,7 @@ from pcpviz.reference import batch as batch_mod
 from pcpviz.reference import blocks as blocks_mod
 from pcpviz.reference import drafts as drafts_mod
 from pcpviz.teaching import examples as teach
+from pcpviz.teaching.examples import draft_steps, exercises, kv_writes, pcp_paths, traces
 from pcpviz.reference.batch import order_batch
 from pcpviz.reference.blocks import PAD_SLOT_ID, gather_block_table_rows, gathered_slot_mapping
 from pcpviz.reference.layout import plan_layout
@@ -36,7 +37,7 @@ def _global_slots(layout):
 
 
 def test_doctests():
-    for mod in (teach, batch_mod, blocks_mod, drafts_mod):
+    for mod in (kv_writes, draft_steps, pcp_paths, traces, exercises, batch_mod, blocks_mod, drafts_mod):
         res = doctest.testmod(mod)
         assert res.attempted > 0 and res.failed == 0, f"{mod.__name__}: {res}"
 
