@@ -97,7 +97,7 @@ def test_add_a_check(copy):
 def test_add_a_view(copy):
     (block,) = _blocks("Add a view")
     name = re.search(r'\("(\w+)"', block).group(1)
-    _insert(copy / "pcpviz/trace/schema.py", '    _specs("global batch", (_T,), [\n', block)
+    _insert(copy / "pcpviz/trace/view_specs.py", '    _specs("global batch", (_T,), [\n', block)
     out = _python(copy, f"""
         import json, tempfile
         from pathlib import Path
@@ -207,7 +207,7 @@ def test_add_a_producer(tmp_path):
 
 DEFINED_IN = {  # a name CONTRIBUTING.md mentions -> the file that defines it
     "check": "pcpviz/analysis/checks/context.py", "CHECK_MODULES": "pcpviz/analysis/checks/runner.py",
-    "VIEW_SPECS": "pcpviz/trace/schema.py", "_specs": "pcpviz/trace/schema.py",
+    "VIEW_SPECS": "pcpviz/trace/view_specs.py", "_specs": "pcpviz/trace/view_specs.py",
     "undeclared_views": "pcpviz/trace/validate.py", "fault": "pcpviz/faults.py",
     "PRODUCERS": "pcpviz/faults.py", "PRODUCER_MODULES": "pcpviz/faults.py", "ENGINE": "pcpviz/faults.py",
     "SYNTHETIC": "pcpviz/faults.py", "RULES": "pcpviz/analysis/explain/rules.py", "rank_phases": "pcpviz/synthetic/phases.py",
