@@ -93,7 +93,7 @@ def drafter_impl_pcp(pcp: int = 2) -> DrafterImplPCP:
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backend import AttentionImplBase
 
-    from pcpviz.vllm.cpu_patches import FakePCPGroup, run_ranks
+    from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 
     class Impl(AttentionImplBase):
         pass

@@ -20,7 +20,7 @@ from pcpviz.teaching.examples import draft_steps, exercises, kv_writes, pcp_path
 from pcpviz.reference.batch import order_batch
 from pcpviz.reference.blocks import PAD_SLOT_ID, gather_block_table_rows, gathered_slot_mapping
 from pcpviz.reference.layout import plan_layout
-from pcpviz.vllm.cpu_patches import FakePCPGroup, run_ranks
+from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 
 LAYOUTS = [  # (query lens, is_prefilling, shard_decode_requests, dcp)
     ([4, 1, 13], [False, False, True], True, 1),

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pcpviz.vllm import cpu_patches
+from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 
 cpu_patches.apply_cpu_patches()
 
@@ -243,7 +244,7 @@ def test_restore_for_sampling_across_rank_threads():
                                                           "prefill_len", "is_prefilling")))
     desc = oracle._batch_desc(None, None)
     hidden = torch.arange(31 * 3, dtype=torch.float32).view(31, 3)  # global hidden states, one row per token
-    group = cpu_patches.FakePCPGroup(2)
+    group = FakePCPGroup(2)
 
     def rank_fn(rank):
         manager = PCPManager(2, rank, oracle.CPU, True, max_num_reqs=4, max_num_tokens=31)
@@ -253,7 +254,7 @@ def test_restore_for_sampling_across_rank_threads():
         restored, aux, global_batch = manager.restore_for_sampling(local, [local * 2])
         return restored, aux[0], global_batch
 
-    outs = cpu_patches.run_ranks(group, rank_fn)
+    outs = run_ranks(group, rank_fn)
     for restored, aux, global_batch in outs:
         assert torch.equal(restored, hidden) and torch.equal(aux, hidden * 2)
         assert global_batch is batch
@@ -263,7 +264,7 @@ def test_restore_for_sampling_across_rank_threads():
 def test_pcp_attention_gather_uses_the_thread_group():
     from vllm.v1.attention.ops.pcp import maybe_gather_mla_latent_cache_inputs
 
-    group = cpu_patches.FakePCPGroup(2)
+    group = FakePCPGroup(2)
     slots = torch.arange(8)  # gathered [N*P] slot mapping, P = 4
 
     def rank_fn(rank):
@@ -271,19 +272,19 @@ def test_pcp_attention_gather_uses_the_thread_group():
         k_pe = torch.full((4, 1, 1), float(rank))
         return maybe_gather_mla_latent_cache_inputs(kv, k_pe, slots, 1, True, pcp_shard_decode_requests=True)
 
-    for kv, k_pe, slot_mapping in cpu_patches.run_ranks(group, rank_fn):
+    for kv, k_pe, slot_mapping in run_ranks(group, rank_fn):
         assert kv[:, 0].tolist() == [0.0] * 4 + [1.0] * 4 and k_pe.shape == (8, 1, 1)
         assert torch.equal(slot_mapping, slots)
 
 
 def test_fake_group_rejects_unequal_shapes_without_hanging():
-    group = cpu_patches.FakePCPGroup(2, timeout=10)
+    group = FakePCPGroup(2, timeout=10)
     with pytest.raises(AssertionError, match="unequal shapes"):
-        cpu_patches.run_ranks(group, lambda rank: group.all_gather(torch.zeros(rank + 1, 2)))
+        run_ranks(group, lambda rank: group.all_gather(torch.zeros(rank + 1, 2)))
 
 
 def test_a_failing_rank_releases_the_others():
-    group = cpu_patches.FakePCPGroup(2, timeout=10)
+    group = FakePCPGroup(2, timeout=10)
 
     def rank_fn(rank):
         if rank == 1:
@@ -291,7 +292,7 @@ def test_a_failing_rank_releases_the_others():
         return group.all_gather(torch.zeros(1))
 
     with pytest.raises(KeyError, match="rank 1 failed"):
-        cpu_patches.run_ranks(group, rank_fn)
+        run_ranks(group, rank_fn)
 
 
 def test_get_pcp_group_hook_is_inert_on_unbound_threads():
@@ -309,7 +310,7 @@ def test_get_pcp_group_hook_is_inert_on_unbound_threads():
     t.start()
     t.join()
     assert "error" in seen
-    group = cpu_patches.FakePCPGroup(1)
+    group = FakePCPGroup(1)
     with group.bind(0):
         assert pcp_manager.get_pcp_group() is group and group.rank_in_group == 0
 
@@ -328,3 +329,12 @@ def test_importing_vllm_before_the_patches_is_a_clear_error():
     assert proc.returncode != 0
     assert "RuntimeError: vllm.triton_utils was imported before" in proc.stderr
     assert "HAS_TRITON=False" in proc.stderr
+
+
+def test_fake_group_doctests():
+    import doctest
+
+    from pcpviz.vllm import fake_group
+
+    res = doctest.testmod(fake_group)
+    assert res.attempted > 0 and res.failed == 0, res

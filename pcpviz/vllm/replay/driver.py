@@ -25,7 +25,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
 from pcpviz.vllm import recording
-from pcpviz.vllm.cpu_patches import FakePCPGroup, run_ranks
+from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 from pcpviz.vllm.recording import RecordingPCPManager
 from pcpviz.vllm.replay.ranks import RankState, ReplayConfig, stand_in_vllm_config
 from pcpviz.vllm.replay.scenarios import SCENARIOS, Scenario

@@ -38,7 +38,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 from vllm.v1.worker.gpu.spec_decode.utils import get_drafter_hidden_states
 
-from pcpviz.vllm.cpu_patches import FakePCPGroup, run_ranks
+from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 from pcpviz.vllm.replay.ranks import RankState, ReplayConfig, stand_in_vllm_config
 from pcpviz.vllm.replay.scenarios import SCENARIOS
 from pcpviz.vllm.replay.scheduler import ScriptedScheduler

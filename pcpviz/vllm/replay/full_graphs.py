@@ -33,7 +33,7 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
-from pcpviz.vllm.cpu_patches import FakePCPGroup, run_ranks
+from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 from pcpviz.vllm.replay.graphs import capture_sizes, capture_stand_ins, init_graph_managers
 from pcpviz.vllm.replay.ranks import RankState, ReplayConfig, stand_in_vllm_config
 from pcpviz.vllm.replay.scenarios import SCENARIOS

@@ -30,7 +30,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_speculato
 from vllm.v1.worker.gpu.spec_decode.utils import get_drafter_hidden_states
 
 from pcpviz.vllm import recording
-from pcpviz.vllm.cpu_patches import FakePCPGroup
+from pcpviz.vllm.fake_group import FakePCPGroup
 from pcpviz.vllm.replay.ranks import RankState
 from pcpviz.vllm.replay.scheduler import ScriptedScheduler
 
