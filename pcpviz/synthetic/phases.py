@@ -32,7 +32,7 @@ def _positions_from_cpu_cursor(local, lqsl: np.ndarray) -> tuple[np.ndarray, np.
     return lpos, lsl
 
 
-def rank_phases(rank: int, st: Step, layout: PCPLayout, full: np.ndarray, v: Verify, d: Drafts,
+def rank_phases(rank: int, st: Step, layout: PCPLayout, *, full: np.ndarray, v: Verify, d: Drafts,
                  s: Settings, on: frozenset[str]) -> dict[str, dict[str, np.ndarray]]:
     """Every phase one rank records for the step: target, draft_0 (rank-local), draft_k (replicated), verify."""
     batch, qsl, k = st.batch, st.qsl, s.k
@@ -93,7 +93,7 @@ def rank_phases(rank: int, st: Step, layout: PCPLayout, full: np.ndarray, v: Ver
     return phases
 
 
-def add_timestamps(phases: dict[str, dict[str, np.ndarray]], t0: float, layout: PCPLayout, num_r: int) -> float:
+def add_timestamps(phases: dict[str, dict[str, np.ndarray]], t0: float, layout: PCPLayout, *, num_r: int) -> float:
     """``t_start_us`` / ``t_end_us`` (int64 µs, as declared) for each phase from ``t0`` on; the end."""
     tt = t0
     for phase, views in phases.items():

@@ -145,15 +145,15 @@ def generate(
             st = global_step(picked, s, on)
             full = sim.allocate(picked, on)
             layout = step_layout(st, s, on)
-            step_slots(st, layout, full, s)
+            step_slots(st, layout, full=full, s=s)
             v = verify(st, s)
-            d = draft_step(st, v, s, on)
+            d = draft_step(st, v, s, on=on)
             per_rank = []
             step_t0 = sim.clock
             for rank in range(s.pcp):
-                phases = rank_phases(rank, st, layout, full, v, d, s, on)
+                phases = rank_phases(rank, st, layout, full=full, v=v, d=d, s=s, on=on)
                 if s.timestamps:
-                    end = add_timestamps(phases, step_t0 + 3.0 * rank, layout, len(st.rows))
+                    end = add_timestamps(phases, step_t0 + 3.0 * rank, layout, num_r=len(st.rows))
                     sim.clock = max(sim.clock, end + 10.0)
                 per_rank.append(phases)
             steps.append((step, per_rank))

@@ -121,7 +121,7 @@ def step_layout(st: Step, s: Settings, on: frozenset[str]) -> PCPLayout:
     return plan_layout(q, pre, n, shard_decode_requests=s.shard, dcp_world_size=s.dcp, padded_num_tokens=p)
 
 
-def step_slots(st: Step, layout: PCPLayout, full: np.ndarray, s: Settings) -> None:
+def step_slots(st: Step, layout: PCPLayout, *, full: np.ndarray, s: Settings) -> None:
     """The step's global and gathered slot mappings and the global block-table rows."""
     idx = st.batch.idx_mapping
     st.slot_mapping_global = compute_slot_mappings(full, s.block_size, idx, st.qsl, st.positions, **s.dcp_kw)
@@ -152,7 +152,7 @@ def verify(st: Step, s: Settings) -> Verify:
     return v
 
 
-def draft_step(st: Step, v: Verify, s: Settings, on: frozenset[str]) -> Drafts:
+def draft_step(st: Step, v: Verify, s: Settings, *, on: frozenset[str]) -> Drafts:
     """The MTP draft-prefill inputs (global shifted ids, the last accepted rows) and the K drafts."""
     num_r, qsl, k = len(st.rows), st.qsl, s.k
     valid = st.q - v.num_rejected
