@@ -38,9 +38,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                                        overwrite=args.overwrite, progress=say)
     except ValueError as e:
         raise UsageError(f"pcpviz replay: {' '.join(str(e).split())}") from None
+    decodes = "no PCP" if res.pcp == 1 else ("sharded" if res.shard_decode_requests else "replicated") + " decodes"
     print(f"replayed {len(res.steps)} steps of '{res.scenario}' on {res.pcp} ranks (K={res.num_speculative_tokens}, "
-          f"{'no PCP' if res.pcp == 1 else ('sharded' if res.shard_decode_requests else 'replicated') + ' decodes'}) in {res.seconds:.1f}s; "
-          f"trace {res.trace_path}")
+          f"{decodes}) in {res.seconds:.1f}s; trace {res.trace_path}")
     if not args.check:
         return EXIT_OK
     from pcpviz.analysis.checks import run_checks

@@ -308,7 +308,7 @@ class TinyDSV3(nn.Module):
         n_blocks = self.config.num_layers + self.config.num_mtp_layers
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith("norm.weight") or "layernorm" in name or name.endswith(("enorm.weight", "hnorm.weight")):
+                if name.endswith(("norm.weight", "enorm.weight", "hnorm.weight")) or "layernorm" in name:
                     p.fill_(1.0)
                 elif name.endswith(("o_proj.weight", "down_proj.weight")):
                     p.normal_(0.0, std / math.sqrt(2 * n_blocks), generator=generator)

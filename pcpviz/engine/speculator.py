@@ -96,8 +96,8 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     t0 = _now_us()
     with timer.phase("draft_k"):
         drafts, handed = worker.run_forward(
-            ("draft_k", shape), lambda: _draft_decodes(worker, dt, tok0=tok0, h_last=h_last, k=k, bounds=bounds, fold=fold,
-                                   marks=marks, keep=rec is not None))
+            ("draft_k", shape), lambda: _draft_decodes(worker, dt, tok0=tok0, h_last=h_last, k=k, bounds=bounds,
+                                                       fold=fold, marks=marks, keep=rec is not None))
     t1 = _now_us()
     if len(marks) != k:  # replayed from a graph: one window for every draft step
         marks = [t0] + [t1] * (k - 1)

@@ -55,13 +55,15 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import pyarrow as pa
 
-from pcpviz.trace.files import COMPLETION_FILE, COMPLETION_KEY, RANK_FILE_RE, RUN_META_FILE, rank_file_name  # noqa: F401
+from pcpviz.trace.files import (  # noqa: F401 - the file names, re-exported
+    COMPLETION_FILE, COMPLETION_KEY, RANK_FILE_RE, RUN_META_FILE, rank_file_name,
+)
 from pcpviz.trace.phases import (  # noqa: F401 - the phase vocabulary, re-exported (``schema.PHASE_TARGET`` ...)
     DRAFT_PHASE_PREFIX, PHASE_CLASSES, PHASE_DUMMY, PHASE_TARGET, PHASE_VERIFY, PHASES, causal_phase_key,
     draft_index, draft_phase, is_valid_phase, phase_class, phase_sort_key,
 )
-from pcpviz.trace.versions import SCHEMA_VERSIONS, upgrade_views  # noqa: F401 - re-exported, like the codec below
-from pcpviz.trace.view_specs import GLOBAL, RANK, VIEW_SPECS, ViewSpec  # noqa: F401 - the view declarations, re-exported
+from pcpviz.trace.versions import SCHEMA_VERSIONS, upgrade_views  # noqa: F401 - re-exported
+from pcpviz.trace.view_specs import GLOBAL, RANK, VIEW_SPECS, ViewSpec  # noqa: F401 - re-exported
 from pcpviz.trace.codec import (  # noqa: F401 - the value codec, re-exported (``schema.encode_value`` ...)
     ALIGN, STR_TAG, STRUCT_PREFIX, Encoded, check_shape, decode_payload, encode_value, padded_size,
     parse_dtype_tag, row_crc32, step_crc32,
@@ -75,7 +77,8 @@ __all__ = [
     "GLOBAL_BATCH_VIEWS", "LAYOUT_VIEWS", "LOCAL_BATCH_VIEWS", "BLOCK_TABLE_VIEWS",
     "SLOT_MAPPING_VIEWS", "DRAFT_VIEWS", "VERIFY_VIEWS", "DIGEST_VIEWS", "VIEW_GROUPS", "VIEWS",
     "KNOWN_VIEWS", "PHASE_CLASSES", "GLOBAL", "RANK", "ViewSpec", "VIEW_SPECS", "phase_class", "view_spec",
-    "phase_views", "view_panel", "undeclared_views", "views_markdown", "RUN_SPECIFIC_VIEWS", "TIMING_VIEWS", "DRAFT_VIEW_RANK_LOCAL", "DRAFT_VIEW_REPLICATED", "PAD_SLOT", "SEGMENT_DTYPE",
+    "phase_views", "view_panel", "undeclared_views", "views_markdown", "RUN_SPECIFIC_VIEWS", "TIMING_VIEWS",
+    "DRAFT_VIEW_RANK_LOCAL", "DRAFT_VIEW_REPLICATED", "PAD_SLOT", "SEGMENT_DTYPE",
     "segments_table", "is_valid_view_name", "ARROW_SCHEMA", "arrow_schema",
 ]
 
@@ -271,7 +274,8 @@ def run_meta_with_version(meta: Mapping[str, Any]) -> dict[str, Any]:
     """run.json content: ``meta`` plus the schema version (first key; an older trace's meta: this one's)."""
     if not isinstance(meta, Mapping):
         raise ValueError(f"run meta must be a dict, got {type(meta).__name__}")
-    if META_SCHEMA_KEY in meta and (type(meta[META_SCHEMA_KEY]) is not int or meta[META_SCHEMA_KEY] not in SCHEMA_VERSIONS):
+    version = meta.get(META_SCHEMA_KEY)
+    if META_SCHEMA_KEY in meta and (type(version) is not int or version not in SCHEMA_VERSIONS):
         raise ValueError(f"run meta has {META_SCHEMA_KEY}={meta[META_SCHEMA_KEY]!r}; "
                          f"this pcpviz writes version {SCHEMA_VERSION}")
     out: dict[str, Any] = {META_SCHEMA_KEY: SCHEMA_VERSION}

@@ -26,7 +26,8 @@ if not GPU:
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels"))
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT_DIR, "kernels"))
 
 
 import pcpviz_kernels as K  # noqa: E402

@@ -32,7 +32,8 @@ def _cleanup(ranks):
 
 def test_full_disk_is_blamed_on_its_rank_not_on_the_peer(tmp_path):
     ranks = _ranks("echo 'PCPVIZ_ERROR RuntimeError: Connection closed by peer [127.0.0.1]:4242' >&2; exit 1",
-                   "echo 'PCPVIZ_ERROR OSError: runs/x/rank1.arrow: cannot write (No space left on device)' >&2; exit 1")
+                   "echo 'PCPVIZ_ERROR OSError: runs/x/rank1.arrow: cannot write (No space left on device)' >&2; "
+                   "exit 1")
     err = blame(ranks, str(tmp_path))
     assert isinstance(err, RankError) and err.rank == 1 and "No space left on device" in str(err)
 

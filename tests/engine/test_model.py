@@ -322,7 +322,8 @@ def test_mtp_is_causal(model, heldout_sources):
     attn = causal_attention(model)
     p = 200
     with torch.no_grad():
-        full = model.mtp_logits(model.mtp_forward(ids[1:T + 1], pos, model.forward_hidden(ids[:T], pos, attn), attn=attn))
+        full = model.mtp_logits(model.mtp_forward(ids[1:T + 1], pos, model.forward_hidden(ids[:T], pos, attn),
+                                                  attn=attn))
         cut = model.mtp_logits(model.mtp_forward(ids[1:p + 2], pos[:p + 1],
                                                  model.forward_hidden(ids[:p + 1], pos[:p + 1], attn), attn=attn))
     assert (full[:p + 1] - cut).abs().max().item() < 1e-3

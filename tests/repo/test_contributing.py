@@ -210,9 +210,11 @@ DEFINED_IN = {  # a name CONTRIBUTING.md mentions -> the file that defines it
     "VIEW_SPECS": "pcpviz/trace/view_specs.py", "_specs": "pcpviz/trace/view_specs.py",
     "undeclared_views": "pcpviz/trace/validate.py", "fault": "pcpviz/faults.py",
     "PRODUCERS": "pcpviz/faults.py", "PRODUCER_MODULES": "pcpviz/faults.py", "ENGINE": "pcpviz/faults.py",
-    "SYNTHETIC": "pcpviz/faults.py", "RULES": "pcpviz/analysis/explain/rules.py", "rank_phases": "pcpviz/synthetic/phases.py",
-    "PANELS": "pcpviz/views/panels.py", "PanelInput": "pcpviz/views/panels.py", "drawn": "pcpviz/views/figures/violations.py",
-    "CASES": "tests/analysis/test_checks.py", "clean_run": "tests/helpers/tracegen.py", "corrupt": "tests/helpers/tracegen.py",
+    "SYNTHETIC": "pcpviz/faults.py", "RULES": "pcpviz/analysis/explain/rules.py",
+    "rank_phases": "pcpviz/synthetic/phases.py", "PANELS": "pcpviz/views/panels.py",
+    "PanelInput": "pcpviz/views/panels.py", "drawn": "pcpviz/views/figures/violations.py",
+    "CASES": "tests/analysis/test_checks.py", "clean_run": "tests/helpers/tracegen.py",
+    "corrupt": "tests/helpers/tracegen.py",
 }
 
 

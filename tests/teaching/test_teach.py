@@ -94,7 +94,8 @@ def test_draft_decode_writes_ignore_input_block_tables_and_reads_depend_on_them(
     ex = teach.block_example()
     table = ex.table.as_array()
     gathered_rows = gather_block_table_rows(table, ex.idx_mapping)
-    good = teach.draft_decode_io(table, 4, ex.idx_mapping, positions=ex.draft_positions, input_block_tables=gathered_rows)
+    good = teach.draft_decode_io(table, 4, ex.idx_mapping, positions=ex.draft_positions,
+                                 input_block_tables=gathered_rows)
     bad = teach.draft_decode_io(table, 4, ex.idx_mapping, positions=ex.draft_positions,
                                 input_block_tables=ex.stale_input_block_tables)
     assert good.slot_mapping.tolist() == bad.slot_mapping.tolist() == [23, 14]
@@ -135,8 +136,8 @@ def _vllm_draft_inputs(ex):
     last = torch.full((max_reqs,), 7, dtype=i64)
     prepare_prefill_inputs(last, torch.zeros(1, dtype=i64), buffers, gb,
                            torch.as_tensor(ex.num_sampled, dtype=i32), torch.as_tensor(ex.num_rejected, dtype=i32),
-                           torch.as_tensor(ex.last_sampled, dtype=i64), torch.as_tensor(ex.next_prefill_tokens, dtype=i32),
-                           max_reqs)
+                           torch.as_tensor(ex.last_sampled, dtype=i64),
+                           torch.as_tensor(ex.next_prefill_tokens, dtype=i32), max_reqs)
     ids = buffers.input_ids.clone()
     # _prefill: positions[:R] = positions[last_token_indices]
     buffers.positions[:r] = buffers.positions[last[:r]].clone()

@@ -223,7 +223,8 @@ def slot_cases(draw):
         q.append(n)
         pos.extend(range(start, start + n))
     pad = draw(st.integers(0, 6))
-    return block_size, rows, batch_rows.astype(np.int64), np.array(q), np.array(pos, dtype=np.int64), cp, cp_rank, interleave, pad
+    return (block_size, rows, batch_rows.astype(np.int64), np.array(q), np.array(pos, dtype=np.int64), cp, cp_rank,
+            interleave, pad)
 
 
 def _table(rows, max_blocks=12):

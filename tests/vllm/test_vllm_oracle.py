@@ -174,7 +174,8 @@ def test_rank_without_tokens_gets_a_zero_token_placeholder_row():
 
 
 def test_vllm_errors_propagate_unchanged():
-    with pytest.raises(ValueError, match=r"PCP padded token count is smaller than the largest rank-local batch: 17 < 18\."):
+    with pytest.raises(ValueError,
+                       match=r"PCP padded token count is smaller than the largest rank-local batch: 17 < 18\."):
         _layout(padded_num_tokens=17)
     with pytest.raises(RuntimeError, match=r"PCP FULL graphs require a decode-only batch\."):
         oracle.vllm_partition_batch(**SCENARIO_A, padded_num_tokens=18, padded_num_reqs=8)

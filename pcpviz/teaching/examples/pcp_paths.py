@@ -163,8 +163,10 @@ def local_is_padding(layout: PCPLayout, rank: int, *, moe_gathers_tokens: bool) 
     per-rank tokens [6, 12]::
 
         >>> lay = plan_layout([13, 1, 4], [True, False, False], 2)
-        >>> local_is_padding(lay, 0, moe_gathers_tokens=False).shape, local_is_padding(lay, 0, moe_gathers_tokens=True).shape
-        ((12,), (24,))
+        >>> local_is_padding(lay, 0, moe_gathers_tokens=False).shape
+        (12,)
+        >>> local_is_padding(lay, 0, moe_gathers_tokens=True).shape
+        (24,)
     """
     layout.check_rank(rank)
     p = layout.padded_num_tokens

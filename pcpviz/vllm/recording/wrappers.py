@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     from pcpviz.vllm.recording.recorder import RankRecorder
 
 __all__ = ["install_wrappers", "uninstall_wrappers", "wrapped_targets", "install_instance_wrappers",
-           "ensure_warm_up_wrapper", "recorder_of", "live_recorder", "owner_recorder", "attach_runner", "warming_up", "current_draft"]
+           "ensure_warm_up_wrapper", "recorder_of", "live_recorder", "owner_recorder", "attach_runner", "warming_up",
+           "current_draft"]
 
 _tls = threading.local()  # .ctx: the DraftContext of the propose running on this thread
 _warmup_depth = 0  # > 0 inside vLLM's Worker.compile_or_warm_up_model (this process)

@@ -128,9 +128,11 @@ class _Watch:
         self.st, self.fix = st, fix
         self.reset()
         spec, manager = st.spec, st.manager
-        prepare, get_buffers, run_model = manager.prepare_draft_prefill, manager.get_draft_input_buffers, spec._run_model
+        prepare, get_buffers = manager.prepare_draft_prefill, manager.get_draft_input_buffers
+        run_model = spec._run_model
         pre_dispatch, dec_dispatch = spec.prefill_cudagraph_manager.dispatch, spec.decode_cudagraph_manager.dispatch
-        pre_replay, dec_replay = spec.prefill_cudagraph_manager.run_fullgraph, spec.decode_cudagraph_manager.run_fullgraph
+        pre_replay = spec.prefill_cudagraph_manager.run_fullgraph
+        dec_replay = spec.decode_cudagraph_manager.run_fullgraph
 
         def prepare_draft_prefill(input_batch: Any, input_ids: torch.Tensor) -> None:
             self.found_set = manager.draft_prefill_batch is not None
@@ -174,7 +176,8 @@ class _Watch:
 
         manager.prepare_draft_prefill, manager.get_draft_input_buffers = prepare_draft_prefill, get_draft_input_buffers
         spec._run_model = _run_model
-        spec.prefill_cudagraph_manager.dispatch, spec.decode_cudagraph_manager.dispatch = prefill_dispatch, decode_dispatch
+        spec.prefill_cudagraph_manager.dispatch = prefill_dispatch
+        spec.decode_cudagraph_manager.dispatch = decode_dispatch
         spec.prefill_cudagraph_manager.run_fullgraph = replay(pre_replay, True)
         spec.decode_cudagraph_manager.run_fullgraph = replay(dec_replay, False)
 
@@ -300,7 +303,8 @@ def _observed_step(st: RankState, w: _Watch, out: Any, step: int,
 
 def _validate(mode: str, decodes: str, scenario: str, fix: str | None) -> CUDAGraphMode:
     if mode not in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
-        raise ValueError(f"mode must be FULL_DECODE_ONLY or FULL_AND_PIECEWISE (the FULL modes PCP admits), got {mode!r}")
+        raise ValueError("mode must be FULL_DECODE_ONLY or FULL_AND_PIECEWISE (the FULL modes PCP admits), "
+                         f"got {mode!r}")
     if decodes not in ("sharded", "replicated"):
         raise ValueError(f"decodes must be 'sharded' or 'replicated', got {decodes!r}")
     if scenario not in SCENARIOS or SCENARIOS[scenario].drafter != "mtp":
