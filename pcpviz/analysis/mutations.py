@@ -4,9 +4,10 @@ diagnosis benchmark (``benchmarks/bench_diagnosis.py``) and its CI subset.
 A ``Mutation`` names the file (relative to the ``pcpviz`` package), the exact text it replaces
 (which must occur once) and the replacement, where the bug lives (``phase``, ``view``: the first
 wrong value a correct diagnosis points at), and whether it is a ``harmless`` refactor (its runs
-must equal the clean ones). ``apply(root)`` patches a copy of the package under ``root``; ``plant(name, root)`` makes that
-copy, ready to run (``python -m pcpviz.analysis.mutations NAME DIR`` from a shell; then run with
-``PYTHONPATH=DIR``: the README's tour and notebook 04 do this to show a bug in no catalogue).
+must equal the clean ones). ``apply(root)`` patches a copy of the package under ``root``;
+``plant(name, root)`` makes that copy, ready to run (``python -m pcpviz.analysis.mutations NAME
+DIR`` from a shell; then run with ``PYTHONPATH=DIR``: the README's tour and notebook 04 do this to
+show a bug in no catalogue).
 
 PCP=2 example: ``draft_wrong_request_slot`` rolls the batch's ``idx_mapping`` by one row in the
 draft decodes' slot computation, so request 1 writes its draft KV into request 0's block; the
