@@ -140,7 +140,8 @@ def summary(rows: list[Row]) -> dict:
     bugs = [r for r in rows if not r.harmless and r.exercised]
     ref = [r for r in rows if r.harmless]
     n = max(len(bugs), 1)
-    return {"bugs_exercised": len(bugs), "not_exercised": sum(not r.harmless and r.ran and not r.exercised for r in rows),
+    return {"bugs_exercised": len(bugs),
+            "not_exercised": sum(not r.harmless and r.ran and not r.exercised for r in rows),
             "run_failed": sum(not r.ran and not r.harmless for r in rows),
             "check_fails": sum(r.check_fails for r in bugs) / n,
             "first_evidence_at_own_place": sum(r.at_own_place for r in bugs) / n,

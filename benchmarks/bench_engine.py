@@ -144,7 +144,8 @@ def main() -> None:
 
     long_ids = encode(prompts["long"])[: args.long_tokens]
     short = prompts["short"][:3]
-    out: dict = {"device": dev, "dtype": args.dtype, "long_prompt_tokens": len(long_ids), "decode_tokens": args.decode_tokens,
+    out: dict = {"device": dev, "dtype": args.dtype, "long_prompt_tokens": len(long_ids),
+                 "decode_tokens": args.decode_tokens,
                  "engine_kernels": os.environ.get("PCPVIZ_KERNELS", "1") != "0", "phases": {}}
     max_pcp = 2  # PCP=2 needs two GPUs; on one, every PCP=2 section runs at PCP=1 or is skipped
     if dev == "cuda":

@@ -311,11 +311,11 @@ def engine_inputs(dev, rows, dtype, block_size=16, seed=1):
     qsl_h = np.array([0] + list(np.cumsum(qlens)), np.int64)
     seq_h = np.array([n for _, n in rows], np.int64)
     pos = torch.cat([torch.arange(p.start, p.stop) for p, _ in rows]).to(dev)
-    args = (rnd(nq, MODEL_HEADS, DN), rnd(nq, MODEL_HEADS, DR), cache, bt.repeat(len(rows), 1),
-            torch.from_numpy(qsl_h).to(dev), pos, torch.from_numpy(seq_h).to(dev),
-            rnd(MODEL_HEADS, DN, R, sc=R ** -0.5), rnd(MODEL_HEADS, DV, R, sc=R ** -0.5), block_size,
-            1.0 / (DN + DR) ** 0.5)
-    return args, dict(max_query_len=max(qlens), max_seq_len=ctx, host_lens=(qsl_h, seq_h))
+    return dict(q_nope=rnd(nq, MODEL_HEADS, DN), q_pe=rnd(nq, MODEL_HEADS, DR), cache=cache,
+                block_rows=bt.repeat(len(rows), 1), query_start_loc=torch.from_numpy(qsl_h).to(dev), positions=pos,
+                seq_lens=torch.from_numpy(seq_h).to(dev), w_uk=rnd(MODEL_HEADS, DN, R, sc=R ** -0.5),
+                w_uv=rnd(MODEL_HEADS, DV, R, sc=R ** -0.5), block_size=block_size, scale=1.0 / (DN + DR) ** 0.5,
+                max_query_len=max(qlens), max_seq_len=ctx, host_lens=(qsl_h, seq_h))
 
 
 def bench_engine_prefill(rep, dev, *, total, pcp, dtype, label):
@@ -323,9 +323,9 @@ def bench_engine_prefill(rep, dev, *, total, pcp, dtype, label):
     from pcpviz.engine import kv_cache
 
     rows = prefill_rows(total, pcp, 0)
-    args, kw = engine_inputs(dev, rows, dtype)
+    kw = engine_inputs(dev, rows, dtype)
     flops = prefill_flops([p for p, _ in rows], [n for _, n in rows], MODEL_HEADS, DN, DR, DV)
-    fn = lambda: kv_cache.paged_mla_attention_kernels(K, *args, decode_max=16, **kw)  # noqa: E731
+    fn = lambda: kv_cache.paged_mla_attention_kernels(**kw, kernels=K, decode_max=16)  # noqa: E731
     fn()
     t = cuda_time(fn, warmup=1, iters=7)
     return rep.row(label, t, flops=flops, context=total, pcp=pcp, dtype=str(dtype),
@@ -342,10 +342,10 @@ def bench_crossover(rep, dev, *, ctx, q_lens, dtype, label):
             res.append({"q_len": q, "skipped": "time budget"})
             continue
         rows = [(range(ctx - q, ctx), ctx)] * 4
-        args, kw = engine_inputs(dev, rows, dtype, seed=q)
+        kw = engine_inputs(dev, rows, dtype, seed=q)
         t = {}
         for name, dm in (("absorbed", 1 << 30), ("expanded", 0)):
-            fn = lambda dm=dm: kv_cache.paged_mla_attention_kernels(K, *args, decode_max=dm, **kw)  # noqa: E731
+            fn = lambda dm=dm: kv_cache.paged_mla_attention_kernels(**kw, kernels=K, decode_max=dm)  # noqa: E731
             fn()
             t[name] = cuda_time(fn, warmup=1, iters=7)
         res.append({"q_len": q, "absorbed_us": round(t["absorbed"] * 1e6, 1),

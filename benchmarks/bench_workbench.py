@@ -188,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is not None:
             doc = {
                 "benchmark": "benchmarks/bench_workbench.py",
-                "command": "python benchmarks/bench_workbench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                "command": "python benchmarks/bench_workbench.py "
+                           + " ".join(argv if argv is not None else sys.argv[1:]),
                 "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                             "platform": platform.platform(),
                             "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()]},

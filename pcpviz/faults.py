@@ -4,8 +4,9 @@ One registry for all producers. Each fault is one ``fault(...)`` declaration, wh
 ``name`` (the constant, e.g. ``SAMPLE_LOCAL_LOGITS``, that its switches read). It gives a
 ``summary`` (what it breaks), ``producers`` (who can inject it: ``ENGINE`` =
 ``pcpviz.run(inject=...)``, ``SYNTHETIC`` = ``pcpviz.synthetic.generate(faults=...)``),
-``caught_by`` (the ``pcpviz.analysis.checks`` check that reports it) and ``faithful``. Faults the engine injects also say what they model (``models``:
-the shape of a real reported regression, with its public ``source``), where the bug lives in
+``caught_by`` (the ``pcpviz.analysis.checks`` check that reports it) and ``faithful``. Faults the
+engine injects also say what they model (``models``: the shape of a real reported regression,
+with its public ``source``), where the bug lives in
 vLLM (``where``), the ``signature`` they leave in a trace (``pcpviz.analysis.explain`` matches it with
 ``pcpviz.analysis.explain.rules.RULES[name]``) and whether they change the generated tokens
 (``changes_outputs``).
@@ -57,7 +58,7 @@ PRODUCERS = (ENGINE, SYNTHETIC)
 
 PRODUCER_MODULES: dict[str, tuple[str, ...]] = {
     ENGINE: ("pcpviz/engine",),
-    SYNTHETIC: ("pcpviz/synthetic.py",),
+    SYNTHETIC: ("pcpviz/synthetic",),
 }
 """Where each producer's fault switches live (``tests/analysis/test_fault_registry.py`` reads them: every
 switch names a fault the producer declares, every declared fault has a switch)."""

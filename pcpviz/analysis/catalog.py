@@ -22,7 +22,7 @@ __all__ = ["catalog", "catalog_markdown"]
 
 def _row(path: Path) -> dict[str, Any]:
     from pcpviz.analysis.diff import acceptance
-    from pcpviz.teaching.examples import vllm_acceptance_metric
+    from pcpviz.teaching.examples.traces import vllm_acceptance_metric
     from pcpviz.trace import open as open_trace
 
     row: dict[str, Any] = {"name": path.name}

@@ -4,9 +4,10 @@ diagnosis benchmark (``benchmarks/bench_diagnosis.py``) and its CI subset.
 A ``Mutation`` names the file (relative to the ``pcpviz`` package), the exact text it replaces
 (which must occur once) and the replacement, where the bug lives (``phase``, ``view``: the first
 wrong value a correct diagnosis points at), and whether it is a ``harmless`` refactor (its runs
-must equal the clean ones). ``apply(root)`` patches a copy of the package under ``root``; ``plant(name, root)`` makes that
-copy, ready to run (``python -m pcpviz.analysis.mutations NAME DIR`` from a shell; then run with
-``PYTHONPATH=DIR``: the README's tour and notebook 04 do this to show a bug in no catalogue).
+must equal the clean ones). ``apply(root)`` patches a copy of the package under ``root``;
+``plant(name, root)`` makes that copy, ready to run (``python -m pcpviz.analysis.mutations NAME
+DIR`` from a shell; then run with ``PYTHONPATH=DIR``: the README's tour and notebook 04 do this to
+show a bug in no catalogue).
 
 PCP=2 example: ``draft_wrong_request_slot`` rolls the batch's ``idx_mapping`` by one row in the
 draft decodes' slot computation, so request 1 writes its draft KV into request 0's block; the
@@ -64,6 +65,9 @@ def copy_package(src: Path, root: Path) -> Path:
 
 
 _M = Mutation
+# the views a layout bug shows up in first (any of them)
+_LAYOUT_VIEWS = ("segments|per_rank_num_tokens|padded_gather_idx|hidden_restore_idx|kv_write_mask|local_input_ids"
+                 "|local_positions")
 MUTATIONS: tuple[Mutation, ...] = (
     _M("next_prompt_token_off_by_one", "engine/speculator.py",
        "end = row.prompt_start + row.num_tokens\n", "end = row.prompt_start + row.num_tokens + 1\n",
@@ -73,7 +77,8 @@ MUTATIONS: tuple[Mutation, ...] = (
        "    ok = valid > 0\n", "    ok = (valid > 0) & (np.asarray(num_sampled) > 0)\n",
        "draft_0", "draft_global_input_ids", "chunk boundary: a partial chunk's last row keeps its stale shifted id"),
     _M("last_token_index_off_by_one", "reference/drafts.py",
-       "last = (qsl[:-1] + valid - 1).astype(np.int64)", "last = (qsl[:-1] + np.maximum(valid - 2, 0)).astype(np.int64)",
+       "last = (qsl[:-1] + valid - 1).astype(np.int64)",
+       "last = (qsl[:-1] + np.maximum(valid - 2, 0)).astype(np.int64)",
        "draft_0", "draft_last_token_indices", "off-by-one: the draft reads the row before the last accepted one"),
     _M("draft_ids_wrong_rank_slice", "engine/speculator.py",
        "local_ids = draft_ids[local.gather_idx] if draft_ids.size",
@@ -109,15 +114,18 @@ MUTATIONS: tuple[Mutation, ...] = (
        "draft_k", "draft_seq_lens", "off-by-one: draft decodes attend one token short"),
     _M("extra_accepted_draft", "engine/verify.py",
        "        out = rows[: a + 1]\n",
-       "        if 0 < a < d:\n            a += 1  # bug: one draft past the first mismatch accepted\n        out = rows[: a + 1]\n",
-       "verify", "num_accepted|sampled_token_ids", "verification: one draft past the first mismatch accepted (tokens change)"),
+       "        if 0 < a < d:\n            a += 1  # bug: one draft past the first mismatch accepted\n"
+       "        out = rows[: a + 1]\n",
+       "verify", "num_accepted|sampled_token_ids",
+       "verification: one draft past the first mismatch accepted (tokens change)"),
     _M("gathered_slots_unmasked", "reference/blocks.py",
        "return np.where(layout.kv_write_mask[None, :], picked, PAD_SLOT_ID)", "return picked",
        "target", "slot_mapping_gathered", "slots: padding rows (and every copy) written to the KV cache"),
     _M("target_slot_block_boundary", "reference/blocks.py",
        "blk_idx = local_p // bs if enabled[gi] else np.zeros_like(local_p)",
        "blk_idx = np.minimum((local_p + 1) // bs, table.shape[1] - 1) if enabled[gi] else np.zeros_like(local_p)",
-       "target", "slot_mapping_global|slot_mapping_gathered", "slots: the target's last slot of each block lands in the next block"),
+       "target", "slot_mapping_global|slot_mapping_gathered",
+       "slots: the target's last slot of each block lands in the next block"),
     _M("logits_row_off_by_one", "engine/worker.py",
        "logits_indices = np.repeat(qsl[1:] - n, n)", "logits_indices = np.repeat(np.maximum(qsl[1:] - n - 1, 0), n)",
        "target", "logits_indices", "sampling: every request samples from the row before its own"),
@@ -138,14 +146,14 @@ MUTATIONS: tuple[Mutation, ...] = (
        "st.num_computed += int(batch.num_scheduled_tokens[i]) - rejected\n",
        "st.num_computed += int(batch.num_scheduled_tokens[i]) - max(rejected - 1, 0)\n",
        "target", "positions", "positions after a rejection: the GPU cursor keeps one rejected token"),
-    _M("decode_owner_shifted", "reference/layout.py",
+    _M("decode_owner_shifted", "reference/chunks.py",
        "ids = (0,) if decode_ordinal % pcp_world_size == rank else ()",
        "ids = (0,) if (decode_ordinal + 1) % pcp_world_size == rank else ()",
-       "target", "segments|per_rank_num_tokens|padded_gather_idx|hidden_restore_idx|kv_write_mask|local_input_ids|local_positions", "layout: sharded decodes owned by the next rank (not vLLM's plan)"),
-    _M("prefill_chunk_size_off_by_one", "reference/layout.py",
-       "            size = _chunk_size(query_len, pcp_world_size)\n",
-       "            size = _chunk_size(query_len, pcp_world_size) + (query_len > 8 * pcp_world_size)\n",
-       "target", "segments|per_rank_num_tokens|padded_gather_idx|hidden_restore_idx|kv_write_mask|local_input_ids|local_positions", "chunk boundary: long prefill rows cut into chunks one token too long"),
+       "target", _LAYOUT_VIEWS, "layout: sharded decodes owned by the next rank (not vLLM's plan)"),
+    _M("prefill_chunk_size_off_by_one", "reference/chunks.py",
+       "            size = chunk_size(query_len, pcp_world_size)\n",
+       "            size = chunk_size(query_len, pcp_world_size) + (query_len > 8 * pcp_world_size)\n",
+       "target", _LAYOUT_VIEWS, "chunk boundary: long prefill rows cut into chunks one token too long"),
     _M("draft_decode_block_rows_stale_by_one", "engine/speculator.py",
        "block_rows = worker.input_block_tables[:r].copy()",
        "block_rows = np.concatenate([worker.input_block_tables[:max(r - 1, 0)], worker.input_block_tables[r:r + 1]])"

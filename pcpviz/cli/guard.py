@@ -25,10 +25,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 from pcpviz.trace.jsonlimits import loads_bounded
 
-__all__ = ["EXIT_INCOMPLETE", "EXIT_PIPE", "EXIT_CODES_HELP", "bounded_int", "seconds", "path",
+__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_INCOMPLETE", "EXIT_PIPE", "UsageError", "Incomplete",
+           "positive_int", "EXIT_CODES_HELP", "bounded_int", "seconds", "path",
            "check_output_file", "read_json_file", "read_prompts_file", "trace_verdict", "exit_code", "SUBCOMMAND_NAMES",
            "os_error_line", "drop_stdout", "NamedStdout", "system_error", "named_stdout", "terminal_safe"]
 
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 EXIT_INCOMPLETE = 3
 EXIT_PIPE = 141
 EXIT_CODES_HELP = ("Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad input (one-line reason "
@@ -39,6 +41,24 @@ EXIT_CODES_HELP = ("Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad inp
                    "SIGINT/SIGTERM (trace marked partial), 141 stdout closed early.")
 
 MAX_JSON_INPUT_BYTES = 64 << 20
+
+
+class UsageError(Exception):
+    """Bad input: reported as one line, exit code 2."""
+
+
+class Incomplete(Exception):
+    """Nothing left to work on because data was lost: one 'incomplete:' line, exit code 3."""
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
 
 
 def bounded_int(lo: int, hi: int) -> Callable[[str], int]:

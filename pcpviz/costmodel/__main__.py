@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="conditional acceptance per draft position, comma-separated (K of them)")
     p.add_argument("--batch", type=bounded_int(1, 1 << 16), default=1)
     p.add_argument("--chunk", type=bounded_int(1, 1 << 24), default=None, help="prefill token budget per step")
-    p.add_argument("--system", default="vllm-graphs", help="a system of the fit file (vllm-eager, vllm-graphs, engine, engine-v2)")
+    p.add_argument("--system", default="vllm-graphs",
+                   help="a system of the fit file (vllm-eager, vllm-graphs, engine, engine-v2)")
     p.add_argument("--attn-eff", type=_efficiency, default=None, help="override the system's attention efficiency")
     p.add_argument("--fit", default=None, help=f"fit file (default {DEFAULT_FIT})")
     return ap

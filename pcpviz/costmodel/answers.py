@@ -43,7 +43,7 @@ def pcp_breakeven(model: ModelSpec, hw: Hardware, sysm: System, *, pcp: int = 2,
     return n
 
 
-def pcp_curve(model: ModelSpec, hw: Hardware, sysm: System, tokens: list[int], *, pcp: int = 2, k: int = 0,
+def pcp_curve(model: ModelSpec, hw: Hardware, sysm: System, *, tokens: list[int], pcp: int = 2, k: int = 0,
               tp: int = 1) -> list[dict]:
     """One row per prompt length: PCP=1 and PCP=``pcp`` prefill seconds, the speedup, and the
     share of the PCP=1 step that is attention (target and draft layers)."""

@@ -1,15 +1,16 @@
 """pcpviz.engine: the tiny DeepSeek-V3 (MLA + MTP) model and the PCP + MTP engine around it.
 
 Kept light on purpose: importing the package imports nothing heavy; submodules
-(``pcpviz.engine.model``, ``.model_config``, ``.checkpoint``, ``.tokenizer``, ``.corpus``, ``.train``, ...) are imported on demand.
+(``pcpviz.engine.model``, ``.model_config``, ``.checkpoint``, ``.tokenizer``, ``.corpus``,
+``.train``, ...) are imported on demand.
 """
 
 _LAZY = {
     "TinyDSV3": "model",
-    "TinyDSV3Config": "model",
-    "load_model": "model",
+    "TinyDSV3Config": "model_config",
+    "load_model": "checkpoint",
     "causal_attention": "model",
-    "default_model_dir": "model",
+    "default_model_dir": "model_config",
 }
 
 

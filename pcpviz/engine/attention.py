@@ -72,8 +72,8 @@ class PagedAttention:
                                int(self.seq_lens.max()) if self.seq_lens.numel() else 0)
             kw = {"max_query_len": self.bounds[0], "max_seq_len": self.bounds[1], "host_lens": self.host_lens}
         out = paged_mla_attention(
-            q_nope, q_pe, self.cache.layers[layer_idx], self.block_rows, self.query_start_loc,
-            self.positions, self.seq_lens, w_uk, w_uv, self.cache.block_size,
-            self.model.config.softmax_scale, **kw,
+            q_nope, q_pe, self.cache.layers[layer_idx], block_rows=self.block_rows,
+            query_start_loc=self.query_start_loc, positions=self.positions, seq_lens=self.seq_lens,
+            w_uk=w_uk, w_uv=w_uv, block_size=self.cache.block_size, scale=self.model.config.softmax_scale, **kw,
         )
         return out.to(q_nope.dtype)

@@ -87,8 +87,8 @@ def _write_safetensors_fallback(tensors: dict, path: str, metadata: dict) -> Non
                 f.write(bytes(t.tolist()))
 
 
-def save_model(model: TinyDSV3, out_dir: str, dtype: Optional[torch.dtype] = None,
-               metadata: Optional[dict] = None, *, force_fallback_writer: bool = False) -> str:
+def save_model(model: TinyDSV3, out_dir: str, dtype: Optional[torch.dtype] = None, *,
+               metadata: Optional[dict] = None, force_fallback_writer: bool = False) -> str:
     """Write ``config.json`` + ``model.safetensors`` (checkpoint names) into ``out_dir``."""
     os.makedirs(out_dir, exist_ok=True)
     cfg = model.config

@@ -155,6 +155,7 @@ def paged_mla_attention(
     q_nope: torch.Tensor,  # [Q, H, Dn]
     q_pe: torch.Tensor,  # [Q, H, Dr]
     cache: torch.Tensor,  # [num_slots, R + Dr]
+    *,
     block_rows: torch.Tensor,  # int32[B, W]: block-table row of each batch row
     query_start_loc: torch.Tensor,  # int[B+1]
     positions: torch.Tensor,  # int64[Q]
@@ -166,7 +167,6 @@ def paged_mla_attention(
     query_block: int = 2048,
     max_query_len: int | None = None,  # host-known bounds (kernel path: saves a device sync)
     max_seq_len: int | None = None,
-    *,
     host_lens: tuple[np.ndarray, np.ndarray] | None = None,  # (query_start_loc, seq_lens) on the host
 ) -> torch.Tensor:  # [Q, H, Dv]
     """MLA over the paged latent cache. The torch path (CPU, ``PCPVIZ_KERNELS=0``) uses the
@@ -178,8 +178,9 @@ def paged_mla_attention(
     k = kernels_for(cache)
     if k is not None:
         return paged_mla_attention_kernels(
-            k, q_nope, q_pe, cache, block_rows, query_start_loc, positions, seq_lens, w_uk, w_uv,
-            block_size, scale, max_query_len=max_query_len, max_seq_len=max_seq_len, host_lens=host_lens)
+            q_nope, q_pe, cache, kernels=k, block_rows=block_rows, query_start_loc=query_start_loc,
+            positions=positions, seq_lens=seq_lens, w_uk=w_uk, w_uv=w_uv, block_size=block_size, scale=scale,
+            max_query_len=max_query_len, max_seq_len=max_seq_len, host_lens=host_lens)
     out = torch.zeros(q_nope.shape[0], q_nope.shape[1], w_uv.shape[1], dtype=torch.float32,
                       device=q_nope.device)
     qsl = query_start_loc.tolist()
@@ -209,10 +210,11 @@ def lens_on_host(query_start_loc: torch.Tensor, seq_lens: torch.Tensor) -> tuple
 
 
 def paged_mla_attention_kernels(
-    k,  # the pcpviz_kernels module
     q_nope: torch.Tensor,  # [Q, H, Dn]
     q_pe: torch.Tensor,  # [Q, H, Dr]
     cache: torch.Tensor,  # [num_slots, R + Dr]
+    *,
+    kernels,  # the pcpviz_kernels module
     block_rows: torch.Tensor,  # int32[B, W]
     query_start_loc: torch.Tensor,  # int[B+1]
     positions: torch.Tensor,  # int64[Q]
@@ -221,7 +223,6 @@ def paged_mla_attention_kernels(
     w_uv: torch.Tensor,  # [H, Dv, R]
     block_size: int,
     scale: float,
-    *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     host_lens: tuple[np.ndarray, np.ndarray] | None = None,
@@ -245,6 +246,7 @@ def paged_mla_attention_kernels(
     Precision: fp32 caches up-project in fp32 and run ``tl.dot`` at ``PCPVIZ_KERNELS_PRECISION``
     (tf32x3, about fp32: the greedy tokens equal the CPU path's); bf16/fp16 caches run both
     kernels with 16-bit products and fp32 accumulation."""
+    k = kernels
     num_q, num_h, dn = q_nope.shape
     r, dv = w_uk.shape[-1], w_uv.shape[1]
     thr = decode_max_query_len() if decode_max is None else int(decode_max)

@@ -28,7 +28,7 @@ Usage::
     attn = causal_attention(model)                       # reference attention, one sequence
     hidden = model.forward_hidden(ids, positions, attn)   # [T, hidden] (after final norm)
     logits = model.logits(hidden)                        # [T, vocab]
-    mtp_h = model.mtp_forward(ids_shifted, positions, hidden, attn)  # layer_idx = num_layers
+    mtp_h = model.mtp_forward(ids_shifted, positions, hidden, attn=attn)  # layer_idx = num_layers
     mtp_logits = model.mtp_logits(mtp_h)
 
 The MTP convention is vLLM's: at position p the MTP layer combines the main model's final
@@ -96,11 +96,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class MLAttention(nn.Module):
-    """Multi-head latent attention projections (the attention itself is the callback)."""
+    """Multi-head latent attention projections of layer ``layer_idx`` (the attention itself is
+    the callback, called with that index)."""
 
-    def __init__(self, cfg: TinyDSV3Config):
+    def __init__(self, cfg: TinyDSV3Config, layer_idx: int):
         super().__init__()
         self.cfg = cfg
+        self.layer_idx = layer_idx
         H, d = cfg.num_heads, cfg.hidden_size
         if cfg.q_lora_rank is None:
             self.q_proj = nn.Linear(d, H * cfg.qk_head_dim, bias=False)
@@ -113,7 +115,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * cfg.v_head_dim, d, bias=False)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """(q_nope, q_pe, kv_c, k_pe) of the rows ``x``, rope ``(cos, sin)`` applied."""
+        cos, sin = rope
         cfg = self.cfg
         T = x.shape[0]
         if cfg.q_lora_rank is None:
@@ -129,10 +133,9 @@ class MLAttention(nn.Module):
         k_pe = apply_rope(k_pe, cos, sin)
         return q_nope, q_pe, kv_c, k_pe
 
-    def forward(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttnFn) -> torch.Tensor:
-        q_nope, q_pe, kv_c, k_pe = self.project(x, cos, sin)
-        out = attn(layer_idx, q_nope, q_pe, kv_c, k_pe)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttnFn) -> torch.Tensor:
+        q_nope, q_pe, kv_c, k_pe = self.project(x, rope)
+        out = attn(self.layer_idx, q_nope, q_pe, kv_c, k_pe)
         return self.o_proj(out.reshape(x.shape[0], -1).to(x.dtype))
 
 
@@ -152,12 +155,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg)
+        self.self_attn = MLAttention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def block(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_idx, self.input_layernorm(x), cos, sin, attn)
+    def block(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttnFn) -> torch.Tensor:
+        """The decoder block on rows ``x``: attention then MLP, each with its residual."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -251,11 +255,11 @@ class TinyDSV3(nn.Module):
         With ``return_layers=True`` also returns the residual stream after each layer.
         """
         self._check(input_ids, positions)
-        cos, sin = self.rope(positions)
+        rope = self.rope(positions)
         x = self.model.embed_tokens(input_ids)
         per_layer = []
         for i in range(self.config.num_layers):
-            x = self.model.layers[i].block(x, cos, sin, attn)
+            x = self.model.layers[i].block(x, rope, attn)
             if return_layers:
                 per_layer.append(x)
         h = self.model.norm(x)
@@ -273,7 +277,7 @@ class TinyDSV3(nn.Module):
         return self.logits(self.forward_hidden(input_ids, positions, attn))
 
     # -- MTP -------------------------------------------------------------------------------------
-    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_prev: torch.Tensor,
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_prev: torch.Tensor, *,
                     attn: AttnFn, k: int = 0) -> torch.Tensor:
         """MTP layer ``k`` (layer index ``num_layers + k``), vLLM's DeepSeek MTP convention.
 
@@ -284,11 +288,11 @@ class TinyDSV3(nn.Module):
         """
         self._check(input_ids, positions)
         layer = self.mtp_layer(k)
-        cos, sin = self.rope(positions)
+        rope = self.rope(positions)
         e = layer.embed_tokens(input_ids)
         e = torch.where((positions == 0).unsqueeze(-1), torch.zeros_like(e), e)
         x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(hidden_prev.to(e.dtype))], dim=-1))
-        return layer.block(x, cos, sin, attn)
+        return layer.block(x, rope, attn)
 
     def mtp_logits(self, mtp_hidden: torch.Tensor, k: int = 0) -> torch.Tensor:
         layer = self.mtp_layer(k)
@@ -304,7 +308,7 @@ class TinyDSV3(nn.Module):
         n_blocks = self.config.num_layers + self.config.num_mtp_layers
         with torch.no_grad():
             for name, p in self.named_parameters():
-                if name.endswith("norm.weight") or "layernorm" in name or name.endswith(("enorm.weight", "hnorm.weight")):
+                if name.endswith(("norm.weight", "enorm.weight", "hnorm.weight")) or "layernorm" in name:
                     p.fill_(1.0)
                 elif name.endswith(("o_proj.weight", "down_proj.weight")):
                     p.normal_(0.0, std / math.sqrt(2 * n_blocks), generator=generator)

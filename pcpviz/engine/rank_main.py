@@ -27,21 +27,54 @@ from pcpviz.engine.stops import STOP_KEY, catch_rank_stops, stop_requested
 __all__ = ["main", "run_rank"]
 
 
-
 def run_rank(cfg: dict) -> dict | None:
+    """One rank's run of ``cfg`` (``build_config``'s dict): set up, step until rank 0's scheduler
+    is done or a stop arrives, write ``rank<r>.json``, leave the group. Rank 0 returns the run's
+    result (the launcher's ``result.json``), the other ranks None."""
     import torch
 
-    from pcpviz.analysis.acceptance import Counts, count, json_ratio
-    from pcpviz.engine.dist import init_process_group
-    from pcpviz.engine.checkpoint import load_model
     from pcpviz.engine.phases import PhaseTimer
     from pcpviz.engine.recorder import AsyncRecorder
-    from pcpviz.engine.scheduler import Scheduler, SchedulerOutput
-    from pcpviz.engine.worker import EngineConfig, Worker
+    from pcpviz.engine.worker import Worker
     from pcpviz.trace import TraceWriter
     from pcpviz.trace.completion import PARTIAL
 
     rank = int(os.environ.get("RANK", "0"))
+    group, device, model = _set_up(cfg)
+    ecfg = _engine_config(cfg, group.world_size)
+    timer = PhaseTimer(bool(cfg.get("time_phases")), device)
+    profiler = _profiler(cfg, rank, timer)
+    worker = Worker(model, group, ecfg, device, record=cfg.get("trace_dir") is not None, timer=timer)
+    # The launcher claimed the directory and cleared it (pcpviz.trace.owner); the rank file is
+    # created exclusively, so a file this run did not create is never replaced. Steps are
+    # written by a background thread (pcpviz.engine.recorder): the loop never waits on disk.
+    writer = AsyncRecorder(_trace_sink(cfg, rank, TraceWriter)) if cfg.get("trace_dir") else None
+    sched = _scheduler(cfg, ecfg, model) if rank == 0 else None
+    loop = _StepLoop(rank, sched, worker, writer=writer, timer=timer, profiler=profiler,
+                     k=ecfg.num_speculative_tokens)
+    loop.run()
+    if cfg["device"] == "cuda":
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - loop.t_start
+    if profiler is not None:
+        profiler.close()
+    if writer is not None:  # waits for the queued steps; a writer failure is raised here (one line)
+        writer.close(**({"status": PARTIAL, "reason": f"stopped by {loop.stopped}"} if loop.stopped else {}))
+    info = _rank_info(rank, worker, timer)
+    with open(os.path.join(cfg["work_dir"], f"rank{rank}.json"), "w") as f:
+        json.dump(info, f)  # on disk before the group goes: a stuck teardown loses nothing
+    _teardown(worker, cfg["device"])
+    return None if sched is None else _result(loop, wall, info)
+
+
+def _set_up(cfg: dict):
+    """(process group, device, model): the group joined, the device chosen, the model loaded
+    in the run's dtype and warmed up."""
+    import torch
+
+    from pcpviz.engine.checkpoint import load_model
+    from pcpviz.engine.dist import init_process_group
+
     device_kind = cfg["device"]
     group = init_process_group(device_kind, cfg["timeout_s"], cfg.get("store_file"))
     if device_kind == "cuda":
@@ -52,8 +85,7 @@ def run_rank(cfg: dict) -> dict | None:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
     torch.manual_seed(cfg["seed"])
-    dtype = getattr(torch, cfg.get("dtype", "float32"))
-    model = load_model(cfg["model_dir"], device=device, dtype=dtype)
+    model = load_model(cfg["model_dir"], device=device, dtype=getattr(torch, cfg.get("dtype", "float32")))
     model.eval()
     if cfg.get("warmup", True):
         # A dummy forward (no cache, no collectives, like vLLM's profile run) so the first
@@ -63,107 +95,148 @@ def run_rank(cfg: dict) -> dict | None:
             model.forward(ids, attn=None)
         if device_kind == "cuda":
             torch.cuda.synchronize()
-    ecfg = EngineConfig(
-        pcp=group.world_size, num_speculative_tokens=cfg["num_speculative_tokens"],
+    return group, device, model
+
+
+def _engine_config(cfg: dict, pcp: int):
+    import torch
+
+    from pcpviz.engine.worker import EngineConfig
+
+    return EngineConfig(
+        pcp=pcp, num_speculative_tokens=cfg["num_speculative_tokens"],
         block_size=cfg["block_size"], num_blocks=cfg["num_blocks"], max_num_seqs=cfg["max_num_seqs"],
         max_num_batched_tokens=cfg["max_num_batched_tokens"],
-        shard_decode_requests=cfg.get("shard_decode_requests"), faults=frozenset(cfg["inject"]), dtype=dtype,
-        cuda_graphs=cfg.get("cuda_graphs"),
+        shard_decode_requests=cfg.get("shard_decode_requests"), faults=frozenset(cfg["inject"]),
+        dtype=getattr(torch, cfg.get("dtype", "float32")), cuda_graphs=cfg.get("cuda_graphs"),
     )
-    timer = PhaseTimer(bool(cfg.get("time_phases")), device)
-    profiler = None
-    if cfg.get("profile_dir"):
-        from pcpviz.engine.profile import StepProfiler
 
-        profiler = StepProfiler(cfg["profile_dir"], rank, device_kind)
-        timer.labels = True
-    worker = Worker(model, group, ecfg, device, record=cfg.get("trace_dir") is not None, timer=timer)
-    # The launcher claimed the directory and cleared it (pcpviz.trace.owner); the rank file is
-    # created exclusively, so a file this run did not create is never replaced. Steps are
-    # written by a background thread (pcpviz.engine.recorder): the loop never waits on disk.
-    writer = AsyncRecorder(_trace_sink(cfg, rank, TraceWriter)) if cfg.get("trace_dir") else None
-    sched = None
-    if rank == 0:
-        sched = Scheduler(
-            cfg["prompt_token_ids"], cfg["max_new_tokens"], num_speculative_tokens=ecfg.num_speculative_tokens,
-            block_size=ecfg.block_size, num_blocks=ecfg.num_blocks, max_num_seqs=ecfg.max_num_seqs,
-            max_num_batched_tokens=ecfg.max_num_batched_tokens,
-            max_model_len=model.config.max_position_embeddings, eos_token_id=cfg.get("eos_token_id"),
-        )
-    debug_exit = None
-    if os.environ.get("PCPVIZ_DEBUG_EXIT_RANK"):
-        r, _, s = os.environ["PCPVIZ_DEBUG_EXIT_RANK"].partition("@")
-        debug_exit = (int(r), int(s))
-    k = ecfg.num_speculative_tokens
-    last_said = 0.0
-    counts = Counts().widened(max(k, 0))
-    steps = 0
-    stopped: str | None = None  # the signal that stopped the run between two steps (_next_plan)
-    step_ms: list[tuple[str, float]] = []  # (kind, wall ms) of every step, from the plan to the verdict
-    t_start = time.perf_counter()
-    try:
-        while True:
-            t_step = time.perf_counter()
-            with timer.step() as step_info:
-                with timer.phase("schedule"):
-                    plan, stopped = _next_plan(sched, group, SchedulerOutput)
-                if plan is None:
-                    step_info["kind"] = None  # the closing broadcast: not a step
-                    break
-                if debug_exit == (rank, plan.step):
-                    if writer is not None:
-                        writer.flush()  # its completed steps on disk, as an inline writer would leave them
-                    os._exit(17)  # test hook: a rank that dies without a word (PCPVIZ_DEBUG_EXIT_RANK=r@step)
-                kind = "prefill" if any(row.is_prefilling for row in plan.rows) else "decode"
-                if kind == "decode":
-                    step_info["kind"] = "decode"
-                if profiler is not None:
-                    profiler.before_step(steps)
-                res = worker.step(plan)
-                if writer is not None:
-                    with timer.phase("record"):
-                        writer.submit(plan.step, res.record.phases)
-                steps += 1
-                if sched is not None:
-                    with timer.phase("schedule"):
-                        sched.update(plan, res.per_request)
-                        counts = counts + count(res.num_accepted, res.num_draft_tokens)
-                        last_said = progress_line(sched, plan.step, last_said)
-            step_ms.append((kind, 1e3 * (time.perf_counter() - t_step)))
-    except BaseException as exc:
-        if writer is not None:  # the steps this rank completed reach the disk before it fails
-            try:
-                writer.close(status=PARTIAL, reason=" ".join(f"{type(exc).__name__}: {exc}".split())[:200])
-            except BaseException:  # noqa: BLE001 - the step's own error is the one to report
+
+def _profiler(cfg: dict, rank: int, timer):
+    """A torch.profiler per step after the first (``profile_dir``), or None."""
+    if not cfg.get("profile_dir"):
+        return None
+    from pcpviz.engine.profile import StepProfiler
+
+    timer.labels = True
+    return StepProfiler(cfg["profile_dir"], rank, cfg["device"])
+
+
+def _scheduler(cfg: dict, ecfg, model):
+    """Rank 0's continuous-batching scheduler over the run's prompts."""
+    from pcpviz.engine.scheduler import Scheduler
+
+    return Scheduler(
+        cfg["prompt_token_ids"], cfg["max_new_tokens"], num_speculative_tokens=ecfg.num_speculative_tokens,
+        block_size=ecfg.block_size, num_blocks=ecfg.num_blocks, max_num_seqs=ecfg.max_num_seqs,
+        max_num_batched_tokens=ecfg.max_num_batched_tokens,
+        max_model_len=model.config.max_position_embeddings, eos_token_id=cfg.get("eos_token_id"),
+    )
+
+
+def _debug_exit() -> tuple[int, int] | None:
+    """(rank, step) of ``PCPVIZ_DEBUG_EXIT_RANK=r@step``: the test hook of a rank that dies without a word."""
+    if not os.environ.get("PCPVIZ_DEBUG_EXIT_RANK"):
+        return None
+    r, _, s = os.environ["PCPVIZ_DEBUG_EXIT_RANK"].partition("@")
+    return int(r), int(s)
+
+
+class _StepLoop:
+    """The rank's steps: a plan (rank 0's, broadcast), the worker's step, its record, and on rank 0
+    the scheduler's update, the acceptance counts and the progress line."""
+
+    def __init__(self, rank: int, sched, worker, *, writer, timer, profiler, k: int) -> None:
+        from pcpviz.analysis.acceptance import Counts
+
+        self.rank, self.sched, self.worker = rank, sched, worker
+        self.writer, self.timer, self.profiler = writer, timer, profiler
+        self.debug_exit = _debug_exit()
+        self.counts = Counts().widened(max(k, 0))
+        self.steps = 0
+        self.stopped: str | None = None  # the signal that stopped the run between two steps (_next_plan)
+        self.step_ms: list[tuple[str, float]] = []  # (kind, wall ms) of every step, from the plan to the verdict
+        self.last_said = 0.0
+        self.t_start = time.perf_counter()
+
+    def run(self) -> None:
+        """Every step until the plan runs out; on an error the completed steps reach the disk
+        (the trace closed ``partial``) before it is raised."""
+        from pcpviz.trace.completion import PARTIAL
+
+        self.t_start = time.perf_counter()
+        try:
+            while self.step():
                 pass
-        raise
-    if device_kind == "cuda":
-        torch.cuda.synchronize()
-    wall = time.perf_counter() - t_start
-    if profiler is not None:
-        profiler.close()
-    if writer is not None:  # waits for the queued steps; a writer failure is raised here (one line)
-        writer.close(**({"status": PARTIAL, "reason": f"stopped by {stopped}"} if stopped else {}))
-    info = {"rank": rank, "kv_cache_digest": worker.cache.digest(), "num_collectives": group.num_collectives,
+        except BaseException as exc:
+            if self.writer is not None:
+                try:
+                    self.writer.close(status=PARTIAL, reason=" ".join(f"{type(exc).__name__}: {exc}".split())[:200])
+                except BaseException:  # noqa: BLE001 - the step's own error is the one to report
+                    pass
+            raise
+
+    def step(self) -> bool:
+        """One step; False when the run is over (no plan: done, or stopped)."""
+        from pcpviz.analysis.acceptance import count
+        from pcpviz.engine.scheduler import SchedulerOutput
+
+        timer, writer, sched = self.timer, self.writer, self.sched
+        t_step = time.perf_counter()
+        with timer.step() as step_info:
+            with timer.phase("schedule"):
+                plan, self.stopped = _next_plan(sched, self.worker.group, SchedulerOutput)
+            if plan is None:
+                step_info["kind"] = None  # the closing broadcast: not a step
+                return False
+            if self.debug_exit == (self.rank, plan.step):
+                if writer is not None:
+                    writer.flush()  # its completed steps on disk, as an inline writer would leave them
+                os._exit(17)  # test hook: a rank that dies without a word (PCPVIZ_DEBUG_EXIT_RANK=r@step)
+            kind = "prefill" if any(row.is_prefilling for row in plan.rows) else "decode"
+            if kind == "decode":
+                step_info["kind"] = "decode"
+            if self.profiler is not None:
+                self.profiler.before_step(self.steps)
+            res = self.worker.step(plan)
+            if writer is not None:
+                with timer.phase("record"):
+                    writer.submit(plan.step, res.record.phases)
+            self.steps += 1
+            if sched is not None:
+                with timer.phase("schedule"):
+                    sched.update(plan, res.per_request)
+                    self.counts = self.counts + count(res.num_accepted, res.num_draft_tokens)
+                    self.last_said = progress_line(sched, plan.step, self.last_said)
+        self.step_ms.append((kind, 1e3 * (time.perf_counter() - t_step)))
+        return True
+
+
+def _rank_info(rank: int, worker, timer) -> dict:
+    """``rank<r>.json``: the KV-cache digest, collectives, phases and CUDA-graph counts."""
+    info = {"rank": rank, "kv_cache_digest": worker.cache.digest(), "num_collectives": worker.group.num_collectives,
             "phases": timer.summary()}
     if worker.graphs is not None:
         info["graphs"] = {"mode": worker.graphs.mode, "captures": worker.graphs.num_captures,
                           "replays": worker.graphs.num_replays, "capture_s": worker.graphs.capture_s}
         if worker.graphs.failed:
             info["graphs"]["capture_failed"] = sorted({v for v in worker.graphs.failed.values()})
-    with open(os.path.join(cfg["work_dir"], f"rank{rank}.json"), "w") as f:
-        json.dump(info, f)  # on disk before the group goes: a stuck teardown loses nothing
-    _teardown(worker, device_kind)
-    if sched is None:
-        return None
+    return info
+
+
+def _result(loop: _StepLoop, wall: float, info: dict) -> dict:
+    """Rank 0's result: every request's tokens, acceptance by pcpviz.analysis.acceptance's
+    definitions (None, JSON null, where nothing was drafted), the timings."""
+    from pcpviz.analysis.acceptance import json_ratio
+
+    counts = loop.counts
     return {
         "requests": [
             {"req_id": r.req_id, "prompt_token_ids": r.prompt, "output_token_ids": r.output}
-            for r in sched.requests
+            for r in loop.sched.requests
         ],
-        "num_steps": steps,
-        "stopped": stopped,
-        # pcpviz.analysis.acceptance's definitions; None (JSON null) where nothing was drafted
+        "num_steps": loop.steps,
+        "stopped": loop.stopped,
         "num_drafts": counts.num_drafts,
         "num_draft_tokens": counts.num_draft_tokens,
         "num_accepted_tokens_per_pos": list(counts.accepted_per_position),
@@ -171,7 +244,7 @@ def run_rank(cfg: dict) -> dict | None:
         "acceptance_rate": json_ratio(counts.acceptance_rate),
         "mean_acceptance_length": json_ratio(counts.mean_acceptance_length),
         "wall_s": wall,
-        "step_ms": step_ms,
+        "step_ms": loop.step_ms,
         "phases": info["phases"],
         "graphs": info.get("graphs"),
     }
@@ -186,7 +259,7 @@ def _trace_sink(cfg: dict, rank: int, writer_cls):
     flight = FlightConfig.from_env()
     if flight is None:
         return writer_cls(cfg["trace_dir"], rank, owner=cfg.get("trace_owner"))
-    from pcpviz.engine.launch import trace_meta
+    from pcpviz.engine.trace_dir import trace_meta
 
     return FlightRing(flight, cfg["trace_dir"], rank, lambda: trace_meta(cfg))
 

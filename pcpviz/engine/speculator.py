@@ -28,6 +28,7 @@ are padded to the step's ``DecodeShape`` and draft_0 and draft_1..K-1 are two gr
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -61,14 +62,74 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     """Draft tokens int64[R, K] on the device. ``h``: the step's host inputs (``Worker``),
     ``dev``: the target's device inputs (reused by draft_0), ``hidden_local``: the target's
     rank-local hidden states."""
-    group, cfg = worker.group, worker.cfg
     timer, faults = worker.timer, worker.faults
-    k, n = cfg.num_speculative_tokens, group.world_size
+    k, n = worker.cfg.num_speculative_tokens, worker.group.world_size
+    batch, local, shape = h.batch, h.local, h.shape
+    r = batch.num_reqs
+    host = _host_inputs(worker, h, verify=verify, sched=sched)
+    with timer.phase("h2d"):
+        dt = worker.upload_inputs(("draft", shape), host.arrays)
+    decode, block_rows = host.decode, host.block_rows
+
+    # -- draft step 0: rank-local rows, gathered slot mapping -------------------------------
+    t0 = _now_us()
+    with timer.phase("draft_0"):
+        tok0, h_last, mtp_local, hidden_in = worker.run_forward(
+            ("draft_0", shape), lambda: _draft_prefill(worker, dev, dt, hidden_local=hidden_local, bounds=h.bounds,
+                                                       host_lens=h.host_lens, hidden_rank_local=host.hidden_rank_local))
+    t1 = _now_us()
+    if rec is not None:
+        with timer.phase("record"):
+            rec.draft_prefill(local_ids=host.local_ids, local_positions=h.positions, local_seq_lens=h.seq_lens,
+                              bt_local=h.bt_local, slots_gathered=h.slots_gathered, last_idx=host.read_idx,
+                              tokens=tok0[:r], global_ids=host.draft_ids, t0=t0, t1=t1)
+            p = local.num_tokens_padded
+            rec.fingerprints("draft_0", hidden_in=hidden_in[:p], mtp_local=mtp_local[:p], hidden_last=h_last[:r])
+    if k <= 1:
+        return tok0[:r, None]
+
+    # -- draft steps 1..K-1: replicated, unexpanded slot mapping -----------------------------
+    fold = F.FOLD_SLOT_MAPPING_WITHOUT_SHAPE_CHECK in faults
+    bounds = [(1, shape.max_seq_len) if shape is not None else (1, int(s.max()) if s.size else 0)
+              for s in decode["seq_lens"]]
+    marks: list[int] = []
+    t0 = _now_us()
+    with timer.phase("draft_k"):
+        drafts, handed = worker.run_forward(
+            ("draft_k", shape), lambda: _draft_decodes(worker, dt, tok0=tok0, h_last=h_last, k=k, bounds=bounds,
+                                                       fold=fold, marks=marks, keep=rec is not None))
+    t1 = _now_us()
+    if len(marks) != k:  # replayed from a graph: one window for every draft step
+        marks = [t0] + [t1] * (k - 1)
+    if rec is not None:
+        with timer.phase("record"):
+            _record_decodes(rec, decode, drafts, handed, block_rows=block_rows, marks=marks + [t1], r=r,
+                            fold_n=n if fold else 1)
+    return drafts[:r]
+
+
+@dataclass(frozen=True)
+class _HostInputs:
+    """Every draft forward's inputs on the host: draft_0's rank-local ids and the row each
+    request's hidden state is read at, draft steps 1..K-1's positions, seq_lens and slots
+    (``decode``, None at K <= 1), and the device arrays built from them."""
+
+    draft_ids: np.ndarray  # int64[T]: draft_0's ids on the global batch
+    local_ids: np.ndarray  # int64[P]: this rank's slice of them
+    read_idx: np.ndarray  # int64[R]: the draft_0 output row of each request
+    hidden_rank_local: bool
+    decode: dict | None
+    block_rows: np.ndarray | None  # int32[R, W]: what the draft decodes' attention reads
+    arrays: dict
+
+
+def _host_inputs(worker, h, *, verify, sched) -> _HostInputs:
+    """The host inputs of every draft forward (``propose``), with the faults that change them."""
+    cfg, faults, timer = worker.cfg, worker.faults, worker.timer
+    k, n = cfg.num_speculative_tokens, worker.group.world_size
     batch, local, shape = h.batch, h.local, h.shape
     r = batch.num_reqs
     rows = shape.num_reqs if shape is not None else r  # draft decode rows (padded under graphs)
-
-    # -- host inputs of every draft forward ---------------------------------------------------
     next_prompt = _next_prompt_tokens(worker, sched)
     draft_ids, last_idx = draft_prefill_inputs(batch, verify, next_prompt)
     local_ids = draft_ids[local.gather_idx] if draft_ids.size else np.zeros(local.num_tokens_padded, np.int64)
@@ -89,8 +150,7 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
         read_idx = np.minimum(last_idx, max(local.num_tokens_padded - 1, 0))
     arrays = {"ids": (local_ids, torch.int64), "positions": (model_positions, torch.int64),
               "read_idx": (pad(read_idx, rows), torch.int64)}
-
-    decode = None
+    decode = block_rows = None
     if k > 1:
         if F.SKIP_DRAFT_BLOCK_TABLE_GATHER not in faults:
             cap = F.STALE_ROWS_PER_LAUNCH if F.STALE_DRAFT_BLOCK_TABLE_ROWS in faults else None
@@ -105,44 +165,7 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
             "dslots": (np.stack([pad(s, rows, -1) for s in decode["slots"]]), torch.int64),
             "qsl": (np.arange(rows + 1, dtype=np.int64), torch.int64), **_stale_arrays(decode, rows),
         })
-    with timer.phase("h2d"):
-        dt = worker.upload_inputs(("draft", shape), arrays)
-
-    # -- draft step 0: rank-local rows, gathered slot mapping -------------------------------
-    t0 = _now_us()
-    with timer.phase("draft_0"):
-        tok0, h_last, mtp_local, hidden_in = worker.run_forward(
-            ("draft_0", shape), lambda: _draft_prefill(worker, dev, dt, hidden_local=hidden_local, bounds=h.bounds,
-                                                       host_lens=h.host_lens, hidden_rank_local=hidden_rank_local))
-    t1 = _now_us()
-    if rec is not None:
-        with timer.phase("record"):
-            rec.draft_prefill(local_ids=local_ids, local_positions=h.positions, local_seq_lens=h.seq_lens,
-                              bt_local=h.bt_local, slots_gathered=h.slots_gathered, last_idx=read_idx,
-                              tokens=tok0[:r], global_ids=draft_ids, t0=t0, t1=t1)
-            p = local.num_tokens_padded
-            rec.fingerprints("draft_0", hidden_in=hidden_in[:p], mtp_local=mtp_local[:p], hidden_last=h_last[:r])
-    if k <= 1:
-        return tok0[:r, None]
-
-    # -- draft steps 1..K-1: replicated, unexpanded slot mapping -----------------------------
-    fold = F.FOLD_SLOT_MAPPING_WITHOUT_SHAPE_CHECK in faults
-    bounds = [(1, shape.max_seq_len) if shape is not None else (1, int(s.max()) if s.size else 0)
-              for s in decode["seq_lens"]]
-    marks: list[int] = []
-    t0 = _now_us()
-    with timer.phase("draft_k"):
-        drafts, handed = worker.run_forward(
-            ("draft_k", shape), lambda: _draft_decodes(worker, dt, tok0=tok0, h_last=h_last, k=k, bounds=bounds, fold=fold,
-                                   marks=marks, keep=rec is not None))
-    t1 = _now_us()
-    if len(marks) != k:  # replayed from a graph: one window for every draft step
-        marks = [t0] + [t1] * (k - 1)
-    if rec is not None:
-        with timer.phase("record"):
-            _record_decodes(rec, decode, drafts, handed, block_rows=block_rows, marks=marks + [t1], r=r,
-                            fold_n=n if fold else 1)
-    return drafts[:r]
+    return _HostInputs(draft_ids, local_ids, read_idx, hidden_rank_local, decode, block_rows, arrays)
 
 
 def _record_decodes(rec, decode, drafts, handed, *, block_rows, marks, r, fold_n) -> None:
@@ -216,7 +239,7 @@ def _draft_prefill(worker, d, dt, *, hidden_local, bounds, hidden_rank_local, ho
                           seq_lens=d["seq_lens"], bounds=bounds, slots_checked=True, host_lens=host_lens)
     with torch.no_grad():
         hidden_in = hidden_local  # [P, H]: the target's rank-local rows, what the MTP layer reads
-        mtp_local = model.mtp_forward(dt["ids"], dt["positions"], hidden_in, attn)
+        mtp_local = model.mtp_forward(dt["ids"], dt["positions"], hidden_in, attn=attn)
         if hidden_rank_local:
             h_last = mtp_local[dt["read_idx"]]
         else:
@@ -253,7 +276,7 @@ def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=Fal
                 handed.append(hidden)  # what step j reads (== handed[j - 1] unless a hand-off broke)
             # the fault draft_decodes_read_prefill_batch: every step fed the draft prefill's first rows
             inputs = (dt["stale_ids"], dt["stale_positions"]) if "stale_ids" in dt else (ids, dt["dpos"][j - 1])
-            mtp_h = model.mtp_forward(*inputs, hidden, attn)
+            mtp_h = model.mtp_forward(*inputs, hidden, attn=attn)
             ids = model.mtp_logits(mtp_h).argmax(-1)
             hidden = model.mtp_recycle_hidden(mtp_h)
             if keep:

@@ -57,9 +57,10 @@ training stream (positions restart at 0 in every window). ``--corpus-pack FILE``
 frozen corpus written by ``python -m pcpviz.engine.corpus --pack FILE`` (byte-identical text on
 another machine).
 
-Objective: ``loss = CE(main, t_{p+1}) + mtp_weight * CE(mtp, t_{p+2})`` where the MTP layer at
-position p sees the main model's final hidden h_p and the embedding of t_{p+1} (zeroed at
-position 0, as vLLM does at inference). The MTP embedding and output head are tied to the main
+Objective (``pcpviz.engine.objective``): ``loss = CE(main, t_{p+1}) + mtp_weight * CE(mtp, t_{p+2})``
+where the MTP layer at position p sees the main model's final hidden h_p and the embedding of
+t_{p+1} (zeroed at position 0, as vLLM does at inference); the held-out figures are
+``pcpviz.engine.heldout``'s. The MTP embedding and output head are tied to the main
 model's during training (DeepSeek-V3) and saved as separate tensors in DeepSeek's layout.
 
 Outputs in ``--out``: ``config.json``, ``model.safetensors`` (bf16 by default), ``tokenizer.json``,
@@ -83,13 +84,14 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
-from . import corpus as corpus_mod
-from . import tokenizer as tok
-from .checkpoint import save_model
-from .model import TinyDSV3, causal_attention
-from .model_config import TinyDSV3Config
+from pcpviz.engine import corpus as corpus_mod
+from pcpviz.engine import tokenizer as tok
+from pcpviz.engine.checkpoint import load_model, save_model
+from pcpviz.engine.heldout import evaluate, evaluate_long
+from pcpviz.engine.model import TinyDSV3
+from pcpviz.engine.model_config import TinyDSV3Config
+from pcpviz.engine.objective import window_losses
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -160,67 +162,7 @@ def _stream(files) -> torch.Tensor:
     return torch.frombuffer(bytearray(buf), dtype=torch.int16).to(torch.int64)
 
 
-def _losses(model: TinyDSV3, windows: torch.Tensor, mtp_weight: float, positions=None):
-    """windows [B, L+2] -> (total, main CE, MTP CE, main logits [B,L,V], mtp logits [B,L,V]).
-
-    ``positions`` [B, L] (increasing along L) default to ``0..L-1`` in every window.
-    """
-    B, L2 = windows.shape
-    L = L2 - 2
-    ids = windows[:, :L].reshape(-1)
-    if positions is None:
-        pos = torch.arange(L, device=windows.device).repeat(B)
-    else:
-        pos = positions.reshape(-1).to(windows.device)
-    qsl = [i * L for i in range(B + 1)]
-    attn = causal_attention(model, query_start_loc=qsl)
-    h = model.forward_hidden(ids, pos, attn)
-    logits = model.logits(h)
-    main = F.cross_entropy(logits.float(), windows[:, 1:L + 1].reshape(-1))
-    mh = model.mtp_forward(windows[:, 1:L + 1].reshape(-1), pos, h, attn)
-    mlogits = model.mtp_logits(mh)
-    mtp = F.cross_entropy(mlogits.float(), windows[:, 2:].reshape(-1))
-    return main + mtp_weight * mtp, main, mtp, logits.view(B, L, -1), mlogits.view(B, L, -1)
-
-
-@torch.no_grad()
-def evaluate(model: TinyDSV3, stream: torch.Tensor, seq_len: int, max_tokens: int, device, autocast) -> dict:
-    """Held-out metrics over consecutive non-overlapping windows of the held-out stream."""
-    model.eval()
-    L2 = seq_len + 2
-    n_win = max(1, min(max_tokens // seq_len, (stream.numel() - 2) // seq_len))
-    tot = {"main": 0.0, "mtp": 0.0, "n": 0, "agree_main": 0, "agree_true": 0, "main_acc": 0, "n_agree": 0}
-    bs = 8
-    for s in range(0, n_win, bs):
-        idx = [i * seq_len for i in range(s, min(n_win, s + bs)) if i * seq_len + L2 <= stream.numel()]
-        if not idx:
-            break
-        w = torch.stack([stream[i:i + L2] for i in idx]).to(device)
-        with autocast():
-            _, main, mtp, lg, mlg = _losses(model, w, 0.0)
-        n = w.shape[0] * seq_len
-        tot["main"] += main.item() * n
-        tot["mtp"] += mtp.item() * n
-        tot["n"] += n
-        g_main = lg.argmax(-1)  # predicts t_{p+1}
-        g_mtp = mlg.argmax(-1)  # predicts t_{p+2}
-        tot["agree_main"] += (g_mtp[:, :-1] == g_main[:, 1:]).sum().item()
-        tot["agree_true"] += (g_mtp == w[:, 2:]).sum().item()
-        tot["main_acc"] += (g_main == w[:, 1:seq_len + 1]).sum().item()
-        tot["n_agree"] += g_mtp[:, :-1].numel()
-    model.train()
-    n = max(1, tot["n"])
-    return {
-        "tokens": tot["n"],
-        "main_loss": tot["main"] / n,
-        "mtp_loss": tot["mtp"] / n,
-        "main_top1_acc": tot["main_acc"] / n,
-        "mtp_top1_acc": tot["agree_true"] / n,
-        "mtp_agrees_with_main_greedy": tot["agree_main"] / max(1, tot["n_agree"]),
-    }
-
-
-def skip_positions(B: int, L: int, prob: float, max_pos: int, gen: torch.Generator) -> torch.Tensor:
+def skip_positions(B: int, L: int, prob: float, *, max_pos: int, gen: torch.Generator) -> torch.Tensor:
     """[B, L] positions: ``0..L-1``, or (with probability ``prob``) PoSE-style: the window is cut
     at a random point and the second part is shifted by a random skip, so that relative
     distances up to ``max_pos`` occur while the text stays contiguous."""
@@ -235,58 +177,10 @@ def skip_positions(B: int, L: int, prob: float, max_pos: int, gen: torch.Generat
     return pos
 
 
-LONG_SHORT_BUCKET = (0, 2048)  # "below 2k"
-LONG_FAR_BUCKET = (8192, 32768)  # "8k-32k": the long-context target is far/short <= 1.10
-
-
-@torch.no_grad()
-def evaluate_long(model: TinyDSV3, stream: torch.Tensor, length: int, device, autocast,
-                  *, num_seqs: int = 1) -> dict:
-    """Main/MTP held-out loss by position bucket, averaged over ``num_seqs`` long sequences.
-
-    Sequence i is the held-out stream's tokens ``[i*(length+2), (i+1)*(length+2))`` at positions
-    ``0..length-1`` (several held-out modules concatenated, as a long prompt would be). Buckets
-    double from 1024 (``0-1024``, ``1024-2048``, ``2048-4096``, ...). Averaging over several
-    sequences keeps one easy or hard module from deciding a bucket. The summary compares
-    ``LONG_FAR_BUCKET`` with ``LONG_SHORT_BUCKET``: e.g. ``{"below_2k": 1.31, "8k_32k": 1.38,
-    "far_over_short": 1.05}`` for a 32768-token evaluation.
-    """
-    model.eval()
-    length = min(length, stream.numel() - 2)
-    num_seqs = max(1, min(num_seqs, stream.numel() // (length + 2)))
-    main_sum = torch.zeros(length, dtype=torch.float64)
-    mtp_sum = torch.zeros(length, dtype=torch.float64)
-    for i in range(num_seqs):
-        w = stream[i * (length + 2):(i + 1) * (length + 2)].unsqueeze(0).to(device)
-        with autocast():
-            _, _, _, lg, mlg = _losses(model, w, 0.0)
-        main_sum += F.cross_entropy(lg[0].float(), w[0, 1:length + 1], reduction="none").double().cpu()
-        mtp_sum += F.cross_entropy(mlg[0].float(), w[0, 2:], reduction="none").double().cpu()
-        del lg, mlg
-    main, mtp = main_sum / num_seqs, mtp_sum / num_seqs
-    out: dict = {"sequences": num_seqs, "length": length, "buckets": {}}
-    a, b = 0, 1024
-    while a < length:
-        hi = min(b, length)
-        out["buckets"][f"{a}-{hi}"] = {"main": round(main[a:hi].mean().item(), 4),
-                                       "mtp": round(mtp[a:hi].mean().item(), 4)}
-        a, b = hi, b * 2
-    lo, hi = LONG_SHORT_BUCKET
-    short = main[lo:min(hi, length)].mean().item()
-    summary = {"below_2k": round(short, 4)}
-    flo, fhi = LONG_FAR_BUCKET
-    if length > flo:
-        far = main[flo:min(fhi, length)].mean().item()
-        summary.update({"8k_32k": round(far, 4), "far_over_short": round(far / short, 4)})
-    out["summary"] = summary
-    model.train()
-    return out
-
-
 def _heldout_figures(model, held_stream, args, device, autocast) -> tuple[dict, dict | None]:
     """(windowed held-out metrics, loss by position bucket or None) as the arguments ask."""
-    ev = evaluate(model, held_stream, args.seq_len, args.eval_tokens, device, autocast)
-    ev_long = (evaluate_long(model, held_stream, args.long_eval_tokens, device, autocast,
+    ev = evaluate(model, held_stream, args.seq_len, max_tokens=args.eval_tokens, device=device, autocast=autocast)
+    ev_long = (evaluate_long(model, held_stream, args.long_eval_tokens, device=device, autocast=autocast,
                              num_seqs=args.long_eval_seqs) if args.long_eval_tokens else None)
     return ev, ev_long
 
@@ -327,8 +221,6 @@ def _build_model(args) -> tuple[TinyDSV3, TinyDSV3Config, dict | None]:
                          torch_dtype=args.save_dtype)
     previous = None
     if args.init_from:
-        from .checkpoint import load_model
-
         model = load_model(args.init_from, device="cpu", dtype=torch.float32)
         cfg = dataclasses.replace(model.config, torch_dtype=args.save_dtype)
         model.config = cfg
@@ -366,7 +258,7 @@ class _Trainer:
         a = self.args
         starts = torch.randint(0, self.max_start, (a.batch,), generator=self.data_gen)
         w = torch.stack([self.stream[s:s + self.window] for s in starts.tolist()])
-        pos = skip_positions(a.batch, a.seq_len, a.pos_skip_prob, a.pos_skip_max, self.data_gen)
+        pos = skip_positions(a.batch, a.seq_len, a.pos_skip_prob, max_pos=a.pos_skip_max, gen=self.data_gen)
         return w.to(self.device, non_blocking=True), pos
 
     def step(self, step: int, total: int):
@@ -374,7 +266,7 @@ class _Trainer:
             g["lr"] = _lr_at(step, total, self.args)
         w, pos = self.batch()
         with _autocast(self.device):
-            loss, main, mtp, _, _ = _losses(self.model, w, self.args.mtp_weight, pos)
+            loss, main, mtp, _, _ = window_losses(self.model, w, mtp_weight=self.args.mtp_weight, positions=pos)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
@@ -497,6 +389,7 @@ def _write_model_dir(model: TinyDSV3, args, record: dict, *, steps: int) -> None
     with open(os.path.join(out, "training.json"), "w", encoding="utf-8") as f:
         json.dump(record, f, indent=1)
         f.write("\n")
+
 
 if __name__ == "__main__":
     main()

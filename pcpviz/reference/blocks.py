@@ -134,7 +134,7 @@ class BlockTable:
 
 
 def gather_block_table_rows(
-    table: np.ndarray, idx_mapping: np.ndarray, num_reqs_padded: int | None = None,
+    table: np.ndarray, idx_mapping: np.ndarray, num_reqs_padded: int | None = None, *,
     num_blocks: np.ndarray | None = None,
 ) -> np.ndarray:
     """int32[num_reqs_padded, W]: the table rows of the batch's requests, in batch order.
@@ -262,6 +262,7 @@ def draft_decode_slot_mapping(
     tables: np.ndarray | Sequence[np.ndarray],
     block_sizes: int | Sequence[int],
     idx_mapping: np.ndarray,
+    *,
     positions: np.ndarray,
     **kwargs,
 ) -> np.ndarray:
@@ -279,7 +280,7 @@ def draft_decode_slot_mapping(
     Example (block size 4; slot 0 owns [5], slot 2 owns [7, 3])::
 
         >>> t = np.zeros((4, 2), np.int32); t[0, 0] = 5; t[2] = [7, 3]
-        >>> draft_decode_slot_mapping(t, 4, np.array([0, 2]), np.array([3, 6])).tolist()
+        >>> draft_decode_slot_mapping(t, 4, np.array([0, 2]), positions=np.array([3, 6])).tolist()
         [[23, 14]]
     """
     idx = np.asarray(idx_mapping, dtype=np.int64)

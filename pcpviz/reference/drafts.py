@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["draft_prefill_inputs", "draft_decode_positions", "partial_chunk_rows"]
+__all__ = ["draft_prefill_inputs", "unwritten_rows", "draft_decode_positions", "partial_chunk_rows"]
 
 
 def draft_prefill_inputs(input_ids: np.ndarray, query_start_loc: np.ndarray, *,
@@ -58,6 +58,21 @@ def draft_prefill_inputs(input_ids: np.ndarray, query_start_loc: np.ndarray, *,
     ok = valid > 0
     out[last[ok]] = tok[ok]
     return out, last
+
+
+def unwritten_rows(query_start_loc: np.ndarray, last_token_indices: np.ndarray) -> np.ndarray:
+    """bool[T]: the rows ``prepare_prefill_inputs`` does not write, those past each request's last
+    valid row (its rejected drafts). vLLM's buffer keeps whatever it held there; they are never
+    read. With the module example's ``last`` = [1, 7]: rows 2 and 3 (d0's two rejected drafts)::
+
+        >>> unwritten_rows(np.array([0, 4, 8]), np.array([1, 7])).nonzero()[0].tolist()
+        [2, 3]
+    """
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    lti = np.asarray(last_token_indices, dtype=np.int64)[: qsl.size - 1]
+    rows = np.arange(int(qsl[-1]) if qsl.size else 0, dtype=np.int64)  # int64[T]
+    req = np.searchsorted(qsl[1:], rows, side="right")  # int64[T]: each row's request
+    return rows > lti[req] if rows.size else np.zeros(0, dtype=bool)
 
 
 def draft_decode_positions(positions: np.ndarray, last_token_indices: np.ndarray, k: int, *,

@@ -1,4 +1,4 @@
-"""PCP DualChunkSwap planning: which global tokens each PCP rank computes.
+"""PCP DualChunkSwap planning: which global tokens each PCP rank computes, and its local batch.
 
 This is a re-derivation of vLLM 0.33.0's ``PCPManager._build_batch_layout``
 (``vllm/v1/worker/gpu/pcp_manager.py``) in plain NumPy; the conformance tests
@@ -14,7 +14,7 @@ The rules, for PCP size N:
   goes to one owner rank, ``decode_ordinal % N``, counting decodes only.
   Otherwise (DCP > 1) every rank computes it; ``kv_write_mask`` keeps rank 0's
   copy in the gathered slot mapping, while the KV write itself stores each rank's
-  own decode rows at rank 0's slots (``pcpviz.teaching.examples.cache_writes``).
+  own decode rows at rank 0's slots (``pcpviz.teaching.examples.kv_writes.cache_writes``).
 * with DCP > 1, a prefill too short to fill 2N chunks (``(2N-1)*ceil(q/2N) >= q``)
   is treated like a decode.
 * each rank's rows are ordered decodes first, then prefills, by global row and
@@ -39,7 +39,9 @@ the second decode carries 3 draft tokens)::
     hidden_restore_idx = [1,2,3,4, 16,17,18,19, 20,21,22,23, 5, 0, 12,13,14,15]
 
 so ``global = gathered[hidden_restore_idx]`` and, on real rows,
-``gathered = global[padded_gather_idx]``.
+``gathered = global[padded_gather_idx]``. How rows are cut into chunks and given to ranks
+(the segments and the three maps) is ``pcpviz.reference.chunks``; ``plan_layout`` validates
+the batch and assembles them into a ``PCPLayout``, ``partition_batch`` builds one rank's batch.
 """
 
 from __future__ import annotations
@@ -50,34 +52,14 @@ from typing import Sequence
 import numpy as np
 
 from pcpviz.reference.batch import GlobalBatch, LocalBatch
+from pcpviz.reference.chunks import Segment, chunk_size, gather_maps, rank_segments, replicated_requests
 
 __all__ = [
-    "Segment",
     "PCPLayout",
     "plan_layout",
-    "replicated_requests",
     "partition_batch",
     "num_tokens_for_dispatch",
 ]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """One contiguous run of a request's query tokens placed on one rank.
-
-    ``global_start:global_stop`` indexes the global (scheduler-ordered) token
-    axis; ``local_start:local_stop`` indexes the rank's local token axis.
-    """
-
-    global_req_idx: int
-    global_start: int
-    global_stop: int
-    local_start: int
-    local_stop: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.global_stop - self.global_start
 
 
 @dataclass(frozen=True, eq=False)
@@ -109,7 +91,7 @@ class PCPLayout:
 
     def local_gather_idx(self, rank: int) -> np.ndarray:
         """int64[P]: the global token each local row of ``rank`` holds (pad -> 0)."""
-        self._check_rank(rank)
+        self.check_rank(rank)
         p = self.padded_num_tokens
         return self.padded_gather_idx[rank * p : (rank + 1) * p]
 
@@ -133,19 +115,15 @@ class PCPLayout:
                 if self.replicated[req]:
                     out[rows] = 0
                 else:
-                    chunk = _chunk_size(int(self.num_scheduled_tokens[req]), self.pcp_world_size)
+                    chunk = chunk_size(int(self.num_scheduled_tokens[req]), self.pcp_world_size)
                     offset = seg.global_start - int(self.query_start_loc[req])
                     out[rows] = offset // chunk
         return out
 
-    def _check_rank(self, rank: int) -> None:
+    def check_rank(self, rank: int) -> None:
+        """ValueError unless ``0 <= rank < pcp_world_size``."""
         if not 0 <= rank < self.pcp_world_size:
             raise ValueError(f"rank {rank} is outside PCP world size {self.pcp_world_size}")
-
-
-def _chunk_size(query_len: int, pcp_world_size: int) -> int:
-    num_chunks = 2 * pcp_world_size
-    return (query_len + num_chunks - 1) // num_chunks
 
 
 def _as_int_array(name: str, values: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -182,102 +160,6 @@ def _check_world_size(name: str, value: int) -> int:
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return int(value)
-
-
-def replicated_requests(
-    num_scheduled_tokens: np.ndarray, is_prefilling: np.ndarray, pcp_world_size: int,
-    dcp_world_size: int = 1,
-) -> np.ndarray:
-    """bool[R]: rows that are not DualChunkSwap-split (decodes, and under DCP the
-    prefills too short to give every rank two non-empty chunks)."""
-    q = np.asarray(num_scheduled_tokens, dtype=np.int64)
-    replicated = ~np.asarray(is_prefilling, dtype=np.bool_)
-    if dcp_world_size > 1:
-        num_chunks = 2 * pcp_world_size
-        chunk = (q + num_chunks - 1) // num_chunks
-        replicated = replicated | ((num_chunks - 1) * chunk >= q)
-    return replicated
-
-
-def dual_chunk_swap(rank: int, pcp_world_size: int) -> tuple[int, int]:
-    """The two of the 2N chunks rank r computes: ``(r, 2N-1-r)``."""
-    return (rank, 2 * pcp_world_size - 1 - rank)
-
-
-def _rank_chunks(
-    rank: int, q: np.ndarray, replicated: np.ndarray, pcp_world_size: int, shard_decodes: bool,
-    chunk_ids=dual_chunk_swap,
-) -> list[tuple[int, int, int]]:
-    """(global row, query offset, length) of every non-empty chunk ``rank`` computes,
-    in global row order. ``chunk_ids(rank, N)`` picks a split row's chunks."""
-    out = []
-    decode_ordinal = 0
-    for req, query_len in enumerate(q.tolist()):
-        if query_len == 0:
-            continue
-        if not replicated[req]:
-            size = _chunk_size(query_len, pcp_world_size)
-            ids: tuple[int, ...] = tuple(chunk_ids(rank, pcp_world_size))
-        elif shard_decodes:
-            size = query_len
-            # Ownership only needs to balance this step: KV and hidden states are
-            # gathered back to every rank, so a compact decode-only ordinal is used.
-            ids = (0,) if decode_ordinal % pcp_world_size == rank else ()
-            decode_ordinal += 1
-        else:
-            size = query_len
-            ids = (0,)
-        for chunk_id in ids:
-            offset = chunk_id * size
-            length = min(size, query_len - offset)
-            if length > 0:
-                out.append((req, offset, length))
-    return out
-
-
-def rank_segments(
-    q: np.ndarray, prefill: np.ndarray, qsl: np.ndarray, replicated: np.ndarray, n: int, shard: bool,
-    chunk_ids=dual_chunk_swap,
-) -> tuple[tuple[Segment, ...], ...]:
-    """Every rank's segments, decodes first, with their local offsets."""
-    out = []
-    for rank in range(n):
-        chunks = _rank_chunks(rank, q, replicated, n, shard, chunk_ids)
-        # Decodes first, then prefills; the sort is stable on (prefill, row, start).
-        chunks.sort(key=lambda c: (bool(prefill[c[0]]), c[0], c[1]))
-        segs, local = [], 0
-        for req, offset, length in chunks:
-            start = int(qsl[req]) + offset
-            segs.append(Segment(req, start, start + length, local, local + length))
-            local += length
-        out.append(tuple(segs))
-    return tuple(out)
-
-
-def gather_maps(
-    segments_by_rank, p: int, num_tokens: int, prefill: np.ndarray, replicated: np.ndarray,
-    shard: bool, writer_rank: int = 0,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(padded_gather_idx int64[N*P], hidden_restore_idx int64[T] (-1 = no writer),
-    kv_write_mask bool[N*P]) for segments padded to P rows per rank. Replicated rows are
-    written by ``writer_rank`` (vLLM: rank 0); a sharded decode by its owner."""
-    n = len(segments_by_rank)
-    padded_gather_idx = np.zeros(n * p, dtype=np.int64)
-    kv_write_mask = np.zeros(n * p, dtype=np.bool_)
-    hidden_restore_idx = np.full(num_tokens, -1, dtype=np.int64)
-    for rank, segs in enumerate(segments_by_rank):
-        base = rank * p
-        for seg in segs:
-            rows = np.arange(base + seg.local_start, base + seg.local_stop, dtype=np.int64)
-            padded_gather_idx[rows] = np.arange(seg.global_start, seg.global_stop)
-            req = seg.global_req_idx
-            sharded_decode = shard and not prefill[req]
-            # Replicated rows hold identical KV on every rank: one rank writes it.
-            if replicated[req] and not sharded_decode and rank != writer_rank:
-                continue
-            kv_write_mask[rows] = True
-            hidden_restore_idx[seg.global_start : seg.global_stop] = rows
-    return padded_gather_idx, hidden_restore_idx, kv_write_mask
 
 
 def num_tokens_for_dispatch(
@@ -335,7 +217,7 @@ def plan_layout(
     np.cumsum(q, out=qsl[1:])
     replicated = replicated_requests(q, prefill, n, dcp)
 
-    segments_by_rank = rank_segments(q, prefill, qsl, replicated, n, shard)
+    segments_by_rank = rank_segments(q, prefill, qsl, replicated=replicated, n=n, shard=shard)
     per_rank = tuple(sum(s.num_tokens for s in segs) for segs in segments_by_rank)
 
     largest = max(per_rank)
@@ -355,7 +237,7 @@ def plan_layout(
             )
 
     padded_gather_idx, hidden_restore_idx, kv_write_mask = gather_maps(
-        segments_by_rank, p, int(qsl[-1]), prefill, replicated, shard)
+        segments_by_rank, p, int(qsl[-1]), prefill=prefill, replicated=replicated, shard=shard)
 
     orphans = np.flatnonzero(hidden_restore_idx < 0)
     if orphans.size:
@@ -462,7 +344,7 @@ def partition_batch(
         )
     elif layout.num_tokens != batch.num_tokens or layout.num_reqs != batch.num_reqs:
         raise ValueError("layout was planned for a different batch")
-    layout._check_rank(rank)
+    layout.check_rank(rank)
 
     segs = layout.segments_by_rank[rank]
     placeholder = not segs

@@ -58,12 +58,15 @@ class Fix:
     replace: bool = False
 
 
-_IDS, _POS, _SPEC_IDS, _SPEC_POS = "global shifted ids", "global positions", "speculator.input_ids", "speculator.positions"
+_IDS, _POS = "global shifted ids", "global positions"
+_SPEC_IDS, _SPEC_POS = "speculator.input_ids", "speculator.positions"
 ORDERS: dict[str, tuple[Access, ...]] = {
     "piecewise_draft_prefill": (
         Access("prepare_prefill_inputs", "write", _SPEC_IDS, _IDS, VllmRef(_AR, 226, "prepare_prefill_inputs(")),
-        Access("prepare_prefill_inputs (positions)", "write", _SPEC_POS, _POS, VllmRef(_AR, 226, "prepare_prefill_inputs(")),
-        Access("prepare_draft_prefill", "copy", "local.input_ids", "rank-local ids", VllmRef(_PCP, 857, "torch.index_select("),
+        Access("prepare_prefill_inputs (positions)", "write", _SPEC_POS, _POS,
+               VllmRef(_AR, 226, "prepare_prefill_inputs(")),
+        Access("prepare_draft_prefill", "copy", "local.input_ids", "rank-local ids",
+               VllmRef(_PCP, 857, "torch.index_select("),
                source=_SPEC_IDS, needs=_IDS),
         Access("_prefill", "read", _SPEC_POS, _POS,
                VllmRef(_AR, 452, "positions = self.input_buffers.positions[last_token_indices]")),
@@ -73,7 +76,8 @@ ORDERS: dict[str, tuple[Access, ...]] = {
                "rank-local positions", VllmRef(_AR, 417, "positions=input_buffers.positions[:num_tokens],")),
         Access("_prefill (draft positions)", "write", _SPEC_POS, "draft positions",
                VllmRef(_AR, 489, "self.input_buffers.positions[:num_reqs] = positions")),
-        Access("prepare_decode_inputs", "read", _SPEC_POS, "draft positions", VllmRef(_AR, 312, "prepare_decode_inputs(")),
+        Access("prepare_decode_inputs", "read", _SPEC_POS, "draft positions",
+               VllmRef(_AR, 312, "prepare_decode_inputs(")),
     ),
     "full_draft_prefill": (
         Access("prepare_draft_prefill", "write", "pcp.draft_prefill_batch", "this step's rank-local batch",

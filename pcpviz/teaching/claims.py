@@ -1,8 +1,9 @@
 """Claims the docs and notebooks make about vLLM 0.33.0 that a review found wrong once, as data.
 
 Each ``Claim`` names the files that state it (``REVIEW_MAP``: the rendered review map), a phrase
-each must contain (``says``, whitespace collapsed), phrases none may contain any more (``not_says``: the wrong version), and the vLLM
-lines that show it (``VllmRef``; a test reads the installed package). ``tests/teaching/test_claims.py``
+each must contain (``says``, whitespace collapsed), phrases none may contain any more
+(``not_says``: the wrong version), and the vLLM lines that show it (``VllmRef``; a test reads
+the installed package). ``tests/teaching/test_claims.py``
 holds every claim to the files and to vLLM, and runs the computation behind it where one exists.
 The ten rows are issue 25's corrections; row 9, for example::
 
@@ -58,7 +59,8 @@ CLAIMS: dict[str, Claim] = {
     "row 3": Claim(
         "the draft-layer exemption holds for every DraftModelSpeculator, MTP included",
         ((REVIEW, "computed for every DraftModelSpeculator, MTP included"),
-         (_NB["06_design_review"], "names for **every** `DraftModelSpeculator`, MTP included"), (_DOC, "**MTP included**")),
+         (_NB["06_design_review"], "names for **every** `DraftModelSpeculator`, MTP included"),
+         (_DOC, "**MTP included**")),
         ((REVIEW, "(a replicated drafter may use a non-PCP backend)"),),
         (VllmRef("v1/worker/gpu/model_runner.py", 677, "if isinstance(self.speculator, DraftModelSpeculator):"),
          VllmRef("v1/worker/gpu/model_runner.py", 683, "} - self.speculator.draft_attn_layer_names"))),
@@ -88,14 +90,16 @@ CLAIMS: dict[str, Claim] = {
         (VllmRef("model_executor/layers/attention/mla_attention.py", 794,
                  "if slot_mapping is None or (cache is not None and cache.dummy_batch):"),
          VllmRef(_PCP, 803, "return self._gathered_kv_slot_mappings[:, : num_tokens * self.pcp_world_size]"),
-         VllmRef("v1/attention/ops/pcp.py", 40, "pcp_group.all_gather(tensor.contiguous(), dim=0) for tensor in tensors"))),
+         VllmRef("v1/attention/ops/pcp.py", 40,
+                 "pcp_group.all_gather(tensor.contiguous(), dim=0) for tensor in tensors"))),
     "row 8": Claim(
         "a full KV replica per rank only with DCP = 1; with DCP > 1 other DCP ranks' slots are PAD",
         ((_NB["00_quickstart"], "with DCP = 1 each rank keeps a full KV replica"),
          (_NB["01_pcp_layout"], "With DCP = 1 (the default) every rank keeps a full replica of the KV cache")),
         ((_NB["00_quickstart"], "ranks, each rank keeps a full KV replica"),
          (_NB["01_pcp_layout"], "N ranks. Every rank keeps a full replica")),
-        (VllmRef("v1/worker/gpu/block_table.py", 394, "is_local = virtual_block_offsets // CP_INTERLEAVE % CP_SIZE == cp_rank"),
+        (VllmRef("v1/worker/gpu/block_table.py", 394,
+                 "is_local = virtual_block_offsets // CP_INTERLEAVE % CP_SIZE == cp_rank"),
          VllmRef("v1/worker/gpu/block_table.py", 411, "slot_ids = tl.where(is_local, slot_ids, PAD_ID)"))),
     "row 9": Claim(
         "a draft decode's mapping is as long as the padded draft batch (PAD past R); it writes locally by "
@@ -106,7 +110,8 @@ CLAIMS: dict[str, Claim] = {
         ((_NB["02_block_tables_and_slot_mappings"], "its length R (not N*P) is how the attention layer knows"),
          (_DOC, "unexpanded** `[G, R]` mapping, so the attention layer writes locally")),
         (VllmRef(_AR, 515, "batch_desc.num_tokens,"),
-         VllmRef("v1/worker/gpu/block_table.py", 365, "tl.store(slot_mapping_ptr + offset, PAD_ID, mask=offset < max_num_tokens)"),
+         VllmRef("v1/worker/gpu/block_table.py", 365,
+                 "tl.store(slot_mapping_ptr + offset, PAD_ID, mask=offset < max_num_tokens)"),
          VllmRef("v1/attention/ops/pcp.py", 29, "if slot_mapping.shape[0] <= local_num_tokens:"))),
     "row 10": Claim(
         "the drafter's layers take use_pcp from the copied config, its attention impls the PCP size from the "

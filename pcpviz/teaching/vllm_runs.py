@@ -93,7 +93,7 @@ def drafter_impl_pcp(pcp: int = 2) -> DrafterImplPCP:
     from vllm.config import set_current_vllm_config
     from vllm.v1.attention.backend import AttentionImplBase
 
-    from pcpviz.vllm.cpu_patches import FakePCPGroup, run_ranks
+    from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 
     class Impl(AttentionImplBase):
         pass
@@ -117,7 +117,7 @@ def draft_prefill_graph_modes(layout: PCPLayout, mode: str, *, k: int, max_num_s
     _vllm()
     from vllm.config import CUDAGraphMode
 
-    from pcpviz.teaching.examples import draft_prefill_dispatch
+    from pcpviz.teaching.examples.pcp_paths import draft_prefill_dispatch
     from pcpviz.vllm.replay.graphs import capture_sizes, draft_prefill_manager
 
     cg = CUDAGraphMode[mode]

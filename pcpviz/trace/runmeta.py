@@ -98,7 +98,8 @@ def check_version(path: Path, version: Any) -> int:
     if isinstance(version, str) and version.strip().isdigit() and len(version.strip()) <= 18:
         version = int(version)
     if isinstance(version, bool) or not isinstance(version, int):
-        shown = repr(version) if len(repr(version)) <= 40 else f"{repr(version)[:30]}... ({len(repr(version))} characters)"
+        text = repr(version)
+        shown = text if len(text) <= 40 else f"{text[:30]}... ({len(text)} characters)"
         raise TraceError(f"{path}: {S.META_SCHEMA_KEY} must be an int, got {shown}")
     if version > S.SCHEMA_VERSION:
         raise TraceError(f"{path}: schema version {version} is newer than this pcpviz "

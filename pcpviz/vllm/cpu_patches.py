@@ -28,10 +28,11 @@ speculator plumbing belongs to whoever drives ``propose``, and einops is in
     with cpu_patches.cpu_environment():      # vLLM modules imported here get interpreted kernels
         from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
-PCP ranks are simulated as threads of one process sharing a ``FakePCPGroup``::
+PCP ranks are simulated as threads of one process sharing a ``FakePCPGroup``
+(``pcpviz.vllm.fake_group``)::
 
-    group = cpu_patches.FakePCPGroup(2)
-    outs = cpu_patches.run_ranks(group, lambda rank: manager[rank].restore_hidden_states(h[rank]))
+    group = FakePCPGroup(2)
+    outs = run_ranks(group, lambda rank: manager[rank].restore_hidden_states(h[rank]))
 
 Call ``apply_cpu_patches()`` before vLLM or Triton is imported: Triton decides at
 ``@triton.jit`` decoration time whether a kernel is interpreted, and vLLM decides
@@ -46,120 +47,17 @@ import importlib
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pcpviz.vllm import SUPPORTED_VLLM_VERSION
+from pcpviz.vllm.fake_group import current_fake_group
 
 _apply_lock = threading.Lock()
 _applied = False
 
-# The thread's bound (group, rank), read by the patched get_pcp_group().
-_tls = threading.local()
-
-
-# --- fake PCP process group ---------------------------------------------------------------------
-
-
-class FakePCPGroup:
-    """A PCP "process group" whose ranks are threads of this process.
-
-    Stands in for ``vllm.distributed.parallel_state.GroupCoordinator`` in the
-    two calls PCP makes on it: ``rank_in_group`` / ``world_size`` and
-    ``all_gather(t, dim)``. Each rank thread binds itself with ``bind(rank)``
-    (or use ``run_ranks``); ``rank_in_group`` is then the calling thread's rank.
-    """
-
-    def __init__(self, world_size: int, *, timeout: float = 60.0) -> None:
-        if world_size < 1:
-            raise ValueError(f"FakePCPGroup world_size must be >= 1, got {world_size}")
-        self.world_size = world_size
-        self._barrier = threading.Barrier(world_size, timeout=timeout)
-        self._slots: list[Any] = [None] * world_size
-        self._local = threading.local()
-        # all_gather calls per rank (a collective must be called equally often).
-        self.all_gather_calls = [0] * world_size
-
-    @property
-    def rank_in_group(self) -> int:
-        rank = getattr(self._local, "rank", None)
-        if rank is None:
-            raise RuntimeError("this thread is not bound to a rank of the FakePCPGroup (use bind(rank))")
-        return rank
-
-    @property
-    def num_all_gathers(self) -> int:
-        """Collective all_gathers completed (each counted once, not per rank)."""
-        return max(self.all_gather_calls)
-
-    @contextlib.contextmanager
-    def bind(self, rank: int) -> Iterator[FakePCPGroup]:
-        """Make the current thread rank ``rank`` of this group, and the group
-        the one the patched ``get_pcp_group()`` returns on this thread."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
-        prev_rank, prev_group = getattr(self._local, "rank", None), getattr(_tls, "group", None)
-        self._local.rank, _tls.group = rank, self
-        try:
-            yield self
-        finally:
-            self._local.rank, _tls.group = prev_rank, prev_group
-
-    def abort(self) -> None:
-        """Release ranks blocked in a collective (they raise BrokenBarrierError)."""
-        self._barrier.abort()
-
-    def all_gather(self, input_: Any, dim: int = 0) -> Any:
-        """Concatenate every rank's tensor along ``dim``, in rank order."""
-        import torch
-
-        rank = self.rank_in_group
-        self.all_gather_calls[rank] += 1
-        self._slots[rank] = input_
-        self._barrier.wait()  # every rank has deposited its tensor
-        shapes = [tuple(t.shape) for t in self._slots]
-        try:
-            # A real all_gather needs equal shapes; PCP pads every rank to P rows for this.
-            assert all(s == shapes[0] for s in shapes), f"all_gather with unequal shapes across PCP ranks: {shapes}"
-            out = torch.cat(list(self._slots), dim=dim)
-        finally:
-            self._barrier.wait()  # everyone has read the slots before any rank reuses them
-        return out
-
-
-def _current_fake_group() -> FakePCPGroup | None:
-    return getattr(_tls, "group", None)
-
-
-def run_ranks(group: FakePCPGroup, fn: Callable[[int], Any]) -> list[Any]:
-    """Run ``fn(rank)`` on one thread per rank, each bound to ``group``.
-
-    Returns the results in rank order. If any rank raises, the group's barrier
-    is aborted (so no rank hangs in a collective) and the first error (lowest
-    rank) is re-raised here.
-    """
-    results: list[Any] = [None] * group.world_size
-    errors: list[BaseException | None] = [None] * group.world_size
-
-    def body(rank: int) -> None:
-        try:
-            with group.bind(rank):
-                results[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            errors[rank] = exc
-            group.abort()
-
-    threads = [threading.Thread(target=body, args=(r,), name=f"pcp-rank-{r}") for r in range(group.world_size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    # Prefer a real error over the BrokenBarrierError it caused on other ranks.
-    real = [e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)]
-    first = real[0] if real else next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
-    return results
+# The forward context of each rank thread bound to a FakePCPGroup (the patched forward context).
+_rank_contexts = threading.local()
 
 
 # --- the patches ----------------------------------------------------------------------------------
@@ -372,7 +270,7 @@ def _patch_get_pcp_group() -> None:
 
     @functools.wraps(original)
     def get_pcp_group() -> Any:
-        group = _current_fake_group()
+        group = current_fake_group()
         return group if group is not None else original()
 
     get_pcp_group._pcpviz_fake = True  # type: ignore[attr-defined]
@@ -404,22 +302,22 @@ def _patch_forward_context_per_rank_thread() -> None:
 
     @contextlib.contextmanager
     def override_forward_context(forward_context: Any) -> Iterator[None]:
-        if _current_fake_group() is None:
+        if current_fake_group() is None:
             with original_override(forward_context):
                 yield
             return
-        previous = getattr(_tls, "forward_context", None)
-        _tls.forward_context = forward_context
+        previous = getattr(_rank_contexts, "forward_context", None)
+        _rank_contexts.forward_context = forward_context
         try:
             yield
         finally:
-            _tls.forward_context = previous
+            _rank_contexts.forward_context = previous
 
     @functools.wraps(original_get)
     def get_forward_context() -> Any:
-        if _current_fake_group() is None:
+        if current_fake_group() is None:
             return original_get()
-        context = getattr(_tls, "forward_context", None)
+        context = getattr(_rank_contexts, "forward_context", None)
         assert context is not None, (
             "Forward context is not set. Please use `set_forward_context` to set the forward context."
         )
@@ -427,9 +325,9 @@ def _patch_forward_context_per_rank_thread() -> None:
 
     @functools.wraps(original_available)
     def is_forward_context_available() -> bool:
-        if _current_fake_group() is None:
+        if current_fake_group() is None:
             return original_available()
-        return getattr(_tls, "forward_context", None) is not None
+        return getattr(_rank_contexts, "forward_context", None) is not None
 
     for fn in (override_forward_context, get_forward_context, is_forward_context_available):
         fn._pcpviz_fake = True  # type: ignore[attr-defined]
@@ -494,9 +392,7 @@ __all__: Sequence[str] = [
     "SUPPORTED_VLLM_VERSION",
     "CPU_ENVIRONMENT",
     "WORKER_MODULES",
-    "FakePCPGroup",
     "apply_cpu_patches",
     "cpu_environment",
     "patches_applied",
-    "run_ranks",
 ]

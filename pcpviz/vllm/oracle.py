@@ -287,10 +287,10 @@ def vllm_compute_slot_mappings(
     block_table_rows: Sequence[Sequence[int]],
     block_size: int,
     idx_mapping: ArrayLike,
+    *,
     query_start_loc: ArrayLike,
     positions: ArrayLike,
     num_tokens: int,
-    *,
     cp_size: int = 1,
     cp_rank: int = 0,
     cp_interleave: int = 1,
@@ -316,8 +316,8 @@ def vllm_gather_block_tables(
     block_table_rows: Sequence[Sequence[int]],
     block_size: int,
     idx_mapping: ArrayLike,
-    num_reqs_padded: int,
     *,
+    num_reqs_padded: int,
     max_num_blocks: int | None = None,
 ) -> np.ndarray:
     """``BlockTables.gather_block_tables`` (the Triton kernel) into the shared

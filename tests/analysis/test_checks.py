@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from pcpviz import faults as F
-from pcpviz.analysis.checks import CHECKS, ENGINE_VIEW_CHECKS, FAIL, PASS, SKIPPED, first_difference, run_checks, short_repr
+from pcpviz.analysis.checks import (CHECKS, ENGINE_VIEW_CHECKS, FAIL, PASS, SKIPPED, first_difference, run_checks,
+                                    short_repr)
 from tracegen import (
     RequestSpec,
     clean_run,
@@ -127,7 +128,8 @@ def case_restore(_):
     run = clean_run(2)
     corrupt(run, 1, "target", "hidden_restore_idx", _shift_rows)
     # hidden_restored reads the same map: the fingerprints are restored through it
-    return run, {"restore_gather_identity", "layout_matches_plan", "hidden_restored"}, (1, 0, "target", "hidden_restore_idx")
+    failing = {"restore_gather_identity", "layout_matches_plan", "hidden_restored"}
+    return run, failing, (1, 0, "target", "hidden_restore_idx")
 
 
 def case_kv_once(_):

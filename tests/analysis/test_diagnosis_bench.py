@@ -55,3 +55,11 @@ def test_an_uncatalogued_bug_is_found_and_never_blamed_on_a_wrong_fault(rows, na
 def test_a_harmless_refactor_raises_no_alarm(rows):
     r = rows["refactor_shift_with_roll"]
     assert r.ran and not r.alarm and r.verdict == CLEAN, r
+
+
+@pytest.mark.parametrize("m", MUTATIONS, ids=lambda m: m.name)
+def test_every_mutation_still_patches_its_file(m):
+    """Each mutation's text occurs exactly once in its file: a refactor that moves or rewrites
+    the code a mutation patches must move the mutation with it."""
+    src = (ROOT / "pcpviz" / m.file).read_text()
+    assert src.count(m.old) == 1, f"{m.name}: {m.old!r} occurs {src.count(m.old)} times in pcpviz/{m.file}"

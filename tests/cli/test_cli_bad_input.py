@@ -171,7 +171,8 @@ def test_two_concurrent_runs_into_one_directory(tmp_path):
     assert codes == [0, 2], results
     loser = next(err for rc, _, err in results if rc == 2)
     lines = loser.strip().splitlines()
-    assert len(lines) == 1 and str(d) in lines[0] and ("in use by pid" in lines[0] or "already holds a trace" in lines[0])
+    assert len(lines) == 1 and str(d) in lines[0]
+    assert "in use by pid" in lines[0] or "already holds a trace" in lines[0]
     # the winner's trace is whole and consistent: one run.json, its rank files, no lock left
     assert sorted(p.name for p in d.iterdir()) == ["complete.json", "rank0.arrow", "rank1.arrow", "run.json"]
     t = pt.open(d)
@@ -265,8 +266,9 @@ LONG = "x" * 300  # one path component longer than NAME_MAX (255)
 
 
 @pytest.mark.parametrize("argv", [
-    ["check", "{tmp}/" + LONG], ["diff", "{trace}", "{tmp}/" + LONG], ["export", "{tmp}/" + LONG, "--html", "{tmp}/o.html"],
-    ["export", "{trace}", "--html", "{tmp}/" + LONG + "/o.html"], ["export", "{trace}", "--chrome", "{tmp}/" + LONG + ".json"],
+    ["check", "{tmp}/" + LONG], ["diff", "{trace}", "{tmp}/" + LONG],
+    ["export", "{tmp}/" + LONG, "--html", "{tmp}/o.html"], ["export", "{trace}", "--html", "{tmp}/" + LONG + "/o.html"],
+    ["export", "{trace}", "--chrome", "{tmp}/" + LONG + ".json"],
     ["explain", "{tmp}/" + LONG, "--no-rerun"], ["run", "--prompt", "x", "--trace", "{tmp}/" + LONG],
     ["run", "--prompt", "x", "--json", "{tmp}/" + LONG], ["replay", "--trace", "{tmp}/" + LONG],
 ], ids=lambda a: " ".join(a)[:40])
@@ -283,7 +285,8 @@ def test_stdout_on_a_full_disk_is_one_line():
         env = dict(os.environ, PYTHONPATH=f"{ROOT}:{ROOT / 'kernels'}")
         r = subprocess.run([sys.executable, "-m", "pcpviz.cli", "check", str(CPU_TRACE)], stdout=full,
                            stderr=subprocess.PIPE, text=True, env=env, timeout=300)
-    assert r.returncode == 2 and r.stderr.strip().splitlines() == ["pcpviz check: stdout: No space left on device"], r.stderr
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == ["pcpviz check: stdout: No space left on device"], r.stderr
 
 
 @pytest.fixture()
@@ -394,7 +397,7 @@ def test_prompts_file_is_bounded(tmp_path):
     f.write_text(json.dumps(["x"] * 5000))
     rc, _, err = run_cli(["run", "--prompts-file", str(f)])
     assert rc == 2 and err.strip().endswith("5000 prompts; a run takes at most 4096"), err
-    from pcpviz.engine.launch import build_config
+    from pcpviz.engine.run_config import build_config
 
     with pytest.raises(ValueError, match="more than 4194304 tokens"):
         build_config(["y" * 30000] * 200)

@@ -119,7 +119,8 @@ def test_the_tour_runs_again_in_the_same_directory(tour):
     """A reader repeating the tour: every command that writes succeeds again over its own output."""
     assert len(tour[2]) >= 5, list(tour[2])
     for cmd, r in tour[2].items():
-        assert r.returncode == tour[0][cmd].returncode == 0, f"{cmd!r} exited {r.returncode} when repeated:\n{r.stderr[-2000:]}"
+        assert r.returncode == tour[0][cmd].returncode == 0, \
+            f"{cmd!r} exited {r.returncode} when repeated:\n{r.stderr[-2000:]}"
         assert "Traceback" not in r.stderr, cmd
 
 

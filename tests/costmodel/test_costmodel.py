@@ -1,8 +1,8 @@
 """The cost model (pcpviz.costmodel): checked against every measured point, and its structure.
 
 * Every measured time and ratio in data/bench/ (vLLM's two bench files, the engine's before
-  and after its performance work, the figures reported in the performance issue) is predicted within FACTOR by one fit; the worst
-  factor is printed. The shipped data/bench/costmodel_fit.json is that fit.
+  and after its performance work, the figures reported in the performance issue) is predicted
+  within FACTOR by one fit; the worst factor is printed. The shipped data/bench/costmodel_fit.json is that fit.
 * Structure: times grow with prompt length, context and batch; the PCP prefill speedup tends
   to P for huge prompts and is below 1 for the tiny model at 16k under vLLM (as measured); the
   MTP speedup stays below the tokens a step (L), tends to L when only the per-step overhead
@@ -42,8 +42,8 @@ def test_every_measured_point_is_predicted_within_the_factor(fitted):
     points = cm.load_points()
     assert len(fitted.rows) == len(points.measured) + len(points.ratios) >= 20
     sources = {r["source"] for r in fitted.rows}
-    assert sources == {"data/bench/vllm_h200x2.json", "data/bench/vllm_h200x2_run1.json", "data/bench/h200x2_engine_v1.json",
-                       "data/bench/h200x2.json", "data/bench/reported_h200x2.json"}
+    assert sources == {"data/bench/vllm_h200x2.json", "data/bench/vllm_h200x2_run1.json",
+                       "data/bench/h200x2_engine_v1.json", "data/bench/h200x2.json", "data/bench/reported_h200x2.json"}
     worst = max(fitted.rows, key=lambda r: r["factor"])
     print(f"worst factor {worst['factor']:.3f}: {worst['name']} [{worst['source']}]; "
           f"rms log error {fitted.rms_log_error:.3f}")

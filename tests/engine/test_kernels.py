@@ -26,7 +26,8 @@ if not GPU:
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "kernels"))
+ROOT_DIR = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT_DIR, "kernels"))
 
 
 import pcpviz_kernels as K  # noqa: E402
@@ -210,9 +211,10 @@ def test_paged_mla_attention_engine_sizes_and_engine_wrapper():
     case2 = dict(case, q_lat=torch.einsum("qhd,hdr->qhr", q_nope, w_uk))
     ctx = K.paged_mla_attention(**case2)
     mine = torch.einsum("qhr,hvr->qhv", ctx, w_uv)
-    ref = engine_kv.paged_mla_attention(q_nope, case["q_pe"], case["cache"], case["block_rows"],
-                                        case["query_start_loc"], case["positions"], case["seq_lens"],
-                                        w_uk, w_uv, case["block_size"], case["scale"])
+    ref = engine_kv.paged_mla_attention(q_nope, case["q_pe"], case["cache"], block_rows=case["block_rows"],
+                                        query_start_loc=case["query_start_loc"], positions=case["positions"],
+                                        seq_lens=case["seq_lens"], w_uk=w_uk, w_uv=w_uv,
+                                        block_size=case["block_size"], scale=case["scale"])
     torch.testing.assert_close(mine, ref, atol=1e-3, rtol=1e-4)
     assert got.shape == (case["q_lat"].shape[0], 4, 512)
 
@@ -306,8 +308,9 @@ def _engine_case(rng, rows, dtype, dev=DEV):
     g = torch.Generator().manual_seed(5)
     nq = case["q_lat"].shape[0]
     w = lambda *shape: (torch.randn(*shape, generator=g) / 4).to(dtype).to(dev)  # noqa: E731
-    return (w(nq, 4, 16), case["q_pe"].to(dtype), case["cache"], case["block_rows"], case["query_start_loc"],
-            case["positions"], case["seq_lens"], w(4, 16, 64), w(4, 32, 64), case["block_size"], case["scale"])
+    return dict(q_nope=w(nq, 4, 16), q_pe=case["q_pe"].to(dtype), cache=case["cache"], block_rows=case["block_rows"],
+                query_start_loc=case["query_start_loc"], positions=case["positions"], seq_lens=case["seq_lens"],
+                w_uk=w(4, 16, 64), w_uv=w(4, 32, 64), block_size=case["block_size"], scale=case["scale"])
 
 
 ENGINE_ROWS = (_dual_chunk_rows(41, 2, 0, cached=3) + [([17], 18), ([20, 21, 22], 23), ([], 6)]
@@ -321,11 +324,11 @@ def test_engine_kernel_path_matches_torch_path(decode_max, dtype, atol):
     """The CUDA dispatch (absorbed kernel for short rows, gather + up-projection + flash kernel
     for long ones, any split of one mixed batch) equals the engine's CPU path."""
     args = _engine_case(np.random.default_rng(9), ENGINE_ROWS, dtype)
-    want = engine_kv.paged_mla_attention(*args)  # CPU: the torch reference
-    got = engine_kv.paged_mla_attention_kernels(K, *args, decode_max=decode_max)
+    want = engine_kv.paged_mla_attention(**args)  # CPU: the torch reference
+    got = engine_kv.paged_mla_attention_kernels(**args, kernels=K, decode_max=decode_max)
     torch.testing.assert_close(got, want, atol=atol, rtol=atol)
-    host = engine_kv.lens_on_host(args[4], args[6])
-    again = engine_kv.paged_mla_attention_kernels(K, *args, decode_max=decode_max, host_lens=host,
+    host = engine_kv.lens_on_host(args["query_start_loc"], args["seq_lens"])
+    again = engine_kv.paged_mla_attention_kernels(**args, kernels=K, decode_max=decode_max, host_lens=host,
                                                   max_query_len=int(np.diff(host[0]).max()), max_seq_len=30)
     assert torch.equal(again, got)
 
@@ -362,7 +365,7 @@ def test_gather_block_table_rows_matches_numpy(width):
     idx = np.array([4, 0, 8, 4, 2], np.int64)
     nb = rng.integers(0, width + 1, size=9).astype(np.int32)
     for padded, num_blocks in [(None, None), (8, None), (7, nb), (5, nb)]:
-        want = npb.gather_block_table_rows(table, idx, padded, num_blocks)
+        want = npb.gather_block_table_rows(table, idx, padded, num_blocks=num_blocks)
         tt, it = _t(table, torch.int32, "cpu"), _t(idx, dev="cpu")
         nbt = None if num_blocks is None else _t(num_blocks, torch.int32, "cpu")
         got = K.gather_block_table_rows(tt, it, padded, nbt)
@@ -531,9 +534,9 @@ def test_gpu_mla_prefill_attention(dtype, precision, atol):
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 5e-5), (torch.bfloat16, 3e-2)])
 def test_gpu_engine_kernel_path_matches_torch_path(dtype, atol, monkeypatch):
     args = _engine_case(np.random.default_rng(9), ENGINE_ROWS + [(list(range(2000)), 2000)], dtype)
-    got = engine_kv.paged_mla_attention(*args)
+    got = engine_kv.paged_mla_attention(**args)
     monkeypatch.setenv("PCPVIZ_KERNELS", "0")
-    torch.testing.assert_close(got, engine_kv.paged_mla_attention(*args), atol=atol, rtol=atol)
+    torch.testing.assert_close(got, engine_kv.paged_mla_attention(**args), atol=atol, rtol=atol)
 
 
 @gpu_only
@@ -545,7 +548,7 @@ def test_gpu_small_kernels():
         got = K.compute_slot_mapping(_t(table, torch.int32), bs, _t(idx), _t(qsl), _t(pos), int(qsl[-1]) + 9)
         assert np.array_equal(got.cpu().numpy(), want)
         nb = rng.integers(0, table.shape[1] + 1, size=16).astype(np.int32)
-        want = npb.gather_block_table_rows(table, idx[idx >= 0], 16, nb)
+        want = npb.gather_block_table_rows(table, idx[idx >= 0], 16, num_blocks=nb)
         got = K.gather_block_table_rows(_t(table, torch.int32), _t(idx[idx >= 0]), 16, _t(nb, torch.int32))
         assert np.array_equal(got.cpu().numpy(), want)
     lay = plan_layout([1000, 1, 1, 77], [True, False, False, True], 4)

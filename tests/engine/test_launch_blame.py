@@ -10,11 +10,11 @@ import subprocess
 import sys
 import time
 
-from pcpviz.engine.launch import RankError, _blame, _clean_stale_work_dirs, _Rank, _WORK_PREFIX
+from pcpviz.engine.rank_procs import WORK_PREFIX, RankError, RankProcess, blame, clean_stale_work_dirs
 
 
-def _ranks(*scripts: str) -> list[_Rank]:
-    ranks = [_Rank(r, subprocess.Popen(["sh", "-c", s], stderr=subprocess.PIPE, text=True))
+def _ranks(*scripts: str) -> list[RankProcess]:
+    ranks = [RankProcess(r, subprocess.Popen(["sh", "-c", s], stderr=subprocess.PIPE, text=True))
              for r, s in enumerate(scripts)]
     time.sleep(0.5)
     for r in ranks:
@@ -32,8 +32,9 @@ def _cleanup(ranks):
 
 def test_full_disk_is_blamed_on_its_rank_not_on_the_peer(tmp_path):
     ranks = _ranks("echo 'PCPVIZ_ERROR RuntimeError: Connection closed by peer [127.0.0.1]:4242' >&2; exit 1",
-                   "echo 'PCPVIZ_ERROR OSError: runs/x/rank1.arrow: cannot write (No space left on device)' >&2; exit 1")
-    err = _blame(ranks, str(tmp_path))
+                   "echo 'PCPVIZ_ERROR OSError: runs/x/rank1.arrow: cannot write (No space left on device)' >&2; "
+                   "exit 1")
+    err = blame(ranks, str(tmp_path))
     assert isinstance(err, RankError) and err.rank == 1 and "No space left on device" in str(err)
 
 
@@ -43,7 +44,7 @@ def test_stopped_rank_is_blamed_when_its_peer_times_out(tmp_path):
     try:
         os.kill(ranks[1].proc.pid, signal.SIGSTOP)
         time.sleep(0.3)
-        err = _blame(ranks, str(tmp_path))
+        err = blame(ranks, str(tmp_path))
         assert err.rank == 1 and "is stopped" in str(err) and "rank 0 gave up waiting" in str(err)
     finally:
         os.kill(ranks[1].proc.pid, signal.SIGCONT)
@@ -52,7 +53,7 @@ def test_stopped_rank_is_blamed_when_its_peer_times_out(tmp_path):
 
 def test_rank_dying_without_a_word_is_blamed(tmp_path):
     ranks = _ranks("echo 'PCPVIZ_ERROR RuntimeError: Connection reset by peer' >&2; exit 1", "kill -9 $$")
-    err = _blame(ranks, str(tmp_path))
+    err = blame(ranks, str(tmp_path))
     assert err.rank == 1 and "killed by SIGKILL" in str(err)
 
 
@@ -62,10 +63,10 @@ def test_work_dirs_of_dead_launchers_are_removed(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale = tmp_path / f"{_WORK_PREFIX}{dead.pid}-abc"
-    live = tmp_path / f"{_WORK_PREFIX}{os.getpid()}-abc"
+    stale = tmp_path / f"{WORK_PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{WORK_PREFIX}{os.getpid()}-abc"
     other = tmp_path / "pcpviz-run-notmine"
     for d in (stale, live, other):
         d.mkdir()
-    _clean_stale_work_dirs()
+    clean_stale_work_dirs()
     assert not stale.exists() and live.exists() and other.exists()

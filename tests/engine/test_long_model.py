@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from pcpviz.engine import train
+from pcpviz.engine import heldout
 from pcpviz.engine.checkpoint import load_model
 from pcpviz.engine.model_config import default_model_dir, read_config
 from pcpviz.engine.tokenizer import encode
@@ -63,8 +63,8 @@ def _far_over_near(model_dir, stream):
     (this window is harder than the prompt's start for any model)."""
     model = load_model(model_dir, dtype=torch.float32)
     cpu, no_autocast = torch.device("cpu"), (lambda: torch.autocast("cpu", enabled=False))
-    far = train.evaluate_long(model, stream, 6144, cpu, no_autocast)["buckets"]["4096-6144"]["main"]
-    near_b = train.evaluate_long(model, stream[4096:], 2048, cpu, no_autocast)["buckets"]
+    far = heldout.evaluate_long(model, stream, 6144, device=cpu, autocast=no_autocast)["buckets"]["4096-6144"]["main"]
+    near_b = heldout.evaluate_long(model, stream[4096:], 2048, device=cpu, autocast=no_autocast)["buckets"]
     near = (near_b["0-1024"]["main"] + near_b["1024-2048"]["main"]) / 2
     return far / near
 

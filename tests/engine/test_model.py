@@ -199,7 +199,7 @@ def test_attention_callback_contract(model, corpus):
 
     with torch.no_grad():
         h = model.forward_hidden(ids, pos, spy)
-        model.mtp_forward(ids, pos, h, spy)
+        model.mtp_forward(ids, pos, h, attn=spy)
     assert seen == list(range(cfg.num_layers)) + [cfg.num_layers]
     w_uk, w_uv = model.mla_up_weights(0)
     assert w_uk.shape == (cfg.num_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank)
@@ -304,7 +304,7 @@ def test_mtp_block_matches_transformers_decoder_layer(hf_model, model, corpus):
     attn = causal_attention(model)
     with torch.no_grad():
         h = model.forward_hidden(ids[:T], pos, attn)
-        ours = model.mtp_forward(ids[1:], pos, h, attn)
+        ours = model.mtp_forward(ids[1:], pos, h, attn=attn)
         mtp = model.mtp_layer()
         e = mtp.embed_tokens(ids[1:])
         e[0] = 0.0  # position 0
@@ -322,9 +322,10 @@ def test_mtp_is_causal(model, heldout_sources):
     attn = causal_attention(model)
     p = 200
     with torch.no_grad():
-        full = model.mtp_logits(model.mtp_forward(ids[1:T + 1], pos, model.forward_hidden(ids[:T], pos, attn), attn))
+        full = model.mtp_logits(model.mtp_forward(ids[1:T + 1], pos, model.forward_hidden(ids[:T], pos, attn),
+                                                  attn=attn))
         cut = model.mtp_logits(model.mtp_forward(ids[1:p + 2], pos[:p + 1],
-                                                 model.forward_hidden(ids[:p + 1], pos[:p + 1], attn), attn))
+                                                 model.forward_hidden(ids[:p + 1], pos[:p + 1], attn), attn=attn))
     assert (full[:p + 1] - cut).abs().max().item() < 1e-3
 
 
@@ -341,7 +342,7 @@ def test_mtp_agrees_with_main_model(model, heldout_sources):
         with torch.no_grad():
             h = model.forward_hidden(ids[:T], pos, attn)
             main = model.logits(h).argmax(-1)  # predicts t_{p+1}
-            draft = model.mtp_logits(model.mtp_forward(ids[1:T + 1], pos, h, attn)).argmax(-1)  # t_{p+2}
+            draft = model.mtp_logits(model.mtp_forward(ids[1:T + 1], pos, h, attn=attn)).argmax(-1)  # t_{p+2}
         a, b = draft[:-1], main[1:]
         agree += (a == b).sum().item()
         total += a.numel()

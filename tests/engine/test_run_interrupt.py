@@ -38,7 +38,7 @@ def _wait_for_steps(proc: subprocess.Popen, trace: Path, min_bytes: int = 8000) 
         if proc.poll() is not None:
             pytest.fail(f"run ended early (rc={proc.returncode}): {proc.stderr.read()}")
         try:
-            if (trace / "rank0.arrow").stat().st_size > min_bytes and (trace / "rank1.arrow").stat().st_size > min_bytes:
+            if all((trace / f"rank{r}.arrow").stat().st_size > min_bytes for r in (0, 1)):
                 return
         except FileNotFoundError:
             pass

@@ -28,7 +28,7 @@ def test_module_docstring_example():
     glob = compute_slot_mappings(t.as_array(), 4, [0, 1], lay.query_start_loc, [0, 1, 2, 3, 4, 5, 2])
     assert glob.tolist() == [[28, 29, 30, 31, 12, 13, 22]]
     assert gathered_slot_mapping(glob, lay).tolist() == [[22, 28, 29, -1, 30, 31, 12, 13]]
-    assert draft_decode_slot_mapping(t.as_array(), 4, [0, 1], [6, 3]).tolist() == [[14, 23]]
+    assert draft_decode_slot_mapping(t.as_array(), 4, [0, 1], positions=[6, 3]).tolist() == [[14, 23]]
 
 
 def test_allocator_reserves_null_block_and_reuses_freed():

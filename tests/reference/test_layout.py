@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pcpviz.reference.batch import GlobalBatch
-from pcpviz.reference.layout import Segment, num_tokens_for_dispatch, partition_batch, plan_layout
+from pcpviz.reference.chunks import Segment
+from pcpviz.reference.layout import num_tokens_for_dispatch, partition_batch, plan_layout
 
 
 def rows_of(layout, rank):

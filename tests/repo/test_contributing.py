@@ -97,7 +97,7 @@ def test_add_a_check(copy):
 def test_add_a_view(copy):
     (block,) = _blocks("Add a view")
     name = re.search(r'\("(\w+)"', block).group(1)
-    _insert(copy / "pcpviz/trace/schema.py", '    _specs("global batch", (_T,), [\n', block)
+    _insert(copy / "pcpviz/trace/view_specs.py", '    _specs("global batch", (_T,), [\n', block)
     out = _python(copy, f"""
         import json, tempfile
         from pathlib import Path
@@ -135,7 +135,7 @@ def test_add_a_fault(copy):
     # the declaration alone: the registry test names the missing switch
     r = _pytest(copy, "-k", "switches")
     assert r.returncode == 1 and "declares faults it has no switch for" in r.stdout, r.stdout[-2000:]
-    _insert(copy / "pcpviz/synthetic.py", "    return phases\n\n\ndef _add_timestamps(", switch, before=True)
+    _insert(copy / "pcpviz/synthetic/phases.py", "    return phases\n\n\ndef add_timestamps(", switch, before=True)
     r = _pytest(copy)
     assert r.returncode == 0, r.stdout[-3000:]
     out = _python(copy, f"""
@@ -207,12 +207,14 @@ def test_add_a_producer(tmp_path):
 
 DEFINED_IN = {  # a name CONTRIBUTING.md mentions -> the file that defines it
     "check": "pcpviz/analysis/checks/context.py", "CHECK_MODULES": "pcpviz/analysis/checks/runner.py",
-    "VIEW_SPECS": "pcpviz/trace/schema.py", "_specs": "pcpviz/trace/schema.py",
+    "VIEW_SPECS": "pcpviz/trace/view_specs.py", "_specs": "pcpviz/trace/view_specs.py",
     "undeclared_views": "pcpviz/trace/validate.py", "fault": "pcpviz/faults.py",
     "PRODUCERS": "pcpviz/faults.py", "PRODUCER_MODULES": "pcpviz/faults.py", "ENGINE": "pcpviz/faults.py",
-    "SYNTHETIC": "pcpviz/faults.py", "RULES": "pcpviz/analysis/explain/rules.py", "_rank_phases": "pcpviz/synthetic.py",
-    "PANELS": "pcpviz/views/panels.py", "PanelInput": "pcpviz/views/panels.py", "drawn": "pcpviz/views/figures/violations.py",
-    "CASES": "tests/analysis/test_checks.py", "clean_run": "tests/helpers/tracegen.py", "corrupt": "tests/helpers/tracegen.py",
+    "SYNTHETIC": "pcpviz/faults.py", "RULES": "pcpviz/analysis/explain/rules.py",
+    "rank_phases": "pcpviz/synthetic/phases.py", "PANELS": "pcpviz/views/panels.py",
+    "PanelInput": "pcpviz/views/panels.py", "drawn": "pcpviz/views/figures/violations.py",
+    "CASES": "tests/analysis/test_checks.py", "clean_run": "tests/helpers/tracegen.py",
+    "corrupt": "tests/helpers/tracegen.py",
 }
 
 

@@ -234,8 +234,9 @@ def test_module_map_names_every_package_and_module():
     every module and subpackage in it (``layout``, ``checks/``, ...)."""
     rows = _map_rows()
     top = _public(ROOT / "pcpviz")
-    assert not [n for n in top if n not in rows], f"docs/module-map.md has no row for {[n for n in top if n not in rows]}"
-    assert not [n for n in rows if n not in top], f"docs/module-map.md has rows for missing {[n for n in rows if n not in top]}"
+    no_row, no_package = [n for n in top if n not in rows], [n for n in rows if n not in top]
+    assert not no_row, f"docs/module-map.md has no row for {no_row}"
+    assert not no_package, f"docs/module-map.md has rows for missing {no_package}"
     missing = [f"{pkg}.{name}" for pkg in top if (ROOT / "pcpviz" / pkg).is_dir()
                for name in _public(ROOT / "pcpviz" / pkg)
                if not re.search(rf"`{re.escape(name)}(\.py|/)?[`,( ]", rows[pkg])]
@@ -354,9 +355,11 @@ def test_engine_figures_match_the_bench_file():
     assert f"| {der['decode_ms_per_token_k0']:.2f} ms (CUDA graphs, PCP=1)" in row("decode step, batch 1, K=0")
     assert (f"| {der['mtp_decode_speedup_steady']:.2f}x ({der['decode_ms_per_token_k2']:.2f} ms a token, "
             f"{der['tokens_per_decode_step_k2']:.2f} tokens a step)") in row("MTP K=2 over K=0")
-    assert f"{100 * ker['paged_mla_decode_bf16_b16_ctx32768_h16']['fraction_of_copy_bw']:.1f}%" in row("paged MLA decode")
+    decode = ker["paged_mla_decode_bf16_b16_ctx32768_h16"]
+    assert f"{100 * decode['fraction_of_copy_bw']:.1f}%" in row("paged MLA decode")
     pre = ker["mla_prefill_bf16_T32768_pcp1"]
-    assert f"{pre['TFLOPS']:.0f} TFLOP/s ({100 * pre['fraction_of_bf16_peak']:.0f}% of bf16 peak)" in row("flash MLA prefill")
+    assert f"{pre['TFLOPS']:.0f} TFLOP/s ({100 * pre['fraction_of_bf16_peak']:.0f}% of bf16 peak)" \
+        in row("flash MLA prefill")
 
 
 def test_workbench_and_long_context_figures_match_their_files():

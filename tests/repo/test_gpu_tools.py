@@ -69,7 +69,8 @@ def test_a_damaged_chunk_is_one_line_and_exit_2(parts):
     data[100] ^= 0xFF
     chunk.write_bytes(bytes(data))
     res = subprocess.run([sys.executable, str(TOOLS / "install.py"), str(tmp / "out" / "part1")],
-                         capture_output=True, text=True, env={"PCPVIZ_GPU_HOME": str(tmp / "home2"), "PATH": "/usr/bin"})
+                         capture_output=True, text=True,
+                         env={"PCPVIZ_GPU_HOME": str(tmp / "home2"), "PATH": "/usr/bin"})
     assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1 and "sha256" in res.stderr
     assert not (tmp / "home2" / "chunks" / chunk.name).exists()
 

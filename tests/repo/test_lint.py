@@ -29,3 +29,12 @@ def test_ruff_catches_an_unused_import(tmp_path):
     r = subprocess.run([*_ruff(), "check", "--config", str(ROOT / "pyproject.toml"), "--output-format",
                         "concise", str(bad)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "F401" in r.stdout and "F821" in r.stdout, r.stdout
+
+
+def test_ruff_catches_a_long_line(tmp_path):
+    """E501 is live: a line past pyproject.toml's line-length fails it."""
+    bad = tmp_path / "long.py"
+    bad.write_text("x = " + repr("y" * 130) + "\n")
+    r = subprocess.run([*_ruff(), "check", "--config", str(ROOT / "pyproject.toml"), "--output-format",
+                        "concise", str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "E501" in r.stdout, r.stdout

@@ -14,11 +14,13 @@ import torch
 
 from pcpviz.reference import batch as batch_mod
 from pcpviz.reference import blocks as blocks_mod
+from pcpviz.reference import drafts as drafts_mod
 from pcpviz.teaching import examples as teach
+from pcpviz.teaching.examples import draft_steps, exercises, kv_writes, pcp_paths, traces
 from pcpviz.reference.batch import order_batch
 from pcpviz.reference.blocks import PAD_SLOT_ID, gather_block_table_rows, gathered_slot_mapping
 from pcpviz.reference.layout import plan_layout
-from pcpviz.vllm.cpu_patches import FakePCPGroup, run_ranks
+from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 
 LAYOUTS = [  # (query lens, is_prefilling, shard_decode_requests, dcp)
     ([4, 1, 13], [False, False, True], True, 1),
@@ -35,7 +37,7 @@ def _global_slots(layout):
 
 
 def test_doctests():
-    for mod in (teach, batch_mod, blocks_mod):
+    for mod in (kv_writes, draft_steps, pcp_paths, traces, exercises, batch_mod, blocks_mod, drafts_mod):
         res = doctest.testmod(mod)
         assert res.attempted > 0 and res.failed == 0, f"{mod.__name__}: {res}"
 
@@ -92,14 +94,15 @@ def test_draft_decode_writes_ignore_input_block_tables_and_reads_depend_on_them(
     ex = teach.block_example()
     table = ex.table.as_array()
     gathered_rows = gather_block_table_rows(table, ex.idx_mapping)
-    good = teach.draft_decode_io(table, 4, ex.idx_mapping, ex.draft_positions, input_block_tables=gathered_rows)
-    bad = teach.draft_decode_io(table, 4, ex.idx_mapping, ex.draft_positions,
+    good = teach.draft_decode_io(table, 4, ex.idx_mapping, positions=ex.draft_positions,
+                                 input_block_tables=gathered_rows)
+    bad = teach.draft_decode_io(table, 4, ex.idx_mapping, positions=ex.draft_positions,
                                 input_block_tables=ex.stale_input_block_tables)
     assert good.slot_mapping.tolist() == bad.slot_mapping.tolist() == [23, 14]
     assert good.read_blocks == ((5,), (7, 3)) and bad.read_blocks == ((0,), (0, 0))
     # a stale table from another step (rows of other requests) also only changes the reads
     stale = np.roll(table, 1, axis=0)
-    assert teach.draft_decode_io(table, 4, ex.idx_mapping, ex.draft_positions,
+    assert teach.draft_decode_io(table, 4, ex.idx_mapping, positions=ex.draft_positions,
                                  input_block_tables=stale).slot_mapping.tolist() == [23, 14]
 
 
@@ -108,7 +111,7 @@ def test_draft_decode_slots_equal_vllm_compute_slot_mappings():
 
     ex = teach.block_example()
     table = ex.table.as_array()
-    ours = teach.draft_decode_io(table, 4, ex.idx_mapping, ex.draft_positions,
+    ours = teach.draft_decode_io(table, 4, ex.idx_mapping, positions=ex.draft_positions,
                                  input_block_tables=ex.stale_input_block_tables).slot_mapping
     theirs = oracle.vllm_compute_slot_mappings([list(r) for r in table], 4, idx_mapping=ex.idx_mapping,
                                                query_start_loc=[0, 1, 2], positions=ex.draft_positions, num_tokens=2)
@@ -133,8 +136,8 @@ def _vllm_draft_inputs(ex):
     last = torch.full((max_reqs,), 7, dtype=i64)
     prepare_prefill_inputs(last, torch.zeros(1, dtype=i64), buffers, gb,
                            torch.as_tensor(ex.num_sampled, dtype=i32), torch.as_tensor(ex.num_rejected, dtype=i32),
-                           torch.as_tensor(ex.last_sampled, dtype=i64), torch.as_tensor(ex.next_prefill_tokens, dtype=i32),
-                           max_reqs)
+                           torch.as_tensor(ex.last_sampled, dtype=i64),
+                           torch.as_tensor(ex.next_prefill_tokens, dtype=i32), max_reqs)
     ids = buffers.input_ids.clone()
     # _prefill: positions[:R] = positions[last_token_indices]
     buffers.positions[:r] = buffers.positions[last[:r]].clone()

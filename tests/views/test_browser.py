@@ -435,8 +435,9 @@ def test_injection_payloads_in_a_trace_stay_text_in_the_workbench_and_the_html_e
                     break
                 if time.monotonic() > deadline:
                     page.screenshot(path=str(SHOTS / "hostile_timeout.png"), full_page=True)
+                    titles = [t[:40] for t in state.get("titles", [])]
                     raise AssertionError(f"workbench did not render on the hostile trace: {state.get('plots')} plots, "
-                                         f"titles {[t[:40] for t in state.get('titles', [])]}, page errors {errors[:3]}")
+                                         f"titles {titles}, page errors {errors[:3]}")
                 page.wait_for_timeout(500)
             page.wait_for_timeout(2000)  # the last widget messages, hover layers
             for plot in page.locator(".pcpviz-workbench .js-plotly-plot .nsewdrag").all()[:6]:
@@ -448,7 +449,8 @@ def test_injection_payloads_in_a_trace_stay_text_in_the_workbench_and_the_html_e
 
             dialogs.clear()
             requests.clear()
-            page = browser.new_page(viewport={"width": 1400, "height": 4400})  # a fresh page: file:// from Lab's is refused
+            # a fresh page: file:// from Lab's is refused
+            page = browser.new_page(viewport={"width": 1400, "height": 4400})
             page.set_default_timeout(60_000)
             page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
             page.on("request", lambda r: requests.append(r.url))

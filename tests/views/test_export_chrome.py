@@ -12,6 +12,7 @@ from collections import Counter
 import pytest
 
 import pcpviz.cli.commands as cli
+import pcpviz.cli.trace_commands as trace_commands
 import pcpviz.trace as pt
 from pcpviz.views.export.chrome import SYNTHETIC_PHASE_US, chrome_trace, export_chrome
 from tracegen import clean_run
@@ -154,8 +155,8 @@ def test_cli_export_html_dispatch(tmp_path, capsys):
 
 def test_cli_export_dispatcher_is_extensible(tmp_path, monkeypatch, capsys):
     path = clean_run(2, k=1).write(tmp_path / "t")
-    formats = dict(cli.EXPORT_FORMATS)
+    formats = dict(trace_commands.EXPORT_FORMATS)
     formats["alias"] = ("chrome again", "pcpviz.views.export.chrome:export_chrome")
-    monkeypatch.setattr(cli, "EXPORT_FORMATS", formats)
+    monkeypatch.setattr(trace_commands, "EXPORT_FORMATS", formats)
     assert cli.main(["export", str(path), "--alias", str(tmp_path / "x.json")]) == 0
     assert (tmp_path / "x.json").is_file()

@@ -62,7 +62,8 @@ def test_export_is_one_self_contained_file(exported):
     for entry in data["figs"].values():
         assert set(STEP_VIEWS) <= set(entry)
     # the step views differ between steps (step 0: 2 requests, step 1: 3)
-    assert data["figs"]["0,0"]["token_order"]["layout"]["title"] != data["figs"]["1,0"]["token_order"]["layout"]["title"]
+    figs = data["figs"]
+    assert figs["0,0"]["token_order"]["layout"]["title"] != figs["1,0"]["token_order"]["layout"]["title"]
 
 
 def test_pack_stores_repeated_subtrees_once_and_unpacks_to_the_same_values():

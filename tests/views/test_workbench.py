@@ -194,7 +194,8 @@ def test_slot_mapping_views_show_pad_mask_and_unexpanded_draft(trace):
 def _big_step():
     """One PCP=4 step with a 6000-token prefill chunk next to a 300-token one, as the target and a
     replicated draft step would record it (built with pcpviz.reference.layout / pcpviz.reference.blocks)."""
-    from pcpviz.reference.blocks import BlockTable, compute_slot_mappings, draft_decode_slot_mapping, gathered_slot_mapping
+    from pcpviz.reference.blocks import (BlockTable, compute_slot_mappings, draft_decode_slot_mapping,
+                                         gathered_slot_mapping)
     from pcpviz.reference.layout import plan_layout
 
     q, bs, n = [6000, 300], 16, 4
@@ -390,7 +391,8 @@ def test_block_table_rows_are_coloured_by_request_not_row_index():
     target = t.record(1, 0, "target")
     fig = fg.block_tables_figure(target, t.record(1, 0, "draft_1"), draft_phase="draft_1", rank=0)
     glob = {lab.split(" ", 1)[1]: np.nanmax(row) for lab, row in zip(fig.data[0].y, np.asarray(fig.data[0].z, float))}
-    local = [(lab.split(" ", 1)[1], np.nanmax(row)) for lab, row in zip(fig.data[1].y, np.asarray(fig.data[1].z, float))]
+    local = [(lab.split(" ", 1)[1], np.nanmax(row))
+             for lab, row in zip(fig.data[1].y, np.asarray(fig.data[1].z, float))]
     assert len(set(glob.values())) == len(glob)  # one colour per request
     assert local and all(glob[req] == level for req, level in local), (glob, local)
 
@@ -490,7 +492,8 @@ def test_a_pcp1_run_is_laid_out_as_the_identity_and_a_damaged_pcp2_step_is_not()
     assert np.array_equal(sl.padded_gather_idx, np.arange(t)) and sl.kv_write_mask.all()
     assert (sl.row_req() == sl.token_req).all()
     spec = Workbench(t1, step=step, checks=False)._spec("token_order")
-    assert "PCP=1" in spec["layout"]["title"]["text"] and "rank 0's rows are the global batch" in spec["layout"]["title"]["text"]
+    title = spec["layout"]["title"]["text"]
+    assert "PCP=1" in title and "rank 0's rows are the global batch" in title
     damaged = Record(target.step, 0, "target", target.views, pcp=2)
     assert not fg.has_layout(damaged)
     with pytest.raises(KeyError, match="per_rank_num_tokens"):

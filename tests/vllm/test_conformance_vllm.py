@@ -223,7 +223,8 @@ def slot_cases(draw):
         q.append(n)
         pos.extend(range(start, start + n))
     pad = draw(st.integers(0, 6))
-    return block_size, rows, batch_rows.astype(np.int64), np.array(q), np.array(pos, dtype=np.int64), cp, cp_rank, interleave, pad
+    return (block_size, rows, batch_rows.astype(np.int64), np.array(q), np.array(pos, dtype=np.int64), cp, cp_rank,
+            interleave, pad)
 
 
 def _table(rows, max_blocks=12):
@@ -241,8 +242,8 @@ def test_compute_slot_mappings_equals_vllm_kernel(case):
     num_padded = int(qsl[-1]) + pad
     ours = compute_slot_mappings(_table(rows), block_size, idx, qsl, pos, num_padded,
                                  cp_size=cp, cp_rank=cp_rank, cp_interleave=il)
-    ref = oracle.vllm_compute_slot_mappings(rows, block_size, idx, qsl, pos, num_padded,
-                                            cp_size=cp, cp_rank=cp_rank, cp_interleave=il)
+    ref = oracle.vllm_compute_slot_mappings(rows, block_size, idx, query_start_loc=qsl, positions=pos,
+                                            num_tokens=num_padded, cp_size=cp, cp_rank=cp_rank, cp_interleave=il)
     np.testing.assert_array_equal(ours, np.asarray(ref))
 
 
@@ -251,7 +252,7 @@ def test_compute_slot_mappings_equals_vllm_kernel(case):
 def test_gather_block_tables_equals_vllm_kernel(case, extra):
     block_size, rows, idx, *_ = case
     ours = gather_block_table_rows(_table(rows), idx, len(idx) + extra)
-    ref = oracle.vllm_gather_block_tables(rows, block_size, idx, len(idx) + extra, max_num_blocks=12)
+    ref = oracle.vllm_gather_block_tables(rows, block_size, idx, num_reqs_padded=len(idx) + extra, max_num_blocks=12)
     np.testing.assert_array_equal(ours, np.asarray(ref))
 
 

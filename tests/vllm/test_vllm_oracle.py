@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pcpviz.vllm import cpu_patches
+from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 
 cpu_patches.apply_cpu_patches()
 
@@ -173,7 +174,8 @@ def test_rank_without_tokens_gets_a_zero_token_placeholder_row():
 
 
 def test_vllm_errors_propagate_unchanged():
-    with pytest.raises(ValueError, match=r"PCP padded token count is smaller than the largest rank-local batch: 17 < 18\."):
+    with pytest.raises(ValueError,
+                       match=r"PCP padded token count is smaller than the largest rank-local batch: 17 < 18\."):
         _layout(padded_num_tokens=17)
     with pytest.raises(RuntimeError, match=r"PCP FULL graphs require a decode-only batch\."):
         oracle.vllm_partition_batch(**SCENARIO_A, padded_num_tokens=18, padded_num_reqs=8)
@@ -213,20 +215,22 @@ def test_scenario_a_gathered_slot_mapping_matches_the_note():
 
 def test_scenario_a_replicated_draft_steps_use_global_rows_and_unexpanded_slots():
     idx = [7, 6, 5, 4]  # global order d0, d1, p1, p0
-    rows = oracle.vllm_gather_block_tables(BLOCK_ROWS, 4, idx, 6)
+    rows = oracle.vllm_gather_block_tables(BLOCK_ROWS, 4, idx, num_reqs_padded=6)
     assert rows.dtype == np.int32 and rows.shape == (6, 7)
     assert [r[r > 0].tolist() for r in rows] == [BLOCK_ROWS[i] for i in idx] + [[], []]
     qsl = [0, 1, 2, 3, 4]
-    step1 = oracle.vllm_compute_slot_mappings(BLOCK_ROWS, 4, idx, qsl, [24, 13, 22, 13], 4)
-    step2 = oracle.vllm_compute_slot_mappings(BLOCK_ROWS, 4, idx, qsl, [25, 14, 23, 14], 6)
+    step1 = oracle.vllm_compute_slot_mappings(BLOCK_ROWS, 4, idx, query_start_loc=qsl, positions=[24, 13, 22, 13],
+                                              num_tokens=4)
+    step2 = oracle.vllm_compute_slot_mappings(BLOCK_ROWS, 4, idx, query_start_loc=qsl, positions=[25, 14, 23, 14],
+                                              num_tokens=6)
     assert step1.tolist() == [[28, 49, 82, 105]]
     assert step2.tolist() == [[29, 50, 83, 106, -1, -1]]  # padded tail is PAD
 
 
 def test_context_parallel_slot_mapping_runs_under_the_interpreter():
     # CP_SIZE > 1 takes the kernel branch the int1-mask patch exists for.
-    out = oracle.vllm_compute_slot_mappings([[1, 2], [3], []], 4, [0, 1], [0, 3, 4], [5, 6, 7, 2], 6,
-                                            cp_size=2, cp_rank=1)
+    out = oracle.vllm_compute_slot_mappings([[1, 2], [3], []], 4, [0, 1], query_start_loc=[0, 3, 4],
+                                            positions=[5, 6, 7, 2], num_tokens=6, cp_size=2, cp_rank=1)
     assert out.tolist() == [[6, -1, 7, -1, -1, -1]]
 
 
@@ -241,7 +245,7 @@ def test_restore_for_sampling_across_rank_threads():
                                                           "prefill_len", "is_prefilling")))
     desc = oracle._batch_desc(None, None)
     hidden = torch.arange(31 * 3, dtype=torch.float32).view(31, 3)  # global hidden states, one row per token
-    group = cpu_patches.FakePCPGroup(2)
+    group = FakePCPGroup(2)
 
     def rank_fn(rank):
         manager = PCPManager(2, rank, oracle.CPU, True, max_num_reqs=4, max_num_tokens=31)
@@ -251,7 +255,7 @@ def test_restore_for_sampling_across_rank_threads():
         restored, aux, global_batch = manager.restore_for_sampling(local, [local * 2])
         return restored, aux[0], global_batch
 
-    outs = cpu_patches.run_ranks(group, rank_fn)
+    outs = run_ranks(group, rank_fn)
     for restored, aux, global_batch in outs:
         assert torch.equal(restored, hidden) and torch.equal(aux, hidden * 2)
         assert global_batch is batch
@@ -261,7 +265,7 @@ def test_restore_for_sampling_across_rank_threads():
 def test_pcp_attention_gather_uses_the_thread_group():
     from vllm.v1.attention.ops.pcp import maybe_gather_mla_latent_cache_inputs
 
-    group = cpu_patches.FakePCPGroup(2)
+    group = FakePCPGroup(2)
     slots = torch.arange(8)  # gathered [N*P] slot mapping, P = 4
 
     def rank_fn(rank):
@@ -269,19 +273,19 @@ def test_pcp_attention_gather_uses_the_thread_group():
         k_pe = torch.full((4, 1, 1), float(rank))
         return maybe_gather_mla_latent_cache_inputs(kv, k_pe, slots, 1, True, pcp_shard_decode_requests=True)
 
-    for kv, k_pe, slot_mapping in cpu_patches.run_ranks(group, rank_fn):
+    for kv, k_pe, slot_mapping in run_ranks(group, rank_fn):
         assert kv[:, 0].tolist() == [0.0] * 4 + [1.0] * 4 and k_pe.shape == (8, 1, 1)
         assert torch.equal(slot_mapping, slots)
 
 
 def test_fake_group_rejects_unequal_shapes_without_hanging():
-    group = cpu_patches.FakePCPGroup(2, timeout=10)
+    group = FakePCPGroup(2, timeout=10)
     with pytest.raises(AssertionError, match="unequal shapes"):
-        cpu_patches.run_ranks(group, lambda rank: group.all_gather(torch.zeros(rank + 1, 2)))
+        run_ranks(group, lambda rank: group.all_gather(torch.zeros(rank + 1, 2)))
 
 
 def test_a_failing_rank_releases_the_others():
-    group = cpu_patches.FakePCPGroup(2, timeout=10)
+    group = FakePCPGroup(2, timeout=10)
 
     def rank_fn(rank):
         if rank == 1:
@@ -289,7 +293,7 @@ def test_a_failing_rank_releases_the_others():
         return group.all_gather(torch.zeros(1))
 
     with pytest.raises(KeyError, match="rank 1 failed"):
-        cpu_patches.run_ranks(group, rank_fn)
+        run_ranks(group, rank_fn)
 
 
 def test_get_pcp_group_hook_is_inert_on_unbound_threads():
@@ -307,7 +311,7 @@ def test_get_pcp_group_hook_is_inert_on_unbound_threads():
     t.start()
     t.join()
     assert "error" in seen
-    group = cpu_patches.FakePCPGroup(1)
+    group = FakePCPGroup(1)
     with group.bind(0):
         assert pcp_manager.get_pcp_group() is group and group.rank_in_group == 0
 
@@ -326,3 +330,12 @@ def test_importing_vllm_before_the_patches_is_a_clear_error():
     assert proc.returncode != 0
     assert "RuntimeError: vllm.triton_utils was imported before" in proc.stderr
     assert "HAS_TRITON=False" in proc.stderr
+
+
+def test_fake_group_doctests():
+    import doctest
+
+    from pcpviz.vllm import fake_group
+
+    res = doctest.testmod(fake_group)
+    assert res.attempted > 0 and res.failed == 0, res

@@ -199,7 +199,8 @@ def test_replay_through_the_plugins_classes_records_a_passing_trace(enable_run):
     # the plugin does not record the engine-only views (hidden-state fingerprints, top1_token):
     # only the checks that need them skip
     engine_only = {"hidden_restored", "hidden_handoffs", "target_outputs_agree", "verify_greedy"}
-    assert report.ok and set(report.skipped) <= engine_only | {"graph_inputs_are_captured"}, report.format()  # no graphs
+    # no graphs: graph_inputs_are_captured skips too
+    assert report.ok and set(report.skipped) <= engine_only | {"graph_inputs_are_captured"}, report.format()
 
 
 def test_a_v1_model_runner_is_one_warning_not_an_empty_directory(caplog):

@@ -77,7 +77,8 @@ def test_the_findings_figures(full):
 def test_full_prefill_replay_reads_the_captured_buffers_and_slot_mapping(full):
     o = full.steps[1][0]
     prefill = o.forwards[0]
-    assert prefill.mode == "FULL" and prefill.reads == "speculator buffers" and prefill.should_read == "rank-local batch"
+    assert prefill.mode == "FULL" and prefill.reads == "speculator buffers"
+    assert prefill.should_read == "rank-local batch"
     # its KV write got BlockTables.slot_mappings (the previous draft decode's slots, then PAD),
     # not the target's gathered mapping
     assert prefill.slot_mapping.shape[0] <= o.target_slot_mapping.shape[0]

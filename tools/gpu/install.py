@@ -144,7 +144,8 @@ def install(manifest: dict) -> None:
     _write_dist_info(site)
     (HOME / "env.sh").write_text("\n".join(env_lines()) + "\n")
     shutil.rmtree(build)
-    check = subprocess.run([sys.executable, "-c", "import torch, vllm._C_stable_libtorch, vllm; print(vllm.__version__)"],
+    probe = "import torch, vllm._C_stable_libtorch, vllm; print(vllm.__version__)"
+    check = subprocess.run([sys.executable, "-c", probe],
                            env={**os.environ, "PYTHONPATH": f"{site}:{REPO}"}, capture_output=True, text=True)
     if check.returncode != 0:
         _die("vLLM does not import after the install: " + (check.stderr.strip().splitlines() or ["?"])[-1])

@@ -124,13 +124,14 @@ def _k3(_: dict) -> dict:
 def _chunked(_: dict) -> dict:
     """Three short prompts first (they prefill first, then decode), then a 9,000-token prompt that
     the 2,048-token budget prefills in chunks over five steps while they decode."""
-    return _vllm_trace("vllm-h200x2-pcp2-mtp2-chunked", job_name="trace-chunked", k=2, prompts=CHUNKED_PROMPTS, max_tokens=CHUNKED_TOKENS)
+    return _vllm_trace("vllm-h200x2-pcp2-mtp2-chunked", job_name="trace-chunked", k=2, prompts=CHUNKED_PROMPTS,
+                       max_tokens=CHUNKED_TOKENS)
 
 
 @job("trace-piecewise")
 def _piecewise(_: dict) -> dict:
-    return _vllm_trace("vllm-h200x2-pcp2-mtp2-piecewise", job_name="trace-piecewise", k=2, prompts=TRACE_PROMPTS, mode="PIECEWISE",
-                       timeout_s=540)
+    return _vllm_trace("vllm-h200x2-pcp2-mtp2-piecewise", job_name="trace-piecewise", k=2, prompts=TRACE_PROMPTS,
+                       mode="PIECEWISE", timeout_s=540)
 
 
 @job("piecewise-address-check")
@@ -324,7 +325,8 @@ job = json.loads(sys.argv[1])
 llm = LLM(**job["llm"])
 t0 = time.time()
 outs = llm.generate(job["prompts"], SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]))
-metrics = {m.name: getattr(m, "values", getattr(m, "value", None)) for m in llm.get_metrics() if "spec_decode" in m.name}
+metrics = {m.name: getattr(m, "values", getattr(m, "value", None))
+           for m in llm.get_metrics() if "spec_decode" in m.name}
 print("RESULT " + json.dumps({"seconds": round(time.time() - t0, 1), "metrics": metrics,
                               "tokens": [list(o.outputs[0].token_ids) for o in outs]}, default=str), flush=True)
 """

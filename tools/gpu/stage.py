@@ -190,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--part-mb must be at least 1")
     room = TRANSFER_BYTES - repo_bytes()
     if a.part_mb * 1e6 > room:
-        print(f"stage.py: note: the repository's files take {repo_bytes() / 1e6:.1f} MB of the {TRANSFER_BYTES / 2**20:.0f} "
-              f"MiB a device command carries; a part of {a.part_mb:g} MB does not fit beside them: use "
-              f"--part-mb {int(room / 1e6)}", file=sys.stderr)
+        print(f"stage.py: note: the repository's files take {repo_bytes() / 1e6:.1f} MB of the "
+              f"{TRANSFER_BYTES / 2**20:.0f} MiB a device command carries; a part of {a.part_mb:g} MB does not "
+              f"fit beside them: use --part-mb {int(room / 1e6)}", file=sys.stderr)
     files = build_files(a.work, a.vllm_wheel)
     parts = plan_parts(files, int(a.part_mb * 1e6))
     manifest = write_parts(parts, a.out)

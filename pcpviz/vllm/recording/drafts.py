@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pcpviz.vllm import cpu_patches
+from pcpviz.vllm.fake_group import current_fake_group
 from pcpviz.vllm.recording.host import block_rows, now_us
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ _warned_full = False  # the FULL-replay warning is given once per process
 
 def fake_group_all_gathers() -> int | None:
     """all_gathers of the calling thread's rank in the replay's FakePCPGroup (None on GPUs)."""
-    group = cpu_patches._current_fake_group()
+    group = current_fake_group()
     if group is None:
         return None
     return int(group.all_gather_calls[group.rank_in_group])
@@ -178,7 +178,7 @@ class DraftContext:
     def on_gather_block_tables(self) -> None:
         self.block_table_gathers += 1
 
-    def on_dflash_inputs(self, input_buffers: Any, query_slots: torch.Tensor, context_positions: torch.Tensor,
+    def on_dflash_inputs(self, input_buffers: Any, query_slots: torch.Tensor, *, context_positions: torch.Tensor,
                          context_slots: torch.Tensor) -> None:
         """DSpark/DFlash's replicated drafter inputs on the global batch (one draft forward),
         what ``prepare_dflash_inputs`` just wrote."""

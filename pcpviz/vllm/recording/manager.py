@@ -71,7 +71,7 @@ class RecordingPCPManager(PCPManager):
         t0 = now_us()
         rec.guard(rec.begin_step)
         local = super().partition_batch(input_batch, batch_desc)
-        rec.guard(rec.on_partition, self, input_batch, local, t0)
+        rec.guard(rec.on_partition, self, input_batch, local, t0=t0)
         return local
 
     def prepare_attn(self, input_batch):

@@ -196,7 +196,7 @@ class RankRecorder:
     def on_layout(self, segments_by_rank: list, per_rank_num_tokens: list[int]) -> None:
         self._layout = (segments_by_rank, list(per_rank_num_tokens))
 
-    def on_partition(self, manager: RecordingPCPManager, global_batch: Any, local: Any, t0: int) -> None:
+    def on_partition(self, manager: RecordingPCPManager, global_batch: Any, local: Any, *, t0: int) -> None:
         self.global_batch = global_batch
         nr = local.num_reqs
         p = local.num_tokens_after_padding
@@ -285,7 +285,7 @@ class RankRecorder:
                  t_end_us=np.array(now_us(), dtype=np.int64))
 
     # -- verify
-    def on_postprocess_sampled(self, idx_mapping: torch.Tensor, sampled: torch.Tensor, num_sampled: torch.Tensor,
+    def on_postprocess_sampled(self, idx_mapping: torch.Tensor, sampled: torch.Tensor, num_sampled: torch.Tensor, *,
                                num_rejected: torch.Tensor, t0: int) -> None:
         """The verify phase: ``sampled_token_ids`` ``int64[R, K+1]`` (PAD = -1 past
         ``num_sampled``), ``num_sampled`` / ``num_rejected`` / ``num_accepted`` ``int64[R]`` and

@@ -25,8 +25,8 @@ from typing import Any
 from pcpviz.trace.flight import FlightConfig
 from pcpviz.vllm.recording.recorder import RankRecorder
 
-__all__ = ["ENV_TRACE_DIR", "ENV_RECORD_DUMMY", "TraceSession", "session", "active_session", "current_session", "set_mode", "MODES",
-           "close_active_session"]
+__all__ = ["ENV_TRACE_DIR", "ENV_RECORD_DUMMY", "TraceSession", "session", "active_session", "current_session",
+           "set_mode", "MODES", "close_active_session"]
 
 ENV_TRACE_DIR = "PCPVIZ_TRACE_DIR"
 """Directory the plugin records into (unset or empty: the plugin is inert)."""

@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     from pcpviz.vllm.recording.recorder import RankRecorder
 
 __all__ = ["install_wrappers", "uninstall_wrappers", "wrapped_targets", "install_instance_wrappers",
-           "ensure_warm_up_wrapper", "recorder_of", "live_recorder", "owner_recorder", "attach_runner", "warming_up", "current_draft"]
+           "ensure_warm_up_wrapper", "recorder_of", "live_recorder", "owner_recorder", "attach_runner", "warming_up",
+           "current_draft"]
 
 _tls = threading.local()  # .ctx: the DraftContext of the propose running on this thread
 _warmup_depth = 0  # > 0 inside vLLM's Worker.compile_or_warm_up_model (this process)
@@ -229,7 +230,8 @@ def _wrap_postprocess_sampled(original: Callable[..., Any]) -> Callable[..., Any
         t0 = now_us()
         out = original(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs)
         if rec is not None:
-            rec.guard(rec.on_postprocess_sampled, idx_mapping, sampled_tokens, num_sampled, num_rejected, t0)
+            rec.guard(rec.on_postprocess_sampled, idx_mapping, sampled_tokens, num_sampled, num_rejected=num_rejected,
+                      t0=t0)
         return out
 
     return _mark(postprocess_sampled, original)
@@ -243,8 +245,8 @@ def _wrap_prepare_dflash_inputs(original: Callable[..., Any]) -> Callable[..., A
                        *args, **kwargs)
         ctx = current_draft()
         if ctx is not None and not ctx.dummy:
-            ctx.rec.guard(ctx.on_dflash_inputs, input_buffers, query_slot_mapping, context_positions,
-                          context_slot_mapping)
+            ctx.rec.guard(ctx.on_dflash_inputs, input_buffers, query_slot_mapping,
+                          context_positions=context_positions, context_slots=context_slot_mapping)
         return out
 
     return _mark(prepare_dflash_inputs, original)

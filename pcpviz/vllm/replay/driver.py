@@ -25,7 +25,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
 from pcpviz.vllm import recording
-from pcpviz.vllm.cpu_patches import FakePCPGroup, run_ranks
+from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 from pcpviz.vllm.recording import RecordingPCPManager
 from pcpviz.vllm.replay.ranks import RankState, ReplayConfig, stand_in_vllm_config
 from pcpviz.vllm.replay.scenarios import SCENARIOS, Scenario
@@ -96,9 +96,9 @@ def replay(
     pcp: int = 2,
     mtp: int = 2,
     trace_dir: str | os.PathLike | None = None,
+    *,
     scenario: str = "mixed",
     decodes: str = "sharded",
-    *,
     record: bool = True,
     block_size: int = 4,
     dummy: bool = True,
@@ -119,87 +119,115 @@ def replay(
     """
     sc = _validate(pcp, mtp, scenario, decodes, block_size)
     c = ReplayConfig(pcp=pcp, k=mtp, shard=pcp > 1 and decodes == "sharded", block_size=block_size, max_num_reqs=8,
-                max_num_tokens=96, max_model_len=128, vocab=97, hidden=8)
+                     max_num_tokens=96, max_model_len=128, vocab=97, hidden=8)
     recording.install_wrappers()
     sched = ScriptedScheduler(sc, c)
     vllm_config = stand_in_vllm_config(c, sc.drafter)
-    if not record:
-        manager_cls: type[PCPManager] = PCPManager
-    elif trace_dir is not None:
-        manager_cls = RecordingPCPManager
-    else:
-        # What GPUModelRunner.__init__ would build: its pcp_manager_cls property (the plugin's
-        # RecordingPCPManager when the plugin is enabled), recording into the plugin's session.
-        manager_cls = GPUModelRunner.__dict__["pcp_manager_cls"].fget(None)
+    run = _Run(sc, c, sched, vllm_config=vllm_config, manager_cls=_manager_class(record, trace_dir), record=record,
+               progress=progress)
     meta = _meta(sc, c, sched)
-    group = FakePCPGroup(pcp, timeout=120.0)
     t_start = time.perf_counter()
-    states: list[RankState | None] = [None] * pcp
-    steps: list[list[StepOut]] = []
-    step_seconds: list[float] = []
-    dummy_out = None
-
-    def build(rank: int) -> None:
-        states[rank] = RankState(c, vllm_config, manager_cls, sched.num_slots, sc.drafter)
-        if states[rank].manager is None and record and recording.current_session() is not None:
-            recording.attach_runner(states[rank].runner, recording.current_session())  # PCP = 1
-
-    def run_all(sess: recording.TraceSession | None) -> None:
-        nonlocal dummy_out
-        run_ranks(group, build)
-        for step in range(sc.num_steps):
-            t0 = time.perf_counter()
-            out, _ = sched.schedule(step, True)
-            outs = run_ranks(group, lambda rank: rank_step(states[rank], out, step, sched))
-            step_seconds.append(time.perf_counter() - t0)
-            ref = outs[0]
-            for rank, o in enumerate(outs[1:], start=1):
-                for name in ("num_sampled", "num_rejected", "sampled"):
-                    if not np.array_equal(getattr(ref, name), getattr(o, name)):
-                        raise RuntimeError(f"step {step}: rank {rank} {name} differs from rank 0's")
-                if not np.array_equal(ref.draft_tokens, o.draft_tokens):
-                    raise RuntimeError(f"step {step}: rank {rank} drafted other tokens than rank 0")
-            sched.update(out, ref.req_ids, ref.num_sampled, ref.num_rejected)
-            steps.append(outs)
-            if progress is not None:
-                progress(f"step {step}: {len(ref.req_ids)} requests, local tokens "
-                         f"{[o.local_num_tokens for o in outs]}, drafts "
-                         f"{ref.draft_tokens.tolist()}")
-        if dummy:
-            dummy_out = run_ranks(group, lambda rank: dummy_step(states[rank], group))
-            for rank, d in enumerate(dummy_out):
-                bad = {k: v for k, v in d.items() if k != "draft_tokens" and v not in (0, True)}
-                if bad:
-                    raise RuntimeError(f"dummy run on rank {rank}: {bad} (expected no block-table gather, "
-                                       "no all_gather, idx_mapping all -1)")
-
-    trace_path = None
-    rec_seconds = 0.0
-    if record and trace_dir is not None:
-        trace_path = Path(trace_dir)
-        _check_run_dir(trace_path, overwrite)
-        with recording.session(trace_path, producer=PRODUCER, meta=meta, strict=True, record_dummy=True,
-                               overwrite=overwrite) as sess:
-            run_all(sess)
-        rec_seconds = sess.seconds_recording
-    else:
-        run_all(None)
-        ambient = recording.active_session() if issubclass(manager_cls, RecordingPCPManager) else None
-        mine = [recording.owner_recorder(s.runner) or getattr(s.manager or s.runner, "_pcpviz_recorder", None)
-                for s in states]
-        if ambient is not None and any(r is not None for r in mine):
-            for r in mine:
-                if r is not None:
-                    r.close()
-            trace_path = ambient.run_dir
-            rec_seconds = sum(r.seconds for r in mine if r is not None)
+    trace_path, rec_seconds = _run_recorded(run, trace_dir if record else None, meta=meta, overwrite=overwrite,
+                                            dummy=dummy)
+    states = run.states
     return ReplayResult(
         trace_path=trace_path, scenario=sc.name, pcp=pcp, num_speculative_tokens=mtp, shard_decode_requests=c.shard,
-        steps=steps, dummy=dummy_out,
+        steps=run.steps, dummy=run.dummy_out,
         kv_target=[s.kv_target.numpy().copy() for s in states], kv_draft=[s.kv_draft.numpy().copy() for s in states],
-        all_gathers=list(group.all_gather_calls), seconds=time.perf_counter() - t_start, step_seconds=step_seconds,
-        recording_seconds=rec_seconds, meta=meta,
+        all_gathers=list(run.group.all_gather_calls), seconds=time.perf_counter() - t_start,
+        step_seconds=run.step_seconds, recording_seconds=rec_seconds, meta=meta,
         manager_class=PCPManager if states[0].manager is None else type(states[0].manager))
+
+
+def _manager_class(record: bool, trace_dir: str | os.PathLike | None) -> type[PCPManager]:
+    """The PCPManager class every rank is built with."""
+    if not record:
+        return PCPManager
+    if trace_dir is not None:
+        return RecordingPCPManager
+    # What GPUModelRunner.__init__ would build: its pcp_manager_cls property (the plugin's
+    # RecordingPCPManager when the plugin is enabled), recording into the plugin's session.
+    return GPUModelRunner.__dict__["pcp_manager_cls"].fget(None)
+
+
+class _Run:
+    """One replay's rank states and what its steps returned: built, stepped and profiled on
+    ``pcp`` rank threads, every step checked for agreement between the ranks."""
+
+    def __init__(self, sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler, *, vllm_config: Any,
+                 manager_cls: type[PCPManager], record: bool, progress: Callable[[str], None] | None) -> None:
+        self.sc, self.c, self.sched, self.vllm_config = sc, c, sched, vllm_config
+        self.manager_cls, self.record, self.progress = manager_cls, record, progress
+        self.group = FakePCPGroup(c.pcp, timeout=120.0)
+        self.states: list[RankState | None] = [None] * c.pcp
+        self.steps: list[list[StepOut]] = []
+        self.step_seconds: list[float] = []
+        self.dummy_out: list[dict[str, Any]] | None = None
+
+    def build(self, rank: int) -> None:
+        st = RankState(self.c, self.vllm_config, self.manager_cls, self.sched.num_slots, self.sc.drafter)
+        self.states[rank] = st
+        if st.manager is None and self.record and recording.current_session() is not None:
+            recording.attach_runner(st.runner, recording.current_session())  # PCP = 1
+
+    def run(self, dummy: bool) -> None:
+        run_ranks(self.group, self.build)
+        for step in range(self.sc.num_steps):
+            self.step(step)
+        if dummy:
+            self.profile_run()
+
+    def step(self, step: int) -> None:
+        sched, states = self.sched, self.states
+        t0 = time.perf_counter()
+        out, _ = sched.schedule(step, True)
+        outs = run_ranks(self.group, lambda rank: rank_step(states[rank], out, step=step, sched=sched))
+        self.step_seconds.append(time.perf_counter() - t0)
+        ref = outs[0]
+        for rank, o in enumerate(outs[1:], start=1):
+            for name in ("num_sampled", "num_rejected", "sampled"):
+                if not np.array_equal(getattr(ref, name), getattr(o, name)):
+                    raise RuntimeError(f"step {step}: rank {rank} {name} differs from rank 0's")
+            if not np.array_equal(ref.draft_tokens, o.draft_tokens):
+                raise RuntimeError(f"step {step}: rank {rank} drafted other tokens than rank 0")
+        sched.update(out, ref.req_ids, num_sampled=ref.num_sampled, num_rejected=ref.num_rejected)
+        self.steps.append(outs)
+        if self.progress is not None:
+            self.progress(f"step {step}: {len(ref.req_ids)} requests, local tokens "
+                          f"{[o.local_num_tokens for o in outs]}, drafts {ref.draft_tokens.tolist()}")
+
+    def profile_run(self) -> None:
+        """The dummy (profile) run: no block-table gather, no collective, idx_mapping all -1."""
+        self.dummy_out = run_ranks(self.group, lambda rank: dummy_step(self.states[rank], self.group))
+        for rank, d in enumerate(self.dummy_out):
+            bad = {k: v for k, v in d.items() if k != "draft_tokens" and v not in (0, True)}
+            if bad:
+                raise RuntimeError(f"dummy run on rank {rank}: {bad} (expected no block-table gather, "
+                                   "no all_gather, idx_mapping all -1)")
+
+
+def _run_recorded(run: _Run, trace_dir: str | os.PathLike | None, *, meta: dict[str, Any], overwrite: bool,
+                  dummy: bool) -> tuple[Path | None, float]:
+    """Run the replay into a session of its own at ``trace_dir``, or, without one, into the
+    plugin's ambient session if the ranks recorded into it: (trace path or None, seconds spent
+    recording)."""
+    if trace_dir is not None:
+        path = Path(trace_dir)
+        _check_run_dir(path, overwrite)
+        with recording.session(path, producer=PRODUCER, meta=meta, strict=True, record_dummy=True,
+                               overwrite=overwrite) as sess:
+            run.run(dummy)
+        return path, sess.seconds_recording
+    run.run(dummy)
+    ambient = recording.active_session() if issubclass(run.manager_cls, RecordingPCPManager) else None
+    mine = [recording.owner_recorder(s.runner) or getattr(s.manager or s.runner, "_pcpviz_recorder", None)
+            for s in run.states]
+    if ambient is None or all(r is None for r in mine):
+        return None, 0.0
+    for r in mine:
+        if r is not None:
+            r.close()
+    return ambient.run_dir, sum(r.seconds for r in mine if r is not None)
 
 
 def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 from vllm.v1.worker.gpu.spec_decode.utils import get_drafter_hidden_states
 
-from pcpviz.vllm.cpu_patches import FakePCPGroup, run_ranks
+from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 from pcpviz.vllm.replay.ranks import RankState, ReplayConfig, stand_in_vllm_config
 from pcpviz.vllm.replay.scenarios import SCENARIOS
 from pcpviz.vllm.replay.scheduler import ScriptedScheduler
@@ -132,8 +132,8 @@ def probe_dummy_run(*, drafter: str = "dspark", kind: str = "attention", fix: st
     run_ranks(group, build)
     for step in range(sc.num_steps):
         out, _ = sched.schedule(step, True)
-        outs = run_ranks(group, lambda rank: rank_step(states[rank], out, step, sched))
-        sched.update(out, outs[0].req_ids, outs[0].num_sampled, outs[0].num_rejected)
+        outs = run_ranks(group, lambda rank: rank_step(states[rank], out, step=step, sched=sched))
+        sched.update(out, outs[0].req_ids, num_sampled=outs[0].num_sampled, num_rejected=outs[0].num_rejected)
     live = {rid: list(b) for rid, b in sched.blocks.items() if rid not in sched.finished}
     return run_ranks(group, lambda rank: _observe(states[rank], group, kind, live))
 
@@ -173,7 +173,8 @@ def _observe(st: RankState, group: FakePCPGroup, kind: str, live: dict[str, list
         batch = out["batch"]
         st.block_tables.get_dummy_block_tables(num_reqs)  # what the dummy run does without PCP
         ones, zeros = torch.ones(num_reqs, dtype=torch.int32), torch.zeros(num_reqs, dtype=torch.int32)
-        non_pcp = dflash_inputs_without_gather(st, batch, ones, zeros)["slot_mapping_draft_no_gather"].reshape(-1)
+        non_pcp = dflash_inputs_without_gather(st, batch, num_sampled=ones, num_rejected=zeros)[
+            "slot_mapping_draft_no_gather"].reshape(-1)
     return DummyRunObservation(st.drafter, kind, st.rank, gathers, rows, draft_slots, kv_writes, hits, non_pcp)
 
 

@@ -33,7 +33,7 @@ import torch
 from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
-from pcpviz.vllm.cpu_patches import FakePCPGroup, run_ranks
+from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 from pcpviz.vllm.replay.graphs import capture_sizes, capture_stand_ins, init_graph_managers
 from pcpviz.vllm.replay.ranks import RankState, ReplayConfig, stand_in_vllm_config
 from pcpviz.vllm.replay.scenarios import SCENARIOS
@@ -128,9 +128,11 @@ class _Watch:
         self.st, self.fix = st, fix
         self.reset()
         spec, manager = st.spec, st.manager
-        prepare, get_buffers, run_model = manager.prepare_draft_prefill, manager.get_draft_input_buffers, spec._run_model
+        prepare, get_buffers = manager.prepare_draft_prefill, manager.get_draft_input_buffers
+        run_model = spec._run_model
         pre_dispatch, dec_dispatch = spec.prefill_cudagraph_manager.dispatch, spec.decode_cudagraph_manager.dispatch
-        pre_replay, dec_replay = spec.prefill_cudagraph_manager.run_fullgraph, spec.decode_cudagraph_manager.run_fullgraph
+        pre_replay = spec.prefill_cudagraph_manager.run_fullgraph
+        dec_replay = spec.decode_cudagraph_manager.run_fullgraph
 
         def prepare_draft_prefill(input_batch: Any, input_ids: torch.Tensor) -> None:
             self.found_set = manager.draft_prefill_batch is not None
@@ -174,7 +176,8 @@ class _Watch:
 
         manager.prepare_draft_prefill, manager.get_draft_input_buffers = prepare_draft_prefill, get_draft_input_buffers
         spec._run_model = _run_model
-        spec.prefill_cudagraph_manager.dispatch, spec.decode_cudagraph_manager.dispatch = prefill_dispatch, decode_dispatch
+        spec.prefill_cudagraph_manager.dispatch = prefill_dispatch
+        spec.decode_cudagraph_manager.dispatch = decode_dispatch
         spec.prefill_cudagraph_manager.run_fullgraph = replay(pre_replay, True)
         spec.decode_cudagraph_manager.run_fullgraph = replay(dec_replay, False)
 
@@ -282,14 +285,14 @@ def probe_full_graphs(*, mode: str = "FULL_DECODE_ONLY", decodes: str = "replica
             break
         steps.append(tuple(o for o, _ in outs))
         ref = outs[0][1]
-        sched.update(out, ref.req_ids, ref.num_sampled, ref.num_rejected)
+        sched.update(out, ref.req_ids, num_sampled=ref.num_sampled, num_rejected=ref.num_rejected)
     return FullGraphProbe(mode, decodes, max_num_seqs, tuple(sizes), dict(graphs), fix, tuple(steps), mismatch,
                           tuple(s.kv_draft.numpy().copy() for s in states))
 
 
 def _observed_step(st: RankState, w: _Watch, out: Any, step: int,
                    sched: ScriptedScheduler) -> tuple[ProposeObservation, Any]:
-    res = rank_step(st, out, step, sched, eager_drafts=False)
+    res = rank_step(st, out, step=step, sched=sched, eager_drafts=False)
     manager = st.manager
     local = manager._local_batch  # noqa: SLF001
     obs = ProposeObservation(step, st.rank, len(res.req_ids), w.prefill_mode, w.decode_mode, tuple(w.forwards),
@@ -300,7 +303,8 @@ def _observed_step(st: RankState, w: _Watch, out: Any, step: int,
 
 def _validate(mode: str, decodes: str, scenario: str, fix: str | None) -> CUDAGraphMode:
     if mode not in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
-        raise ValueError(f"mode must be FULL_DECODE_ONLY or FULL_AND_PIECEWISE (the FULL modes PCP admits), got {mode!r}")
+        raise ValueError("mode must be FULL_DECODE_ONLY or FULL_AND_PIECEWISE (the FULL modes PCP admits), "
+                         f"got {mode!r}")
     if decodes not in ("sharded", "replicated"):
         raise ValueError(f"decodes must be 'sharded' or 'replicated', got {decodes!r}")
     if scenario not in SCENARIOS or SCENARIOS[scenario].drafter != "mtp":

@@ -97,7 +97,7 @@ class ScriptedScheduler:
     def rejected(self, step: int, rid: str, num_drafts: int) -> int:
         return min(int(self.s.rejections.get((step, rid), 0)), num_drafts)
 
-    def update(self, out: SchedulerOutput, req_ids: Sequence[str], num_sampled: np.ndarray,
+    def update(self, out: SchedulerOutput, req_ids: Sequence[str], *, num_sampled: np.ndarray,
                num_rejected: np.ndarray) -> None:
         for i, rid in enumerate(req_ids):
             q = out.num_scheduled_tokens[rid]

@@ -127,7 +127,7 @@ class StandInTarget(_StandInModel):
 
 
 class StandInMTP(_StandInModel):
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor, *,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         self._write_kv(input_ids, positions)
         return self._hidden(input_ids, positions, hidden_states)

@@ -30,7 +30,7 @@ from vllm.v1.worker.gpu.spec_decode.dflash import speculator as dflash_speculato
 from vllm.v1.worker.gpu.spec_decode.utils import get_drafter_hidden_states
 
 from pcpviz.vllm import recording
-from pcpviz.vllm.cpu_patches import FakePCPGroup
+from pcpviz.vllm.fake_group import FakePCPGroup
 from pcpviz.vllm.replay.ranks import RankState
 from pcpviz.vllm.replay.scheduler import ScriptedScheduler
 
@@ -49,7 +49,7 @@ class StepOut:
     dflash_no_gather: dict[str, np.ndarray] | None = None
 
 
-def stand_in_sampler(st: RankState, hidden: torch.Tensor, batch: InputBatch, step: int,
+def stand_in_sampler(st: RankState, hidden: torch.Tensor, batch: InputBatch, *, step: int,
                       sched: ScriptedScheduler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Scripted rejection sampling on the restored global batch: request i accepts its first
     nd - rejected drafts (the scheduled drafts themselves), then the target's top-1 at the
@@ -79,7 +79,7 @@ def stand_in_sampler(st: RankState, hidden: torch.Tensor, batch: InputBatch, ste
     return sampled, num_sampled, num_rejected
 
 
-def rank_step(st: RankState, out: SchedulerOutput, step: int, sched: ScriptedScheduler, *,
+def rank_step(st: RankState, out: SchedulerOutput, *, step: int, sched: ScriptedScheduler,
               eager_drafts: bool = True) -> StepOut:
     """One step on one rank. ``eager_drafts=False`` lets ``propose`` dispatch its draft forwards
     through the speculator's CUDA-graph managers (``pcpviz.vllm.replay.graphs``); by default it
@@ -110,13 +110,13 @@ def rank_step(st: RankState, out: SchedulerOutput, step: int, sched: ScriptedSch
         # sample_tokens
         draft_hidden = hidden
         hidden, aux, batch = (hidden, aux, local) if manager is None else manager.restore_for_sampling(hidden, aux)
-        sampled, num_sampled, num_rejected = stand_in_sampler(st, hidden, batch, step, sched)
+        sampled, num_sampled, num_rejected = stand_in_sampler(st, hidden, batch, step=step, sched=sched)
         GPUModelRunner.postprocess_sampled(runner, batch.idx_mapping, sampled, num_sampled, num_rejected,
                                            batch.query_start_loc)
         st.spec.observe_verification(batch.idx_mapping, num_sampled, num_rejected)
         no_gather = None
         if st.drafter == "dspark":
-            no_gather = dflash_inputs_without_gather(st, batch, num_sampled, num_rejected)
+            no_gather = dflash_inputs_without_gather(st, batch, num_sampled=num_sampled, num_rejected=num_rejected)
         draft_tokens = st.spec.propose(
             batch, attn_metadata, slot_by_layer, get_drafter_hidden_states(st.target, draft_hidden), aux,
             num_sampled, num_rejected, st.req_states.last_sampled_tokens, st.req_states.next_prefill_tokens,
@@ -127,7 +127,7 @@ def rank_step(st: RankState, out: SchedulerOutput, step: int, sched: ScriptedSch
                     int(local.num_tokens), no_gather)
 
 
-def dflash_inputs_without_gather(st: RankState, batch: InputBatch, num_sampled: torch.Tensor,
+def dflash_inputs_without_gather(st: RankState, batch: InputBatch, *, num_sampled: torch.Tensor,
                                   num_rejected: torch.Tensor) -> dict[str, np.ndarray]:
     """What DSpark's prepare_dflash_inputs would compute if DFlashSpeculator.propose skipped
     its PCP block-table gather: the same kernel, into scratch buffers, on input_block_tables
