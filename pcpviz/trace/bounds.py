@@ -125,15 +125,24 @@ def _head(a: np.ndarray) -> str:
     return "[" + ", ".join(map(str, vals)) + (", ...]" if a.size > 6 else "]")
 
 
-def step_problems(phases: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def step_problems(phases: Mapping[str, Mapping[str, Any]], *, memo: dict | None = None) -> list[str]:
     """One line per view of one step on one rank (``{phase: {view: array}}``) that breaks a
     bound: too many axes or entries, a shape or dtype its declaration does not allow, an index
     outside ``-1 .. MAX_INDEX``, a string longer than ``MAX_STRING_CHARS``, or token counts
-    (num_scheduled_tokens, query_start_loc, the token axis) that disagree."""
+    (num_scheduled_tokens, query_start_loc, the token axis) that disagree. ``memo`` (one step's,
+    shared by its ranks) remembers each view array's answer: ranks recording a view byte-equal
+    read one array (``pcpviz.trace.reader``), which is judged once."""
     out = []
     for phase, views in phases.items():
         for name, value in views.items():
-            why = _view_problem(phase, name, value)
+            key = (phase, name, id(value))
+            seen = None if memo is None else memo.get(key)
+            if seen is not None and seen[0] is value:
+                why = seen[1]
+            else:
+                why = _view_problem(phase, name, value)
+                if memo is not None:
+                    memo[key] = (value, why)
             if why:
                 out.append(why)
     target = phases.get(S.PHASE_TARGET)

@@ -85,50 +85,152 @@ class StepView:
 
 
 class Ctx:
-    """What a check sees for one (step, rank)."""
+    """What a check sees for one (step, rank).
 
-    def __init__(self, cfg: Config, sv: StepView, rank: int, check: str):
-        self.cfg, self.sv, self.rank, self.check = cfg, sv, rank, check
-        self.phases = sv.recs[rank]
+    Every read goes through ``get``/``need``/``has``/``draft_phases``/``prev`` and is logged; a
+    check that reads ``rank``, ``phases`` or ``sv`` itself is marked rank-dependent. A check that
+    passed (or was skipped) on one rank without being rank-dependent has the same outcome on
+    every rank whose reads give the very same arrays (``replays``): the reader hands every rank
+    one array for a payload they recorded byte-equal, so the runner checks a global view once
+    a step, not once a rank."""
+
+    def __init__(self, cfg: Config, sv: StepView, rank: int, check: str, *, log: list | None = None,
+                 offset: int = 0, root: "Ctx | None" = None):
+        self.cfg, self._sv, self._rank, self.check = cfg, sv, rank, check
+        self._phases = sv.recs[rank]
+        self._log: list = [] if log is None else log  # what was read: see ``replays``
+        self._offset = offset  # 0: this step, 1: the previous one
+        self.local = False  # read the rank, its phases or the step view directly
+        self._root = self if root is None else root  # the check's own context (prev()'s parent)
 
     @property
     def step(self) -> int:
-        return self.sv.step
+        return self._sv.step
+
+    @property
+    def rank(self) -> int:
+        self._root.local = True
+        return self._rank
+
+    @property
+    def phases(self) -> Mapping[str, Mapping[str, np.ndarray]]:
+        self._root.local = True
+        return self._phases
+
+    @property
+    def sv(self) -> StepView:
+        self._root.local = True
+        return self._sv
+
+    @property
+    def cache(self) -> dict:
+        """The step's memo of rank-independent results (keys name their inputs)."""
+        return self._sv.cache
 
     # -- reading views
     def has(self, phase: str) -> bool:
-        return phase in self.phases
+        present = phase in self._phases
+        self._log.append(("p", self._offset, phase, present))
+        return present
+
+    def _read(self, phase: str, view: str):
+        rec = self._phases.get(phase)
+        value = rec[view] if rec is not None and view in rec else None
+        self._log.append(("v", self._offset, phase, view, value))
+        return rec, value
 
     def get(self, phase: str, view: str) -> np.ndarray | None:
-        rec = self.phases.get(phase)
-        if rec is None or view not in rec:
-            return None
-        return _checked(phase, view, rec[view])
+        _, value = self._read(phase, view)
+        return None if value is None else _checked(phase, view, value)
 
     def need(self, phase: str, view: str) -> np.ndarray:
-        rec = self.phases.get(phase)
+        rec, value = self._read(phase, view)
         if rec is None:
             raise Skip(f"no {phase} phase")
-        if view not in rec:
+        if value is None:
             raise Skip(f"no {view}")
-        return _checked(phase, view, rec[view])
+        return _checked(phase, view, value)
 
     def t(self, view: str) -> np.ndarray:
         return self.need("target", view)
 
+    def rank_view(self, rank: int, phase: str, view: str) -> np.ndarray | None:
+        """``view`` of ``phase`` as rank ``rank`` recorded it this step (None if it did not): the
+        same answer whichever rank's check asks."""
+        rec = self._sv.recs.get(rank, {}).get(phase)
+        return None if rec is None or view not in rec else _checked(phase, view, rec[view])
+
+    def once(self, name: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, run once a step for every rank it reads the same arrays on (``replays``):
+        the rank-independent part of a check that also reads rank-local views. Only a normal
+        return is remembered; a ``Fail`` or ``Skip`` is raised again on each rank."""
+        entries = self._sv.cache.setdefault(("once", name), [])
+        for log, result in entries:
+            if self.replays(log):
+                self._log.extend(log)
+                return result
+        outer, outer_local = self._log, self.local
+        self._log, self.local = [], False
+        try:
+            result = fn()
+        finally:
+            sub, sub_local = self._log, self.local
+            self._log, self.local = outer, outer_local or sub_local
+            outer.extend(sub)
+        if not sub_local and len(entries) < 2:
+            entries.append((sub, result))
+        return result
+
     def draft_phases(self, first: int = 0) -> list[tuple[int, str]]:
-        out = [(draft_index(p), p) for p in self.phases if draft_index(p) is not None]
-        return sorted((k, p) for k, p in out if k >= first)
+        out = [(draft_index(p), p) for p in self._phases if draft_index(p) is not None]
+        out = sorted((k, p) for k, p in out if k >= first)
+        self._log.append(("d", self._offset, first, tuple(out)))
+        return out
+
+    def _prev_view(self) -> "StepView | None":
+        pv = self._sv.prev
+        if pv is None or self._rank not in pv.recs:
+            return None
+        if _is_warmup(pv.recs[self._rank]) or _is_warmup(self._phases):
+            return None  # vLLM's synthetic warm-up steps do not continue into serving
+        if pv.cache.get(("bounds", self._rank)):
+            return None  # a malformed previous step gives nothing to compare with
+        return pv
 
     def prev(self) -> "Ctx | None":
-        pv = self.sv.prev
-        if pv is None or self.rank not in pv.recs:
+        if self._offset:
+            raise ValueError("a check looks one step back at most")
+        pv = self._prev_view()
+        self._log.append(("prev", pv is not None))
+        if pv is None:
             return None
-        if _is_warmup(pv.recs[self.rank]) or _is_warmup(self.phases):
-            return None  # vLLM's synthetic warm-up steps do not continue into serving
-        if pv.cache.get(("bounds", self.rank)):
-            return None  # a malformed previous step gives nothing to compare with
-        return Ctx(self.cfg, pv, self.rank, self.check)
+        return Ctx(self.cfg, pv, self._rank, self.check, log=self._log, offset=1, root=self._root)
+
+    def replays(self, log: list) -> bool:
+        """True if every read in ``log`` (another rank's, this check, this step) gives this rank
+        the same answer: the same array objects, the same phases present."""
+        recs = (self._phases, None)
+        for entry in log:
+            kind = entry[0]
+            if kind == "prev":
+                pv = self._prev_view()
+                if (pv is not None) != entry[1]:
+                    return False
+                recs = (self._phases, None if pv is None else pv.recs[self._rank])
+                continue
+            phases = recs[entry[1]]
+            if kind == "v":
+                rec = phases.get(entry[2])
+                if (rec[entry[3]] if rec is not None and entry[3] in rec else None) is not entry[4]:
+                    return False
+            elif kind == "p":
+                if (entry[2] in phases) != entry[3]:
+                    return False
+            elif kind == "d":
+                out = [(draft_index(p), p) for p in phases if draft_index(p) is not None]
+                if tuple(sorted((k, p) for k, p in out if k >= entry[2])) != entry[3]:
+                    return False
+        return True
 
     # -- derived quantities (cached per step where they are rank-independent)
     def pcp(self) -> int:
@@ -137,7 +239,7 @@ class Ctx:
         prn = self.get("target", "per_rank_num_tokens")
         if prn is not None:
             return int(prn.shape[0])
-        return max(self.sv.recs) + 1
+        return max(self._sv.recs) + 1
 
     def shard(self) -> bool:
         if self.cfg.shard is not None:
@@ -253,7 +355,7 @@ class Ctx:
     # -- verdicts
     def fail(self, phase: str | None, view: str | None, message: str, *, index=None,
              expected=None, actual=None, rank: int | None = None) -> None:
-        raise Fail(dict(check=self.check, step=self.step, rank=self.rank if rank is None else rank,
+        raise Fail(dict(check=self.check, step=self.step, rank=self._rank if rank is None else rank,
                          phase=phase, view=view, message=message,
                          index=None if index is None else tuple(int(i) for i in index),
                          expected=expected, actual=actual))

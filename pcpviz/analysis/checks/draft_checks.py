@@ -110,6 +110,31 @@ def draft_last_token_indices(c: Ctx) -> None:
              index_map=lambda i: (int(has[i[0]]),))
 
 
+def _draft_global_inputs(c: Ctx, dgi: np.ndarray) -> None:
+    """The rank-independent part of ``draft_input_ids``: draft_0's global inputs."""
+    ids = c.t("input_ids").astype(np.int64)
+    qsl, q = c.qsl(), c.q()
+    rej = c.need("verify", "num_rejected").astype(np.int64)
+    ns = c.need("verify", "num_sampled").astype(np.int64)
+    sampled = _g2(c.need("verify", "sampled_token_ids")).astype(np.int64)
+    if dgi.shape != ids.shape:
+        c.fail("draft_0", "draft_global_input_ids", f"length {dgi.shape}, expected T={ids.shape[0]}")
+    t = ids.shape[0]
+    last_sampled = sampled[np.arange(q.shape[0]), np.maximum(ns - 1, 0)] if q.size else ns
+    # the next prompt token of a partial chunk is known only to the next step (checked there)
+    exp, _ = draft_prefill_inputs(ids, qsl, num_rejected=rej, num_sampled=ns, last_sampled=last_sampled,
+                                  next_prompt_tokens=np.full(q.shape[0], -1, np.int64))
+    row = _token_rows(qsl)
+    off = np.arange(t) - qsl[row]
+    valid = (q - rej)[row]
+    read = (off < valid - 1) | ((off == valid - 1) & (ns[row] > 0))  # the rows the drafter reads
+    m = np.flatnonzero(read)
+    c.expect("draft_0", "draft_global_input_ids", exp[m], dgi.astype(np.int64)[m],
+             "draft prefill input is not the next target token (or the sampled one)",
+             index_map=lambda i: (int(m[i[0]]),))
+    _partial_chunk_last_rows(c)
+
+
 @check("draft_input_ids",
         "draft_0's draft_global_input_ids are the target ids shifted left by one within the "
         "accepted rows, the last accepted row holding the sampled token; its local "
@@ -121,28 +146,8 @@ def draft_input_ids(c: Ctx) -> None:
     checked = False
     dgi = c.get("draft_0", "draft_global_input_ids")
     if dgi is not None:
-        ids = c.t("input_ids").astype(np.int64)
-        qsl, q = c.qsl(), c.q()
-        rej = c.need("verify", "num_rejected").astype(np.int64)
-        ns = c.need("verify", "num_sampled").astype(np.int64)
-        sampled = _g2(c.need("verify", "sampled_token_ids")).astype(np.int64)
-        if dgi.shape != ids.shape:
-            c.fail("draft_0", "draft_global_input_ids", f"length {dgi.shape}, expected T={ids.shape[0]}")
         checked = True
-        t = ids.shape[0]
-        last_sampled = sampled[np.arange(q.shape[0]), np.maximum(ns - 1, 0)] if q.size else ns
-        # the next prompt token of a partial chunk is known only to the next step (checked there)
-        exp, _ = draft_prefill_inputs(ids, qsl, num_rejected=rej, num_sampled=ns, last_sampled=last_sampled,
-                                      next_prompt_tokens=np.full(q.shape[0], -1, np.int64))
-        row = _token_rows(qsl)
-        off = np.arange(t) - qsl[row]
-        valid = (q - rej)[row]
-        read = (off < valid - 1) | ((off == valid - 1) & (ns[row] > 0))  # the rows the drafter reads
-        m = np.flatnonzero(read)
-        c.expect("draft_0", "draft_global_input_ids", exp[m], dgi.astype(np.int64)[m],
-                 "draft prefill input is not the next target token (or the sampled one)",
-                 index_map=lambda i: (int(m[i[0]]),))
-        _partial_chunk_last_rows(c)
+        c.once("draft_global_input_ids", lambda: _draft_global_inputs(c, dgi))
         dii = c.get("draft_0", "draft_input_ids")
         if dii is not None and c.get("target", "padded_gather_idx") is not None:
             n = c.num_local()

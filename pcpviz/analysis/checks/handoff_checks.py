@@ -20,16 +20,21 @@ from .context import Ctx, Skip, check
 
 
 def _gathered(c: Ctx, phase: str, view: str) -> np.ndarray:
-    """int64[N*P]: ``view`` of ``phase`` of every rank, rank-major (the all-gather's order)."""
+    """int64[N*P]: ``view`` of ``phase`` of every rank, rank-major (the all-gather's order); the
+    same for every rank's check, so built once a step."""
+    key = ("gathered", phase, view, c.pcp())
+    if key in c.cache:
+        return c.cache[key]
     parts = []
     for r in range(c.pcp()):
-        rec = c.sv.recs.get(r, {}).get(phase)
-        if rec is None or view not in rec:
+        v = c.rank_view(r, phase, view)
+        if v is None:
             raise Skip(f"no {view} on rank {r}")
-        parts.append(np.asarray(rec[view], dtype=np.int64))
+        parts.append(np.asarray(v, dtype=np.int64))
     if len({p.shape for p in parts}) != 1:
         c.fail(phase, view, f"ranks record {view} of different lengths {[p.shape[0] for p in parts]}")
-    return np.concatenate(parts)
+    out = c.cache[key] = np.concatenate(parts)
+    return out
 
 
 @check("hidden_restored",
