@@ -283,7 +283,7 @@ def _check_rows(where: str, batch: pa.RecordBatch, names: _Names, shapes: _Shape
 
 # --------------------------------------------------------------------------- the file
 
-def check_header_bytes(path: Path, size: int, head: bytes) -> None:
+def _check_header_bytes(path: Path, size: int, head: bytes) -> None:
     """Tell a foreign file (always an error) from a truncated schema header (tail damage)."""
     if head[:4] != _CONT[: len(head[:4])]:
         if head.startswith(b"ARROW1"):
@@ -300,7 +300,7 @@ def check_header_bytes(path: Path, size: int, head: bytes) -> None:
         raise TailDamage(f"truncated inside its schema header ({size} of {8 + meta_len} bytes)")
 
 
-def check_schema(path: Path, rank: int, schema: pa.Schema, version: int) -> bool:
+def _check_schema(path: Path, rank: int, schema: pa.Schema, version: int) -> bool:
     """Raise TraceError for a foreign or mismatched schema; True if the file's writer promised
     a completion record."""
     md = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
@@ -454,13 +454,13 @@ def scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankIndex, dict
     layouts: list[Layout] = []
     good, closed, finalizes, note, schema = 0, False, False, None, None
     try:
-        check_header_bytes(path, size, head)
+        _check_header_bytes(path, size, head)
         try:
             reader = pa.ipc.open_stream(source)
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise TraceError(f"{path}: not an Arrow IPC stream (foreign file): {one_line(exc)}") from None
         schema = reader.schema
-        finalizes = check_schema(path, rank, schema, version)
+        finalizes = _check_schema(path, rank, schema, version)
         good = source.tell()
         good = _walk(path, source, reader, good, steps, bounds, layouts)
         end = source.tell()

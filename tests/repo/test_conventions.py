@@ -25,7 +25,6 @@ MAX_POSITIONAL = 3
 # rule -> {place: size today}
 KNOWN: dict[str, dict[str, int]] = {
     "function-lines": {
-        "pcpviz/analysis/diff.py::diff_traces": 131,
         "pcpviz/engine/launch.py::build_config": 87,
         "pcpviz/engine/rank_main.py::run_rank": 155,
         "pcpviz/engine/speculator.py::propose": 86,
@@ -42,8 +41,6 @@ KNOWN: dict[str, dict[str, int]] = {
         "pcpviz/vllm/cpu_patches.py": 502,
     },
     "positional-params": {
-        "pcpviz/analysis/checks/context.py::Ctx.expect": 5,
-        "pcpviz/analysis/checks/context.py::Ctx.no_null_block": 5,
         "pcpviz/costmodel/answers.py::pcp_curve": 4,
         "pcpviz/engine/checkpoint.py::save_model": 4,
         "pcpviz/engine/kv_cache.py::paged_mla_attention": 14,
@@ -74,18 +71,6 @@ KNOWN: dict[str, dict[str, int]] = {
         "pcpviz/vllm/replay/step.py::stand_in_sampler": 5,
     },
     "underscore-import": {
-        "pcpviz/analysis/checks/draft_checks.py: _g2": 1,
-        "pcpviz/analysis/checks/draft_checks.py: _g3": 1,
-        "pcpviz/analysis/checks/draft_checks.py: _str0": 1,
-        "pcpviz/analysis/checks/draft_checks.py: _token_rows": 1,
-        "pcpviz/analysis/checks/layout_checks.py: _g2": 1,
-        "pcpviz/analysis/checks/layout_checks.py: _g3": 1,
-        "pcpviz/analysis/checks/layout_checks.py: _rank_segments": 1,
-        "pcpviz/analysis/checks/layout_checks.py: _segment_rows": 1,
-        "pcpviz/analysis/checks/layout_checks.py: _segments": 1,
-        "pcpviz/analysis/checks/layout_checks.py: _str0": 1,
-        "pcpviz/analysis/checks/step_checks.py: _g2": 1,
-        "pcpviz/analysis/checks/step_checks.py: _token_rows": 1,
     },
 }
 

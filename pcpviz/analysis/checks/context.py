@@ -14,7 +14,6 @@ from pcpviz.reference.blocks import compute_slot_mappings
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.trace import SEGMENT_DTYPE, draft_index
 from pcpviz.trace.schema import int_view, view_spec
-from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
 from .declared import validate_check
 
@@ -339,9 +338,11 @@ class Ctx:
             out.append(slots)
         return np.stack(out) if out else np.zeros((0, int(qsl[-1])), dtype=np.int64)
 
-    def no_null_block(self, phase: str, view: str, expected: np.ndarray, actual: np.ndarray,
+    def no_null_block(self, phase: str, view: str, *, want: np.ndarray, got: np.ndarray,
                       positions: np.ndarray) -> None:
-        """Fail if a KV write lands in the null block 0 (never allocated to a request)."""
+        """Fail if a KV write lands in the null block 0 (never allocated to a request): ``want``
+        the slots expected (int64[G, T]), ``got`` the recorded ones, ``positions`` int64[T]."""
+        expected, actual = want, got
         sizes = self.block_sizes(expected.shape[0])
         for g in range(expected.shape[0]):
             null = (expected[g] >= 0) & (expected[g] // sizes[g] == 0)
@@ -360,11 +361,14 @@ class Ctx:
                          index=None if index is None else tuple(int(i) for i in index),
                          expected=expected, actual=actual))
 
-    def expect(self, phase: str, view: str, expected: Any, actual: Any, what: str = "",
-               *, index_map: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
+    def expect(self, phase: str, view: str, *, want: Any, got: Any, what: str = "",
+               index_map: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
                rank: int | None = None) -> None:
-        """Fail unless ``actual`` equals ``expected`` exactly. ``index_map`` translates an index
-        into the compared arrays to one into the recorded view (for masked comparisons)."""
+        """Fail unless ``got`` (what ``phase``'s ``view`` holds) equals ``want`` exactly:
+        ``c.expect("target", "positions", want=[0, 1, 2], got=pos, what="not contiguous")``.
+        ``index_map`` translates an index into the compared arrays to one into the recorded
+        view (for masked comparisons)."""
+        expected, actual = want, got
         differs, idx, reason = first_difference(expected, actual)
         if not differs:
             return
@@ -376,16 +380,12 @@ class Ctx:
                   expected=short_repr(expected, idx), actual=short_repr(actual, idx), rank=rank)
 
 
-# The check modules' short names for the view-shape helpers (their one home: pcpviz.trace.shapes).
-_g2, _g3, _str0 = slot_groups, table_groups, view_text
-
-
-def _token_rows(qsl: np.ndarray) -> np.ndarray:
+def token_rows(qsl: np.ndarray) -> np.ndarray:
     """int64[T]: request row of every global token."""
     return np.repeat(np.arange(qsl.shape[0] - 1, dtype=np.int64), np.diff(qsl))
 
 
-def _segments(ctx: Ctx) -> np.ndarray:
+def segments_of(ctx: Ctx) -> np.ndarray:
     segs = ctx.t("segments")
     if segs.dtype.names is None or not set(SEGMENT_DTYPE.names) <= set(segs.dtype.names):
         ctx.fail("target", "segments", f"not a segments table (fields {segs.dtype.names}, "
@@ -393,7 +393,7 @@ def _segments(ctx: Ctx) -> np.ndarray:
     return segs
 
 
-def _segment_rows(segs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray]:
+def segment_rows(segs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray]:
     """(gathered row, segment index) of every row covered by the segments table."""
     lens = (segs["local_stop"] - segs["local_start"]).astype(np.int64)
     seg_of = np.repeat(np.arange(segs.shape[0]), lens)
@@ -403,10 +403,10 @@ def _segment_rows(segs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray]:
     return rows.astype(np.int64), seg_of
 
 
-def _rank_segments(ctx: Ctx) -> tuple[np.ndarray, np.ndarray]:
+def local_segments(ctx: Ctx) -> tuple[np.ndarray, np.ndarray]:
     """(global request, length) of this rank's local segments, in local order; a rank without
     segments has vLLM's zero-length placeholder row for request 0."""
-    segs = _segments(ctx)
+    segs = segments_of(ctx)
     mine = segs[segs["rank"] == ctx.rank]
     mine = mine[np.argsort(mine["local_start"], kind="stable")]
     if mine.shape[0] == 0:

@@ -240,11 +240,12 @@ def _rerun(trace: Trace, out_dir: str) -> tuple[str | None, str]:
 
 
 def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | None = None, *,
-            rerun: bool = True) -> Explanation:
+            rerun: bool = True, status: Any = None) -> Explanation:
     """Explain ``bad`` (see the module doc). ``good``: a good run of the same prompts; without it,
-    ``rerun=True`` re-runs the prompts on the engine as the reference (``rerun=False``: none)."""
+    ``rerun=True`` re-runs the prompts on the engine as the reference (``rerun=False``: none).
+    ``status``: ``pcpviz.trace.validate(bad)`` when the caller has it already."""
     tb = bad if isinstance(bad, Trace) else open_trace(bad)
-    report = run_checks(tb)
+    report = run_checks(tb, status=status)
     with tempfile.TemporaryDirectory(prefix="pcpviz-explain-") as tmp:
         note = None
         ref = good
