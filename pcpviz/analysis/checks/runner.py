@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
@@ -117,7 +117,7 @@ def _check_step(trace: Trace, step: int, prev: StepView | None, defs: list, cfg:
 
 
 def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | None = None,
-               status: Any = None) -> CheckReport:
+               status: Any = None, visit: Callable[[StepView], None] | None = None) -> CheckReport:
     """Run every check (or the named ones) over every step and rank of ``trace``.
 
     ``trace`` is a ``pcpviz.trace.Trace`` or a run directory (opened with
@@ -126,7 +126,8 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
     ``report.status`` is ``pcpviz.trace.validate(trace)`` (or ``status``, when the caller has
     it already): an invalid run.json or an incomplete trace (lost steps, missing ranks) makes
     ``report.ok`` false even when every check passes. Memory does not grow with the steps:
-    one step of history is kept.
+    one step of history is kept. ``visit(step_view)``, if given, sees each step's records on
+    every rank (``StepView.recs``) after its checks: another pass over the same steps, free.
     """
     t0 = time.perf_counter()
     if not isinstance(trace, Trace):
@@ -148,6 +149,8 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
     prev: StepView | None = None
     for step in trace.steps:
         sv = _check_step(trace, step, prev, defs, cfg, stats, rank_steps, last)
+        if visit is not None:
+            visit(sv)
         if prev is not None:
             prev.prev = None  # keep only one step of history
         prev = sv
