@@ -187,7 +187,9 @@ def _array(buf: pa.Buffer | None, dtype, count: int | None = None) -> np.ndarray
     """The buffer as an array (a zero-length buffer arrives as None)."""
     if buf is None:
         return np.zeros(count or 0, dtype=dtype)
-    return np.frombuffer(buf, dtype=dtype) if count is None else np.frombuffer(buf, dtype=dtype, count=count)
+    if count is None:  # the whole buffer (a damaged length may leave a partial element at its end)
+        count = buf.size // np.dtype(dtype).itemsize
+    return np.frombuffer(buf, dtype=dtype, count=count)
 
 
 def _buffers(batch: pa.RecordBatch) -> list | None:
@@ -388,11 +390,18 @@ class RankIndex:
             raise TraceError(f"{self.path}: step {step}: its record batch changed since the trace was opened")
         bufs = batch.to_struct_array().buffers()
         n = batch.num_rows
-        loaded = Loaded(_array(bufs[_SHAPE_OFF], np.int32, n + 1).tolist(), _array(bufs[_SHAPE_ITEMS], np.int64),
-                        _array(bufs[_CRC], np.uint32, n).tolist(), _array(bufs[_DATA_OFF], np.int64, n + 1).tolist(),
-                        bufs[_DATA] if bufs[_DATA] is not None else _EMPTY)
+        try:
+            loaded = self._loaded(bufs, n)
+        except (ValueError, IndexError) as exc:
+            raise TraceError(f"{self.path}: step {step}: corrupt index ({one_line(exc)})") from None
         self._last = (i, loaded)
         return loaded
+
+    @staticmethod
+    def _loaded(bufs: list, n: int) -> "Loaded":
+        return Loaded(_array(bufs[_SHAPE_OFF], np.int32, n + 1).tolist(), _array(bufs[_SHAPE_ITEMS], np.int64),
+                      _array(bufs[_CRC], np.uint32, n).tolist(), _array(bufs[_DATA_OFF], np.int64, n + 1).tolist(),
+                      bufs[_DATA] if bufs[_DATA] is not None else _EMPTY)
 
     def trim(self) -> None:
         """Let the kernel drop the mapped pages read so far from this process's memory (they are

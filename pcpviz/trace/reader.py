@@ -1,10 +1,17 @@
 """Lazy trace reader: ``open(run_dir) -> Trace``.
 
-Open reads ``run.json``, then memory-maps each ``rank<N>.arrow`` and walks its record batches.
-Arrow reads a batch from a memory map without copying, so the walk touches only the message
-headers and the small columns (step, phase, view, dtype, shape, crc32) that it validates and
-indexes; the payloads stay on disk until ``record()`` asks for them, and decoded records are kept
-in a bounded LRU cache.
+Open reads ``run.json``, then memory-maps each ``rank<N>.arrow`` and walks its record batches
+(``index.scan_rank_file``). Arrow reads a batch from a memory map without copying, so the walk
+touches only the message headers and the small columns (step, phase, view, dtype, shape, crc32)
+that it validates; it keeps per step only its number, its message's byte range and its row
+layout (a few MB for 100,000 steps). The payloads stay on disk until ``record()`` asks for them;
+decoded records are kept in a bounded LRU cache, and the mapped pages read are handed back to
+the kernel every 256 MB, so a pass over every step holds about one step in memory.
+
+Ranks that record a payload byte-equal (a global view) get one array for it: a payload with the
+same row identity and crc32 as one another rank decoded in the same step is compared byte for
+byte with it, which checks it as its crc32 would (equal bytes under an equal row head), and the
+checks then judge the array once, not once a rank (``pcpviz.analysis.checks.context``).
 
 Policy on damage (the design's "loses nothing"):
 
