@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     work = args.keep or Path(tempfile.mkdtemp(prefix="pcpviz-bench-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    scenarios = ["steps", "pcp64", "long"] if args.scenario == "all" else [args.scenario]
+    scenarios = ["long", "pcp64", "steps"] if args.scenario == "all" else [args.scenario]
     rows = []
     for sc in scenarios:
         t0 = time.perf_counter()
