@@ -16,6 +16,7 @@ problems as malformed and never computes sizes from it. A PCP=2 step::
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Mapping
 
 import numpy as np
@@ -65,14 +66,19 @@ def _int_problem(name: str, a: np.ndarray) -> str | None:
     return None
 
 
+@lru_cache(maxsize=8192)
+def _spec(phase: str, name: str) -> Any:
+    return S.view_spec(phase, name)
+
+
 def _view_problem(phase: str, name: str, value: Any) -> str | None:
-    a = np.asarray(value)
+    a = value if type(value) is np.ndarray else np.asarray(value)
     where = f"{phase}.{name}"
     if a.ndim > MAX_NDIM:
         return f"{where}: {a.ndim}-d, at most {MAX_NDIM} axes"
     if a.ndim == 1 and a.shape[0] > MAX_TOKENS:
         return f"{where}: {a.shape[0]} entries, more than the bound {MAX_TOKENS}"
-    spec = S.view_spec(phase, name) if S.is_valid_phase(phase) else None
+    spec = _spec(phase, name) if S.is_valid_phase(phase) and isinstance(name, str) else None
     if spec is not None:
         floats_for_ints = a.dtype.kind == "f" and spec.dtype.startswith(("int", "uint"))
         why = f"{a.ndim}-d, declared {spec.shape}" if floats_for_ints and a.ndim not in spec.ndims \

@@ -38,6 +38,9 @@ __all__ = ["Layout", "Loaded", "RankIndex", "TailDamage", "scan_rank_file", "one
 _CONT = b"\xff\xff\xff\xff"  # Arrow IPC continuation marker: every message starts with it
 EOS = _CONT + b"\x00\x00\x00\x00"
 _CACHE_MAX = 4096  # distinct name / shape columns remembered while scanning
+TRIM_BYTES = 256 << 20
+"""Bytes of a rank file read between two trims of its map (``RankIndex.trim``): a pass over every
+step holds about this much of the file in memory, not the whole file."""
 
 
 class TailDamage(Exception):
@@ -362,6 +365,7 @@ class RankIndex:
         self.ends = np.array([b[1] for b in bounds], dtype=np.int64)  # int64[n]
         self.layouts = layouts
         self._last: tuple[int, Loaded] | None = None
+        self._touched = 0  # bytes of batches read since the map was last trimmed
 
     def find(self, step: int) -> int | None:
         """Position of ``step`` in ``steps`` (None if the rank did not record it)."""
@@ -379,6 +383,10 @@ class RankIndex:
             return last[1]
         start, end = int(self.starts[i]), int(self.ends[i])
         step = int(self.steps[i])
+        self._touched += end - start
+        if self._touched > TRIM_BYTES:
+            self._touched = 0
+            self.trim()
         try:
             batch = pa.ipc.read_record_batch(self.buffer.slice(start, end - start), self.schema)
             batch.validate(full=True)
@@ -406,11 +414,18 @@ class RankIndex:
     def trim(self) -> None:
         """Let the kernel drop the mapped pages read so far from this process's memory (they are
         read again from the file when needed): keeps a long read's footprint flat."""
-        if self.mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
-            try:
-                self.mapped.madvise(mmap.MADV_DONTNEED)
-            except (OSError, ValueError):
-                pass
+        _trim(self.mapped)
+
+
+def _trim(mapped: mmap.mmap | None, upto: int | None = None) -> None:
+    if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+        try:
+            if upto is None:
+                mapped.madvise(mmap.MADV_DONTNEED)
+            elif upto >= mmap.PAGESIZE:
+                mapped.madvise(mmap.MADV_DONTNEED, 0, upto - upto % mmap.PAGESIZE)
+        except (OSError, ValueError):
+            pass
 
 
 def _map(fd: int, size: int) -> tuple[pa.Buffer, mmap.mmap | None]:
@@ -422,10 +437,14 @@ def _map(fd: int, size: int) -> tuple[pa.Buffer, mmap.mmap | None]:
 
 
 def _walk(path: Path, source: pa.BufferReader, reader, good: int, steps: list[int],
-          bounds: list[tuple[int, int]], layouts: list[Layout]) -> int:
+          bounds: list[tuple[int, int]], layouts: list[Layout], mapped: mmap.mmap | None) -> int:
     """Index every batch after the schema; returns the bytes of complete messages."""
     parsers = _Parsers()
+    trimmed = good
     while True:
+        if good - trimmed > TRIM_BYTES:
+            _trim(mapped, good)
+            trimmed = good
         try:
             batch = reader.read_next_batch()
             batch.validate(full=True)
@@ -471,7 +490,7 @@ def scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankIndex, dict
         schema = reader.schema
         finalizes = _check_schema(path, rank, schema, version)
         good = source.tell()
-        good = _walk(path, source, reader, good, steps, bounds, layouts)
+        good = _walk(path, source, reader, good, steps, bounds, layouts, mapped)
         end = source.tell()
         closed = end - good == len(EOS)
         good = end
@@ -482,5 +501,6 @@ def scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankIndex, dict
         last = f"step {steps[-1]}" if steps else "no complete step"
         note = (f"{path}: {damage}; last complete step: {last}; "
                 f"{size - good} trailing bytes not read")
+    _trim(mapped)
     index = RankIndex(path, buffer, mapped, schema, steps, bounds, layouts)
     return index, dict(size=size, good_bytes=good, closed=closed, finalizes=finalizes), note

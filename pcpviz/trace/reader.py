@@ -6,7 +6,8 @@ touches only the message headers and the small columns (step, phase, view, dtype
 that it validates; it keeps per step only its number, its message's byte range and its row
 layout (a few MB for 100,000 steps). The payloads stay on disk until ``record()`` asks for them;
 decoded records are kept in a bounded LRU cache, and the mapped pages read are handed back to
-the kernel every 256 MB, so a pass over every step holds about one step in memory.
+the kernel every 256 MB of a rank file (``index.TRIM_BYTES``): a pass over every step holds a
+bounded part of the file in memory, however many steps it has.
 
 Ranks that record a payload byte-equal (a global view) get one array for it: a payload with the
 same row identity and crc32 as one another rank decoded in the same step is compared byte for
@@ -52,7 +53,6 @@ __all__ = ["open", "Trace", "Record", "RankFile", "steps_summary"]
 
 MAX_RANKS = 4096
 """Rank files past this many ranks (``rank99999.arrow``) are not read (run.json's pcp is bounded the same)."""
-_TRIM_BYTES = 256 << 20  # payload bytes read between two trims of the maps (``RankIndex.trim``)
 
 
 # --------------------------------------------------------------------------- public records
@@ -163,7 +163,6 @@ class Trace:
         self._lock = threading.Lock()
         self._shared: dict[tuple, tuple[pa.Buffer, np.ndarray]] = {}  # this step's big rows, verified
         self._shared_step: int | None = None
-        self._mapped_read = 0  # payload bytes read since the maps were last trimmed
         pcp = meta.get("pcp")
         self._pcp = pcp if isinstance(pcp, int) and not isinstance(pcp, bool) else None
 
@@ -255,25 +254,20 @@ class Trace:
             view, tag, shape = layout.views[j], layout.tags[j], loaded.shape(j)
             start, stop = loaded.offsets[j], loaded.offsets[j + 1]
             stored = loaded.values.slice(start, stop - start)
-            self._mapped_read += stop - start
             key = (phase, view, tag, shape, loaded.crcs[j]) if share else None
             seen = self._shared.get(key) if share else None
             if seen is not None and seen[0].equals(stored):
                 out[view] = seen[1]
                 continue
-            where = f"{ix.path}: step {step}: view {view!r} (phase {phase!r})"
             if S.row_crc32(step, phase, view, tag=tag, shape=shape, stored=stored) != loaded.crcs[j]:
-                raise TraceError(f"{where}: corrupt data (crc32 mismatch)")
+                raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): corrupt data "
+                                 "(crc32 mismatch)")
             try:
                 out[view] = S.decode_payload(tag, shape, stored)
             except ValueError as exc:
-                raise TraceError(f"{where}: {exc}") from None
+                raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): {exc}") from None
             if key is not None:
                 self._shared[key] = (stored, out[view])
-        if self._mapped_read > _TRIM_BYTES:
-            self._mapped_read = 0
-            for other in self._index.values():
-                other.trim()
         return out
 
 

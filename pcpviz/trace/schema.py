@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -117,6 +117,11 @@ def draft_phase(k: int) -> str:
 
 def draft_index(phase: str) -> int | None:
     """k for ``draft_k``, None for any other phase."""
+    return _draft_index(phase) if isinstance(phase, str) else None
+
+
+@lru_cache(maxsize=1024)
+def _draft_index(phase: str) -> int | None:
     if is_valid_phase(phase) and phase.startswith(DRAFT_PHASE_PREFIX):
         return int(phase[len(DRAFT_PHASE_PREFIX):])
     return None
@@ -207,12 +212,12 @@ class ViewSpec:
         """``int64[N*P]``: the shape comment."""
         return f"{self.dtype}{self.shape}"
 
-    @property
+    @cached_property
     def kinds(self) -> str:
         """NumPy dtype kinds a recorded value may have (``"i"``, ``"b"``, ``"U"``, ...)."""
         return "".join(_DTYPE_KINDS[d] for d in self.dtype.split("|"))
 
-    @property
+    @cached_property
     def ndims(self) -> frozenset[int]:
         """The ranks (numbers of axes) the shape allows."""
         alts = [a.strip() for a in self.shape.split(" or ")]

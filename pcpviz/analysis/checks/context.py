@@ -134,7 +134,8 @@ class Ctx:
 
     def _read(self, phase: str, view: str):
         rec = self._phases.get(phase)
-        value = rec[view] if rec is not None and view in rec else None
+        views = getattr(rec, "views", rec)  # a Record's mapping (its [] explains a miss: slow)
+        value = None if views is None else views.get(view)
         self._log.append(("v", self._offset, phase, view, value))
         return rec, value
 
@@ -219,8 +220,8 @@ class Ctx:
                 continue
             phases = recs[entry[1]]
             if kind == "v":
-                rec = phases.get(entry[2])
-                if (rec[entry[3]] if rec is not None and entry[3] in rec else None) is not entry[4]:
+                views = getattr(phases.get(entry[2]), "views", phases.get(entry[2]))
+                if (None if views is None else views.get(entry[3])) is not entry[4]:
                     return False
             elif kind == "p":
                 if (entry[2] in phases) != entry[3]:
@@ -442,7 +443,7 @@ def _checked(phase: str, view: str, value):
     floats is kept when it holds whole numbers, and NaN, inf or 2.5 raise ValueError naming the
     view (the check then reports it could not evaluate) instead of becoming garbage integers."""
     if isinstance(value, np.ndarray) and value.dtype.kind == "f":
-        spec = view_spec(phase, view)
+        spec = view_spec(phase, view) if isinstance(view, str) else None
         if spec is not None and spec.dtype.startswith(("int", "uint")):
             return int_view(value, f"{phase}.{view}")
     return value
