@@ -33,14 +33,13 @@ from . import schema as S
 from .errors import TraceError
 from .runmeta import check_version, open_for_reading
 
-__all__ = ["Layout", "Loaded", "RankIndex", "TailDamage", "scan_rank_file", "one_line"]
+__all__ = ["Layout", "Loaded", "MapBudget", "RankIndex", "TailDamage", "scan_rank_file", "one_line"]
 
 _CONT = b"\xff\xff\xff\xff"  # Arrow IPC continuation marker: every message starts with it
 EOS = _CONT + b"\x00\x00\x00\x00"
 _CACHE_MAX = 4096  # distinct name / shape columns remembered while scanning
 TRIM_BYTES = 256 << 20
-"""Bytes of a rank file read between two trims of its map (``RankIndex.trim``): a pass over every
-step holds about this much of the file in memory, not the whole file."""
+"""Bytes of batches read between two trims of a trace's maps (``MapBudget``)."""
 
 
 class TailDamage(Exception):
@@ -349,6 +348,22 @@ class Loaded:
         return tuple(self.items[self.shape_offsets[j]:self.shape_offsets[j + 1]].tolist())
 
 
+class MapBudget:
+    """Bytes of batches read from a trace's maps since they were last trimmed: past
+    ``TRIM_BYTES`` every rank file's map is trimmed (``RankIndex.trim``), so a pass over the
+    steps of a PCP=64 trace holds at most about this much of its files, not 64 times it."""
+
+    def __init__(self, indexes: list) -> None:
+        self.indexes, self.touched = indexes, 0
+
+    def spend(self, nbytes: int) -> None:
+        self.touched += nbytes
+        if self.touched > TRIM_BYTES:
+            self.touched = 0
+            for ix in self.indexes:
+                ix.trim()
+
+
 class RankIndex:
     """Where each step of one rank file lies: ``steps`` int64[n] (increasing), ``starts`` and
     ``ends`` int64[n] (its message's bytes in the mapped file) and ``layouts`` (one per step,
@@ -365,7 +380,7 @@ class RankIndex:
         self.ends = np.array([b[1] for b in bounds], dtype=np.int64)  # int64[n]
         self.layouts = layouts
         self._last: tuple[int, Loaded] | None = None
-        self._touched = 0  # bytes of batches read since the map was last trimmed
+        self.budget = MapBudget([self])  # ``reader.open`` makes every rank of a trace share one
 
     def find(self, step: int) -> int | None:
         """Position of ``step`` in ``steps`` (None if the rank did not record it)."""
@@ -383,10 +398,7 @@ class RankIndex:
             return last[1]
         start, end = int(self.starts[i]), int(self.ends[i])
         step = int(self.steps[i])
-        self._touched += end - start
-        if self._touched > TRIM_BYTES:
-            self._touched = 0
-            self.trim()
+        self.budget.spend(end - start)
         try:
             batch = pa.ipc.read_record_batch(self.buffer.slice(start, end - start), self.schema)
             batch.validate(full=True)

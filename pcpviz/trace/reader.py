@@ -6,7 +6,7 @@ touches only the message headers and the small columns (step, phase, view, dtype
 that it validates; it keeps per step only its number, its message's byte range and its row
 layout (a few MB for 100,000 steps). The payloads stay on disk until ``record()`` asks for them;
 decoded records are kept in a bounded LRU cache, and the mapped pages read are handed back to
-the kernel every 256 MB of a rank file (``index.TRIM_BYTES``): a pass over every step holds a
+the kernel every 256 MB read (``index.MapBudget``, all rank files together): a pass over every step holds a
 bounded part of the file in memory, however many steps it has.
 
 Ranks that record a payload byte-equal (a global view) get one array for it: a payload with the
@@ -46,7 +46,7 @@ import pyarrow as pa
 
 from . import schema as S
 from .errors import TraceError, TraceWarning
-from .index import RankIndex, scan_rank_file
+from .index import MapBudget, RankIndex, scan_rank_file
 from .runmeta import check_version, file_kind, read_meta
 
 __all__ = ["open", "Trace", "Record", "RankFile", "steps_summary"]
@@ -156,6 +156,9 @@ class Trace:
         self.unreadable: Mapping[int, str] = MappingProxyType(dict(unreadable or {}))
         self.warnings: list[str] = warnings_
         self._index = index
+        budget = MapBudget(list(index.values()))
+        for ix in index.values():
+            ix.budget = budget  # one budget of mapped bytes for the whole trace
         steps = [ix.steps for ix in index.values()]
         self._steps: list[int] = np.unique(np.concatenate(steps)).tolist() if steps else []
         self._cache: OrderedDict[tuple[int, int, str], Record] = OrderedDict()

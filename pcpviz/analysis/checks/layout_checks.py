@@ -41,7 +41,7 @@ def layout_matches_plan(c: Ctx) -> None:
     c.t("padded_gather_idx")
     p = c.padded()
     key = ("plan", p, q.tobytes(), pf.tobytes())
-    plan = c.sv.cache.get(key)
+    plan = c.cache.get(key)
     if plan is None:
         try:
             plan = plan_layout(q.astype(np.int64), pf.astype(bool), c.pcp(),
@@ -49,7 +49,7 @@ def layout_matches_plan(c: Ctx) -> None:
                                padded_num_tokens=p)
         except ValueError as exc:
             plan = exc
-        c.sv.cache[key] = plan
+        c.cache[key] = plan
     if isinstance(plan, ValueError):
         c.fail("target", "padded_gather_idx", f"plan_layout rejects this batch: {plan}")
     expected = {
