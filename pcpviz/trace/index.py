@@ -385,11 +385,15 @@ class RankIndex:
     def find(self, step: int) -> int | None:
         """Position of ``step`` in ``steps`` (None if the rank did not record it)."""
         try:
-            step = int(step)
+            key = int(step)
+            if key != step:  # 1.0 is step 1, 1.5 and "1" are no step
+                return None
         except (TypeError, ValueError, OverflowError):
             return None
-        i = int(np.searchsorted(self.steps, step))
-        return i if i < self.steps.shape[0] and int(self.steps[i]) == step else None
+        if not self.steps.shape[0] or not int(self.steps[0]) <= key <= int(self.steps[-1]):
+            return None
+        i = int(np.searchsorted(self.steps, key))
+        return i if i < self.steps.shape[0] and int(self.steps[i]) == key else None
 
     def batch(self, i: int) -> "Loaded":
         """The record batch of the ``i``-th step, read again from the map (zero-copy)."""

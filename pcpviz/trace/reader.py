@@ -189,7 +189,10 @@ class Trace:
         return list(ix.layouts[i].phases)
 
     def has(self, step: int, rank: int, phase: str) -> bool:
-        ix = self._index.get(rank) if isinstance(rank, (int, np.integer)) else None
+        try:
+            ix = self._index.get(rank)
+        except TypeError:  # unhashable
+            ix = None
         i = None if ix is None else ix.find(step)
         return i is not None and phase in ix.layouts[i].phases
 
@@ -236,7 +239,7 @@ class Trace:
     def _entry(self, step: int, rank: int) -> tuple[RankIndex, int]:
         info = self._file(rank)
         ix = self._index[info.rank]
-        i = ix.find(step) if isinstance(step, (int, np.integer)) else None
+        i = ix.find(step)
         if i is None:
             raise KeyError(f"step {step!r} not recorded on rank {rank} "
                            f"(rank {rank} has steps {steps_summary(info.steps)})")
