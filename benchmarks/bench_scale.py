@@ -13,14 +13,18 @@ Scenarios (synthetic traces, every view built by the pcpviz reference):
   ``explain --no-rerun``.
 
 Each command runs as ``python -m pcpviz.cli ...`` in its own process; the table gives its wall
-time and peak RSS (``wait4``). Targets (issue 20): 60 s and 2 GB per command on the 2-core
-development machine; ``long``: 2 s. A benchmark, not a test: it asserts nothing.
+time and peak RSS (``wait4``), and ``--json`` (default ``data/bench/scale_cpu.json``) keeps it
+with the command line and the machine's load. A command past ``--timeout`` is stopped and
+reported as such. Targets (issue 20): 60 s and 2 GB per command on the 2-core development
+machine; ``long``: 2 s (issue 26). A benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -31,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+
+import numpy as np  # noqa: E402
 
 import pcpviz.trace as pt  # noqa: E402
 from pcpviz.synthetic import RequestSpec, generate, long_prompt_run  # noqa: E402
@@ -76,14 +82,22 @@ def long_prompt(out: Path) -> Path:
     return run.write(out)
 
 
-def measure(argv: list[str]) -> tuple[float, float, int]:
-    """(wall seconds, peak RSS in MiB, exit code) of ``python -m pcpviz.cli argv``."""
+def measure(argv: list[str], timeout: float) -> tuple[float, float, int | None]:
+    """(wall seconds, peak RSS in MiB, exit code or None when stopped at ``timeout``) of
+    ``python -m pcpviz.cli argv``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "kernels")]))
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "pcpviz.cli", *argv], stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, env=env)
-    _, status, usage = os.wait4(p.pid, 0)
-    return time.perf_counter() - t0, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status)
+    while True:
+        pid, status, usage = os.wait4(p.pid, os.WNOHANG)
+        if pid:
+            return time.perf_counter() - t0, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status)
+        if time.perf_counter() - t0 > timeout:
+            p.kill()
+            _, status, usage = os.wait4(p.pid, 0)
+            return time.perf_counter() - t0, usage.ru_maxrss / 1024, None
+        time.sleep(0.05)
 
 
 def commands(trace: Path, other: Path, work: Path, which: str) -> list[tuple[str, list[str]]]:
@@ -100,10 +114,13 @@ def main(argv=None) -> int:
     ap.add_argument("--scenario", choices=["steps", "pcp64", "long", "all"], default="all")
     ap.add_argument("--steps", type=int, default=100_000, help="steps of the 'steps' scenario")
     ap.add_argument("--keep", type=Path, default=None, help="write the traces here (kept)")
+    ap.add_argument("--timeout", type=float, default=600.0, help="stop a command after this many seconds")
+    ap.add_argument("--json", type=Path, default=ROOT / "data" / "bench" / "scale_cpu.json",
+                    help="write the table here (JSON)")
     args = ap.parse_args(argv)
     work = args.keep or Path(tempfile.mkdtemp(prefix="pcpviz-bench-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    scenarios = ["steps", "pcp64", "long"] if args.scenario == "all" else [args.scenario]
+    scenarios = ["long", "pcp64", "steps"] if args.scenario == "all" else [args.scenario]
     rows = []
     for sc in scenarios:
         t0 = time.perf_counter()
@@ -116,15 +133,30 @@ def main(argv=None) -> int:
             shutil.copytree(trace, other)
         t = pt.open(trace)
         size = sum(f.stat().st_size for f in trace.iterdir()) / 2**20
-        print(f"{sc}: {len(t.steps)} steps, PCP={len(t.ranks)}, {size:.0f} MiB "
-              f"(generated in {time.perf_counter() - t0:.0f} s)", flush=True)
+        tokens = sum(int(np.asarray(t.record(s, t.ranks[0], "target")["positions"]).shape[0])
+                     for s in t.rank_steps(t.ranks[0]) if t.has(s, t.ranks[0], "target"))
+        shape = dict(steps=len(t.steps), ranks=len(t.ranks), tokens=tokens, mib=round(size, 1))
+        del t
+        print(f"{sc}: {shape} (generated in {time.perf_counter() - t0:.0f} s)", flush=True)
         for name, cmd in commands(trace, other, work, sc):
-            wall, rss, rc = measure(cmd)
-            rows.append((sc, name, wall, rss, rc))
-            print(f"  {name:20s} {wall:8.1f} s {rss:8.0f} MiB  exit {rc}", flush=True)
-    print("\n| scenario | command | wall (s) | peak RSS (MiB) | exit |\n|---|---|---|---|---|")
-    for sc, name, wall, rss, rc in rows:
-        print(f"| {sc} | `pcpviz {name}` | {wall:.1f} | {rss:.0f} | {rc} |")
+            load = os.getloadavg()[0]
+            wall, rss, rc = measure(cmd, args.timeout)
+            rows.append(dict(scenario=sc, **shape, command=f"pcpviz {name}", seconds=round(wall, 2),
+                             peak_rss_mib=round(rss), exit=rc, load_before=round(load, 2)))
+            print(f"  {name:20s} {wall:8.1f} s {rss:8.0f} MiB  exit {rc}  (load {load:.1f})", flush=True)
+    print("\n| scenario | steps | ranks | tokens | command | wall (s) | peak RSS (MiB) | exit |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        wall = f"{r['seconds']:.1f}" if r["exit"] is not None else f"> {args.timeout:.0f} (stopped)"
+        print(f"| {r['scenario']} | {r['steps']} | {r['ranks']} | {r['tokens']} | `{r['command']}` | {wall} | "
+              f"{r['peak_rss_mib']} | {r['exit']} |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(
+            command="python benchmarks/bench_scale.py " + " ".join(sys.argv[1:] if argv is None else argv),
+            machine=f"{os.cpu_count()} CPUs (shared), {platform.platform()}", timeout_s=args.timeout,
+            note="one run; wall time and peak RSS (wait4) of each command in its own process", rows=rows),
+            indent=1) + "\n")
     if args.keep is None:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -27,7 +27,6 @@ Acceptance (vLLM's definitions, NaN when nothing was drafted) is ``pcpviz.analys
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -38,6 +37,7 @@ from pcpviz.analysis.acceptance import Acceptance, RequestAcceptance, StepAccept
 from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
 from pcpviz.analysis.timelines import compare_timelines, same_schedule
 from pcpviz.analysis.compare import first_difference, short_repr
+from pcpviz.analysis.diffreport import DiffReport, Divergence
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.trace.bounds import problems_at, well_formed
@@ -53,111 +53,6 @@ allocated per run; the block-table rows and slot mappings it selects are compare
 
 def _open(trace: Trace | str | os.PathLike) -> Trace:
     return trace if isinstance(trace, (Trace, _RenamedRequests)) else open_trace(trace)
-
-
-# --------------------------------------------------------------------------- divergences
-
-@dataclass(frozen=True)
-class Divergence:
-    """Where run B first differs from run A (expected = A, actual = B)."""
-
-    step: int
-    phase: str | None
-    view: str | None
-    rank_a: int | None
-    rank_b: int | None
-    message: str
-    req_id: str | None = None
-    index: tuple[int, ...] | None = None  # into run A's (request-aligned) view
-    expected: str | None = None
-    actual: str | None = None
-
-    def describe(self) -> str:
-        parts = [f"step {self.step}"]
-        if self.phase is not None:
-            parts.append(f"phase {self.phase}")
-        if self.view is not None:
-            parts.append(f"view {self.view}")
-        if self.rank_a is not None or self.rank_b is not None:
-            parts.append(f"rank {self.rank_a}" if self.rank_a == self.rank_b
-                         else f"rank {self.rank_a} (a) / {self.rank_b} (b)")
-        if self.req_id is not None:
-            parts.append(f"request {self.req_id}")
-        if self.index is not None:
-            parts.append(f"index {list(self.index)}")
-        out = ", ".join(parts) + f": {self.message}"
-        if self.expected is not None or self.actual is not None:
-            out += f"; a {self.expected}, b {self.actual}"
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "phase": self.phase, "view": self.view, "rank_a": self.rank_a,
-                "rank_b": self.rank_b, "req_id": self.req_id,
-                "index": None if self.index is None else list(self.index), "message": self.message,
-                "expected": self.expected, "actual": self.actual}
-
-
-@dataclass(frozen=True)
-class DiffReport:
-    a: str
-    b: str
-    same: bool
-    first: Divergence | None
-    divergences: tuple[Divergence, ...]  # the first one per (step, phase, view), capped
-    num_divergent_views: int  # every (step, phase, view, rank pair) that differs
-    steps_compared: int
-    views_compared: int
-    local_views_compared: bool
-    notes: tuple[str, ...]
-    acceptance_a: Acceptance
-    acceptance_b: Acceptance
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"a": self.a, "b": self.b, "same": self.same,
-                "first": None if self.first is None else self.first.to_dict(),
-                "divergences": [d.to_dict() for d in self.divergences],
-                "num_divergent_views": self.num_divergent_views, "steps_compared": self.steps_compared,
-                "views_compared": self.views_compared, "local_views_compared": self.local_views_compared,
-                "notes": list(self.notes), "acceptance": {"a": self.acceptance_a.to_dict(),
-                                                          "b": self.acceptance_b.to_dict()}}
-
-    def format(self, max_divergences: int = 10) -> str:
-        lines = ["pcpviz diff", f"  a: {self.a}", f"  b: {self.b}",
-                 f"  compared {self.steps_compared} steps, {self.views_compared} views"
-                 f" ({'global and local' if self.local_views_compared else 'global only'})"]
-        for note in self.notes:
-            lines.append(f"  note: {note}")
-        if self.same:
-            lines.append("  result: SAME")
-        else:
-            lines.append(f"  result: DIFFER ({self.num_divergent_views} divergent views)")
-            lines.append(f"  first divergence: {self.first.describe()}")
-            for d in self.divergences[1:max_divergences]:
-                lines.append(f"    then: {d.describe()}")
-            if len(self.divergences) > max_divergences:
-                lines.append(f"    ... {len(self.divergences) - max_divergences} more")
-        lines.append(_acceptance_table(self.acceptance_a, self.acceptance_b))
-        return "\n".join(lines)
-
-
-def _num(x: float, digits: int = 3) -> str:
-    return "-" if isinstance(x, float) and math.isnan(x) else f"{x:.{digits}f}"
-
-
-def _acceptance_table(a: Acceptance, b: Acceptance) -> str:
-    rows = [("acceptance (vLLM definitions)", "a", "b"),
-            ("num_drafts", str(a.num_drafts), str(b.num_drafts)),
-            ("num_draft_tokens", str(a.num_draft_tokens), str(b.num_draft_tokens)),
-            ("num_accepted_tokens", str(a.num_accepted_tokens), str(b.num_accepted_tokens)),
-            ("acceptance rate", _num(a.acceptance_rate), _num(b.acceptance_rate)),
-            ("mean acceptance length", _num(a.mean_acceptance_length), _num(b.mean_acceptance_length))]
-    for k in range(max(len(a.accepted_per_position), len(b.accepted_per_position))):
-        cell = lambda acc: (f"{_num(acc.rate_per_position[k])} ({acc.accepted_per_position[k]})"  # noqa: E731
-                            if k < len(acc.accepted_per_position) else "-")
-        rows.append((f"position {k}: rate (accepted)", cell(a), cell(b)))
-    w0 = max(len(r[0]) for r in rows)
-    w1 = max(len(r[1]) for r in rows)
-    return "\n".join(f"  {r[0]:<{w0}}  {r[1]:>{w1}}  {r[2]}" for r in rows)
 
 
 def _kind(phase: str, view: str) -> tuple | None:
@@ -366,15 +261,123 @@ def _by_request(ta: Trace, tb: Trace, pairs: list, record, notes: list[str], *, 
     return compared, [], len(set(ta.steps) & set(tb.steps))
 
 
-def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
-                ignore: frozenset[str] | set[str] = DEFAULT_IGNORE,
-                max_divergences: int = 200) -> DiffReport:
-    """Compare run B against run A (see the module doc); expected values are A's."""
-    ta, tb = _open(a), _open(b)
-    notes: list[str] = []
-    tb, renamed = _align_request_ids(ta, tb)
-    if renamed:
-        notes.append(f"{renamed} requests of b matched to a's by their prompts (other request ids)")
+class _Diff:
+    """One comparison's running state (what was found, counted and noted), stepped through the
+    steps one at a time: memory independent of the number of steps."""
+
+    def __init__(self, ta: Trace, tb: Trace, *, pairs: list, same_layout: bool, notes: list[str],
+                 ignore: frozenset[str] | set[str], max_divergences: int) -> None:
+        self.ta, self.tb, self.pairs, self.same_layout, self.notes = ta, tb, pairs, same_layout, notes
+        self.ignore, self.max_divergences = ignore, max_divergences
+        self.found: list[Divergence] = []
+        self.seen: set[tuple] = set()
+        self.total = self.views_compared = self.steps_compared = 0
+        self.order_noted = self.local_compared_any = False
+        self.steps_a = {r: set(ta.rank_steps(r)) for r in ta.ranks}
+        self.steps_b = {r: set(tb.rank_steps(r)) for r in tb.ranks}
+
+    def record(self, d: Divergence) -> None:
+        self.total += 1
+        key = (d.step, d.phase, d.view)
+        if key not in self.seen and len(self.found) < self.max_divergences:
+            self.seen.add(key)
+            self.found.append(d)
+
+    def step(self, step: int) -> None:
+        ta, tb = self.ta, self.tb
+        in_a = [r for r in ta.ranks if step in self.steps_a[r]]
+        in_b = [r for r in tb.ranks if step in self.steps_b[r]]
+        if not in_a or not in_b:
+            self.record(Divergence(step, None, None, None, None,
+                                   f"step recorded only in run {'a' if in_a else 'b'}"))
+            return
+        self.steps_compared += 1
+        step_pairs = [(ra, rb) for ra, rb in self.pairs if ra in in_a and rb in in_b]
+        step_pairs = _well_formed_pairs(ta, tb, step, step_pairs, self.record)
+        for ra, rb in [(ra, rb) for ra, rb in self.pairs if (ra in in_a) != (rb in in_b)]:
+            self.record(Divergence(step, None, None, ra, rb,
+                                   f"step recorded on rank {ra if ra in in_a else rb} of run "
+                                   f"{'a' if ra in in_a else 'b'} only"))
+        phases = sorted(set().union(*(ta.phases(step, ra) for ra, _ in step_pairs),
+                                    *(tb.phases(step, rb) for _, rb in step_pairs)), key=causal_phase_key)
+        aligns = {pair: self._alignment(step, *pair) for pair in step_pairs}
+        for phase in phases:
+            for ra, rb in step_pairs:
+                self._phase(step, phase, ra, rb, aligns[(ra, rb)])
+
+    def _alignment(self, step: int, ra: int, rb: int) -> tuple[_Align | None, str | None]:
+        ta, tb = self.ta, self.tb
+        base = "target" if ta.has(step, ra, "target") and tb.has(step, rb, "target") else "verify"
+        if ta.has(step, ra, base) and tb.has(step, rb, base):
+            ar, br = ta.record(step, ra, base), tb.record(step, rb, base)
+            if "req_ids" in ar and "req_ids" in br:
+                return _alignment(ar, br)
+        return None, None
+
+    def _phase(self, step: int, phase: str, ra: int, rb: int, aligned: tuple) -> None:
+        ta, tb = self.ta, self.tb
+        has_a, has_b = ta.has(step, ra, phase), tb.has(step, rb, phase)
+        if not has_a or not has_b:
+            self.record(Divergence(step, phase, None, ra, rb, f"phase recorded only in run {'a' if has_a else 'b'}"))
+            return
+        align, why = aligned
+        if align is None and why is not None:
+            ar, br = ta.record(step, ra, "target" if ta.has(step, ra, "target") else "verify"), \
+                tb.record(step, rb, "target" if tb.has(step, rb, "target") else "verify")
+            if phase in ("target", "verify"):
+                self.record(Divergence(step, phase, "req_ids", ra, rb, why,
+                                       expected=short_repr(ar["req_ids"]), actual=short_repr(br["req_ids"])))
+            return
+        local_ok = self.same_layout and (align is None or align.perm is None)
+        if self.same_layout and align is not None and align.perm is not None and not self.order_noted:
+            self.notes.append(f"step {step}: request order differs; local views not compared "
+                              "where the order differs")
+            self.order_noted = True
+        va, vb = ta.record(step, ra, phase), tb.record(step, rb, phase)
+        for view in list(va.keys()) + [v for v in vb.keys() if v not in va]:
+            if view in self.ignore:
+                continue
+            kind = _kind(phase, view)
+            if kind is None and not local_ok:
+                continue
+            if view not in va or view not in vb:
+                self.record(Divergence(step, phase, view, ra, rb,
+                                       f"view recorded only in run {'a' if view in va else 'b'}"))
+                continue
+            self.views_compared += 1
+            self.local_compared_any |= kind is None
+            self._view(step, phase, view, (ra, rb), va[view], vb[view], kind=kind, align=align)
+
+    def _view(self, step: int, phase: str, view: str, ranks: tuple[int, int], a, b, *, kind, align) -> None:
+        ea, eb = np.asarray(a), np.asarray(b)
+        if kind is not None and align is not None:
+            try:
+                eb = align.apply(kind, eb)
+            except (IndexError, ValueError):
+                pass  # shapes differ: reported below
+        if phase == "draft_0" and view == "draft_global_input_ids":
+            ea, eb = _mask_stale_rows(self.ta, step, ranks[0], ea, eb)
+        if ea.dtype.names is not None or eb.dtype.names is not None:
+            ea = np.asarray(ea.tolist(), dtype=object)
+            eb = np.asarray(eb.tolist(), dtype=object)
+        differs, idx, reason = first_difference(ea, eb)
+        if not differs:
+            return
+        req = None
+        if idx and kind is not None and align is not None:
+            ax = kind[1] if len(kind) > 1 else 0
+            i = idx[ax % len(idx)]
+            if kind[0] == "req" and i < align.req_ids.shape[0]:
+                req = str(align.req_ids[i])
+            elif kind[0] == "tok":
+                req = align.req_of_token(i)
+        self.record(Divergence(step, phase, view, *ranks, reason, req_id=req, index=idx,
+                               expected=short_repr(ea, idx), actual=short_repr(eb, idx)))
+
+
+def _rank_pairs(ta: Trace, tb: Trace, notes: list[str]) -> tuple[bool, list[tuple[int, int]]]:
+    """(same layout, the rank pairs to compare): rank by rank under the same layout, else every
+    rank of one run against the lowest rank of the other."""
     for key in ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "shard_decode_requests",
                 "model"):
         va, vb = ta.meta.get(key), tb.meta.get(key)
@@ -384,117 +387,36 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                    and ta.meta.get("dcp", 1) == tb.meta.get("dcp", 1))
     if not same_layout:
         notes.append("PCP sizes or ranks differ: only global views, draft tokens and verify compared")
-    ref_a, ref_b = (ta.ranks[0] if ta.ranks else None), (tb.ranks[0] if tb.ranks else None)
-    if same_layout:
-        pairs = [(r, r) for r in ta.ranks]
-    else:
-        pairs = [(ref_a, r) for r in tb.ranks] + [(r, ref_b) for r in ta.ranks if r != ref_a]
+        ref_a, ref_b = (ta.ranks[0] if ta.ranks else None), (tb.ranks[0] if tb.ranks else None)
+        return False, [(ref_a, r) for r in tb.ranks] + [(r, ref_b) for r in ta.ranks if r != ref_a]
+    return True, [(r, r) for r in ta.ranks]
 
-    found: list[Divergence] = []
-    seen: set[tuple] = set()
-    total = views_compared = steps_compared = 0
-    order_noted = local_compared_any = False
 
-    def record(d: Divergence) -> None:
-        nonlocal total
-        total += 1
-        key = (d.step, d.phase, d.view)
-        if key not in seen and len(found) < max_divergences:
-            seen.add(key)
-            found.append(d)
-
+def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
+                ignore: frozenset[str] | set[str] = DEFAULT_IGNORE,
+                max_divergences: int = 200) -> DiffReport:
+    """Compare run B against run A (see the module doc); expected values are A's. Streams over
+    the steps: one step of each run is read at a time."""
+    ta, tb = _open(a), _open(b)
+    notes: list[str] = []
+    tb, renamed = _align_request_ids(ta, tb)
+    if renamed:
+        notes.append(f"{renamed} requests of b matched to a's by their prompts (other request ids)")
+    same_layout, pairs = _rank_pairs(ta, tb, notes)
+    ref = (ta.ranks[0] if ta.ranks else None, tb.ranks[0] if tb.ranks else None)
+    run = _Diff(ta, tb, pairs=pairs, same_layout=same_layout, notes=notes, ignore=ignore,
+                max_divergences=max_divergences)
     steps = sorted(set(ta.steps) | set(tb.steps))
-    if (by_request := _by_request(ta, tb, pairs if same_layout else [(ref_a, ref_b)], record, notes,
-                                  found=found, ignore=ignore)) is not None:  # other batches: per request
-        views_compared, steps, steps_compared = by_request
+    by_request = _by_request(ta, tb, pairs if same_layout else [ref], run.record, notes, found=run.found,
+                             ignore=ignore)
+    if by_request is not None:  # other batches: per request
+        run.views_compared, steps, run.steps_compared = by_request
     for step in steps:
-        in_a = [r for r in ta.ranks if step in set(ta.rank_steps(r))]
-        in_b = [r for r in tb.ranks if step in set(tb.rank_steps(r))]
-        if not in_a or not in_b:
-            record(Divergence(step, None, None, None, None,
-                              f"step recorded only in run {'a' if in_a else 'b'}"))
-            continue
-        steps_compared += 1
-        step_pairs = [(ra, rb) for ra, rb in pairs if ra in in_a and rb in in_b]
-        step_pairs = _well_formed_pairs(ta, tb, step, step_pairs, record)
-        missing = [(ra, rb) for ra, rb in pairs if (ra in in_a) != (rb in in_b)]
-        for ra, rb in missing:
-            record(Divergence(step, None, None, ra, rb,
-                              f"step recorded on rank {ra if ra in in_a else rb} of run "
-                              f"{'a' if ra in in_a else 'b'} only"))
-        phases = sorted(set().union(*(ta.phases(step, ra) for ra, _ in step_pairs),
-                                    *(tb.phases(step, rb) for _, rb in step_pairs)), key=causal_phase_key)
-        aligns: dict[tuple[int, int], tuple[_Align | None, str | None]] = {}
-        for ra, rb in step_pairs:
-            base = "target" if ta.has(step, ra, "target") and tb.has(step, rb, "target") else "verify"
-            if ta.has(step, ra, base) and tb.has(step, rb, base):
-                ar, br = ta.record(step, ra, base), tb.record(step, rb, base)
-                if "req_ids" in ar and "req_ids" in br:
-                    aligns[(ra, rb)] = _alignment(ar, br)
-                    continue
-            aligns[(ra, rb)] = (None, None)
-        for phase in phases:
-            for ra, rb in step_pairs:
-                has_a, has_b = ta.has(step, ra, phase), tb.has(step, rb, phase)
-                if not has_a or not has_b:
-                    record(Divergence(step, phase, None, ra, rb,
-                                      f"phase recorded only in run {'a' if has_a else 'b'}"))
-                    continue
-                align, why = aligns[(ra, rb)]
-                if align is None and why is not None:
-                    ar, br = ta.record(step, ra, "target" if ta.has(step, ra, "target") else "verify"), \
-                        tb.record(step, rb, "target" if tb.has(step, rb, "target") else "verify")
-                    if phase in ("target", "verify"):
-                        record(Divergence(step, phase, "req_ids", ra, rb, why,
-                                          expected=short_repr(ar["req_ids"]), actual=short_repr(br["req_ids"])))
-                    continue
-                local_ok = same_layout and (align is None or align.perm is None)
-                if same_layout and align is not None and align.perm is not None and not order_noted:
-                    notes.append(f"step {step}: request order differs; local views not compared "
-                                 "where the order differs")
-                    order_noted = True
-                va, vb = ta.record(step, ra, phase), tb.record(step, rb, phase)
-                names = list(va.keys()) + [v for v in vb.keys() if v not in va]
-                for view in names:
-                    if view in ignore:
-                        continue
-                    kind = _kind(phase, view)
-                    if kind is None and not local_ok:
-                        continue
-                    if view not in va or view not in vb:
-                        record(Divergence(step, phase, view, ra, rb,
-                                          f"view recorded only in run {'a' if view in va else 'b'}"))
-                        continue
-                    views_compared += 1
-                    if kind is None:
-                        local_compared_any = True
-                    ea, eb = np.asarray(va[view]), np.asarray(vb[view])
-                    if kind is not None and align is not None:
-                        try:
-                            eb = align.apply(kind, eb)
-                        except (IndexError, ValueError):
-                            pass  # shapes differ: reported below
-                    if phase == "draft_0" and view == "draft_global_input_ids":
-                        ea, eb = _mask_stale_rows(ta, step, ra, ea, eb)
-                    if ea.dtype.names is not None or eb.dtype.names is not None:
-                        ea = np.asarray(ea.tolist(), dtype=object)
-                        eb = np.asarray(eb.tolist(), dtype=object)
-                    differs, idx, reason = first_difference(ea, eb)
-                    if not differs:
-                        continue
-                    req = None
-                    if idx and kind is not None and align is not None:
-                        ax = kind[1] if len(kind) > 1 else 0
-                        i = idx[ax % len(idx)]
-                        if kind[0] == "req" and i < align.req_ids.shape[0]:
-                            req = str(align.req_ids[i])
-                        elif kind[0] == "tok":
-                            req = align.req_of_token(i)
-                    record(Divergence(step, phase, view, ra, rb, reason, req_id=req, index=idx,
-                                      expected=short_repr(ea, idx), actual=short_repr(eb, idx)))
+        run.step(step)
     if not ta.steps and not tb.steps:
         notes.append("no steps in either run")
     acc_a, acc_b = acceptance(ta), acceptance(tb)
-    return DiffReport(str(ta.path), str(tb.path), total == 0, found[0] if found else None, tuple(found),
-                      total, steps_compared, views_compared, same_layout and local_compared_any,
+    found = run.found
+    return DiffReport(str(ta.path), str(tb.path), run.total == 0, found[0] if found else None, tuple(found),
+                      run.total, run.steps_compared, run.views_compared, same_layout and run.local_compared_any,
                       tuple(notes), acc_a, acc_b)

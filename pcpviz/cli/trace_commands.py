@@ -51,7 +51,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     trace, status = _open_trace(args.trace, "check", require_steps=True)
     try:
-        report = run_checks(trace)
+        report = run_checks(trace, status=status)
     except ValueError as e:  # a payload that fails its checksum while being read
         raise UsageError(f"pcpviz check: {e}") from None
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
@@ -154,7 +154,7 @@ def add_explain(sub) -> None:
         bad, status = _open_trace(args.bad, "explain", require_steps=True)
         good = None if args.good is None else _open_trace(args.good, "explain", require_steps=True)[0]
         try:
-            report = explain(bad, good, rerun=not args.no_rerun)
+            report = explain(bad, good, rerun=not args.no_rerun, status=status)
         except ValueError as e:  # a payload that fails its checksum while being read
             raise UsageError(f"pcpviz explain: {' '.join(str(e).split())}") from None
         print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())

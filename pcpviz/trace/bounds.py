@@ -16,6 +16,7 @@ problems as malformed and never computes sizes from it. A PCP=2 step::
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Mapping
 
 import numpy as np
@@ -65,14 +66,19 @@ def _int_problem(name: str, a: np.ndarray) -> str | None:
     return None
 
 
+@lru_cache(maxsize=8192)
+def _spec(phase: str, name: str) -> Any:
+    return S.view_spec(phase, name)
+
+
 def _view_problem(phase: str, name: str, value: Any) -> str | None:
-    a = np.asarray(value)
+    a = value if type(value) is np.ndarray else np.asarray(value)
     where = f"{phase}.{name}"
     if a.ndim > MAX_NDIM:
         return f"{where}: {a.ndim}-d, at most {MAX_NDIM} axes"
     if a.ndim == 1 and a.shape[0] > MAX_TOKENS:
         return f"{where}: {a.shape[0]} entries, more than the bound {MAX_TOKENS}"
-    spec = S.view_spec(phase, name) if S.is_valid_phase(phase) else None
+    spec = _spec(phase, name) if S.is_valid_phase(phase) and isinstance(name, str) else None
     if spec is not None:
         floats_for_ints = a.dtype.kind == "f" and spec.dtype.startswith(("int", "uint"))
         why = f"{a.ndim}-d, declared {spec.shape}" if floats_for_ints and a.ndim not in spec.ndims \
@@ -125,15 +131,24 @@ def _head(a: np.ndarray) -> str:
     return "[" + ", ".join(map(str, vals)) + (", ...]" if a.size > 6 else "]")
 
 
-def step_problems(phases: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def step_problems(phases: Mapping[str, Mapping[str, Any]], *, memo: dict | None = None) -> list[str]:
     """One line per view of one step on one rank (``{phase: {view: array}}``) that breaks a
     bound: too many axes or entries, a shape or dtype its declaration does not allow, an index
     outside ``-1 .. MAX_INDEX``, a string longer than ``MAX_STRING_CHARS``, or token counts
-    (num_scheduled_tokens, query_start_loc, the token axis) that disagree."""
+    (num_scheduled_tokens, query_start_loc, the token axis) that disagree. ``memo`` (one step's,
+    shared by its ranks) remembers each view array's answer: ranks recording a view byte-equal
+    read one array (``pcpviz.trace.reader``), which is judged once."""
     out = []
     for phase, views in phases.items():
         for name, value in views.items():
-            why = _view_problem(phase, name, value)
+            key = (phase, name, id(value))
+            seen = None if memo is None else memo.get(key)
+            if seen is not None and seen[0] is value:
+                why = seen[1]
+            else:
+                why = _view_problem(phase, name, value)
+                if memo is not None:
+                    memo[key] = (value, why)
             if why:
                 out.append(why)
     target = phases.get(S.PHASE_TARGET)

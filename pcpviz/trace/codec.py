@@ -11,6 +11,7 @@ crc32s that guard a row and a step's index (the layout they fill is in ``schema`
 from __future__ import annotations
 
 import json
+import math
 import re
 import zlib
 from dataclasses import dataclass
@@ -193,7 +194,7 @@ def decode_payload(tag: str, shape: tuple[int, ...], stored) -> np.ndarray:
     Raises ValueError when the bytes do not fit the dtype and shape.
     """
     dt = parse_dtype_tag(tag)
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     if dt is None:
         try:  # depth-guarded: a payload nested 100,000 deep is refused, never recursed into
             items = loads_bounded(bytes(stored).decode("utf-8"))

@@ -47,6 +47,11 @@ def draft_phase(k: int) -> str:
 
 def draft_index(phase: str) -> int | None:
     """k for ``draft_k``, None for any other phase."""
+    return _draft_index(phase) if isinstance(phase, str) else None
+
+
+@lru_cache(maxsize=1024)
+def _draft_index(phase: str) -> int | None:
     if is_valid_phase(phase) and phase.startswith(DRAFT_PHASE_PREFIX):
         return int(phase[len(DRAFT_PHASE_PREFIX):])
     return None

@@ -1,10 +1,18 @@
 """Lazy trace reader: ``open(run_dir) -> Trace``.
 
-Open reads ``run.json``, then memory-maps each ``rank<N>.arrow`` and walks its record batches.
-Arrow reads a batch from a memory map without copying, so the walk touches only the message
-headers and the small columns (step, phase, view, dtype, shape, crc32) that it validates and
-indexes; the payloads stay on disk until ``record()`` asks for them, and decoded records are kept
-in a bounded LRU cache.
+Open reads ``run.json``, then memory-maps each ``rank<N>.arrow`` and walks its record batches
+(``index.scan_rank_file``). Arrow reads a batch from a memory map without copying, so the walk
+touches only the message headers and the small columns (step, phase, view, dtype, shape, crc32)
+that it validates; it keeps per step only its number, its message's byte range and its row
+layout (a few MB for 100,000 steps). The payloads stay on disk until ``record()`` asks for them;
+decoded records are kept in a bounded LRU cache, and the mapped pages read are handed back to
+the kernel every 256 MB read (``index.MapBudget``, all rank files together): a pass over every step holds a
+bounded part of the file in memory, however many steps it has.
+
+Ranks that record a payload byte-equal (a global view) get one array for it: a payload with the
+same row identity and crc32 as one another rank decoded in the same step is compared byte for
+byte with it, which checks it as its crc32 would (equal bytes under an equal row head), and the
+checks then judge the array once, not once a rank (``pcpviz.analysis.checks.context``).
 
 Policy on damage (the design's "loses nothing"):
 
@@ -24,8 +32,6 @@ Policy on damage (the design's "loses nothing"):
 
 from __future__ import annotations
 
-import math
-import mmap
 import os
 import threading
 import warnings
@@ -40,14 +46,13 @@ import pyarrow as pa
 
 from . import schema as S
 from .errors import TraceError, TraceWarning
-from .runmeta import check_version, file_kind, open_for_reading, read_meta
+from .index import MapBudget, RankIndex, scan_rank_file
+from .runmeta import check_version, file_kind, read_meta
 
 __all__ = ["open", "Trace", "Record", "RankFile", "steps_summary"]
 
 MAX_RANKS = 4096
 """Rank files past this many ranks (``rank99999.arrow``) are not read (run.json's pcp is bounded the same)."""
-_CONT = b"\xff\xff\xff\xff"  # Arrow IPC continuation marker: every message starts with it
-_EOS = _CONT + b"\x00\x00\x00\x00"
 
 
 # --------------------------------------------------------------------------- public records
@@ -115,28 +120,6 @@ class RankFile:
     finalizes: bool = False  # its writer promised a completion record (``completion.COMPLETION_KEY``)
 
 
-# --------------------------------------------------------------------------- index entries
-
-@dataclass(frozen=True)
-class _Row:
-    view: str
-    tag: str
-    shape: tuple[int, ...]
-    crc: int
-    index: int  # row in the batch
-
-
-@dataclass(frozen=True, eq=False)
-class _StepEntry:
-    """One step of one rank: the (mapped, undecoded) batch and its rows grouped by phase."""
-
-    path: Path
-    step: int
-    offsets: np.ndarray  # int64[n+1]: payload offsets into `values`
-    values: pa.Buffer  # the batch's payload bytes (a slice of the memory map)
-    phases: Mapping[str, tuple[_Row, ...]]  # in execution order
-
-
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
@@ -156,187 +139,13 @@ def steps_summary(steps: list[int] | tuple[int, ...]) -> str:
     return ", ".join(parts)
 
 
-# --------------------------------------------------------------------------- rank files
-
-class _TailDamage(Exception):
-    """Unparseable bytes ended the readable part of a rank file (message: what, one line)."""
-
-
-def _check_header_bytes(path: Path, size: int, head: bytes) -> None:
-    """Tell a foreign file (always an error) from a truncated schema header (tail damage)."""
-    if head[:4] != _CONT[: len(head[:4])]:
-        if head.startswith(b"ARROW1"):
-            raise TraceError(f"{path}: an Arrow IPC file, not an Arrow IPC stream (foreign file)")
-        raise TraceError(f"{path}: not an Arrow IPC stream (foreign file)")
-    if size == 0:
-        raise _TailDamage("empty file (the writer died before writing its schema header)")
-    if size < 8:
-        raise _TailDamage(f"truncated inside its schema header ({size} bytes)")
-    meta_len = int.from_bytes(head[4:8], "little", signed=True)
-    if meta_len <= 0:
-        raise TraceError(f"{path}: not an Arrow IPC stream (foreign file)")
-    if 8 + meta_len > size:
-        raise _TailDamage(f"truncated inside its schema header ({size} of {8 + meta_len} bytes)")
-
-
-def _check_schema(path: Path, rank: int, schema: pa.Schema, version: int) -> bool:
-    """Raise TraceError for a foreign or mismatched schema; True if the file's writer promised
-    a completion record."""
-    md = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace")
-          for k, v in (schema.metadata or {}).items()}
-    if S.META_SCHEMA_KEY not in md:
-        raise TraceError(f"{path}: not a pcpviz rank file (Arrow schema metadata lacks "
-                         f"{S.META_SCHEMA_KEY!r})")
-    if check_version(path, md[S.META_SCHEMA_KEY]) != version:
-        raise TraceError(f"{path}: schema version {md[S.META_SCHEMA_KEY]} but run.json says {version} "
-                         "(a file of another run?)")
-    if md.get(S.META_RANK_KEY) != str(rank):
-        raise TraceError(f"{path}: schema metadata says rank {md.get(S.META_RANK_KEY)!r} but the "
-                         f"file name says rank {rank}")
-    if not schema.remove_metadata().equals(S.ARROW_SCHEMA):
-        raise TraceError(f"{path}: unexpected columns ({_columns(schema)}); expected "
-                         f"{_columns(S.ARROW_SCHEMA)}")
-    return md.get(S.COMPLETION_KEY) == S.COMPLETION_FILE
-
-
-def _columns(schema: pa.Schema) -> str:
-    names = []
-    for i in range(len(schema)):
-        try:
-            names.append(f"{schema.field(i).name}:{schema.field(i).type}")
-        except UnicodeDecodeError:  # a damaged field name
-            names.append(f"<undecodable>:{schema.field(i).type}")
-    return ", ".join(names)
-
-
-def _index_batch(path: Path, batch: pa.RecordBatch, number: int, prev: int | None,
-                 seen: dict[int, int]) -> _StepEntry:
-    """Check a parsed batch and index its rows.
-
-    Raises ``_TailDamage`` when the step's index fails its checksum (the bytes were damaged) and
-    ``TraceError`` when an intact step says something wrong (the producer wrote it so).
-    """
-    if batch.num_rows == 0:
-        raise TraceError(f"{path}: record batch #{number}: has no rows")
-    for name, col in zip(batch.schema.names, batch.columns):
-        if col.null_count:
-            raise _TailDamage(f"column {name!r} has nulls")
-    steps = batch.column("step").to_numpy()  # int64[n]
-    step = int(steps[0])
-    phases = batch.column("phase").to_pylist()
-    views = batch.column("view").to_pylist()
-    tags = batch.column("dtype").to_pylist()
-    shapes = batch.column("shape").to_pylist()
-    crcs = batch.column("crc32").to_numpy()  # uint32[n]
-    step_crcs = batch.column("step_crc32").to_numpy()  # uint32[n]
-    data = batch.column("data")
-    offsets = np.frombuffer(data.buffers()[1], dtype=np.int64,
-                            count=data.offset + len(data) + 1)[data.offset:]  # int64[n+1]
-    sizes = np.diff(offsets)  # int64[n]
-    expected = S.step_crc32(step, zip(phases, views, tags, shapes, sizes.tolist(), crcs.tolist()))
-    if (steps != step).any() or (step_crcs != expected).any():
-        raise _TailDamage("index checksum mismatch (step_crc32)")
-    if step in seen:
-        raise TraceError(f"{path}: step {step}: duplicate step (also record batch #{seen[step]})")
-    if prev is not None and step < prev:
-        raise TraceError(f"{path}: step {step}: comes after step {prev}; steps must increase")
-    where = f"{path}: step {step}"
-    by_phase: dict[str, list[_Row]] = {}
-    names: set[tuple[str, str]] = set()
-    for i, (phase, view, tag, shape) in enumerate(zip(phases, views, tags, shapes)):
-        if not S.is_valid_phase(phase):
-            raise TraceError(f"{where}: phase {phase!r} is not a valid phase name "
-                             "(target, verify, dummy or draft_<k>)")
-        if not S.is_valid_view_name(view):
-            raise TraceError(f"{where}: view name {view!r} is not an identifier (phase {phase!r})")
-        if (phase, view) in names:
-            raise TraceError(f"{where}: view {view!r} appears twice in phase {phase!r}")
-        names.add((phase, view))
-        try:
-            dt = S.parse_dtype_tag(tag)
-            shape = S.check_shape(shape)
-        except ValueError as exc:
-            raise TraceError(f"{where}: view {view!r} has {exc} (phase {phase!r})") from None
-        if dt is not None:
-            want = S.padded_size(math.prod(shape) * dt.itemsize)
-            if int(sizes[i]) != want:
-                raise TraceError(f"{where}: view {view!r} holds {int(sizes[i])} bytes, expected "
-                                 f"{want} for {tag} {list(shape)} (phase {phase!r})")
-        by_phase.setdefault(phase, []).append(_Row(view, tag, shape, int(crcs[i]), i))
-    ordered = {p: tuple(by_phase[p]) for p in sorted(by_phase, key=S.phase_sort_key)}
-    return _StepEntry(path, step, offsets, data.buffers()[2], MappingProxyType(ordered))
-
-
-def _map(fd: int, size: int) -> pa.BufferReader:
-    """A zero-copy Arrow reader over the first ``size`` bytes of ``fd`` (memory-mapped)."""
-    if size == 0:
-        return pa.BufferReader(b"")
-    mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
-    return pa.BufferReader(pa.py_buffer(mm))
-
-
-def _scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankFile, list[_StepEntry], str | None]:
-    """Index one rank file; returns (info, steps, tail note or None). Hard problems raise."""
-    fd = open_for_reading(path)
-    try:
-        size = os.fstat(fd).st_size
-        with os.fdopen(os.dup(fd), "rb") as fh:
-            head = fh.read(8)
-        source = _map(fd, size)
-    finally:
-        os.close(fd)
-    entries: list[_StepEntry] = []
-    seen: dict[int, int] = {}
-    good = 0
-    closed = False
-    finalizes = False
-    note = None
-    try:
-        _check_header_bytes(path, size, head)
-        try:
-            reader = pa.ipc.open_stream(source)
-        except (pa.ArrowException, OSError, ValueError) as exc:
-            raise TraceError(f"{path}: not an Arrow IPC stream (foreign file): {_one_line(exc)}") from None
-        finalizes = _check_schema(path, rank, reader.schema, version)
-        good = source.tell()
-        while True:
-            try:
-                batch = reader.read_next_batch()
-                batch.validate(full=True)
-            except StopIteration:
-                break
-            except (pa.ArrowException, OSError, ValueError) as exc:
-                raise _TailDamage(f"unreadable data at byte {good} ({_one_line(exc)})") from None
-            prev = entries[-1].step if entries else None
-            try:
-                entries.append(_index_batch(path, batch, len(entries), prev, seen))
-            except TraceError:
-                raise
-            except Exception as exc:  # parsed by Arrow, yet damaged
-                raise _TailDamage(f"corrupt record batch at byte {good} ({_one_line(exc)})") from None
-            seen[entries[-1].step] = len(entries) - 1
-            good = source.tell()
-        end = source.tell()
-        closed = end - good == len(_EOS)
-        good = end
-        if good < size:
-            where = "the end-of-stream marker" if closed else f"the last message (byte {good})"
-            raise _TailDamage(f"{size - good} bytes after {where}")
-    except _TailDamage as damage:
-        last = f"step {entries[-1].step}" if entries else "no complete step"
-        note = (f"{path}: {damage}; last complete step: {last}; "
-                f"{size - good} trailing bytes not read")
-    info = RankFile(rank, path, tuple(e.step for e in entries), size, good, closed, finalizes)
-    return info, entries, note
-
-
 # --------------------------------------------------------------------------- the trace
 
 class Trace:
     """A run opened lazily: ``meta``, ``steps``, ``ranks``, ``phases()``, ``record()``."""
 
     def __init__(self, path: Path, meta: dict[str, Any], files: dict[int, RankFile],
-                 entries: dict[tuple[int, int], _StepEntry], warnings_: list[str], cache_size: int,
+                 index: dict[int, RankIndex], warnings_: list[str], cache_size: int,
                  unreadable: Mapping[int, str] | None = None):
         self.path = path
         self.meta = meta
@@ -346,11 +155,17 @@ class Trace:
         # rank -> one line: rank files that exist but cannot be read (a directory, a device, ...)
         self.unreadable: Mapping[int, str] = MappingProxyType(dict(unreadable or {}))
         self.warnings: list[str] = warnings_
-        self._entries = entries
-        self._steps = sorted({step for step, _ in entries})
+        self._index = index
+        budget = MapBudget(list(index.values()))
+        for ix in index.values():
+            ix.budget = budget  # one budget of mapped bytes for the whole trace
+        steps = [ix.steps for ix in index.values()]
+        self._steps: list[int] = np.unique(np.concatenate(steps)).tolist() if steps else []
         self._cache: OrderedDict[tuple[int, int, str], Record] = OrderedDict()
         self._cache_size = max(0, int(cache_size))
         self._lock = threading.Lock()
+        self._shared: dict[tuple, tuple[pa.Buffer, np.ndarray]] = {}  # this step's big rows, verified
+        self._shared_step: int | None = None
         pcp = meta.get("pcp")
         self._pcp = pcp if isinstance(pcp, int) and not isinstance(pcp, bool) else None
 
@@ -370,11 +185,16 @@ class Trace:
 
     def phases(self, step: int, rank: int) -> list[str]:
         """Phases recorded at ``step`` on ``rank``, in execution order."""
-        return list(self._entry(step, rank).phases)
+        ix, i = self._entry(step, rank)
+        return list(ix.layouts[i].phases)
 
     def has(self, step: int, rank: int, phase: str) -> bool:
-        entry = self._entries.get((step, rank))
-        return entry is not None and phase in entry.phases
+        try:
+            ix = self._index.get(rank)
+        except TypeError:  # unhashable
+            ix = None
+        i = None if ix is None else ix.find(step)
+        return i is not None and phase in ix.layouts[i].phases
 
     def record(self, step: int, rank: int, phase: str) -> Record:
         """The views of ``phase`` at ``step`` on ``rank``, decoded on first use (then cached)."""
@@ -384,11 +204,11 @@ class Trace:
             if rec is not None:
                 self._cache.move_to_end(key)
                 return rec
-        entry = self._entry(step, rank)
-        if phase not in entry.phases:
+        ix, i = self._entry(step, rank)
+        if phase not in ix.layouts[i].phases:
             raise KeyError(f"phase {phase!r} not recorded at step {step} on rank {rank} "
-                           f"(phases: {', '.join(entry.phases)})")
-        views = S.upgrade_views(self.version, phase, _decode_rows(entry, phase))
+                           f"(phases: {', '.join(ix.layouts[i].phases)})")
+        views = S.upgrade_views(self.version, phase, self._decode(ix, i, phase, share=True))
         rec = Record(int(step), int(rank), phase, MappingProxyType(dict(views)), pcp=self._pcp)
         with self._lock:
             self._cache[key] = rec
@@ -399,10 +219,11 @@ class Trace:
     def verify(self) -> int:
         """Decode every record (checking every crc32); returns how many. Raises TraceError."""
         n = 0
-        for (step, rank), entry in sorted(self._entries.items()):
-            for phase in entry.phases:
-                _decode_rows(entry, phase)
-                n += 1
+        for rank, ix in sorted(self._index.items()):
+            for i in range(ix.steps.shape[0]):
+                for phase in ix.layouts[i].phases:
+                    self._decode(ix, i, phase, share=False)
+                    n += 1
         return n
 
     def __repr__(self) -> str:
@@ -415,28 +236,45 @@ class Trace:
         except (KeyError, TypeError):
             raise KeyError(f"no rank {rank!r} in {self.path} (ranks: {self.ranks})") from None
 
-    def _entry(self, step: int, rank: int) -> _StepEntry:
+    def _entry(self, step: int, rank: int) -> tuple[RankIndex, int]:
         info = self._file(rank)
-        entry = self._entries.get((step, rank))
-        if entry is None:
+        ix = self._index[info.rank]
+        i = ix.find(step)
+        if i is None:
             raise KeyError(f"step {step!r} not recorded on rank {rank} "
                            f"(rank {rank} has steps {steps_summary(info.steps)})")
-        return entry
+        return ix, i
 
-
-def _decode_rows(entry: _StepEntry, phase: str) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for row in entry.phases[phase]:
-        start, stop = int(entry.offsets[row.index]), int(entry.offsets[row.index + 1])
-        stored = entry.values.slice(start, stop - start)
-        where = f"{entry.path}: step {entry.step}: view {row.view!r} (phase {phase!r})"
-        if S.row_crc32(entry.step, phase, row.view, tag=row.tag, shape=row.shape, stored=stored) != row.crc:
-            raise TraceError(f"{where}: corrupt data (crc32 mismatch)")
-        try:
-            out[row.view] = S.decode_payload(row.tag, row.shape, stored)
-        except ValueError as exc:
-            raise TraceError(f"{where}: {exc}") from None
-    return out
+    def _decode(self, ix: RankIndex, i: int, phase: str, *, share: bool) -> dict[str, np.ndarray]:
+        """The views of one phase, every payload checked against its crc32. ``share``: a payload
+        byte-equal to one another rank recorded in the same step, under the same row identity
+        and crc32, is that rank's (verified) array: equal bytes under an equal row head give the
+        same crc32, so comparing the bytes checks them (a memcmp, not a crc32), and a
+        rank-independent computation on the array can be done once (``pcpviz.analysis.checks``)."""
+        loaded = ix.batch(i)
+        layout, step = ix.layouts[i], int(ix.steps[i])
+        if share and step != self._shared_step:
+            self._shared, self._shared_step = {}, step
+        out: dict[str, np.ndarray] = {}
+        for j in layout.phases[phase]:
+            view, tag, shape = layout.views[j], layout.tags[j], loaded.shape(j)
+            start, stop = loaded.offsets[j], loaded.offsets[j + 1]
+            stored = loaded.values.slice(start, stop - start)
+            key = (phase, view, tag, shape, loaded.crcs[j]) if share else None
+            seen = self._shared.get(key) if share else None
+            if seen is not None and seen[0].equals(stored):
+                out[view] = seen[1]
+                continue
+            if S.row_crc32(step, phase, view, tag=tag, shape=shape, stored=stored) != loaded.crcs[j]:
+                raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): corrupt data "
+                                 "(crc32 mismatch)")
+            try:
+                out[view] = S.decode_payload(tag, shape, stored)
+            except ValueError as exc:
+                raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): {exc}") from None
+            if key is not None:
+                self._shared[key] = (stored, out[view])
+        return out
 
 
 def _resolve_run_dir(path: str | os.PathLike) -> Path:
@@ -460,7 +298,7 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
     meta = read_meta(run_dir)
     version = check_version(run_dir / S.RUN_META_FILE, meta[S.META_SCHEMA_KEY])
     files: dict[int, RankFile] = {}
-    entries: dict[tuple[int, int], _StepEntry] = {}
+    index: dict[int, RankIndex] = {}
     notes: list[str] = []
     unreadable: dict[int, str] = {}
     rank_paths = []
@@ -480,7 +318,7 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
             unreadable[int(m.group(1))] = f"{child}: cannot read ({kind})"
     for rank, rank_path in sorted(rank_paths):
         try:
-            info, steps, note = _scan_rank_file(rank_path, rank, version)
+            ix, facts, note = scan_rank_file(rank_path, rank, version)
         except OSError as exc:
             unreadable[rank] = f"{rank_path}: cannot read ({_one_line(exc)})"
             continue
@@ -488,12 +326,11 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
             if strict:
                 raise TraceError(note)
             notes.append(note)
-        files[rank] = info
-        for entry in steps:
-            entries[(entry.step, rank)] = entry
+        files[rank] = RankFile(rank, rank_path, tuple(ix.steps.tolist()), **facts)
+        index[rank] = ix
     if unreadable and strict:
         raise TraceError(unreadable[min(unreadable)])
     notes += [unreadable[r] for r in sorted(unreadable)]
     for note in notes:
         warnings.warn(note, TraceWarning, stacklevel=2)
-    return Trace(run_dir, meta, files, entries, notes, cache_size, unreadable)
+    return Trace(run_dir, meta, files, index, notes, cache_size, unreadable)

@@ -10,6 +10,7 @@ by token across runs); ``local_positions`` is ``int64[P]``, this rank's own rows
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -73,12 +74,12 @@ class ViewSpec:
         """``int64[N*P]``: the shape comment."""
         return f"{self.dtype}{self.shape}"
 
-    @property
+    @cached_property
     def kinds(self) -> str:
         """NumPy dtype kinds a recorded value may have (``"i"``, ``"b"``, ``"U"``, ...)."""
         return "".join(_DTYPE_KINDS[d] for d in self.dtype.split("|"))
 
-    @property
+    @cached_property
     def ndims(self) -> frozenset[int]:
         """The ranks (numbers of axes) the shape allows."""
         alts = [a.strip() for a in self.shape.split(" or ")]

@@ -25,29 +25,15 @@ MAX_POSITIONAL = 3
 # rule -> {place: size today}
 KNOWN: dict[str, dict[str, int]] = {
     "function-lines": {
-        "pcpviz/analysis/diff.py::diff_traces": 131,
     },
     "module-lines": {
+        "pcpviz/trace/index.py": 523,
     },
     "positional-params": {
-        "pcpviz/analysis/checks/context.py::Ctx.expect": 5,
-        "pcpviz/analysis/checks/context.py::Ctx.no_null_block": 5,
         "pcpviz/reference/blocks.py::compute_slot_mappings": 6,
         "pcpviz/reference/chunks.py::replicated_requests": 4,
     },
     "underscore-import": {
-        "pcpviz/analysis/checks/draft_checks.py: _g2": 1,
-        "pcpviz/analysis/checks/draft_checks.py: _g3": 1,
-        "pcpviz/analysis/checks/draft_checks.py: _str0": 1,
-        "pcpviz/analysis/checks/draft_checks.py: _token_rows": 1,
-        "pcpviz/analysis/checks/layout_checks.py: _g2": 1,
-        "pcpviz/analysis/checks/layout_checks.py: _g3": 1,
-        "pcpviz/analysis/checks/layout_checks.py: _rank_segments": 1,
-        "pcpviz/analysis/checks/layout_checks.py: _segment_rows": 1,
-        "pcpviz/analysis/checks/layout_checks.py: _segments": 1,
-        "pcpviz/analysis/checks/layout_checks.py: _str0": 1,
-        "pcpviz/analysis/checks/step_checks.py: _g2": 1,
-        "pcpviz/analysis/checks/step_checks.py: _token_rows": 1,
     },
 }
 

@@ -14,7 +14,6 @@ from pcpviz.reference.blocks import compute_slot_mappings
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.trace import SEGMENT_DTYPE, draft_index
 from pcpviz.trace.schema import int_view, view_spec
-from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
 from .declared import validate_check
 
@@ -85,50 +84,153 @@ class StepView:
 
 
 class Ctx:
-    """What a check sees for one (step, rank)."""
+    """What a check sees for one (step, rank).
 
-    def __init__(self, cfg: Config, sv: StepView, rank: int, check: str):
-        self.cfg, self.sv, self.rank, self.check = cfg, sv, rank, check
-        self.phases = sv.recs[rank]
+    Every read goes through ``get``/``need``/``has``/``draft_phases``/``prev`` and is logged; a
+    check that reads ``rank``, ``phases`` or ``sv`` itself is marked rank-dependent. A check that
+    passed (or was skipped) on one rank without being rank-dependent has the same outcome on
+    every rank whose reads give the very same arrays (``replays``): the reader hands every rank
+    one array for a payload they recorded byte-equal, so the runner checks a global view once
+    a step, not once a rank."""
+
+    def __init__(self, cfg: Config, sv: StepView, rank: int, check: str, *, log: list | None = None,
+                 offset: int = 0, root: "Ctx | None" = None):
+        self.cfg, self._sv, self._rank, self.check = cfg, sv, rank, check
+        self._phases = sv.recs[rank]
+        self._log: list = [] if log is None else log  # what was read: see ``replays``
+        self._offset = offset  # 0: this step, 1: the previous one
+        self.local = False  # read the rank, its phases or the step view directly
+        self._root = self if root is None else root  # the check's own context (prev()'s parent)
 
     @property
     def step(self) -> int:
-        return self.sv.step
+        return self._sv.step
+
+    @property
+    def rank(self) -> int:
+        self._root.local = True
+        return self._rank
+
+    @property
+    def phases(self) -> Mapping[str, Mapping[str, np.ndarray]]:
+        self._root.local = True
+        return self._phases
+
+    @property
+    def sv(self) -> StepView:
+        self._root.local = True
+        return self._sv
+
+    @property
+    def cache(self) -> dict:
+        """The step's memo of rank-independent results (keys name their inputs)."""
+        return self._sv.cache
 
     # -- reading views
     def has(self, phase: str) -> bool:
-        return phase in self.phases
+        present = phase in self._phases
+        self._log.append(("p", self._offset, phase, present))
+        return present
+
+    def _read(self, phase: str, view: str):
+        rec = self._phases.get(phase)
+        views = getattr(rec, "views", rec)  # a Record's mapping (its [] explains a miss: slow)
+        value = None if views is None else views.get(view)
+        self._log.append(("v", self._offset, phase, view, value))
+        return rec, value
 
     def get(self, phase: str, view: str) -> np.ndarray | None:
-        rec = self.phases.get(phase)
-        if rec is None or view not in rec:
-            return None
-        return _checked(phase, view, rec[view])
+        _, value = self._read(phase, view)
+        return None if value is None else _checked(phase, view, value)
 
     def need(self, phase: str, view: str) -> np.ndarray:
-        rec = self.phases.get(phase)
+        rec, value = self._read(phase, view)
         if rec is None:
             raise Skip(f"no {phase} phase")
-        if view not in rec:
+        if value is None:
             raise Skip(f"no {view}")
-        return _checked(phase, view, rec[view])
+        return _checked(phase, view, value)
 
     def t(self, view: str) -> np.ndarray:
         return self.need("target", view)
 
+    def rank_view(self, rank: int, phase: str, view: str) -> np.ndarray | None:
+        """``view`` of ``phase`` as rank ``rank`` recorded it this step (None if it did not): the
+        same answer whichever rank's check asks."""
+        rec = self._sv.recs.get(rank, {}).get(phase)
+        return None if rec is None or view not in rec else _checked(phase, view, rec[view])
+
+    def once(self, name: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, run once a step for every rank it reads the same arrays on (``replays``):
+        the rank-independent part of a check that also reads rank-local views. Only a normal
+        return is remembered; a ``Fail`` or ``Skip`` is raised again on each rank."""
+        entries = self._sv.cache.setdefault(("once", name), [])
+        for log, result in entries:
+            if self.replays(log):
+                self._log.extend(log)
+                return result
+        outer, outer_local = self._log, self.local
+        self._log, self.local = [], False
+        try:
+            result = fn()
+        finally:
+            sub, sub_local = self._log, self.local
+            self._log, self.local = outer, outer_local or sub_local
+            outer.extend(sub)
+        if not sub_local and len(entries) < 2:
+            entries.append((sub, result))
+        return result
+
     def draft_phases(self, first: int = 0) -> list[tuple[int, str]]:
-        out = [(draft_index(p), p) for p in self.phases if draft_index(p) is not None]
-        return sorted((k, p) for k, p in out if k >= first)
+        out = [(draft_index(p), p) for p in self._phases if draft_index(p) is not None]
+        out = sorted((k, p) for k, p in out if k >= first)
+        self._log.append(("d", self._offset, first, tuple(out)))
+        return out
+
+    def _prev_view(self) -> "StepView | None":
+        pv = self._sv.prev
+        if pv is None or self._rank not in pv.recs:
+            return None
+        if _is_warmup(pv.recs[self._rank]) or _is_warmup(self._phases):
+            return None  # vLLM's synthetic warm-up steps do not continue into serving
+        if pv.cache.get(("bounds", self._rank)):
+            return None  # a malformed previous step gives nothing to compare with
+        return pv
 
     def prev(self) -> "Ctx | None":
-        pv = self.sv.prev
-        if pv is None or self.rank not in pv.recs:
+        if self._offset:
+            raise ValueError("a check looks one step back at most")
+        pv = self._prev_view()
+        self._log.append(("prev", pv is not None))
+        if pv is None:
             return None
-        if _is_warmup(pv.recs[self.rank]) or _is_warmup(self.phases):
-            return None  # vLLM's synthetic warm-up steps do not continue into serving
-        if pv.cache.get(("bounds", self.rank)):
-            return None  # a malformed previous step gives nothing to compare with
-        return Ctx(self.cfg, pv, self.rank, self.check)
+        return Ctx(self.cfg, pv, self._rank, self.check, log=self._log, offset=1, root=self._root)
+
+    def replays(self, log: list) -> bool:
+        """True if every read in ``log`` (another rank's, this check, this step) gives this rank
+        the same answer: the same array objects, the same phases present."""
+        recs = (self._phases, None)
+        for entry in log:
+            kind = entry[0]
+            if kind == "prev":
+                pv = self._prev_view()
+                if (pv is not None) != entry[1]:
+                    return False
+                recs = (self._phases, None if pv is None else pv.recs[self._rank])
+                continue
+            phases = recs[entry[1]]
+            if kind == "v":
+                views = getattr(phases.get(entry[2]), "views", phases.get(entry[2]))
+                if (None if views is None else views.get(entry[3])) is not entry[4]:
+                    return False
+            elif kind == "p":
+                if (entry[2] in phases) != entry[3]:
+                    return False
+            elif kind == "d":
+                out = [(draft_index(p), p) for p in phases if draft_index(p) is not None]
+                if tuple(sorted((k, p) for k, p in out if k >= entry[2])) != entry[3]:
+                    return False
+        return True
 
     # -- derived quantities (cached per step where they are rank-independent)
     def pcp(self) -> int:
@@ -137,7 +239,7 @@ class Ctx:
         prn = self.get("target", "per_rank_num_tokens")
         if prn is not None:
             return int(prn.shape[0])
-        return max(self.sv.recs) + 1
+        return max(self._sv.recs) + 1
 
     def shard(self) -> bool:
         if self.cfg.shard is not None:
@@ -237,9 +339,11 @@ class Ctx:
             out.append(slots)
         return np.stack(out) if out else np.zeros((0, int(qsl[-1])), dtype=np.int64)
 
-    def no_null_block(self, phase: str, view: str, expected: np.ndarray, actual: np.ndarray,
+    def no_null_block(self, phase: str, view: str, *, want: np.ndarray, got: np.ndarray,
                       positions: np.ndarray) -> None:
-        """Fail if a KV write lands in the null block 0 (never allocated to a request)."""
+        """Fail if a KV write lands in the null block 0 (never allocated to a request): ``want``
+        the slots expected (int64[G, T]), ``got`` the recorded ones, ``positions`` int64[T]."""
+        expected, actual = want, got
         sizes = self.block_sizes(expected.shape[0])
         for g in range(expected.shape[0]):
             null = (expected[g] >= 0) & (expected[g] // sizes[g] == 0)
@@ -253,16 +357,19 @@ class Ctx:
     # -- verdicts
     def fail(self, phase: str | None, view: str | None, message: str, *, index=None,
              expected=None, actual=None, rank: int | None = None) -> None:
-        raise Fail(dict(check=self.check, step=self.step, rank=self.rank if rank is None else rank,
+        raise Fail(dict(check=self.check, step=self.step, rank=self._rank if rank is None else rank,
                          phase=phase, view=view, message=message,
                          index=None if index is None else tuple(int(i) for i in index),
                          expected=expected, actual=actual))
 
-    def expect(self, phase: str, view: str, expected: Any, actual: Any, what: str = "",
-               *, index_map: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
+    def expect(self, phase: str, view: str, *, want: Any, got: Any, what: str = "",
+               index_map: Callable[[tuple[int, ...]], tuple[int, ...]] | None = None,
                rank: int | None = None) -> None:
-        """Fail unless ``actual`` equals ``expected`` exactly. ``index_map`` translates an index
-        into the compared arrays to one into the recorded view (for masked comparisons)."""
+        """Fail unless ``got`` (what ``phase``'s ``view`` holds) equals ``want`` exactly:
+        ``c.expect("target", "positions", want=[0, 1, 2], got=pos, what="not contiguous")``.
+        ``index_map`` translates an index into the compared arrays to one into the recorded
+        view (for masked comparisons)."""
+        expected, actual = want, got
         differs, idx, reason = first_difference(expected, actual)
         if not differs:
             return
@@ -274,16 +381,12 @@ class Ctx:
                   expected=short_repr(expected, idx), actual=short_repr(actual, idx), rank=rank)
 
 
-# The check modules' short names for the view-shape helpers (their one home: pcpviz.trace.shapes).
-_g2, _g3, _str0 = slot_groups, table_groups, view_text
-
-
-def _token_rows(qsl: np.ndarray) -> np.ndarray:
+def token_rows(qsl: np.ndarray) -> np.ndarray:
     """int64[T]: request row of every global token."""
     return np.repeat(np.arange(qsl.shape[0] - 1, dtype=np.int64), np.diff(qsl))
 
 
-def _segments(ctx: Ctx) -> np.ndarray:
+def segments_of(ctx: Ctx) -> np.ndarray:
     segs = ctx.t("segments")
     if segs.dtype.names is None or not set(SEGMENT_DTYPE.names) <= set(segs.dtype.names):
         ctx.fail("target", "segments", f"not a segments table (fields {segs.dtype.names}, "
@@ -291,7 +394,7 @@ def _segments(ctx: Ctx) -> np.ndarray:
     return segs
 
 
-def _segment_rows(segs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray]:
+def segment_rows(segs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray]:
     """(gathered row, segment index) of every row covered by the segments table."""
     lens = (segs["local_stop"] - segs["local_start"]).astype(np.int64)
     seg_of = np.repeat(np.arange(segs.shape[0]), lens)
@@ -301,10 +404,10 @@ def _segment_rows(segs: np.ndarray, p: int) -> tuple[np.ndarray, np.ndarray]:
     return rows.astype(np.int64), seg_of
 
 
-def _rank_segments(ctx: Ctx) -> tuple[np.ndarray, np.ndarray]:
+def local_segments(ctx: Ctx) -> tuple[np.ndarray, np.ndarray]:
     """(global request, length) of this rank's local segments, in local order; a rank without
     segments has vLLM's zero-length placeholder row for request 0."""
-    segs = _segments(ctx)
+    segs = segments_of(ctx)
     mine = segs[segs["rank"] == ctx.rank]
     mine = mine[np.argsort(mine["local_start"], kind="stable")]
     if mine.shape[0] == 0:
@@ -340,7 +443,7 @@ def _checked(phase: str, view: str, value):
     floats is kept when it holds whole numbers, and NaN, inf or 2.5 raise ValueError naming the
     view (the check then reports it could not evaluate) instead of becoming garbage integers."""
     if isinstance(value, np.ndarray) and value.dtype.kind == "f":
-        spec = view_spec(phase, view)
+        spec = view_spec(phase, view) if isinstance(view, str) else None
         if spec is not None and spec.dtype.startswith(("int", "uint")):
             return int_view(value, f"{phase}.{view}")
     return value

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import textwrap
+from functools import lru_cache
+from pathlib import Path
 from typing import Callable
 
 from pcpviz.trace.schema import KNOWN_VIEWS, view_spec
@@ -69,14 +72,34 @@ def undeclared_views_read(tree: ast.FunctionDef) -> list[str]:
     return bad
 
 
+@lru_cache(maxsize=64)
+def _functions_of(filename: str, size: int, mtime_ns: int) -> dict[int, ast.FunctionDef]:
+    """Every function of a source file by its first line (its first decorator's, if any): one
+    parse a module, not one a check."""
+    tree = ast.parse(Path(filename).read_text(encoding="utf-8"))
+    return {(node.decorator_list[0].lineno if node.decorator_list else node.lineno): node
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _tree(fn: Callable) -> ast.AST | None:
+    code = getattr(fn, "__code__", None)
+    try:
+        st = os.stat(code.co_filename)
+        found = _functions_of(code.co_filename, st.st_size, st.st_mtime_ns).get(code.co_firstlineno)
+        if found is not None and found.name == fn.__name__:
+            return found
+    except (AttributeError, OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        pass
+    try:  # not in a file we can parse (a notebook cell): its own source
+        return ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+
+
 def validate_check(name: str, fn: Callable) -> None:
     """Raise ``ValueError`` naming the check and the call when ``fn`` reads an undeclared view
     (a function whose source cannot be read, e.g. made by ``exec``, is left to the tests)."""
-    try:
-        src = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        return
-    tree = ast.parse(src).body[0]
+    tree = _tree(fn)
     if isinstance(tree, (ast.FunctionDef, ast.AsyncFunctionDef)):
         bad = undeclared_views_read(tree)
         if bad:

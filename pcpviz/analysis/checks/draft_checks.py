@@ -8,7 +8,9 @@ import numpy as np
 
 from pcpviz.reference.drafts import draft_prefill_inputs, partial_chunk_rows
 
-from .context import Ctx, Skip, check, _g2, _g3, _str0, _token_rows
+from pcpviz.trace.shapes import slot_groups, table_groups, view_text
+
+from .context import Ctx, Skip, check, token_rows
 
 
 def _partial_chunk_last_rows(c: Ctx) -> None:
@@ -51,17 +53,18 @@ def draft_prefill_rank_local(c: Ctx) -> None:
     checked = False
     if view is not None and c.pcp() > 1:
         checked = True
-        if _str0(view) != "rank_local":
+        if view_text(view) != "rank_local":
             c.fail("draft_0", "view", "the MTP draft prefill runs on the rank-local rows",
-                   expected="'rank_local'", actual=repr(_str0(view)))
-    pairs = [("slot_mapping_draft", "slot_mapping_gathered", _g2),
+                   expected="'rank_local'", actual=repr(view_text(view)))
+    pairs = [("slot_mapping_draft", "slot_mapping_gathered", slot_groups),
              ("draft_positions", "local_positions", np.asarray),
              ("draft_seq_lens", "local_seq_lens", np.asarray),
-             ("block_table_draft", "block_table_local", _g3)]
+             ("block_table_draft", "block_table_local", table_groups)]
     single = c.pcp() == 1 and c.get("target", "local_positions") is None
     if single:  # PCP = 1: the draft prefill runs on the global batch (rows past T are padding)
-        pairs = [("slot_mapping_draft", "slot_mapping_global", _g2), ("draft_positions", "positions", np.asarray),
-                 ("draft_seq_lens", "seq_lens", np.asarray), ("block_table_draft", "block_table_global", _g3)]
+        pairs = [("slot_mapping_draft", "slot_mapping_global", slot_groups),
+                 ("draft_positions", "positions", np.asarray),
+                 ("draft_seq_lens", "seq_lens", np.asarray), ("block_table_draft", "block_table_global", table_groups)]
     for dview, tview, norm in pairs:
         d, t = c.get("draft_0", dview), c.get("target", tview)
         if d is None or t is None:
@@ -77,7 +80,7 @@ def draft_prefill_rank_local(c: Ctx) -> None:
         if dview == "slot_mapping_draft" and d.shape[-1] != t.shape[-1]:
             c.fail("draft_0", dview, f"length {d.shape[-1]}, expected the expanded N*P="
                    f"{t.shape[-1]} (the target's gathered mapping)")
-        c.expect("draft_0", dview, t, d, f"{dview} != the target's {tview}")
+        c.expect("draft_0", dview, want=t, got=d, what=f"{dview} != the target's {tview}")
     if not checked:
         raise Skip("no slot_mapping_draft" if c.get("draft_0", "slot_mapping_draft") is None
                    else "no target slot mapping to compare with")
@@ -105,9 +108,34 @@ def draft_last_token_indices(c: Ctx) -> None:
     if lti.shape != q.shape or rej.shape != q.shape:
         c.fail("draft_0", "draft_last_token_indices", f"length {lti.shape}, expected R={q.shape[0]}")
     has = np.flatnonzero(q > 0)
-    c.expect("draft_0", "draft_last_token_indices", (qsl[:-1] + q - rej - 1)[has],
-             lti.astype(np.int64)[has], "not the last accepted row of its request",
+    c.expect("draft_0", "draft_last_token_indices", want=(qsl[:-1] + q - rej - 1)[has],
+             got=lti.astype(np.int64)[has], what="not the last accepted row of its request",
              index_map=lambda i: (int(has[i[0]]),))
+
+
+def _draft_global_inputs(c: Ctx, dgi: np.ndarray) -> None:
+    """The rank-independent part of ``draft_input_ids``: draft_0's global inputs."""
+    ids = c.t("input_ids").astype(np.int64)
+    qsl, q = c.qsl(), c.q()
+    rej = c.need("verify", "num_rejected").astype(np.int64)
+    ns = c.need("verify", "num_sampled").astype(np.int64)
+    sampled = slot_groups(c.need("verify", "sampled_token_ids")).astype(np.int64)
+    if dgi.shape != ids.shape:
+        c.fail("draft_0", "draft_global_input_ids", f"length {dgi.shape}, expected T={ids.shape[0]}")
+    t = ids.shape[0]
+    last_sampled = sampled[np.arange(q.shape[0]), np.maximum(ns - 1, 0)] if q.size else ns
+    # the next prompt token of a partial chunk is known only to the next step (checked there)
+    exp, _ = draft_prefill_inputs(ids, qsl, num_rejected=rej, num_sampled=ns, last_sampled=last_sampled,
+                                  next_prompt_tokens=np.full(q.shape[0], -1, np.int64))
+    row = token_rows(qsl)
+    off = np.arange(t) - qsl[row]
+    valid = (q - rej)[row]
+    read = (off < valid - 1) | ((off == valid - 1) & (ns[row] > 0))  # the rows the drafter reads
+    m = np.flatnonzero(read)
+    c.expect("draft_0", "draft_global_input_ids", want=exp[m], got=dgi.astype(np.int64)[m],
+             what="draft prefill input is not the next target token (or the sampled one)",
+             index_map=lambda i: (int(m[i[0]]),))
+    _partial_chunk_last_rows(c)
 
 
 @check("draft_input_ids",
@@ -121,41 +149,21 @@ def draft_input_ids(c: Ctx) -> None:
     checked = False
     dgi = c.get("draft_0", "draft_global_input_ids")
     if dgi is not None:
-        ids = c.t("input_ids").astype(np.int64)
-        qsl, q = c.qsl(), c.q()
-        rej = c.need("verify", "num_rejected").astype(np.int64)
-        ns = c.need("verify", "num_sampled").astype(np.int64)
-        sampled = _g2(c.need("verify", "sampled_token_ids")).astype(np.int64)
-        if dgi.shape != ids.shape:
-            c.fail("draft_0", "draft_global_input_ids", f"length {dgi.shape}, expected T={ids.shape[0]}")
         checked = True
-        t = ids.shape[0]
-        last_sampled = sampled[np.arange(q.shape[0]), np.maximum(ns - 1, 0)] if q.size else ns
-        # the next prompt token of a partial chunk is known only to the next step (checked there)
-        exp, _ = draft_prefill_inputs(ids, qsl, num_rejected=rej, num_sampled=ns, last_sampled=last_sampled,
-                                      next_prompt_tokens=np.full(q.shape[0], -1, np.int64))
-        row = _token_rows(qsl)
-        off = np.arange(t) - qsl[row]
-        valid = (q - rej)[row]
-        read = (off < valid - 1) | ((off == valid - 1) & (ns[row] > 0))  # the rows the drafter reads
-        m = np.flatnonzero(read)
-        c.expect("draft_0", "draft_global_input_ids", exp[m], dgi.astype(np.int64)[m],
-                 "draft prefill input is not the next target token (or the sampled one)",
-                 index_map=lambda i: (int(m[i[0]]),))
-        _partial_chunk_last_rows(c)
+        c.once("draft_global_input_ids", lambda: _draft_global_inputs(c, dgi))
         dii = c.get("draft_0", "draft_input_ids")
         if dii is not None and c.get("target", "padded_gather_idx") is not None:
             n = c.num_local()
-            c.expect("draft_0", "draft_input_ids", dgi[c.rank_rows()].astype(np.int64),
-                     dii[:n].astype(np.int64), "local draft input != draft_global_input_ids of its token")
+            c.expect("draft_0", "draft_input_ids", want=dgi[c.rank_rows()].astype(np.int64),
+                     got=dii[:n].astype(np.int64), what="local draft input != draft_global_input_ids of its token")
     prev_tokens = None
     for k, phase in drafts:
         if k >= 1 and prev_tokens is not None:
             dii = c.get(phase, "draft_input_ids")
             if dii is not None:
                 checked = True
-                c.expect(phase, "draft_input_ids", prev_tokens.astype(np.int64), dii.astype(np.int64),
-                         f"draft_{k} input != draft_{k - 1}'s tokens")
+                c.expect(phase, "draft_input_ids", want=prev_tokens.astype(np.int64), got=dii.astype(np.int64),
+                         what=f"draft_{k} input != draft_{k - 1}'s tokens")
         prev_tokens = c.get(phase, "draft_tokens")
     if not checked:
         raise Skip("no draft_global_input_ids")
@@ -172,9 +180,9 @@ def draft_decode_replicated(c: Ctx) -> None:
     r = c.num_reqs()
     for k, phase in phases:
         view = c.get(phase, "view")
-        if view is not None and _str0(view) != "replicated":
+        if view is not None and view_text(view) != "replicated":
             c.fail(phase, "view", "draft decodes run replicated on the global batch",
-                   expected="'replicated'", actual=repr(_str0(view)))
+                   expected="'replicated'", actual=repr(view_text(view)))
         for v in ("draft_input_ids", "draft_positions", "draft_seq_lens", "draft_tokens"):
             a = c.get(phase, v)
             if a is not None and a.shape != (r,):
@@ -182,7 +190,7 @@ def draft_decode_replicated(c: Ctx) -> None:
         smd = c.get(phase, "slot_mapping_draft")
         if smd is None:
             raise Skip("no slot_mapping_draft")
-        smd = _g2(smd)
+        smd = slot_groups(smd)
         if smd.shape[-1] != r:
             c.fail(phase, "slot_mapping_draft", f"length {smd.shape[-1]}, expected R={r}: draft decode "
                    "slot mappings are unexpanded (the attention layer writes locally)",
@@ -191,10 +199,10 @@ def draft_decode_replicated(c: Ctx) -> None:
         if pos is None or table is None or c.cfg.block_sizes is None:
             continue
         pos = pos.astype(np.int64)
-        exp = c.slots(_g3(table), np.arange(r + 1, dtype=np.int64), pos)
-        c.expect(phase, "slot_mapping_draft", exp, smd,
-                 "slot differs from the global row's block at draft_positions")
-        c.no_null_block(phase, "slot_mapping_draft", exp, smd, pos)
+        exp = c.slots(table_groups(table), np.arange(r + 1, dtype=np.int64), pos)
+        c.expect(phase, "slot_mapping_draft", want=exp, got=smd,
+                 what="slot differs from the global row's block at draft_positions")
+        c.no_null_block(phase, "slot_mapping_draft", want=exp, got=smd, positions=pos)
 
 
 @check("draft_block_tables_global",
@@ -204,15 +212,15 @@ def draft_block_tables_global(c: Ctx) -> None:
     phases = c.draft_phases(1)
     if not phases:
         raise Skip("no draft_1 phase")
-    btg = _g3(c.t("block_table_global"))
+    btg = table_groups(c.t("block_table_global"))
     checked = False
     for k, phase in phases:
         btd = c.get(phase, "block_table_draft")
         if btd is None:
             continue
         checked = True
-        c.expect(phase, "block_table_draft", btg, _g3(btd),
-                 "draft decode block-table row != the request's global row (gather skipped?)")
+        c.expect(phase, "block_table_draft", want=btg, got=table_groups(btd),
+                 what="draft decode block-table row != the request's global row (gather skipped?)")
     if not checked:
         raise Skip("no block_table_draft")
 
@@ -242,9 +250,9 @@ def draft_positions_advance(c: Ctx) -> None:
         if prev is not None:
             what = ("!= positions[draft_last_token_indices] + 1" if k == 1
                     else f"!= draft_{k - 1} positions + 1")
-            c.expect(phase, "draft_positions", (prev + 1)[has], dp[has], what, index_map=imap)
+            c.expect(phase, "draft_positions", want=(prev + 1)[has], got=dp[has], what=what, index_map=imap)
         dsl = c.get(phase, "draft_seq_lens")
         if dsl is not None:
-            c.expect(phase, "draft_seq_lens", (dp + 1)[has], dsl.astype(np.int64)[has],
-                     "draft seq_len != draft position + 1", index_map=imap)
+            c.expect(phase, "draft_seq_lens", want=(dp + 1)[has], got=dsl.astype(np.int64)[has],
+                     what="draft seq_len != draft position + 1", index_map=imap)
         prev = dp

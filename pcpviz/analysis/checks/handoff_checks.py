@@ -21,16 +21,21 @@ from .context import Ctx, Skip, check
 
 
 def _gathered(c: Ctx, phase: str, view: str) -> np.ndarray:
-    """int64[N*P]: ``view`` of ``phase`` of every rank, rank-major (the all-gather's order)."""
+    """int64[N*P]: ``view`` of ``phase`` of every rank, rank-major (the all-gather's order); the
+    same for every rank's check, so built once a step."""
+    key = ("gathered", phase, view, c.pcp())
+    if key in c.cache:
+        return c.cache[key]
     parts = []
     for r in range(c.pcp()):
-        rec = c.sv.recs.get(r, {}).get(phase)
-        if rec is None or view not in rec:
+        v = c.rank_view(r, phase, view)
+        if v is None:
             raise Skip(f"no {view} on rank {r}")
-        parts.append(np.asarray(rec[view], dtype=np.int64))
+        parts.append(np.asarray(v, dtype=np.int64))
     if len({p.shape for p in parts}) != 1:
         c.fail(phase, view, f"ranks record {view} of different lengths {[p.shape[0] for p in parts]}")
-    return np.concatenate(parts)
+    out = c.cache[key] = np.concatenate(parts)
+    return out
 
 
 @check("hidden_restored",
@@ -43,7 +48,8 @@ def hidden_restored(c: Ctx) -> None:
     g = _gathered(c, "target", "hidden_local_fp")
     if hri.size and (hri.min() < 0 or hri.max() >= g.shape[0]):
         c.fail("target", "hidden_restore_idx", f"indexes outside the {g.shape[0]} gathered rows")
-    c.expect("target", "hidden_fp", g[hri], hfp, "restored hidden row != the gathered local row it restores")
+    c.expect("target", "hidden_fp", want=g[hri], got=hfp,
+             what="restored hidden row != the gathered local row it restores")
     last = c.get("draft_0", "hidden_last_fp")
     lti = c.get("draft_0", "draft_last_token_indices")
     if last is None or lti is None:
@@ -54,8 +60,8 @@ def hidden_restored(c: Ctx) -> None:
     if lti.shape != q.shape or (has.size and (lti[has].min() < 0 or lti[has].max() >= hri.shape[0])):
         c.fail("draft_0", "draft_last_token_indices", f"not one global row per request (R={q.shape[0]})")
     m = _gathered(c, "draft_0", "mtp_local_fp")
-    c.expect("draft_0", "hidden_last_fp", m[hri[lti[has]]], last.astype(np.int64)[has],
-             "the hidden state draft token 0 is sampled from is not the restored MTP output of the last "
+    c.expect("draft_0", "hidden_last_fp", want=m[hri[lti[has]]], got=last.astype(np.int64)[has],
+             what="the hidden state draft token 0 is sampled from is not the restored MTP output of the last "
              "accepted row", index_map=lambda i: (int(has[i[0]]),))
 
 
@@ -73,8 +79,8 @@ def hidden_handoffs(c: Ctx) -> None:
         hin = c.get(phase, "hidden_in_fp")
         if hin is not None and src is not None:
             checked = True
-            c.expect(phase, "hidden_in_fp", np.asarray(src, dtype=np.int64), hin.astype(np.int64),
-                     f"draft_{k} read a hidden state other than {src_name}")
+            c.expect(phase, "hidden_in_fp", want=np.asarray(src, dtype=np.int64), got=hin.astype(np.int64),
+                     what=f"draft_{k} read a hidden state other than {src_name}")
         src, src_name = c.get(phase, "hidden_out_fp"), f"draft_{k}'s hidden_out_fp"
     if not checked:
         raise Skip("no hidden_in_fp")
@@ -100,7 +106,8 @@ def target_outputs_agree(c: Ctx) -> None:
         if a is None or b is None or np.asarray(a).dtype.kind not in "iu":
             continue
         checked = True
-        c.expect("target", view, np.asarray(a), np.asarray(b), f"differs from rank {ref}: the ranks' target "
-                 "forwards forked (their gathered inputs or weights differ)")
+        c.expect("target", view, want=np.asarray(a), got=np.asarray(b),
+                 what=f"differs from rank {ref}: the ranks' target forwards forked (their gathered inputs or "
+                      "weights differ)")
     if not checked:
         raise Skip("no hidden_fp / top1_token")

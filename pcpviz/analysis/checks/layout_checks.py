@@ -12,7 +12,9 @@ from pcpviz.trace import SEGMENT_DTYPE, segments_table
 
 from pcpviz.trace.bounds import step_problems
 
-from .context import Ctx, Skip, check, _g2, _g3, _rank_segments, _segment_rows, _segments, _str0
+from pcpviz.trace.shapes import slot_groups, table_groups, view_text
+
+from .context import Ctx, Skip, check, local_segments, segment_rows, segments_of
 
 
 @check("views_in_bounds",
@@ -39,7 +41,7 @@ def layout_matches_plan(c: Ctx) -> None:
     c.t("padded_gather_idx")
     p = c.padded()
     key = ("plan", p, q.tobytes(), pf.tobytes())
-    plan = c.sv.cache.get(key)
+    plan = c.cache.get(key)
     if plan is None:
         try:
             plan = plan_layout(q.astype(np.int64), pf.astype(bool), c.pcp(),
@@ -47,7 +49,7 @@ def layout_matches_plan(c: Ctx) -> None:
                                padded_num_tokens=p)
         except ValueError as exc:
             plan = exc
-        c.sv.cache[key] = plan
+        c.cache[key] = plan
     if isinstance(plan, ValueError):
         c.fail("target", "padded_gather_idx", f"plan_layout rejects this batch: {plan}")
     expected = {
@@ -62,16 +64,16 @@ def layout_matches_plan(c: Ctx) -> None:
         if act is None:
             continue
         if view == "segments":
-            _segments(c)
+            segments_of(c)
             exp = np.stack([exp[f] for f in SEGMENT_DTYPE.names], axis=1) if exp.size else \
                 np.zeros((0, len(SEGMENT_DTYPE.names)), dtype=np.int64)
             act = np.stack([act[f].astype(np.int64) for f in SEGMENT_DTYPE.names], axis=1) if act.size \
                 else np.zeros((0, len(SEGMENT_DTYPE.names)), dtype=np.int64)
-            c.expect("target", view, exp, act, "segment rows (global_req_idx, global_start, "
+            c.expect("target", view, want=exp, got=act, what="segment rows (global_req_idx, global_start, "
                      "global_stop, local_start, local_stop, rank) differ from the plan")
         else:
-            c.expect("target", view, exp, np.asarray(act).astype(exp.dtype, copy=False),
-                     f"{view} differs from plan_layout")
+            c.expect("target", view, want=exp, got=np.asarray(act).astype(exp.dtype, copy=False),
+                     what=f"{view} differs from plan_layout")
 
 
 @check("restore_gather_identity",
@@ -87,8 +89,8 @@ def restore_gather_identity(c: Ctx) -> None:
         i = int(np.argmax(bad))
         c.fail("target", "hidden_restore_idx", f"row {int(hri[i])} is outside the "
                f"{pgi.shape[0]} gathered rows", index=(i,), actual=short_repr(hri, (i,)))
-    c.expect("target", "hidden_restore_idx", np.arange(t), pgi[hri],
-             "padded_gather_idx[hidden_restore_idx] is not the identity")
+    c.expect("target", "hidden_restore_idx", want=np.arange(t), got=pgi[hri],
+             what="padded_gather_idx[hidden_restore_idx] is not the identity")
 
 
 @check("kv_written_once",
@@ -115,7 +117,7 @@ def kv_written_once(c: Ctx) -> None:
     gath = c.get("target", "slot_mapping_gathered")
     if gath is None:
         return
-    gath = _g2(gath)
+    gath = slot_groups(gath)
     for g in range(gath.shape[0]):
         row = gath[g]
         written = row[row != PAD_SLOT_ID]
@@ -129,7 +131,7 @@ def kv_written_once(c: Ctx) -> None:
                    expected="each slot once", actual=short_repr(gath, (g, int(where[1]))))
         if glob is None:
             continue
-        gl = _g2(glob)[g]
+        gl = slot_groups(glob)[g]
         gw = np.sort(gl[gl != PAD_SLOT_ID], kind="stable")
         if gw.shape != srt.shape or not np.array_equal(gw, srt):
             extra = np.setdiff1d(srt, gw)
@@ -149,7 +151,7 @@ def kv_written_once(c: Ctx) -> None:
         "slot_mapping_gathered[:, j] == slot_mapping_global[:, padded_gather_idx[j]] where "
         "kv_write_mask[j], PAD elsewhere")
 def gathered_slots_are_global(c: Ctx) -> None:
-    glob, gath = _g2(c.t("slot_mapping_global")), _g2(c.t("slot_mapping_gathered"))
+    glob, gath = slot_groups(c.t("slot_mapping_global")), slot_groups(c.t("slot_mapping_gathered"))
     pgi, mask = c.t("padded_gather_idx"), c.t("kv_write_mask").astype(bool)
     if glob.shape[1] == 0:
         picked = np.zeros((glob.shape[0], pgi.shape[0]), dtype=np.int64)
@@ -158,24 +160,24 @@ def gathered_slots_are_global(c: Ctx) -> None:
             c.fail("target", "padded_gather_idx", f"indexes outside the {glob.shape[1]} global tokens")
         picked = glob[:, pgi]
     expected = np.where(mask[None, :], picked, PAD_SLOT_ID)
-    c.expect("target", "slot_mapping_gathered", expected, gath,
-             "gathered slot differs from the global slot of its token (PAD where not written)")
+    c.expect("target", "slot_mapping_gathered", want=expected, got=gath,
+             what="gathered slot differs from the global slot of its token (PAD where not written)")
 
 
 @check("global_slots_match_block_table",
         "slot_mapping_global == the slots of block_table_global's rows at the global positions "
         "(block_size from run.json), none in the null block 0")
 def global_slots_match_block_table(c: Ctx) -> None:
-    glob = _g2(c.t("slot_mapping_global"))
-    table = _g3(c.t("block_table_global"))
+    glob = slot_groups(c.t("slot_mapping_global"))
+    table = table_groups(c.t("block_table_global"))
     pos = c.t("positions").astype(np.int64)
     qsl = c.qsl()
     if table.shape[1] != qsl.shape[0] - 1:
         c.fail("target", "block_table_global", f"{table.shape[1]} rows for {qsl.shape[0] - 1} requests")
     expected = c.slots(table, qsl, pos)
-    c.expect("target", "slot_mapping_global", expected, glob,
-             "slot differs from block_table_global[row, position // block_size]")
-    c.no_null_block("target", "slot_mapping_global", expected, glob, pos)
+    c.expect("target", "slot_mapping_global", want=expected, got=glob,
+             what="slot differs from block_table_global[row, position // block_size]")
+    c.no_null_block("target", "slot_mapping_global", want=expected, got=glob, positions=pos)
 
 
 @check("kv_write_mask_canonical",
@@ -185,11 +187,11 @@ def global_slots_match_block_table(c: Ctx) -> None:
         "its own local rows with rank 0's slots; the mask drops duplicate gathered prefill rows and "
         "picks the copy hidden_restore_idx reads)")
 def kv_write_mask_canonical(c: Ctx) -> None:
-    segs = _segments(c)
+    segs = segments_of(c)
     mask = c.t("kv_write_mask").astype(bool)
     q, pf = c.q(), c.t("is_prefilling").astype(bool)
     p, n = c.padded(), c.pcp()
-    rows, seg_of = _segment_rows(segs, p)
+    rows, seg_of = segment_rows(segs, p)
     if rows.size and (rows.max() >= mask.shape[0] or rows.min() < 0):
         c.fail("target", "segments", "segments reach outside the gathered rows")
     req = segs["global_req_idx"][seg_of].astype(np.int64)
@@ -223,15 +225,15 @@ def kv_write_mask_canonical(c: Ctx) -> None:
         "local_input_ids == input_ids[padded_gather_idx], local_is_padding, local_logits_indices "
         "== local_query_start_loc[1:] - 1, block_table_local == the segments' global rows")
 def local_batch_matches_layout(c: Ctx) -> None:
-    seg_req, seg_len = _rank_segments(c)
+    seg_req, seg_len = local_segments(c)
     n, p = c.num_local(), c.padded()
     checked = False
     ids = c.get("target", "local_req_ids")
     gids = c.get("target", "req_ids")
     if ids is not None and gids is not None:
         checked = True
-        c.expect("target", "local_req_ids", gids[seg_req] if gids.size else seg_req.astype(str), ids,
-                 "local request ids differ from the segments' requests")
+        c.expect("target", "local_req_ids", want=gids[seg_req] if gids.size else seg_req.astype(str), got=ids,
+                 what="local request ids differ from the segments' requests")
     lqsl = c.get("target", "local_query_start_loc")
     if lqsl is not None:
         checked = True
@@ -240,33 +242,33 @@ def local_batch_matches_layout(c: Ctx) -> None:
         act = lqsl.astype(np.int64)
         if act.shape[0] > exp.shape[0]:  # padded request rows repeat the token count
             exp = np.concatenate([exp, np.full(act.shape[0] - exp.shape[0], exp[-1])])
-        c.expect("target", "local_query_start_loc", exp, act, "local segment starts differ")
+        c.expect("target", "local_query_start_loc", want=exp, got=act, what="local segment starts differ")
         lli = c.get("target", "local_logits_indices")
         if lli is not None:
-            c.expect("target", "local_logits_indices", (act[1:] - 1)[:lli.shape[0]], lli.astype(np.int64),
-                     "local_logits_indices != local_query_start_loc[1:] - 1")
+            c.expect("target", "local_logits_indices", want=(act[1:] - 1)[:lli.shape[0]], got=lli.astype(np.int64),
+                     what="local_logits_indices != local_query_start_loc[1:] - 1")
     lin, gin = c.get("target", "local_input_ids"), c.get("target", "input_ids")
     if lin is not None and gin is not None and c.get("target", "padded_gather_idx") is not None:
         checked = True
         if lin.shape != (p,):
             c.fail("target", "local_input_ids", f"length {lin.shape}, expected P={p}")
-        c.expect("target", "local_input_ids", gin[c.rank_rows()].astype(np.int64),
-                 lin[:n].astype(np.int64), "local input id differs from the global token it holds")
+        c.expect("target", "local_input_ids", want=gin[c.rank_rows()].astype(np.int64),
+                 got=lin[:n].astype(np.int64), what="local input id differs from the global token it holds")
     pad = c.get("target", "local_is_padding")
     if pad is not None:
         checked = True
-        c.expect("target", "local_is_padding", np.arange(p) >= n, pad.astype(bool),
-                 f"the first {n} rows are real, the rest padding")
+        c.expect("target", "local_is_padding", want=np.arange(p) >= n, got=pad.astype(bool),
+                 what=f"the first {n} rows are real, the rest padding")
     btl, btg = c.get("target", "block_table_local"), c.get("target", "block_table_global")
     if btl is not None and btg is not None:
         checked = True
-        btl, btg = _g3(btl), _g3(btg)
+        btl, btg = table_groups(btl), table_groups(btg)
         exp = btg[:, seg_req]
         if btl.shape[1] > exp.shape[1]:
             exp = np.concatenate([exp, np.zeros((exp.shape[0], btl.shape[1] - exp.shape[1], exp.shape[2]),
                                                 exp.dtype)], axis=1)
-        c.expect("target", "block_table_local", exp, btl,
-                 "local block-table row differs from its request's global row")
+        c.expect("target", "block_table_local", want=exp, got=btl,
+                 what="local block-table row differs from its request's global row")
     if not checked:
         raise Skip("no local_req_ids")
 
@@ -279,8 +281,8 @@ def local_positions_are_global(c: Ctx) -> None:
     p, n = c.padded(), c.num_local()
     if lpos.shape != (p,):
         c.fail("target", "local_positions", f"length {lpos.shape}, expected P={p}")
-    c.expect("target", "local_positions", pos[c.rank_rows()].astype(np.int64), lpos[:n].astype(np.int64),
-             "local position differs from the global position of its token")
+    c.expect("target", "local_positions", want=pos[c.rank_rows()].astype(np.int64), got=lpos[:n].astype(np.int64),
+             what="local position differs from the global position of its token")
 
 
 @check("local_seq_lens",
@@ -296,8 +298,8 @@ def local_seq_lens(c: Ctx) -> None:
         c.fail("target", "local_query_start_loc", f"ends past the {lpos.shape[0]} local rows")
     exp = np.where(lens > 0, lpos[np.maximum(ends - 1, 0)].astype(np.int64) + 1, 0) if r else \
         np.zeros(0, dtype=np.int64)
-    c.expect("target", "local_seq_lens", exp, lsl.astype(np.int64),
-             "local seq_len != last local position + 1")
+    c.expect("target", "local_seq_lens", want=exp, got=lsl.astype(np.int64),
+             what="local seq_len != last local position + 1")
 
 
 @check("local_logits_not_sampled",
@@ -306,9 +308,9 @@ def local_seq_lens(c: Ctx) -> None:
 def local_logits_not_sampled(c: Ctx) -> None:
     rows = c.t("sampled_logits_rows")
     li = c.t("logits_indices")
-    c.expect("target", "sampled_logits_rows", li.astype(np.int64), rows.astype(np.int64),
-             "sampled rows are not the global logits_indices (local logits sampled?)")
+    c.expect("target", "sampled_logits_rows", want=li.astype(np.int64), got=rows.astype(np.int64),
+             what="sampled rows are not the global logits_indices (local logits sampled?)")
     src = c.get("target", "sampled_from")
-    if src is not None and _str0(src) != "global":
+    if src is not None and view_text(src) != "global":
         c.fail("target", "sampled_from", "sampling must read the restored global hidden states",
-               expected="'global'", actual=repr(_str0(src)))
+               expected="'global'", actual=repr(view_text(src)))

@@ -8,7 +8,9 @@ import numpy as np
 from pcpviz.analysis.compare import first_difference, fmt_value as _fmt, short_repr
 from pcpviz.trace.schema import GLOBAL, causal_phase_key, phase_class, view_spec
 
-from .context import Ctx, Skip, check, _g2, _token_rows
+from pcpviz.trace.shapes import slot_groups
+
+from .context import Ctx, Skip, check, token_rows
 
 @check("verify_consistent",
         "verify is self-consistent and matches the batch: num_sampled == the non -1 prefix of "
@@ -19,7 +21,7 @@ def verify_consistent(c: Ctx) -> None:
     ns = c.need("verify", "num_sampled").astype(np.int64)
     nacc = c.need("verify", "num_accepted").astype(np.int64)
     nrej = c.need("verify", "num_rejected").astype(np.int64)
-    sampled = _g2(c.need("verify", "sampled_token_ids")).astype(np.int64)
+    sampled = slot_groups(c.need("verify", "sampled_token_ids")).astype(np.int64)
     nd = c.get("verify", "num_draft_tokens")
     r = ns.shape[0]
     for v, a in (("num_accepted", nacc), ("num_rejected", nrej), ("sampled_token_ids", sampled)):
@@ -27,11 +29,11 @@ def verify_consistent(c: Ctx) -> None:
             c.fail("verify", v, f"{a.shape[0]} rows, num_sampled has {r}")
     vid, tid = c.get("verify", "req_ids"), c.get("target", "req_ids")
     if vid is not None and tid is not None:
-        c.expect("verify", "req_ids", tid, vid, "verify rows are not the target's global rows")
+        c.expect("verify", "req_ids", want=tid, got=vid, what="verify rows are not the target's global rows")
     width = sampled.shape[1]
     valid = sampled != -1
-    c.expect("verify", "sampled_token_ids", np.arange(width)[None, :] < ns[:, None], valid,
-             "sampled tokens must be the first num_sampled entries (-1 after)")
+    c.expect("verify", "sampled_token_ids", want=np.arange(width)[None, :] < ns[:, None], got=valid,
+             what="sampled tokens must be the first num_sampled entries (-1 after)")
     bad = (ns != 0) & (ns != nacc + 1)
     if bad.any():
         i = int(np.argmax(bad))
@@ -39,7 +41,7 @@ def verify_consistent(c: Ctx) -> None:
                f"(num_accepted {int(nacc[i])})", index=(i,), expected=str(int(nacc[i]) + 1),
                actual=str(int(ns[i])))
     nd = (nacc + nrej) if nd is None else nd.astype(np.int64)
-    c.expect("verify", "num_accepted", nd - nrej, nacc, "num_accepted + num_rejected != num_draft_tokens")
+    c.expect("verify", "num_accepted", want=nd - nrej, got=nacc, what="num_accepted + num_rejected != num_draft_tokens")
     if (nacc < 0).any() or (nrej < 0).any():
         i = int(np.argmax((nacc < 0) | (nrej < 0)))
         c.fail("verify", "num_accepted", "negative count", index=(i,))
@@ -58,15 +60,15 @@ def verify_consistent(c: Ctx) -> None:
     if accepted.any():
         src = np.clip((qsl[1:] - nd)[:, None] + k, 0, max(ids.shape[0] - 1, 0))
         exp = np.where(accepted, ids.astype(np.int64)[src], sampled)
-        c.expect("verify", "sampled_token_ids", exp, sampled,
-                 "an accepted token differs from the draft the target was scheduled with")
+        c.expect("verify", "sampled_token_ids", want=exp, got=sampled,
+                 what="an accepted token differs from the draft the target was scheduled with")
     li = c.get("target", "logits_indices")
     if li is not None and (q > 0).all():
         cnt = nd + 1
         starts = np.repeat(qsl[1:] - cnt, cnt)
         within = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        c.expect("target", "logits_indices", starts + within, li.astype(np.int64),
-                 "logits rows are not each request's last 1 + num_draft_tokens rows")
+        c.expect("target", "logits_indices", want=starts + within, got=li.astype(np.int64),
+                 what="logits rows are not each request's last 1 + num_draft_tokens rows")
 
 
 @check("drafts_fed_back",
@@ -82,7 +84,7 @@ def drafts_fed_back(c: Ctx) -> None:
     nd = c.get("verify", "num_draft_tokens")
     prid = pv.t("req_ids")
     pns = pv.need("verify", "num_sampled").astype(np.int64)
-    psampled = _g2(pv.need("verify", "sampled_token_ids")).astype(np.int64)
+    psampled = slot_groups(pv.need("verify", "sampled_token_ids")).astype(np.int64)
     pdrafts = [pv.get(p, "draft_tokens") for _, p in pv.draft_phases()]
     prow = {str(x): i for i, x in enumerate(prid.tolist())}
     cur = np.array([prow.get(str(x), -1) for x in rid.tolist()], dtype=np.int64)
@@ -95,8 +97,8 @@ def drafts_fed_back(c: Ctx) -> None:
     pr = cur[rows]
     ndr = np.zeros(rows.size, dtype=np.int64) if nd is None else nd.astype(np.int64)[rows]
     first = qsl[:-1][rows] + (q[rows] - 1 - ndr)  # the row before the drafts
-    c.expect("target", "input_ids", psampled[pr, pns[pr] - 1], ids[first],
-             "first input is not the token sampled for this request in the previous step",
+    c.expect("target", "input_ids", want=psampled[pr, pns[pr] - 1], got=ids[first],
+             what="first input is not the token sampled for this request in the previous step",
              index_map=lambda i: (int(first[i[0]]),))
     if nd is None or not (ndr > 0).any():
         return
@@ -161,9 +163,9 @@ def ranks_agree(c: Ctx) -> None:
                     if a[view].dtype.names else a[view]
                 eb = np.stack([b[view][f].astype(np.int64) for f in b[view].dtype.names], axis=-1) \
                     if b[view].dtype.names else b[view]
-                c.expect(phase, view, ea, eb, f"differs from rank {ref}")
+                c.expect(phase, view, want=ea, got=eb, what=f"differs from rank {ref}")
             else:
-                c.expect(phase, view, a[view], b[view], f"differs from rank {ref}")
+                c.expect(phase, view, want=a[view], got=b[view], what=f"differs from rank {ref}")
 
 
 @check("positions_consistent",
@@ -178,16 +180,16 @@ def positions_consistent(c: Ctx) -> None:
     if pos.shape != (t,):
         c.fail("target", "positions", f"length {pos.shape}, expected T={t}")
     has = q > 0
-    row = _token_rows(qsl)
+    row = token_rows(qsl)
     first = np.zeros(q.shape[0], dtype=np.int64)
     first[has] = pos[qsl[:-1][has]]
-    c.expect("target", "positions", first[row] + (np.arange(t) - qsl[row]), pos,
-             "positions of a request are not contiguous")
+    c.expect("target", "positions", want=first[row] + (np.arange(t) - qsl[row]), got=pos,
+             what="positions of a request are not contiguous")
     sl = c.get("target", "seq_lens")
     hi = np.flatnonzero(has)
     if sl is not None:
-        c.expect("target", "seq_lens", pos[qsl[1:][hi] - 1] + 1, sl.astype(np.int64)[hi],
-                 "seq_len != last position + 1", index_map=lambda i: (int(hi[i[0]]),))
+        c.expect("target", "seq_lens", want=pos[qsl[1:][hi] - 1] + 1, got=sl.astype(np.int64)[hi],
+                 what="seq_len != last position + 1", index_map=lambda i: (int(hi[i[0]]),))
     nc = c.get("target", "num_computed_tokens")
     if nc is not None:
         above = has & (first > nc.astype(np.int64))
@@ -212,8 +214,8 @@ def positions_consistent(c: Ctx) -> None:
     if rows.size == 0:
         return
     expected = ppos[pqsl[:-1][pr]] + pq[pr] - prej[pr]
-    c.expect("target", "positions", expected, first[rows],
-             f"first position != step {pv.step}'s first position + q - num_rejected (GPU cursor)",
+    c.expect("target", "positions", want=expected, got=first[rows],
+             what=f"first position != step {pv.step}'s first position + q - num_rejected (GPU cursor)",
              index_map=lambda i: (int(qsl[rows[i[0]]]),))
 
 
@@ -227,7 +229,7 @@ def verify_greedy(c: Ctx) -> None:
     nd = c.need("verify", "num_draft_tokens").astype(np.int64)
     nacc = c.need("verify", "num_accepted").astype(np.int64)
     ns = c.need("verify", "num_sampled").astype(np.int64)
-    sampled = _g2(c.need("verify", "sampled_token_ids")).astype(np.int64)
+    sampled = slot_groups(c.need("verify", "sampled_token_ids")).astype(np.int64)
     qsl = c.qsl()
     if top1.shape[0] != int((nd + 1).sum()):
         raise Skip("top1_token does not cover 1 + num_draft_tokens rows per request")
@@ -246,5 +248,5 @@ def verify_greedy(c: Ctx) -> None:
             c.fail("verify", "num_accepted", f"request row {i} accepts {int(nacc[i])} drafts; its drafts "
                    f"{drafts.tolist()} against the target's argmax {t.tolist()} accept {a}", index=(i,),
                    expected=str(a), actual=str(int(nacc[i])))
-        c.expect("verify", "sampled_token_ids", t[:a + 1], sampled[i, :a + 1],
-                 f"request row {i}'s sampled tokens are not the target's argmax", index_map=lambda j: (i, j[0]))
+        c.expect("verify", "sampled_token_ids", want=t[:a + 1], got=sampled[i, :a + 1],
+                 what=f"request row {i}'s sampled tokens are not the target's argmax", index_map=lambda j: (i, j[0]))

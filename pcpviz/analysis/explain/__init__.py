@@ -41,7 +41,7 @@ from typing import Any
 
 from pcpviz.analysis.checks import run_checks
 from pcpviz.analysis.diff import diff_traces
-from pcpviz.analysis.explain.evidence import Symptoms, gather_symptoms, guarded
+from pcpviz.analysis.explain.evidence import KvReplicas, Symptoms, gather_symptoms, guarded
 from pcpviz.analysis.checks.report import violation_order
 from pcpviz.analysis.explain.mechanism import mechanism
 from pcpviz.analysis.explain.rules import NOTHING, RULES, UNSEEN, Findings
@@ -240,11 +240,13 @@ def _rerun(trace: Trace, out_dir: str) -> tuple[str | None, str]:
 
 
 def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | None = None, *,
-            rerun: bool = True) -> Explanation:
+            rerun: bool = True, status: Any = None) -> Explanation:
     """Explain ``bad`` (see the module doc). ``good``: a good run of the same prompts; without it,
-    ``rerun=True`` re-runs the prompts on the engine as the reference (``rerun=False``: none)."""
+    ``rerun=True`` re-runs the prompts on the engine as the reference (``rerun=False``: none).
+    ``status``: ``pcpviz.trace.validate(bad)`` when the caller has it already."""
     tb = bad if isinstance(bad, Trace) else open_trace(bad)
-    report = run_checks(tb)
+    kv = KvReplicas(tb.ranks[0] if tb.ranks else None)
+    report = run_checks(tb, status=status, visit=kv.step)  # one pass: the checks and the KV replicas
     with tempfile.TemporaryDirectory(prefix="pcpviz-explain-") as tmp:
         note = None
         ref = good
@@ -254,7 +256,7 @@ def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | No
             kind = "rerun" if ref is not None else None
         ta = None if ref is None else (ref if isinstance(ref, Trace) else open_trace(ref))
         diff = None if ta is None else diff_traces(ta, tb)
-        sym = gather_symptoms(tb, report, diff, reference_trace=ta, reference_kind=kind, note=note)
+        sym = gather_symptoms(tb, report, diff, reference_trace=ta, reference_kind=kind, note=note, kv=kv)
     f = Findings(tb, report)
     hyps = _rank([_hypothesis(name, f, sym) for name in faults_of(ENGINE)], report)
     verdict, headline = _verdict(report, sym, hyps)

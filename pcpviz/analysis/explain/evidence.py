@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -23,7 +23,8 @@ from pcpviz.analysis.diff import acceptance, request_keys
 from pcpviz.analysis.parity import generated_tokens
 from pcpviz.trace import TraceError, draft_index
 
-__all__ = ["Symptoms", "gather_symptoms", "guarded", "MALFORMED", "ACCEPTANCE_DROP", "POSITION_DROP"]
+__all__ = ["Symptoms", "gather_symptoms", "KvReplicas", "kv_divergence", "guarded", "MALFORMED", "ACCEPTANCE_DROP",
+           "POSITION_DROP"]
 
 MALFORMED = (IndexError, ValueError, TypeError, KeyError)
 """What reading a malformed view raises (a view of the wrong shape, dtype or length that a
@@ -166,28 +167,66 @@ def _step_trend(acc) -> tuple[float | None, float | None]:
     return _f(rate(steps[:third])), _f(rate(steps[-third:]))
 
 
+def kv_step_divergence(step: int, recs: Mapping[int, Mapping[str, Any]]) -> str | None:
+    """Where the ranks of one step (``recs[rank][phase]``) first write different KV, or None."""
+    ranks = sorted(recs)
+    ref = ranks[0] if ranks else None
+    if ref is None:
+        return None
+    a_phases = recs[ref]
+    for phase, a in a_phases.items():
+        k = draft_index(phase)
+        views = _KV_VIEWS["target"] if phase == "target" else _KV_VIEWS["draft"] if k and k >= 1 else ()
+        for r in ranks[1:] if views else ():
+            b = recs[r].get(phase)
+            if b is None:
+                return f"step {step}, phase {phase}: recorded on rank {ref} only"
+            for v in views:
+                if v in a and v in b and a[v] is not b[v] and not np.array_equal(np.asarray(a[v]), np.asarray(b[v])):
+                    return f"step {step}, phase {phase}, view {v}, rank {r}"
+    return None
+
+
+class KvReplicas:
+    """``kv_divergence`` found while the checks stream over the steps (``run_checks``'
+    ``visit``): the steps are read once. ``first``: the first divergence or None; ``error``: the
+    malformed-views exception that stopped it (then not evaluated)."""
+
+    def __init__(self, ref: int | None) -> None:
+        self.ref, self.first, self.error = ref, None, None
+
+    def step(self, sv: Any) -> None:
+        if self.first is not None or self.error is not None or self.ref not in sv.recs:
+            return
+        try:
+            self.first = kv_step_divergence(sv.step, sv.recs)
+        except MALFORMED as exc:
+            self.error = exc
+
+    def result(self, notes: list[str]) -> Any:
+        """The divergence (or None), or ``_NOT_EVALUATED`` with a note, as ``guarded`` gives it."""
+        if self.error is not None:
+            return guarded(_raise, self.error, notes=notes, what="KV replicas", default=_NOT_EVALUATED)
+        return self.first
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
+
+
 def kv_divergence(trace) -> str | None:
     """Where the ranks first write different KV (step, phase, view, rank), or None if they agree:
     the target's ids/positions/gathered slots and each draft decode's inputs and slots."""
     ranks = trace.ranks
-    ref = ranks[0]
+    steps = {r: set(trace.rank_steps(r)) for r in ranks}
     for step in trace.steps:
-        have = [r for r in ranks if step in set(trace.rank_steps(r))]
-        if ref not in have:
+        have = [r for r in ranks if step in steps[r]]
+        if not have or have[0] != ranks[0]:
             continue
-        for phase in trace.phases(step, ref):
-            k = draft_index(phase)
-            views = _KV_VIEWS["target"] if phase == "target" else _KV_VIEWS["draft"] if k and k >= 1 else ()
-            if not views:
-                continue
-            a = trace.record(step, ref, phase)
-            for r in have[1:]:
-                if not trace.has(step, r, phase):
-                    return f"step {step}, phase {phase}: recorded on rank {ref} only"
-                b = trace.record(step, r, phase)
-                for v in views:
-                    if v in a and v in b and not np.array_equal(np.asarray(a[v]), np.asarray(b[v])):
-                        return f"step {step}, phase {phase}, view {v}, rank {r}"
+        recs = {r: {ph: trace.record(step, r, ph) for ph in trace.phases(step, r)} for r in have}
+        found = kv_step_divergence(step, recs)
+        if found is not None:
+            return found
     return None
 
 
@@ -215,9 +254,10 @@ def _outputs_same(ta, tb) -> bool | None:
 
 
 def gather_symptoms(trace, report, diff=None, *, reference_trace=None, reference_kind: str | None = None,
-                    note: str | None = None) -> Symptoms:
+                    note: str | None = None, kv: KvReplicas | None = None) -> Symptoms:
     """The symptoms of ``trace`` given its ``report`` (``run_checks``) and ``diff``
-    (``diff_traces(reference_trace, trace)``, or None without a reference)."""
+    (``diff_traces(reference_trace, trace)``, or None without a reference); ``kv``: the KV
+    replicas already compared while the checks ran (else compared here, another pass)."""
     acc = diff.acceptance_b if diff is not None else acceptance(trace)
     notes = [note] if note else []
     ref_rate: float | None = None
@@ -257,7 +297,8 @@ def gather_symptoms(trace, report, diff=None, *, reference_trace=None, reference
     kv_first = None
     if len(ranks) > 1:
         per_rank = guarded(_ranks_agree, trace, ranks, notes=notes, what="acceptance per rank")
-        kv_first = guarded(kv_divergence, trace, notes=notes, what="KV replicas", default=_NOT_EVALUATED)
+        kv_first = kv.result(notes) if kv is not None else guarded(
+            kv_divergence, trace, notes=notes, what="KV replicas", default=_NOT_EVALUATED)
     fv = report.first_violation
     return Symptoms(
         num_steps=len(trace.steps), ranks=ranks, complete=report.complete, failed_checks=tuple(report.failed),
