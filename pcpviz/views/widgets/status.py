@@ -117,10 +117,10 @@ def _checks_missing() -> bool:
 RELOAD_NOTE = (
     "<style>.pcpviz-reload-note{display:none;color:#c00;font-size:13px;font-weight:bold}"
     ".pcpviz-workbench:not(:has(.js-plotly-plot .hm)) .pcpviz-reload-note{display:block;"
-    "animation:pcpviz-late 5s step-end both}"
+    "animation:pcpviz-late 8s step-end both}"
     "@keyframes pcpviz-late{from{visibility:hidden}to{visibility:visible}}</style>"
-    "<div class='pcpviz-reload-note'>⚠ The figures are not drawn (the page was reloaded while the kernel "
-    "kept running, and plotly's widgets cannot be restored): re-run this cell.</div>")
-"""One line shown (by CSS alone, 5 s after the Workbench appears) only while none of its figures has
-drawn a heatmap: a page reload with the kernel alive brings the controls back but not plotly's
-``FigureWidget``s."""
+    "<div class='pcpviz-reload-note'>⚠ The figures are not drawn: re-run this cell.</div>")
+"""One line shown (by CSS alone, 8 s after the Workbench appears) only while none of its figures
+has drawn a heatmap. After a page reload with the kernel alive the figures come back drawn
+(``pcpviz.views.widgets.figure``); this is the fallback when they cannot (a front end whose
+widgets failed to load)."""
