@@ -25,12 +25,12 @@ from typing import Any, Sequence
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from pcpviz.trace import Trace, phase_sort_key
+from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
 from pcpviz.views.export.atomic import atomic_output
 from pcpviz.views.panels import PanelInput, panel_marks, run_panels, step_panels
-from pcpviz.views.widgets.status import HEADER_KEYS
+from pcpviz.views.widgets import status as st
 
 __all__ = ["export_html", "STEP_VIEWS", "pack", "unpack", "embedded_data", "shown_steps", "MAX_ENTRIES"]
 
@@ -185,41 +185,13 @@ def embedded_data(html_text: str) -> dict:
 _DATA_OPEN = '<script type="application/json" id="pcpviz-data">'
 
 
-def _status(step: int, rank: int, recs: dict, draft_phase: str | None, flags: list, marks: list[str]) -> str:
-    parts = [f"<b>step {step}</b> · rank {rank} · phases {', '.join(sorted(recs, key=phase_sort_key))}"]
-    summary = fg.layout_summary(recs.get("target"))
-    if summary:
-        parts.append(html.escape(summary))
-    if draft_phase:
-        parts.append(f"draft panels show <b>{draft_phase}</b>")
-    out = " · ".join(parts)
-    if flags:
-        out += ("<br><span style='color:#c00'>⚠ " + html.escape(
-            f"{len(flags)} {draft_phase} block-table rows are zero/stale: "
-            + "; ".join(f.describe() for f in flags[:3])) + "</span>")
-    for m in marks:
-        out += f"<br><span style='color:#c00'>✗ {html.escape(m)}</span>"
-    return out
-
-
 def _checks_html(report: Any) -> str:
+    """The check verdicts, folded (open when a check failed or the trace is damaged)."""
     if report is None:
-        return "<p class='meta'><i>checks unavailable (pcpviz.analysis.checks not importable)</i></p>"
-    rows = []
-    for name, r in report.results.items():
-        first = html.escape(r.first_violation.describe()) if r.first_violation is not None else ""
-        rows.append(f"<tr><td class='{html.escape(r.verdict)}'>{html.escape(r.verdict.upper())}</td>"
-                    f"<td><code>{html.escape(name)}</code></td><td>{r.failed}/{r.evaluated}</td><td>{first}</td></tr>")
-    head = (f"checks: {len(report.passed)} passed, {len(report.failed)} failed, {len(report.skipped)} skipped"
-            + (f" — first violation: {html.escape(report.first_violation.where())}" if report.first_violation else ""))
-    status = getattr(report, "status", None)  # pcpviz.trace.validate: whole trace, valid run.json
-    if status is not None and status.problems:
-        head = html.escape(status.summary()) + " — " + head
-        head += "".join(f"<div class='fail'>⚠ {html.escape(line)}</div>" for line in status.lines())
-    return (f"<details{' open' if report.failed or (status is not None and status.problems) else ''}>"
-            f"<summary>{head}</summary><table class='checks'>"
-            "<tr><th>verdict</th><th>check</th><th>failed/evaluated</th><th>first violation</th></tr>"
-            + "".join(rows) + "</table></details>")
+        return f"<p class='meta'>{st.CHECKS_UNAVAILABLE}</p>" if st.checks_missing() else ""
+    summary, attention = st.checks_summary(report)
+    return (f"<details{' open' if attention else ''}><summary>{html.escape(summary)}</summary>"
+            f"{st.checks_notes_html(report)}{st.checks_table_html(report)}</details>")
 
 
 MAX_ENTRIES = 4000
@@ -257,13 +229,13 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
                      recs=recs)
     flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
     inp = PanelInput(step=step, rank=rank, recs=recs, phase=dp, draft_phase=dp, colors=colors, flags=flags)
-    figs, marks_all = {}, []
+    figs = {}
     for p in step_panels():  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
         figs[p.name] = fig = fg.as_figure(fg.drawn(p.name, lambda p=p: p.spec(inp), step=step, rank=rank, recs=recs))
         for m in panel_marks(p, violations, inp):
             fg.mark_violation(fig, m)
-            marks_all.append(m)
-    return {**{n: _fig_obj(f) for n, f in figs.items()}, "status": _status(step, rank, recs, dp, flags, marks_all)}
+    status = st.status_html((step, rank, None), recs, draft_phase=dp, flags=flags, violations=violations)
+    return {**{n: _fig_obj(f) for n, f in figs.items()}, "status": status}
 
 
 def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, colors: dict, acceptance: Any,
@@ -281,14 +253,14 @@ def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, color
     data = json.dumps({"steps": list(shown), "ranks": list(ranks), "views": list(STEP_VIEWS),
                        "run_views": [p.name for p in run_panels()], "markers": markers, "shared": shared,
                        "run": run_packed, "figs": figs_packed}, separators=(",", ":"), allow_nan=False)
-    return data.replace("</", "<\\/")  # never close the <script> early; "\/" is a valid JSON escape
+    # no "<" at all inside the <script>: neither "</script>" nor "<!--" (which would make the HTML
+    # parser look past our "</script>") can appear; "\u003c" is the same character to JSON
+    return data.replace("<", "\\u003c")
 
 
 def _page(trace: Trace, *, title: str, data: str, ranks: Sequence[int], shown: Sequence[int],
           req_ids: Sequence[str], report: Any) -> str:
-    m = trace.meta
-    meta = " · ".join(f"<b>{k}</b> {html.escape(str(m[k]))}" for k in HEADER_KEYS if k in m and m[k] not in (None, []))
-    rank_opts = "".join(f"<option value='{r}'>rank {r}</option>" for r in ranks)
+    rank_opts = "".join(f"<option value='{int(r)}'>rank {int(r)}</option>" for r in ranks)
     panels_html = "".join(f"<h2>{html.escape(p.title)}</h2><div class='fig' id='fig-{p.name}'></div>"
                           for p in (*step_panels(), *run_panels()))
     return f"""<!DOCTYPE html>
@@ -297,8 +269,7 @@ def _page(trace: Trace, *, title: str, data: str, ranks: Sequence[int], shown: S
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body>
 <h1>{html.escape(title)}</h1>
-<div class="meta">trace <code>{html.escape(str(trace.path))}</code> — {len(trace.steps)} steps, ranks {trace.ranks},
-requests {html.escape(fg.shorten(", ".join(req_ids), 2000))}<br>{meta}{_shown_note(shown, trace.steps)}</div>
+<div class="meta">{st.header_html(trace, trace.meta, req_ids)}{_shown_note(shown, trace.steps)}</div>
 <div class="controls">
  <label>step <input type="range" id="step" min="0" max="{len(shown) - 1}" value="0" step="1"></label>
  <span id="step-label"></span>
