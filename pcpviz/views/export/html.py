@@ -8,7 +8,9 @@ precomputed with ``pcpviz.views.figures`` (the functions the Workbench draws wit
 embedded as JSON — every subtree that repeats (colorscales, axes, hover texts of rows that did not
 change) stored once (``pack``; the shipped traces export to 5-6 MB, 4.8 MB of it plotly.js) — and
 a few lines of inline JavaScript swap them when the step slider
-(``<input type=range>``) or the rank ``<select>`` changes. Views: token order (global vs local rows,
+(``<input type=range>``) or the rank ``<select>`` changes. Every strip is embedded as its runs
+too, and a zoom or pan in the page redraws it for the window as the Workbench does: runs
+snapped to pixels, one cell per token once a token is 4 px wide (``pcpviz.views.export.tokens``). Views: token order (global vs local rows,
 gather/restore maps, write mask), draft-step timeline, block tables (zero/stale draft rows outlined),
 slot mappings, acceptance (the current step shaded), and the ``pcpviz.analysis.checks`` verdicts when that
 module is available (violations are also marked on their views).
@@ -28,6 +30,8 @@ from plotly.offline import get_plotlyjs
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
+from pcpviz.views.figures.lod import TOKEN_PX, record_strips
+from pcpviz.views.export import tokens as tk
 from pcpviz.views.export.atomic import atomic_output
 from pcpviz.views.panels import PanelInput, panel_marks, run_panels, step_panels
 from pcpviz.views.widgets import status as st
@@ -70,6 +74,7 @@ _JS = """
   const step = document.getElementById('step'), rank = document.getElementById('rank');
   const label = document.getElementById('step-label'), status = document.getElementById('status');
   let runShown = false;
+  const shown = {};  // view -> {fig, strips}: what its plot shows, to redraw its strips on a zoom
   function show(){
     const s = D.steps[+step.value], r = +rank.value, key = s + ',' + r;
     label.textContent = s;
@@ -78,6 +83,7 @@ _JS = """
     status.innerHTML = entry.status;
     for (const v of D.views) {
       const f = entry[v];
+      shown[v] = {key, strips: (entry.tokens || {})[v]};
       Plotly.react(document.getElementById('fig-' + v), f.data, f.layout, config);
     }
     for (const v of D.run) {
@@ -91,6 +97,21 @@ _JS = """
   step.addEventListener('input', show);
   rank.addEventListener('change', show);
   show();
+  // a zoom or pan of a strip's x axis: redraw its strips for the window (pcpviz.views.export.tokens);
+  // a reset (double click) draws the page's figure again
+  for (const v of D.views) {
+    const el = document.getElementById('fig-' + v);
+    let busy = false;
+    el.on('plotly_relayout', ev => {
+      const s = shown[v], keys = Object.keys(ev || {});
+      if (busy || !s || !s.strips || !keys.some(k => /^xaxis\\d*\\./.test(k))) return;
+      const fig = R(P.figs[s.key])[v];  // fresh objects: plotly keeps (and edits) those it is given
+      busy = true;
+      const done = keys.some(k => /\\.autorange$/.test(k)) ? Plotly.react(el, fig.data, fig.layout, config)
+                                                          : PCPVIZ_TOKENS.redraw(el, fig, s.strips, config);
+      Promise.resolve(done).finally(() => { busy = false; });
+    });
+  }
   document.body.dataset.ready = '1';
 })();
 """
@@ -229,23 +250,33 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
                      recs=recs)
     flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
     inp = PanelInput(step=step, rank=rank, recs=recs, phase=dp, draft_phase=dp, colors=colors, flags=flags)
-    figs = {}
+    figs, tokens = {}, {}
     for p in step_panels():  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
-        figs[p.name] = fig = fg.as_figure(fg.drawn(p.name, lambda p=p: p.spec(inp), step=step, rank=rank, recs=recs))
+        with record_strips() as calls:
+            spec = fg.drawn(p.name, lambda p=p: p.spec(inp), step=step, rank=rank, recs=recs)
+        tokens[p.name] = tk.strips(spec, calls) if p.zoom_axes else None
+        figs[p.name] = fig = fg.as_figure(spec)
         for m in panel_marks(p, violations, inp):
             fg.mark_violation(fig, m)
     status = st.status_html((step, rank, None), recs, draft_phase=dp, flags=flags, violations=violations)
-    return {**{n: _fig_obj(f) for n, f in figs.items()}, "status": status}
+    return {**{n: _fig_obj(f) for n, f in figs.items()}, "status": status, "tokens": tokens}
 
 
 def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, colors: dict, acceptance: Any,
               violations: list) -> str:
     """The page's data as JSON: every shown (step, rank) page, the per-run panels, their markers."""
     entries: dict[str, dict] = {}
+    budget = tk.MAX_REPORT_RUNS
     for step in shown:
         for rank in ranks:
             if trace.has(step, rank, "target"):
-                entries[f"{step},{rank}"] = _entry(trace, step, rank, colors=colors, violations=violations)
+                entries[f"{step},{rank}"] = e = _entry(trace, step, rank, colors=colors, violations=violations)
+                runs = tk.num_runs(e["tokens"])
+                if runs > min(tk.MAX_PAGE_RUNS, budget):  # per-token zoom only within the size caps
+                    e["status"] += tk.not_embedded_note(runs, budget_left=budget)
+                    e["tokens"] = {}
+                else:
+                    budget -= runs
     inp = PanelInput(colors=colors, acceptance=acceptance)
     run = {p.name: _fig_obj(fg.as_figure(p.spec(inp))) for p in run_panels()}
     markers = {p.name: p.step_marker(0) for p in run_panels() if p.step_marker is not None}
@@ -274,12 +305,14 @@ def _page(trace: Trace, *, title: str, data: str, ranks: Sequence[int], shown: S
  <label>step <input type="range" id="step" min="0" max="{len(shown) - 1}" value="0" step="1"></label>
  <span id="step-label"></span>
  <label>rank <select id="rank">{rank_opts}</select></label>
- <span class="meta">exported by pcpviz; self-contained (plotly.js inlined, no network)</span>
+ <span class="meta">drag across a strip to zoom: one cell per token from {TOKEN_PX:g} px a token, runs below;
+ double-click resets · exported by pcpviz; self-contained (plotly.js inlined, no network)</span>
 </div>
 <div id="status"></div>
 {_checks_html(report)}
 {panels_html}
 {_DATA_OPEN}{data}</script>
+<script type="text/javascript">{tk.SCRIPT}</script>
 <script type="text/javascript">{_JS}</script>
 </body></html>
 """
