@@ -192,3 +192,46 @@ def test_past_the_size_caps_a_page_keeps_its_runs_and_says_so(tmp_path, monkeypa
     assert all(not e["tokens"] and "runs &gt; 3 a page" not in e["status"] and "> 3 a page" in e["status"]
                for e in page["figs"].values())
     json.dumps(page)  # plain JSON
+
+
+PCP1 = sorted(p.name for p in (REPO / "data" / "traces").iterdir() if p.name.startswith("vllm-h200x1-pcp1"))
+
+
+@pytest.mark.parametrize("name", PCP1)
+def test_a_pcp1_trace_exports_drawn_and_zooms_to_tokens(name, browser, tmp_path):
+    """A PCP=1 run records no layout views; its export lays every step out as the identity (rank
+    0's rows are the global tokens), as the Workbench does: every view drawn on every page, at
+    the largest step the token-order lanes filled and a zoom to 60 tokens one cell per token."""
+    trace = pt.open(REPO / "data" / "traces" / name)
+    step = _largest_step(trace)
+    out = Path(export_html(trace, tmp_path / f"{name}.html"))
+    data = embedded_data(out.read_text(encoding="utf-8"))
+    for key, entry in data["figs"].items():
+        for view in data["views"]:
+            title = str(entry[view]["layout"].get("title", {}).get("text", ""))
+            assert "cannot draw" not in title and entry[view]["data"], (key, view, title)
+        assert entry["tokens"]["token_order"] and "PCP=1" in entry["token_order"]["layout"]["title"]["text"]
+    page = browser.new_page(viewport={"width": 1300, "height": 1400})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        page.goto(out.as_uri())
+        page.wait_for_selector("body[data-ready='1']", timeout=60_000)
+        page.locator("#step").evaluate("(el, v) => { el.value = v; el.dispatchEvent(new Event('input')); }",
+                                       data["steps"].index(step))
+        page.wait_for_timeout(500)
+        titles = page.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].map(p => "
+                               "(p.querySelector('.gtitle') || {}).textContent || '')")
+        assert len(titles) == 5 and all(titles) and "PCP=1" in titles[0], titles
+        m, img = _zoom(page, "fig-token_order", {}, f"pcp1_{name}")
+        ax = m["axes"]["x"]
+        row = img[int(round(ax["lanes"][0])), int(ax["x0"]) + 1:int(ax["x1"]) - 1, :3].astype(int)
+        assert ((255 - row).max(axis=1) > 24).mean() > 0.95, "the global lane of a PCP=1 step is not drawn"
+        t = int(np.asarray(trace.record(step, 0, "target")["num_scheduled_tokens"]).sum())
+        lo = t // 3
+        m, img = _zoom(page, "fig-token_order", {"xaxis.range": [lo, lo + 60]}, f"pcp1_{name}_zoom")
+        a = m["axes"]["x"]
+        assert _gaps(img, a, a["lanes"][0]) >= 0.9 * 60 - 1 and m["cellText"] >= 60
+        assert not errors, errors
+    finally:
+        page.close()

@@ -178,14 +178,31 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
     fig.axis("x", 3, 1, range=list(mask.window))
     for k in range(1, n):
         shapes.append(vline(x4r, y4r, k * p, color="#555", width=1))
-    return fig.spec(
-        height=560 + 26 * n, margin=dict(l=70, r=20, t=70, b=30),
-        title=dict(text=title or (f"step layout: PCP={n}, T={t}, P={p}, per-rank tokens "
-                                  f"{sl.per_rank_num_tokens.tolist()}, requests {', '.join(sl.req_ids)}"
-                                  + (" (a PCP=1 run records no layout: rank 0's rows are the global batch)"
-                                     if single_rank(target) else ""))),
-        legend=dict(orientation="h", y=-0.06), showlegend=True,
-    )
+    return fig.spec(height=560 + 26 * n + (22 if single_rank(target) else 0),
+                    margin=dict(l=70, r=20, t=92 if single_rank(target) else 70, b=30),
+                    title=_title(sl, single_rank(target)) if title is None else dict(text=title),
+                    legend=dict(orientation="h", y=-0.06), showlegend=True)
+
+
+MAX_TITLE_REQS = 60
+"""Longest request list (characters) the title spells out; past it the title counts them (the
+lanes' hover texts and the header name each)."""
+
+
+def _title(sl: StepLayout, pcp1: bool) -> dict:
+    """One line that fits the figure (a PCP=1 run's note as a subtitle under it)."""
+    reqs = ", ".join(sl.req_ids)
+    reqs = reqs if len(reqs) <= MAX_TITLE_REQS else f"{len(sl.req_ids)} (named in the hover texts)"
+    out = dict(text=f"step layout: PCP={sl.pcp}, T={sl.num_tokens}, P={sl.padded}, per-rank tokens "
+                    f"{_short_list(sl.per_rank_num_tokens.tolist())}, requests {reqs}")
+    if pcp1:
+        out["subtitle"] = dict(text="a PCP=1 run records no layout: rank 0's rows are the global batch")
+    return out
+
+
+def _short_list(values: list[int], limit: int = 8) -> str:
+    """``[a, b, ...]`` of at most ``limit`` values (then ``...``)."""
+    return "[" + ", ".join(map(str, values[:limit])) + (", ..." if len(values) > limit else "") + "]"
 
 
 def token_order_figure(target: Record, *, rank: int | None = None, highlight: str | None = None,
