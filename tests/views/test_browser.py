@@ -339,6 +339,63 @@ def _reload_redraws_and_follows(page, notebook: Path, shown: dict) -> None:
     wb.screenshot(path=str(SHOTS / "00_quickstart_after_reload_step2.png"))
 
 
+def test_a_figure_that_stops_hearing_the_kernel_is_replaced_and_drawn(lab, tmp_path):
+    """anywidget closes a model's messages for good when it missed its two-second load window
+    (after a reload of a busy page): its figure would stop following the controls. Here the
+    timeline's pongs are dropped in the kernel, so its front end sees the kernel answer its ping
+    (the idle status) without the pong: it reports itself deaf and the Workbench shows the view
+    in a new widget, drawn; no other figure is replaced (ipywidgets re-creates the views of the
+    children after it, from their models) (``pcpviz.views.widgets.figure``)."""
+    from playwright.sync_api import sync_playwright
+
+    base, token = lab
+    nb = {"cells": [{"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+                     "source": ["from pcpviz.views.widgets import Workbench\n",
+                                "wb = Workbench('../data/traces/cpu-pcp2-mtp2', checks=False)\n",
+                                "wb.figures['timeline'].send = lambda *a, **k: None  # its pongs are lost\n",
+                                "wb"]},
+                    {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+                     "source": ["print('replaced', dict(wb.replaced))"]}],
+          "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+          "nbformat": 4, "nbformat_minor": 5}
+    (tmp_path / "lab" / "notebooks" / "deaf.ipynb").write_text(json.dumps(nb))
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    mark = """() => [...document.querySelectorAll('.pcpviz-workbench .js-plotly-plot')]
+        .forEach((p, i) => { p.dataset.pcpvizFirst = String(i); })"""
+    seen = """() => [...document.querySelectorAll('.pcpviz-workbench .js-plotly-plot')].map(p => [p.dataset.pcpvizFirst || '',
+        (p.querySelector('.gtitle') || {}).textContent || ''])"""
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=CHROME_ARGS, timeout=60_000)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 4400})
+            page.set_default_timeout(60_000)
+            _open_and_run_all(page, base, token, "deaf.ipynb")
+            deadline = time.monotonic() + 240
+            while not (_workbench_state(page).get("plots", 0) >= 5 and all(_workbench_state(page)["titles"][:4])):
+                assert time.monotonic() < deadline, "the Workbench did not render"
+                page.wait_for_timeout(500)
+            page.evaluate(mark)
+            deadline = time.monotonic() + 60
+            while True:
+                now = page.evaluate(seen)
+                if len(now) == 5 and now[1][0] == "" and now[1][1]:
+                    break
+                assert time.monotonic() < deadline, f"the deaf timeline was not replaced: {now}"
+                page.wait_for_timeout(500)
+            assert now[0][0] == "0" and all(t for _, t in now), now  # every figure drawn
+            assert now[1][1].startswith("draft-step timeline"), now[1]
+            cell = page.locator(".jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell").nth(1)
+            cell.locator(".jp-InputArea-editor").click()
+            page.keyboard.press("Shift+Enter")  # run it again, now that the timeline was replaced
+            deadline = time.monotonic() + 60
+            while "replaced {'timeline': 1}" not in cell.inner_text():
+                assert time.monotonic() < deadline, f"only the deaf figure is replaced, once: {cell.inner_text()!r}"
+                page.wait_for_timeout(500)
+            page.locator(".pcpviz-workbench").first.screenshot(path=str(SHOTS / "deaf_figure_replaced.png"))
+        finally:
+            browser.close()
+
+
 @pytest.mark.parametrize("name", ["03_mtp_draft_steps.ipynb", "04_acceptance_regression.ipynb"])
 def test_notebook_cells_show_no_stderr_in_jupyterlab(lab, name):
     """03 and 04 run the engine live (two CPU ranks): every cell finishes with no stderr output,
