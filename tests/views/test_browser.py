@@ -9,6 +9,7 @@ trace is only read) and runs all cells from the Run menu:
   ``anywidget`` package ships), moves the step slider with the keyboard and checks that a figure
   changed; then saves the notebook, reloads the page with the kernel alive and checks that the
   figures come back drawn as they were, without the re-run line, and follow the step slider;
+* a figure whose front end stops hearing the kernel is replaced by one drawing the same view;
 * 00, 03 and 04: no cell shows stderr output (a warning, a progress bar on stderr, a traceback);
 * ``make lab``'s own command (read from ``make -n lab``): the URL it prints opens 00_quickstart.
 
