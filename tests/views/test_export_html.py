@@ -218,3 +218,76 @@ def test_a_long_trace_shows_an_even_sample_of_its_steps(tmp_path, monkeypatch):
     assert data["steps"][0] == steps[0] and data["steps"][-1] == steps[-1] and len(data["steps"]) == 4
     assert f"4 of {len(steps)} steps shown" in text
     assert H.shown_steps(range(100_000), 2, [77_777]) == sorted(set(H.shown_steps(range(100_000), 2)) | {77_777})
+
+
+# --------------------------------------------------------------------------- trace strings are text
+
+HOSTILE = '<img src=x onerror="window.__pcpviz_xss=1">'
+STATUS_TAGS = {"div", "b", "br", "span"}
+
+
+def _tags(fragment: str) -> set[str]:
+    p = _Refs()
+    p.feed(fragment)
+    return {t for t, _ in p.tags}
+
+
+class _Flag:
+    def describe(self) -> str:
+        return f"row 1 {HOSTILE}"
+
+
+class _Violation:
+    step, rank, phase, check = 0, 0, "target", f"check{HOSTILE}"
+
+    def describe(self) -> str:
+        return f"message {HOSTILE}"
+
+
+def test_the_status_line_escapes_every_trace_string():
+    """One status line for the Workbench and the export (``pcpviz.views.widgets.status``): phase
+    names, a draft phase's layout view, the flags and the violations are text."""
+    from pcpviz.views.widgets.status import status_html
+
+    recs = {"target": {}, f"draft_0{HOSTILE}": {"view": np.asarray(HOSTILE)}}
+    for where in ((0, 0, None), (0, 0, f"draft_0{HOSTILE}")):
+        line = status_html(where, recs, draft_phase=f"draft_0{HOSTILE}", flags=[_Flag()], violations=[_Violation()])
+        assert _tags(line) <= STATUS_TAGS, (where, line)
+        assert line.count("&lt;img src=x onerror=") >= 4, line
+
+
+def test_export_escapes_hostile_phase_names_and_request_ids(tmp_path, monkeypatch):
+    """A phase name the reader would refuse (here patched into the opened trace) and request ids,
+    run.json strings that it does not: in the page (header, checks, status lines) they are text."""
+    import random
+    import sys
+
+    import pcpviz.trace as pt
+    from pcpviz.synthetic import RequestSpec, generate
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+    from hostile import PAYLOADS, inject_meta, inject_strings, rewrite
+
+    clean = generate([RequestSpec(p, 14 + 3 * i, 4) for i, p in enumerate(PAYLOADS[:3])], pcp=2,
+                     num_speculative_tokens=2).write(tmp_path / "clean")
+    rng = random.Random(0)
+    trace = pt.open(rewrite(clean, tmp_path / "hostile", lambda s, r, ph: inject_strings(rng, s, r, ph),
+                            meta_edit=inject_meta))
+    phases, record = trace.phases, trace.record
+    bad = f"verify{HOSTILE}"
+    monkeypatch.setattr(trace, "phases", lambda s, r: [*phases(s, r), bad])
+    monkeypatch.setattr(trace, "record", lambda s, r, p: record(s, r, "verify" if p == bad else p))
+    text = Path(export_html(trace, tmp_path / "r.html")).read_text(encoding="utf-8")
+    page = text[:text.index('<script type="application/json"')]
+    page = re.sub(r"<script[^>]*>.*?</script>", "", page, flags=re.S)  # plotly.js itself
+    assert _tags(page) <= {"html", "head", "meta", "title", "style", "body", "h1", "h2", "div", "code", "b", "br",
+                           "label", "input", "span", "select", "option", "details", "summary", "table", "tr", "th",
+                           "td", "i", "p"}, _tags(page)
+    assert "&lt;img src=" in page and "&lt;script&gt;" in page  # the payloads are shown, as text
+    data = embedded_data(text)
+    for key, entry in data["figs"].items():
+        assert _tags(entry["status"]) <= STATUS_TAGS, (key, entry["status"])
+    assert "verify&lt;img src=x onerror=" in data["figs"]["0,0"]["status"]
+    raw = text[text.index('<script type="application/json"'):]
+    raw = raw[:raw.index("</script>")]
+    assert "<" not in raw[raw.index(">") + 1:], "a '<' inside the embedded JSON (<!-- or </script> could end it)"

@@ -492,8 +492,8 @@ def test_a_pcp1_run_is_laid_out_as_the_identity_and_a_damaged_pcp2_step_is_not()
     assert np.array_equal(sl.padded_gather_idx, np.arange(t)) and sl.kv_write_mask.all()
     assert (sl.row_req() == sl.token_req).all()
     spec = Workbench(t1, step=step, checks=False)._spec("token_order")
-    title = spec["layout"]["title"]["text"]
-    assert "PCP=1" in title and "rank 0's rows are the global batch" in title
+    assert "PCP=1" in spec["layout"]["title"]["text"]
+    assert "rank 0's rows are the global batch" in spec["layout"]["title"]["subtitle"]["text"]
     damaged = Record(target.step, 0, "target", target.views, pcp=2)
     assert not fg.has_layout(damaged)
     with pytest.raises(KeyError, match="per_rank_num_tokens"):

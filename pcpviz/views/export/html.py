@@ -8,7 +8,10 @@ precomputed with ``pcpviz.views.figures`` (the functions the Workbench draws wit
 embedded as JSON — every subtree that repeats (colorscales, axes, hover texts of rows that did not
 change) stored once (``pack``; the shipped traces export to 5-6 MB, 4.8 MB of it plotly.js) — and
 a few lines of inline JavaScript swap them when the step slider
-(``<input type=range>``) or the rank ``<select>`` changes. Views: token order (global vs local rows,
+(``<input type=range>``) or the rank ``<select>`` changes. Every strip is embedded as its runs
+too, and a zoom or pan in the page redraws it for the window as the Workbench does: runs
+snapped to pixels, one cell per token once a token is 4 px wide (``pcpviz.views.export.tokens``).
+Views: token order (global vs local rows,
 gather/restore maps, write mask), draft-step timeline, block tables (zero/stale draft rows outlined),
 slot mappings, acceptance (the current step shaded), and the ``pcpviz.analysis.checks`` verdicts when that
 module is available (violations are also marked on their views).
@@ -25,12 +28,14 @@ from typing import Any, Sequence
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from pcpviz.trace import Trace, phase_sort_key
+from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
+from pcpviz.views.figures.lod import TOKEN_PX, record_strips
+from pcpviz.views.export import tokens as tk
 from pcpviz.views.export.atomic import atomic_output
 from pcpviz.views.panels import PanelInput, panel_marks, run_panels, step_panels
-from pcpviz.views.widgets.status import HEADER_KEYS
+from pcpviz.views.widgets import status as st
 
 __all__ = ["export_html", "STEP_VIEWS", "pack", "unpack", "embedded_data", "shown_steps", "MAX_ENTRIES"]
 
@@ -70,6 +75,7 @@ _JS = """
   const step = document.getElementById('step'), rank = document.getElementById('rank');
   const label = document.getElementById('step-label'), status = document.getElementById('status');
   let runShown = false;
+  const shown = {};  // view -> {fig, strips}: what its plot shows, to redraw its strips on a zoom
   function show(){
     const s = D.steps[+step.value], r = +rank.value, key = s + ',' + r;
     label.textContent = s;
@@ -78,6 +84,7 @@ _JS = """
     status.innerHTML = entry.status;
     for (const v of D.views) {
       const f = entry[v];
+      shown[v] = {key, strips: (entry.tokens || {})[v]};
       Plotly.react(document.getElementById('fig-' + v), f.data, f.layout, config);
     }
     for (const v of D.run) {
@@ -91,6 +98,21 @@ _JS = """
   step.addEventListener('input', show);
   rank.addEventListener('change', show);
   show();
+  // a zoom or pan of a strip's x axis: redraw its strips for the window (pcpviz.views.export.tokens);
+  // a reset (double click) draws the page's figure again
+  for (const v of D.views) {
+    const el = document.getElementById('fig-' + v);
+    let busy = false;
+    el.on('plotly_relayout', ev => {
+      const s = shown[v], keys = Object.keys(ev || {});
+      if (busy || !s || !s.strips || !keys.some(k => /^xaxis\\d*\\./.test(k))) return;
+      const fig = R(P.figs[s.key])[v];  // fresh objects: plotly keeps (and edits) those it is given
+      busy = true;
+      const done = keys.some(k => /\\.autorange$/.test(k)) ? Plotly.react(el, fig.data, fig.layout, config)
+                                                          : PCPVIZ_TOKENS.redraw(el, fig, s.strips, config);
+      Promise.resolve(done).finally(() => { busy = false; });
+    });
+  }
   document.body.dataset.ready = '1';
 })();
 """
@@ -185,41 +207,13 @@ def embedded_data(html_text: str) -> dict:
 _DATA_OPEN = '<script type="application/json" id="pcpviz-data">'
 
 
-def _status(step: int, rank: int, recs: dict, draft_phase: str | None, flags: list, marks: list[str]) -> str:
-    parts = [f"<b>step {step}</b> · rank {rank} · phases {', '.join(sorted(recs, key=phase_sort_key))}"]
-    summary = fg.layout_summary(recs.get("target"))
-    if summary:
-        parts.append(html.escape(summary))
-    if draft_phase:
-        parts.append(f"draft panels show <b>{draft_phase}</b>")
-    out = " · ".join(parts)
-    if flags:
-        out += ("<br><span style='color:#c00'>⚠ " + html.escape(
-            f"{len(flags)} {draft_phase} block-table rows are zero/stale: "
-            + "; ".join(f.describe() for f in flags[:3])) + "</span>")
-    for m in marks:
-        out += f"<br><span style='color:#c00'>✗ {html.escape(m)}</span>"
-    return out
-
-
 def _checks_html(report: Any) -> str:
+    """The check verdicts, folded (open when a check failed or the trace is damaged)."""
     if report is None:
-        return "<p class='meta'><i>checks unavailable (pcpviz.analysis.checks not importable)</i></p>"
-    rows = []
-    for name, r in report.results.items():
-        first = html.escape(r.first_violation.describe()) if r.first_violation is not None else ""
-        rows.append(f"<tr><td class='{html.escape(r.verdict)}'>{html.escape(r.verdict.upper())}</td>"
-                    f"<td><code>{html.escape(name)}</code></td><td>{r.failed}/{r.evaluated}</td><td>{first}</td></tr>")
-    head = (f"checks: {len(report.passed)} passed, {len(report.failed)} failed, {len(report.skipped)} skipped"
-            + (f" — first violation: {html.escape(report.first_violation.where())}" if report.first_violation else ""))
-    status = getattr(report, "status", None)  # pcpviz.trace.validate: whole trace, valid run.json
-    if status is not None and status.problems:
-        head = html.escape(status.summary()) + " — " + head
-        head += "".join(f"<div class='fail'>⚠ {html.escape(line)}</div>" for line in status.lines())
-    return (f"<details{' open' if report.failed or (status is not None and status.problems) else ''}>"
-            f"<summary>{head}</summary><table class='checks'>"
-            "<tr><th>verdict</th><th>check</th><th>failed/evaluated</th><th>first violation</th></tr>"
-            + "".join(rows) + "</table></details>")
+        return f"<p class='meta'>{st.CHECKS_UNAVAILABLE}</p>" if st.checks_missing() else ""
+    summary, attention = st.checks_summary(report)
+    return (f"<details{' open' if attention else ''}><summary>{html.escape(summary)}</summary>"
+            f"{st.checks_notes_html(report)}{st.checks_table_html(report)}</details>")
 
 
 MAX_ENTRIES = 4000
@@ -257,23 +251,33 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
                      recs=recs)
     flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
     inp = PanelInput(step=step, rank=rank, recs=recs, phase=dp, draft_phase=dp, colors=colors, flags=flags)
-    figs, marks_all = {}, []
+    figs, tokens = {}, {}
     for p in step_panels():  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
-        figs[p.name] = fig = fg.as_figure(fg.drawn(p.name, lambda p=p: p.spec(inp), step=step, rank=rank, recs=recs))
+        with record_strips() as calls:
+            spec = fg.drawn(p.name, lambda p=p: p.spec(inp), step=step, rank=rank, recs=recs)
+        tokens[p.name] = tk.strips(spec, calls) if p.zoom_axes else None
+        figs[p.name] = fig = fg.as_figure(spec)
         for m in panel_marks(p, violations, inp):
             fg.mark_violation(fig, m)
-            marks_all.append(m)
-    return {**{n: _fig_obj(f) for n, f in figs.items()}, "status": _status(step, rank, recs, dp, flags, marks_all)}
+    status = st.status_html((step, rank, None), recs, draft_phase=dp, flags=flags, violations=violations)
+    return {**{n: _fig_obj(f) for n, f in figs.items()}, "status": status, "tokens": tokens}
 
 
 def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, colors: dict, acceptance: Any,
               violations: list) -> str:
     """The page's data as JSON: every shown (step, rank) page, the per-run panels, their markers."""
     entries: dict[str, dict] = {}
+    budget = tk.MAX_REPORT_RUNS
     for step in shown:
         for rank in ranks:
             if trace.has(step, rank, "target"):
-                entries[f"{step},{rank}"] = _entry(trace, step, rank, colors=colors, violations=violations)
+                entries[f"{step},{rank}"] = e = _entry(trace, step, rank, colors=colors, violations=violations)
+                runs = tk.num_runs(e["tokens"])
+                if runs > min(tk.MAX_PAGE_RUNS, budget):  # per-token zoom only within the size caps
+                    e["status"] += tk.not_embedded_note(runs, budget_left=budget)
+                    e["tokens"] = {}
+                else:
+                    budget -= runs
     inp = PanelInput(colors=colors, acceptance=acceptance)
     run = {p.name: _fig_obj(fg.as_figure(p.spec(inp))) for p in run_panels()}
     markers = {p.name: p.step_marker(0) for p in run_panels() if p.step_marker is not None}
@@ -281,14 +285,14 @@ def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, color
     data = json.dumps({"steps": list(shown), "ranks": list(ranks), "views": list(STEP_VIEWS),
                        "run_views": [p.name for p in run_panels()], "markers": markers, "shared": shared,
                        "run": run_packed, "figs": figs_packed}, separators=(",", ":"), allow_nan=False)
-    return data.replace("</", "<\\/")  # never close the <script> early; "\/" is a valid JSON escape
+    # no "<" at all inside the <script>: neither "</script>" nor "<!--" (which would make the HTML
+    # parser look past our "</script>") can appear; "\u003c" is the same character to JSON
+    return data.replace("<", "\\u003c")
 
 
 def _page(trace: Trace, *, title: str, data: str, ranks: Sequence[int], shown: Sequence[int],
           req_ids: Sequence[str], report: Any) -> str:
-    m = trace.meta
-    meta = " · ".join(f"<b>{k}</b> {html.escape(str(m[k]))}" for k in HEADER_KEYS if k in m and m[k] not in (None, []))
-    rank_opts = "".join(f"<option value='{r}'>rank {r}</option>" for r in ranks)
+    rank_opts = "".join(f"<option value='{int(r)}'>rank {int(r)}</option>" for r in ranks)
     panels_html = "".join(f"<h2>{html.escape(p.title)}</h2><div class='fig' id='fig-{p.name}'></div>"
                           for p in (*step_panels(), *run_panels()))
     return f"""<!DOCTYPE html>
@@ -297,18 +301,19 @@ def _page(trace: Trace, *, title: str, data: str, ranks: Sequence[int], shown: S
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body>
 <h1>{html.escape(title)}</h1>
-<div class="meta">trace <code>{html.escape(str(trace.path))}</code> — {len(trace.steps)} steps, ranks {trace.ranks},
-requests {html.escape(fg.shorten(", ".join(req_ids), 2000))}<br>{meta}{_shown_note(shown, trace.steps)}</div>
+<div class="meta">{st.header_html(trace, trace.meta, req_ids)}{_shown_note(shown, trace.steps)}</div>
 <div class="controls">
  <label>step <input type="range" id="step" min="0" max="{len(shown) - 1}" value="0" step="1"></label>
  <span id="step-label"></span>
  <label>rank <select id="rank">{rank_opts}</select></label>
- <span class="meta">exported by pcpviz; self-contained (plotly.js inlined, no network)</span>
+ <span class="meta">drag across a strip to zoom: one cell per token from {TOKEN_PX:g} px a token, runs below;
+ double-click resets · exported by pcpviz; self-contained (plotly.js inlined, no network)</span>
 </div>
 <div id="status"></div>
 {_checks_html(report)}
 {panels_html}
 {_DATA_OPEN}{data}</script>
+<script type="text/javascript">{tk.SCRIPT}</script>
 <script type="text/javascript">{_JS}</script>
 </body></html>
 """

@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 from pcpviz.views.figures.aggregate import run_edges
 from pcpviz.views.figures.canvas import (FLAG_COLOR, Canvas, L_NULL, range_text, req_levels, strip_heat,
                                          strip_labels, as_figure, request_color_index)
-from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
+from pcpviz.views.figures.lod import PLOT_PX, Lane, RunText, draw_strip
 from pcpviz.trace import Record
 from pcpviz.trace.shapes import table_groups
 from pcpviz.views.figures.step_data import is_replicated, view_array
@@ -111,7 +111,9 @@ def _block_lane(row: np.ndarray, level: float, row_label: str) -> Lane:
             lev.append(level)
             lab.append((range_text(u, v), f"{u}…") if v != u else str(u))
             hov.append(f"{row_label}<br>{cols}: blocks {range_text(u, v)}")
-    return Lane(e, np.asarray(lev, dtype=float), lab, hov, lambda _run, tok: [str(v) for v in row[tok].tolist()])
+    # a run of consecutive block ids counts up from its first; a null run reads 0 on every column
+    return Lane(e, np.asarray(lev, dtype=float), lab, hov,
+                RunText(["0" if u == 0 else "" for u in first.tolist()], first.astype(np.int64), first != 0))
 
 
 def _block_heat(table: np.ndarray, row_ids: Sequence[str], row_labels: Sequence[str], w: int,
@@ -168,10 +170,8 @@ def block_tables_spec(target: Record, draft: Record | None = None, *, draft_phas
     heights = [max(t.shape[0], 1) + 1.5 for _, t, _, _ in panels]
     fig = Canvas([[1]] * len(panels), shared_x=True, vertical_spacing=0.09, row_heights=heights,
                   subplot_titles=[p[0] for p in panels])
-    per_token = True
     for k, (_, table, ids, labels) in enumerate(panels):
         d, fs = _block_heat(table, ids, labels, w, colors, highlight, window, px)
-        per_token = per_token and d.per_token
         fig.add(strip_heat(d, labels or [""], font_size=fs, ygap=2), k + 1, 1)
         xr, yr = fig.ref(k + 1, 1)
         fig.annotations.extend(strip_labels(xr, yr, d, font_size=fs))
@@ -192,8 +192,8 @@ def block_tables_spec(target: Record, draft: Record | None = None, *, draft_phas
         annots.append(dict(text=msg, xref="paper", yref=f"{yr} domain", x=1, y=1, xanchor="right",
                            yanchor="bottom", yshift=16, showarrow=False, font=dict(color=FLAG_COLOR, size=12),
                            bgcolor="#fff3f3", bordercolor=FLAG_COLOR))
-    col_title = "block-table column (text = block id)" if per_token else \
-        f"block-table columns: runs of consecutive block ids ({w} used columns; zoom for single blocks)"
+    col_title = (f"block-table column (text = block id; {w} used columns: runs of consecutive block ids "
+                 "until zoomed in to one cell per column)")
     fig.axis("x", len(panels), 1, title=dict(text=col_title))
     total_rows = sum(t.shape[0] for _, t, _, _ in panels)
     return fig.spec(height=int(200 + 24 * total_rows + 40 * len(panels)), margin=dict(l=90, r=20, t=60, b=60),

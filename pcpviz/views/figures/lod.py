@@ -19,6 +19,11 @@ PCP=2 example: the global lane of a 2,048-token prefill of two requests (DualChu
 chunks each) is 8 runs; at 860 px for the whole strip each run is ~107 px wide and is labelled
 ``req c0`` ... ; zoomed to tokens 0-99 each token is a 8.6 px cell with its chunk digit.
 
+What a lane's cells read per token is plain data (``RunText``: a text per run, or a count up
+from a run's first value), so the HTML export can draw per-token cells in the page without
+Python (``pcpviz.views.export.tokens``, which records the strips a figure draws with
+``record_strips``).
+
 ``PCPVIZ_LOD=0`` in the environment switches the level of detail off (one cell per token,
 1 px gaps, every run labelled wherever it is): the drawing the views had before, kept only as
 the negative control of the browser test (``tests/views/test_browser_views.py``).
@@ -26,13 +31,16 @@ the negative control of the browser test (``tests/views/test_browser_views.py``)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["PLOT_PX", "TOKEN_PX", "Lane", "Drawn", "lod_enabled", "pixel_cells", "draw_strip", "label_px"]
+__all__ = ["PLOT_PX", "TOKEN_PX", "MAX_LABELS", "Lane", "RunText", "Drawn", "Strip", "lod_enabled", "pixel_cells",
+           "draw_strip", "label_px", "record_strips"]
 
 PLOT_PX = 860
 """Plot-area width (px) the strips are computed for: the Workbench's 940 px figure less margins."""
@@ -53,6 +61,25 @@ def label_px(text: str, font_size: float = 10) -> float:
 
 
 @dataclass(frozen=True)
+class RunText:
+    """What each token of a lane reads in a per-token cell, per run: run ``i``'s tokens read
+    ``const[i]``, or, where ``counts[i]``, count up from ``start[i]`` (token ``t`` of a run that
+    starts at ``e`` reads ``start[i] + t - e``: slot ids, block ids).
+
+    A slot-mapping strip ``[5, 6, 7, -1, -1]`` is two runs:
+    ``RunText(["", "PAD"], start=[5, -1], counts=[True, False])``."""
+
+    const: Sequence[str]  # [m]
+    start: np.ndarray  # int64[m]
+    counts: np.ndarray  # bool[m]
+
+    @staticmethod
+    def per_run(texts: Sequence[str]) -> RunText:
+        """Every token of run ``i`` reads ``texts[i]``."""
+        return RunText(list(texts), np.zeros(len(texts), dtype=np.int64), np.zeros(len(texts), dtype=bool))
+
+
+@dataclass(frozen=True)
 class Lane:
     """One heatmap row as runs: run ``i`` covers ``[edges[i], edges[i+1])``."""
 
@@ -60,12 +87,42 @@ class Lane:
     level: np.ndarray  # float64[m]: colour level (NaN: nothing drawn, e.g. beyond a rank's rows)
     label: Sequence[str | tuple[str, ...]]  # [m] run label ('' none; a tuple: alternatives, longest first)
     hover: Sequence[str]  # [m] run hover text
-    token_text: Callable[[np.ndarray, np.ndarray], Sequence[str]] | None = None
-    """(run index int64[k], token index int64[k]) -> text of each token, for per-token cells."""
+    text: RunText | None = None  # what a per-token cell reads (None: nothing)
 
     @property
     def length(self) -> int:
         return int(self.edges[-1]) if self.edges.size else 0
+
+    def token_texts(self, run: np.ndarray, tok: np.ndarray) -> list[str]:
+        """Text of each token ``tok`` (int64[k], inside run ``run``) for per-token cells."""
+        count = self.text.start[run] + (tok - self.edges[run])
+        return [str(c) if k else self.text.const[r] for r, k, c in zip(run.tolist(), self.text.counts[run].tolist(),
+                                                                      count.tolist())]
+
+
+@dataclass(frozen=True)
+class Strip:
+    """One ``draw_strip`` call, as ``record_strips`` keeps it."""
+
+    lanes: Sequence[Lane]
+    px: int
+    font_size: float
+    drawn: Drawn
+
+
+_RECORDING: contextvars.ContextVar[list[Strip] | None] = contextvars.ContextVar("pcpviz_strips", default=None)
+
+
+@contextlib.contextmanager
+def record_strips() -> Iterator[list[Strip]]:
+    """Every ``draw_strip`` call made inside, in order (the heatmap traces of a figure, one per
+    call, in the order it adds them)."""
+    calls: list[Strip] = []
+    token = _RECORDING.set(calls)
+    try:
+        yield calls
+    finally:
+        _RECORDING.reset(token)
 
 
 @dataclass(frozen=True)
@@ -137,10 +194,15 @@ def draw_strip(lanes: Sequence[Lane], *, window: tuple[float, float] | None = No
     ``px`` pixels (see the module docstring)."""
     lo, hi, width = _window(lanes, window)
     if not lod_enabled():
-        return _draw_tokens(lanes, 0.0, float(width), px, font_size, every_label=True)
-    if (hi - lo) <= px / TOKEN_PX:
-        return _draw_tokens(lanes, lo, hi, px, font_size, every_label=False)
-    return _draw_runs(lanes, lo, hi, px, font_size)
+        d = _draw_tokens(lanes, 0.0, float(width), px, font_size, every_label=True)
+    elif (hi - lo) <= px / TOKEN_PX:
+        d = _draw_tokens(lanes, lo, hi, px, font_size, every_label=False)
+    else:
+        d = _draw_runs(lanes, lo, hi, px, font_size)
+    calls = _RECORDING.get()
+    if calls is not None:
+        calls.append(Strip(lanes, px, font_size, d))
+    return d
 
 
 def _draw_runs(lanes: Sequence[Lane], lo: float, hi: float, px: int, font_size: float) -> Drawn:
@@ -208,8 +270,8 @@ def _draw_tokens(lanes: Sequence[Lane], lo: float, hi: float, px: int, font_size
         z[li] = np.where(inside, ln.level[rr] if m else np.nan, np.nan)
         for j in range(tok.shape[0]):
             hover[li, j] = f"{ln.hover[rr[j]]}<br>position {tok[j]}" if inside[j] else ""
-        if ln.token_text is not None and inside.any() and not every_label:
-            tt = ln.token_text(rr[inside], tok[inside])
+        if ln.text is not None and inside.any() and not every_label:
+            tt = ln.token_texts(rr[inside], tok[inside])
             text[li, inside] = list(tt)
             fits = fits and all(label_px(str(s), font_size) <= cell_px for s in tt)
         if every_label:

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 from pcpviz.views.figures.aggregate import run_edges
 from pcpviz.views.figures.canvas import (FLAG_COLOR, Canvas, L_NULL, L_PAD, L_REPLICA, L_WRITTEN, range_text,
                                          req_levels, strip_heat, strip_labels, vline, as_figure)
-from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
+from pcpviz.views.figures.lod import PLOT_PX, Lane, RunText, draw_strip
 from pcpviz.trace import Record
 from pcpviz.trace.shapes import slot_groups
 from pcpviz.views.figures.step_data import is_replicated, step_layout, view_array
@@ -45,11 +45,9 @@ def _slot_strip(slots: np.ndarray, req: np.ndarray, status: np.ndarray | None, l
         if status is not None and not pad:
             h += "<br>" + {2: "KV written", 1: "replica: not written", 0: "padding"}[int(status[x])]
         hover.append(h)
-
-    def token_text(_run: np.ndarray, tok: np.ndarray) -> list[str]:
-        return [str(v) if v >= 0 else "PAD" for v in slots[tok].tolist()]
-
-    return Lane(e, np.asarray(level, dtype=float), text, hover, token_text)
+    starts = s0.astype(np.int64) if n else np.zeros(0, np.int64)  # a run's slots count up from its first
+    return Lane(e, np.asarray(level, dtype=float), text, hover,
+                RunText(["PAD" if u < 0 else "" for u in starts.tolist()], starts, starts >= 0))
 
 
 def _mask_strip(status: np.ndarray, req: np.ndarray) -> Lane:
@@ -58,12 +56,11 @@ def _mask_strip(status: np.ndarray, req: np.ndarray) -> Lane:
     st = status[e[:-1]].tolist()
     lev = {2: L_WRITTEN, 1: L_REPLICA, 0: L_PAD}
     names = {2: "written", 1: "replica: not written", 0: "padding"}
-    marks = np.array([{2: "W", 1: "r", 0: "·"}[x] for x in st], dtype=object)
     return Lane(e, np.array([lev[x] for x in st], dtype=float),
                 [({2: "written", 1: "replica", 0: "pad"}[x], {2: "W", 1: "r", 0: "·"}[x]) for x in st],
                 [f"{names[x]}<br>gathered rows {range_text(a, b - 1)}"
                  for x, a, b in zip(st, e[:-1].tolist(), e[1:].tolist())],
-                lambda run, _tok: marks[run].tolist())
+                RunText.per_run([{2: "W", 1: "r", 0: "·"}[x] for x in st]))
 
 
 def slot_mappings_spec(target: Record, draft: Record | None = None, *, draft_phase: str | None = None,

@@ -21,7 +21,7 @@ from pcpviz.views.figures.aggregate import run_lines, run_edges
 from pcpviz.views.figures.canvas import (DIM_COLOR, PAD_COLOR, REPLICA_COLOR, TOKEN_LIMIT, WRITTEN_COLOR, Canvas,
                                          L_PAD, L_REPLICA, L_WRITTEN, hline, range_text, req_levels,
                                          strip_heat, strip_labels, vline, as_figure)
-from pcpviz.views.figures.lod import PLOT_PX, Lane, draw_strip
+from pcpviz.views.figures.lod import PLOT_PX, Lane, RunText, draw_strip
 from pcpviz.trace import Record
 from pcpviz.views.figures.step_data import StepLayout, single_rank, step_layout
 
@@ -65,11 +65,8 @@ def _lane(sl: StepLayout, li: int, lane: tuple[np.ndarray, np.ndarray, np.ndarra
             label.append(("pad", "·"))
             hover.append(f"padding<br>{where} {range_text(a, b)}")
     chunk = np.where(rq >= 0, ck, -1)
-
-    def text(run: np.ndarray, _tok: np.ndarray) -> list[str]:
-        return [str(c) if c >= 0 else "·" for c in chunk[run].tolist()]
-
-    return Lane(e, np.asarray(level, dtype=float), label, hover, text)
+    return Lane(e, np.asarray(level, dtype=float), label, hover,
+                RunText.per_run([str(c) if c >= 0 else "·" for c in chunk.tolist()]))
 
 
 def _mask_lane(status: np.ndarray) -> Lane:
@@ -80,9 +77,8 @@ def _mask_lane(status: np.ndarray) -> Lane:
     lev = {2: L_WRITTEN, 1: L_REPLICA, 0: L_PAD}
     hover = [f"{_MASK_NAMES[s]}<br>gathered rows {range_text(a, b - 1)}"
              for s, a, b in zip(st, e[:-1].tolist(), e[1:].tolist())]
-    marks = np.array([{2: "W", 1: "r", 0: "·"}[s] for s in st], dtype=object)
     return Lane(e, np.array([lev[s] for s in st], dtype=float), [names[s] for s in st], hover,
-                lambda run, _tok: marks[run].tolist())
+                RunText.per_run([{2: "W", 1: "r", 0: "·"}[s] for s in st]))
 
 
 _MASK_NAMES = {2: "written", 1: "masked (extra replica)", 0: "padding"}
@@ -152,12 +148,11 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
     lanes = [_lane(sl, li, lane, e, levels) for li, (lane, e) in enumerate(zip(rows, _lane_runs(rows)))]
     drawn = draw_strip(lanes, window=windows.get("xaxis"), px=px)
     labels = ["global"] + [f"rank {k}" + (" ◀" if rank == k else "") for k in range(n)]
-    what = ("per token (colour = request, text = chunk, grey = padding)" if drawn.per_token else
-            "runs of request and chunk (colour = request, c = chunk, grey = padding; zoom for tokens)")
     fig = Canvas(
         [[2], [1, 1], [2]], vertical_spacing=0.13, horizontal_spacing=0.08, row_heights=[0.42, 0.42, 0.16],
         subplot_titles=(
-            f"token order: global batch vs each rank's local rows, {what}",
+            "token order: global batch vs each rank's local rows (colour = request, c = chunk, grey = padding; "
+            "zoom in for tokens)",
             "padded_gather_idx: gathered row → global token",
             "hidden_restore_idx: global token → gathered row",
             "KV write mask over the gathered rows (blue written, orange replica not written, grey pad)",
@@ -183,14 +178,31 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
     fig.axis("x", 3, 1, range=list(mask.window))
     for k in range(1, n):
         shapes.append(vline(x4r, y4r, k * p, color="#555", width=1))
-    return fig.spec(
-        height=560 + 26 * n, margin=dict(l=70, r=20, t=70, b=30),
-        title=dict(text=title or (f"step layout: PCP={n}, T={t}, P={p}, per-rank tokens "
-                                  f"{sl.per_rank_num_tokens.tolist()}, requests {', '.join(sl.req_ids)}"
-                                  + (" (a PCP=1 run records no layout: rank 0's rows are the global batch)"
-                                     if single_rank(target) else ""))),
-        legend=dict(orientation="h", y=-0.06), showlegend=True,
-    )
+    return fig.spec(height=560 + 26 * n + (22 if single_rank(target) else 0),
+                    margin=dict(l=70, r=20, t=92 if single_rank(target) else 70, b=30),
+                    title=_title(sl, single_rank(target)) if title is None else dict(text=title),
+                    legend=dict(orientation="h", y=-0.06), showlegend=True)
+
+
+MAX_TITLE_REQS = 60
+"""Longest request list (characters) the title spells out; past it the title counts them (the
+lanes' hover texts and the header name each)."""
+
+
+def _title(sl: StepLayout, pcp1: bool) -> dict:
+    """One line that fits the figure (a PCP=1 run's note as a subtitle under it)."""
+    reqs = ", ".join(sl.req_ids)
+    reqs = reqs if len(reqs) <= MAX_TITLE_REQS else f"{len(sl.req_ids)} (named in the hover texts)"
+    out = dict(text=f"step layout: PCP={sl.pcp}, T={sl.num_tokens}, P={sl.padded}, per-rank tokens "
+                    f"{_short_list(sl.per_rank_num_tokens.tolist())}, requests {reqs}")
+    if pcp1:
+        out["subtitle"] = dict(text="a PCP=1 run records no layout: rank 0's rows are the global batch")
+    return out
+
+
+def _short_list(values: list[int], limit: int = 8) -> str:
+    """``[a, b, ...]`` of at most ``limit`` values (then ``...``)."""
+    return "[" + ", ".join(map(str, values[:limit])) + (", ..." if len(values) > limit else "") + "]"
 
 
 def token_order_figure(target: Record, *, rank: int | None = None, highlight: str | None = None,

@@ -48,6 +48,7 @@ from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
 from pcpviz.views.panels import PANELS, PanelInput, affects, panel_marks
 from pcpviz.views.widgets import status as st
+from pcpviz.views.widgets.figure import RestorableFigureWidget
 from pcpviz.views.widgets.push import push_spec
 
 __all__ = ["Workbench", "AFFECTS", "VIEW_NAMES", "load_acceptance", "load_check_report", "violation_view"]
@@ -63,6 +64,9 @@ violation_view = fg.violation_view
 load_acceptance = fg.load_acceptance
 from_diff_acceptance = fg.from_diff_acceptance
 load_check_report = fg.load_check_report
+
+MAX_REPLACEMENTS = 3
+"""Most times one view's figure widget is replaced after its front end stopped hearing the kernel."""
 
 SPEC_CACHE_SIZE = 256
 """Figure specs kept per Workbench (least recently used dropped first): moving back to a step,
@@ -94,6 +98,7 @@ class Workbench(W.VBox):
         self.req_ids = fg.trace_req_ids(t)
         self.colors = fg.request_color_index(self.req_ids)
         self.render_counts: Counter[str] = Counter()
+        self.replaced: Counter[str] = Counter()  # view -> figure widgets replaced (``_replace_figure``)
         self.last_update_s = 0.0
         self.flags: list[fg.RowFlag] = []
         self._suspend = False
@@ -125,9 +130,7 @@ class Workbench(W.VBox):
             self.phase.value = fg.draft_source_phase(self.phase.options, None) or self.phase.options[0]
         self.header = W.HTML(st.header_html(t, self.meta, self.req_ids))
         self.status = W.HTML()
-        # An explicit small template: the default one costs ~60 ms per FigureWidget to set up.
-        self.figures: dict[str, go.FigureWidget] = {
-            name: go.FigureWidget(layout={"template": fg.TEMPLATE, "height": 300}) for name in VIEW_NAMES}
+        self.figures: dict[str, go.FigureWidget] = {name: self._new_figure(name) for name in VIEW_NAMES}
         self.acceptance = load_acceptance(t)
 
         t0 = time.perf_counter()
@@ -136,8 +139,6 @@ class Workbench(W.VBox):
         self.violations = st.first_violations(self.check_report)
         self.checks_box, self.jump_buttons = st.checks_widget(self.check_report, self.violations, self.jump_to)
 
-        for view in _no_windows():  # a zoom in the browser: FigureWidget's relayout message from plotly.js
-            self.figures[view].observe(lambda change, v=view: self._on_relayout(v, change), names="_js2py_relayout")
         self.step.observe(self._on_step, names="value")
         self.rank.observe(self._on_rank, names="value")
         self.phase.observe(self._on_phase, names="value")
@@ -155,6 +156,30 @@ class Workbench(W.VBox):
         super().__init__(children + view_boxes)
         self.add_class("pcpviz-workbench")
         self._render(set(VIEW_NAMES))
+
+    # ------------------------------------------------------------------ figures
+
+    def _new_figure(self, view: str) -> go.FigureWidget:
+        """The widget ``view`` is drawn in: restorable after a page reload, replaced when its front
+        end reports that it no longer hears the kernel (``pcpviz.views.widgets.figure``)."""
+        # An explicit small template: the default one costs ~60 ms per FigureWidget to set up.
+        fw = RestorableFigureWidget(layout={"template": fg.TEMPLATE, "height": 300})
+        fw.on_deaf = lambda old, v=view: self._replace_figure(v, old)
+        if PANELS[view].zoom_axes:  # a zoom in the browser: FigureWidget's relayout message from plotly.js
+            fw.observe(lambda change, v=view: self._on_relayout(v, change), names="_js2py_relayout")
+        return fw
+
+    def _replace_figure(self, view: str, old: go.FigureWidget) -> None:
+        """Show ``view`` in a new widget in place of ``old`` (whose front end stopped hearing the
+        kernel: anywidget's load window missed after a page reload), drawing what it showed."""
+        if self.figures.get(view) is not old or self.replaced[view] >= MAX_REPLACEMENTS:
+            return
+        self.replaced[view] += 1
+        fw = self._new_figure(view)
+        self.figures[view] = fw
+        self._shown[view] = push_spec(fw, self._spec(view), None, width=self.width)
+        self.children = tuple(fw if c is old else c for c in self.children)
+        old.close()
 
     # ------------------------------------------------------------------ data access
 
