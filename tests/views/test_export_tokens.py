@@ -10,7 +10,7 @@
   order, slot-mapping and block-table views; a reset draws the page's figure again;
 * past the size caps a page keeps its run-level drawing and says so.
 
-Screenshots: ``artifacts/browser/export_16k_*.png``.
+Screenshots: ``artifacts/browser/export_16k_*.png`` and ``export_pcp1_*.png``.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def _measure(page, fig_id: str) -> dict:
 def _zoom(page, fig_id: str, relayout: dict, shot: str) -> tuple[dict, np.ndarray]:
     page.evaluate("([id, r]) => Plotly.relayout(id, r)", [fig_id, relayout])
     page.wait_for_timeout(800)  # the redraw the relayout event starts
-    path = SHOTS / f"export_16k_{shot}.png"
+    path = SHOTS / f"export_{shot}.png"
     page.locator(f"#{fig_id}").screenshot(path=str(path))
     return _measure(page, fig_id), np.asarray(Image.open(path).convert("RGB"))
 
@@ -147,7 +147,7 @@ def test_a_zoom_in_the_exported_page_reveals_per_token_cells(long_page, long_tra
         page.locator("#step").evaluate("(el, v) => { el.value = v; el.dispatchEvent(new Event('input')); }",
                                        steps.index(step))
         page.wait_for_timeout(500)
-        whole, img = _zoom(page, "fig-token_order", {}, "token_order")
+        whole, img = _zoom(page, "fig-token_order", {}, "16k_token_order")
         ax = whole["axes"]["x"]
         assert ax["range"] == pytest.approx([0, 16384]) and whole["cellText"] == 0
         assert _gaps(img, ax, ax["lanes"][0]) < 20  # runs: a handful of chunk boundaries, no cells
@@ -156,7 +156,7 @@ def test_a_zoom_in_the_exported_page_reveals_per_token_cells(long_page, long_tra
                  ("fig-slot_mappings", "x2", {"xaxis2.range": [7000, 7060]}, 0),  # gathered slots
                  ("fig-block_tables", "x", {"xaxis.range": [100, 160]}, 0)]    # block ids, all three rows
         for fig_id, key, relayout, lane in cases:
-            shot = f"{fig_id[4:]}_{key}_{list(relayout.values())[0][0]}"
+            shot = f"16k_{fig_id[4:]}_{key}_{list(relayout.values())[0][0]}"
             m, img = _zoom(page, fig_id, relayout, shot)
             a = m["axes"][key]
             assert a["range"] == pytest.approx(list(relayout.values())[0]), a["range"]
@@ -167,7 +167,7 @@ def test_a_zoom_in_the_exported_page_reveals_per_token_cells(long_page, long_tra
                 assert m["cellText"] >= 60, f"{shot}: {m['cellText']} cell texts"
             else:  # then the runs are labelled instead, inside the window
                 assert [t for t in m["texts"] if t["x0"] >= a["x0"] - 1 and t["x1"] <= a["x1"] + 1], shot
-        reset, _ = _zoom(page, "fig-token_order", {"xaxis.autorange": True}, "token_order_reset")
+        reset, _ = _zoom(page, "fig-token_order", {"xaxis.autorange": True}, "16k_token_order_reset")
         assert reset["axes"]["x"]["range"] == pytest.approx([0, 16384]) and reset["cellText"] == 0
         assert not errors, errors
     finally:
