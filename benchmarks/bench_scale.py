@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/bench_scale.py                       # all scenarios
     .venv/bin/python benchmarks/bench_scale.py --scenario steps --steps 20000
     .venv/bin/python benchmarks/bench_scale.py --scenario pcp64 --keep runs/bench-scale
+    .venv/bin/python benchmarks/bench_scale.py --scenario long pcp64 --only check explain diff chrome \
+        --baseline ../main --json data/bench/scale_cpu_vs_main.json   # against another checkout
 
 Scenarios (synthetic traces, every view built by the pcpviz reference):
 
@@ -88,7 +90,7 @@ def measure(argv: list[str], timeout: float, root: Path = ROOT) -> tuple[float, 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "kernels")]))
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "pcpviz.cli", *argv], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, env=env)
+                         stderr=subprocess.DEVNULL, env=env, cwd=root)  # -m imports from the cwd first
     while True:
         pid, status, usage = os.wait4(p.pid, os.WNOHANG)
         if pid:
@@ -111,7 +113,7 @@ def commands(trace: Path, other: Path, work: Path, which: str) -> list[tuple[str
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", choices=["steps", "pcp64", "long", "all"], default="all")
+    ap.add_argument("--scenario", nargs="+", choices=["steps", "pcp64", "long", "all"], default=["all"])
     ap.add_argument("--steps", type=int, default=100_000, help="steps of the 'steps' scenario")
     ap.add_argument("--keep", type=Path, default=None, help="write the traces here (kept)")
     ap.add_argument("--timeout", type=float, default=600.0, help="stop a command after this many seconds")
@@ -125,7 +127,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     work = args.keep or Path(tempfile.mkdtemp(prefix="pcpviz-bench-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    scenarios = ["long", "pcp64", "steps"] if args.scenario == "all" else [args.scenario]
+    scenarios = ["long", "pcp64", "steps"] if "all" in args.scenario else args.scenario
     rows = []
     for sc in scenarios:
         t0 = time.perf_counter()
