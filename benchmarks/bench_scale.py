@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/bench_scale.py                       # all scenarios
     .venv/bin/python benchmarks/bench_scale.py --scenario steps --steps 20000
     .venv/bin/python benchmarks/bench_scale.py --scenario pcp64 --keep runs/bench-scale
+    .venv/bin/python benchmarks/bench_scale.py --scenario long pcp64 --only check explain diff chrome \
+        --baseline ../main --json data/bench/scale_cpu_vs_main.json   # against another checkout
 
 Scenarios (synthetic traces, every view built by the pcpviz reference):
 
@@ -82,13 +84,13 @@ def long_prompt(out: Path) -> Path:
     return run.write(out)
 
 
-def measure(argv: list[str], timeout: float) -> tuple[float, float, int | None]:
+def measure(argv: list[str], timeout: float, root: Path = ROOT) -> tuple[float, float, int | None]:
     """(wall seconds, peak RSS in MiB, exit code or None when stopped at ``timeout``) of
-    ``python -m pcpviz.cli argv``."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "kernels")]))
+    ``python -m pcpviz.cli argv`` with the pcpviz of ``root``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "kernels")]))
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "pcpviz.cli", *argv], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL, env=env)
+                         stderr=subprocess.DEVNULL, env=env, cwd=root)  # -m imports from the cwd first
     while True:
         pid, status, usage = os.wait4(p.pid, os.WNOHANG)
         if pid:
@@ -111,16 +113,21 @@ def commands(trace: Path, other: Path, work: Path, which: str) -> list[tuple[str
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scenario", choices=["steps", "pcp64", "long", "all"], default="all")
+    ap.add_argument("--scenario", nargs="+", choices=["steps", "pcp64", "long", "all"], default=["all"])
     ap.add_argument("--steps", type=int, default=100_000, help="steps of the 'steps' scenario")
     ap.add_argument("--keep", type=Path, default=None, help="write the traces here (kept)")
     ap.add_argument("--timeout", type=float, default=600.0, help="stop a command after this many seconds")
     ap.add_argument("--json", type=Path, default=ROOT / "data" / "bench" / "scale_cpu.json",
                     help="write the table here (JSON)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="CMD",
+                    help="run only these commands (check, explain, diff, chrome, html)")
+    ap.add_argument("--baseline", type=Path, default=None, metavar="ROOT",
+                    help="also run each command with the pcpviz of this checkout (e.g. an older main), "
+                         "right after this one's, under the same load: the ratio is the figure to read")
     args = ap.parse_args(argv)
     work = args.keep or Path(tempfile.mkdtemp(prefix="pcpviz-bench-scale-"))
     work.mkdir(parents=True, exist_ok=True)
-    scenarios = ["long", "pcp64", "steps"] if args.scenario == "all" else [args.scenario]
+    scenarios = ["long", "pcp64", "steps"] if "all" in args.scenario else args.scenario
     rows = []
     for sc in scenarios:
         t0 = time.perf_counter()
@@ -139,11 +146,18 @@ def main(argv=None) -> int:
         del t
         print(f"{sc}: {shape} (generated in {time.perf_counter() - t0:.0f} s)", flush=True)
         for name, cmd in commands(trace, other, work, sc):
+            if args.only and not any(word in name for word in args.only):
+                continue
             load = os.getloadavg()[0]
             wall, rss, rc = measure(cmd, args.timeout)
             rows.append(dict(scenario=sc, **shape, command=f"pcpviz {name}", seconds=round(wall, 2),
                              peak_rss_mib=round(rss), exit=rc, load_before=round(load, 2)))
             print(f"  {name:20s} {wall:8.1f} s {rss:8.0f} MiB  exit {rc}  (load {load:.1f})", flush=True)
+            if args.baseline is not None:
+                bwall, brss, brc = measure(cmd, args.timeout, args.baseline.resolve())
+                rows[-1].update(baseline_seconds=round(bwall, 2), baseline_peak_rss_mib=round(brss), baseline_exit=brc,
+                                speedup=round(bwall / wall, 2) if brc is not None and rc is not None else None)
+                print(f"  {'  baseline':20s} {bwall:8.1f} s {brss:8.0f} MiB  exit {brc}", flush=True)
     print("\n| scenario | steps | ranks | tokens | command | wall (s) | peak RSS (MiB) | exit |\n"
           "|---|---|---|---|---|---|---|---|")
     for r in rows:
@@ -155,6 +169,7 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(dict(
             command="python benchmarks/bench_scale.py " + " ".join(sys.argv[1:] if argv is None else argv),
             machine=f"{os.cpu_count()} CPUs (shared), {platform.platform()}", timeout_s=args.timeout,
+            baseline=None if args.baseline is None else str(args.baseline),
             note="one run; wall time and peak RSS (wait4) of each command in its own process", rows=rows),
             indent=1) + "\n")
     if args.keep is None:

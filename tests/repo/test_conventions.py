@@ -27,7 +27,6 @@ KNOWN: dict[str, dict[str, int]] = {
     "function-lines": {
     },
     "module-lines": {
-        "pcpviz/trace/index.py": 523,
     },
     "positional-params": {
         "pcpviz/reference/blocks.py::compute_slot_mappings": 6,

@@ -1,0 +1,295 @@
+"""One record batch of a rank file (one step): checked when a trace is opened (``check_batch``)
+and read for decoding (``load``).
+
+The work per batch is small: the names and shapes of a batch are parsed and checked once per
+distinct content of their columns (``BatchParsers``: steps with the same views and shapes share
+the work), and the checksum of the index is one crc32 over the rows' index strings, formatted
+at once. A PCP=2 K=1 step of 51 rows has one ``Layout`` shared with every step recording the same
+views: ``{"target": (0, ..., 33), "draft_0": (...), "verify": (...)}``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+import numpy as np
+import pyarrow as pa
+
+from . import schema as S
+from .errors import TraceError
+
+__all__ = ["Layout", "Loaded", "BatchParsers", "TailDamage", "check_batch", "load", "one_line"]
+
+_CACHE_MAX = 4096  # distinct name / shape columns remembered while scanning
+
+
+class TailDamage(Exception):
+    """Unparseable bytes ended the readable part of a rank file (message: what, one line)."""
+
+
+def one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """The names part of a step's index: every row's phase, view and dtype tag.
+
+    ``phases`` maps each phase, in execution order, to its rows (indices into the batch); a
+    PCP=2 K=1 step has e.g. ``{"target": (0, 1, ...), "draft_0": (...), "verify": (...)}``.
+    """
+
+    phases: Mapping[str, tuple[int, ...]]
+    views: tuple[str, ...]  # per row
+    tags: tuple[str, ...]  # per row
+    dtypes: tuple[np.dtype | None, ...]  # per row (None: str)
+    itemsizes: np.ndarray  # int64[n]: itemsize per row, 0 for str rows
+    prefixes: tuple[bytes, ...]  # per row: b"phase\0view\0tag\0" (the step_crc32 string's head)
+    phase_of: tuple[str, ...]  # per row
+
+
+@dataclass(frozen=True)
+class _Names:
+    """A parsed name column triple: the layout, or the first error (row, message)."""
+
+    layout: Layout | None
+    error: tuple[int, str] | None
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """A parsed shape column: per row shape and its text in the index string, or the first
+    row whose shape is not a list of non-negative ints."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    texts: tuple[bytes, ...]
+    counts: np.ndarray  # int64[n]: elements per row (math.prod of its shape)
+    error: tuple[int, str] | None
+
+
+def _parse_names(phases: list, views: list, tags: list) -> _Names:
+    by_phase: dict[str, list[int]] = {}
+    seen: set[tuple[str, str]] = set()
+    dtypes = []
+    for i, (phase, view, tag) in enumerate(zip(phases, views, tags)):
+        if not S.is_valid_phase(phase):
+            return _Names(None, (i, f"phase {phase!r} is not a valid phase name "
+                                    "(target, verify, dummy or draft_<k>)"))
+        if not S.is_valid_view_name(view):
+            return _Names(None, (i, f"view name {view!r} is not an identifier (phase {phase!r})"))
+        if (phase, view) in seen:
+            return _Names(None, (i, f"view {view!r} appears twice in phase {phase!r}"))
+        seen.add((phase, view))
+        try:
+            dtypes.append(S.parse_dtype_tag(tag))
+        except ValueError as exc:
+            return _Names(None, (i, f"view {view!r} has {exc} (phase {phase!r})"))
+        by_phase.setdefault(phase, []).append(i)
+    ordered = {p: tuple(by_phase[p]) for p in sorted(by_phase, key=S.phase_sort_key)}
+    layout = Layout(MappingProxyType(ordered), tuple(views), tuple(tags), tuple(dtypes),
+                    np.array([0 if d is None else d.itemsize for d in dtypes], dtype=np.int64),
+                    tuple(f"{p}\0{v}\0{t}\0".encode("utf-8") for p, v, t in zip(phases, views, tags)),
+                    tuple(phases))
+    return _Names(layout, None)
+
+
+def _parse_shapes(col: pa.Array) -> _Shapes:
+    shapes, texts, counts = [], [], []
+    for i, shape in enumerate(col.to_pylist()):
+        try:
+            shape = S.check_shape(shape)
+        except ValueError as exc:
+            return _Shapes((), (), np.zeros(0, np.int64), (i, f"has {exc}"))
+        shapes.append(shape)
+        texts.append(",".join(map(str, shape)).encode("ascii"))
+        counts.append(math.prod(shape))
+    big = any(c >= 1 << 62 for c in counts)  # int64 would wrap: such a row can match no size
+    arr = np.array([-1 if c >= 1 << 62 else c for c in counts] if big else counts, dtype=np.int64)
+    return _Shapes(tuple(shapes), tuple(texts), arr, None)
+
+
+# The buffers of ``batch.to_struct_array()`` under ``schema.ARROW_SCHEMA``, in order (an array
+# read from an IPC stream has offset 0): validity bitmaps, then per column its offsets and data.
+_VALIDITY = (0, 1, 3, 6, 9, 12, 14, 16, 19, 21)
+_STEP, _NAMES, _SHAPE_OFF, _SHAPE_ITEMS = 2, (4, 5, 7, 8, 10, 11), 13, 15
+_DATA_OFF, _DATA, _CRC, _STEP_CRC = 17, 18, 20, 22
+
+
+class BatchParsers:
+    """Memos of parsed name and shape columns, by the bytes of their buffers, for one scan."""
+
+    def __init__(self) -> None:
+        self.names: dict[tuple, _Names] = {}
+        self.shapes: dict[tuple, _Shapes] = {}
+        self.formats: dict[tuple[int, int], bytes] = {}  # by (id(names), id(shapes)), both kept above
+
+    def crc_format(self, names: _Names, shapes: _Shapes, *, memo: bool) -> bytes:
+        """The rows' index strings with their sizes and crc32s left as ``%d`` (``memo``: both
+        parses are kept in this object's memos, so their ids stay theirs)."""
+        key = (id(names), id(shapes))
+        fmt = self.formats.get(key) if memo else None
+        if fmt is None:
+            fmt = b"".join((pre + text + b"\0").replace(b"%", b"%%") + b"%d\0%d\0"
+                           for pre, text in zip(names.layout.prefixes, shapes.texts))
+            if memo:
+                self.formats[key] = fmt
+        return fmt
+
+    def names_of(self, batch: pa.RecordBatch, bufs: list | None) -> _Names:
+        key = None if bufs is None else (batch.num_rows, *(_bytes(bufs[k]) for k in _NAMES))
+        got = None if key is None else self.names.get(key)
+        if got is None:
+            got = _parse_names(*(batch.column(c).to_pylist() for c in ("phase", "view", "dtype")))
+            if key is not None:
+                if len(self.names) >= _CACHE_MAX:
+                    self.names.clear()
+                    self.formats.clear()
+                self.names[key] = got
+        return got
+
+    def shapes_of(self, batch: pa.RecordBatch, bufs: list | None) -> _Shapes:
+        key = None if bufs is None else (batch.num_rows, *(_bytes(bufs[k]) for k in (_SHAPE_OFF, _SHAPE_ITEMS)))
+        got = None if key is None else self.shapes.get(key)
+        if got is None:
+            got = _parse_shapes(batch.column("shape"))
+            if key is not None:
+                if len(self.shapes) >= _CACHE_MAX:
+                    self.shapes.clear()
+                    self.formats.clear()
+                self.shapes[key] = got
+        return got
+
+
+_EMPTY = pa.py_buffer(b"")
+
+
+def _bytes(buf: pa.Buffer | None) -> bytes:
+    return b"" if buf is None else buf.to_pybytes()
+
+
+def _array(buf: pa.Buffer | None, dtype, count: int | None = None) -> np.ndarray:
+    """The buffer as an array (a zero-length buffer arrives as None)."""
+    if buf is None:
+        return np.zeros(count or 0, dtype=dtype)
+    if count is None:  # the whole buffer (a damaged length may leave a partial element at its end)
+        count = buf.size // np.dtype(dtype).itemsize
+    return np.frombuffer(buf, dtype=dtype, count=count)
+
+
+def _buffers(batch: pa.RecordBatch) -> list | None:
+    """The batch's buffers, or None when a column has a validity bitmap (then every column
+    is read through pyarrow, nulls counted, no memo used)."""
+    bufs = batch.to_struct_array().buffers()
+    return None if any(bufs[k] is not None for k in _VALIDITY) else bufs
+
+
+def _index_crc(step: int, fmt: bytes, sizes: np.ndarray, crcs: np.ndarray) -> int:
+    """``schema.step_crc32`` of a batch: one crc32 over its rows' index strings, formatted at once
+    (``_Parsers.crc_format``)."""
+    head = f"{step}\0{sizes.shape[0]}\0".encode("utf-8")
+    values = np.stack([sizes, crcs.astype(np.int64)], axis=1).ravel().tolist()
+    return zlib.crc32(fmt % tuple(values), zlib.crc32(head)) & 0xFFFFFFFF
+
+
+def check_batch(path: Path, batch: pa.RecordBatch, *, steps_so_far: list[int],
+                parsers: "BatchParsers") -> tuple[int, Layout]:
+    """Check a parsed batch (the file's ``len(steps_so_far)``-th); returns (step, layout).
+
+    Raises ``TailDamage`` when the step's index fails its checksum (the bytes were damaged) and
+    ``TraceError`` when an intact step says something wrong (the producer wrote it so)."""
+    n = batch.num_rows
+    if n == 0:
+        raise TraceError(f"{path}: record batch #{len(steps_so_far)}: has no rows")
+    bufs = _buffers(batch)
+    if bufs is None:
+        for name, col in zip(batch.schema.names, batch.columns):
+            if col.null_count:
+                raise TailDamage(f"column {name!r} has nulls")
+        bufs = batch.to_struct_array().buffers()
+        names, shapes = parsers.names_of(batch, None), parsers.shapes_of(batch, None)
+        memo = False
+    else:
+        memo = True
+        names, shapes = parsers.names_of(batch, bufs), parsers.shapes_of(batch, bufs)
+    steps = _array(bufs[_STEP], np.int64, n)  # int64[n]
+    step = int(steps[0])
+    prev = steps_so_far[-1] if steps_so_far else None
+    crcs = _array(bufs[_CRC], np.uint32, n)  # uint32[n]
+    step_crcs = _array(bufs[_STEP_CRC], np.uint32, n)  # uint32[n]
+    sizes = np.diff(_array(bufs[_DATA_OFF], np.int64, n + 1))  # int64[n]
+    if names.layout is not None and shapes.error is None:
+        expected = _index_crc(step, parsers.crc_format(names, shapes, memo=memo), sizes, crcs)
+    else:  # a broken row: the slow path gives the same checksum
+        pyshapes = batch.column("shape").to_pylist()
+        expected = S.step_crc32(step, zip(batch.column("phase").to_pylist(), batch.column("view").to_pylist(),
+                                          batch.column("dtype").to_pylist(), pyshapes, sizes.tolist(),
+                                          crcs.tolist()))
+    if (steps != step).any() or (step_crcs != expected).any():
+        raise TailDamage("index checksum mismatch (step_crc32)")
+    if prev is not None and step <= prev:
+        at = bisect.bisect_left(steps_so_far, step)
+        if at < len(steps_so_far) and steps_so_far[at] == step:
+            raise TraceError(f"{path}: step {step}: duplicate step (also record batch #{at})")
+        raise TraceError(f"{path}: step {step}: comes after step {prev}; steps must increase")
+    _check_rows(f"{path}: step {step}", batch, names, shapes, sizes)
+    return step, names.layout
+
+
+def _check_rows(where: str, batch: pa.RecordBatch, names: _Names, shapes: _Shapes, sizes: np.ndarray) -> None:
+    """Every row's names, dtype, shape and size; the first bad row raises ``TraceError``. The
+    memoized parses answer for a good batch; a bad one is walked row by row, in order."""
+    layout = names.layout
+    if layout is not None and shapes.error is None:
+        numeric = layout.itemsizes > 0
+        want = -(-(shapes.counts * layout.itemsizes) // S.ALIGN) * S.ALIGN  # int64[n]
+        if not (numeric & ((want != sizes) | (shapes.counts < 0))).any():
+            return
+    seen: set[tuple[str, str]] = set()
+    rows = zip(*(batch.column(c).to_pylist() for c in ("phase", "view", "dtype", "shape")))
+    for i, (phase, view, tag, shape) in enumerate(rows):
+        if not S.is_valid_phase(phase):
+            raise TraceError(f"{where}: phase {phase!r} is not a valid phase name "
+                             "(target, verify, dummy or draft_<k>)")
+        if not S.is_valid_view_name(view):
+            raise TraceError(f"{where}: view name {view!r} is not an identifier (phase {phase!r})")
+        if (phase, view) in seen:
+            raise TraceError(f"{where}: view {view!r} appears twice in phase {phase!r}")
+        seen.add((phase, view))
+        try:
+            dt = S.parse_dtype_tag(tag)
+            shape = S.check_shape(shape)
+        except ValueError as exc:
+            raise TraceError(f"{where}: view {view!r} has {exc} (phase {phase!r})") from None
+        if dt is not None:
+            want = S.padded_size(math.prod(shape) * dt.itemsize)
+            if int(sizes[i]) != want:
+                raise TraceError(f"{where}: view {view!r} holds {int(sizes[i])} bytes, expected "
+                                 f"{want} for {tag} {list(shape)} (phase {phase!r})")
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """One step's batch as decoding reads it: per row its shape and crc32, and the payloads."""
+
+    shape_offsets: list  # int[n+1]: row j's shape is items[shape_offsets[j]:shape_offsets[j+1]]
+    items: np.ndarray  # int64[...]: the shapes' dimensions
+    crcs: list  # int[n]
+    offsets: list  # int[n+1]: payload offsets into ``values``
+    values: pa.Buffer  # the payload bytes (a slice of the map)
+
+    def shape(self, j: int) -> tuple[int, ...]:
+        return tuple(self.items[self.shape_offsets[j]:self.shape_offsets[j + 1]].tolist())
+
+
+def load(batch: pa.RecordBatch) -> Loaded:
+    """What decoding reads of a batch (validated by Arrow): shapes, crc32s, payload offsets."""
+    bufs, n = batch.to_struct_array().buffers(), batch.num_rows
+    return Loaded(_array(bufs[_SHAPE_OFF], np.int32, n + 1).tolist(), _array(bufs[_SHAPE_ITEMS], np.int64),
+                  _array(bufs[_CRC], np.uint32, n).tolist(), _array(bufs[_DATA_OFF], np.int64, n + 1).tolist(),
+                  bufs[_DATA] if bufs[_DATA] is not None else _EMPTY)
