@@ -202,23 +202,33 @@ def _patch_uva_buffer() -> None:
 
 def _patch_triton_interpreter_lock() -> None:
     # The Triton interpreter swaps triton.language builtins for interpreted
-    # versions for the duration of each launch (module-global state); ranks run
-    # as threads here, so two concurrent launches would corrupt each other.
-    # Serialise launches process-wide.
+    # versions for the duration of each launch (module-global state), and a
+    # kernel's first launch rewrites its source with ast.parse, which CPython
+    # 3.11 does not make thread-safe ("AST constructor recursion depth
+    # mismatch" when two rank threads first launch the same kernel at once).
+    # Ranks run as threads here: serialise both, launches and rewrites,
+    # process-wide under one lock.
     from triton.runtime import interpreter
 
     call = interpreter.GridExecutor.__call__
     if getattr(call, "_pcpviz_locked", False):
         return
     lock = threading.RLock()
+    rewrite = interpreter.InterpretedFunction.rewrite
 
     @functools.wraps(call)
     def locked_call(self: Any, *args: Any, **kwargs: Any) -> Any:
         with lock:
             return call(self, *args, **kwargs)
 
+    @functools.wraps(rewrite)
+    def locked_rewrite(self: Any) -> Any:
+        with lock:
+            return rewrite(self)
+
     locked_call._pcpviz_locked = True  # type: ignore[attr-defined]
     interpreter.GridExecutor.__call__ = locked_call
+    interpreter.InterpretedFunction.rewrite = locked_rewrite
 
 
 def _patch_triton_interpreter_int1_masks() -> None:
