@@ -520,6 +520,7 @@ def pcpviz(*args):
                           timeout=120)
 
 
+@pytest.mark.slow
 def test_cli_check_exit_codes(tmp_path):
     good = clean_run(2).write(tmp_path / "good")
     bad = clean_run(2, faults=[F.GLOBAL_POSITIONS_FROM_CPU_CURSOR]).write(tmp_path / "bad")

@@ -43,6 +43,7 @@ def test_the_subset_names_real_mutations():
     assert len([m for m in MUTATIONS if not m.harmless]) >= 20 and sum(m.harmless for m in MUTATIONS) >= 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in SUBSET if not n.startswith("refactor_")])
 def test_an_uncatalogued_bug_is_found_and_never_blamed_on_a_wrong_fault(rows, name):
     r = rows[name]
@@ -52,6 +53,7 @@ def test_an_uncatalogued_bug_is_found_and_never_blamed_on_a_wrong_fault(rows, na
     assert r.verdict not in (CLEAN, FAULT), r  # honest: the mechanism, not a catalogued fault
 
 
+@pytest.mark.slow
 def test_a_harmless_refactor_raises_no_alarm(rows):
     r = rows["refactor_shift_with_roll"]
     assert r.ran and not r.alarm and r.verdict == CLEAN, r

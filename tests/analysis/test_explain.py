@@ -75,6 +75,7 @@ def _confusion(matrix) -> tuple[dict, str]:
     return rows, "\n".join(lines)
 
 
+@pytest.mark.slow
 def test_explain_ranks_the_injected_fault_first(matrix):
     rows, table = _confusion(matrix)
     print("\n" + table)
@@ -94,6 +95,7 @@ def test_explain_ranks_the_injected_fault_first(matrix):
         assert any(h.fault == c[1] and h.status in ("matches", "partial") for h in e.hypotheses), (c, e.format())
 
 
+@pytest.mark.slow
 def test_explain_never_blames_a_clean_run(matrix):
     for j, s in enumerate(SETTINGS):
         e = matrix[(s, "clean")]
@@ -111,6 +113,7 @@ def test_shipped_traces_come_out_clean(name):
     assert e.verdict == CLEAN and e.ok and e.top is None, e.format()
 
 
+@pytest.mark.slow
 def test_real_vllm_trace_against_an_engine_rerun_blames_nothing_but_says_they_differ():
     e = explain(TRACES / "vllm-h200x2-pcp2-mtp2")  # no GOOD: the engine re-runs its 4 prompts on CPU
     assert e.symptoms.reference_kind == "rerun"
@@ -155,6 +158,7 @@ def _cli(*args):
                           cwd=ROOT, env=env)
 
 
+@pytest.mark.slow
 def test_cli_exit_codes_and_json(tmp_path):
     r = _cli(str(TRACES / "vllm-h200x2-pcp2-mtp2"), "--no-rerun")
     assert r.returncode == 0 and "verdict: CLEAN" in r.stdout, r.stderr

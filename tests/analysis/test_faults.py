@@ -11,6 +11,8 @@ from pcpviz.analysis.checks import run_checks
 from pcpviz.analysis.diff import acceptance, diff_traces
 from pcpviz.faults import ENGINE, FAULTS, RANK_DIVERGENT_ACCEPTANCE, faults_of
 
+pytestmark = pytest.mark.slow  # one multi-process engine run per fault
+
 PROMPTS = [
     "def fibonacci(n):\n    ",
     "import os\nimport sys\n\n\ndef main(argv):\n    parser = ",

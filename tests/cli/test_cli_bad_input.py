@@ -154,6 +154,7 @@ def test_python_m_pcpviz_cli_knows_every_subcommand():
 
 # --------------------------------------------------------------------------- one writer per dir
 
+@pytest.mark.slow
 def test_two_concurrent_runs_into_one_directory(tmp_path):
     """Started together: one run wins, the other gets one line and exit 2, and the winner's
     trace is whole (not mixed)."""

@@ -51,6 +51,7 @@ def test_python_m_pcpviz_is_the_pcpviz_command():
     assert r.returncode == 0 and "requests: A = row 0 p13" in r.stdout
 
 
+@pytest.mark.slow
 def test_replay_prints_no_vllm_kernel_import_warning(tmp_path):
     r = _python_m_pcpviz("replay", "--pcp", "2", "--mtp", "1", "--scenario", "decode_only", "--quiet",
                          "--trace", str(tmp_path / "r"))
@@ -84,6 +85,7 @@ def test_write_config_for_gpus_on_other_hosts(tmp_path, capsys):
     assert "torchrun --nnodes <hosts>" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_long_prompt_shows_prefill_progress(tmp_path):
     """Chunked prefill of a 601-token prompt at 64 tokens a step: the progress bar counts the
     prompt tokens prefilled before the first new token appears."""

@@ -1,5 +1,6 @@
 """`pcpviz run` end to end: the JSON summary, the trace, fault listing, exit codes."""
 
+import pytest
 import json
 import re
 import shutil
@@ -16,6 +17,7 @@ def pcpviz(*args, timeout=300):
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_run_writes_summary_and_trace(tmp_path):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(["import re\n", "def add(a, b):\n    return"]))
@@ -45,6 +47,7 @@ def test_list_faults_names_each_check():
     assert r.stdout.count("caught by:") == len(faults_of(ENGINE))
 
 
+@pytest.mark.slow
 def test_bad_run_input_exits_2_with_one_line(tmp_path):
     bad = tmp_path / "p.json"
     bad.write_text("{not json")
@@ -61,6 +64,7 @@ def test_bad_run_input_exits_2_with_one_line(tmp_path):
         assert len(lines) == 1 and needle in lines[0], r.stderr
 
 
+@pytest.mark.slow
 def test_torchrun_launches_the_same_ranks(tmp_path):
     """`--write-config` + torchrun (env:// rendezvous, as across hosts) gives pcpviz run's tokens."""
     cfg = tmp_path / "run.cfg.json"

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the README's whole tour, engine runs included
+
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
 

@@ -44,6 +44,7 @@ def pcp2_run(tmp_path_factory):
     return pcpviz.run(PROMPTS, pcp=2, num_speculative_tokens=2, trace_dir=str(d), **MIXED)
 
 
+@pytest.mark.slow
 def test_speculation_equals_transformers_greedy(pcp1_run):
     from transformers import AutoModelForCausalLM
 
@@ -58,6 +59,7 @@ def test_speculation_equals_transformers_greedy(pcp1_run):
     assert pcp1_run.num_drafts > 0 and sum(pcp1_run.num_accepted_tokens_per_pos) > 0
 
 
+@pytest.mark.slow
 def test_pcp2_equals_pcp1_on_mixed_batches(pcp1_run, pcp2_run):
     assert pcp2_run.output_token_ids == pcp1_run.output_token_ids
     assert pcp2_run.num_accepted_tokens_per_pos == pcp1_run.num_accepted_tokens_per_pos
@@ -70,12 +72,14 @@ def test_pcp2_equals_pcp1_on_mixed_batches(pcp1_run, pcp2_run):
     assert (True, True) in kinds, "no step mixed prefills and decodes"
 
 
+@pytest.mark.slow
 def test_pcp4_equals_pcp1(pcp1_run, tmp_path):
     res = pcpviz.run(PROMPTS, pcp=4, num_speculative_tokens=2, trace_dir=str(tmp_path), **MIXED)
     assert res.output_token_ids == pcp1_run.output_token_ids
     assert len(set(res.kv_cache_digests)) == 1
 
 
+@pytest.mark.slow
 def test_ranks_hold_identical_kv_and_drafts(pcp2_run):
     assert len(pcp2_run.kv_cache_digests) == 2 and len(set(pcp2_run.kv_cache_digests)) == 1
     trace = pt.open(pcp2_run.trace_path)
@@ -87,6 +91,7 @@ def test_ranks_hold_identical_kv_and_drafts(pcp2_run):
                 np.testing.assert_array_equal(a, b, err_msg=f"step {step} {phase}")
 
 
+@pytest.mark.slow
 def test_recorded_layout_equals_plan_layout(pcp2_run):
     trace = pt.open(pcp2_run.trace_path)
     assert trace.meta["producer"] == "pcpviz-engine" and trace.meta["pcp"] == 2
@@ -104,6 +109,7 @@ def test_recorded_layout_equals_plan_layout(pcp2_run):
         assert str(trace.record(step, 0, "draft_1")["view"]) == "replicated"
 
 
+@pytest.mark.slow
 def test_recorded_views_are_declared_in_the_schema(pcp1_run, pcp2_run):
     from pcpviz.trace.validate import undeclared_views
 
@@ -111,12 +117,14 @@ def test_recorded_views_are_declared_in_the_schema(pcp1_run, pcp2_run):
         assert undeclared_views(pt.open(run.trace_path)) == []
 
 
+@pytest.mark.slow
 def test_recording_does_not_change_tokens(pcp2_run):
     res = pcpviz.run(PROMPTS, pcp=2, num_speculative_tokens=2, **MIXED)
     assert res.trace_path is None
     assert res.output_token_ids == pcp2_run.output_token_ids
 
 
+@pytest.mark.slow
 def test_no_speculation_mode(pcp1_run):
     res = pcpviz.run(PROMPTS[:1], pcp=2, num_speculative_tokens=0, **MIXED)
     assert res.output_token_ids == pcp1_run.output_token_ids[:1]
@@ -124,6 +132,7 @@ def test_no_speculation_mode(pcp1_run):
     assert math.isnan(res.mean_acceptance_length) and res.summary()["mean_acceptance_length"] is None
 
 
+@pytest.mark.slow
 def test_dead_rank_is_named_and_does_not_hang(tmp_path, monkeypatch):
     monkeypatch.setenv("PCPVIZ_DEBUG_EXIT_RANK", "1@2")  # rank 1 dies at step 2
     with pytest.raises(pcpviz.RankError) as err:

@@ -80,6 +80,7 @@ def runs(tmp_path_factory):
     return eager, graphs
 
 
+@pytest.mark.slow
 def test_engine_phase_breakdown_names_every_phase_and_fits_the_loop(runs):
     eager, _ = runs
     s = eager.phases
@@ -94,10 +95,12 @@ def test_engine_phase_breakdown_names_every_phase_and_fits_the_loop(runs):
     assert s["all"]["phases"]["record"]["host_ms"] == 0 and s["all"]["phases"]["capture"]["host_ms"] == 0
 
 
+@pytest.mark.slow
 def test_untimed_run_has_no_breakdown(runs):
     assert runs[1].phases == {}
 
 
+@pytest.mark.slow
 def test_decode_graph_path_gives_the_eager_tokens(runs):
     eager, graphs = runs
     assert graphs.graphs == {"mode": "eager", "captures": 0, "replays": 0, "capture_s": 0.0}
@@ -106,6 +109,7 @@ def test_decode_graph_path_gives_the_eager_tokens(runs):
     assert graphs.num_accepted_tokens_per_pos == eager.num_accepted_tokens_per_pos
 
 
+@pytest.mark.slow
 def test_trace_recorded_on_the_graph_path_passes_every_check(runs):
     """Padded decode steps (as vLLM records them under FULL graphs) are still a valid PCP step."""
     import pcpviz.trace as pt
@@ -122,6 +126,7 @@ def test_trace_recorded_on_the_graph_path_passes_every_check(runs):
     assert report.ok and not report.failed, report.format()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [1, 3])
 def test_decode_graph_path_at_pcp1_and_other_k(k):
     kw = dict(pcp=1, num_speculative_tokens=k, max_new_tokens=10, max_num_batched_tokens=64, progress=False)
@@ -235,6 +240,7 @@ _SYNCS = ("cpu", "item", "tolist", "__int__", "__bool__", "__float__")
 _ENGINE = ("worker.py", "speculator.py", "record.py", "recorder.py", "inputs.py", "graphs.py", "attention.py")
 
 
+@pytest.mark.slow
 def test_a_step_makes_one_host_sync_in_the_engine(monkeypatch):
     """In-process PCP=1 engine: count tensor -> host conversions made *by the engine's modules*
     while stepping (the CPU-only torch attention reference is not on the CUDA path)."""
@@ -329,6 +335,7 @@ def test_teardown_resets_every_graph_before_the_group_goes(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- profiles
+@pytest.mark.slow
 def test_profile_dir_writes_a_table_and_a_trace_per_rank_with_the_phases(tmp_path):
     import json as _json
 
@@ -397,6 +404,7 @@ def test_plan_broadcast_carries_a_prompt_once_and_round_trips():
         SchedulerOutput.from_json(bad)
 
 
+@pytest.mark.slow
 def test_every_run_times_its_steps_and_reads_the_steady_decode_step(runs):
     eager, graphs = runs
     for res in (eager, graphs):

@@ -174,6 +174,7 @@ def test_paged_mla_attention_split_k(num_splits):
     _check_attention(case, num_splits=num_splits)
 
 
+@pytest.mark.slow
 @cpu_only
 @pytest.mark.parametrize("reload", [True, False])
 @pytest.mark.parametrize("name", ["decode", "prefill_pcp2_r1", "chunk_many_heads"])
@@ -317,6 +318,7 @@ ENGINE_ROWS = (_dual_chunk_rows(41, 2, 0, cached=3) + [([17], 18), ([20, 21, 22]
                + [(list(range(9, 30)), 30)])
 
 
+@pytest.mark.slow
 @cpu_only
 @pytest.mark.parametrize("decode_max", [0, 3, 1000])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])

@@ -69,6 +69,7 @@ def _far_over_near(model_dir, stream):
     return far / near
 
 
+@pytest.mark.slow
 def test_long_model_holds_up_past_its_training_windows_on_cpu(held_out_stream):
     torch.set_num_threads(2)
     shipped = _far_over_near(default_model_dir(), held_out_stream)

@@ -163,6 +163,7 @@ def test_packed_batch_equals_separate_sequences(model, corpus):
     assert (packed - sep).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 def test_blocked_reference_attention_matches_sdpa(model, corpus, monkeypatch):
     import pcpviz.engine.model as model_mod
 
@@ -329,6 +330,7 @@ def test_mtp_is_causal(model, heldout_sources):
     assert (full[:p + 1] - cut).abs().max().item() < 1e-3
 
 
+@pytest.mark.slow
 def test_mtp_agrees_with_main_model(model, heldout_sources):
     """Teacher-forced on held-out stdlib source: the MTP layer sees h_p and t_{p+1} and predicts
     t_{p+2}; compare its greedy choice with the main model's greedy choice at p+1."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 
+import pytest
+
 LAUNCHES = 50
 
 
@@ -40,6 +42,7 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         _exit_now(code)
 
 
+@pytest.mark.slow
 def test_fifty_launches_exit_cleanly(tmp_path):
     import torch  # noqa: F401 - imported once, inherited by the forked ranks
 

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # multi-process engine runs stopped by signals
+
 REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
 

@@ -127,6 +127,7 @@ def test_add_a_view(copy):
     assert out["diff"][1:] == ["target", name] and out["panel"] == "timeline"
 
 
+@pytest.mark.slow
 def test_add_a_fault(copy):
     decl, switch = _blocks("Add a fault")
     name = re.search(r'fault\(\s*"(\w+)"', decl).group(1)
@@ -155,6 +156,7 @@ def test_add_a_fault(copy):
     assert out == dict(caught=True, inject=[name], synthetic=True, documented=True)
 
 
+@pytest.mark.slow
 def test_add_a_panel(copy):
     (block,) = _blocks("Add a panel")
     name = re.search(r'@panel\("(\w+)"', block).group(1)

@@ -21,6 +21,8 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
+pytestmark = pytest.mark.slow  # every notebook executed headless
+
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 QUIET = {"00_quickstart", "03_mtp_draft_steps", "04_acceptance_regression"}  # no stderr in any cell

@@ -114,6 +114,7 @@ def _engine(trace: Path, env: dict, tokens: int = 24) -> subprocess.CompletedPro
     return subprocess.run(cmd, env=e, cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_the_engine_dumps_the_same_steps_a_full_recording_holds(tmp_path):
     full, flight = tmp_path / "full", tmp_path / "flight"
     assert _engine(full, {}).returncode == 0
@@ -131,6 +132,7 @@ def test_the_engine_dumps_the_same_steps_a_full_recording_holds(tmp_path):
     assert report.ok and not report.failed, report.format()
 
 
+@pytest.mark.slow
 def test_the_engine_dumps_on_low_acceptance(tmp_path):
     res = _engine(tmp_path / "t", {"PCPVIZ_FLIGHT_RECORDER": "4", "PCPVIZ_FLIGHT_ACCEPTANCE": "0.99",
                                    "PCPVIZ_FLIGHT_WINDOW": "3", "PCPVIZ_FLIGHT_MAX_DUMPS": "1"})
@@ -143,6 +145,7 @@ def test_the_engine_dumps_on_low_acceptance(tmp_path):
 
 # --------------------------------------------------------------------------- the vLLM recording classes
 
+@pytest.mark.slow
 def test_the_vllm_recorder_keeps_a_ring_and_dumps_at_shutdown(tmp_path):
     from pcpviz.vllm import cpu_patches
 

@@ -372,6 +372,7 @@ def verdict(cmd: str, rc: int, err: str, changed) -> str | None:
 
 # --------------------------------------------------------------------------- the test
 
+@pytest.mark.slow
 def test_fuzz_shipped_traces(tmp_path):
     rng = random.Random(SEED)
     bases = {}

@@ -51,6 +51,7 @@ def test_shipped_trace_passes_every_check(path):
         assert "no " in report[name].skip_reason or "single rank" in report[name].skip_reason
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", TRACES, ids=[p.name for p in TRACES])
 def test_shipped_trace_renders(path, tmp_path):
     from pcpviz.views.export.html import export_html
@@ -65,6 +66,7 @@ def test_shipped_trace_renders(path, tmp_path):
     assert wb is not None
 
 
+@pytest.mark.slow
 def test_gpu_trace_tokens_equal_a_cpu_rerun(tmp_path):
     gpu = pt.open(GPU_TRACE)
     meta = gpu.meta

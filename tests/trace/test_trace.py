@@ -420,6 +420,7 @@ def test_arrow_ipc_file_format_is_foreign(tmp_path):
     _trace_error(tmp_path, "rank0.arrow: an Arrow IPC file, not an Arrow IPC stream (foreign file)")
 
 
+@pytest.mark.slow
 def test_every_truncation_keeps_the_complete_prefix(tmp_path):
     src = tmp_path / "src"
     steps = {s: _small_step(s) for s in range(4)}
@@ -502,6 +503,7 @@ def test_damage_in_the_middle_keeps_the_steps_before_it(tmp_path):
     _trace_error(tmp_path, f"{rank0}: corrupt record batch at byte {sizes[2]}", strict=True)
 
 
+@pytest.mark.slow
 def test_any_single_byte_corruption_is_an_error_or_harmless(tmp_path):
     """Flip bytes of a small trace, one at a time. Damage to the schema header is an error;
     damage after it never fails open: the steps before it are kept (with a warning) and a

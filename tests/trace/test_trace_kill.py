@@ -108,6 +108,7 @@ def test_sigkill_mid_step_keeps_every_completed_step(tmp_path, pause_step):
     assert any("complete.json: missing: no writer finished" in ln for ln in status.lines("incomplete"))
 
 
+@pytest.mark.slow
 def test_sigkill_free_running_writer(tmp_path):
     """Unpatched writer with large steps, killed as soon as the file grows: wherever the kill
     lands, the readable steps are a prefix that includes every step the writer reported done,

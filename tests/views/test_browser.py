@@ -37,6 +37,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # JupyterLab and Chromium in a real browser
+
 REPO = Path(__file__).resolve().parents[2]
 JUPYTER = Path(sys.executable).parent / "jupyter"
 SHOTS = REPO / "artifacts" / "browser"

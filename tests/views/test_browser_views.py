@@ -34,6 +34,8 @@ from pcpviz.views import figures as fg
 from pcpviz.views.widgets import Workbench
 from test_browser import CHROME_ARGS, REPO, _chromium  # tests/views is on sys.path (rootless test dirs)
 
+pytestmark = pytest.mark.slow  # JupyterLab and Chromium in a real browser
+
 SHOTS = REPO / "artifacts" / "views"
 TRACES = sorted(p for p in (REPO / "data" / "traces").iterdir() if (p / "run.json").exists() or any(p.glob("rank*")))
 SYNTHETIC = {"synthetic-2k": (2048, 2), "synthetic-16k": (16384, 4), "synthetic-128k": (131072, 8)}

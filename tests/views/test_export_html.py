@@ -102,6 +102,7 @@ def test_export_rejects_unknown_rank(tmp_path):
         export_html(TRACE, tmp_path / "x.html", ranks=[7])
 
 
+@pytest.mark.slow
 def test_export_renders_offline_and_the_step_control_swaps_figures(exported, tmp_path):
     from playwright.sync_api import sync_playwright
 

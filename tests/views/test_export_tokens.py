@@ -93,6 +93,7 @@ def _cases(trace: pt.Trace):
                 yield view, k, strip, [0, width] if window is None else list(window), _expected(call)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["long", "vllm-h200x2-pcp2-mtp2-chunked", "cpu-pcp2-mtp2"])
 def test_the_page_draws_a_window_as_the_workbench_does(name, long_trace, browser):
     trace = pt.open(long_trace if name == "long" else REPO / "data" / "traces" / name)
@@ -133,6 +134,7 @@ def _zoom(page, fig_id: str, relayout: dict, shot: str) -> tuple[dict, np.ndarra
     return _measure(page, fig_id), np.asarray(Image.open(path).convert("RGB"))
 
 
+@pytest.mark.slow
 def test_a_zoom_in_the_exported_page_reveals_per_token_cells(long_page, long_trace, browser):
     SHOTS.mkdir(parents=True, exist_ok=True)
     trace = pt.open(long_trace)
@@ -174,6 +176,7 @@ def test_a_zoom_in_the_exported_page_reveals_per_token_cells(long_page, long_tra
         page.close()
 
 
+@pytest.mark.slow
 def test_past_the_size_caps_a_page_keeps_its_runs_and_says_so(tmp_path, monkeypatch):
     trace = REPO / "data" / "traces" / "cpu-pcp2-mtp2"
     full = embedded_data(Path(export_html(trace, tmp_path / "a.html")).read_text(encoding="utf-8"))
@@ -197,6 +200,7 @@ def test_past_the_size_caps_a_page_keeps_its_runs_and_says_so(tmp_path, monkeypa
 PCP1 = sorted(p.name for p in (REPO / "data" / "traces").iterdir() if p.name.startswith("vllm-h200x1-pcp1"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PCP1)
 def test_a_pcp1_trace_exports_drawn_and_zooms_to_tokens(name, browser, tmp_path):
     """A PCP=1 run records no layout views; its export lays every step out as the identity (rank

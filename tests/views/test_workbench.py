@@ -162,6 +162,7 @@ def test_set_moves_several_controls_with_one_render(wb):
 
 # --------------------------------------------------------------------------- figures
 
+@pytest.mark.slow
 def test_every_figure_of_every_step_is_valid_plotly(trace):
     colors = fg.request_color_index(fg.trace_req_ids(trace))
     for s in trace.steps:
@@ -296,6 +297,7 @@ def test_acceptance_follows_vllms_definition(trace):
     assert wb_acc.accepted_per_pos.tolist() == per_pos.tolist() and wb_acc.num_drafts == num_drafts
 
 
+@pytest.mark.slow
 def test_acceptance_equals_what_the_engine_reported(faulty_run):
     res, path = faulty_run
     acc = fg.trace_acceptance(pt.open(path))
@@ -314,6 +316,7 @@ def test_clean_trace_has_no_flags_and_no_violations(wb, trace):
         assert wb.check_report.ok and wb.violations == []
 
 
+@pytest.mark.slow
 def test_skipped_gather_flags_zero_draft_block_table_rows(faulty_run):
     _, path = faulty_run
     wb = Workbench(path, step=1, phase="draft_1")
@@ -336,6 +339,7 @@ def test_skipped_gather_flags_zero_draft_block_table_rows(faulty_run):
     assert wb.flags == []
 
 
+@pytest.mark.slow
 def test_check_violation_is_listed_marked_and_jumped_to(faulty_run):
     pytest.importorskip("pcpviz.analysis.checks")
     _, path = faulty_run
@@ -358,6 +362,7 @@ def test_workbench_figures_serialise_small(wb):
 
 
 
+@pytest.mark.slow
 def test_every_widget_message_is_json_compliant(widget_messages, trace, faulty_run):
     for t in (trace, pt.open(faulty_run[1])):
         wb = Workbench(t)

@@ -98,6 +98,7 @@ def pcp8_trace(tmp_path_factory):
     return run.write(tmp_path_factory.mktemp("pcp8") / "trace")
 
 
+@pytest.mark.slow
 def test_every_control_change_leaves_each_view_as_a_fresh_workbench_draws_it(pcp8_trace):
     trace = pt.open(pcp8_trace)
     wb = Workbench(trace, checks=False)

@@ -42,6 +42,7 @@ def replay_trace(request, tmp_path_factory):
     return pcpviz.vllm.replay(pcp=2, mtp=3, trace_dir=str(d), scenario="mixed", decodes=request.param).trace
 
 
+@pytest.mark.slow
 def test_engine_data_path_equals_vllm_replay(replay_trace):
     report = mirror(replay_trace)
     assert report.ok, str(report.first)

@@ -94,6 +94,7 @@ def test_serve_trace():
     assert any("spec_decode_num_accepted_tokens_per_pos" in m for m in meta["serve"]["spec_decode_metrics"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inject,reference", [
     ((), "vllm-h200x2-pcp2-mtp2"),
     (("draft_prefill_reads_captured_buffers",), "vllm-h200x2-pcp2-mtp2-piecewise"),

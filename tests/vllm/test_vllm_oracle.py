@@ -316,6 +316,7 @@ def test_get_pcp_group_hook_is_inert_on_unbound_threads():
         assert pcp_manager.get_pcp_group() is group and group.rank_in_group == 0
 
 
+@pytest.mark.slow
 def test_importing_vllm_before_the_patches_is_a_clear_error():
     import os
     import subprocess

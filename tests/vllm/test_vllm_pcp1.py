@@ -37,6 +37,7 @@ def runs(tmp_path_factory):
             replay(pcp=2, mtp=2, trace_dir=d / "pcp2", scenario="mixed"))
 
 
+@pytest.mark.slow
 def test_a_pcp1_run_records_one_rank_in_the_same_schema(runs):
     one, _ = runs
     t = one.trace
@@ -60,6 +61,7 @@ def test_a_pcp1_run_records_one_rank_in_the_same_schema(runs):
         report.format()
 
 
+@pytest.mark.slow
 def test_pcp1_is_good_for_pcp2_on_every_global_view(runs):
     one, two = runs
     rep = diff_traces(one.trace, two.trace)
@@ -97,6 +99,7 @@ def _copy_with(src: pt.Trace, dst: Path, step: int, phase: str, view: str, chang
                 w.write_step(s, phases)
 
 
+@pytest.mark.slow
 def test_a_global_divergence_of_the_pcp2_run_is_found_against_pcp1(runs, tmp_path):
     one, two = runs
 
@@ -112,6 +115,7 @@ def test_a_global_divergence_of_the_pcp2_run_is_found_against_pcp1(runs, tmp_pat
     assert (d.step, d.phase, d.view) == (2, "draft_0", "draft_global_input_ids") and d.rank_a == 0, d.describe()
 
 
+@pytest.mark.slow
 def test_explain_takes_the_pcp1_run_as_good(runs):
     from pcpviz.analysis.explain import explain
 
@@ -120,6 +124,7 @@ def test_explain_takes_the_pcp1_run_as_good(runs):
     assert rep.ok, rep.format()
 
 
+@pytest.mark.slow
 def test_the_pcp1_baseline_replays_from_the_command_line(tmp_path):
     from pcpviz.cli import main
 
@@ -160,6 +165,7 @@ if how == "sigterm":                      # vllm serve's handlers: SIGTERM/SIGIN
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, reason", [("worker_shutdown", "finished: vLLM shut down"),
                                          ("sigterm", "finished: process exit"),
                                          ("exit", "finished: process exit")])

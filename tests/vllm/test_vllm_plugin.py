@@ -161,6 +161,7 @@ def test_entry_point_is_installed():
     assert ours[0].load().__module__ == "pcpviz.vllm.plugin"
 
 
+@pytest.mark.slow
 def test_unset_variable_leaves_vllm_untouched(enable_run):
     res, _ = enable_run
     assert res["unset"]["status"] == "inactive"
@@ -169,6 +170,7 @@ def test_unset_variable_leaves_vllm_untouched(enable_run):
     assert res["unpatched"] == {"cls": True, "propose_wrapped": False}
 
 
+@pytest.mark.slow
 def test_wrong_version_warns_and_disables(enable_run):
     res, _ = enable_run
     wv = res["wrong_version"]
@@ -178,6 +180,7 @@ def test_wrong_version_warns_and_disables(enable_run):
     assert res["unpatched"]["cls"]  # still vLLM's PCPManager afterwards
 
 
+@pytest.mark.slow
 def test_enabled_plugin_swaps_in_the_recording_manager(enable_run):
     res, _ = enable_run
     en = res["enabled"]
@@ -186,6 +189,7 @@ def test_enabled_plugin_swaps_in_the_recording_manager(enable_run):
     assert en["propose_wrapped"] and en["postprocess_wrapped"]
 
 
+@pytest.mark.slow
 def test_replay_through_the_plugins_classes_records_a_passing_trace(enable_run):
     res, trace_dir = enable_run
     assert res["replay"]["manager_class"] == "pcpviz.vllm.recording.manager.RecordingPCPManager"
@@ -223,11 +227,13 @@ def test_a_v1_model_runner_is_one_warning_not_an_empty_directory(caplog):
     assert len(lines) == 1 and "VLLM_USE_V2_MODEL_RUNNER=1" in lines[0] and GPUModelRunner(3).x == 3
 
 
+@pytest.mark.slow
 def test_import_hook_patches_when_the_runner_module_loads(hook_run):
     assert hook_run["before_import"] == "pending"
     assert hook_run["after_import"] == {"status": "enabled", "cls": "RecordingPCPManager"}
 
 
+@pytest.mark.slow
 def test_missing_attribute_disables_without_patching(hook_run):
     m = hook_run["missing"]
     assert m["status"].startswith("disabled: this vLLM lacks GPUModelRunner.pcp_manager_cls")

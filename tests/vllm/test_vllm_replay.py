@@ -105,6 +105,7 @@ def test_the_plugin_fingerprints_vllms_hidden_states_at_every_hand_off(mixed):
         assert len(set(target["hidden_fp"].tolist())) > 1
 
 
+@pytest.mark.slow
 def test_a_broken_hidden_state_restore_in_vllm_fails_the_hand_off_check(tmp_path, monkeypatch):
     """vLLM's draft prefill restore made to put the rows back one off (a wrong restore index):
     the run still completes, and hidden_restored names draft_0's hidden_last_fp."""
@@ -148,6 +149,7 @@ def test_mixed_trace_records_the_engines_view_names_per_rank_and_step(mixed):
     assert t.phases(5, 0) == ["dummy"]
 
 
+@pytest.mark.slow
 def test_replay_views_are_declared_in_the_schema(mixed, decode_only, dspark):
     from pcpviz.trace.validate import undeclared_views
 
@@ -250,6 +252,7 @@ def _draft_writes(trace, step, rank):
             yield d["slot_mapping_draft"][0], d["draft_input_ids"], d["draft_positions"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["mixed", "decode_only"])
 def test_kv_caches_are_identical_replicas_holding_each_token_once(fixture, request):
     """The stand-in models write [token, position] through vLLM's PCP KV gather: every rank
@@ -267,6 +270,7 @@ def test_kv_caches_are_identical_replicas_holding_each_token_once(fixture, reque
         assert (cache[0][untouched] == -1).all()
 
 
+@pytest.mark.slow
 def test_recording_does_not_change_results(mixed, mixed_off):
     assert mixed.manager_class is recording.RecordingPCPManager
     assert mixed_off.manager_class is not recording.RecordingPCPManager and mixed_off.trace_path is None
@@ -292,6 +296,7 @@ def test_recorded_draft_tokens_are_what_propose_returned(mixed):
 # --------------------------------------------------------------------------- other scenarios
 
 
+@pytest.mark.slow
 def test_decode_only_passes_checks_and_reaches_an_empty_rank(decode_only):
     t = decode_only.trace
     _assert_checks_pass(t)
@@ -304,6 +309,7 @@ def test_decode_only_passes_checks_and_reaches_an_empty_rank(decode_only):
         assert not t.record(step, 0, "target")["is_prefilling"].any()
 
 
+@pytest.mark.slow
 def test_replicated_decodes_are_written_by_rank_zero_only(tmp_path):
     res = replay(pcp=2, mtp=1, trace_dir=tmp_path / "rep", scenario="decode_only", decodes="replicated", dummy=False)
     t = res.trace
@@ -319,6 +325,7 @@ def test_replicated_decodes_are_written_by_rank_zero_only(tmp_path):
         assert np.array_equal(res.kv_target[rank], res.kv_target[0])
 
 
+@pytest.mark.slow
 def test_pcp3_k3_mixed_passes_checks(tmp_path):
     res = replay(pcp=3, mtp=3, trace_dir=tmp_path / "p3", scenario="mixed", dummy=False)
     t = res.trace
@@ -326,6 +333,7 @@ def test_pcp3_k3_mixed_passes_checks(tmp_path):
     assert t.ranks == [0, 1, 2] and t.phases(4, 2) == ["target", "draft_0", "draft_1", "draft_2", "verify"]
 
 
+@pytest.mark.slow
 def test_dspark_runs_the_replicated_drafter_on_the_global_batch(dspark):
     t = dspark.trace
     assert t.meta["speculative_method"] == "dspark" and "DSparkSpeculator.__init__" in t.meta["dspark_status"]
@@ -380,12 +388,14 @@ def test_an_existing_trace_is_not_overwritten(mixed):
         replay(pcp=2, mtp=2, trace_dir=mixed.trace_path)
 
 
+@pytest.mark.slow
 def test_package_attribute_replay_is_callable(tmp_path):
     assert pcpviz.vllm.replay is replay_module and callable(pcpviz.vllm.replay)
     res = pcpviz.vllm.replay(pcp=2, mtp=1, trace_dir=tmp_path / "r", scenario="decode_only", dummy=False)
     assert open_trace(res.trace_path).meta["num_speculative_tokens"] == 1
 
 
+@pytest.mark.slow
 def test_cli_replay(tmp_path, capsys):
     from pcpviz.cli import main
 
@@ -400,6 +410,7 @@ def test_cli_replay(tmp_path, capsys):
     assert "use at most 8" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_recording_overhead_per_step(mixed, mixed_off, capsys):
     """The recording hooks' cost per step on the replay (printed; see the report). The hooks
     clone on the device and write the step once; they must stay a small part of a step."""
@@ -412,6 +423,7 @@ def test_recording_overhead_per_step(mixed, mixed_off, capsys):
     assert hooks < 0.5 * off
 
 
+@pytest.mark.slow
 def test_importing_the_replay_leaves_the_process_environment_alone():
     """The CPU patches are scoped: after importing the replay and the oracle (and replaying),
     CUDA_VISIBLE_DEVICES and TRITON_INTERPRET are what they were (a notebook kernel that later

@@ -38,6 +38,7 @@ def test_capture_sizes_are_vllms_default():
     assert 256 in big and max(big) == 512
 
 
+@pytest.mark.slow
 def test_full_prefill_replay_leaves_the_batch_and_an_eager_decode_reads_it(full):
     assert full.collective_mismatch is None and full.graphs == {"prefill": 5, "decode": 4}
     by_step = {obs[0].step: obs for obs in full.steps}
@@ -57,6 +58,7 @@ def test_full_prefill_replay_leaves_the_batch_and_an_eager_decode_reads_it(full)
     assert [o.found_set for o in by_step[2]] == [True, True] and [o.found_set for o in by_step[1]] == [False, False]
 
 
+@pytest.mark.slow
 def test_the_findings_figures(full):
     """The numbers docs/findings/full-draft-prefill-state.md quotes."""
     from vllm.config import CUDAGraphMode
@@ -74,6 +76,7 @@ def test_the_findings_figures(full):
     assert eager_decodes_after_full_prefill(max_num_seqs=10, k=2, mode=CUDAGraphMode.FULL_AND_PIECEWISE) == [9, 10]
 
 
+@pytest.mark.slow
 def test_full_prefill_replay_reads_the_captured_buffers_and_slot_mapping(full):
     o = full.steps[1][0]
     prefill = o.forwards[0]
@@ -87,12 +90,14 @@ def test_full_prefill_replay_reads_the_captured_buffers_and_slot_mapping(full):
     assert prefill.slot_mapping[:5].tolist() == previous_decode.slot_mapping[:5].tolist()
 
 
+@pytest.mark.slow
 def test_the_leak_is_the_same_under_full_and_piecewise():
     p = probe_full_graphs(mode="FULL_AND_PIECEWISE")
     assert [o.prefill_mode for o in p.steps[0]] == ["PIECEWISE", "PIECEWISE"]  # the mixed step: PIECEWISE
     assert {o.step for o in p.stale()} == {1, 2}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fix, stale_steps, full_prefills", [("clear_after_replay", set(), 3),
                                                             ("eager_prefill_under_pcp", set(), 0)])
 def test_candidate_fixes(fix, stale_steps, full_prefills):
@@ -104,6 +109,7 @@ def test_candidate_fixes(fix, stale_steps, full_prefills):
         assert all(not f.wrong_rows for obs in p.steps for o in obs for f in o.forwards)
 
 
+@pytest.mark.slow
 def test_sharded_single_decode_diverges_the_ranks_collectives():
     p = probe_full_graphs(decodes="sharded", scenario="one_decode")
     assert p.collective_mismatch is not None and "['FULL', 'NONE']" in p.collective_mismatch
@@ -122,6 +128,7 @@ def test_probe_arguments(kwargs, message):
 # --------------------------------------------------------------------------- dummy runs
 
 
+@pytest.mark.slow
 def test_dspark_dummy_run_with_attention_writes_a_live_requests_draft_kv():
     obs = probe_dummy_run(drafter="dspark", kind="attention")
     for o in obs:
@@ -133,6 +140,7 @@ def test_dspark_dummy_run_with_attention_writes_a_live_requests_draft_kv():
     assert obs[0].kv_writes == obs[1].kv_writes
 
 
+@pytest.mark.slow
 def test_dspark_dummy_run_figures():
     """The numbers docs/findings/dspark-dummy-run-stale-block-tables.md quotes."""
     for o in probe_dummy_run(drafter="dspark", kind="attention"):
@@ -140,11 +148,13 @@ def test_dspark_dummy_run_figures():
         assert o.hits == {"d0": [5, 6]} and [v[1] for _, v in sorted(o.kv_writes.items())] == [1.0, 2.0]
 
 
+@pytest.mark.slow
 def test_dspark_dummy_fix_zero_input_block_tables():
     for o in probe_dummy_run(drafter="dspark", kind="attention", fix="zero_input_block_tables"):
         assert (o.draft_slots == -1).all() and not o.kv_writes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["mtp", "dspark"])
 def test_profile_runs_and_mtp_dummy_runs_write_no_kv(drafter):
     for o in probe_dummy_run(drafter=drafter, kind="profile"):
