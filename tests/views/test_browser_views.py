@@ -32,7 +32,7 @@ from PIL import Image
 from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
 from pcpviz.views.widgets import Workbench
-from test_browser import CHROME_ARGS, REPO, _chromium  # tests/views is on sys.path (rootless test dirs)
+from test_browser import REPO  # tests/views is on sys.path (rootless test dirs)
 
 pytestmark = pytest.mark.slow  # JupyterLab and Chromium in a real browser
 
@@ -41,18 +41,6 @@ TRACES = sorted(p for p in (REPO / "data" / "traces").iterdir() if (p / "run.jso
 SYNTHETIC = {"synthetic-2k": (2048, 2), "synthetic-16k": (16384, 4), "synthetic-128k": (131072, 8)}
 VIEWS = ("token_order", "timeline", "block_tables", "slot_mappings", "acceptance")
 BG_DIFF = 24  # a pixel differing from white by more than this is a mark (grid lines #ececec are not)
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=_chromium(), args=CHROME_ARGS, timeout=60_000)
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from pcpviz.views.figures.lod import record_strips
 from pcpviz.views.figures.palette import heat_z
 from pcpviz.views.panels import PANELS
 from pcpviz.views.widgets import Workbench
-from test_browser import CHROME_ARGS, REPO, _chromium
+from test_browser import REPO
 from test_browser_views import _MEASURE, _gaps, _largest_step
 
 SHOTS = REPO / "artifacts" / "browser"
@@ -44,18 +44,6 @@ def long_trace(tmp_path_factory) -> Path:
     run = long_prompt_run(pcp=4, prompt_len=16384, chunk=16384, num_short=3, max_new_tokens=4,
                           num_speculative_tokens=2)
     return run.write(tmp_path_factory.mktemp("long") / "trace")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=_chromium(), args=CHROME_ARGS, timeout=60_000)
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 def _drawn_in_python(wb: Workbench, view: str, axis: str, window):
