@@ -24,6 +24,9 @@ Measures (every figure from the same invocation):
                               ms per token, and ``mtp_speedup`` from them (the steady-state figures);
 * ``graphs``                  decode steps from CUDA graphs against the eager path: tok/s both ways
                               and whether the tokens are the same (CUDA only);
+* ``compile``                 batch-1 steady decode (K=0, K=2) with the decode graphs' model code
+                              through torch.compile (``PCPVIZ_COMPILE=1``, the CUDA default) and
+                              without (``0``), interleaved repeats, and whether the tokens agree;
 * ``beside_vllm``             decode ms/token at PCP=2 batch 1 (K=0, K=2) and the prefill step at PCP=1
                               and 2, the engine's next to real vLLM's (``data/bench/vllm_h200x2.json``).
 On one GPU the PCP=2 figures (``prefill_pcp2_over_pcp1``, ``decode_pcp2``) are not taken and
@@ -131,7 +134,7 @@ def main() -> None:
                     help="model and KV-cache dtype of every section but tokens (vLLM runs bfloat16)")
     ap.add_argument("--sections", nargs="+", default=None, metavar="NAME",
                     help="run only these sections (tokens warmup prefill mtp_decode decode_pcp2 graphs "
-                         "acceptance recording); default all")
+                         "compile acceptance recording); default all")
     ap.add_argument("--partial", default=None,
                     help="rewrite this JSON after every section (what a killed run keeps)")
     args = ap.parse_args()
@@ -296,6 +299,33 @@ def main() -> None:
 
     if dev == "cuda":
         section("graphs", _graphs)
+
+    # -- the decode graphs' model code through torch.compile or not (PCPVIZ_COMPILE) ---------------
+    def _compile():
+        runs: dict = {}
+        for rep in range(args.repeat):  # interleaved, so drift on the machine falls on both
+            for k in (0, 2):
+                for flag in ("0", "1"):
+                    os.environ["PCPVIZ_COMPILE"] = flag
+                    try:
+                        res = run_(short[:1], num_speculative_tokens=k, **dec)
+                    finally:
+                        os.environ.pop("PCPVIZ_COMPILE", None)
+                    runs.setdefault((flag, k), []).append(res)
+        cell = {}
+        for (flag, k), rs in runs.items():
+            ms = sorted(steady_decode(r)["ms_per_step"] for r in rs)
+            cell[f"compile{flag}_k{k}"] = {"ms_per_step": ms[0], "all_ms_per_step": ms,
+                                          "tokens_per_step": steady_decode(rs[0])["tokens_per_step"]}
+        for flag in ("0", "1"):
+            k0, k2 = cell[f"compile{flag}_k0"], cell[f"compile{flag}_k2"]
+            cell[f"compile{flag}_mtp_speedup"] = k0["ms_per_step"] * k2["tokens_per_step"] / k2["ms_per_step"]
+        cell["tokens_equal"] = all(runs[("0", k)][0].output_token_ids == runs[("1", k)][0].output_token_ids
+                                   for k in (0, 2))
+        out["compile"] = cell
+
+    if dev == "cuda":
+        section("compile", _compile)
 
     # -- acceptance per position on held-out source, K=2 and K=3 ----------------------------------
     def _acceptance():

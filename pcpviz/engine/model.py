@@ -38,6 +38,7 @@ The MTP convention is vLLM's: at position p the MTP layer combines the main mode
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, Optional, Sequence
 
@@ -47,7 +48,7 @@ from torch import nn
 
 from pcpviz.engine.model_config import TinyDSV3Config
 
-__all__ = ["TinyDSV3", "AttnFn", "causal_attention", "apply_rope", "rope_cos_sin"]
+__all__ = ["TinyDSV3", "AttnFn", "causal_attention", "apply_rope", "rope_cos_sin", "rope_inv_freq"]
 
 # attn(layer_idx, q_nope [T,H,Dn], q_pe [T,H,Dr], kv_c [T,R], k_pe [T,Dr]) -> [T, H, Dv]
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -72,10 +73,17 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [..., rope_dim // 2] (float32) for integer ``positions``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32,
-                                             device=positions.device) / rope_dim))
+def rope_inv_freq(rope_dim: int, theta: float, device: torch.device | str) -> torch.Tensor:
+    """float32[rope_dim // 2]: the rotation frequency of each interleaved pair."""
+    return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=device) / rope_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float,
+                 inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [..., rope_dim // 2] (float32) for integer ``positions``
+    (``inv_freq``: ``rope_inv_freq``'s, when the caller keeps it)."""
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(rope_dim, theta, positions.device)
     angles = positions.to(torch.float32)[..., None] * inv_freq
     return angles.cos(), angles.sin()
 
@@ -161,7 +169,18 @@ class DecoderLayer(nn.Module):
 
     def block(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttnFn) -> torch.Tensor:
         """The decoder block on rows ``x``: attention then MLP, each with its residual."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn)
+        out = attn(self.layer_idx, *self.attn_inputs(x, *rope))
+        return self.attn_outputs(x, out)
+
+    def attn_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The block up to the attention: (q_nope, q_pe, kv_c, k_pe) of the normed rows ``x``
+        (pure tensor code: one region ``TinyDSV3.compile_regions`` can fuse)."""
+        return self.self_attn.project(self.input_layernorm(x), (cos, sin))
+
+    def attn_outputs(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The block after the attention ``out`` [T, H, Dv]: o_proj and residual, then the MLP
+        and its residual (a region, like ``attn_inputs``)."""
+        x = x + self.self_attn.o_proj(out.reshape(x.shape[0], -1).to(x.dtype))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -210,6 +229,10 @@ class TinyDSV3(nn.Module):
         self.config = config
         self.model = _Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._inv_freq: dict[str, torch.Tensor] = {}  # device -> rope_inv_freq (kept, not recomputed)
+        self._compile_backend: str | None = None  # compile_regions's backend; None: eager only
+        self._compiled: dict[str, Callable] = {}  # region name -> its compiled function
+        self._regions_on = False  # inside ``regions(True)``: the compiled functions run
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -239,7 +262,62 @@ class TinyDSV3(nn.Module):
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim:]
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions, self.config.qk_rope_head_dim, self.config.rope_theta)
+        c, dev = self.config, str(positions.device)
+        inv = self._inv_freq.get(dev)
+        if inv is None:
+            inv = self._inv_freq[dev] = rope_inv_freq(c.qk_rope_head_dim, c.rope_theta, positions.device)
+        return rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, inv)
+
+    # -- compiled regions ---------------------------------------------------------------------------
+    def compile_regions(self, backend: str = "inductor") -> None:
+        """Let ``regions(True)`` run the model's pure tensor code through ``torch.compile``.
+
+        A forward is cut at every attention call (the paged kernels and the PCP all-gathers stay
+        as they are), leaving regions of plain tensor code: rope, per block ``attn_inputs`` and
+        ``attn_outputs``, the final norm, the MTP inputs, norm and head. Each region is compiled
+        on first use per shape (``dynamic=False``: the engine compiles only for its decode graphs'
+        fixed shapes), with inductor rounding like eager (``emulate_precision_casts``). A
+        batch-1 MTP decode forward is ~110 tiny kernels eager (RMSNorm alone is six); fused, the
+        GEMMs, the attention kernels and a handful of fused kernels remain."""
+        import torch._dynamo as dynamo
+
+        for knob in ("cache_size_limit", "recompile_limit"):  # one entry per block and shape
+            if hasattr(dynamo.config, knob):
+                setattr(dynamo.config, knob, max(getattr(dynamo.config, knob), 256))
+        if hasattr(dynamo.config, "accumulated_cache_size_limit"):
+            dynamo.config.accumulated_cache_size_limit = max(dynamo.config.accumulated_cache_size_limit, 4096)
+        if backend == "inductor":
+            import torch._inductor.config as inductor_config
+
+            # compile in this process: a pool of compile workers left running beside a
+            # launch-bound decode loop measurably slowed its host side (one H200)
+            inductor_config.compile_threads = 1
+        self._compile_backend = backend
+        self._compiled.clear()
+
+    @contextlib.contextmanager
+    def regions(self, on: bool = True):
+        """Inside, the forwards run their compiled regions (when ``compile_regions`` was called)."""
+        before, self._regions_on = self._regions_on, bool(on)
+        try:
+            yield
+        finally:
+            self._regions_on = before
+
+    def _region(self, name: str, fn: Callable) -> Callable:
+        if not self._regions_on or self._compile_backend is None:
+            return fn
+        compiled = self._compiled.get(name)
+        if compiled is None:
+            opts = {"emulate_precision_casts": True} if self._compile_backend == "inductor" else None
+            compiled = self._compiled[name] = torch.compile(fn, backend=self._compile_backend, dynamic=False,
+                                                            fullgraph=True, options=opts)
+        return compiled
+
+    def _block(self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], attn: AttnFn) -> torch.Tensor:
+        layer = self.model.layers[i]
+        q = self._region(f"attn_inputs{i}", layer.attn_inputs)(x, *rope)
+        return self._region(f"attn_outputs{i}", layer.attn_outputs)(x, attn(layer.layer_idx, *q))
 
     @staticmethod
     def _check(input_ids: torch.Tensor, positions: torch.Tensor) -> None:
@@ -255,14 +333,14 @@ class TinyDSV3(nn.Module):
         With ``return_layers=True`` also returns the residual stream after each layer.
         """
         self._check(input_ids, positions)
-        rope = self.rope(positions)
+        rope = self._region("rope", self.rope)(positions)
         x = self.model.embed_tokens(input_ids)
         per_layer = []
         for i in range(self.config.num_layers):
-            x = self.model.layers[i].block(x, rope, attn)
+            x = self._block(i, x, rope, attn)
             if return_layers:
                 per_layer.append(x)
-        h = self.model.norm(x)
+        h = self._region("norm", self.model.norm)(x)
         return (h, per_layer) if return_layers else h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -287,20 +365,26 @@ class TinyDSV3(nn.Module):
         :meth:`mtp_logits` for logits and :meth:`mtp_recycle_hidden` for chained drafting.
         """
         self._check(input_ids, positions)
+        rope = self._region("rope", self.rope)(positions)
+        x = self._region(f"mtp_inputs{k}", self.mtp_inputs)(input_ids, positions, hidden_prev, k)
+        return self._block(self.config.num_layers + k, x, rope, attn)
+
+    def mtp_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_prev: torch.Tensor,
+                   k: int = 0) -> torch.Tensor:
+        """The MTP block's input rows: ``eh_proj([enorm(embed(ids)), hnorm(hidden_prev)])``,
+        the embedding zeroed at position 0."""
         layer = self.mtp_layer(k)
-        rope = self.rope(positions)
         e = layer.embed_tokens(input_ids)
         e = torch.where((positions == 0).unsqueeze(-1), torch.zeros_like(e), e)
-        x = layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(hidden_prev.to(e.dtype))], dim=-1))
-        return layer.block(x, rope, attn)
+        return layer.eh_proj(torch.cat([layer.enorm(e), layer.hnorm(hidden_prev.to(e.dtype))], dim=-1))
 
     def mtp_logits(self, mtp_hidden: torch.Tensor, k: int = 0) -> torch.Tensor:
-        layer = self.mtp_layer(k)
-        return layer.shared_head.head(layer.shared_head.norm(mtp_hidden))
+        head = self.mtp_layer(k).shared_head
+        return self._region(f"mtp_logits{k}", lambda h: head.head(head.norm(h)))(mtp_hidden)
 
     def mtp_recycle_hidden(self, mtp_hidden: torch.Tensor, k: int = 0) -> torch.Tensor:
         """The hidden state vLLM feeds to the next draft step (after ``shared_head.norm``)."""
-        return self.mtp_layer(k).shared_head.norm(mtp_hidden)
+        return self._region(f"mtp_norm{k}", self.mtp_layer(k).shared_head.norm)(mtp_hidden)
 
     # -- init / ties -------------------------------------------------------------------------------
     def init_weights(self, generator: Optional[torch.Generator] = None) -> None:

@@ -30,6 +30,7 @@ can be timed (``pcpviz.engine.phases``).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -76,6 +77,13 @@ class EngineConfig:
     # only when asked); True on the CPU runs the same padded buffers without capture (the
     # tests' way of checking the graph path's bookkeeping); False: the unpadded eager path.
     cuda_graphs: bool | None = None
+
+
+def compile_by_default(device: torch.device) -> bool:
+    """The decode graphs' model code through ``torch.compile`` (``PCPVIZ_COMPILE``: "1" on,
+    "0" off; default on for CUDA captures)."""
+    flag = os.environ.get("PCPVIZ_COMPILE", "").strip()
+    return flag == "1" if flag in ("0", "1") else device.type == "cuda"
 
 
 def graphs_by_default(device: torch.device, pcp: int) -> bool:
@@ -168,6 +176,10 @@ class Worker:
         self.graphs = GraphRunner("capture" if device.type == "cuda" else "eager", device) if graphs else None
         if self.graphs is not None:
             self.graphs.timer = self.timer if self.timer else None
+        # The decode graphs' forwards through torch.compile'd regions (``TinyDSV3.compile_regions``)
+        self.compiled = self.graphs is not None and compile_by_default(device)
+        if self.compiled:
+            model.compile_regions()
         self._pending_drafts = None  # (host int64[R, K], event, req_ids, keep bool[R]) of the last step
         self._layouts: dict[tuple, PCPLayout] = {}  # decode-only steps' layouts (Worker._plan)
 
@@ -312,8 +324,12 @@ class Worker:
         return static.views
 
     def run_forward(self, key, fn):
-        """``fn()``: replayed from a graph when ``key = (phase, shape)`` has a DecodeShape."""
-        return fn() if key[1] is None else self.graphs.run(key, fn)
+        """``fn()``: replayed from a graph when ``key = (phase, shape)`` has a DecodeShape (its
+        model code compiled, when ``self.compiled``)."""
+        if key[1] is None:
+            return fn()
+        with self.model.regions(self.compiled):
+            return self.graphs.run(key, fn)
 
     # ------------------------------------------------------------------------------ the step
     def step(self, sched: SchedulerOutput) -> StepResult:
