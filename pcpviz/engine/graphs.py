@@ -41,6 +41,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from pcpviz.engine.inputs import aligned
+
 __all__ = ["DecodeShape", "decode_shape", "capture_sizes", "StaticInputs", "GraphRunner"]
 
 MIN_SEQ_BUCKET = 256
@@ -101,7 +103,7 @@ class StaticInputs:
         for name, (shape, dt) in spec.items():
             n = int(np.prod(shape, dtype=np.int64))
             where[name] = (dt, sizes.get(dt, 0), n, tuple(shape))
-            sizes[dt] = sizes.get(dt, 0) + n
+            sizes[dt] = sizes.get(dt, 0) + aligned(n)  # every view 16-element aligned (inputs.ALIGN)
         self._dev = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
         self._host = {dt: torch.zeros(n, dtype=dt, pin_memory=self.cuda) for dt, n in sizes.items()}
         self._host_np = {dt: t.numpy() for dt, t in self._host.items()}
