@@ -295,6 +295,11 @@ class TinyDSV3(nn.Module):
         self._compile_backend = backend
         self._compiled.clear()
 
+    @property
+    def compiled_regions(self) -> tuple[str, ...]:
+        """The names of the regions compiled so far (each on its first use in ``regions(True)``)."""
+        return tuple(sorted(self._compiled))
+
     @contextlib.contextmanager
     def regions(self, on: bool = True):
         """Inside, the forwards run their compiled regions (when ``compile_regions`` was called)."""

@@ -444,3 +444,14 @@ def test_uploaded_views_start_aligned():
     t = up.upload({"x": (np.arange(3), torch.int64), "y": (np.arange(5), torch.int64), "z": (np.arange(7), torch.int32)})
     assert all(v.storage_offset() % ALIGN == 0 for v in t.values())
     assert t["y"].tolist() == list(range(5)) and t["z"].tolist() == list(range(7))
+
+
+def test_compile_default_on_for_cuda_and_switchable(monkeypatch):
+    from pcpviz.engine.worker import compile_by_default
+
+    monkeypatch.delenv("PCPVIZ_COMPILE", raising=False)
+    assert compile_by_default(torch.device("cuda")) and not compile_by_default(torch.device("cpu"))
+    monkeypatch.setenv("PCPVIZ_COMPILE", "0")
+    assert not compile_by_default(torch.device("cuda"))
+    monkeypatch.setenv("PCPVIZ_COMPILE", "1")
+    assert compile_by_default(torch.device("cpu"))

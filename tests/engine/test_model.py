@@ -399,3 +399,29 @@ def test_corpus_pack_roundtrip(tmp_path, corpus):
     back = corpus_mod.read_pack(path)
     assert [(f.path, f.data) for f in back.files] == [(f.path, f.data) for f in small.files]
     assert back.hash == small.hash
+
+
+def test_compiled_regions_give_the_eager_outputs():
+    """``compile_regions`` cuts each forward at its attention calls; traced by dynamo (the
+    ``aot_eager`` backend: no C++ compiler needed) the regions give the eager outputs exactly,
+    and only inside ``regions(True)``."""
+    from pcpviz.engine.checkpoint import load_model
+
+    model = load_model(dtype=torch.float32)
+    ids, pos = torch.arange(5, 17), torch.arange(12)
+    attn = causal_attention(model)
+    h = model.forward_hidden(ids, pos, attn)
+    mtp = model.mtp_forward(ids, pos, h, attn=attn)
+    model.compile_regions(backend="aot_eager")
+    model.forward_hidden(ids, pos, attn)
+    assert model.compiled_regions == ()  # outside regions(True) nothing is compiled
+    with model.regions(True):
+        h2 = model.forward_hidden(ids, pos, attn)
+        mtp2 = model.mtp_forward(ids, pos, h2, attn=attn)
+        logits2, rec2 = model.mtp_logits(mtp2), model.mtp_recycle_hidden(mtp2)
+    assert {"rope", "norm", "attn_inputs0", "attn_outputs1", "mtp_inputs0", "mtp_logits0", "mtp_norm0"} <= set(
+        model.compiled_regions)
+    torch.testing.assert_close(h2, h, rtol=0, atol=0)
+    torch.testing.assert_close(mtp2, mtp, rtol=0, atol=0)
+    torch.testing.assert_close(logits2, model.mtp_logits(mtp), rtol=0, atol=0)
+    torch.testing.assert_close(rec2, model.mtp_recycle_hidden(mtp), rtol=0, atol=0)
