@@ -27,7 +27,8 @@ outputs, so the same code runs three ways (``GraphRunner.mode``):
 
 Tokens are the same in all three in float32 (tests/engine/test_engine_perf.py on CPU; on 2 x H200 at
 PCP=1 with K=0 and K=2). In bfloat16 on one H200 they were not (graphs on vs off): the padded shapes
-run other GEMM kernels, and greedy decoding follows the last-bit differences. By default the runner is on for CUDA at PCP=1 only (``worker.graphs_by_default``):
+run other GEMM kernels, and greedy decoding follows the last-bit differences. By default the runner
+is on for CUDA at PCP=1 only (``worker.graphs_by_default``):
 the one PCP=2 run with captured graphs produced every token and then never returned.
 """
 

@@ -441,7 +441,8 @@ def test_uploaded_views_start_aligned():
     from pcpviz.engine.inputs import ALIGN
 
     up = Uploader(torch.device("cuda"))
-    t = up.upload({"x": (np.arange(3), torch.int64), "y": (np.arange(5), torch.int64), "z": (np.arange(7), torch.int32)})
+    t = up.upload({"x": (np.arange(3), torch.int64), "y": (np.arange(5), torch.int64),
+                   "z": (np.arange(7), torch.int32)})
     assert all(v.storage_offset() % ALIGN == 0 for v in t.values())
     assert t["y"].tolist() == list(range(5)) and t["z"].tolist() == list(range(7))
 
