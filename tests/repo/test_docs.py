@@ -389,3 +389,27 @@ def test_the_piecewise_findings_evidence_file_holds_the_assertion_it_is_cited_fo
         expected, got = (re.findall(r"\d+", part) for part in assertion.split("Expected")[1].split("got"))
         assert len(expected) == len(got) == 12
         assert [i for i in range(12) if expected[i] != got[i]] == [0, 2]
+
+
+def test_one_gpu_engine_figures_match_the_bench_file():
+    """docs/figures.md's one-H200 table and the README's: data/bench/h200x1.json's figures."""
+    d = _json("data/bench/h200x1.json")
+    c, steady = d["compile"], d["decode_steady"]
+    lines = (DOCS / "figures.md").read_text(encoding="utf-8").splitlines()
+
+    def row(start: str) -> str:
+        (line,) = [x for x in lines if x.startswith(f"| one GPU: {start}")]
+        return line
+
+    assert (f"| {steady['k0']['ms_per_step']:.2f} ms ({c['compile1_k0']['ms_per_step']:.2f} compiled, "
+            f"{c['compile0_k0']['ms_per_step']:.2f} not, interleaved)") in row("decode step, K=0")
+    assert (f"**{c['compile1_mtp_speedup']:.2f}x** compiled, {c['compile0_mtp_speedup']:.2f}x not (`compile`); "
+            f"{steady['mtp_speedup']:.2f}x in `decode_steady`") in row("MTP K=2 over K=0")
+    assert f"**{d['prefill_step_ms_pcp1']:.1f} ms**" in row("32k-token prefill step")
+    assert f"| {d['recording_overhead']:.2f}x |" in row("recording on / off")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    k2 = c["compile1_k2"]
+    assert (f"| {k2['ms_per_step'] / k2['tokens_per_step']:.2f} ({k2['ms_per_step']:.2f} ms a step, "
+            f"{k2['tokens_per_step']:.2f} tokens)") in readme
+    assert f"| {c['compile1_mtp_speedup']:.2f}× (K=0: {c['compile1_k0']['ms_per_step']:.2f} ms a token)" in readme
+    assert f"| {d['prefill_step_ms_pcp1']:.1f} ms (32k tokens)" in readme
