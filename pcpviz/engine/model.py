@@ -78,7 +78,7 @@ def rope_inv_freq(rope_dim: int, theta: float, device: torch.device | str) -> to
     return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=device) / rope_dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float,
+def rope_cos_sin(positions: torch.Tensor, rope_dim: int, theta: float, *,
                  inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [..., rope_dim // 2] (float32) for integer ``positions``
     (``inv_freq``: ``rope_inv_freq``'s, when the caller keeps it)."""
@@ -266,7 +266,7 @@ class TinyDSV3(nn.Module):
         inv = self._inv_freq.get(dev)
         if inv is None:
             inv = self._inv_freq[dev] = rope_inv_freq(c.qk_rope_head_dim, c.rope_theta, positions.device)
-        return rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, inv)
+        return rope_cos_sin(positions, c.qk_rope_head_dim, c.rope_theta, inv_freq=inv)
 
     # -- compiled regions ---------------------------------------------------------------------------
     def compile_regions(self, backend: str = "inductor") -> None:
@@ -371,10 +371,10 @@ class TinyDSV3(nn.Module):
         """
         self._check(input_ids, positions)
         rope = self._region("rope", self.rope)(positions)
-        x = self._region(f"mtp_inputs{k}", self.mtp_inputs)(input_ids, positions, hidden_prev, k)
+        x = self._region(f"mtp_inputs{k}", self.mtp_inputs)(input_ids, positions, hidden_prev, k=k)
         return self._block(self.config.num_layers + k, x, rope, attn)
 
-    def mtp_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_prev: torch.Tensor,
+    def mtp_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_prev: torch.Tensor, *,
                    k: int = 0) -> torch.Tensor:
         """The MTP block's input rows: ``eh_proj([enorm(embed(ids)), hnorm(hidden_prev)])``,
         the embedding zeroed at position 0."""
