@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 
 from pcpviz.trace import TraceWriter
 from pcpviz.trace.flight import FlightRing
-from pcpviz.vllm.recording.host import StagedStep, trim_block_tables
+from pcpviz.trace.packed import trim_block_tables
+from pcpviz.vllm.recording.host import StagedStep
 
 if TYPE_CHECKING:
     from pcpviz.vllm.recording.recorder import RankRecorder
