@@ -126,25 +126,31 @@ def host_pool() -> _HostPool:
 
 
 class StagedStep:
-    """A step on its way to the host: ``phases`` (``{phase: {view: entry}}``), the host buffer
-    its device copies are landing in (``host``, ``nbytes`` used) and the event after them."""
+    """A step on its way to the host: ``phases`` (``{phase: {view: entry}}``; the device
+    tensors' entries are filled in by ``wait``, off the step's path, from ``layout``), the host
+    buffer its copies are landing in (``host``, ``nbytes`` used) and the event after them."""
 
     def __init__(self, phases: dict[str, dict[str, Any]], host: torch.Tensor | None, event: Any,
-                 nbytes: int = 0) -> None:
+                 nbytes: int = 0, *, layout: list | None = None, pooled: bool = False) -> None:
         self.phases, self.host, self.event, self.nbytes = phases, host, event, nbytes
+        self.layout, self.pooled = layout, pooled
 
     def wait(self) -> np.ndarray | None:
-        """Wait for the copies (the GIL is released while waiting); the bytes (uint8[nbytes])."""
+        """Wait for the copies (the GIL is released while waiting) and fill in the device
+        tensors' entries; the step's bytes (uint8[nbytes], None if it has none)."""
         if self.event is not None:
             self.event.synchronize()
             self.event = None
+        if self.layout is not None:
+            _fill(self.layout)
+            self.layout = None
         return None if self.host is None else self.host[: self.nbytes].numpy()
 
     def release(self) -> None:
         """The host buffer is no longer read (copied out): back to the pool."""
-        if self.host is not None:
+        if self.host is not None and self.pooled:
             _POOL.give(self.host)
-            self.host = None
+        self.host = None
 
     def resolve(self) -> dict[str, dict[str, Any]]:
         """The step as NumPy arrays of its own (``pcpviz.trace.packed.resolve``)."""
@@ -153,41 +159,53 @@ class StagedStep:
         return out
 
 
+def _fill(layout: list) -> None:
+    """Put each device tensor's entry ``("b", offset, dtype, shape)`` in its place (unless a
+    later view of the same name took it): ``layout`` is ``[(offset, dtype, itemsize, places)]``
+    per packed tensor, ``places`` ``[(box, key, slot, shape, numel)]`` in their order in it."""
+    for off, dtype, size, places in layout:
+        for box, key, slot, shape, numel in places:
+            if box[key] is slot:
+                box[key] = ("b", off, dtype, shape)
+            off += numel * size
+
+
 class StepPack:
-    """One recorder's device copies of the step being recorded: one flat uint8 buffer on the
-    device, reused step after step (ordered on the stream: the next step's copies run after this
-    step's copy to the host was issued)."""
+    """One recorder's device copies of the step being recorded: per hook call one flat copy per
+    dtype (``flatten_dense_tensors``: one call for all of its views of that dtype), the fresh
+    tensors as they are; at the step's end all of them become one buffer, copied to the host once."""
 
     def __init__(self) -> None:
-        self.buf: torch.Tensor | None = None
         self.device: torch.device | None = None  # of the first tensor put: others go to the host now
-        self.used = 0
-        self.fresh: list[tuple[Any, Any, Any, torch.Tensor]] = []  # (container, key, slot, tensor): at stage
+        self.flats: list[tuple[torch.Tensor, list]] = []  # (flat copy or fresh tensor, its places)
         self.memo: dict[int, tuple[list, list]] = {}  # id(Deferred.args) -> (args, their entries), this step
 
     def put(self, phase: dict[str, Any], views: dict[str, Any]) -> None:
-        """Add one hook call's views to ``phase`` as entries; its device tensors copied now, with
-        one ``cat``."""
-        now: list[tuple[Any, Any, Any, torch.Tensor]] = []
+        """Add one hook call's views to ``phase`` as entries; its device tensors copied now."""
+        now: dict[torch.dtype, list] = {}
         for name, value in views.items():
             phase[name] = self._entry(value, phase, name, now)
-        self._pack(now)
+        for items in now.values():
+            self.flats.append((torch._C._nn.flatten_dense_tensors([it[3] for it in items]),
+                               [(box, key, slot, tuple(t.shape), t.numel()) for box, key, slot, t in items]))
 
-    def _entry(self, value: Any, box: Any, key: Any, now: list) -> Any:
+    def _entry(self, value: Any, box: Any, key: Any, now: dict) -> Any:
         if isinstance(value, torch.Tensor):
             if self._packable(value):
                 slot = _Slot()
-                now.append((box, key, slot, value.detach()))
+                now.setdefault(value.dtype, []).append((box, key, slot, value.detach() if value.requires_grad
+                                                        else value))
                 return slot
             return host_entry(np.array(to_host(value)))
         if isinstance(value, np.ndarray):
             return host_entry(value)
         if isinstance(value, Fresh):
-            if self._packable(value.t):
+            t = value.t
+            if self._packable(t):
                 slot = _Slot()
-                self.fresh.append((box, key, slot, value.t.detach()))
+                self.flats.append((t.detach(), [(box, key, slot, tuple(t.shape), t.numel())]))
                 return slot
-            return host_entry(np.array(to_host(value.t)))
+            return host_entry(np.array(to_host(t)))
         if isinstance(value, Deferred):
             known = self.memo.get(id(value.args))  # another output of the same computation
             if known is None:
@@ -207,54 +225,32 @@ class StepPack:
             self.device = t.device
         return t.dtype in _DTYPES and t.device == self.device
 
-    def _pack(self, items: list[tuple[Any, Any, Any, torch.Tensor]]) -> None:
-        """Copy ``items`` into the buffer with one ``cat`` (widest dtypes first, so every view
-        stays aligned) and put their entries in their places (unless a later view took it)."""
-        if not items:
-            return
-        items.sort(key=lambda it: -it[3].element_size())
-        flats = [t.reshape(-1).view(torch.uint8) for *_, t in items]
-        n = sum(f.numel() for f in flats)
-        start = -(-self.used // 8) * 8
-        self._reserve(start + n)
-        torch.cat(flats, out=self.buf[start:start + n])
-        off = start
-        for (box, key, slot, t), f in zip(items, flats):
-            if box[key] is slot:
-                box[key] = ("b", off, _DTYPES[t.dtype], tuple(t.shape))
-            off += f.numel()
-        self.used = start + n
-
-    def _reserve(self, nbytes: int) -> None:
-        if self.buf is not None and nbytes <= self.buf.numel():
-            return
-        with torch.inference_mode(False):  # a normal tensor: written inside and outside inference mode
-            grown = torch.empty(max(nbytes * 2, 1 << 14), dtype=torch.uint8, device=self.device)
-        if self.buf is not None and self.used:
-            grown[: self.used].copy_(self.buf[: self.used])
-        self.buf = grown
-
     def stage(self, phases: dict[str, dict[str, Any]]) -> StagedStep:
-        """The step's copies on their way to the host: the fresh tensors packed, one copy of the
-        buffer to a (pinned) host buffer, ``non_blocking``, on the current stream, one event;
-        no synchronisation. The buffer is free for the next step."""
-        fresh, self.fresh, self.memo = self.fresh, [], {}
-        self._pack(fresh)
-        n, self.used = self.used, 0
-        if not n:
+        """The step's copies on their way to the host: one buffer of all of them (widest dtypes
+        first, so every view stays aligned), one copy of it to a (pinned) host buffer,
+        ``non_blocking``, on the current stream, one event; no synchronisation."""
+        flats, self.flats, self.memo = self.flats, [], {}
+        if not flats:
             return StagedStep(phases, None, None)
-        cuda = self.buf.is_cuda
-        host = _POOL.take(n, cuda)
-        host[:n].copy_(self.buf[:n], non_blocking=cuda)
-        event = None
-        if cuda:
-            event = torch.cuda.Event()
-            event.record()
-        return StagedStep(phases, host, event, n)
+        flats.sort(key=lambda f: -f[0].dtype.itemsize)
+        layout, off, parts = [], 0, []
+        for flat, places in flats:
+            dtype = flat.dtype
+            layout.append((off, _DTYPES[dtype], dtype.itemsize, places))
+            off += flat.numel() * dtype.itemsize
+            parts.append((flat.reshape(1) if flat.ndim == 0 else flat).view(torch.uint8))
+        big = torch._C._nn.flatten_dense_tensors(parts)  # uint8[off]
+        if not big.is_cuda:
+            return StagedStep(phases, big, None, off, layout=layout)
+        host = _POOL.take(off, True)
+        host[:off].copy_(big, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StagedStep(phases, host, event, off, layout=layout, pooled=True)
 
     def discard(self) -> None:
         """Forget the step being recorded (it is not written)."""
-        self.fresh, self.memo, self.used = [], {}, 0
+        self.flats, self.memo = [], {}
 
 
 def now_us() -> int:

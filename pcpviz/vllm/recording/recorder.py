@@ -29,13 +29,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pcpviz.trace import TraceWriter, write_run_meta
+from pcpviz.trace import TraceWriter
 from pcpviz.vllm.recording.drafts import DraftContext
 from pcpviz.vllm.recording.graphs import ledger_views
 from pcpviz.trace.packed import host_entry
 from pcpviz.vllm.recording.host import Deferred, Fresh, StepPack, Strings, block_rows, now_us
 from pcpviz.vllm.recording.meta import environment_meta, speculator_meta
-from pcpviz.vllm.recording.sink import StepSink
+from pcpviz.vllm.recording.sink import make_sink
 from pcpviz.vllm.recording.wrappers import install_instance_wrappers, warming_up
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ class RankRecorder:
         self.pcp_world_size = pcp_world_size
         self.step = 0
         self.phases: dict[str, dict[str, Any]] | None = None
-        self.sink = StepSink(self)
+        self.sink = make_sink(self)  # inline (strict sessions), a writer process, or a writer thread
         self.pack = StepPack()  # the device copies of the step being recorded
         self.meta: dict[str, Any] = {}
         self.disabled = False
@@ -170,13 +170,13 @@ class RankRecorder:
             if not fresh:
                 return
             self.meta.update(fresh)
-        if self.sink.wrote_run_meta and self.rank == 0:
-            write_run_meta(self.session.run_dir, self.run_meta())
+        self.sink.meta_changed()
 
     @property
     def writer(self) -> TraceWriter | None:
-        """The rank file's writer once the first step was written (None before, and in flight mode)."""
-        return self.sink.writer
+        """The rank file's writer once the first step was written (None before, in flight mode,
+        and where a writer process writes it: ``sink.stats()`` then)."""
+        return getattr(self.sink, "writer", None)
 
     def close(self, reason: str = "finished") -> None:
         """Write the pending step and finalize the rank file (end-of-stream marker, completion
