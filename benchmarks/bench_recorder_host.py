@@ -15,8 +15,12 @@ is the recorder's own method on stand-in objects that hold tensors of vLLM's sha
 
 Modes: ``off`` (no hook runs), ``record`` (every step to the rank file), ``flight`` (the last 64
 steps kept, nothing written). The modes are interleaved (rotated each repeat), each repeat ``--steps``
-steps, the sink drained between repeats; the figure is the median loop time per step and its ratio to
-``off``; ``hook_us`` is the time spent inside the hooks on the step thread (``RankRecorder.seconds``).
+steps, the sink drained between repeats; the figures are medians per step: the loop's wall time and
+its ratio to ``off`` (what vLLM would see; on a machine with few, shared cores the writer's own CPU
+time competes with the loop's), the step thread's CPU time and its ratio (``time.thread_time``: the
+hooks' own cost, whatever else runs), and ``hook_us``, the wall time inside the hooks on the step
+thread (``RankRecorder.seconds``; a writer thread's hold on the GIL shows here).
+``PCPVIZ_WRITER=thread`` measures the writer thread instead of the writer process.
 """
 
 from __future__ import annotations
@@ -110,7 +114,8 @@ class Stage:
         self.manager = _ns(_padded_gather_idx=torch.arange(2 * local.num_tokens, dtype=torch.int64),
                            _hidden_restore_idx=torch.arange(t, dtype=torch.int64),
                            _gathered_kv_write_mask=torch.ones(2 * local.num_tokens, dtype=torch.bool),
-                           pcp_world_size=2, dcp_world_size=1, shard_decode_requests=True, _block_tables=self.block_tables,
+                           pcp_world_size=2, dcp_world_size=1, shard_decode_requests=True,
+                           _block_tables=self.block_tables,
                            _global_batch=self.batch, dcp_rank=0, cp_interleave=1,
                            _global_batch_slot_mappings=self.slots, draft_prefill_batch=local,
                            _local_block_tables=[self.input_bt])
@@ -200,15 +205,17 @@ def bench_case(r: int, pcp: int, *, steps: int, repeats: int, ops: int, ctx: int
         x = step(rec, st, x, ops, on=True)
     rec.sink.drain()
     per_step: dict[str, list[float]] = {m: [] for m in MODES}
+    cpu_step: dict[str, list[float]] = {m: [] for m in MODES}
     hook_us: dict[str, list[float]] = {m: [] for m in MODES}
     for rep in range(repeats):
         for m in MODES[rep % 3:] + MODES[: rep % 3]:
             s.mode, s.flight = ("record", None) if m == "off" else (m, flight if m == "flight" else None)
             secs0 = rec.seconds
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             for _ in range(steps):
                 x = step(rec, st, x, ops, on=m != "off")
             per_step[m].append((time.perf_counter() - t) / steps)
+            cpu_step[m].append((time.thread_time() - c) / steps)
             hook_us[m].append((rec.seconds - secs0) / steps * 1e6)
             rec.sink.drain()
     assert not rec.disabled, rec.disabled_reason
@@ -216,10 +223,14 @@ def bench_case(r: int, pcp: int, *, steps: int, repeats: int, ops: int, ctx: int
         (rec.writer.bytes_written if rec.writer is not None else 0)
     s.close()
     med = {m: statistics.median(v) for m, v in per_step.items()}
+    cpu = {m: statistics.median(v) for m, v in cpu_step.items()}
     return {"batch": r, "pcp": pcp, "steps_per_repeat": steps, "repeats": repeats,
             "step_ms": {m: round(v * 1e3, 4) for m, v in med.items()},
             "record_over_off": round(med["record"] / med["off"], 4),
             "flight_over_off": round(med["flight"] / med["off"], 4),
+            "step_thread_cpu_ms": {m: round(v * 1e3, 4) for m, v in cpu.items()},
+            "cpu_record_over_off": round(cpu["record"] / cpu["off"], 4),
+            "cpu_flight_over_off": round(cpu["flight"] / cpu["off"], 4),
             "hook_us_per_step": {m: round(statistics.median(v), 1) for m, v in hook_us.items() if m != "off"},
             "trace_bytes": bytes_written}
 

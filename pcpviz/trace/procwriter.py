@@ -44,7 +44,8 @@ from .writer import TraceWriter, write_run_meta
 
 __all__ = ["RankOutput", "STATE_BYTES", "read_state", "main"]
 
-STATE_BYTES = 64  # int64[8]: steps written, bytes written, last step (-1: none), alive flag
+STATE_BYTES = 64  # int64[8]: steps written, bytes written, last step (-1: none)
+NICE = 10  # the writer's niceness: it never takes a core from the recording process's step loop
 
 
 class RankOutput:
@@ -200,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     from multiprocessing.connection import Connection
 
     args = [int(a) for a in (sys.argv[1:] if argv is None else argv)]
+    try:
+        os.nice(NICE)  # where the cores are busy, the recording process's step loop goes first
+    except OSError:
+        pass
     inbox, outbox = Connection(args[0], writable=False), Connection(args[1], readable=False)
     mm = mmap.mmap(args[2], STATE_BYTES)
     state = np.frombuffer(mm, dtype=np.int64)
