@@ -29,8 +29,8 @@ DSpark inputs          ``dflash.speculator.prepare_dflash_inputs`` (module globa
 
 Every override calls ``super()`` first and records copies: tensors are copied on their
 device when the hook fires (``host.StepPack``: one flat copy per dtype per hook call) and
-moved to the host once per step (one copy of the step's buffer), so vLLM's persistent buffers — which CUDA graphs replay by
-address — are never re-allocated and the recorded values are those of that moment.
+moved to the host once per step (one copy of the step's buffer), so vLLM's persistent
+buffers — which CUDA graphs replay by address — are never re-allocated and the recorded values are those of that moment.
 Recording never changes what vLLM computes (tested: identical draft tokens, slot mappings
 and KV caches with recording on and off).
 

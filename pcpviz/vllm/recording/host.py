@@ -238,7 +238,9 @@ class StepPack:
             dtype = flat.dtype
             layout.append((off, _DTYPES[dtype], dtype.itemsize, places))
             off += flat.numel() * dtype.itemsize
-            parts.append((flat.reshape(1) if flat.ndim == 0 else flat).view(torch.uint8))
+            if flat.ndim == 0 or not flat.is_contiguous():  # a fresh tensor as the hook made it
+                flat = flat.reshape(-1).contiguous()
+            parts.append(flat.view(torch.uint8))
         big = torch._C._nn.flatten_dense_tensors(parts)  # uint8[off]
         if not big.is_cuda:
             return StagedStep(phases, big, None, off, layout=layout)
