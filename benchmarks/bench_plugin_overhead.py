@@ -91,22 +91,25 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - t
 
     def sizes(mode: str, fn) -> dict:
-        """Bytes per recorded step of ``fn()`` in ``mode`` (rank file growth, ring bytes)."""
+        """Bytes per recorded step of ``fn()`` in ``mode`` (rank file growth, ring bytes), from the
+        sink's ``stats()`` (the writer process's, or this process's writer)."""
         recording.set_mode(mode, flight=flight)
         steps0 = rec.steps_written
-        size0 = rec.writer.bytes_written if rec.writer is not None else 0
+        size0 = rec.sink.stats().get("bytes_written", 0)
         fn()
         recording.set_mode(mode, flight=flight)  # drains what is in flight
         steps = rec.steps_written - steps0
+        st = rec.sink.stats()
         if mode == "record":
-            return {"steps": steps, "trace_bytes_per_step": round((rec.writer.bytes_written - size0) / max(steps, 1))}
-        ring = rec.sink.ring
-        kept = list(ring.ring)[-min(steps, len(ring.ring)):] if steps else []
-        return {"steps": steps, "ring_bytes_per_step": round(sum(n for *_, n in kept) / max(len(kept), 1)),
-                "ring_bytes": ring.bytes, "ring_steps": len(ring.ring)}
+            return {"steps": steps, "trace_bytes_per_step": round((st["bytes_written"] - size0) / max(steps, 1))}
+        ring_steps = st.get("ring_step_bytes", [])
+        kept = ring_steps[-min(steps, len(ring_steps)):] if steps else []
+        return {"steps": steps, "ring_bytes_per_step": round(sum(kept) / max(len(kept), 1)),
+                "ring_bytes": st.get("ring_bytes", 0), "ring_steps": len(ring_steps)}
 
     res: dict = {"command": "python3 benchmarks/bench_plugin_overhead.py --out data/bench/plugin_overhead_h200x1.json",
-                 "llm_kwargs": kwargs, "startup_s": round(startup, 1), "repeats": a.repeats,
+                 "writer": getattr(rec.sink, "kind", "?"), "llm_kwargs": kwargs, "startup_s": round(startup, 1),
+                 "repeats": a.repeats,
                  "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("VLLM_", "PCPVIZ_"))},
                  "flight": flight.to_meta(), "workloads": {}}
     for name, (n, length, new) in WORKLOADS.items():

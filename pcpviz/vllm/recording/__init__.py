@@ -27,10 +27,10 @@ draft_tokens           the return value of ``propose`` (``int64[R, K]``)
 DSpark inputs          ``dflash.speculator.prepare_dflash_inputs`` (module global)
 =====================  ==========================================================
 
-Every override calls ``super()`` first and records copies: tensors are cloned on their
-device when the hook fires (``.clone()``) and moved to the host once per step when the
-step is written (``.cpu()``), so vLLM's persistent buffers — which CUDA graphs replay by
-address — are never re-allocated and the recorded values are those of that moment.
+Every override calls ``super()`` first and records copies: tensors are copied on their
+device when the hook fires (``host.StepPack``: one flat copy per dtype per hook call) and
+moved to the host once per step (one copy of the step's buffer), so vLLM's persistent
+buffers — which CUDA graphs replay by address — are never re-allocated and the recorded values are those of that moment.
 Recording never changes what vLLM computes (tested: identical draft tokens, slot mappings
 and KV caches with recording on and off).
 
@@ -52,8 +52,9 @@ The package, one concern per module:
 ``drafts``             ``DraftContext``: one ``propose`` call, a phase per draft forward
 ``manager``            ``RecordingPCPManager`` (the ``PCPManager`` overrides)
 ``wrappers``           the speculator / runner / warm-up method wrappers
-``host``               copies on the device (packed per dtype), staged to the host per step
+``host``               copies on the device (one buffer a step), staged to the host per step
 ``sink``               where finished steps go, off the step's path: rank file or flight ring
+``procsink``           the plugin's default sink: a writer process per rank (outside vLLM's GIL)
 ``graphs``             the graph-replay ledger (CUDA-graph captures vs replays)
 ``meta``               run.json keys learned from the process and the speculator
 =====================  ==========================================================

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from pcpviz.vllm.fake_group import current_fake_group
-from pcpviz.vllm.recording.host import block_rows, now_us
+from pcpviz.trace.packed import host_entry
+from pcpviz.vllm.recording.host import Deferred, Fresh, block_rows, now_us
 
 if TYPE_CHECKING:
     from pcpviz.vllm.recording.recorder import RankRecorder
@@ -46,9 +47,9 @@ def fake_group_all_gathers() -> int | None:
     return int(group.all_gather_calls[group.rank_in_group])
 
 
-def first_layer_slots(slot_mappings: Any, spec: Any) -> torch.Tensor | None:
-    """[G, n] from a per-layer slot-mapping dict: one layer per KV-cache group (the drafter's
-    own layer where the group has one)."""
+def first_layer_slots(slot_mappings: Any, spec: Any, limit: int | None = None) -> Deferred | None:
+    """The view [G, n] (stacked on the host) from a per-layer slot-mapping dict: one layer per
+    KV-cache group (the drafter's own layer where the group has one); at most ``limit`` columns."""
     if not isinstance(slot_mappings, Mapping) or not slot_mappings:
         return None
     cfg = getattr(spec, "kv_cache_config", None)
@@ -65,7 +66,9 @@ def first_layer_slots(slot_mappings: Any, spec: Any) -> torch.Tensor | None:
     if not rows:
         rows = [next(iter(slot_mappings.values()))]
     n = min(r.shape[0] for r in rows)
-    return torch.stack([r[:n] for r in rows]).clone()
+    if limit is not None:
+        n = min(n, limit)
+    return Deferred("stack", [r[:n] for r in rows])
 
 
 class DraftContext:
@@ -96,7 +99,7 @@ class DraftContext:
         spec, rec = self.spec, self.rec
         now = now_us()
         if self.phases and not self.dummy:
-            rec.phase(self.phases[-1])["t_end_us"] = np.array(now, dtype=np.int64)
+            rec.phase(self.phases[-1])["t_end_us"] = host_entry(np.array(now, dtype=np.int64))
         # propose runs one forward per draft step, in order: _prefill (step 0) then one
         # _generate_draft per decode step (counted here rather than read from the device
         # tensor current_draft_step, which would synchronize).
@@ -123,7 +126,7 @@ class DraftContext:
                          draft_positions=local.positions[:num_tokens], draft_seq_lens=local.seq_lens[:nr],
                          block_table_draft=rows, block_table_draft_stale_tail=stale)
             if self.global_draft_ids is not None:
-                views["draft_global_input_ids"] = self.global_draft_ids
+                views["draft_global_input_ids"] = Fresh(self.global_draft_ids)
         elif k == 0 and manager is None:
             # PCP = 1: the draft prefill runs on the global batch with the target's attention
             # metadata, block tables and slot mapping (its ids are the global shifted ids).
@@ -147,9 +150,7 @@ class DraftContext:
         if local is None and k > 0 and self.last_slots is not None:
             slots = self.last_slots[:, :r]  # compute_slot_mappings of this decode step: unexpanded
         if slots is None:
-            slots = first_layer_slots(slot_mappings, spec)
-            if slots is not None and local is None and k > 0:
-                slots = slots[:, :r]
+            slots = first_layer_slots(slot_mappings, spec, r if local is None and k > 0 else None)
         if slots is not None:
             views["slot_mapping_draft"] = slots
         rec.put(name, **views)
@@ -173,7 +174,7 @@ class DraftContext:
 
     def on_compute_slot_mappings(self, out: torch.Tensor) -> None:
         self.compute_slot_calls += 1
-        self.last_slots = out.detach().clone()
+        self.last_slots = out.detach().clone()  # a decode step's own: the next draft forward reads it
 
     def on_gather_block_tables(self) -> None:
         self.block_table_gathers += 1
@@ -217,22 +218,25 @@ class DraftContext:
                 rec.put("dummy", draft_tokens=draft_tokens)
             return
         if self.phases:
-            rec.phase(self.phases[-1])["t_end_us"] = now
+            rec.phase(self.phases[-1])["t_end_us"] = host_entry(now)
         if self.dflash_inputs is not None:
             rec.put("draft_0", **self.dflash_inputs)
             rec.put("draft_0", block_table_gathers=np.array(self.block_table_gathers, dtype=np.int64))
         if draft_tokens is None:
             return
         dt = draft_tokens.detach()
+        # propose's return value, copied at the end of the step (now) with the other fresh
+        # tensors; each phase's column is cut on the host.
+        columns = Deferred("columns", [Fresh(dt)])
         if self.dflash_inputs is None:
             self._replayed_phases(dt.shape[1])
         if self.dflash_inputs is not None:
             # DSpark/DFlash: one replicated forward proposes all K tokens of a request. The
             # view contract is one token per request per draft phase: draft_tokens is the first
             # of them, draft_block_tokens all K.
-            rec.put("draft_0", draft_tokens=dt[:, 0], draft_block_tokens=dt)
+            rec.put("draft_0", draft_tokens=columns, draft_block_tokens=Fresh(dt))
             return
         for name in self.phases:
             k = int(name.split("_")[1])
             if k < dt.shape[1]:
-                rec.put(name, draft_tokens=dt[:, k])
+                rec.put(name, draft_tokens=columns.output(k))

@@ -1,11 +1,20 @@
 """Copies of vLLM's tensors taken when a hook fires, moved to the host once per step.
 
-A hook copies what it records on its device (``copy_views``: one packed copy per dtype):
-vLLM's persistent buffers are overwritten by the next step (and CUDA graphs replay them by
-address, so they are never re-allocated). At the end of the step ``stage`` starts the copies
-to pinned host memory and records one event, without waiting; the step is resolved to NumPy
-(``StagedStep.resolve``) later, off the step's path, and ``trim_block_tables`` cuts the
-block-table views to the columns in use.
+A hook copies what it records on its device, because vLLM's persistent buffers are overwritten
+by the next step (and CUDA graphs replay them by address, so they are never re-allocated). The
+copies of a whole step go into one flat byte buffer on the device (``StepPack``): each hook call
+appends all of its tensors with one ``torch.cat`` (whatever their dtypes), the tensors the hooks
+computed themselves (``Fresh``: fingerprints, gathered rows, the draft tokens ``propose``
+returns) are appended once at the end of the step, and ``stage`` starts one copy of the buffer to
+pinned host memory and records one event, without waiting. The step thread does no other torch
+work for a view: what is derived from vLLM's tensors (``Deferred``: block-table rows past
+``num_blocks``, the verify rows past ``num_sampled``, one column of the draft tokens) is computed
+on the host from the raw copies, by ``pcpviz.trace.packed``, off the step's path.
+
+What a hook's views become (entries of ``pcpviz.trace.packed``): a device tensor ``("b", offset,
+dtype, shape)`` in the step's buffer, a host array ``("a", ...)``, strings (``Strings``) ``("s",
+...)``, a ``Deferred`` ``("d", fn, args, index)``. PCP=1, batch 1, K=2: the step's buffer holds
+about 2 kB from 5 hook calls; one copy and one event move it to the host.
 
 Block-table rows as a forward pass sees them (``block_rows``), PCP=2, block size 4, a
 request with 6 tokens (2 blocks) in a persistent row that held a 3-block request before::
@@ -24,71 +33,84 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["copy_now", "copy_views", "Packed", "StagedStep", "stage", "to_host", "host_all", "now_us",
-           "block_rows", "trim_block_tables"]
+from pcpviz.trace.packed import host_entry, resolve
+
+__all__ = ["Deferred", "Fresh", "Strings", "StepPack", "StagedStep", "to_host", "now_us", "block_rows",
+           "host_pool"]
+
+_DTYPES = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.int8: "|i1", torch.uint8: "|u1",
+           torch.bool: "|b1", torch.float32: "<f4", torch.float16: "<f2", torch.float64: "<f8",
+           torch.bfloat16: "bf16"}
 
 
-def copy_now(value: Any) -> Any:
-    """A copy taken now: tensors are cloned on their device (moved at step end)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, np.ndarray):
-        return value.copy()
-    return value
+class Deferred:
+    """A view computed on the host (``pcpviz.trace.packed.DERIVED[fn]``, output ``index``) from
+    ``args``: tensors (copied now, with the hook's other views), host values or constants.
+    ``output(i)`` is another output of the same computation (computed once)."""
+
+    __slots__ = ("fn", "args", "index")
+
+    def __init__(self, fn: str, args: list, index: int = 0) -> None:
+        self.fn, self.args, self.index = fn, args, index
+
+    def output(self, index: int) -> Deferred:
+        return Deferred(self.fn, self.args, index)
 
 
-class Packed:
-    """A view copied into one flat device buffer with the other views of its hook call that
-    share its dtype (one kernel for all of them instead of one clone each)."""
+class Fresh:
+    """A tensor the hook computed itself (no vLLM buffer: nothing overwrites it), copied at the
+    end of the step with the other fresh ones instead of now."""
 
-    __slots__ = ("buf", "start", "shape")
+    __slots__ = ("t",)
 
-    def __init__(self, buf: torch.Tensor, start: int, shape: tuple[int, ...]) -> None:
-        self.buf, self.start, self.shape = buf, start, shape
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
 
 
-def copy_views(views: dict[str, Any]) -> dict[str, Any]:
-    """The copies of one hook call's views: device tensors packed per dtype (``Packed``; a lone
-    one is cloned), host values copied. A PCP=2 target hook with 14 int64/int32 device views
-    launches 2 copy kernels, not 14."""
-    out: dict[str, Any] = {}
-    groups: dict[tuple[Any, Any], list[tuple[str, torch.Tensor]]] = {}
-    for name, value in views.items():
-        if isinstance(value, torch.Tensor) and value.is_cuda:
-            groups.setdefault((value.dtype, value.device), []).append((name, value.detach()))
-        else:
-            out[name] = copy_now(value)
-    for items in groups.values():
-        if len(items) == 1:
-            out[items[0][0]] = items[0][1].clone()
-            continue
-        flat = torch.cat([t.reshape(-1) for _, t in items])
-        start = 0
-        for name, t in items:
-            out[name] = Packed(flat, start, tuple(t.shape))
-            start += t.numel()
-    return out
+class _Slot:
+    """The place of a tensor's entry until its copy is packed."""
+
+    __slots__ = ()
+
+
+class Strings:
+    """A list of strings (``req_ids``), copied now, made an array on the host."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: Any) -> None:
+        self.items = list(items)
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy() if t.dtype != torch.bfloat16 else t.float().numpy()
 
 
-class _PinnedPool:
-    """Pinned host buffers reused for the steps' copies (PyTorch's caching host allocator would
-    hand out fresh pinned blocks while earlier steps' arrays are alive, and pinning memory costs
-    far more than a copy). A buffer goes back to the pool when its step is resolved (copied out)."""
+def to_host(value: Any) -> Any:
+    """A tensor (or a list of tensors, stacked) as a NumPy array; bfloat16 as float32."""
+    if isinstance(value, torch.Tensor):
+        return _numpy(value.detach().cpu())
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+        return np.stack([to_host(v) for v in value])
+    return value
+
+
+class _HostPool:
+    """Host buffers reused for the steps' copies (pinned where there is CUDA: PyTorch's caching
+    host allocator would hand out fresh pinned blocks while earlier steps' are alive, and pinning
+    memory costs far more than a copy). A buffer goes back when its step was copied out."""
 
     def __init__(self) -> None:
         self.free: list[torch.Tensor] = []
         self.lock = threading.Lock()
 
-    def take(self, nbytes: int) -> torch.Tensor:
+    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
         with self.lock:
             for i, buf in enumerate(self.free):
-                if buf.numel() >= nbytes:
+                if buf.numel() >= nbytes and buf.is_pinned() == pinned:
                     return self.free.pop(i)
-        return torch.empty(max(nbytes * 2, 1 << 16), dtype=torch.uint8, pin_memory=True)
+        with torch.inference_mode(False):
+            return torch.empty(max(nbytes * 2, 1 << 16), dtype=torch.uint8, pin_memory=pinned)
 
     def give(self, buf: torch.Tensor) -> None:
         with self.lock:
@@ -96,85 +118,141 @@ class _PinnedPool:
                 self.free.append(buf)
 
 
-_POOL: _PinnedPool | None = None
+_POOL = _HostPool()
+
+
+def host_pool() -> _HostPool:
+    return _POOL
 
 
 class StagedStep:
-    """A step's views on their way to the host: device buffers copied into one pinned buffer
-    without waiting, one CUDA event after them; ``resolve()`` waits for it (by then, usually long
-    done) and returns the step as NumPy arrays of its own (the pinned buffer is reused)."""
+    """A step on its way to the host: ``phases`` (``{phase: {view: entry}}``; the device
+    tensors' entries are filled in by ``wait``, off the step's path, from ``layout``), the host
+    buffer its copies are landing in (``host``, ``nbytes`` used) and the event after them."""
 
-    def __init__(self, phases: dict[str, dict[str, Any]], host: dict[int, torch.Tensor],
-                 event: Any, buf: torch.Tensor | None = None) -> None:
-        self.phases, self.host, self.event, self.buf = phases, host, event, buf
+    def __init__(self, phases: dict[str, dict[str, Any]], host: torch.Tensor | None, event: Any,
+                 nbytes: int = 0, *, layout: list | None = None, pooled: bool = False) -> None:
+        self.phases, self.host, self.event, self.nbytes = phases, host, event, nbytes
+        self.layout, self.pooled = layout, pooled
 
-    def ready(self) -> bool:
-        return self.event is None or bool(self.event.query())
-
-    def resolve(self) -> dict[str, dict[str, Any]]:
+    def wait(self) -> np.ndarray | None:
+        """Wait for the copies (the GIL is released while waiting) and fill in the device
+        tensors' entries; the step's bytes (uint8[nbytes], None if it has none)."""
         if self.event is not None:
             self.event.synchronize()
-        out: dict[str, dict[str, Any]] = {}
-        for name, views in self.phases.items():
-            res = out[name] = {}
-            for v, x in views.items():
-                if isinstance(x, Packed):
-                    flat = self.host.get(id(x.buf), x.buf)
-                    n = int(np.prod(x.shape, dtype=np.int64))
-                    res[v] = _numpy(flat[x.start:x.start + n].reshape(x.shape)).copy()
-                elif isinstance(x, torch.Tensor):
-                    res[v] = _numpy(self.host[id(x)]).copy() if id(x) in self.host else _numpy(x)
-                else:
-                    res[v] = to_host(x)
-        self.host = {}
-        if self.buf is not None and _POOL is not None:
-            _POOL.give(self.buf)  # every view was copied out of it
-            self.buf = None
+            self.event = None
+        if self.layout is not None:
+            _fill(self.layout)
+            self.layout = None
+        return None if self.host is None else self.host[: self.nbytes].numpy()
+
+    def release(self) -> None:
+        """The host buffer is no longer read (copied out): back to the pool."""
+        if self.host is not None and self.pooled:
+            _POOL.give(self.host)
+        self.host = None
+
+    def resolve(self) -> dict[str, dict[str, Any]]:
+        """The step as NumPy arrays of its own (``pcpviz.trace.packed.resolve``)."""
+        out = resolve(self.phases, self.wait())
+        self.release()
         return out
 
 
-def stage(phases: dict[str, dict[str, Any]]) -> StagedStep:
-    """Start moving a step's device copies to the host (one pinned buffer of a small pool,
-    ``non_blocking``, on the current stream, where the hooks took them) and record one event;
-    no synchronisation."""
-    global _POOL
-    tensors: dict[int, torch.Tensor] = {}
-    for views in phases.values():
-        for x in views.values():
-            t = x.buf if isinstance(x, Packed) else x
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                tensors.setdefault(id(t), t)
-    if not tensors:
-        return StagedStep(phases, {}, None)
-    sizes = {k: -(-t.numel() * t.element_size() // 8) * 8 for k, t in tensors.items()}
-    if _POOL is None:
-        _POOL = _PinnedPool()
-    buf = _POOL.take(sum(sizes.values()))
-    host: dict[int, torch.Tensor] = {}
-    off = 0
-    for k, t in tensors.items():
-        n = t.numel() * t.element_size()
-        dst = buf[off:off + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
-        dst.copy_(t, non_blocking=True)
-        host[k] = dst
-        off += sizes[k]
-    event = torch.cuda.Event()
-    event.record()
-    return StagedStep(phases, host, event, buf)
+def _fill(layout: list) -> None:
+    """Put each device tensor's entry ``("b", offset, dtype, shape)`` in its place (unless a
+    later view of the same name took it): ``layout`` is ``[(offset, dtype, itemsize, places)]``
+    per packed tensor, ``places`` ``[(box, key, slot, shape, numel)]`` in their order in it."""
+    for off, dtype, size, places in layout:
+        for box, key, slot, shape, numel in places:
+            if box[key] is slot:
+                box[key] = ("b", off, dtype, shape)
+            off += numel * size
 
 
-def to_host(value: Any) -> Any:
-    """A tensor (or a list of tensors, stacked) as a NumPy array; bfloat16 as float32."""
-    if isinstance(value, torch.Tensor):
-        return _numpy(value.cpu())
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-        return np.stack([to_host(v) for v in value])
-    return value
+class StepPack:
+    """One recorder's device copies of the step being recorded: per hook call one flat copy per
+    dtype (``flatten_dense_tensors``: one call for all of its views of that dtype), the fresh
+    tensors as they are; at the step's end all of them become one buffer, copied to the host once."""
 
+    def __init__(self) -> None:
+        self.device: torch.device | None = None  # of the first tensor put: others go to the host now
+        self.flats: list[tuple[torch.Tensor, list]] = []  # (flat copy or fresh tensor, its places)
+        self.memo: dict[int, tuple[list, list]] = {}  # id(Deferred.args) -> (args, their entries), this step
 
-def host_all(phases: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Every view of a step on the host at once (``stage`` then ``resolve``)."""
-    return stage(phases).resolve()
+    def put(self, phase: dict[str, Any], views: dict[str, Any]) -> None:
+        """Add one hook call's views to ``phase`` as entries; its device tensors copied now."""
+        now: dict[torch.dtype, list] = {}
+        for name, value in views.items():
+            phase[name] = self._entry(value, phase, name, now)
+        for items in now.values():
+            self.flats.append((torch._C._nn.flatten_dense_tensors([it[3] for it in items]),
+                               [(box, key, slot, tuple(t.shape), t.numel()) for box, key, slot, t in items]))
+
+    def _entry(self, value: Any, box: Any, key: Any, now: dict) -> Any:
+        if isinstance(value, torch.Tensor):
+            if self._packable(value):
+                slot = _Slot()
+                now.setdefault(value.dtype, []).append((box, key, slot, value.detach() if value.requires_grad
+                                                        else value))
+                return slot
+            return host_entry(np.array(to_host(value)))
+        if isinstance(value, np.ndarray):
+            return host_entry(value)
+        if isinstance(value, Fresh):
+            t = value.t
+            if self._packable(t):
+                slot = _Slot()
+                self.flats.append((t.detach(), [(box, key, slot, tuple(t.shape), t.numel())]))
+                return slot
+            return host_entry(np.array(to_host(t)))
+        if isinstance(value, Deferred):
+            known = self.memo.get(id(value.args))  # another output of the same computation
+            if known is None:
+                args = [None] * len(value.args)
+                known = self.memo[id(value.args)] = (value.args, args)
+                for i, a in enumerate(value.args):
+                    args[i] = self._entry(a, args, i, now)
+            return ("d", value.fn, known[1], value.index)
+        if isinstance(value, Strings):
+            return ("s", value.items)
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            return self._entry(Deferred("stack", list(value)), box, key, now)
+        return ("v", value)
+
+    def _packable(self, t: torch.Tensor) -> bool:
+        if self.device is None:
+            self.device = t.device
+        return t.dtype in _DTYPES and t.device == self.device
+
+    def stage(self, phases: dict[str, dict[str, Any]]) -> StagedStep:
+        """The step's copies on their way to the host: one buffer of all of them (widest dtypes
+        first, so every view stays aligned), one copy of it to a (pinned) host buffer,
+        ``non_blocking``, on the current stream, one event; no synchronisation."""
+        flats, self.flats, self.memo = self.flats, [], {}
+        if not flats:
+            return StagedStep(phases, None, None)
+        flats.sort(key=lambda f: -f[0].dtype.itemsize)
+        layout, off, parts = [], 0, []
+        for flat, places in flats:
+            dtype = flat.dtype
+            layout.append((off, _DTYPES[dtype], dtype.itemsize, places))
+            off += flat.numel() * dtype.itemsize
+            if flat.ndim == 0 or not flat.is_contiguous():  # a fresh tensor as the hook made it
+                flat = flat.reshape(-1).contiguous()
+            parts.append(flat.view(torch.uint8))
+        big = torch._C._nn.flatten_dense_tensors(parts)  # uint8[off]
+        if not big.is_cuda:
+            return StagedStep(phases, big, None, off, layout=layout)
+        host = _POOL.take(off, True)
+        host[:off].copy_(big, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StagedStep(phases, host, event, off, layout=layout, pooled=True)
+
+    def discard(self) -> None:
+        """Forget the step being recorded (it is not written)."""
+        self.flats, self.memo = [], {}
 
 
 def now_us() -> int:
@@ -182,40 +260,16 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
-def block_rows(block_tables: Any, tables: Any, idx_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """G forward-pass block tables (rows in batch order) -> ``([G, rows, W], stale)``, a copy.
+def block_rows(block_tables: Any, tables: Any, idx_mapping: torch.Tensor) -> tuple[Deferred, Deferred]:
+    """G forward-pass block tables (rows in batch order) -> the views ``(rows [G, rows, W],
+    stale)`` (``pcpviz.trace.packed.block_rows``, computed on the host from copies of the
+    tables, ``num_blocks`` and ``idx_mapping`` taken now). A table that is not a vLLM buffer
+    (a gather the hook made) is ``Fresh``.
 
     vLLM's ``_gather_block_tables_kernel`` copies a request's first ``num_blocks`` entries
     into a persistent row and leaves the rest of the row as the previous occupant left it;
-    attention never reads past ``num_blocks`` (seq_lens bound it). The copy keeps the
-    allocated entries and zeroes the tail, so rows compare with the request's global row;
+    attention never reads past ``num_blocks`` (seq_lens bound it). The recorded rows keep the
+    allocated entries and zero the tail, so rows compare with the request's global row;
     ``stale`` counts the non-zero tail entries that were dropped (int64 scalar)."""
-    rows = torch.stack([t.detach() for t in tables]).clone()  # [G, rows, W]
-    n = min(rows.shape[1], idx_mapping.shape[0])
-    nb = torch.zeros(rows.shape[0], rows.shape[1], dtype=torch.int64, device=rows.device)
-    if n:
-        nb[:, :n] = block_tables.num_blocks.gpu[:, idx_mapping[:n].clamp(min=0)].to(torch.int64)
-    tail = torch.arange(rows.shape[2], device=rows.device).view(1, 1, -1) >= nb.unsqueeze(-1)
-    stale = (rows.ne(0) & tail).sum()
-    rows.masked_fill_(tail, 0)
-    return rows, stale
-
-
-_BT_PREFIX = "block_table"  # block_table_global / _local / _draft (and the replay's *_no_gather)
-
-
-def trim_block_tables(phases: dict[str, dict[str, Any]]) -> None:
-    """Cut every block-table view of a step to the columns any of them uses (the rest are
-    zeros in all of them): vLLM's rows are ``max_model_len / block_size`` wide."""
-    tables = [(ph, v) for ph, views in phases.items() for v, a in views.items()
-              if v.startswith(_BT_PREFIX) and isinstance(a, np.ndarray) and a.ndim >= 2 and a.dtype.kind in "iu"]
-    if not tables:
-        return
-    width = 1
-    for ph, v in tables:
-        a = phases[ph][v]
-        cols = np.flatnonzero(a.reshape(-1, a.shape[-1]).any(axis=0))
-        if cols.size:
-            width = max(width, int(cols[-1]) + 1)
-    for ph, v in tables:
-        phases[ph][v] = np.ascontiguousarray(phases[ph][v][..., :width])
+    rows = Deferred("block_rows", [*tables, block_tables.num_blocks.gpu, idx_mapping])
+    return rows, rows.output(1)

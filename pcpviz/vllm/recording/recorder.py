@@ -29,12 +29,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pcpviz.trace import TraceWriter, segments_table, write_run_meta
+from pcpviz.trace import TraceWriter
 from pcpviz.vllm.recording.drafts import DraftContext
 from pcpviz.vllm.recording.graphs import ledger_views
-from pcpviz.vllm.recording.host import block_rows, copy_views, now_us, stage
+from pcpviz.trace.packed import host_entry
+from pcpviz.vllm.recording.host import Deferred, Fresh, StepPack, Strings, block_rows, now_us
 from pcpviz.vllm.recording.meta import environment_meta, speculator_meta
-from pcpviz.vllm.recording.sink import StepSink
+from pcpviz.vllm.recording.sink import make_sink
 from pcpviz.vllm.recording.wrappers import install_instance_wrappers, warming_up
 
 if TYPE_CHECKING:
@@ -50,7 +51,7 @@ def global_batch_views(g: Any) -> dict[str, Any]:
     """The global batch of a step (``InputBatch``: PCP manager's argument, or PCP=1's batch)."""
     r, t = g.num_reqs, g.num_tokens
     return dict(
-        req_ids=np.array(g.req_ids, dtype=str),
+        req_ids=Strings(g.req_ids),
         idx_mapping=g.idx_mapping[:r],
         num_scheduled_tokens=np.asarray(g.num_scheduled_tokens[:r], dtype=np.int64),
         num_computed_tokens=np.asarray(g.num_computed_tokens_np[:r], dtype=np.int64),
@@ -75,7 +76,8 @@ class RankRecorder:
         self.pcp_world_size = pcp_world_size
         self.step = 0
         self.phases: dict[str, dict[str, Any]] | None = None
-        self.sink = StepSink(self)
+        self.sink = make_sink(self)  # inline (strict sessions), a writer process, or a writer thread
+        self.pack = StepPack()  # the device copies of the step being recorded
         self.meta: dict[str, Any] = {}
         self.disabled = False
         self.disabled_reason = ""
@@ -87,6 +89,7 @@ class RankRecorder:
         self._layout: tuple[list, list[int]] | None = None
         self._lock = threading.Lock()
         self._meta_lock = threading.Lock()
+        self._spec_meta: tuple[int, dict[str, Any]] | None = None  # (id(speculator), its run.json keys)
 
     # -- error policy
     def guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -122,7 +125,9 @@ class RankRecorder:
         return self.phases.setdefault(name, {})
 
     def put(self, phase: str, **views: Any) -> None:
-        self.phase(phase).update(copy_views(views))
+        """Record views of ``phase`` as they are now (``host.StepPack.put``: one copy of the
+        hook's tensors on their device)."""
+        self.pack.put(self.phase(phase), views)
 
     def flush(self) -> None:
         """Hand the pending step (if any) to the sink: staged now, written off the step's path."""
@@ -133,8 +138,8 @@ class RankRecorder:
                 return
             for ph, views in ledger_views(notes).items():
                 if ph in phases:
-                    phases[ph].update(views)
-            staged = stage(phases)
+                    phases[ph].update({k: host_entry(v) for k, v in views.items()})
+            staged = self.pack.stage(phases)
             step, self.step = self.step, self.step + 1
             self.steps_written += 1
         self.sink.submit(step, staged)
@@ -153,6 +158,7 @@ class RankRecorder:
                 self.flush()
         except Exception:  # noqa: BLE001 - the step's own exception is the one that matters
             self.phases = None
+            self.pack.discard()
 
     def dump(self, trigger: str) -> None:
         """Flight-recorder mode: dump the ring now (``trigger`` names why); else nothing."""
@@ -164,13 +170,13 @@ class RankRecorder:
             if not fresh:
                 return
             self.meta.update(fresh)
-        if self.sink.wrote_run_meta and self.rank == 0:
-            write_run_meta(self.session.run_dir, self.run_meta())
+        self.sink.meta_changed()
 
     @property
     def writer(self) -> TraceWriter | None:
-        """The rank file's writer once the first step was written (None before, and in flight mode)."""
-        return self.sink.writer
+        """The rank file's writer once the first step was written (None before, in flight mode,
+        and where a writer process writes it: ``sink.stats()`` then)."""
+        return getattr(self.sink, "writer", None)
 
     def close(self, reason: str = "finished") -> None:
         """Write the pending step and finalize the rank file (end-of-stream marker, completion
@@ -206,16 +212,16 @@ class RankRecorder:
         views: dict[str, Any] = dict(
             **global_batch_views(global_batch),
             # layout
-            segments=segments_table(
+            segments=Deferred("segments", [
                 [[(s.global_batch_req_idx, s.global_batch_slice.start, s.global_batch_slice.stop,
                    s.rank_local_batch_slice.start, s.rank_local_batch_slice.stop) for s in rank_segs]
-                 for rank_segs in segs]),
+                 for rank_segs in segs]]),
             per_rank_num_tokens=np.asarray(per_rank, dtype=np.int64),
             padded_gather_idx=manager._padded_gather_idx,
             hidden_restore_idx=manager._hidden_restore_idx,
             kv_write_mask=manager._gathered_kv_write_mask,
             # rank-local batch (input_ids cloned now: the draft prefill overwrites them in place)
-            local_req_ids=np.array(local.req_ids, dtype=str),
+            local_req_ids=Strings(local.req_ids),
             local_idx_mapping=local.idx_mapping[:nr],
             local_input_ids=local.input_ids[:p],
             local_positions=local.positions[:p],
@@ -267,7 +273,7 @@ class RankRecorder:
         idx = g.idx_mapping[: g.num_reqs]
         local_rows, local_stale = block_rows(bt, [t[: local.num_reqs_after_padding] for t in block_tables],
                                               local.idx_mapping[: local.num_reqs])
-        global_rows, global_stale = block_rows(bt, [b.gpu[idx] for b in bt.block_tables], idx)
+        global_rows, global_stale = block_rows(bt, [Fresh(b.gpu[idx]) for b in bt.block_tables], idx)
         self.put("target", block_table_local=local_rows, block_table_global=global_rows,
                  block_table_local_stale_tail=local_stale, block_table_global_stale_tail=global_stale)
         self.update_meta(block_size=int(bt.block_sizes[0]), block_sizes=[int(b) for b in bt.block_sizes],
@@ -294,20 +300,19 @@ class RankRecorder:
         r = num_sampled.shape[0]
         views: dict[str, Any] = {}
         if g is not None and g.num_reqs == r:
-            views["req_ids"] = np.array(g.req_ids, dtype=str)
+            views["req_ids"] = Strings(g.req_ids)
             views["num_draft_tokens"] = (np.zeros(r, dtype=np.int64) if g.num_draft_tokens_per_req is None
                                          else np.asarray(g.num_draft_tokens_per_req[:r], dtype=np.int64))
-        ns = num_sampled.to(torch.int64)
         # vLLM writes sampled_tokens[i, :num_sampled[i]] only: on a GPU the rest of the row is
-        # whatever the buffer held (a rejected draft, an older step). Recorded as -1 (no sync).
-        cols = torch.arange(sampled.shape[-1], device=sampled.device)
-        sampled = sampled.masked_fill(cols.unsqueeze(0) >= ns.to(sampled.device).unsqueeze(-1), -1)
+        # whatever the buffer held (a rejected draft, an older step). Recorded as -1, on the host
+        # (pcpviz.trace.packed.verify_views) from copies of the three tensors taken now.
+        verify = Deferred("verify", [sampled, num_sampled, num_rejected])
         views["idx_mapping"] = idx_mapping
         target = (self.phases or {}).get("target")
         if target is not None and "t_end_us" not in target:
-            target["t_end_us"] = np.array(t0, dtype=np.int64)  # PCP=1: no restore_for_sampling
-        self.put("verify", **views, sampled_token_ids=sampled, num_sampled=ns,
-                 num_rejected=num_rejected.to(torch.int64), num_accepted=(ns - 1).clamp_(min=0),
+            target["t_end_us"] = host_entry(np.array(t0, dtype=np.int64))  # PCP=1: no restore_for_sampling
+        self.put("verify", **views, sampled_token_ids=verify, num_sampled=verify.output(1),
+                 num_rejected=verify.output(2), num_accepted=verify.output(3),
                  t_start_us=np.array(t0, dtype=np.int64), t_end_us=np.array(now_us(), dtype=np.int64))
 
     # -- drafts
@@ -316,7 +321,9 @@ class RankRecorder:
             # A dummy/profile run is its own step (no partition_batch precedes it).
             self.begin_step()
         install_instance_wrappers(spec)
-        self.update_meta(**speculator_meta(spec))
+        if self._spec_meta is None or self._spec_meta[0] != id(spec):
+            self._spec_meta = (id(spec), speculator_meta(spec))  # the speculator's settings do not change
+        self.update_meta(**self._spec_meta[1])
         return DraftContext(self, spec, input_batch, dummy)
 
     def end_propose(self, ctx: DraftContext, draft_tokens: torch.Tensor | None) -> None:

@@ -1,17 +1,24 @@
 """Where one rank's finished steps go, off the step's path: its rank file, or the flight
-recorder's ring (``pcpviz.trace.flight``).
+recorder's ring (``pcpviz.trace.procwriter.RankOutput``).
 
-The step's own thread only *stages* a step (``host.stage``: copies to pinned memory started, one
-event, no wait) and hands it over; a writer thread resolves it (waits for the event, by then
-long done), trims the block tables and writes it, so vLLM's next step is never held up by the
-host copy, the encoding or the disk. A strict session (the CPU replay) writes inline, so a bad
-step raises where it happened.
+The step's own thread only *stages* a step (``host.StepPack.stage``: one copy to the host
+started, one event, no wait) and hands it to the sink. Three sinks, one interface (``submit``,
+``drain``, ``dump``, ``stats``, ``meta_changed``, ``close``):
+
+=================  ===================================================================================
+``inline``         a strict session (the CPU replay, tests): written on the step's thread, so a bad
+                   step raises where it happened
+``process``        the plugin's default (``recording.procsink.ProcessSink``): a writer process
+                   resolves, encodes and writes; this process only waits for the step's copies on a
+                   thin thread (the GIL released while it waits) and sends the bytes
+``thread``         ``PCPVIZ_WRITER=thread``, or where no process can be started: a writer thread here
+                   (its Python work shares the GIL with vLLM's step loop; the GIL switch interval is
+                   at most 0.2 ms meanwhile, ``SWITCH_INTERVAL_S``)
+=================  ===================================================================================
 
 Size cap: ``PCPVIZ_TRACE_MAX_MB`` (default 10240) bounds one rank file; the step that would pass
 it is not written, one warning says so, and the file ends ``partial`` ("size cap reached").
-The flight recorder's ring has its own cap (``PCPVIZ_FLIGHT_MAX_MB``). While a writer thread
-runs, the process's GIL switch interval is at most 0.2 ms (``SWITCH_INTERVAL_S``), so the step loop
-never waits a whole default interval (5 ms) for the writer to let go of the GIL.
+The flight recorder's ring has its own cap (``PCPVIZ_FLIGHT_MAX_MB``).
 """
 
 from __future__ import annotations
@@ -21,26 +28,30 @@ import os
 import queue
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pcpviz.trace import TraceWriter
 from pcpviz.trace.flight import FlightRing
-from pcpviz.vllm.recording.host import StagedStep, trim_block_tables
+from pcpviz.trace.procwriter import RankOutput
+from pcpviz.vllm.recording.host import StagedStep
 
 if TYPE_CHECKING:
     from pcpviz.vllm.recording.recorder import RankRecorder
 
-__all__ = ["StepSink", "ENV_MAX_MB", "DEFAULT_MAX_MB"]
+__all__ = ["StepSink", "make_sink", "ENV_MAX_MB", "ENV_WRITER", "DEFAULT_MAX_MB", "max_bytes"]
 
 logger = logging.getLogger("vllm.pcpviz")
 
 ENV_MAX_MB = "PCPVIZ_TRACE_MAX_MB"
+ENV_WRITER = "PCPVIZ_WRITER"
+"""``process`` (default), ``thread`` or ``inline``: where a lenient session's steps are written."""
 DEFAULT_MAX_MB = 10240.0
 SWITCH_INTERVAL_S = 0.0002  # sys.setswitchinterval while a writer thread runs (see submit)
 _STOP = object()
 
 
-def _max_bytes() -> int:
+def max_bytes() -> int:
+    """``PCPVIZ_TRACE_MAX_MB`` in bytes (a bad value: one warning and the default)."""
     raw = os.environ.get(ENV_MAX_MB, "").strip()
     try:
         mb = float(raw) if raw else DEFAULT_MAX_MB
@@ -50,22 +61,48 @@ def _max_bytes() -> int:
     return int(max(mb, 0.001) * (1 << 20))
 
 
-class StepSink:
-    """One rank's destination: ``submit(step, staged)`` from the step's thread; ``close``."""
+def make_sink(rec: RankRecorder) -> Any:
+    """The sink of a recorder: inline for a strict session, else ``$PCPVIZ_WRITER`` (process)."""
+    if rec.session.strict:
+        return StepSink(rec, threaded=False)
+    kind = os.environ.get(ENV_WRITER, "").strip().lower() or "process"
+    if kind not in ("process", "thread", "inline"):
+        logger.warning("pcpviz: %s=%r: expected process, thread or inline; using process", ENV_WRITER, kind)
+        kind = "process"
+    if kind == "process":
+        from pcpviz.vllm.recording.procsink import ProcessSink
 
-    def __init__(self, rec: RankRecorder) -> None:
+        return ProcessSink(rec)
+    return StepSink(rec, threaded=kind == "thread")
+
+
+class StepSink:
+    """One rank's destination in this process: inline, or through a writer thread (``threaded``)."""
+
+    kind = "inline"
+
+    def __init__(self, rec: RankRecorder, *, threaded: bool) -> None:
         self.rec = rec
-        self.writer: TraceWriter | None = None
-        self.ring: FlightRing | None = None
-        self.capped = ""
-        self.max_bytes = _max_bytes()
+        s = rec.session
+        self.out = RankOutput(s.run_dir, rec.rank, meta=rec.run_meta, overwrite=s.overwrite, max_bytes=max_bytes(),
+                              flight=s.flight, log=logger, catch_signal=not threaded)
+        self.threaded = threaded
+        self.kind = "thread" if threaded else "inline"
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
-        self._open_lock = threading.Lock()
+        self._lock = threading.Lock()
+
+    @property
+    def writer(self) -> TraceWriter | None:
+        return self.out.writer
+
+    @property
+    def ring(self) -> FlightRing | None:
+        return self.out.ring
 
     def submit(self, step: int, staged: StagedStep) -> None:
         mode = self.rec.session.mode
-        if self.rec.session.strict:
+        if not self.threaded:
             self._write(step, staged, mode)
             return
         if self._queue is None:
@@ -91,35 +128,11 @@ class StepSink:
                 self._queue.task_done()
 
     def _write(self, step: int, staged: StagedStep, mode: str) -> None:
-        out = staged.resolve()
-        trim_block_tables(out)
-        if mode == "flight":
-            self._ring().write_step(step, out)
-            return
-        w = self._writer()
-        if self.capped:
-            return
-        if w.bytes_written > self.max_bytes:
-            self.capped = (f"size cap reached: {w.bytes_written / 1e6:.0f} MB ({ENV_MAX_MB}="
-                           f"{self.max_bytes / (1 << 20):g}); steps after {w.last_step} not recorded")
-            logger.warning("pcpviz: PCP rank %d: %s", self.rec.rank, self.capped)
-            return
-        w.write_step(step, out)
-
-    def _writer(self) -> TraceWriter:
-        with self._open_lock:
-            if self.writer is None:
-                s, rec = self.rec.session, self.rec
-                meta = rec.run_meta() if rec.rank == 0 else None
-                self.writer = TraceWriter(s.run_dir, rec.rank, meta=meta, overwrite=s.overwrite)
-            return self.writer
-
-    def _ring(self) -> FlightRing:
-        with self._open_lock:
-            if self.ring is None:
-                s, rec = self.rec.session, self.rec
-                self.ring = FlightRing(s.flight, s.run_dir, rec.rank, rec.run_meta, log=logger)
-            return self.ring
+        phases = staged.resolve()
+        with self._lock:
+            if mode == "flight" and self.out.ring is None:
+                self.out.flight = self.rec.session.flight
+            self.out.write(step, phases, mode)
 
     def drain(self) -> None:
         """Wait until every submitted step is written."""
@@ -129,26 +142,22 @@ class StepSink:
     def dump(self, trigger: str) -> None:
         """Flight recorder: dump the ring now (after the steps in flight)."""
         self.drain()
-        if self.ring is not None:
-            self.ring.dump(trigger)
+        with self._lock:
+            self.out.dump(trigger)
+
+    def stats(self) -> dict[str, Any]:
+        self.drain()
+        with self._lock:
+            return self.out.stats()
+
+    def meta_changed(self) -> None:
+        with self._lock:
+            self.out.meta_changed()
 
     def close(self, ending: dict[str, str]) -> None:
         """Write what is queued, stop the thread, finalize the rank file and the ring."""
         if self._queue is not None:
             self._queue.put(_STOP)
             self._thread.join()
-        if self.capped and ending.get("status") == "complete":
-            ending = {"status": "partial", "reason": self.capped}
-        for sink in (self.writer, self.ring):
-            if sink is None:
-                continue
-            try:
-                sink.close(**ending)
-            except OSError as exc:
-                if self.rec.session.strict:
-                    raise
-                logger.warning("pcpviz: PCP rank %d: %s (the trace reads as unfinished)", self.rec.rank, exc)
-
-    @property
-    def wrote_run_meta(self) -> bool:
-        return self.writer is not None
+        with self._lock:
+            self.out.close(ending["status"], ending["reason"], strict=self.rec.session.strict)
