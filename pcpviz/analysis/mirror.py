@@ -131,8 +131,8 @@ def mirror(trace, *, stop_at_first: bool = False) -> MirrorReport:
             local = partition_batch(batch, rank, n, layout=lay)
             nr = local.num_reqs
             tables = rec["block_table_global"]  # int32[G, R, W]: each request's row, batch order
-            glob = compute_slot_mappings(list(tables), sizes, batch.idx_mapping, batch.query_start_loc,
-                                         batch.positions)
+            glob = compute_slot_mappings(list(tables), sizes, batch.idx_mapping,
+                                         query_start_loc=batch.query_start_loc, positions=batch.positions)
             pairs = [
                 ("padded_gather_idx", lay.padded_gather_idx), ("hidden_restore_idx", lay.hidden_restore_idx),
                 ("kv_write_mask", lay.kv_write_mask), ("local_positions", local.positions),
@@ -154,7 +154,8 @@ def mirror(trace, *, stop_at_first: bool = False) -> MirrorReport:
                 if "slot_mapping_draft" not in d or "draft_positions" not in d:
                     continue
                 want = compute_slot_mappings(list(tables), sizes, batch.idx_mapping,
-                                             np.arange(batch.num_reqs + 1), d["draft_positions"])
+                                             query_start_loc=np.arange(batch.num_reqs + 1),
+                                             positions=d["draft_positions"])
                 views += 1
                 mismatches.extend(_compare(step, rank, phase, "slot_mapping_draft", want, d["slot_mapping_draft"]))
             compared += 1

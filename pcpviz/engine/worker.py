@@ -264,8 +264,8 @@ class Worker:
 
         table = self._table  # == self.table.as_array(), read-only here
         bt_local = gather_block_table_rows(table, local.idx_mapping, local.num_reqs_padded)
-        slots_global = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping, batch.query_start_loc,
-                                             batch.positions)
+        slots_global = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping,
+                                             query_start_loc=batch.query_start_loc, positions=batch.positions)
         slots_gathered = gathered_slot_mapping(slots_global, layout)
         self.check_slots(slots_gathered)
         if n == 1:

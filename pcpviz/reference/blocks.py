@@ -165,10 +165,10 @@ def compute_slot_mappings(
     tables: np.ndarray | Sequence[np.ndarray],
     block_sizes: int | Sequence[int],
     idx_mapping: np.ndarray,
+    *,
     query_start_loc: np.ndarray,
     positions: np.ndarray,
     num_tokens_padded: int | None = None,
-    *,
     cp_size: int = 1,
     cp_rank: int = 0,
     cp_interleave: int = 1,
@@ -285,4 +285,5 @@ def draft_decode_slot_mapping(
     """
     idx = np.asarray(idx_mapping, dtype=np.int64)
     qsl = np.arange(idx.shape[0] + 1, dtype=np.int64)
-    return compute_slot_mappings(tables, block_sizes, idx, qsl, positions, idx.shape[0], **kwargs)
+    return compute_slot_mappings(tables, block_sizes, idx, query_start_loc=qsl,
+                                 positions=positions, num_tokens_padded=idx.shape[0], **kwargs)

@@ -51,7 +51,7 @@ def chunk_size(query_len: int, pcp_world_size: int) -> int:
 
 
 def replicated_requests(
-    num_scheduled_tokens: np.ndarray, is_prefilling: np.ndarray, pcp_world_size: int,
+    num_scheduled_tokens: np.ndarray, is_prefilling: np.ndarray, pcp_world_size: int, *,
     dcp_world_size: int = 1,
 ) -> np.ndarray:
     """bool[R]: rows that are not DualChunkSwap-split (decodes, and under DCP the

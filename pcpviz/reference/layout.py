@@ -215,7 +215,7 @@ def plan_layout(
 
     qsl = np.zeros(q.shape[0] + 1, dtype=np.int64)
     np.cumsum(q, out=qsl[1:])
-    replicated = replicated_requests(q, prefill, n, dcp)
+    replicated = replicated_requests(q, prefill, n, dcp_world_size=dcp)
 
     segments_by_rank = rank_segments(q, prefill, qsl, replicated=replicated, n=n, shard=shard)
     per_rank = tuple(sum(s.num_tokens for s in segs) for segs in segments_by_rank)

@@ -124,7 +124,8 @@ def step_layout(st: Step, s: Settings, on: frozenset[str]) -> PCPLayout:
 def step_slots(st: Step, layout: PCPLayout, *, full: np.ndarray, s: Settings) -> None:
     """The step's global and gathered slot mappings and the global block-table rows."""
     idx = st.batch.idx_mapping
-    st.slot_mapping_global = compute_slot_mappings(full, s.block_size, idx, st.qsl, st.positions, **s.dcp_kw)
+    st.slot_mapping_global = compute_slot_mappings(full, s.block_size, idx, query_start_loc=st.qsl,
+                                                   positions=st.positions, **s.dcp_kw)
     st.slot_mapping_gathered = gathered_slot_mapping(st.slot_mapping_global, layout)
     st.block_table_global = gather_block_table_rows(full, idx)[None]
 
@@ -176,7 +177,7 @@ def _layout_from_chunks(q: np.ndarray, prefill: np.ndarray, n: int, shard: bool,
     for DualChunkSwap-split rows (decodes placed as vLLM does); used by layout faults."""
     qsl = np.zeros(q.shape[0] + 1, dtype=np.int64)
     np.cumsum(q, out=qsl[1:])
-    replicated = replicated_requests(q, prefill, n, dcp)
+    replicated = replicated_requests(q, prefill, n, dcp_world_size=dcp)
     segments_by_rank = rank_segments(q, prefill, qsl, replicated=replicated, n=n, shard=shard, chunk_ids=chunk_ids)
     per_rank = tuple(sum(s.num_tokens for s in segs) for segs in segments_by_rank)
     p = max(per_rank)

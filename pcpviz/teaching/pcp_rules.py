@@ -62,7 +62,8 @@ def draft_decode_mapping(table: np.ndarray, block_size: int, idx_mapping: np.nda
     r = idx.shape[0]
     if num_tokens_padded < r:
         raise ValueError(f"num_tokens_padded {num_tokens_padded} < {r} requests")
-    slots = compute_slot_mappings(table, block_size, idx, np.arange(r + 1), np.asarray(positions), num_tokens_padded)
+    slots = compute_slot_mappings(table, block_size, idx, query_start_loc=np.arange(r + 1),
+                                  positions=np.asarray(positions), num_tokens_padded=num_tokens_padded)
     return DraftDecodeMapping(r, slots, int(num_tokens_padded))
 
 

@@ -411,7 +411,8 @@ def test_compute_slot_mapping_matches_numpy(block_size, num_reqs):
     table, idx, qsl, pos = _slot_case(rng, num_reqs, block_size, width=24 // block_size + 2)
     n = int(qsl[-1])
     for padded in (n, n + 5):
-        want = npb.compute_slot_mappings(table, block_size, idx, qsl, pos, padded)[0]
+        want = npb.compute_slot_mappings(table, block_size, idx, query_start_loc=qsl,
+                                         positions=pos, num_tokens_padded=padded)[0]
         args = (_t(table, torch.int32, "cpu"), block_size, _t(idx, dev="cpu"), _t(qsl, dev="cpu"),
                 _t(pos, dev="cpu"), padded)
         got = K.compute_slot_mapping(*args)
@@ -426,7 +427,8 @@ def test_compute_slot_mapping_dcp_interleave(cp_size, cp_rank, interleave):
     bs = 4
     table, idx, qsl, pos = _slot_case(rng, 5, bs, width=4 * cp_size)
     kw = dict(cp_size=cp_size, cp_rank=cp_rank, cp_interleave=interleave)
-    want = npb.compute_slot_mappings(table, bs, idx, qsl, pos, int(qsl[-1]) + 2, **kw)[0]
+    want = npb.compute_slot_mappings(table, bs, idx, query_start_loc=qsl,
+                                     positions=pos, num_tokens_padded=int(qsl[-1]) + 2, **kw)[0]
     args = (_t(table, torch.int32, "cpu"), bs, _t(idx, dev="cpu"), _t(qsl, dev="cpu"), _t(pos, dev="cpu"),
             int(qsl[-1]) + 2)
     got = K.compute_slot_mapping(*args, **kw)
@@ -546,7 +548,8 @@ def test_gpu_small_kernels():
     rng = np.random.default_rng(3)
     for bs in (1, 16, 64):
         table, idx, qsl, pos = _slot_case(rng, 13, bs, width=1400 // bs + 2, max_q=700)
-        want = npb.compute_slot_mappings(table, bs, idx, qsl, pos, int(qsl[-1]) + 9)[0]
+        want = npb.compute_slot_mappings(table, bs, idx, query_start_loc=qsl,
+                                         positions=pos, num_tokens_padded=int(qsl[-1]) + 9)[0]
         got = K.compute_slot_mapping(_t(table, torch.int32), bs, _t(idx), _t(qsl), _t(pos), int(qsl[-1]) + 9)
         assert np.array_equal(got.cpu().numpy(), want)
         nb = rng.integers(0, table.shape[1] + 1, size=16).astype(np.int32)

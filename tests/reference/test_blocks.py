@@ -25,7 +25,8 @@ def table_a7_3_b5():
 def test_module_docstring_example():
     t = table_a7_3_b5()
     lay = plan_layout([6, 1], [True, False], 2)
-    glob = compute_slot_mappings(t.as_array(), 4, [0, 1], lay.query_start_loc, [0, 1, 2, 3, 4, 5, 2])
+    glob = compute_slot_mappings(t.as_array(), 4, [0, 1], query_start_loc=lay.query_start_loc,
+                                 positions=[0, 1, 2, 3, 4, 5, 2])
     assert glob.tolist() == [[28, 29, 30, 31, 12, 13, 22]]
     assert gathered_slot_mapping(glob, lay).tolist() == [[22, 28, 29, -1, 30, 31, 12, 13]]
     assert draft_decode_slot_mapping(t.as_array(), 4, [0, 1], positions=[6, 3]).tolist() == [[14, 23]]
@@ -57,29 +58,31 @@ def test_block_table_bounds():
 
 def test_slot_mapping_pads_tail_and_dummy_rows():
     t = table_a7_3_b5().as_array()
-    out = compute_slot_mappings(t, 4, [0, -1], [0, 2, 3], [4, 5, 0], num_tokens_padded=5)
+    out = compute_slot_mappings(t, 4, [0, -1], query_start_loc=[0, 2, 3], positions=[4, 5, 0], num_tokens_padded=5)
     assert out.tolist() == [[12, 13, PAD_SLOT_ID, PAD_SLOT_ID, PAD_SLOT_ID]]
 
 
 def test_slot_mapping_position_beyond_table_is_named():
     t = BlockTable(1, 2).as_array()
     with pytest.raises(ValueError, match="position 9\\) needs block index 2 but the block table has 2 columns"):
-        compute_slot_mappings(t, 4, [0], [0, 1], [9])
+        compute_slot_mappings(t, 4, [0], query_start_loc=[0, 1], positions=[9])
 
 
 def test_dcp_interleave_keeps_owned_tokens_only():
     # DCP=2, interleave 1, block 4: virtual block of 8 positions alternates ranks.
     t = np.array([[3, 6]], dtype=np.int32)
     pos = np.arange(10)
-    r0 = compute_slot_mappings(t, 4, [0], [0, 10], pos, cp_size=2, cp_rank=0)[0]
-    r1 = compute_slot_mappings(t, 4, [0], [0, 10], pos, cp_size=2, cp_rank=1)[0]
+    r0 = compute_slot_mappings(t, 4, [0], query_start_loc=[0, 10], positions=pos, cp_size=2, cp_rank=0)[0]
+    r1 = compute_slot_mappings(t, 4, [0], query_start_loc=[0, 10], positions=pos, cp_size=2, cp_rank=1)[0]
     assert r0.tolist() == [12, -1, 13, -1, 14, -1, 15, -1, 24, -1]
     assert r1.tolist() == [-1, 12, -1, 13, -1, 14, -1, 15, -1, 24]
     # interleave 2: runs of two
-    r0 = compute_slot_mappings(t, 4, [0], [0, 10], pos, cp_size=2, cp_rank=0, cp_interleave=2)[0]
+    r0 = compute_slot_mappings(t, 4, [0], query_start_loc=[0, 10],
+                               positions=pos, cp_size=2, cp_rank=0, cp_interleave=2)[0]
     assert r0.tolist() == [12, 13, -1, -1, 14, 15, -1, -1, 24, 25]
     # a group that is not DCP-sharded keeps every token at its plain position
-    r1 = compute_slot_mappings(t, 4, [0], [0, 8], pos[:8], cp_size=2, cp_rank=1, dcp_sharded=[False])[0]
+    r1 = compute_slot_mappings(t, 4, [0], query_start_loc=[0, 8],
+                               positions=pos[:8], cp_size=2, cp_rank=1, dcp_sharded=[False])[0]
     assert r1.tolist() == [12, 13, 14, 15, 24, 25, 26, 27]
 
 
@@ -106,7 +109,7 @@ def test_gathered_mapping_writes_every_global_slot_once_per_replica():
         for i in range(r):
             t.append(i, alloc.allocate(alloc.blocks_needed(int(computed[i] + q[i]))))
         pos = np.concatenate([np.arange(c, c + k) for c, k in zip(computed, q)] or [[]]).astype(int)
-        glob = compute_slot_mappings(t.as_array(), 4, np.arange(r), lay.query_start_loc, pos)
+        glob = compute_slot_mappings(t.as_array(), 4, np.arange(r), query_start_loc=lay.query_start_loc, positions=pos)
         gath = gathered_slot_mapping(glob, lay)
         written = gath[gath != PAD_SLOT_ID]
         assert np.array_equal(np.sort(written), np.sort(glob[0]))

@@ -29,8 +29,6 @@ KNOWN: dict[str, dict[str, int]] = {
     "module-lines": {
     },
     "positional-params": {
-        "pcpviz/reference/blocks.py::compute_slot_mappings": 6,
-        "pcpviz/reference/chunks.py::replicated_requests": 4,
     },
     "underscore-import": {
     },

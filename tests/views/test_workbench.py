@@ -206,7 +206,8 @@ def _big_step():
     table.append(1, list(range(500, 520)))
     bt = table.as_array()
     qsl = np.array([0, 6000, 6300])
-    g = compute_slot_mappings(bt, bs, np.array([0, 1]), qsl, np.concatenate([np.arange(6000), np.arange(300)]))
+    g = compute_slot_mappings(bt, bs, np.array([0, 1]), query_start_loc=qsl,
+                              positions=np.concatenate([np.arange(6000), np.arange(300)]))
     local_reqs = [seg.global_req_idx for seg in lay.segments_by_rank[0]]
     target = {
         "req_ids": np.array(["long", "b"]), "num_scheduled_tokens": np.array(q), "query_start_loc": qsl,

@@ -240,7 +240,8 @@ def test_compute_slot_mappings_equals_vllm_kernel(case):
     block_size, rows, idx, q, pos, cp, cp_rank, il, pad = case
     qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int64)
     num_padded = int(qsl[-1]) + pad
-    ours = compute_slot_mappings(_table(rows), block_size, idx, qsl, pos, num_padded,
+    ours = compute_slot_mappings(_table(rows), block_size, idx, query_start_loc=qsl,
+                                 positions=pos, num_tokens_padded=num_padded,
                                  cp_size=cp, cp_rank=cp_rank, cp_interleave=il)
     ref = oracle.vllm_compute_slot_mappings(rows, block_size, idx, query_start_loc=qsl, positions=pos,
                                             num_tokens=num_padded, cp_size=cp, cp_rank=cp_rank, cp_interleave=il)
@@ -278,7 +279,8 @@ def test_gathered_slot_mapping_equals_vllm_prepare_slot_mappings(case, block_siz
     for s, r in enumerate(rows):
         table.append(s, r)
     lay = plan_layout(batch.num_scheduled_tokens, batch.is_prefilling, n, shard_decode_requests=shard)
-    glob = compute_slot_mappings(table.as_array(), block_size, batch.idx_mapping, qsl, batch.positions)
+    glob = compute_slot_mappings(table.as_array(), block_size, batch.idx_mapping, query_start_loc=qsl,
+                                 positions=batch.positions)
     ours = gathered_slot_mapping(glob, lay)
     ref = oracle.vllm_prepare_slot_mappings(
         rows, block_size,

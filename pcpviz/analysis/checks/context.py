@@ -330,9 +330,11 @@ class Ctx:
             # a one-column zero table gives for its offset (no table padded to the position)
             past = positions // span >= table.shape[2]
             tg = table[g] if table.shape[2] else null_table
-            slots = compute_slot_mappings(tg, sizes[g], rows, qsl, np.where(past, 0, positions), **kw)[0]
+            slots = compute_slot_mappings(tg, sizes[g], rows, query_start_loc=qsl,
+                                          positions=np.where(past, 0, positions), **kw)[0]
             if past.any():
-                null = compute_slot_mappings(null_table, sizes[g], rows, qsl, positions % span, **kw)[0]
+                null = compute_slot_mappings(null_table, sizes[g], rows, query_start_loc=qsl,
+                                             positions=positions % span, **kw)[0]
                 if null.shape != past.shape:
                     raise ValueError(f"{positions.shape[0]} positions for {null.shape[0]} scheduled tokens")
                 slots = np.where(past, null, slots)

@@ -196,7 +196,7 @@ def kv_write_mask_canonical(c: Ctx) -> None:
         c.fail("target", "segments", "segments reach outside the gathered rows")
     req = segs["global_req_idx"][seg_of].astype(np.int64)
     rank = segs["rank"][seg_of].astype(np.int64)
-    replicated = replicated_requests(q, pf, n, c.cfg.dcp)
+    replicated = replicated_requests(q, pf, n, dcp_world_size=c.cfg.dcp)
     shard = c.shard()
     sharded_decode = shard & ~pf
     canonical_only = replicated[req] & ~sharded_decode[req]
