@@ -178,6 +178,35 @@ def num_tokens_for_dispatch(
     return max(layout.per_rank_num_tokens)
 
 
+def _padded_tokens(padded_num_tokens, largest: int) -> int:
+    """The layout's P: the largest rank-local batch, or the graph's ``padded_num_tokens``
+    (at least that large: vLLM's condition and message)."""
+    if padded_num_tokens is None:
+        return largest
+    if isinstance(padded_num_tokens, (bool, np.bool_)) or not isinstance(padded_num_tokens, (int, np.integer)):
+        raise ValueError(f"padded_num_tokens must be an integer, got {padded_num_tokens!r}")
+    p = int(padded_num_tokens)
+    if p < largest:
+        # Same condition and message as vLLM's _build_batch_layout.
+        raise ValueError(f"PCP padded token count is smaller than the largest rank-local batch: {p} < {largest}.")
+    return p
+
+
+def _check_every_token_written(hidden_restore_idx: np.ndarray, qsl: np.ndarray, dcp: int) -> None:
+    """Every global token has a KV writer. Only breakable with shard_decode_requests and DCP > 1,
+    a pair vLLM never configures: a short prefill is then owned by a rank that may not write it,
+    and vLLM would read uninitialised memory."""
+    orphans = np.flatnonzero(hidden_restore_idx < 0)
+    if orphans.size:
+        tok = int(orphans[0])
+        req = int(np.searchsorted(qsl, tok, side="right") - 1)
+        raise ValueError(
+            f"global token {tok} (row {req}) has no KV writer: shard_decode_requests=True "
+            f"with dcp_world_size={dcp} is not a vLLM 0.33.0 configuration "
+            "(pcp_shard_decode_requests is PCP > 1 and DCP == 1)"
+        )
+
+
 def plan_layout(
     num_scheduled_tokens: Sequence[int] | np.ndarray,
     is_prefilling: Sequence[bool] | np.ndarray,
@@ -220,37 +249,10 @@ def plan_layout(
     segments_by_rank = rank_segments(q, prefill, qsl, replicated=replicated, n=n, shard=shard)
     per_rank = tuple(sum(s.num_tokens for s in segs) for segs in segments_by_rank)
 
-    largest = max(per_rank)
-    if padded_num_tokens is None:
-        p = largest
-    else:
-        if isinstance(padded_num_tokens, (bool, np.bool_)) or not isinstance(
-            padded_num_tokens, (int, np.integer)
-        ):
-            raise ValueError(f"padded_num_tokens must be an integer, got {padded_num_tokens!r}")
-        p = int(padded_num_tokens)
-        if p < largest:
-            # Same condition and message as vLLM's _build_batch_layout.
-            raise ValueError(
-                "PCP padded token count is smaller than the largest rank-local "
-                f"batch: {p} < {largest}."
-            )
-
+    p = _padded_tokens(padded_num_tokens, max(per_rank))
     padded_gather_idx, hidden_restore_idx, kv_write_mask = gather_maps(
         segments_by_rank, p, int(qsl[-1]), prefill=prefill, replicated=replicated, shard=shard)
-
-    orphans = np.flatnonzero(hidden_restore_idx < 0)
-    if orphans.size:
-        # Only reachable with shard_decode_requests and DCP > 1, a pair vLLM never
-        # configures: a short prefill is then owned by a rank that may not write it,
-        # and vLLM would read uninitialised memory.
-        tok = int(orphans[0])
-        req = int(np.searchsorted(qsl, tok, side="right") - 1)
-        raise ValueError(
-            f"global token {tok} (row {req}) has no KV writer: shard_decode_requests=True "
-            f"with dcp_world_size={dcp} is not a vLLM 0.33.0 configuration "
-            "(pcp_shard_decode_requests is PCP > 1 and DCP == 1)"
-        )
+    _check_every_token_written(hidden_restore_idx, qsl, dcp)
 
     return PCPLayout(
         pcp_world_size=n,
@@ -295,6 +297,47 @@ def _gather_inputs(batch: GlobalBatch, gather_idx: np.ndarray,
     return input_ids, positions
 
 
+def _local_rows(batch: GlobalBatch, layout: PCPLayout, rank: int):
+    """The rank's rows: (global row int64[L], tokens int32[L], local start int32[L], placeholder),
+    the local start being the CPU cursor (an upper bound) plus the chunk offset, in vLLM's int32;
+    a rank with no segment gets one zero-length placeholder row for global row 0."""
+    segs = layout.segments_by_rank[rank]
+    placeholder = not segs
+    if placeholder:
+        segs = (Segment(0, 0, 0, 0, 0),)
+    n = len(segs)
+    rows = np.fromiter((s.global_req_idx for s in segs), dtype=np.int64, count=n)
+    lens = np.fromiter((s.num_tokens for s in segs), dtype=np.int32, count=n)
+    offsets = np.fromiter((s.global_start - int(layout.query_start_loc[s.global_req_idx]) for s in segs),
+                          dtype=np.int64, count=n)
+    local_start = (batch.num_computed_tokens[rows].astype(np.int64) + offsets).astype(np.int32)
+    return rows, lens, local_start, placeholder
+
+
+def _prefilling_and_upper(batch: GlobalBatch, rows, lens, local_start, num_reqs_padded: int):
+    """(is_prefilling bool[B], seq_lens_cpu_upper_bound int32[B]) of the local rows, padded to B."""
+    n = rows.shape[0]
+    prefill_len = batch.prefill_len[rows].astype(np.int64)
+    is_prefilling = np.zeros(num_reqs_padded, dtype=np.bool_)
+    is_prefilling[:n] = np.minimum(local_start, prefill_len) < prefill_len
+    upper = np.zeros(num_reqs_padded, dtype=np.int32)
+    upper[:n] = local_start + lens
+    return is_prefilling, upper
+
+
+def _starts_and_seq_lens(lens, positions, num_reqs_padded: int):
+    """(query_start_loc int32[B+1], seq_lens int32[B]) of the local rows: padding rows start at
+    the end and have seq_len 0; a real row's seq_len is its last local position + 1."""
+    n, total = lens.shape[0], int(lens.sum())
+    qsl = np.full(num_reqs_padded + 1, total, dtype=np.int32)
+    qsl[0] = 0
+    qsl[1 : n + 1] = np.cumsum(lens)
+    seq_lens = np.zeros(num_reqs_padded, dtype=np.int32)
+    if total > 0:
+        seq_lens[:n] = positions[qsl[1 : n + 1] - 1] + 1
+    return qsl, seq_lens
+
+
 def partition_batch(
     batch: GlobalBatch,
     rank: int,
@@ -337,30 +380,16 @@ def partition_batch(
         is_prefilling    [F, T, T]
     """
     if layout is None:
-        layout = plan_layout(
-            batch.num_scheduled_tokens, batch.is_prefilling, pcp_world_size,
-            shard_decode_requests=shard_decode_requests, dcp_world_size=dcp_world_size,
-            padded_num_tokens=padded_num_tokens,
-        )
+        layout = plan_layout(batch.num_scheduled_tokens, batch.is_prefilling, pcp_world_size,
+                             shard_decode_requests=shard_decode_requests, dcp_world_size=dcp_world_size,
+                             padded_num_tokens=padded_num_tokens)
     elif layout.num_tokens != batch.num_tokens or layout.num_reqs != batch.num_reqs:
         raise ValueError("layout was planned for a different batch")
     layout.check_rank(rank)
 
-    segs = layout.segments_by_rank[rank]
-    placeholder = not segs
-    if placeholder:
-        segs = (Segment(0, 0, 0, 0, 0),)
-    num_local_reqs = len(segs)
+    rows, lens, local_start, placeholder = _local_rows(batch, layout, rank)
+    num_local_reqs = rows.shape[0]
     num_reqs_padded = _num_reqs_padded(batch, num_local_reqs, padded_num_reqs)
-
-    rows = np.fromiter((s.global_req_idx for s in segs), dtype=np.int64, count=num_local_reqs)
-    lens = np.fromiter((s.num_tokens for s in segs), dtype=np.int32, count=num_local_reqs)
-    offsets = np.fromiter(
-        (s.global_start - int(layout.query_start_loc[s.global_req_idx]) for s in segs),
-        dtype=np.int64, count=num_local_reqs,
-    )
-    # The CPU cursor (an upper bound) plus the chunk offset; vLLM keeps int32.
-    local_start = (batch.num_computed_tokens[rows].astype(np.int64) + offsets).astype(np.int32)
     num_local_tokens = int(lens.sum())
     p = layout.padded_num_tokens
 
@@ -368,34 +397,16 @@ def partition_batch(
     is_padding = np.arange(p) >= num_local_tokens  # bool[P]
     input_ids, positions = _gather_inputs(batch, gather_idx, is_padding)
 
-    qsl = np.full(num_reqs_padded + 1, num_local_tokens, dtype=np.int32)
-    qsl[0] = 0
-    qsl[1 : num_local_reqs + 1] = np.cumsum(lens)
-
-    seq_lens = np.zeros(num_reqs_padded, dtype=np.int32)
-    if num_local_tokens > 0:
-        seq_lens[:num_local_reqs] = positions[qsl[1 : num_local_reqs + 1] - 1] + 1
-
-    prefill_len = batch.prefill_len[rows].astype(np.int64)
-    is_prefilling = np.zeros(num_reqs_padded, dtype=np.bool_)
-    is_prefilling[:num_local_reqs] = np.minimum(local_start, prefill_len) < prefill_len
-    upper = np.zeros(num_reqs_padded, dtype=np.int32)
-    upper[:num_local_reqs] = local_start + lens
-
+    qsl, seq_lens = _starts_and_seq_lens(lens, positions, num_reqs_padded)
+    is_prefilling, upper = _prefilling_and_upper(batch, rows, lens, local_start, num_reqs_padded)
     return LocalBatch(
         rank=rank,
         req_ids=tuple(batch.req_ids[i] for i in rows.tolist()),
         global_req_idx=rows,
         idx_mapping=batch.idx_mapping[rows].astype(np.int64),
-        num_scheduled_tokens=lens,
-        num_tokens=num_local_tokens,
-        num_tokens_padded=p,
-        num_reqs=num_local_reqs,
-        num_reqs_padded=num_reqs_padded,
-        query_start_loc=qsl,
-        input_ids=input_ids,
-        positions=positions,
-        seq_lens=seq_lens,
+        num_scheduled_tokens=lens, num_tokens=num_local_tokens, num_tokens_padded=p,
+        num_reqs=num_local_reqs, num_reqs_padded=num_reqs_padded,
+        query_start_loc=qsl, input_ids=input_ids, positions=positions, seq_lens=seq_lens,
         logits_indices=(qsl[1:] - 1).astype(np.int64),
         is_prefilling=is_prefilling,
         is_padding=is_padding,
