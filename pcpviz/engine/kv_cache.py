@@ -247,8 +247,7 @@ def paged_mla_attention_kernels(
     (tf32x3, about fp32: the greedy tokens equal the CPU path's); bf16/fp16 caches run both
     kernels with 16-bit products and fp32 accumulation."""
     k = kernels
-    num_q, num_h, dn = q_nope.shape
-    r, dv = w_uk.shape[-1], w_uv.shape[1]
+    num_q, num_h, dv = q_nope.shape[0], q_nope.shape[1], w_uv.shape[1]
     thr = decode_max_query_len() if decode_max is None else int(decode_max)
     if max_query_len is None:
         host_lens = host_lens if host_lens is not None else lens_on_host(query_start_loc, seq_lens)
@@ -279,7 +278,20 @@ def paged_mla_attention_kernels(
     if not pre.any():
         return out
 
-    rows = np.nonzero(pre)[0]
+    _prefill_rows(k, q_nope, q_pe, cache, out=out, rows=np.nonzero(pre)[0], lens_h=lens_h, q_lens=q_lens,
+                  block_rows=block_rows, query_start_loc=query_start_loc, positions=positions, w_uk=w_uk, w_uv=w_uv,
+                  block_size=block_size, scale=scale, precision=prec)
+    return out
+
+
+def _prefill_rows(k, q_nope, q_pe, cache, *, out, rows, lens_h, q_lens, block_rows, query_start_loc, positions,
+                  w_uk, w_uv, block_size, scale, precision) -> None:
+    """``paged_mla_attention_kernels``'s prefill rows (``rows``, int64 on the host): their
+    context's latents gathered into one flat tensor (longest row first), up-projected by
+    ``kv_b_proj`` in the cache's dtype, and attended by ``k.mla_prefill_attention``, which writes
+    those rows' queries' outputs into ``out`` in place."""
+    num_h, dn = q_nope.shape[1], q_nope.shape[2]
+    r, dv = w_uk.shape[-1], w_uv.shape[1]
     rows = rows[np.argsort(-lens_h[rows], kind="stable")]  # longest context first
     lens_p = lens_h[rows]
     starts = np.concatenate([[0], np.cumsum(lens_p)[:-1]])
@@ -291,11 +303,10 @@ def paged_mla_attention_kernels(
     key = torch.arange(total, device=dev) - starts_t[owner]  # position of each gathered key
     slots = block_rows[rows_t[owner], key // block_size].long() * block_size + key % block_size
     lat = cache.index_select(0, slots)  # [K, R + Dr]
-    cdt = cache.dtype if lowp else torch.float32
+    cdt = cache.dtype if cache.dtype in (torch.bfloat16, torch.float16) else torch.float32
     w_kv = torch.cat([w_uk, w_uv], dim=1).reshape(num_h * (dn + dv), r).to(cdt)  # kv_b_proj.weight
     kv = torch.nn.functional.linear(lat[:, :r].to(cdt), w_kv).view(total, num_h, dn + dv)
     k.mla_prefill_attention(
         q_nope.to(cdt), q_pe.to(cdt), kv[..., :dn], lat[:, r:].to(cdt), kv[..., dn:], query_start_loc,
         positions, starts_t, lens_t, scale, rows=rows_t, out=out, max_query_len=int(q_lens[rows].max()),
-        input_precision=prec)
-    return out
+        input_precision=precision)

@@ -96,29 +96,9 @@ def slot_mappings_spec(target: Record, draft: Record | None = None, *, draft_pha
     strips.append((f"kv_write_mask [N*P={status.shape[0]}]: {int(sl.kv_write_mask.sum())} rows written "
                    f"(T = {t}); W written, r replica, · padding", _mask_strip(status, rreq),
                    "gathered row (rank-major)", p))
-    flag_note = None
-    sd = slot_groups(view_array(draft, "slot_mapping_draft"))
-    if sd is not None:
-        v = sd[group] if sd.shape[0] > group else np.zeros(0, np.int64)
-        replicated = is_replicated(draft, target)
-        if replicated:
-            dreq = np.arange(v.shape[0]) if v.shape[0] == r else np.full(v.shape[0], -1)
-            what = (f"{draft_phase or 'draft'} slot_mapping_draft [G={sd.shape[0]}, {v.shape[0]}] "
-                    f"replicated: unexpanded, one slot per request (R = {r})")
-            if v.shape[0] != r:
-                flag_note = (f"⚠ {draft_phase}: replicated draft slot mapping has length {v.shape[0]}, "
-                             f"expected unexpanded R = {r}")
-            strips.append((what, _slot_strip(v, dreq, None, levels, draft_phase or "draft", "request row"),
-                           "request row (global order)", None))
-        else:
-            m = min(v.shape[0], status.shape[0])
-            strips.append((f"{draft_phase or 'draft'} slot_mapping_draft [G={sd.shape[0]}, {v.shape[0]}] rank-local: "
-                           f"the target's gathered (expanded N*P) mapping",
-                           _slot_strip(v[:m], rreq[:m], status[:m], levels, draft_phase or "draft", "gathered row"),
-                           "gathered row (rank-major)", p))
-    else:
-        strips.append(("draft slot mapping: no draft step recorded", _slot_strip(
-            np.zeros(0, np.int64), np.zeros(0, np.int64), None, levels, "draft", "row"), "", None))
+    strip, flag_note = _draft_strip(draft, target, draft_phase=draft_phase, group=group, levels=levels,
+                                    status=status, rreq=rreq, num_reqs=r, padded=p)
+    strips.append(strip)
     fig = Canvas([[1]] * len(strips), vertical_spacing=0.62 / len(strips) if len(strips) > 1 else 0.1,
                   subplot_titles=[s[0] for s in strips])
     shapes = fig.shapes
@@ -152,3 +132,31 @@ def slot_mappings_figure(target: Record, draft: Record | None = None, *, draft_p
     """``slot_mappings_spec`` as a ``go.Figure``."""
     return as_figure(slot_mappings_spec(target, draft, draft_phase=draft_phase, highlight=highlight, colors=colors,
                                         group=group, windows=windows))
+
+
+def _draft_strip(draft: Record | None, target: Record, *, draft_phase: str | None, group: int, levels,
+                 status: np.ndarray, rreq: np.ndarray, num_reqs: int, padded: int) -> tuple[tuple, str | None]:
+    """The draft step's ``slot_mapping_draft`` strip (unexpanded ``[G, R]`` for a replicated
+    decode, the gathered ``[G, N*P]`` for the rank-local draft_0), and a flag line when a
+    replicated mapping is not R long."""
+    r, p = num_reqs, padded
+    flag_note = None
+    sd = slot_groups(view_array(draft, "slot_mapping_draft"))
+    if sd is None:
+        return ("draft slot mapping: no draft step recorded", _slot_strip(
+            np.zeros(0, np.int64), np.zeros(0, np.int64), None, levels, "draft", "row"), "", None), None
+    v = sd[group] if sd.shape[0] > group else np.zeros(0, np.int64)
+    if is_replicated(draft, target):
+        dreq = np.arange(v.shape[0]) if v.shape[0] == r else np.full(v.shape[0], -1)
+        what = (f"{draft_phase or 'draft'} slot_mapping_draft [G={sd.shape[0]}, {v.shape[0]}] "
+                f"replicated: unexpanded, one slot per request (R = {r})")
+        if v.shape[0] != r:
+            flag_note = (f"⚠ {draft_phase}: replicated draft slot mapping has length {v.shape[0]}, "
+                         f"expected unexpanded R = {r}")
+        return (what, _slot_strip(v, dreq, None, levels, draft_phase or "draft", "request row"),
+                "request row (global order)", None), flag_note
+    m = min(v.shape[0], status.shape[0])
+    return (f"{draft_phase or 'draft'} slot_mapping_draft [G={sd.shape[0]}, {v.shape[0]}] rank-local: "
+            f"the target's gathered (expanded N*P) mapping",
+            _slot_strip(v[:m], rreq[:m], status[:m], levels, draft_phase or "draft", "gathered row"),
+            "gathered row (rank-major)", p), None
