@@ -6,8 +6,9 @@ from __future__ import annotations
 import os
 import time
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
+from pcpviz.analysis.parallel import default_workers, forked_imap
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.trace.bounds import step_problems
@@ -89,35 +90,101 @@ def _run_one(d, ctx: Ctx, st: _Stats, memo: list) -> None:
         memo.append((ctx._log, outcome[0]))
 
 
-def _check_step(trace: Trace, step: int, prev: StepView | None, defs: list, cfg: Config,
-                stats: dict[str, _Stats], rank_steps: Mapping[int, set], last: Mapping[int, int | None]) -> StepView:
-    """Every check on every rank of one step; returns the step's view (the next one's history)."""
-    ranks = trace.ranks
+def _step_view(trace: Trace, step: int, prev: StepView | None, rank_steps: Mapping[int, set],
+               last: Mapping[int, int | None]) -> StepView:
+    """One step's records on every rank that has it, with each rank's bounds problems cached
+    (``views_in_bounds``; a malformed (step, rank) is reported by that check only)."""
     recs = {}
-    for r in ranks:
+    for r in trace.ranks:
         if step in rank_steps[r]:
             recs[r] = {ph: trace.record(step, r, ph) for ph in trace.phases(step, r)}
-    missing = tuple(r for r in ranks if step not in rank_steps[r] and last[r] is not None and last[r] > step)
+    missing = tuple(r for r in trace.ranks if step not in rank_steps[r] and last[r] is not None and last[r] > step)
     sv = StepView(step, recs, prev, missing)
     memo: dict = {}
-    for r in recs:  # a malformed (step, rank) is reported by views_in_bounds only
-        sv.cache[("bounds", r)] = step_problems(recs[r], memo=memo)
-    memos: dict[str, list] = {d.name: [] for d in defs}
     for r in recs:
+        sv.cache[("bounds", r)] = step_problems(recs[r], memo=memo)
+    return sv
+
+
+def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats]) -> None:
+    """Every check on every rank of one step."""
+    memos: dict[str, list] = {d.name: [] for d in defs}
+    for r in sv.recs:
         malformed = sv.cache[("bounds", r)]
         for d in defs:
             st = stats[d.name]
             if malformed and d.name != "views_in_bounds":
                 st.skipped += 1
                 if st.skip_reason is None:
-                    st.skip_reason = f"step {step} rank {r}: malformed views (views_in_bounds)"
+                    st.skip_reason = f"step {sv.step} rank {r}: malformed views (views_in_bounds)"
                 continue
             _run_one(d, Ctx(cfg, sv, r, d.name), st, memos[d.name])
-    return sv
+
+
+def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: list, cfg: Config,
+                 visit: Callable[[StepView], None] | None = None) -> dict[str, _Stats]:
+    """Every check over ``steps`` (consecutive steps of the trace); ``before``: the step before
+    the first, read as its history (None at the start of the trace). One step of history kept."""
+    stats = {d.name: _Stats() for d in defs}
+    rank_steps = {r: set(trace.rank_steps(r)) for r in trace.ranks}
+    last = {r: max(rank_steps[r], default=None) for r in trace.ranks}
+    prev = None if before is None else _step_view(trace, before, None, rank_steps, last)
+    for step in steps:
+        sv = _step_view(trace, step, prev, rank_steps, last)
+        _check_step(sv, defs, cfg, stats)
+        if visit is not None:
+            visit(sv)
+        if prev is not None:
+            prev.prev = None  # keep only one step of history
+        prev = sv
+    return stats
+
+
+def _merge(parts: Sequence[dict[str, _Stats]], defs: list) -> dict[str, _Stats]:
+    """Chunks' statistics in step order, as one sequential pass would have counted them."""
+    out = {d.name: _Stats() for d in defs}
+    for part in parts:
+        for name, st in out.items():
+            p = part[name]
+            st.evaluated += p.evaluated
+            st.failed += p.failed
+            st.skipped += p.skipped
+            st.skip_reason = st.skip_reason if st.skip_reason is not None else p.skip_reason
+            st.first = st.first if st.first is not None else p.first
+            st.where.extend(p.where)
+    return out
+
+
+def _check_in_processes(trace: Trace, defs: list, cfg: Config, workers: int,
+                        visit: Callable[[StepView], None] | None) -> dict[str, _Stats]:
+    """The steps cut into ``2 * workers`` consecutive chunks, checked in ``workers`` forked
+    processes (``pcpviz.analysis.parallel``); ``visit``, if given, sees every step's records in
+    this process meanwhile (without the checks' cached results)."""
+    steps = list(trace.steps)
+    n = min(len(steps), 2 * workers)
+    bounds = [round(i * len(steps) / n) for i in range(n + 1)]
+
+    def chunk(i: int) -> dict[str, _Stats]:
+        lo, hi = bounds[i], bounds[i + 1]
+        return _check_steps(trace, steps[lo:hi], steps[lo - 1] if lo else None, defs, cfg)
+
+    parts = forked_imap(chunk, n, workers=workers)  # at work from here
+    if visit is not None:
+        _visit_only(trace, steps, visit)
+    return _merge(list(parts), defs)
+
+
+def _visit_only(trace: Trace, steps: Sequence[int], visit: Callable[[StepView], None]) -> None:
+    rank_steps = {r: set(trace.rank_steps(r)) for r in trace.ranks}
+    for step in steps:
+        recs = {r: {ph: trace.record(step, r, ph) for ph in trace.phases(step, r)}
+                for r in trace.ranks if step in rank_steps[r]}
+        visit(StepView(step, recs, None, ()))
 
 
 def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | None = None,
-               status: Any = None, visit: Callable[[StepView], None] | None = None) -> CheckReport:
+               status: Any = None, visit: Callable[[StepView], None] | None = None,
+               workers: int | str | None = None) -> CheckReport:
     """Run every check (or the named ones) over every step and rank of ``trace``.
 
     ``trace`` is a ``pcpviz.trace.Trace`` or a run directory (opened with
@@ -128,6 +195,10 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
     ``report.ok`` false even when every check passes. Memory does not grow with the steps:
     one step of history is kept. ``visit(step_view)``, if given, sees each step's records on
     every rank (``StepView.recs``) after its checks: another pass over the same steps, free.
+    ``workers``: processes to check in (``pcpviz.analysis.parallel.default_workers``:
+    ``$PCPVIZ_WORKERS``, else one per CPU from ``PARALLEL_FROM`` steps); several processes give the very report one would, each
+    checking a run of consecutive steps with the step before it as history (``visit`` then sees
+    the records in this process, without the checks' cached results).
     """
     t0 = time.perf_counter()
     if not isinstance(trace, Trace):
@@ -143,17 +214,11 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
     if status is None:
         status = validate_trace(trace)  # run.json schema, run.json vs the data, completeness
     cfg = Config.from_meta(trusted_meta(trace.meta, status))
-    stats = {d.name: _Stats() for d in defs}
-    rank_steps = {r: set(trace.rank_steps(r)) for r in trace.ranks}
-    last = {r: max(rank_steps[r], default=None) for r in trace.ranks}
-    prev: StepView | None = None
-    for step in trace.steps:
-        sv = _check_step(trace, step, prev, defs, cfg, stats, rank_steps, last)
-        if visit is not None:
-            visit(sv)
-        if prev is not None:
-            prev.prev = None  # keep only one step of history
-        prev = sv
+    workers = default_workers(len(trace.steps), workers)
+    if workers > 1 and len(trace.steps) > 1:
+        stats = _check_in_processes(trace, defs, cfg, workers, visit)
+    else:
+        stats = _check_steps(trace, trace.steps, None, defs, cfg, visit)
     return _report(trace, defs, stats, status, time.perf_counter() - t0)
 
 

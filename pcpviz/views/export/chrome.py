@@ -30,13 +30,16 @@ draft_{K-1}), as vLLM's ``sample_tokens`` runs them.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterator
 
 import numpy as np
 
+from pcpviz.analysis.parallel import default_workers, forked_imap
 from pcpviz.trace.schema import causal_phase_key
 from pcpviz.views.export.atomic import atomic_output
 from pcpviz.trace import Trace, TraceError, draft_index
@@ -134,56 +137,123 @@ def _args_or_note(step: int, rank: int, phase: str, rec, target) -> dict[str, An
         return {"step": step, "rank": rank, "malformed": f"{type(exc).__name__}: {' '.join(str(exc).split())[:160]}"}
 
 
-def _collect(trace: Trace) -> tuple[list[dict], bool, int, bool]:
-    """One entry per (rank, step, phase) with recorded times (or None) and args."""
-    items = []
-    recorded = True
-    max_k = 0
-    has_dummy = False
+class _Unrecorded(Exception):
+    """A record without finite ``t_start_us``/``t_end_us``: the export falls back to synthetic."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What the events need before any record is decoded (from the index alone)."""
+
+    lanes: tuple[str, ...]
+    tid: dict[str, int]
+    start: dict[int, int]  # step -> its start on the synthetic timeline (us)
+
+
+def _plan(trace: Trace) -> _Plan:
+    """Lanes (``step``, ``dummy`` when recorded, target, verify, draft_0..) and each step's start
+    on the synthetic timeline: steps back to back, each as long as its busiest rank's phases."""
+    max_k, has_dummy, per_step = 0, False, {}
     for rank in trace.ranks:
         for step in trace.rank_steps(rank):
-            phases = sorted(trace.phases(step, rank), key=causal_phase_key)
-            target = trace.record(step, rank, "target") if "target" in phases else None
+            phases = trace.phases(step, rank)
             for phase in phases:
-                rec = trace.record(step, rank, phase)
                 k = draft_index(phase)
-                if k is not None:
-                    max_k = max(max_k, k + 1)
+                max_k = max(max_k, k + 1) if k is not None else max_k
                 has_dummy |= phase == "dummy"
-                t = _times(rec)
-                recorded &= t is not None
-                items.append({"rank": rank, "step": step, "phase": phase, "t": t,
-                              "args": _args_or_note(step, rank, phase, rec, target)})
-    return items, recorded and bool(items), max_k, has_dummy
+            per_step[step] = max(per_step.get(step, 0), len(phases))
+    start, t = {}, 0
+    for s in sorted(per_step):
+        start[s] = t
+        t += per_step[s] * SYNTHETIC_PHASE_US + _STEP_GAP_US
+    lanes = tuple(_lane_order(max_k, has_dummy))
+    return _Plan(lanes, {name: i for i, name in enumerate(lanes)}, start)
+
+
+def _step_events(trace: Trace, step: int, rank: int, plan: _Plan, *, synthetic: bool) -> list[dict[str, Any]]:
+    """One (step, rank)'s events: a span per phase (causal order), the accepted-draft counter at
+    its verify, then the step's span (the phases' extent, with the step's counts). Raises
+    ``_Unrecorded`` when recorded times are wanted and a phase has none."""
+    phases = sorted(trace.phases(step, rank), key=causal_phase_key)
+    target = trace.record(step, rank, "target") if "target" in phases else None
+    events: list[dict[str, Any]] = []
+    span, extra = None, {}
+    for i, phase in enumerate(phases):
+        rec = trace.record(step, rank, phase)
+        if synthetic:
+            t0 = plan.start[step] + i * SYNTHETIC_PHASE_US
+            t0, t1 = t0, t0 + SYNTHETIC_PHASE_US
+        else:
+            t = _times(rec)
+            if t is None:
+                raise _Unrecorded
+            t0, t1 = t
+        dur = max(t1 - t0, 0)
+        a = _args_or_note(step, rank, phase, rec, target)
+        events.append({"ph": "X", "cat": EVENT_CATEGORY, "name": f"step {step} {phase}", "pid": rank,
+                       "tid": plan.tid.get(phase, len(plan.lanes)), "ts": t0, "dur": dur, "args": a})
+        span = [t0, t0 + dur] if span is None else [min(span[0], t0), max(span[1], t0 + dur)]
+        if phase == "target":
+            extra.update({k: a[k] for k in ("num_reqs", "global_tokens", "local_tokens", "padded_tokens") if k in a})
+        if phase == "verify":
+            extra.update({k: a[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens") if k in a})
+            if "num_accepted_tokens" in a:
+                events.append({"ph": "C", "name": "accepted draft tokens", "pid": rank, "tid": plan.tid["verify"],
+                               "ts": t0 + dur, "args": {"accepted": a["num_accepted_tokens"],
+                                                        "drafted": a.get("num_draft_tokens", 0)}})
+    if span is not None:
+        events.append({"ph": "X", "cat": EVENT_CATEGORY, "name": f"step {step}", "pid": rank,
+                       "tid": plan.tid["step"], "ts": span[0], "dur": span[1] - span[0],
+                       "args": {"step": step, **extra}})
+    return events
+
+
+CHUNK_STEPS = 1000
+"""Steps of one rank whose events are built (and serialized) together: memory is bounded by one
+chunk per worker, whatever the trace's length."""
+
+
+def _chunks(trace: Trace) -> list[tuple[int, tuple[int, ...]]]:
+    return [(r, tuple(steps[i:i + CHUNK_STEPS])) for r in trace.ranks
+            for steps in [list(trace.rank_steps(r))] for i in range(0, len(steps), CHUNK_STEPS)]
+
+
+def _event_texts(trace: Trace, plan: _Plan, *, synthetic: bool, ranks: list[int]) -> Iterator[tuple[int, str]]:
+    """(rank, its chunk's events as JSON text, comma-separated) for every chunk of ``ranks``,
+    rank by rank and in step order; built in forked processes on a long trace."""
+    chunks = [c for c in _chunks(trace) if c[0] in ranks]
+
+    def text(i: int) -> str:
+        rank, steps = chunks[i]
+        return ", ".join(json.dumps(e, allow_nan=False) for s in steps
+                         for e in _step_events(trace, s, rank, plan, synthetic=synthetic))
+
+    workers = default_workers(sum(len(c[1]) for c in chunks))
+    return zip((c[0] for c in chunks), forked_imap(text, len(chunks), workers=workers))
+
+
+def _timestamps(trace: Trace) -> bool:
+    """Whether the trace's first recorded step has times on every phase (a cheap guess; the
+    export falls back to the synthetic timeline when a later one has none)."""
+    for rank in trace.ranks:
+        for step in trace.rank_steps(rank)[:1]:
+            return all(_times(trace.record(step, rank, ph)) is not None for ph in trace.phases(step, rank))
+    return False
 
 
 def chrome_trace(trace: Trace | str | os.PathLike, *, rank: int | None = None) -> dict[str, Any]:
-    """The Chrome trace of every rank (merged), or of one ``rank`` with its ``distributedInfo``."""
+    """The Chrome trace of every rank (merged), or of one ``rank`` with its ``distributedInfo``,
+    as a dict (in memory: ``export_chrome`` streams a long trace to its file instead)."""
     trace = trace if isinstance(trace, Trace) else open_trace(trace)
-    return _build(trace, *_collect(trace), only=rank)
-
-
-def _synthetic_times(items: list[dict]) -> None:
-    """Give every item ``t``: steps back to back, phases sequential, ranks aligned (a trace
-    without recorded timestamps)."""
-    counts: dict[tuple[int, int], int] = {}
-    for it in items:
-        counts[(it["step"], it["rank"])] = counts.get((it["step"], it["rank"]), 0) + 1
-    per_step: dict[int, int] = {}
-    for (s, _), c in counts.items():
-        per_step[s] = max(per_step.get(s, 0), c)
-    steps = sorted(per_step)
-    start, t = {}, 0
-    for s in steps:
-        start[s] = t
-        t += per_step[s] * SYNTHETIC_PHASE_US + _STEP_GAP_US
-    counters: dict[tuple[int, int], int] = {}
-    for it in items:
-        key = (it["rank"], it["step"])
-        i = counters.get(key, 0)
-        counters[key] = i + 1
-        t0 = start[it["step"]] + i * SYNTHETIC_PHASE_US
-        it["t"] = (t0, t0 + SYNTHETIC_PHASE_US)
+    plan, synthetic = _plan(trace), not _timestamps(trace)
+    for attempt in ((synthetic,) if synthetic else (False, True)):
+        out = io.StringIO()
+        try:
+            _write(trace, out, only=rank, plan=plan, synthetic=attempt)
+        except _Unrecorded:  # a later phase has no times: the synthetic timeline
+            continue
+        return json.loads(out.getvalue())
+    raise AssertionError("unreachable: the synthetic timeline needs no recorded time")
 
 
 def _metadata_events(ranks: list[int], tid: dict[str, int]) -> list[dict[str, Any]]:
@@ -202,53 +272,13 @@ def _metadata_events(ranks: list[int], tid: dict[str, int]) -> list[dict[str, An
     return events
 
 
-def _phase_events(items: list[dict], ranks: list[int], tid: dict[str, int], num_lanes: int) -> list[dict[str, Any]]:
-    """One span per phase, one per step (the phases' extent, with the step's counts) and the
-    accepted-draft counter at each verify."""
-    events: list[dict[str, Any]] = []
-    spans: dict[tuple[int, int], list] = {}
-    for it in items:
-        if it["rank"] not in ranks:
-            continue
-        t0, t1 = it["t"]
-        dur = max(t1 - t0, 0)
-        events.append({"ph": "X", "cat": EVENT_CATEGORY, "name": f"step {it['step']} {it['phase']}",
-                       "pid": it["rank"], "tid": tid.get(it["phase"], num_lanes), "ts": t0, "dur": dur,
-                       "args": it["args"]})
-        span = spans.setdefault((it["rank"], it["step"]), [t0, t0 + dur, {}])
-        span[0], span[1] = min(span[0], t0), max(span[1], t0 + dur)
-        a = it["args"]
-        if it["phase"] == "target":
-            span[2].update({k: a[k] for k in ("num_reqs", "global_tokens", "local_tokens", "padded_tokens")
-                            if k in a})
-        if it["phase"] == "verify":
-            span[2].update({k: a[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
-                            if k in a})
-            if "num_accepted_tokens" in a:
-                events.append({"ph": "C", "name": "accepted draft tokens", "pid": it["rank"],
-                               "tid": tid["verify"], "ts": t0 + dur,
-                               "args": {"accepted": a["num_accepted_tokens"],
-                                        "drafted": a.get("num_draft_tokens", 0)}})
-    for (r, step), (t0, t1, extra) in sorted(spans.items()):
-        events.append({"ph": "X", "cat": EVENT_CATEGORY, "name": f"step {step}", "pid": r,
-                       "tid": tid["step"], "ts": t0, "dur": t1 - t0, "args": {"step": step, **extra}})
-    return events
-
-
-def _build(trace: Trace, items: list[dict], recorded: bool, max_k: int, has_dummy: bool,
-           only: int | None) -> dict[str, Any]:
-    lanes = _lane_order(max_k, has_dummy)
-    tid = {name: i for i, name in enumerate(lanes)}
+def _head(trace: Trace, plan: _Plan, *, synthetic: bool, only: int | None) -> dict[str, Any]:
+    """The document without its events (``traceEvents`` is last: HTA reads the metadata, with
+    ``distributedInfo``, only up to it)."""
     world = trace.meta.get("pcp")
     world = int(world) if isinstance(world, int) and not isinstance(world, bool) else len(trace.ranks)
     ranks = trace.ranks if only is None else [only]
-    if only is not None and only not in trace.ranks:
-        raise ValueError(f"no rank {only} in {trace.path} (ranks: {trace.ranks})")
-    if not recorded:
-        _synthetic_times(items)
-    events = _metadata_events(ranks, tid) + _phase_events(items, ranks, tid, len(lanes))
     meta = trace.meta
-    # Key order matters: HTA reads the metadata (distributedInfo) only up to "traceEvents".
     doc: dict[str, Any] = {"schemaVersion": 1}
     if only is not None:
         info: dict[str, Any] = {"rank": int(only), "world_size": world}
@@ -263,21 +293,36 @@ def _build(trace: Trace, items: list[dict], recorded: bool, max_k: int, has_dumm
             "pcp": meta.get("pcp"),
             "num_speculative_tokens": meta.get("num_speculative_tokens"),
             "ranks": list(ranks),
-            "timestamps": "recorded" if recorded else "synthetic",
-            "timestamps_note": ("t_start_us/t_end_us recorded by the producer" if recorded else
-                                f"synthetic: the trace has no t_start_us/t_end_us on every phase; "
+            "timestamps": "synthetic" if synthetic else "recorded",
+            "timestamps_note": (f"synthetic: the trace has no t_start_us/t_end_us on every phase; "
                                 f"phases are laid out sequentially, {SYNTHETIC_PHASE_US} us each, "
-                                "ranks aligned per step; durations are not measured"),
-            "lanes": lanes,
+                                "ranks aligned per step; durations are not measured" if synthetic else
+                                "t_start_us/t_end_us recorded by the producer"),
+            "lanes": list(plan.lanes),
         }},
-        "traceEvents": events,
     })
     return doc
 
 
+def _write(trace: Trace, fh: IO[str], *, only: int | None, plan: _Plan, synthetic: bool) -> None:
+    """Stream the document to ``fh``: its head, the metadata events, then every chunk's events.
+    Raises ``_Unrecorded`` (recorded times wanted, a phase without them)."""
+    if only is not None and only not in trace.ranks:
+        raise ValueError(f"no rank {only} in {trace.path} (ranks: {trace.ranks})")
+    ranks = list(trace.ranks if only is None else [only])
+    head = json.dumps(_head(trace, plan, synthetic=synthetic, only=only), allow_nan=False)
+    fh.write(head[:-1] + ', "traceEvents": [')
+    fh.write(", ".join(json.dumps(e) for e in _metadata_events(ranks, plan.tid)))
+    for _, text in _event_texts(trace, plan, synthetic=synthetic, ranks=ranks):
+        if text:
+            fh.write(", " + text)
+    fh.write("]}")
+
+
 def export_chrome(trace: Trace | str | os.PathLike, out: str | os.PathLike, *,
                   merged: bool | None = None) -> list[Path]:
-    """Write the Chrome trace; returns the files written.
+    """Write the Chrome trace; returns the files written. Streamed: memory does not grow with
+    the steps (``CHUNK_STEPS``), and a long trace's events are built in forked processes.
 
     ``merged`` defaults to ``str(out).endswith(".json")``: one file with every rank.
     Otherwise ``out`` is a directory (created) that receives ``rank<r>.json`` per rank.
@@ -286,26 +331,27 @@ def export_chrome(trace: Trace | str | os.PathLike, out: str | os.PathLike, *,
     out = Path(out)
     if merged is None:
         merged = out.suffix.lower() == ".json" and not out.is_dir()
-    collected = _collect(trace)
-    written = []
     if merged:
         if out.parent and not out.parent.exists():
             out.parent.mkdir(parents=True)
-        _dump(_build(trace, *collected, only=None), out)
-        written.append(out)
+        targets = [(out, None)]
     else:
         if out.exists() and not out.is_dir():
             raise ValueError(f"{out}: exists and is not a directory (use a .json name for one merged file)")
         out.mkdir(parents=True, exist_ok=True)
-        for rank in trace.ranks:
-            path = out / f"rank{rank}.json"
-            _dump(_build(trace, *collected, only=rank), path)
-            written.append(path)
-    return written
+        targets = [(out / f"rank{rank}.json", rank) for rank in trace.ranks]
+    plan = _plan(trace)
+    synthetic = not _timestamps(trace)
+    try:
+        _write_all(trace, targets, plan, synthetic=synthetic)
+    except _Unrecorded:  # a later phase has no times: every file on the synthetic timeline
+        _write_all(trace, targets, plan, synthetic=True)
+    return [path for path, _ in targets]
 
 
-def _dump(doc: dict[str, Any], path: Path) -> None:
-    with atomic_output(path) as fh:
-        # Default separators on purpose: HTA finds a file's rank with the regex '"rank":\s+(\d+)'
-        # (a space after the colon), reading line by line, so distributedInfo comes first.
-        json.dump(doc, fh, allow_nan=False)
+def _write_all(trace: Trace, targets: list, plan: _Plan, *, synthetic: bool) -> None:
+    # Default separators on purpose: HTA finds a file's rank with the regex '"rank":\s+(\d+)'
+    # (a space after the colon), reading line by line, so distributedInfo comes first.
+    for path, rank in targets:
+        with atomic_output(path) as fh:
+            _write(trace, fh, only=rank, plan=plan, synthetic=synthetic)

@@ -216,15 +216,16 @@ def _checks_html(report: Any) -> str:
             f"{st.checks_notes_html(report)}{st.checks_table_html(report)}</details>")
 
 
-MAX_ENTRIES = 4000
-"""Most (step, rank) pages one report precomputes: a longer trace shows an even sample of its
-steps plus every step a check's first violation is at (the Workbench shows them all)."""
+MAX_ENTRIES = 256
+"""Most (step, rank) pages one report precomputes (each costs ~20 ms and ~0.5 MB to build, and
+the file grows with them): a longer trace shows an even sample of its steps plus every step a
+check's first violation is at (the Workbench shows them all)."""
 
 
 def shown_steps(steps: Sequence[int], num_ranks: int, keep: Sequence[int] = ()) -> list[int]:
     """The steps a report precomputes: all of them up to ``MAX_ENTRIES`` (step, rank) pages, else
     an even sample with the first and last step and the ``keep`` steps (first violations).
-    100,000 steps on 2 ranks: 2,000 steps, every 50th, plus the violations."""
+    100,000 steps on 2 ranks: 128 steps, about every 787th, plus the violations."""
     steps = list(steps)
     budget = max(1, MAX_ENTRIES // max(num_ranks, 1))
     if len(steps) <= budget:

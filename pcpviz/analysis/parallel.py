@@ -1,0 +1,84 @@
+"""Work over a trace's steps in forked processes: ``default_workers`` (how many) and
+``forked_map`` (a function over chunks, results in order). The children share the parent's
+memory-mapped rank files (``pcpviz.trace.index``): nothing is pickled to them but a chunk's index,
+and only each chunk's result comes back.
+
+    >>> forked_map(lambda i: i * i, 4, workers=1)        # one worker: in this process
+    [0, 1, 4, 9]
+
+``run_checks`` (checks) and ``export_chrome`` (events) use it above ``PARALLEL_FROM`` steps;
+``$PCPVIZ_WORKERS`` sets the count (``1``: never fork).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Callable, Iterator
+
+WORKERS_ENV = "PCPVIZ_WORKERS"
+"""How many processes the trace commands use by default: a number, or ``auto`` (the default:
+one per CPU, at most 8, once a trace has ``PARALLEL_FROM`` steps; one below that)."""
+
+PARALLEL_FROM = 2000
+"""Steps from which ``auto`` uses several processes (below it, starting them costs more than it
+saves)."""
+
+
+def default_workers(num_steps: int, setting: str | int | None = None) -> int:
+    """The process count for ``num_steps`` steps: ``setting`` (or ``$PCPVIZ_WORKERS``) as a
+    number from 1 to 256, or ``auto``. ValueError names the setting when it is neither."""
+    setting = os.environ.get(WORKERS_ENV, "auto") if setting is None else setting
+    if str(setting).strip().lower() == "auto":
+        return min(os.cpu_count() or 1, 8) if num_steps >= PARALLEL_FROM else 1
+    try:
+        n = int(setting)
+    except (TypeError, ValueError):
+        n = 0
+    if not 1 <= n <= 256:
+        raise ValueError(f"{WORKERS_ENV}={setting!r}: expected 'auto' or a process count from 1 to 256")
+    return n
+
+
+_TASK: list[Callable[[int], Any]] = []  # the function a forked child runs: set just before the fork
+
+
+def _run_task(i: int) -> Any:
+    return _TASK[0](i)
+
+
+def forked_imap(fn: Callable[[int], Any], n: int, *, workers: int) -> Iterator[Any]:
+    """``fn(0), fn(1), ... fn(n - 1)``, in order, computed by ``workers`` forked processes (lazily
+    in this process when ``workers`` is 1 or the platform cannot fork). The children are forked
+    and at work when this returns, so the caller can do other work before reading the results.
+    ``fn`` may be a closure: the children inherit it. An exception in a child is raised while
+    iterating, as ``fn`` raised it."""
+    if workers <= 1 or n <= 1 or not hasattr(os, "fork"):
+        return (fn(i) for i in range(n))
+    if _TASK:
+        raise RuntimeError("forked_imap is not re-entrant")
+    _TASK.append(fn)
+    try:  # with "fork", the pool forks all its children at the first submit
+        pool = ProcessPoolExecutor(min(workers, n), mp_context=multiprocessing.get_context("fork"))
+        futures = [pool.submit(_run_task, i) for i in range(n)]
+    except BaseException:
+        _TASK.clear()
+        raise
+    return _results(pool, futures)
+
+
+def _results(pool: ProcessPoolExecutor, futures: list) -> Iterator[Any]:
+    try:
+        for f in futures:
+            yield f.result()
+    finally:
+        for f in futures:
+            f.cancel()
+        pool.shutdown(wait=True)
+        _TASK.clear()
+
+
+def forked_map(fn: Callable[[int], Any], n: int, *, workers: int) -> list[Any]:
+    """``list(forked_imap(fn, n, workers=workers))``."""
+    return list(forked_imap(fn, n, workers=workers))

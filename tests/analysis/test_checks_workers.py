@@ -1,0 +1,73 @@
+"""``run_checks(workers=N)``: several forked processes give the very report one process gives
+(verdicts, counts, first violations, every failing (step, rank), skip reasons), whatever the
+chunk boundaries cut through; a bad ``PCPVIZ_WORKERS`` is one ValueError naming it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pcpviz.analysis.checks import run_checks
+from pcpviz.analysis.parallel import WORKERS_ENV, default_workers, forked_map
+from tracegen import clean_run, corrupt
+
+
+def _facts(report):
+    return {n: (r.verdict, r.evaluated, r.failed, r.skipped, r.skip_reason, r.first_violation, r.failures)
+            for n, r in report.results.items()}
+
+
+@pytest.fixture(scope="module")
+def broken_trace(tmp_path_factory):
+    run = clean_run(pcp=2, k=2)
+    steps = [s for s, _ in run.steps]
+    assert len(steps) >= 8
+    # bugs at the first step, in the middle and at the last: every chunk boundary of 2..5 workers
+    # has a violation before or after it, and positions_consistent reads the step before
+    for s in (steps[0], steps[len(steps) // 2], steps[-1]):
+        corrupt(run, s, "target", "positions", lambda a: a + 1, ranks=[1])
+    corrupt(run, steps[3], "draft_0", "draft_input_ids", lambda a: np.roll(a, 1))
+    return run.write(tmp_path_factory.mktemp("workers") / "broken")
+
+
+@pytest.mark.parametrize("workers", [2, 3, 5])
+def test_workers_give_the_sequential_report(broken_trace, workers):
+    one = run_checks(broken_trace, workers=1)
+    many = run_checks(broken_trace, workers=workers)
+    assert not one.ok
+    assert sum(r.failed for r in one.results.values()) >= 4
+    assert _facts(many) == _facts(one)
+
+
+def test_visit_sees_every_step_in_order_with_workers(broken_trace):
+    seen_one, seen_many = [], []
+    run_checks(broken_trace, workers=1, visit=lambda sv: seen_one.append((sv.step, sorted(sv.recs))))
+    run_checks(broken_trace, workers=2, visit=lambda sv: seen_many.append((sv.step, sorted(sv.recs))))
+    assert seen_many == seen_one and len(seen_one) >= 8
+
+
+def test_default_workers(monkeypatch):
+    monkeypatch.setenv(WORKERS_ENV, "auto")
+    assert default_workers(10) == 1
+    assert default_workers(100_000) >= 1
+    monkeypatch.setenv(WORKERS_ENV, "3")
+    assert default_workers(10) == 3
+    for bad in ("0", "lots", "-2", "100000"):
+        monkeypatch.setenv(WORKERS_ENV, bad)
+        with pytest.raises(ValueError, match=WORKERS_ENV):
+            default_workers(10)
+
+
+def test_forked_map_keeps_order_and_raises_the_childs_error():
+    pid = __import__("os").getpid()
+    assert forked_map(lambda i: (i * i, __import__("os").getpid() != pid), 5, workers=2) == \
+        [(i * i, True) for i in range(5)]
+    assert forked_map(lambda i: i + 1, 3, workers=1) == [1, 2, 3]
+
+    def boom(i):
+        if i == 2:
+            raise KeyError("chunk 2")
+        return i
+    with pytest.raises(KeyError, match="chunk 2"):
+        forked_map(boom, 4, workers=2)
+    assert forked_map(lambda i: -i, 2, workers=2) == [0, -1]  # usable again after an error
