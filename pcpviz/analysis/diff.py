@@ -38,6 +38,7 @@ from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
 from pcpviz.analysis.timelines import compare_timelines, same_schedule
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.analysis.diffreport import DiffReport, Divergence
+from pcpviz.analysis.parallel import default_workers, forked_imap
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.trace.bounds import problems_at, well_formed
@@ -392,6 +393,33 @@ def _rank_pairs(ta: Trace, tb: Trace, notes: list[str]) -> tuple[bool, list[tupl
     return True, [(r, r) for r in ta.ranks]
 
 
+def _steps_in_processes(run: _Diff, steps: list[int], workers: int) -> None:
+    """``run.step`` over ``steps``, cut into ``2 * workers`` consecutive chunks compared in forked
+    processes (``pcpviz.analysis.parallel``), merged into ``run`` as one pass in step order would
+    have left it: the first ``max_divergences`` found, the counts summed, the first order note."""
+    n = min(len(steps), 2 * workers)
+    bounds = [round(i * len(steps) / n) for i in range(n + 1)]
+
+    def chunk(i: int) -> tuple:
+        part = _Diff(run.ta, run.tb, pairs=run.pairs, same_layout=run.same_layout, notes=[],
+                     ignore=run.ignore, max_divergences=run.max_divergences)
+        for step in steps[bounds[i]:bounds[i + 1]]:
+            part.step(step)
+        return (part.found, part.total, part.views_compared, part.steps_compared, part.notes,
+                part.local_compared_any)
+
+    for found, total, views, compared, notes, local_any in forked_imap(chunk, n, workers=workers):
+        for d in found:
+            run.record(d)
+        run.total += total - len(found)  # record() counted each of these once
+        run.views_compared += views
+        run.steps_compared += compared
+        run.local_compared_any |= local_any
+        if notes and not run.order_noted:
+            run.notes.extend(notes)
+            run.order_noted = True
+
+
 def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                 ignore: frozenset[str] | set[str] = DEFAULT_IGNORE,
                 max_divergences: int = 200) -> DiffReport:
@@ -411,8 +439,12 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                              ignore=ignore)
     if by_request is not None:  # other batches: per request
         run.views_compared, steps, run.steps_compared = by_request
-    for step in steps:
-        run.step(step)
+    workers = default_workers(len(steps))
+    if workers > 1 and len(steps) > 1:
+        _steps_in_processes(run, list(steps), workers)
+    else:
+        for step in steps:
+            run.step(step)
     if not ta.steps and not tb.steps:
         notes.append("no steps in either run")
     acc_a, acc_b = acceptance(ta), acceptance(tb)

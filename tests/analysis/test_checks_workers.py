@@ -71,3 +71,24 @@ def test_forked_map_keeps_order_and_raises_the_childs_error():
     with pytest.raises(KeyError, match="chunk 2"):
         forked_map(boom, 4, workers=2)
     assert forked_map(lambda i: -i, 2, workers=2) == [0, -1]  # usable again after an error
+
+
+def test_diff_in_processes_gives_the_sequential_report(tmp_path, monkeypatch):
+    from pcpviz.analysis.diff import diff_traces
+    good = clean_run(pcp=2, k=2)
+    bad = clean_run(pcp=2, k=2)
+    steps = [s for s, _ in bad.steps]
+    for s in (steps[1], steps[len(steps) // 2], steps[-1]):
+        corrupt(bad, s, "target", "positions", lambda a: a + 1, ranks=[0])
+    corrupt(bad, steps[2], "draft_0", "draft_input_ids", lambda a: np.roll(a, 1))
+    a, b = good.write(tmp_path / "a"), bad.write(tmp_path / "b")
+    reports = {}
+    for workers in ("1", "2", "3"):
+        monkeypatch.setenv(WORKERS_ENV, workers)
+        for cap in (2, 200):
+            r = diff_traces(a, b, max_divergences=cap)
+            reports[(workers, cap)] = (r.same, r.first, r.divergences, r.num_divergent_views,
+                                       r.steps_compared, r.views_compared, r.local_views_compared, r.notes)
+    for cap in (2, 200):
+        assert reports[("1", cap)][0] is False and len(reports[("1", cap)][2]) >= min(cap, 4)
+        assert reports[("2", cap)] == reports[("1", cap)] == reports[("3", cap)]
