@@ -121,13 +121,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     if not wanted:
         raise UsageError("pcpviz export: nothing to export; give "
                          + " or ".join(f"--{f} OUT" for f in EXPORT_FORMATS))
+    if args.rank and not args.html:
+        raise UsageError("pcpviz export: --rank chooses the HTML report's ranks; give --html OUT too")
     writers = [(fmt, out, _exporter(fmt)) for fmt, out in wanted]
     trace, status = _open_trace(args.trace, "export")
     if not trace.steps and not status.complete:
         _no_steps(args.trace, "export", status)
     for fmt, out, fn in writers:
         try:
-            written = fn(trace, out)
+            written = fn(trace, out, ranks=args.rank) if fmt == "html" and args.rank else fn(trace, out)
         except (ValueError, OSError) as e:
             raise UsageError(f"pcpviz export: --{fmt} {out}: {' '.join(str(e).split())}") from None
         for shown in ([written] if isinstance(written, (str, bytes)) or not hasattr(written, "__iter__")
@@ -144,6 +146,9 @@ def add_export(sub) -> None:
     p.add_argument("trace", type=path, help="run directory (or its run.json)")
     for fmt, (text, _) in EXPORT_FORMATS.items():
         p.add_argument(f"--{fmt}", type=path, metavar="OUT", default=None, help=text)
+    p.add_argument("--rank", type=int, action="append", default=None, metavar="R",
+                   help="the HTML report's ranks (repeatable; default: every rank up to 8, else 8 evenly "
+                        "sampled plus those of first violations)")
     p.set_defaults(func=_cmd_export)
 
 

@@ -292,3 +292,27 @@ def test_export_escapes_hostile_phase_names_and_request_ids(tmp_path, monkeypatc
     raw = text[text.index('<script type="application/json"'):]
     raw = raw[:raw.index("</script>")]
     assert "<" not in raw[raw.index(">") + 1:], "a '<' inside the embedded JSON (<!-- or </script> could end it)"
+
+
+def test_a_wide_run_shows_a_sample_of_its_ranks(tmp_path, monkeypatch):
+    """Past ``MAX_RANKS`` ranks the report precomputes an even sample of them (first, last, the
+    ranks of first violations) and says so; ``--rank`` picks them."""
+    from pcpviz.cli.commands import main
+    from pcpviz.views.export import html as H
+    from tracegen import clean_run
+
+    monkeypatch.setattr(H, "MAX_RANKS", 2)
+    assert H.shown_ranks(range(64)) == [0, 63]
+    assert H.shown_ranks(range(64), [17]) == [0, 17, 63]
+    assert H.shown_ranks([0, 1]) == [0, 1]
+    run = clean_run(4, k=1)
+    trace = run.write(tmp_path / "t")
+    out = tmp_path / "r.html"
+    H.export_html(trace, out)
+    text = out.read_text()
+    assert H.embedded_data(text)["ranks"] == [0, 3]
+    assert "2 of 4 ranks shown" in text
+    assert main(["export", str(trace), "--html", str(out), "--rank", "2", "--rank", "1"]) == 0
+    text = out.read_text()
+    assert H.embedded_data(text)["ranks"] == [2, 1] and "2 of 4 ranks shown" in text
+    assert main(["export", str(trace), "--chrome", str(tmp_path / "c.json"), "--rank", "1"]) == 2

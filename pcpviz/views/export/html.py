@@ -37,7 +37,8 @@ from pcpviz.views.export.atomic import atomic_output
 from pcpviz.views.panels import PanelInput, panel_marks, run_panels, step_panels
 from pcpviz.views.widgets import status as st
 
-__all__ = ["export_html", "STEP_VIEWS", "pack", "unpack", "embedded_data", "shown_steps", "MAX_ENTRIES"]
+__all__ = ["export_html", "STEP_VIEWS", "pack", "unpack", "embedded_data", "shown_steps", "shown_ranks", "MAX_ENTRIES",
+           "MAX_RANKS"]
 
 STEP_VIEWS = tuple(p.name for p in step_panels())
 """Panels precomputed per (step, rank) (``pcpviz.views.panels``); the per-run panels
@@ -234,11 +235,32 @@ def shown_steps(steps: Sequence[int], num_ranks: int, keep: Sequence[int] = ()) 
     return sorted(picked | (set(keep) & set(steps)))
 
 
-def _shown_note(shown: Sequence[int], steps: Sequence[int]) -> str:
-    if len(shown) == len(steps):
-        return ""
-    return (f"<br><b>{len(shown)} of {len(steps)} steps shown</b> (an even sample and every step of a first "
-            "violation); the Workbench shows every step")
+MAX_RANKS = 8
+"""Most ranks whose pages a report precomputes when no ``ranks`` are asked for: a wider run shows
+an even sample of its ranks (the first and last, and every rank of a first violation), so that
+``MAX_ENTRIES`` buys steps rather than ranks (PCP=64: 32 steps on 8 ranks, not 4 on 64)."""
+
+
+def shown_ranks(ranks: Sequence[int], keep: Sequence[int] = ()) -> list[int]:
+    """The ranks a report precomputes by default: all of them up to ``MAX_RANKS``, else an even
+    sample with the first and last rank, plus the ``keep`` ranks (first violations).
+    ``shown_ranks(range(64))`` is ``[0, 9, 18, 27, 36, 45, 54, 63]``."""
+    ranks = list(ranks)
+    if len(ranks) <= MAX_RANKS:
+        return ranks
+    picked = {ranks[round(i * (len(ranks) - 1) / (MAX_RANKS - 1))] for i in range(MAX_RANKS)}
+    return sorted(picked | (set(keep) & set(ranks)))
+
+
+def _shown_note(shown: Sequence[int], steps: Sequence[int], ranks: Sequence[int], all_ranks: Sequence[int]) -> str:
+    notes = []
+    if len(shown) != len(steps):
+        notes.append(f"<b>{len(shown)} of {len(steps)} steps shown</b> (an even sample and every step of a first "
+                     "violation)")
+    if len(ranks) != len(all_ranks):
+        notes.append(f"<b>{len(ranks)} of {len(all_ranks)} ranks shown</b> (pcpviz export --html --rank R "
+                     "for others)")
+    return "<br>" + "; ".join(notes) + "; the Workbench shows every step and rank" if notes else ""
 
 
 def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list) -> dict:
@@ -302,7 +324,7 @@ def _page(trace: Trace, *, title: str, data: str, ranks: Sequence[int], shown: S
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body>
 <h1>{html.escape(title)}</h1>
-<div class="meta">{st.header_html(trace, trace.meta, req_ids)}{_shown_note(shown, trace.steps)}</div>
+<div class="meta">{st.header_html(trace, trace.meta, req_ids)}{_shown_note(shown, trace.steps, ranks, trace.ranks)}</div>
 <div class="controls">
  <label>step <input type="range" id="step" min="0" max="{len(shown) - 1}" value="0" step="1"></label>
  <span id="step-label"></span>
@@ -330,6 +352,7 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
     trace = trace_path if isinstance(trace_path, Trace) else open_trace(trace_path)
     if not trace.steps:
         raise ValueError(f"trace {trace.path} has no complete step")
+    asked = ranks
     ranks = list(trace.ranks if ranks is None else ranks)
     unknown = [r for r in ranks if r not in trace.ranks]
     if unknown or not ranks:
@@ -339,6 +362,8 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
     report = fg.load_check_report(trace) if checks else None
     violations = [r.first_violation for r in report.results.values()
                   if r.first_violation is not None] if report is not None else []
+    if asked is None:
+        ranks = shown_ranks(ranks, [v.rank for v in violations if v.rank is not None])
     shown = shown_steps(trace.steps, len(ranks), [v.step for v in violations])
     data = _embedded(trace, shown, ranks, colors=colors, acceptance=fg.load_acceptance(trace), violations=violations)
     doc = _page(trace, title=title or f"pcpviz — {Path(str(trace.path)).name}", data=data, ranks=ranks,
