@@ -19,6 +19,8 @@ Measures (every figure from the same invocation):
 * ``decode_ms_per_token``     batch 1, from the loop's wall time (K=0 and K=2) less the one-time graph
                               captures (vLLM captures at start-up), beside real vLLM's
                               ``decode_ms_per_token`` in ``data/bench/vllm_h200x2.json``;
+* ``mtp_batch16``             batch 16 (the short prompts twice), K=0 and K=2, interleaved repeats: the
+                              best steady decode step of each, ms per token, ``mtp_speedup``;
 * ``decode_steady``           batch 1, K=0 and K=2: the median decode step's wall time after the
                               first 8 (no JIT, no captures, no timer events), tokens per decode step,
                               ms per token, and ``mtp_speedup`` from them (the steady-state figures);
@@ -133,7 +135,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="model and KV-cache dtype of every section but tokens (vLLM runs bfloat16)")
     ap.add_argument("--sections", nargs="+", default=None, metavar="NAME",
-                    help="run only these sections (tokens warmup prefill mtp_decode decode_pcp2 graphs "
+                    help="run only these sections (tokens warmup prefill mtp_decode mtp_batch16 decode_pcp2 graphs "
                          "compile acceptance recording); default all")
     ap.add_argument("--partial", default=None,
                     help="rewrite this JSON after every section (what a killed run keeps)")
@@ -269,6 +271,24 @@ def main() -> None:
         out["mtp_tokens_equal"] = k0.output_token_ids == k2.output_token_ids
 
     section('mtp_decode', _mtp_decode)
+
+    # -- MTP at batch 16: K=2 over K=0 per token, interleaved repeats ----------------------------
+    def _mtp_batch16():
+        batch = (short * 2)[:16]  # the 8 short prompts twice
+        runs: dict = {}
+        for _ in range(args.repeat):  # interleaved, so drift on the machine falls on both
+            for k in (0, 2):
+                runs.setdefault(k, []).append(run_(batch, num_speculative_tokens=k, **dec))
+        cell = {}
+        for k, rs in runs.items():
+            st = sorted((steady_decode(r) for r in rs), key=lambda d: d["ms_per_token"] or float("inf"))
+            cell[f"k{k}"] = dict(st[0], all_ms_per_step=[d["ms_per_step"] for d in st])
+        if cell["k0"]["ms_per_token"] and cell["k2"]["ms_per_token"]:
+            cell["mtp_speedup"] = cell["k0"]["ms_per_token"] / cell["k2"]["ms_per_token"]
+        cell["tokens_equal"] = runs[0][0].output_token_ids == runs[2][0].output_token_ids
+        out["mtp_batch16"] = cell
+
+    section('mtp_batch16', _mtp_batch16)
 
     # -- decode at PCP=2, batch 1: the configuration real vLLM's decode figures were taken in ---
     def _decode_pcp2():
