@@ -39,11 +39,20 @@ def test_workers_give_the_sequential_report(broken_trace, workers):
     assert _facts(many) == _facts(one)
 
 
-def test_visit_sees_every_step_in_order_with_workers(broken_trace):
-    seen_one, seen_many = [], []
-    run_checks(broken_trace, workers=1, visit=lambda sv: seen_one.append((sv.step, sorted(sv.recs))))
-    run_checks(broken_trace, workers=2, visit=lambda sv: seen_many.append((sv.step, sorted(sv.recs))))
-    assert seen_many == seen_one and len(seen_one) >= 8
+def test_probe_gives_its_first_answer_in_step_order_with_workers(broken_trace):
+    steps = run_checks(broken_trace, workers=1).steps
+    asked = []
+
+    def probe(sv):
+        asked.append(sv.step)
+        return (sv.step, sorted(sv.recs)) if sv.step >= 5 and sv.step % 2 else None
+
+    one = run_checks(broken_trace, workers=1, probe=probe)
+    assert one.probe == (5, [0, 1]) and asked == list(range(6))  # asked until it answered
+    for workers in (2, 3):
+        assert run_checks(broken_trace, workers=workers, probe=probe).probe == one.probe
+    assert run_checks(broken_trace, workers=2, probe=lambda sv: None).probe is None
+    assert steps >= 8
 
 
 def test_default_workers(monkeypatch):

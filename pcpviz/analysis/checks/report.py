@@ -91,6 +91,7 @@ class CheckReport:
     results: Mapping[str, CheckResult]
     seconds: float
     status: TraceStatus = TraceStatus()  # pcpviz.trace.validate: run.json valid, trace complete
+    probe: Any = None  # run_checks' probe: its first answer that is not None (in step order)
 
     @property
     def ok(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
@@ -122,28 +123,33 @@ def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats])
 
 
 def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: list, cfg: Config,
-                 visit: Callable[[StepView], None] | None = None) -> dict[str, _Stats]:
-    """Every check over ``steps`` (consecutive steps of the trace); ``before``: the step before
-    the first, read as its history (None at the start of the trace). One step of history kept."""
+                 probe: Callable[[StepView], Any] | None = None) -> tuple[dict[str, _Stats], Any]:
+    """Every check over ``steps`` (consecutive steps of the trace), and ``probe``'s first
+    non-None answer over them; ``before``: the step before the first, read as its history (None
+    at the start of the trace). One step of history kept."""
     stats = {d.name: _Stats() for d in defs}
     rank_steps = {r: set(trace.rank_steps(r)) for r in trace.ranks}
     last = {r: max(rank_steps[r], default=None) for r in trace.ranks}
     prev = None if before is None else _step_view(trace, before, None, rank_steps, last)
+    found = None
     for step in steps:
         sv = _step_view(trace, step, prev, rank_steps, last)
         _check_step(sv, defs, cfg, stats)
-        if visit is not None:
-            visit(sv)
+        if probe is not None and found is None:
+            found = probe(sv)
         if prev is not None:
             prev.prev = None  # keep only one step of history
         prev = sv
-    return stats
+    return stats, found
 
 
-def _merge(parts: Sequence[dict[str, _Stats]], defs: list) -> dict[str, _Stats]:
-    """Chunks' statistics in step order, as one sequential pass would have counted them."""
+def _merge(parts: Sequence[tuple[dict[str, _Stats], Any]], defs: list) -> tuple[dict[str, _Stats], Any]:
+    """Chunks' statistics in step order, as one sequential pass would have counted them, and the
+    first chunk's probe answer that is not None."""
     out = {d.name: _Stats() for d in defs}
-    for part in parts:
+    found = None
+    for part, probed in parts:
+        found = probed if found is None else found
         for name, st in out.items():
             p = part[name]
             st.evaluated += p.evaluated
@@ -152,38 +158,26 @@ def _merge(parts: Sequence[dict[str, _Stats]], defs: list) -> dict[str, _Stats]:
             st.skip_reason = st.skip_reason if st.skip_reason is not None else p.skip_reason
             st.first = st.first if st.first is not None else p.first
             st.where.extend(p.where)
-    return out
+    return out, found
 
 
 def _check_in_processes(trace: Trace, defs: list, cfg: Config, workers: int,
-                        visit: Callable[[StepView], None] | None) -> dict[str, _Stats]:
-    """The steps cut into ``2 * workers`` consecutive chunks, checked in ``workers`` forked
-    processes (``pcpviz.analysis.parallel``); ``visit``, if given, sees every step's records in
-    this process meanwhile (without the checks' cached results)."""
+                        probe: Callable[[StepView], Any] | None) -> tuple[dict[str, _Stats], Any]:
+    """The steps cut into ``2 * workers`` consecutive chunks, checked (and probed) in
+    ``workers`` forked processes (``pcpviz.analysis.parallel``)."""
     steps = list(trace.steps)
     n = min(len(steps), 2 * workers)
     bounds = [round(i * len(steps) / n) for i in range(n + 1)]
 
-    def chunk(i: int) -> dict[str, _Stats]:
+    def chunk(i: int) -> tuple[dict[str, _Stats], Any]:
         lo, hi = bounds[i], bounds[i + 1]
-        return _check_steps(trace, steps[lo:hi], steps[lo - 1] if lo else None, defs, cfg)
+        return _check_steps(trace, steps[lo:hi], steps[lo - 1] if lo else None, defs, cfg, probe)
 
-    parts = forked_imap(chunk, n, workers=workers)  # at work from here
-    if visit is not None:
-        _visit_only(trace, steps, visit)
-    return _merge(list(parts), defs)
-
-
-def _visit_only(trace: Trace, steps: Sequence[int], visit: Callable[[StepView], None]) -> None:
-    rank_steps = {r: set(trace.rank_steps(r)) for r in trace.ranks}
-    for step in steps:
-        recs = {r: {ph: trace.record(step, r, ph) for ph in trace.phases(step, r)}
-                for r in trace.ranks if step in rank_steps[r]}
-        visit(StepView(step, recs, None, ()))
+    return _merge(list(forked_imap(chunk, n, workers=workers)), defs)
 
 
 def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | None = None,
-               status: Any = None, visit: Callable[[StepView], None] | None = None,
+               status: Any = None, probe: Callable[[StepView], Any] | None = None,
                workers: int | str | None = None) -> CheckReport:
     """Run every check (or the named ones) over every step and rank of ``trace``.
 
@@ -193,12 +187,14 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
     ``report.status`` is ``pcpviz.trace.validate(trace)`` (or ``status``, when the caller has
     it already): an invalid run.json or an incomplete trace (lost steps, missing ranks) makes
     ``report.ok`` false even when every check passes. Memory does not grow with the steps:
-    one step of history is kept. ``visit(step_view)``, if given, sees each step's records on
-    every rank (``StepView.recs``) after its checks: another pass over the same steps, free.
-    ``workers``: processes to check in (``pcpviz.analysis.parallel.default_workers``:
-    ``$PCPVIZ_WORKERS``, else one per CPU from ``PARALLEL_FROM`` steps); several processes give the very report one would, each
-    checking a run of consecutive steps with the step before it as history (``visit`` then sees
-    the records in this process, without the checks' cached results).
+    one step of history is kept. ``probe(step_view)``, if given, is asked about each step
+    (its records on every rank, ``StepView.recs``) after its checks, in step order, until it
+    answers something other than None: that first answer is ``report.probe`` (another question
+    over the same steps, read once; it must be a pure function of the step, and its answer
+    picklable). ``workers``: processes to check in (``pcpviz.analysis.parallel``:
+    ``$PCPVIZ_WORKERS``, else one per CPU from ``PARALLEL_FROM`` steps); several processes give
+    the very report one would, each checking a run of consecutive steps with the step before it
+    as history.
     """
     t0 = time.perf_counter()
     if not isinstance(trace, Trace):
@@ -216,10 +212,10 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
     cfg = Config.from_meta(trusted_meta(trace.meta, status))
     workers = default_workers(len(trace.steps), workers)
     if workers > 1 and len(trace.steps) > 1:
-        stats = _check_in_processes(trace, defs, cfg, workers, visit)
+        stats, probed = _check_in_processes(trace, defs, cfg, workers, probe)
     else:
-        stats = _check_steps(trace, trace.steps, None, defs, cfg, visit)
-    return _report(trace, defs, stats, status, time.perf_counter() - t0)
+        stats, probed = _check_steps(trace, trace.steps, None, defs, cfg, probe)
+    return replace(_report(trace, defs, stats, status, time.perf_counter() - t0), probe=probed)
 
 
 def _report(trace: Trace, defs: list, stats: dict[str, _Stats], status: Any, seconds: float) -> CheckReport:

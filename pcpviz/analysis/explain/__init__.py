@@ -246,7 +246,8 @@ def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | No
     ``status``: ``pcpviz.trace.validate(bad)`` when the caller has it already."""
     tb = bad if isinstance(bad, Trace) else open_trace(bad)
     kv = KvReplicas(tb.ranks[0] if tb.ranks else None)
-    report = run_checks(tb, status=status, visit=kv.step)  # one pass: the checks and the KV replicas
+    report = run_checks(tb, status=status, probe=kv.probe)  # one pass: the checks and the KV replicas
+    kv.take(report.probe)
     with tempfile.TemporaryDirectory(prefix="pcpviz-explain-") as tmp:
         note = None
         ref = good

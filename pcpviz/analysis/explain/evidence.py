@@ -189,19 +189,31 @@ def kv_step_divergence(step: int, recs: Mapping[int, Mapping[str, Any]]) -> str 
 
 class KvReplicas:
     """``kv_divergence`` found while the checks stream over the steps (``run_checks``'
-    ``visit``): the steps are read once. ``first``: the first divergence or None; ``error``: the
-    malformed-views exception that stopped it (then not evaluated)."""
+    ``probe``): the steps are read once. ``first``: the first divergence or None; ``error``: the
+    malformed-views exception that stopped it (then not evaluated).
+
+        kv = KvReplicas(trace.ranks[0])
+        kv.take(run_checks(trace, probe=kv.probe).probe)
+    """
 
     def __init__(self, ref: int | None) -> None:
         self.ref, self.first, self.error = ref, None, None
 
-    def step(self, sv: Any) -> None:
-        if self.first is not None or self.error is not None or self.ref not in sv.recs:
-            return
+    def probe(self, sv: Any) -> tuple[str, Any] | None:
+        """One step's answer: ``("diverged", where)``, ``("malformed", exc)`` or None (agree)."""
+        if self.ref not in sv.recs:
+            return None
         try:
-            self.first = kv_step_divergence(sv.step, sv.recs)
+            where = kv_step_divergence(sv.step, sv.recs)
         except MALFORMED as exc:
-            self.error = exc
+            return ("malformed", exc)
+        return None if where is None else ("diverged", where)
+
+    def take(self, answer: tuple[str, Any] | None) -> None:
+        """Keep the probe's first answer (``report.probe``)."""
+        if answer is not None:
+            kind, value = answer
+            self.first, self.error = (value, None) if kind == "diverged" else (None, value)
 
     def result(self, notes: list[str]) -> Any:
         """The divergence (or None), or ``_NOT_EVALUATED`` with a note, as ``guarded`` gives it."""

@@ -315,6 +315,7 @@ def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, color
 
 def _page(trace: Trace, *, title: str, data: str, ranks: Sequence[int], shown: Sequence[int],
           req_ids: Sequence[str], report: Any) -> str:
+    note = _shown_note(shown, trace.steps, ranks, trace.ranks)
     rank_opts = "".join(f"<option value='{int(r)}'>rank {int(r)}</option>" for r in ranks)
     panels_html = "".join(f"<h2>{html.escape(p.title)}</h2><div class='fig' id='fig-{p.name}'></div>"
                           for p in (*step_panels(), *run_panels()))
@@ -324,7 +325,7 @@ def _page(trace: Trace, *, title: str, data: str, ranks: Sequence[int], shown: S
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body>
 <h1>{html.escape(title)}</h1>
-<div class="meta">{st.header_html(trace, trace.meta, req_ids)}{_shown_note(shown, trace.steps, ranks, trace.ranks)}</div>
+<div class="meta">{st.header_html(trace, trace.meta, req_ids)}{note}</div>
 <div class="controls">
  <label>step <input type="range" id="step" min="0" max="{len(shown) - 1}" value="0" step="1"></label>
  <span id="step-label"></span>
