@@ -404,7 +404,7 @@ def test_one_gpu_engine_figures_match_the_bench_file():
     assert (f"| {steady['k0']['ms_per_step']:.2f} ms ({c['compile1_k0']['ms_per_step']:.2f} compiled, "
             f"{c['compile0_k0']['ms_per_step']:.2f} not, interleaved)") in row("decode step, K=0")
     assert (f"**{c['compile1_mtp_speedup']:.2f}x** compiled, {c['compile0_mtp_speedup']:.2f}x not (`compile`); "
-            f"{steady['mtp_speedup']:.2f}x in `decode_steady`") in row("MTP K=2 over K=0")
+            f"{steady['mtp_speedup']:.2f}x in `decode_steady`") in row("MTP K=2 over K=0, per token, batch 1 ")
     assert f"**{d['prefill_step_ms_pcp1']:.1f} ms**" in row("32k-token prefill step")
     assert f"| {d['recording_overhead']:.2f}x |" in row("recording on / off")
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -413,3 +413,8 @@ def test_one_gpu_engine_figures_match_the_bench_file():
             f"{k2['tokens_per_step']:.2f} tokens)") in readme
     assert f"| {c['compile1_mtp_speedup']:.2f}× (K=0: {c['compile1_k0']['ms_per_step']:.2f} ms a token)" in readme
     assert f"| {d['prefill_step_ms_pcp1']:.1f} ms (32k tokens)" in readme
+    b16 = _json("data/bench/h200x1_mtp_batch16.json")
+    b, s = b16["mtp_batch16"], b16["decode_steady"]
+    assert (f"| {b['mtp_speedup']:.2f}x ({b['k2']['ms_per_token']:.3f} vs {b['k0']['ms_per_token']:.3f} ms a token; "
+            f"batch 1 in the same run: {s['mtp_speedup']:.2f}x;") in row("MTP K=2 over K=0, per token, batch 16")
+    assert not b["tokens_equal"] and "| same tokens: K=0 vs K=2 at batch 16 (bf16) | | **no**" in "\n".join(lines)
