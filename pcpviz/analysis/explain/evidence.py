@@ -242,9 +242,12 @@ def kv_divergence(trace) -> str | None:
     return None
 
 
-def _ranks_agree(trace, ranks: tuple[int, ...]) -> bool:
-    """Every rank verifies the same acceptance per draft position."""
-    base = acceptance(trace, rank=ranks[0]).accepted_per_position
+def _ranks_agree(trace, ranks: tuple[int, ...], first: Any = None) -> bool:
+    """Every rank verifies the same acceptance per draft position; ``first``: the first rank's
+    ``Acceptance`` when the caller has it (one pass over the steps fewer)."""
+    if first is None or getattr(first, "rank", None) != ranks[0]:
+        first = acceptance(trace, rank=ranks[0])
+    base = first.accepted_per_position
     return all(acceptance(trace, rank=r).accepted_per_position == base for r in ranks[1:])
 
 
@@ -308,7 +311,7 @@ def gather_symptoms(trace, report, diff=None, *, reference_trace=None, reference
     per_rank = None
     kv_first = None
     if len(ranks) > 1:
-        per_rank = guarded(_ranks_agree, trace, ranks, notes=notes, what="acceptance per rank")
+        per_rank = guarded(_ranks_agree, trace, ranks, acc, notes=notes, what="acceptance per rank")
         kv_first = kv.result(notes) if kv is not None else guarded(
             kv_divergence, trace, notes=notes, what="KV replicas", default=_NOT_EVALUATED)
     fv = report.first_violation
