@@ -38,7 +38,7 @@ from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
 from pcpviz.analysis.timelines import compare_timelines, same_schedule
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.analysis.diffreport import DiffReport, Divergence
-from pcpviz.analysis.parallel import default_workers, forked_imap
+from pcpviz.analysis.parallel import chunk_bounds, default_workers, forked_imap
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.trace.bounds import problems_at, well_formed
@@ -397,8 +397,8 @@ def _steps_in_processes(run: _Diff, steps: list[int], workers: int) -> None:
     """``run.step`` over ``steps``, cut into ``2 * workers`` consecutive chunks compared in forked
     processes (``pcpviz.analysis.parallel``), merged into ``run`` as one pass in step order would
     have left it: the first ``max_divergences`` found, the counts summed, the first order note."""
-    n = min(len(steps), 2 * workers)
-    bounds = [round(i * len(steps) / n) for i in range(n + 1)]
+    bounds = chunk_bounds(len(steps), workers)
+    n = len(bounds) - 1
 
     def chunk(i: int) -> tuple:
         part = _Diff(run.ta, run.tb, pairs=run.pairs, same_layout=run.same_layout, notes=[],

@@ -41,6 +41,17 @@ def default_workers(num_steps: int, setting: str | int | None = None) -> int:
     return n
 
 
+def chunk_bounds(num_steps: int, workers: int) -> list[int]:
+    """Where ``num_steps`` steps are cut into ``2 * workers`` runs of consecutive steps (fewer
+    when there are fewer steps): run ``i`` is ``steps[b[i]:b[i + 1]]``.
+
+    >>> chunk_bounds(10, 2)
+    [0, 2, 5, 8, 10]
+    """
+    n = min(num_steps, 2 * workers)
+    return [round(i * num_steps / n) for i in range(n + 1)] if n else [0]
+
+
 _TASK: list[Callable[[int], Any]] = []  # the function a forked child runs: set just before the fork
 
 

@@ -9,7 +9,7 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
-from pcpviz.analysis.parallel import default_workers, forked_imap
+from pcpviz.analysis.parallel import chunk_bounds, default_workers, forked_imap
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.trace.bounds import step_problems
@@ -166,8 +166,8 @@ def _check_in_processes(trace: Trace, defs: list, cfg: Config, workers: int,
     """The steps cut into ``2 * workers`` consecutive chunks, checked (and probed) in
     ``workers`` forked processes (``pcpviz.analysis.parallel``)."""
     steps = list(trace.steps)
-    n = min(len(steps), 2 * workers)
-    bounds = [round(i * len(steps) / n) for i in range(n + 1)]
+    bounds = chunk_bounds(len(steps), workers)
+    n = len(bounds) - 1
 
     def chunk(i: int) -> tuple[dict[str, _Stats], Any]:
         lo, hi = bounds[i], bounds[i + 1]
