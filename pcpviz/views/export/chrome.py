@@ -35,7 +35,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator
 
 import numpy as np
 
@@ -182,7 +182,7 @@ def _step_events(trace: Trace, step: int, rank: int, plan: _Plan, *, synthetic: 
         rec = trace.record(step, rank, phase)
         if synthetic:
             t0 = plan.start[step] + i * SYNTHETIC_PHASE_US
-            t0, t1 = t0, t0 + SYNTHETIC_PHASE_US
+            t1 = t0 + SYNTHETIC_PHASE_US
         else:
             t = _times(rec)
             if t is None:
@@ -218,9 +218,9 @@ def _chunks(trace: Trace) -> list[tuple[int, tuple[int, ...]]]:
             for steps in [list(trace.rank_steps(r))] for i in range(0, len(steps), CHUNK_STEPS)]
 
 
-def _event_texts(trace: Trace, plan: _Plan, *, synthetic: bool, ranks: list[int]) -> Iterator[tuple[int, str]]:
-    """(rank, its chunk's events as JSON text, comma-separated) for every chunk of ``ranks``,
-    rank by rank and in step order; built in forked processes on a long trace."""
+def _event_texts(trace: Trace, plan: _Plan, *, synthetic: bool, ranks: list[int]) -> Iterator[str]:
+    """Each chunk's events as JSON text, comma-separated, for every chunk of ``ranks``, rank by
+    rank and in step order; built in forked processes on a long trace."""
     chunks = [c for c in _chunks(trace) if c[0] in ranks]
 
     def text(i: int) -> str:
@@ -229,7 +229,7 @@ def _event_texts(trace: Trace, plan: _Plan, *, synthetic: bool, ranks: list[int]
                          for e in _step_events(trace, s, rank, plan, synthetic=synthetic))
 
     workers = default_workers(sum(len(c[1]) for c in chunks))
-    return zip((c[0] for c in chunks), forked_imap(text, len(chunks), workers=workers))
+    return forked_imap(text, len(chunks), workers=workers)
 
 
 def _timestamps(trace: Trace) -> bool:
@@ -245,15 +245,27 @@ def chrome_trace(trace: Trace | str | os.PathLike, *, rank: int | None = None) -
     """The Chrome trace of every rank (merged), or of one ``rank`` with its ``distributedInfo``,
     as a dict (in memory: ``export_chrome`` streams a long trace to its file instead)."""
     trace = trace if isinstance(trace, Trace) else open_trace(trace)
-    plan, synthetic = _plan(trace), not _timestamps(trace)
-    for attempt in ((synthetic,) if synthetic else (False, True)):
-        out = io.StringIO()
-        try:
-            _write(trace, out, only=rank, plan=plan, synthetic=attempt)
-        except _Unrecorded:  # a later phase has no times: the synthetic timeline
-            continue
-        return json.loads(out.getvalue())
-    raise AssertionError("unreachable: the synthetic timeline needs no recorded time")
+    out: list[io.StringIO] = []
+
+    def emit(synthetic: bool) -> None:
+        out[:] = [io.StringIO()]
+        _write(trace, out[0], only=rank, plan=plan, synthetic=synthetic)
+
+    plan = _plan(trace)
+    _emit_with_fallback(trace, emit)
+    return json.loads(out[0].getvalue())
+
+
+def _emit_with_fallback(trace: Trace, emit: Callable[[bool], None]) -> None:
+    """``emit(synthetic)`` on recorded times when the first step has them, again on the
+    synthetic timeline when a later phase has none (``_Unrecorded``)."""
+    if not _timestamps(trace):
+        emit(True)
+        return
+    try:
+        emit(False)
+    except _Unrecorded:  # a later phase has no times: every event on the synthetic timeline
+        emit(True)
 
 
 def _metadata_events(ranks: list[int], tid: dict[str, int]) -> list[dict[str, Any]]:
@@ -313,7 +325,7 @@ def _write(trace: Trace, fh: IO[str], *, only: int | None, plan: _Plan, syntheti
     head = json.dumps(_head(trace, plan, synthetic=synthetic, only=only), allow_nan=False)
     fh.write(head[:-1] + ', "traceEvents": [')
     fh.write(", ".join(json.dumps(e) for e in _metadata_events(ranks, plan.tid)))
-    for _, text in _event_texts(trace, plan, synthetic=synthetic, ranks=ranks):
+    for text in _event_texts(trace, plan, synthetic=synthetic, ranks=ranks):
         if text:
             fh.write(", " + text)
     fh.write("]}")
@@ -341,11 +353,7 @@ def export_chrome(trace: Trace | str | os.PathLike, out: str | os.PathLike, *,
         out.mkdir(parents=True, exist_ok=True)
         targets = [(out / f"rank{rank}.json", rank) for rank in trace.ranks]
     plan = _plan(trace)
-    synthetic = not _timestamps(trace)
-    try:
-        _write_all(trace, targets, plan, synthetic=synthetic)
-    except _Unrecorded:  # a later phase has no times: every file on the synthetic timeline
-        _write_all(trace, targets, plan, synthetic=True)
+    _emit_with_fallback(trace, lambda synthetic: _write_all(trace, targets, plan, synthetic=synthetic))
     return [path for path, _ in targets]
 
 
