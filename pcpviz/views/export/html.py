@@ -22,10 +22,10 @@ from __future__ import annotations
 import html
 import json
 import os
+from json.encoder import encode_basestring_ascii as _quote
 from pathlib import Path
 from typing import Any, Sequence
 
-import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from pcpviz.trace import Trace
@@ -34,6 +34,7 @@ from pcpviz.views import figures as fg
 from pcpviz.views.figures.lod import TOKEN_PX, record_strips
 from pcpviz.views.export import tokens as tk
 from pcpviz.views.export.atomic import atomic_output
+from pcpviz.views.export.plotly_json import figure_json
 from pcpviz.views.panels import PanelInput, panel_marks, run_panels, step_panels
 from pcpviz.views.widgets import status as st
 
@@ -119,11 +120,8 @@ _JS = """
 """
 
 
-def _fig_obj(fig) -> dict:
-    """A figure as plain JSON values (plotly's encoder: arrays as lists, NaN as null)."""
-    return json.loads(pio.to_json(fig, validate=False, remove_uids=True))
-
-
+_SCALARS = frozenset({int, float, bool, type(None)})
+_STR = {str}
 SHARE_MIN_CHARS = 24
 """Subtrees (and strings) whose JSON is at least this long are stored once when they repeat."""
 
@@ -145,15 +143,29 @@ def pack(obj: Any, *, min_chars: int = SHARE_MIN_CHARS) -> tuple[Any, list]:
     counts: dict[str, int] = {}
     keep: list[Any] = []  # holds every keyed object alive so its id() stays unique
 
-    def key(o: Any) -> str:
-        if isinstance(o, dict):
-            k = "{" + ",".join(json.dumps(n) + ":" + key(v) for n, v in o.items()) + "}"
-        elif isinstance(o, list):
-            k = "[" + ",".join(key(v) for v in o) + "]"
+    def key(o: Any) -> str:  # o's JSON text (json.dumps's, with its separators)
+        t = type(o)
+        if t is str:
+            k = _quote(o)
+        elif t is dict:
+            k = "{" + ",".join([(_quote(n) if type(n) is str else json.dumps(n)) + ":" + key(v)
+                                for n, v in o.items()]) + "}"
+        elif t is list:
+            kinds = set(map(type, o))
+            if kinds <= _SCALARS:  # numbers alone: no part of it is shared on its own
+                k = json.dumps(o, separators=(",", ":"))
+            elif kinds == _STR:
+                quoted = list(map(_quote, o))
+                for s, q in zip(o, quoted):
+                    if len(q) >= min_chars:
+                        counts[q] = counts.get(q, 0) + 1
+                        key_of[id(s)] = q
+                        keep.append(s)
+                k = "[" + ",".join(quoted) + "]"
+            else:
+                k = "[" + ",".join([key(v) for v in o]) + "]"
         else:
-            k = json.dumps(o)
-            if not isinstance(o, str):
-                return k
+            return json.dumps(o)
         if len(k) >= min_chars:
             counts[k] = counts.get(k, 0) + 1
             key_of[id(o)] = k
@@ -279,11 +291,11 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
         with record_strips() as calls:
             spec = fg.drawn(p.name, lambda p=p: p.spec(inp), step=step, rank=rank, recs=recs)
         tokens[p.name] = tk.strips(spec, calls) if p.zoom_axes else None
-        figs[p.name] = fig = fg.as_figure(spec)
         for m in panel_marks(p, violations, inp):
-            fg.mark_violation(fig, m)
+            spec = fg.mark_violation(spec, m)
+        figs[p.name] = spec
     status = st.status_html((step, rank, None), recs, draft_phase=dp, flags=flags, violations=violations)
-    return {**{n: _fig_obj(f) for n, f in figs.items()}, "status": status, "tokens": tokens}
+    return {**{n: figure_json(f) for n, f in figs.items()}, "status": status, "tokens": tokens}
 
 
 def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, colors: dict, acceptance: Any,
@@ -302,7 +314,7 @@ def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, color
                 else:
                     budget -= runs
     inp = PanelInput(colors=colors, acceptance=acceptance)
-    run = {p.name: _fig_obj(fg.as_figure(p.spec(inp))) for p in run_panels()}
+    run = {p.name: figure_json(p.spec(inp)) for p in run_panels()}
     markers = {p.name: p.step_marker(0) for p in run_panels() if p.step_marker is not None}
     (run_packed, figs_packed), shared = pack([run, entries])
     data = json.dumps({"steps": list(shown), "ranks": list(ranks), "views": list(STEP_VIEWS),

@@ -159,6 +159,7 @@ class Canvas:
 
 _MARKUP = re.compile(r"<(?:br|/?b|/?i|/?sub|/?sup|/?extra)>")
 """The plotly text markup the figures themselves write; every other ``<`` is escaped."""
+_NEEDS_ESCAPE = re.compile(r"[<>&]").search
 _MAX_TEXT = 300
 """Longest string a figure shows; longer ones (a 10 MB request id) are cut, saying how long."""
 
@@ -174,9 +175,10 @@ def safe_text(text: str) -> str:
     figures write (``<br>``, ``<b>``, ``<i>``, ``<sub>``, ``<sup>``, ``<extra>``), cut to
     ``_MAX_TEXT`` characters. ``safe_text('<img src=x onerror=alert(1)><br>q 3')`` is
     ``'&lt;img src=x onerror=alert(1)&gt;<br>q 3'``."""
-    text = shorten(text)
-    if not any(c in text for c in "<>&"):
-        return text
+    if len(text) > _MAX_TEXT:
+        text = shorten(text)
+    if _NEEDS_ESCAPE(text) is None or _NEEDS_ESCAPE(_MARKUP.sub("", text)) is None:
+        return text  # nothing to escape (most hover texts: plain, or only the figures' markup)
     parts = _MARKUP.split(text)
     marks = _MARKUP.findall(text)
     out = [html.escape(parts[0], quote=False)]
@@ -185,18 +187,23 @@ def safe_text(text: str) -> str:
     return "".join(out)
 
 
-_safe_array = np.frompyfunc(lambda v: safe_text(v) if isinstance(v, str) else v, 1, 1)
+def _safe_item(v: Any) -> Any:
+    return safe_text(v) if isinstance(v, str) else v
+
+
+_safe_array = np.frompyfunc(_safe_item, 1, 1)
 
 
 def safe_spec(obj: Any) -> Any:
     """A figure spec (or any part of one) with every string through ``safe_text``: dict values,
     list items and string or object arrays (hover-text matrices). Numbers are left as they are."""
-    if isinstance(obj, str):
+    t = type(obj)
+    if t is str or isinstance(obj, str):
         return safe_text(obj)
-    if isinstance(obj, dict):
-        return {k: safe_spec(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [safe_spec(v) for v in obj]
+    if t is dict or isinstance(obj, dict):
+        return {k: safe_text(v) if type(v) is str else safe_spec(v) for k, v in obj.items()}
+    if t is list or t is tuple or isinstance(obj, (list, tuple)):
+        return [safe_text(v) if type(v) is str else safe_spec(v) for v in obj]
     if isinstance(obj, np.ndarray) and obj.dtype.kind in "OU":
         return _safe_array(obj.astype(object)) if obj.size else obj
     return obj
