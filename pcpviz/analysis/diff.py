@@ -41,7 +41,7 @@ from pcpviz.analysis.diffreport import DiffReport, Divergence
 from pcpviz.analysis.parallel import chunk_bounds, default_workers, forked_imap
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
-from pcpviz.trace.bounds import problems_at, well_formed
+from pcpviz.trace.bounds import problems_at, step_problems
 
 __all__ = ["Acceptance", "RequestAcceptance", "StepAcceptance", "acceptance", "Divergence",
            "DiffReport", "diff_traces", "DEFAULT_IGNORE"]
@@ -161,9 +161,11 @@ def request_keys(trace: Trace) -> dict[str, tuple]:
     last: dict[str, tuple[int, int]] = {}
     rank = trace.ranks[0] if trace.ranks else None
     for step in ([] if rank is None else trace.rank_steps(rank)):
-        if not trace.has(step, rank, "target") or not well_formed(trace, step, rank):
+        if not trace.has(step, rank, "target"):
             continue
         rec = trace.record(step, rank, "target")
+        if step_problems({"target": rec}):  # only the target record is read here: only it is bounded
+            continue
         if not all(v in rec for v in ("req_ids", "is_prefilling", "input_ids", "positions")):
             continue
         qsl = _qsl(rec)
