@@ -58,12 +58,44 @@ def _rank_file(trace: Path) -> Path:
     return trace / "rank0.arrow"
 
 
+def _host_mib() -> dict:
+    """This process's resident memory now and at its peak (MiB), from /proc."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {k: round(int(fields[k].split()[0]) / 1024) for k in ("VmRSS", "VmHWM") if k in fields}
+
+
+def _decode_step_bytes(trace: Path) -> dict:
+    """The recorded payload of the trace's full-batch decode steps (no request prefilling, the
+    most requests seen in one step): steps, requests, median and largest bytes a step."""
+    import numpy as np
+
+    import pcpviz.trace as pt
+
+    t = pt.open(trace)
+    rank = t.ranks[0]
+    rows = []
+    for step in t.rank_steps(rank):
+        if not t.has(step, rank, "target"):
+            continue
+        tgt = t.record(step, rank, "target")
+        if "is_prefilling" not in tgt or np.asarray(tgt["is_prefilling"]).any():
+            continue
+        nbytes = sum(np.asarray(t.record(step, rank, ph)[v]).nbytes for ph in t.phases(step, rank)
+                     for v in t.record(step, rank, ph))
+        rows.append((len(np.asarray(tgt["is_prefilling"])), nbytes))
+    most = max((r for r, _ in rows), default=0)
+    full = sorted(b for r, b in rows if r == most)
+    return {"steps": len(full), "requests": most, "median_bytes": full[len(full) // 2] if full else None,
+            "max_bytes": full[-1] if full else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--mode", default="FULL_AND_PIECEWISE", help="cudagraph_mode")
     ap.add_argument("--no-long", action="store_true", help="skip the batch-64 32k-context measurement")
+    ap.add_argument("--long-only", action="store_true", help="only the batch-64 32k-context measurement")
     a = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="pcpviz-overhead-"))
     trace = work / "trace"
@@ -107,12 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         return {"steps": steps, "ring_bytes_per_step": round(sum(kept) / max(len(kept), 1)),
                 "ring_bytes": st.get("ring_bytes", 0), "ring_steps": len(ring_steps)}
 
-    res: dict = {"command": "python3 benchmarks/bench_plugin_overhead.py --out data/bench/plugin_overhead_h200x1.json",
+    args = sys.argv[1:] if argv is None else argv
+    res: dict = {"command": "python3 benchmarks/bench_plugin_overhead.py " + " ".join(args),
                  "writer": getattr(rec.sink, "kind", "?"), "llm_kwargs": kwargs, "startup_s": round(startup, 1),
                  "repeats": a.repeats,
                  "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("VLLM_", "PCPVIZ_"))},
                  "flight": flight.to_meta(), "workloads": {}}
-    for name, (n, length, new) in WORKLOADS.items():
+    for name, (n, length, new) in ({} if a.long_only else WORKLOADS).items():
         # The same prompts for every mode of a repeat (prefix caching is off: no run reuses
         # another's KV), so each mode does the same steps; another prompt each repeat.
         prompts = [_ids(n, length, salt) for salt in range(a.repeats + 3)]
@@ -139,10 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         n, length, new = LONG
         long_prompts = _ids(n, length, 3)
         t = time.perf_counter()
+        rss0 = _host_mib()
         rec_long = sizes("record", lambda: run(long_prompts, new))
+        rss1 = _host_mib()
         fl_long = sizes("flight", lambda: run(_ids(n, length, 5), new))
         res["b64_ctx32k"] = {"prompts": n, "prompt_tokens": length, "new_tokens": new, "record": rec_long,
-                             "flight": fl_long, "seconds": round(time.perf_counter() - t, 1)}
+                             "flight": fl_long, "seconds": round(time.perf_counter() - t, 1),
+                             "decode_steps": _decode_step_bytes(trace),
+                             "host_mib": {"before": rss0, "after_record": rss1, "after_flight": _host_mib()}}
+        print("b64_ctx32k", json.dumps(res["b64_ctx32k"]), flush=True)
     recording.set_mode("off")
     res["formula"] = ("decode step, R requests of context C, block size 16, K=2 (FULL_AND_PIECEWISE: draft "
                       "decodes replayed, their block tables not recorded): ~ R * 4 bytes * C/16 * 2 block tables "
