@@ -16,7 +16,9 @@ repeat), ``--repeats`` times; the figure is the median:
 Modes: ``off`` (the plugin's wrappers removed: vLLM as without it), ``record`` (every step to the
 rank file), ``flight`` (the last 64 steps in host memory, nothing written). Also reported: trace
 bytes and ring bytes per step for each workload, and the same for batch 64 with 32k-token contexts
-(64 prompts of 32,000 tokens prefilled, then 16 decode steps), measured, next to the formula.
+(64 prompts of 32,000 tokens, 400 new tokens each, so that all 64 decode together once the last
+is prefilled), measured, next to the formula, with this process's resident memory after an
+unrecorded run, a recorded one and a flight-recorded one.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ WORKLOADS = {  # name: (prompts, prompt tokens, new tokens)
     "prefill_b1": (1, 8192, 1),
     "prefill_b32": (32, 1024, 1),
 }
-LONG = (64, 32000, 16)  # batch 64, 32k-token contexts
+LONG = (64, 32000, 400)  # batch 64, 32k-token contexts: enough new tokens that all 64 decode together
 
 
 def _ids(n_prompts: int, length: int, salt: int) -> list[list[int]]:
@@ -173,13 +175,18 @@ def main(argv: list[str] | None = None) -> int:
         long_prompts = _ids(n, length, 3)
         t = time.perf_counter()
         rss0 = _host_mib()
+        recording.set_mode("off")
+        off_s = run(_ids(n, length, 7), new)
+        rss_off = _host_mib()
         rec_long = sizes("record", lambda: run(long_prompts, new))
         rss1 = _host_mib()
         fl_long = sizes("flight", lambda: run(_ids(n, length, 5), new))
         res["b64_ctx32k"] = {"prompts": n, "prompt_tokens": length, "new_tokens": new, "record": rec_long,
                              "flight": fl_long, "seconds": round(time.perf_counter() - t, 1),
                              "decode_steps": _decode_step_bytes(trace),
-                             "host_mib": {"before": rss0, "after_record": rss1, "after_flight": _host_mib()}}
+                             "off_seconds": round(off_s, 2),
+                             "host_mib": {"before": rss0, "after_off": rss_off, "after_record": rss1,
+                                          "after_flight": _host_mib()}}
         print("b64_ctx32k", json.dumps(res["b64_ctx32k"]), flush=True)
     recording.set_mode("off")
     res["formula"] = ("decode step, R requests of context C, block size 16, K=2 (FULL_AND_PIECEWISE: draft "
