@@ -27,12 +27,18 @@ pytestmark = pytest.mark.slow  # the README's whole tour, engine runs included
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
+TOUR_DOC = (REPO / "docs" / "tour.md").read_text()
 
 
 def _section(title: str) -> str:
     start = README.index(f"## {title}\n")
     end = README.find("\n## ", start + 1)
     return README[start:end if end > 0 else None]
+
+
+def _prose() -> dict[str, str]:
+    """The README's Quick tour and docs/tour.md, each as one line of words."""
+    return {"README.md": " ".join(_section("Quick tour").split()), "docs/tour.md": " ".join(TOUR_DOC.split())}
 
 
 def _blocks(text: str, lang: str) -> list[str]:
@@ -154,11 +160,11 @@ def test_diff_names_the_injected_faults_view_and_the_acceptance_it_costs(tour):
     m = re.search(r"position 1: rate \(accepted\)\s+([\d.]+) \(\d+\)\s+([\d.]+) \(\d+\)", diff)
     a, b = float(m.group(1)), float(m.group(2))
     assert b <= a - 0.2, f"the fault should visibly cost acceptance at position 1: {a} -> {b}"
-    prose = " ".join(_section("Quick tour").split())
-    assert f"position 1 falls from {a:.2f} to {b:.2f}" in prose, "the README quotes other numbers"
     step, phase, view, rank = re.search(r"first divergence: step (\d+), phase (\S+), view (\S+), rank (\d+)",
                                         first).groups()
-    assert f"step {step}, phase `{phase}`, view `{view}`, rank {rank}" in prose, "the README points elsewhere"
+    for name, prose in _prose().items():
+        assert f"position 1 falls from {a:.2f} to {b:.2f}" in prose, f"{name} quotes other numbers"
+        assert f"step {step}, phase `{phase}`, view `{view}`, rank {rank}" in prose, f"{name} points elsewhere"
     check = _one(tour, "pcpviz check runs/bad").stdout
     assert "FAIL  draft_block_tables_global" in check
 
@@ -172,9 +178,9 @@ def test_the_python_block_runs_twice(tour):
 
 
 def test_the_layout_diagram_shown_is_the_commands_output(tour):
-    blocks = _blocks(_section("Quick tour"), "text")
+    blocks = _blocks(TOUR_DOC, "text")
     layout = _one(tour, "pcpviz layout --pcp 2 --batch p13,d1,d4")
-    assert layout.stdout in blocks, "README's layout diagram differs from `pcpviz layout`'s output"
+    assert layout.stdout in blocks, "docs/tour.md's layout diagram differs from `pcpviz layout`'s output"
 
 
 def test_the_planted_bug_is_explained_by_its_mechanism_and_no_fault_is_named(tour):
@@ -190,6 +196,6 @@ def test_the_planted_bug_is_explained_by_its_mechanism_and_no_fault_is_named(tou
     runs = {c: r for c, r in tour[0].items() if "pcpviz run" in c and "--write-config" not in c}
     pos0 = {("mystery" if "runs/mystery" in c else "demo" if "runs/demo " in c else "bad"):
             float(re.search(r"acceptance per position \[([\d.]+)", r.stdout).group(1)) for c, r in runs.items()}
-    prose = " ".join(_section("Quick tour").split())
+    prose = _prose()["docs/tour.md"]
     assert f"acceptance at position 0 falls from {pos0['demo']:.2f} to {pos0['mystery']:.2f}" in prose, pos0
     assert pos0["mystery"] <= pos0["demo"] - 0.3, pos0
