@@ -2,9 +2,10 @@
 resolving, encoding and writing a step never hold this process's GIL.
 
 This process keeps two thin threads per rank: the *sender* takes a staged step from a bounded
-queue, waits for its CUDA event (the GIL released while it waits), and sends the descriptor and
-the step's bytes down a pipe (one ``write`` of the host buffer, GIL released); the *listener*
-relays what the writer says (warnings, an error, replies). The step's own thread only puts the
+queue (``recording.backlog``: in steps and in host bytes), waits for its CUDA event (the GIL
+released while it waits), and sends the descriptor and the step's bytes down a pipe (one
+``write`` of the host buffer, GIL released); the *listener* relays what the writer says
+(warnings, an error, replies). The step's own thread only puts the
 staged step on the queue. The process is started with ``subprocess`` (no fork of a process with
 CUDA and threads, no re-import of the user's ``__main__``), at the first step.
 
@@ -24,7 +25,6 @@ import itertools
 import logging
 import mmap
 import os
-import queue
 import signal as signals
 import subprocess
 import sys
@@ -38,6 +38,7 @@ import pcpviz
 from pcpviz.trace.completion import record_end
 from pcpviz.trace.procwriter import STATE_BYTES, read_state
 from pcpviz.trace.schema import rank_file_name
+from pcpviz.vllm.recording.backlog import Backlog, held_bytes
 from pcpviz.vllm.recording.host import StagedStep
 from pcpviz.vllm.recording.sink import max_bytes
 
@@ -66,7 +67,7 @@ class ProcessSink:
         self.dead = ""
         self.closed = False
         self.opened_file = False  # a record-mode step was sent: the writer opens the rank file
-        self._queue: queue.Queue = queue.Queue(maxsize=256)  # bounded: a slow disk slows the steps
+        self._queue = Backlog(rec.rank)  # bounded in steps and bytes: a slow writer slows the steps
         self._send_lock = threading.Lock()
         self._replies: dict[int, Any] = {}
         self._reply_cv = threading.Condition()
@@ -86,7 +87,7 @@ class ProcessSink:
             self._sender = threading.Thread(target=self._send_loop, name=f"pcpviz-rank{self.rec.rank}-sender",
                                             daemon=True)
             self._sender.start()
-        self._queue.put((step, staged, self.rec.session.mode))
+        self._queue.put((step, staged, self.rec.session.mode), held_bytes(staged))
 
     def meta_changed(self) -> None:
         self._meta_dirty = True
@@ -124,7 +125,7 @@ class ProcessSink:
 
     def _send_loop(self) -> None:
         while True:
-            item = self._queue.get()
+            item, nbytes = self._queue.get()
             try:
                 if item is _STOP:
                     return
@@ -135,7 +136,7 @@ class ProcessSink:
             except Exception as exc:  # noqa: BLE001 - never into vLLM: the rank stops recording
                 self._lost(f"{type(exc).__name__}: {exc}")
             finally:
-                self._queue.task_done()
+                self._queue.task_done(nbytes)
 
     def _send_step(self, step: int, staged: StagedStep, mode: str) -> None:
         buf = staged.wait()

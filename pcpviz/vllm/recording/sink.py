@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import sys
 import threading
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from pcpviz.trace import TraceWriter
 from pcpviz.trace.flight import FlightRing
 from pcpviz.trace.procwriter import RankOutput
+from pcpviz.vllm.recording.backlog import Backlog, held_bytes
 from pcpviz.vllm.recording.host import StagedStep
 
 if TYPE_CHECKING:
@@ -88,7 +88,7 @@ class StepSink:
                               flight=s.flight, log=logger, catch_signal=not threaded)
         self.threaded = threaded
         self.kind = "thread" if threaded else "inline"
-        self._queue: queue.Queue | None = None
+        self._queue: Backlog | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -110,22 +110,24 @@ class StepSink:
             # vLLM's step loop for a whole switch interval (5 ms by default): a short one lets the
             # loop take it back between two of the writer's bytecodes.
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-            self._queue = queue.Queue(maxsize=256)  # bounded: a slow disk slows the steps, never OOMs
+            self._queue = Backlog(self.rec.rank)  # bounded: a slow disk slows the steps, never OOMs
             self._thread = threading.Thread(target=self._drain, name=f"pcpviz-rank{self.rec.rank}-writer",
                                             daemon=True)
             self._thread.start()
-        self._queue.put((step, staged, mode))
+        self._queue.put((step, staged, mode), held_bytes(staged))
 
     def _drain(self) -> None:
         while True:
-            item = self._queue.get()
+            item, nbytes = self._queue.get()
             try:
                 if item is _STOP:
                     return
                 if not self.rec.disabled:
                     self.rec.guard(self._write, *item)
+                else:
+                    item[1].release()
             finally:
-                self._queue.task_done()
+                self._queue.task_done(nbytes)
 
     def _write(self, step: int, staged: StagedStep, mode: str) -> None:
         phases = staged.resolve()
