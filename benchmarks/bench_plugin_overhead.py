@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pcpviz.trace.flight import FlightConfig
     from pcpviz.vllm import recording
+    from pcpviz.vllm.recording.backlog import backlog_bytes
 
     kwargs = dict(model=MODEL, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
                   compilation_config={"cudagraph_mode": a.mode}, gpu_memory_utilization=0.3,
@@ -178,13 +179,15 @@ def main(argv: list[str] | None = None) -> int:
         recording.set_mode("off")
         off_s = run(_ids(n, length, 7), new)
         rss_off = _host_mib()
-        rec_long = sizes("record", lambda: run(long_prompts, new))
+        took: dict[str, float] = {}
+        rec_long = sizes("record", lambda: took.setdefault("record", run(long_prompts, new)))
         rss1 = _host_mib()
-        fl_long = sizes("flight", lambda: run(_ids(n, length, 5), new))
+        fl_long = sizes("flight", lambda: took.setdefault("flight", run(_ids(n, length, 5), new)))
         res["b64_ctx32k"] = {"prompts": n, "prompt_tokens": length, "new_tokens": new, "record": rec_long,
                              "flight": fl_long, "seconds": round(time.perf_counter() - t, 1),
                              "decode_steps": _decode_step_bytes(trace),
-                             "off_seconds": round(off_s, 2),
+                             "run_seconds": {"off": round(off_s, 2), **{m: round(v, 2) for m, v in took.items()}},
+                             "backlog_mb": backlog_bytes() / 1e6,
                              "host_mib": {"before": rss0, "after_off": rss_off, "after_record": rss1,
                                           "after_flight": _host_mib()}}
         print("b64_ctx32k", json.dumps(res["b64_ctx32k"]), flush=True)
