@@ -143,6 +143,12 @@ def pack(obj: Any, *, min_chars: int = SHARE_MIN_CHARS) -> tuple[Any, list]:
     counts: dict[str, int] = {}
     keep: list[Any] = []  # holds every keyed object alive so its id() stays unique
 
+    def register(o: Any, k: str) -> None:  # o may be shared: counted under its JSON text
+        if len(k) >= min_chars:
+            counts[k] = counts.get(k, 0) + 1
+            key_of[id(o)] = k
+            keep.append(o)
+
     def key(o: Any) -> str:  # o's JSON text (json.dumps's, with its separators)
         t = type(o)
         if t is str:
@@ -157,19 +163,13 @@ def pack(obj: Any, *, min_chars: int = SHARE_MIN_CHARS) -> tuple[Any, list]:
             elif kinds == _STR:
                 quoted = list(map(_quote, o))
                 for s, q in zip(o, quoted):
-                    if len(q) >= min_chars:
-                        counts[q] = counts.get(q, 0) + 1
-                        key_of[id(s)] = q
-                        keep.append(s)
+                    register(s, q)
                 k = "[" + ",".join(quoted) + "]"
             else:
                 k = "[" + ",".join([key(v) for v in o]) + "]"
         else:
             return json.dumps(o)
-        if len(k) >= min_chars:
-            counts[k] = counts.get(k, 0) + 1
-            key_of[id(o)] = k
-            keep.append(o)
+        register(o, k)
         return k
 
     key(obj)
