@@ -40,6 +40,7 @@ import numpy as np
 
 from pcpviz.trace import TraceError
 from pcpviz.trace.schema import int_view, rank_file_name
+from pcpviz.trace.validate import MAX_SPECULATIVE_TOKENS
 
 __all__ = ["Counts", "count", "ratio", "json_ratio", "verify_counts", "RequestAcceptance",
            "StepAcceptance", "Acceptance", "acceptance", "acceptance_from_records"]
@@ -178,6 +179,16 @@ class Acceptance:
         }
 
 
+def _check_draft_width(nd: np.ndarray, k: int | None) -> None:
+    """A request carries at most K draft tokens (``MAX_SPECULATIVE_TOKENS`` where K is unknown):
+    a wider count is a malformed view, not a measurement (and would size ``count``'s arrays)."""
+    cap = MAX_SPECULATIVE_TOKENS if k is None else min(int(k), MAX_SPECULATIVE_TOKENS)
+    if nd.size and int(nd.max()) > cap:
+        i = int(np.argmax(nd))
+        raise ValueError(f"request row {i} carries {int(nd[i])} draft tokens, more than "
+                         f"{'K = ' + str(cap) if k is not None else f'the bound {cap}'}")
+
+
 def acceptance_from_records(records: Iterable[tuple[int, Mapping[str, Any]]], *, k: int | None = None,
                             rank: int | None = None) -> Acceptance:
     """``Acceptance`` from ``(step, verify record)`` pairs (records without the counts are
@@ -195,12 +206,13 @@ def acceptance_from_records(records: Iterable[tuple[int, Mapping[str, Any]]], *,
             if nacc.ndim != 1 or nd.shape != nacc.shape or ids.shape != nacc.shape:
                 raise ValueError(f"num_accepted {list(nacc.shape)}, num_draft_tokens {list(nd.shape)} and "
                                  f"req_ids {list(ids.shape)} are not one entry per request")
-            if ((nd < 0) | (nacc < 0) | (nacc > nd)).any():  # also keeps count()'s width bounded
+            if ((nd < 0) | (nacc < 0) | (nacc > nd)).any():
                 i = int(np.flatnonzero((nd < 0) | (nacc < 0) | (nacc > nd))[0])
                 raise ValueError(f"request row {i} accepts {int(nacc[i])} of {int(nd[i])} draft tokens")
             ids = rec["req_ids"].tolist() if "req_ids" in rec else [f"row{i}" for i in range(nd.shape[0])]
             if k is None and "sampled_token_ids" in rec and np.ndim(rec["sampled_token_ids"]) == 2:
                 k = int(np.shape(rec["sampled_token_ids"])[1]) - 1
+            _check_draft_width(nd, k)  # keeps count()'s width and the sums bounded
             c = count(nacc, nd)
             req_counts = [(str(ids[i]), count(nacc[i:i + 1], nd[i:i + 1])) for i in np.flatnonzero(nd > 0)]
         except (IndexError, ValueError, TypeError, KeyError) as exc:  # a producer's malformed view

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from pcpviz.analysis.compare import first_difference, short_repr
+from pcpviz.trace.bounds import well_formed
 from pcpviz.trace.schema import causal_phase_key, view_spec
 
 __all__ = ["RequestStep", "request_timelines", "same_schedule", "compare_timelines"]
@@ -73,10 +74,12 @@ def _slice(kind: tuple, a: np.ndarray, i: int, lo: int, hi: int, n_req: int) -> 
 
 def request_timelines(trace: Any, rank: int, *, rename: Callable[[str], str] = str,
                       ignore: frozenset[str] | set[str] = frozenset()) -> dict[str, list[RequestStep]]:
-    """Each request's scheduled steps on ``rank``, in order, with its slice of every global view."""
+    """Each request's scheduled steps on ``rank``, in order, with its slice of every global view.
+    A step that breaks a bound (``pcpviz.trace.bounds``) is left out: its sizes cannot be sliced
+    by, and the step-by-step comparison reports it as malformed."""
     out: dict[str, list[RequestStep]] = {}
     for step in trace.rank_steps(rank):
-        if not trace.has(step, rank, "target"):
+        if not trace.has(step, rank, "target") or not well_formed(trace, step, rank):
             continue
         tgt = trace.record(step, rank, "target")
         qsl = _qsl(tgt)
@@ -119,16 +122,17 @@ def _batch(rec: Any, rename: Callable[[str], str]) -> dict[str, tuple[int, int]]
 
 def same_schedule(ta: Any, tb: Any, *, rank_a: int, rank_b: int, rename_b: Callable[[str], str] = str) -> int | None:
     """None when both runs scheduled the same requests with the same cursors at every step both
-    recorded, else the first step where they differ (a step one run lacks is the step-by-step
-    comparison's to report, not a different schedule)."""
+    recorded, else the first step where they differ (a step one run lacks, or one that breaks a
+    bound, is the step-by-step comparison's to report, not a different schedule)."""
     steps = sorted(set(ta.rank_steps(rank_a)) & set(tb.rank_steps(rank_b)))
     for step in steps:
         ha, hb = ta.has(step, rank_a, "target"), tb.has(step, rank_b, "target")
         if ha != hb:
             return step
         if ha and _batch(ta.record(step, rank_a, "target"), str) != _batch(tb.record(step, rank_b, "target"),
-                                                                           rename_b):
-            return step
+                                                                           rename_b) \
+                and well_formed(ta, step, rank_a) and well_formed(tb, step, rank_b):
+            return step  # (a malformed step schedules nothing readable: step by step reports it)
     return None
 
 

@@ -1,7 +1,8 @@
 """A seeded fuzzer over the shipped traces: >= 500 corrupted copies per run.
 
 Each case damages a copy of ``data/traces/<name>`` one way (a class below) and runs a command
-on it (``check``, ``diff`` against the intact copy, ``export --chrome``) through
+on it (``check``, ``diff`` against the intact copy with the damaged run second and first,
+``export --chrome``, ``explain --no-rerun``) through
 ``pcpviz.cli.main`` in this process; a sample also runs ``python -m pcpviz.cli`` in a
 subprocess. Every case must end as one of:
 
@@ -45,7 +46,7 @@ SHIPPED = sorted(p for p in (ROOT / "data" / "traces").iterdir() if (p / "run.js
 SEED = int(os.environ.get("PCPVIZ_FUZZ_SEED", "14"))
 CASES = max(500, int(os.environ.get("PCPVIZ_FUZZ_CASES", "520")))
 SUBPROCESS_EVERY = 26  # every 26th case also runs the CLI in a subprocess (20 of 520)
-COMMANDS = ("check", "diff", "export")
+COMMANDS = ("check", "diff", "export", "explain", "diff-damaged-first")
 
 
 # --------------------------------------------------------------------------- what "unchanged" is
@@ -310,6 +311,10 @@ def _argv(cmd: str, d: Path, base: Path, out: Path) -> list[str]:
         return ["check", str(d)]
     if cmd == "diff":
         return ["diff", str(base), str(d)]
+    if cmd == "diff-damaged-first":
+        return ["diff", str(d), str(base)]
+    if cmd == "explain":
+        return ["explain", "--no-rerun", str(d)]
     return ["export", str(d), "--chrome", str(out / "t.json")]
 
 
@@ -362,7 +367,7 @@ def verdict(cmd: str, rc: int, err: str, changed) -> str | None:
             return f"exit 3 without 'incomplete:' lines: {lines[:3]}"
         return None
     if rc == 1:
-        return None if cmd in ("check", "diff") else "export exit 1"
+        return None if cmd in ("check", "diff", "explain") else "export exit 1"
     if rc == 0:
         if lines:
             return f"exit 0 with stderr: {lines[:2]}"
@@ -416,7 +421,7 @@ def test_fuzz_shipped_traces(tmp_path):
             runs.append(("subprocess", run_subprocess))
         for how, runner in runs:
             rc, _, err = runner(argv)
-            bad = verdict(cmd, rc, err, changed)
+            bad = verdict(argv[0], rc, err, changed)
             counts["outcome"][{0: "unchanged (exit 0)", 1: "detected (exit 1)", 2: "one-line error (exit 2)",
                                3: "incomplete (exit 3)"}.get(rc, f"exit {rc}")] += how == "in-process"
             if how == "subprocess":

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pcpviz.analysis.acceptance import acceptance_from_records
 from pcpviz.analysis.diff import acceptance, request_keys
 from pcpviz.analysis.parity import generated_tokens
 from pcpviz.trace import TraceError, draft_index
@@ -79,7 +80,7 @@ class Symptoms:
     acceptance_rate: float | None
     rate_per_position: tuple[float | None, ...]
     step_trend: tuple[float | None, float | None]  # acceptance rate over the first and last third of steps
-    ranks_acceptance_agree: bool | None  # None: one rank
+    ranks_acceptance_agree: bool | None  # None: one rank, or not evaluated (noted)
     kv_replicas_agree: bool | None  # None: one rank
     kv_first_divergence: str | None
     reference: str | None
@@ -273,8 +274,11 @@ def gather_symptoms(trace, report, diff=None, *, reference_trace=None, reference
     """The symptoms of ``trace`` given its ``report`` (``run_checks``) and ``diff``
     (``diff_traces(reference_trace, trace)``, or None without a reference); ``kv``: the KV
     replicas already compared while the checks ran (else compared here, another pass)."""
-    acc = diff.acceptance_b if diff is not None else acceptance(trace)
     notes = [note] if note else []
+    acc = diff.acceptance_b if diff is not None else guarded(acceptance, trace, notes=notes, what="acceptance")
+    counted = acc is not None
+    if not counted:  # a malformed verify record (noted): no acceptance to judge by
+        acc = acceptance_from_records((), rank=trace.ranks[0] if trace.ranks else None)
     ref_rate: float | None = None
     ref_pos: tuple = ()
     dropped_pos: tuple[int, ...] = ()
@@ -311,7 +315,7 @@ def gather_symptoms(trace, report, diff=None, *, reference_trace=None, reference
     per_rank = None
     kv_first = None
     if len(ranks) > 1:
-        per_rank = guarded(_ranks_agree, trace, ranks, acc, notes=notes, what="acceptance per rank")
+        per_rank = None if not counted else guarded(_ranks_agree, trace, ranks, acc, notes=notes, what="acceptance per rank")
         kv_first = kv.result(notes) if kv is not None else guarded(
             kv_divergence, trace, notes=notes, what="KV replicas", default=_NOT_EVALUATED)
     fv = report.first_violation

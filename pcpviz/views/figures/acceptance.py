@@ -7,7 +7,7 @@ draw bars 0.7 and 0.4 (text ``7/10``, ``4/10``); mean acceptance length 1 + 11/1
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 
 from pcpviz.analysis.acceptance import Acceptance, Counts, acceptance, acceptance_from_records, ratio
 from pcpviz.views.figures.canvas import DIM_COLOR, Canvas, as_figure, request_color, request_color_index
-from pcpviz.trace import Record
+from pcpviz.trace import Record, TraceError
 
 __all__ = ["AcceptanceStats", "acceptance_stats", "trace_acceptance", "load_acceptance", "from_diff_acceptance",
            "acceptance_spec", "acceptance_figure", "acceptance_step_marker"]
@@ -39,6 +39,7 @@ class AcceptanceStats:
     source: str = "pcpviz.analysis.acceptance"
     rank: int = 0
     extra: dict = field(default_factory=dict)
+    note: str = ""  # why nothing is counted, when a malformed verify record stopped the count
 
     @property
     def counts(self) -> Counts:
@@ -74,8 +75,17 @@ def trace_acceptance(trace: Any, rank: int | None = None) -> AcceptanceStats:
 
 
 def load_acceptance(trace: Any) -> AcceptanceStats:
-    """Acceptance of ``trace`` (``pcpviz.analysis.acceptance.acceptance``, the first rank's verify)."""
-    return trace_acceptance(trace)
+    """Acceptance of ``trace`` (``pcpviz.analysis.acceptance.acceptance``, the first rank's verify).
+    A malformed verify record (the checks' ``views_in_bounds`` names it) leaves nothing counted
+    and says why in ``note``, so the views still open: e.g. ``step 3: verify: malformed
+    acceptance counts: request row 0 carries 9223372036854775807 draft tokens, more than K = 2``."""
+    try:
+        return trace_acceptance(trace)
+    except TraceError:
+        raise
+    except ValueError as exc:
+        empty = acceptance_from_records(())
+        return replace(from_diff_acceptance(empty), note=" ".join(str(exc).split()))
 
 
 def from_diff_acceptance(acc: Acceptance) -> AcceptanceStats:
@@ -147,11 +157,16 @@ def acceptance_spec(stats: AcceptanceStats, *, step: int | None = None, highligh
     fig.shapes.extend(acceptance_step_marker(step))
     return fig.spec(
         barmode="overlay", bargap=0.15, height=330, margin=dict(l=60, r=20, t=80, b=40),
-        title=dict(text=f"acceptance: mean length {_num(stats.mean_acceptance_length, 2)}, "
-                        f"rate {_num(stats.acceptance_rate, 3)} (mean over draft positions; rank {stats.rank}'s verify)",
-                   font=dict(size=13)),
+        title=dict(text=_title(stats), font=dict(size=13)),
         legend=dict(orientation="h", x=1, xanchor="right", y=1.22), showlegend=True,
     )
+
+
+def _title(stats: AcceptanceStats) -> str:
+    if stats.note:
+        return f"acceptance: not counted: {stats.note}"  # escaped with the rest (Canvas.spec)
+    return (f"acceptance: mean length {_num(stats.mean_acceptance_length, 2)}, "
+            f"rate {_num(stats.acceptance_rate, 3)} (mean over draft positions; rank {stats.rank}'s verify)")
 
 
 def acceptance_figure(stats: AcceptanceStats, *, step: int | None = None, highlight: str | None = None,
