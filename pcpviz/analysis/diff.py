@@ -33,8 +33,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from pcpviz.analysis.acceptance import (Acceptance, RequestAcceptance, StepAcceptance, acceptance,
-                                       acceptance_from_records)
+from pcpviz.analysis.acceptance import Acceptance, RequestAcceptance, StepAcceptance, acceptance
 from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
 from pcpviz.analysis.timelines import compare_timelines, same_schedule
 from pcpviz.analysis.compare import first_difference, short_repr
@@ -230,16 +229,6 @@ def _well_formed_pairs(ta: Trace, tb: Trace, step: int, pairs: list, record) -> 
         else:
             out.append((ra, rb))
     return out
-
-
-def _acceptance(trace: Trace, which: str, notes: list[str]) -> Acceptance:
-    """``acceptance(trace)``; where a malformed verify record makes it fail (the step-by-step
-    comparison reports that step), no acceptance and a note saying why."""
-    try:
-        return acceptance(trace)
-    except ValueError as exc:
-        notes.append(f"run {which}: acceptance not computed: {' '.join(str(exc).split())[:300]}")
-        return acceptance_from_records((), rank=trace.ranks[0] if trace.ranks else None)
 
 
 def _by_request(ta: Trace, tb: Trace, pairs: list, record, notes: list[str], *, found: list,
@@ -460,7 +449,7 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
             run.step(step)
     if not ta.steps and not tb.steps:
         notes.append("no steps in either run")
-    acc_a, acc_b = _acceptance(ta, "a", notes), _acceptance(tb, "b", notes)
+    acc_a, acc_b = acceptance(ta), acceptance(tb)
     found = run.found
     return DiffReport(str(ta.path), str(tb.path), run.total == 0, found[0] if found else None, tuple(found),
                       run.total, run.steps_compared, run.views_compared, same_layout and run.local_compared_any,

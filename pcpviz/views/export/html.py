@@ -378,7 +378,7 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
     if asked is None:
         ranks = shown_ranks(ranks, [v.rank for v in violations if v.rank is not None])
     shown = shown_steps(trace.steps, len(ranks), [v.step for v in violations])
-    data = _embedded(trace, shown, ranks, colors=colors, acceptance=fg.load_acceptance(trace), violations=violations)
+    data = _embedded(trace, shown, ranks, colors=colors, acceptance=fg.trace_acceptance(trace), violations=violations)
     doc = _page(trace, title=title or f"pcpviz — {Path(str(trace.path)).name}", data=data, ranks=ranks,
                 shown=shown, req_ids=req_ids, report=report)
     out = Path(out_path)

@@ -75,9 +75,10 @@ def trace_acceptance(trace: Any, rank: int | None = None) -> AcceptanceStats:
 
 
 def load_acceptance(trace: Any) -> AcceptanceStats:
-    """Acceptance of ``trace`` (``pcpviz.analysis.acceptance.acceptance``, the first rank's verify).
-    A malformed verify record (the checks' ``views_in_bounds`` names it) leaves nothing counted
-    and says why in ``note``, so the views still open: e.g. ``step 3: verify: malformed
+    """Acceptance of ``trace`` (``pcpviz.analysis.acceptance.acceptance``, the first rank's verify)
+    for the Workbench. A malformed verify record leaves nothing counted and says why in
+    ``note``, so the Workbench still opens (``trace_acceptance`` raises instead, as the HTML
+    export and diff do: one line, exit 2): e.g. ``step 3: verify: malformed
     acceptance counts: request row 0 carries 9223372036854775807 draft tokens, more than K = 2``."""
     try:
         return trace_acceptance(trace)
