@@ -5,8 +5,9 @@ of 10**8, and a target record with 2**63 - 1 scheduled tokens: the checks name t
 (``views_in_bounds``); ``diff`` and ``export --html`` refuse counts they cannot count (one
 line naming the file and step, exit 2) and report a malformed schedule as the first divergence
 whichever side it is on; ``explain`` still diagnoses and notes that acceptance could not be
-counted, and the Workbench's acceptance panel says why it is empty. Never a traceback, and never memory or time that grows with the crafted value (found by a held-out
-fuzz pass: ``diff`` with the damaged run first and ``export --html`` raised OverflowError).
+counted, and the Workbench's acceptance panel says why it is empty. Never a traceback, and
+never memory or time that grows with the crafted value (found by a held-out fuzz pass: ``diff``
+with the damaged run first and ``export --html`` raised OverflowError).
 """
 
 from __future__ import annotations

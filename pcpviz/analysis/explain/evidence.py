@@ -315,7 +315,8 @@ def gather_symptoms(trace, report, diff=None, *, reference_trace=None, reference
     per_rank = None
     kv_first = None
     if len(ranks) > 1:
-        per_rank = None if not counted else guarded(_ranks_agree, trace, ranks, acc, notes=notes, what="acceptance per rank")
+        per_rank = None if not counted else guarded(_ranks_agree, trace, ranks, acc, notes=notes,
+                                                    what="acceptance per rank")
         kv_first = kv.result(notes) if kv is not None else guarded(
             kv_divergence, trace, notes=notes, what="KV replicas", default=_NOT_EVALUATED)
     fv = report.first_violation
