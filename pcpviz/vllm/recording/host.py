@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from pcpviz.trace.packed import host_entry, resolve
+from pcpviz.vllm.recording.ring import DeviceRing
 
 __all__ = ["Deferred", "Fresh", "Strings", "StepPack", "StagedStep", "to_host", "now_us", "block_rows",
            "host_pool"]
@@ -127,36 +128,68 @@ def host_pool() -> _HostPool:
 
 class StagedStep:
     """A step on its way to the host: ``phases`` (``{phase: {view: entry}}``; the device
-    tensors' entries are filled in by ``wait``, off the step's path, from ``layout``), the host
-    buffer its copies are landing in (``host``, ``nbytes`` used) and the event after them."""
+    tensors' entries are filled in by ``wait``, off the step's path, from ``layout``), its span of
+    the device ring (``span``, ``nbytes``) and the event recorded after its last copy into it.
+    ``wait`` (the drain, off the step's thread) waits for the event, copies the span to a host
+    buffer (pinned, on a side stream, where there is CUDA) and gives the span back to the ring."""
 
-    def __init__(self, phases: dict[str, dict[str, Any]], host: torch.Tensor | None, event: Any,
-                 nbytes: int = 0, *, layout: list | None = None, pooled: bool = False) -> None:
-        self.phases, self.host, self.event, self.nbytes = phases, host, event, nbytes
-        self.layout, self.pooled = layout, pooled
+    def __init__(self, phases: dict[str, dict[str, Any]], ring: DeviceRing | None = None,
+                 span: tuple[int, int] | None = None, event: Any = None, *, layout: list | None = None) -> None:
+        self.phases, self.ring, self.span, self.event, self.layout = phases, ring, span, event, layout
+        self.nbytes = 0 if span is None else span[1] - span[0]
+        self.host: torch.Tensor | None = None
 
     def wait(self) -> np.ndarray | None:
-        """Wait for the copies (the GIL is released while waiting) and fill in the device
-        tensors' entries; the step's bytes (uint8[nbytes], None if it has none)."""
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
+        """Wait for the copies (the GIL is released while waiting), move the step's bytes to the
+        host and fill in the device tensors' entries; the bytes (uint8[nbytes], None if none)."""
+        if self.span is not None and self.host is None:
+            dev = self.ring.bytes_of(self.span)
+            if self.event is not None:
+                self.event.synchronize()
+                self.event = None
+            host = _POOL.take(self.nbytes, dev.is_cuda)
+            if dev.is_cuda:
+                side = _side_stream(dev.device)
+                with torch.cuda.stream(side):
+                    host[: self.nbytes].copy_(dev, non_blocking=True)
+                side.synchronize()
+            else:
+                host[: self.nbytes].copy_(dev)
+            self.host = host
+            self.ring.release(self.span)
         if self.layout is not None:
             _fill(self.layout)
             self.layout = None
         return None if self.host is None else self.host[: self.nbytes].numpy()
 
     def release(self) -> None:
-        """The host buffer is no longer read (copied out): back to the pool."""
-        if self.host is not None and self.pooled:
+        """The host buffer is no longer read (copied out): back to the pool; a span never
+        copied out (a step dropped on its way) goes back to the ring."""
+        if self.host is not None:
             _POOL.give(self.host)
-        self.host = None
+        elif self.span is not None and self.ring is not None:
+            if self.event is not None:
+                self.event.synchronize()
+                self.event = None
+            self.ring.release(self.span)
+        self.host, self.span = None, None
 
     def resolve(self) -> dict[str, dict[str, Any]]:
         """The step as NumPy arrays of its own (``pcpviz.trace.packed.resolve``)."""
         out = resolve(self.phases, self.wait())
         self.release()
         return out
+
+
+_SIDE: dict[Any, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    """The drain's own CUDA stream on ``device`` (the step's stream never waits for the drain)."""
+    s = _SIDE.get(device)
+    if s is None:
+        s = _SIDE[device] = torch.cuda.Stream(device=device)
+    return s
 
 
 def _fill(layout: list) -> None:
@@ -171,13 +204,16 @@ def _fill(layout: list) -> None:
 
 
 class StepPack:
-    """One recorder's device copies of the step being recorded: per hook call one flat copy per
-    dtype (``flatten_dense_tensors``: one call for all of its views of that dtype), the fresh
-    tensors as they are; at the step's end all of them become one buffer, copied to the host once."""
+    """One recorder's device copies of the step being recorded, in its device ring
+    (``recording.ring``): per hook call one ``torch.cat(..., out=)`` per dtype into the ring (all
+    of its views of that dtype), the fresh tensors the same way at the step's end; ``stage``
+    records one event. No allocation and no host synchronisation on the step's thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, ring: DeviceRing | None = None) -> None:
         self.device: torch.device | None = None  # of the first tensor put: others go to the host now
-        self.flats: list[tuple[torch.Tensor, list]] = []  # (flat copy or fresh tensor, its places)
+        self.ring = ring if ring is not None else DeviceRing()
+        self.layout: list = []  # (offset in the step, dtype str, itemsize, places) per copy
+        self.fresh: dict[torch.dtype, list] = {}  # dtype -> [(box, key, slot, tensor)] copied at the step's end
         self.memo: dict[int, tuple[list, list]] = {}  # id(Deferred.args) -> (args, their entries), this step
 
     def put(self, phase: dict[str, Any], views: dict[str, Any]) -> None:
@@ -185,9 +221,24 @@ class StepPack:
         now: dict[torch.dtype, list] = {}
         for name, value in views.items():
             phase[name] = self._entry(value, phase, name, now)
-        for items in now.values():
-            self.flats.append((torch._C._nn.flatten_dense_tensors([it[3] for it in items]),
-                               [(box, key, slot, tuple(t.shape), t.numel()) for box, key, slot, t in items]))
+        for dtype, items in now.items():
+            self._copy(dtype, items)
+
+    def _copy(self, dtype: torch.dtype, items: list) -> None:
+        """One ``cat`` of ``items`` (``(box, key, slot, tensor)``, all ``dtype``) into the ring."""
+        numel = [t.numel() for *_, t in items]
+        total = sum(numel)
+        at = self.ring.reserve(total * dtype.itemsize)
+        if at is None:
+            return  # the ring is full: the step is dropped (DeviceRing.finish counts it)
+        out = self.ring.view(at, total, dtype)
+        flat = [t.reshape(-1) for *_, t in items]
+        if len(flat) == 1:
+            out.copy_(flat[0])
+        else:
+            torch.cat(flat, out=out)
+        self.layout.append((self.ring.offset(at), _DTYPES[dtype], dtype.itemsize,
+                            [(box, key, slot, tuple(t.shape), n) for (box, key, slot, t), n in zip(items, numel)]))
 
     def _entry(self, value: Any, box: Any, key: Any, now: dict) -> Any:
         if isinstance(value, torch.Tensor):
@@ -203,7 +254,7 @@ class StepPack:
             t = value.t
             if self._packable(t):
                 slot = _Slot()
-                self.flats.append((t.detach(), [(box, key, slot, tuple(t.shape), t.numel())]))
+                self.fresh.setdefault(t.dtype, []).append((box, key, slot, t.detach()))
                 return slot
             return host_entry(np.array(to_host(t)))
         if isinstance(value, Deferred):
@@ -223,36 +274,32 @@ class StepPack:
     def _packable(self, t: torch.Tensor) -> bool:
         if self.device is None:
             self.device = t.device
+            self.ring.ensure(t.device)
         return t.dtype in _DTYPES and t.device == self.device
 
-    def stage(self, phases: dict[str, dict[str, Any]]) -> StagedStep:
-        """The step's copies on their way to the host: one buffer of all of them (widest dtypes
-        first, so every view stays aligned), one copy of it to a (pinned) host buffer,
-        ``non_blocking``, on the current stream, one event; no synchronisation."""
-        flats, self.flats, self.memo = self.flats, [], {}
-        if not flats:
-            return StagedStep(phases, None, None)
-        flats.sort(key=lambda f: -f[0].dtype.itemsize)
-        layout, off, parts = [], 0, []
-        for flat, places in flats:
-            dtype = flat.dtype
-            layout.append((off, _DTYPES[dtype], dtype.itemsize, places))
-            off += flat.numel() * dtype.itemsize
-            if flat.ndim == 0 or not flat.is_contiguous():  # a fresh tensor as the hook made it
-                flat = flat.reshape(-1).contiguous()
-            parts.append(flat.view(torch.uint8))
-        big = torch._C._nn.flatten_dense_tensors(parts)  # uint8[off]
-        if not big.is_cuda:
-            return StagedStep(phases, big, None, off, layout=layout)
-        host = _POOL.take(off, True)
-        host[:off].copy_(big, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return StagedStep(phases, host, event, off, layout=layout, pooled=True)
+    def stage(self, phases: dict[str, dict[str, Any]]) -> StagedStep | None:
+        """The step's copies on their way to the host: the fresh tensors copied into the ring
+        (one ``cat`` per dtype), one event on the current stream; no synchronisation. None when
+        the ring had no room for the step (dropped: ``ring.overflow_steps`` counts it)."""
+        for dtype, items in self.fresh.items():
+            self._copy(dtype, items)
+        layout, self.layout, self.fresh, self.memo = self.layout, [], {}, {}
+        dropped = self.ring.dropped
+        span = self.ring.finish()
+        if dropped:
+            return None
+        if span is None:  # no device tensor in this step
+            return StagedStep(phases)
+        event = None
+        if self.device is not None and self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        return StagedStep(phases, self.ring, span, event, layout=layout)
 
     def discard(self) -> None:
         """Forget the step being recorded (it is not written)."""
-        self.flats, self.memo = [], {}
+        self.layout, self.fresh, self.memo = [], {}, {}
+        self.ring.discard()
 
 
 def now_us() -> int:

@@ -34,6 +34,7 @@ from pcpviz.vllm.recording.drafts import DraftContext
 from pcpviz.vllm.recording.graphs import ledger_views
 from pcpviz.trace.packed import host_entry
 from pcpviz.vllm.recording.host import Deferred, Fresh, StepPack, Strings, block_rows, now_us
+from pcpviz.vllm.recording.ring import ENV_RING_MB
 from pcpviz.vllm.recording.meta import environment_meta, speculator_meta
 from pcpviz.vllm.recording.sink import make_sink
 from pcpviz.vllm.recording.wrappers import install_instance_wrappers, warming_up
@@ -84,6 +85,7 @@ class RankRecorder:
         self.closed = False
         self.seconds = 0.0  # time spent inside recording hooks
         self.steps_written = 0
+        self.overflow_after: list[int] = []  # per step dropped by the device ring: the next step's number
         self.global_batch: Any = None  # the step's global InputBatch (verify rows)
         self.graph_notes: dict[str, list] = {}  # phase -> [replays, full replays, moved inputs] (graphs)
         self._layout: tuple[list, list[int]] | None = None
@@ -140,9 +142,30 @@ class RankRecorder:
                 if ph in phases:
                     phases[ph].update({k: host_entry(v) for k, v in views.items()})
             staged = self.pack.stage(phases)
+            if staged is None:  # the device ring had no room: the step is dropped, and the trace says so
+                self._overflowed()
+                return
             step, self.step = self.step, self.step + 1
             self.steps_written += 1
         self.sink.submit(step, staged)
+
+    def _overflowed(self) -> None:
+        """A step did not fit in the device ring (``recording.ring``): counted, warned once, stated
+        in run.json (``device_ring_overflow``) and, at the end, in the rank's completion record."""
+        ring = self.pack.ring
+        self.overflow_after.append(self.step)
+        if ring.overflow_steps == 1:
+            logger.warning("pcpviz: PCP rank %d: the device ring (%d MiB, %s) is full; step %d and any later step that "
+                           "does not fit are not recorded (the trace says how many)", self.rank,
+                           ring.capacity >> 20, ENV_RING_MB, self.step)
+        if ring.overflow_steps & (ring.overflow_steps - 1) == 0:  # 1, 2, 4, 8...: run.json stays current, cheaply
+            self.update_meta(device_ring_overflow=self.overflow_meta())
+
+    def overflow_meta(self) -> dict[str, Any]:
+        """run.json's ``device_ring_overflow``: steps dropped, the ring's bytes, and the recorded
+        step each drop came before (the first 64)."""
+        ring = self.pack.ring
+        return {"steps": ring.overflow_steps, "ring_bytes": ring.capacity, "before_step": self.overflow_after[:64]}
 
     def run_meta(self) -> dict[str, Any]:
         """run.json's keys as this rank knows them (rank 0 writes it; any thread)."""
@@ -195,6 +218,10 @@ class RankRecorder:
             logger.warning("pcpviz: could not write the last step on PCP rank %d: %s", self.rank, exc)
         finally:
             self.closed = True
+            if self.pack.ring.overflow_steps and not self.disabled_reason:
+                self.update_meta(device_ring_overflow=self.overflow_meta())
+                self.disabled_reason = (f"device ring overflow: {self.pack.ring.overflow_steps} steps not recorded "
+                                        f"({ENV_RING_MB}={self.pack.ring.capacity / (1 << 20):g})")
             self.sink.close({"status": "partial", "reason": self.disabled_reason} if self.disabled_reason
                             else {"status": "complete", "reason": reason})
 
