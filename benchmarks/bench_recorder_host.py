@@ -243,7 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", type=int, default=360, help="small torch ops of the stand-in step (~2 ms)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--cases", default="1x1,32x1,1x2,32x2", help="batch x pcp, comma-separated")
+    ap.add_argument("--against", type=Path, help="another checkout (the old recorder): run this benchmark in "
+                    "subprocesses, old and new alternating, --pairs times, and report both")
+    ap.add_argument("--pairs", type=int, default=7)
     a = ap.parse_args(argv)
+    if a.against is not None:
+        return compare(a, sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(1)
     from pcpviz.vllm import cpu_patches
 
@@ -259,6 +264,57 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(res, indent=1) + "\n")
+    return 0
+
+
+def compare(a: argparse.Namespace, args: list[str]) -> int:
+    """Old (``--against``) and new (this tree) interleaved: ``--pairs`` pairs of subprocesses, the
+    order swapped every pair; per case and mode the median and min-max over the pairs of each
+    subprocess's median ``hook_us`` (host microseconds per step inside the hooks) and step time."""
+    import subprocess
+
+    skip = {"--against", "--pairs", "--out"}
+    passed, it = [], iter(args)
+    for x in it:
+        if x.split("=")[0] in skip:
+            if "=" not in x:
+                next(it, None)
+            continue
+        passed.append(x)
+    runs: dict[str, list[list[dict]]] = {"old": [], "new": []}
+    for i in range(a.pairs):
+        for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
+            tree = a.against.resolve() if which == "old" else ROOT
+            out = Path(tempfile.mkdtemp(prefix="pcpviz-rh-")) / "r.json"
+            env = {**os.environ, "PYTHONPATH": str(tree)}
+            subprocess.run([sys.executable, str(tree / "benchmarks" / "bench_recorder_host.py"), *passed, "--out",
+                            str(out)], env=env, check=True, stdout=subprocess.DEVNULL)
+            runs[which].append(json.loads(out.read_text())["cases"])
+            print(which, i, json.dumps([(c["batch"], c["pcp"], c["hook_us_per_step"]) for c in runs[which][-1]]),
+                  flush=True)
+
+    def spread(vals: list[float]) -> dict:
+        return {"median": round(statistics.median(vals), 2), "min": round(min(vals), 2), "max": round(max(vals), 2)}
+
+    cases = []
+    for ci, case in enumerate(runs["new"][0]):
+        entry = {"batch": case["batch"], "pcp": case["pcp"]}
+        for which in ("old", "new"):
+            cs = [r[ci] for r in runs[which]]
+            entry[which] = {
+                "hook_us_per_step": {m: spread([c["hook_us_per_step"][m] for c in cs]) for m in ("record", "flight")},
+                "step_ms": {m: spread([c["step_ms"][m] for c in cs]) for m in MODES},
+                "step_thread_cpu_ms": {m: spread([c["step_thread_cpu_ms"][m] for c in cs]) for m in MODES}}
+        cases.append(entry)
+    res = {"command": "PYTHONPATH=. python benchmarks/bench_recorder_host.py " + " ".join(args),
+           "what": "old (--against) and new recorder, interleaved subprocess pairs; per case the median and "
+                   "min-max over the pairs of each run's median per-step figure", "pairs": a.pairs,
+           "cpus": os.cpu_count(), "cases": cases, "runs": runs}
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(res, indent=1) + "\n")
+    for c in cases:
+        print(c["batch"], c["pcp"], "old", c["old"]["hook_us_per_step"], "new", c["new"]["hook_us_per_step"])
     return 0
 
 

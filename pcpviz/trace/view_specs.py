@@ -221,6 +221,20 @@ VIEW_SPECS: tuple[ViewSpec, ...] = tuple(
         ("slot_mapping_draft", "int64", "[G, R] or [R]", "KV slots draft step k writes, unexpanded (one per "
          "request)", dict(align=("req", -1), pad="PAD_SLOT (-1) on rows not written", panel="slot_mappings")),
     ])
+    + _specs("forward consumed", (_D0, _DK), [
+        ("fwd_source", "str", "[]", "vLLM only: where the fwd_* views were read: 'model_call' (the draft "
+         "model's arguments), 'graph_capture' (a FULL graph replay: the tensors it was captured on) or "
+         "'graph_buffers' (a FULL replay: the speculator's buffers _run_model hands at capture)"),
+        ("fwd_input_ids", "int32|int64", "[n]", "vLLM only: token ids the draft forward consumed (draft_k: "
+         "its first R rows)", dict(pad="rows past the prepared ones are graph padding")),
+        ("fwd_positions", "int64", "[n]", "vLLM only: positions the draft forward consumed (what RoPE reads)",
+         dict(pad="rows past the prepared ones are graph padding")),
+        ("fwd_slot_mapping", "int64", "[G, n]", "vLLM only: KV slots of the forward context at the model "
+         "call (one layer per KV-cache group)", dict(pad="PAD_SLOT (-1) on rows not written",
+                                                     panel="slot_mappings")),
+        ("fwd_hidden_fp", "int64", "[n]", "vLLM only: fingerprints of the hidden rows the draft forward "
+         "consumed"),
+    ], scope=RANK)
     + _specs("block tables", (_D0, _DK), [
         ("block_table_draft_stale_tail", "int64", "[]", "vLLM only: non-zero entries past num_blocks "
          "dropped from block_table_draft"),

@@ -26,8 +26,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from pcpviz.vllm.fake_group import current_fake_group
+from vllm.forward_context import get_forward_context, is_forward_context_available
+
 from pcpviz.trace.packed import host_entry
+from pcpviz.vllm.fake_group import current_fake_group
+from pcpviz.vllm.recording import fingerprints
+from pcpviz.vllm.recording.consumed import captured_inputs, model_call_views, model_inputs
 from pcpviz.vllm.recording.host import Deferred, Fresh, block_rows, now_us
 
 if TYPE_CHECKING:
@@ -94,8 +98,8 @@ class DraftContext:
         return "dummy" if self.dummy else f"draft_{k}"
 
     def on_forward(self, num_tokens: int, slot_mappings: Any, graph_mode: str = "NONE") -> None:
-        """Snapshot the inputs of the draft forward that is about to run (``graph_mode``: the
-        CUDA-graph mode it runs in, NONE or PIECEWISE)."""
+        """Snapshot what the speculator and the PCP manager prepared for the draft forward that is
+        about to run (``graph_mode``: the CUDA-graph mode it runs in, NONE, PIECEWISE or FULL)."""
         spec, rec = self.spec, self.rec
         now = now_us()
         if self.phases and not self.dummy:
@@ -155,18 +159,51 @@ class DraftContext:
             views["slot_mapping_draft"] = slots
         rec.put(name, **views)
 
+    def on_model_call(self, args: tuple, kwargs: dict) -> None:
+        """The draft model was called (eager or PIECEWISE): the ``fwd_*`` views of the phase
+        (``recording.consumed``), its arguments as the model got them."""
+        if self.dummy or not self.phases:
+            return
+        ids, pos, hidden = model_inputs(args, kwargs)
+        k = len(self.phases) - 1
+        rows = self.num_reqs if k > 0 else None  # draft decodes: the padded batch's first R rows
+        slots = None
+        if is_forward_context_available():
+            slots = first_layer_slots(get_forward_context().slot_mapping, self.spec, rows)
+        self.rec.put(self.phases[-1], **model_call_views(ids, pos, hidden, slots, source="model_call", rows=rows))
+
+    def on_full_replay(self, manager: Any, desc: Any) -> None:
+        """A draft forward replayed as a FULL CUDA graph (no Python runs inside it): its phase
+        from the buffers the graph reads, right before the replay; ``fwd_source`` says whether
+        they are the tensors noted at capture (``graph_capture``) or the speculator's buffers
+        (``graph_buffers``)."""
+        n = int(desc.num_tokens)
+        self.on_forward(n, None, "FULL")
+        fingerprints.before_forward(self, n)
+        k = len(self.phases) - 1
+        rows = self.num_reqs if k > 0 else n
+        cap = captured_inputs(manager, n)
+        if cap is not None:
+            ids, pos, hidden = cap["input_ids"], cap["positions"], cap["hidden_states"]
+            slots, source = first_layer_slots(cap["slot_mapping"], self.spec, rows), "graph_capture"
+        else:
+            buf = self.spec.input_buffers
+            ids, pos, hidden, slots, source = buf.input_ids, buf.positions, self.spec.hidden_states, None, "graph_buffers"
+        self.rec.put(self.phases[-1], **model_call_views(ids, pos, hidden, slots, source=source, rows=rows))
+
     def _replayed_phases(self, k: int) -> None:
-        """Draft forwards that ran as FULL CUDA-graph replays run no Python (no ``_run_model``):
-        their phases get the draft tokens only, and the process warns once."""
+        """Draft forwards that ran inside another FULL replay (a fused multi-step decode graph)
+        or whose replay was not seen: their phases get the draft tokens only, and the process
+        warns once."""
         missing = [f"draft_{i}" for i in range(k) if f"draft_{i}" not in self.phases]
         if not missing:
             return
         global _warned_full
         if not _warned_full:
             _warned_full = True
-            logger.warning("pcpviz: %s ran as FULL CUDA-graph replays (no Python runs inside them): their inputs "
-                           "are not recorded, only their draft tokens (record with cudagraph_mode PIECEWISE or NONE "
-                           "for every view)", ", ".join(missing))
+            logger.warning("pcpviz: %s ran inside another draft step's FULL CUDA-graph replay (a fused multi-step "
+                           "decode graph runs no Python between its steps): their inputs are not recorded, only their "
+                           "draft tokens", ", ".join(missing))
         for name in missing:
             self.rec.put(name, view=np.array("rank_local" if name == "draft_0" and self.spec.pcp_manager is not None
                                              else "replicated"), graph_mode=np.array("FULL"))

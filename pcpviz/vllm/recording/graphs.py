@@ -37,6 +37,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from pcpviz.vllm.recording.consumed import capturing, full_replay, in_full_replay
+
 __all__ = ["GraphLedger", "LEDGER", "wrap_graph_call", "wrap_run_fullgraph", "graph_targets",
            "install_graph_wrappers", "ledger_views"]
 
@@ -107,9 +109,9 @@ def _phase(full: bool = False) -> str:
     ctx = current_draft()
     if ctx is None or ctx.dummy:
         return "target"
-    if full:
+    if full:  # the draft forward this replay is (DraftContext.on_full_replay appends its phase)
         ctx.full_replays += 1
-        return f"draft_{min(len(ctx.phases) + ctx.full_replays - 1, max(ctx.k - 1, 0))}"
+        return f"draft_{min(len(ctx.phases), max(ctx.k - 1, 0))}"
     return ctx.phases[-1] if ctx.phases else "draft_0"
 
 
@@ -161,25 +163,62 @@ def wrap_graph_call(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def wrap_run_fullgraph(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``CudaGraphManager.run_fullgraph``: count FULL replays in the phase they happen in."""
+    """``CudaGraphManager.run_fullgraph``: count FULL replays in the phase they happen in; a
+    draft forward's replay records its phase from the buffers the graph reads
+    (``DraftContext.on_full_replay``), before the replay. Nothing records inside the replay
+    (``consumed.full_replay``: the CPU replay's stand-in graphs run Python there)."""
+    from pcpviz.vllm.recording.wrappers import current_draft
+
     @functools.wraps(original)
     def run_fullgraph(self, desc: Any, *args: Any, **kwargs: Any) -> Any:
+        if in_full_replay():
+            return original(self, desc, *args, **kwargs)
         rec = _live_recorder()
         if rec is not None:
             rec.guard(LEDGER.on_full_replay, rec, _phase(full=True))
-        return original(self, desc, *args, **kwargs)
+            ctx = current_draft()
+            spec = getattr(ctx, "spec", None)
+            if ctx is not None and not ctx.dummy and self in (getattr(spec, "prefill_cudagraph_manager", None),
+                                                              getattr(spec, "decode_cudagraph_manager", None)):
+                rec.guard(ctx.on_full_replay, self, desc)
+        with full_replay():
+            return original(self, desc, *args, **kwargs)
 
     run_fullgraph._pcpviz_wrapper = True  # type: ignore[attr-defined]
     run_fullgraph._pcpviz_original = original  # type: ignore[attr-defined]
     return run_fullgraph
 
 
+def wrap_spec_capture(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``SpeculatorCudaGraphManager.capture(forward_fn, ...)``: the drafter's model calls while it
+    captures are noted (``consumed.note_capture``: the tensors each graph reads at replay); the
+    model class is wrapped first (``wrappers.install_model_wrapper``)."""
+    from pcpviz.vllm.recording.wrappers import install_model_wrapper
+
+    @functools.wraps(original)
+    def capture(self, forward_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        model = getattr(getattr(forward_fn, "__self__", None), "model", None)
+        if model is not None:
+            try:
+                install_model_wrapper(model)
+            except Exception:  # noqa: BLE001 - never break vLLM's capture: the replays read "graph_buffers"
+                pass
+        with capturing(self):
+            return original(self, forward_fn, *args, **kwargs)
+
+    capture._pcpviz_wrapper = True  # type: ignore[attr-defined]
+    capture._pcpviz_original = original  # type: ignore[attr-defined]
+    return capture
+
+
 def graph_targets() -> list[tuple[Any, str, Callable[[Callable[..., Any]], Callable[..., Any]]]]:
     """``(owner, attribute, wrapper factory)`` the ledger patches."""
     from vllm.compilation.cuda_graph import CUDAGraphWrapper
     from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+    from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils import SpeculatorCudaGraphManager
 
-    return [(CUDAGraphWrapper, "__call__", wrap_graph_call), (CudaGraphManager, "run_fullgraph", wrap_run_fullgraph)]
+    return [(CUDAGraphWrapper, "__call__", wrap_graph_call), (CudaGraphManager, "run_fullgraph", wrap_run_fullgraph),
+            (SpeculatorCudaGraphManager, "capture", wrap_spec_capture)]
 
 
 def install_graph_wrappers() -> None:

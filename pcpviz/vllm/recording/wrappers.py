@@ -38,7 +38,11 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
+from vllm.forward_context import get_forward_context, is_forward_context_available
+
 from pcpviz.vllm.recording import fingerprints
+from pcpviz.vllm.recording.consumed import capturing_now, in_full_replay, note_capture
 from pcpviz.vllm.recording.host import now_us
 
 if TYPE_CHECKING:
@@ -210,7 +214,7 @@ def _wrap_run_model(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def _run_model(self, num_tokens, attn_metadata=None, slot_mappings=None, *args: Any, **kwargs: Any) -> Any:
         ctx = current_draft()
-        if ctx is None or ctx.spec is not self:
+        if ctx is None or ctx.spec is not self or in_full_replay():
             return original(self, num_tokens, attn_metadata, slot_mappings, *args, **kwargs)
         mode = kwargs.get("cudagraph_runtime_mode", args[1] if len(args) > 1 else None)
         ctx.rec.guard(ctx.on_forward, int(num_tokens), slot_mappings, getattr(mode, "name", "NONE"))
@@ -307,6 +311,9 @@ def install_instance_wrappers(spec: Any) -> None:
     """Wrap ``gather_block_tables`` / ``compute_slot_mappings`` on the speculator's own
     ``BlockTables`` instance (shared with the runner and the PCP manager): they record only
     inside a recorded ``propose`` on the calling thread."""
+    model = getattr(spec, "model", None)
+    if isinstance(model, torch.nn.Module):
+        install_model_wrapper(model)
     bt = getattr(spec, "block_tables", None)
     if bt is None or getattr(bt, "_pcpviz_instance_wrapped", False):
         return
@@ -324,13 +331,46 @@ def install_instance_wrappers(spec: Any) -> None:
     def compute_slot_mappings(*args: Any, **kwargs: Any):
         result = compute(*args, **kwargs)
         ctx = current_draft()
-        if ctx is not None and ctx.spec.block_tables is bt:
+        if ctx is not None and ctx.spec.block_tables is bt and not in_full_replay():
             ctx.rec.guard(ctx.on_compute_slot_mappings, result)
         return result
 
     bt.gather_block_tables = _mark(gather_block_tables, gather)
     bt.compute_slot_mappings = _mark(compute_slot_mappings, compute)
     bt._pcpviz_instance_wrapped = True
+
+
+_model_classes: list[tuple[type, Any]] = []  # (class, its own __call__ before, or None): uninstall_wrappers
+
+
+def install_model_wrapper(model: Any) -> None:
+    """Wrap the draft model's class ``__call__`` (once per class; vLLM's ``support_torch_compile``
+    sets its own ``__call__``, so module hooks would not run): inside a recorded ``propose`` the
+    call's arguments become the phase's ``fwd_*`` views (``DraftContext.on_model_call``); while a
+    speculator graph manager captures, they are noted for its FULL replays (``consumed``)."""
+    cls = type(model)
+    with _install_lock:
+        if _wrapped(cls.__call__):
+            return
+        own = cls.__dict__.get("__call__")
+        original = cls.__call__
+
+        @functools.wraps(original)
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            if not in_full_replay():
+                ctx = current_draft()
+                if ctx is not None and getattr(ctx.spec, "model", None) is self:
+                    ctx.rec.guard(ctx.on_model_call, args, kwargs)
+                elif capturing_now():
+                    try:
+                        slots = get_forward_context().slot_mapping if is_forward_context_available() else None
+                        note_capture(args, kwargs, slots)
+                    except Exception:  # noqa: BLE001 - a capture note never breaks vLLM's capture
+                        pass
+            return original(self, *args, **kwargs)
+
+        cls.__call__ = _mark(__call__, original)
+        _model_classes.append((cls, own))
 
 
 def wrapped_targets() -> list[tuple[Any, str]]:
@@ -397,4 +437,10 @@ def uninstall_wrappers() -> None:
             current = getattr(owner, name)
             if _wrapped(current):
                 setattr(owner, name, current._pcpviz_original)
+        while _model_classes:
+            cls, own = _model_classes.pop()
+            if own is None:
+                del cls.__call__
+            else:
+                cls.__call__ = own
         _installed = False
