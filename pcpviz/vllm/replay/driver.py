@@ -21,12 +21,14 @@ from typing import Any
 import numpy as np
 
 import vllm
+from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
 from pcpviz.vllm import recording
 from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 from pcpviz.vllm.recording import RecordingPCPManager
+from pcpviz.vllm.replay.graphs import capture_sizes, capture_stand_ins, init_graph_managers
 from pcpviz.vllm.replay.ranks import RankState, ReplayConfig, stand_in_vllm_config
 from pcpviz.vllm.replay.scenarios import SCENARIOS, Scenario
 from pcpviz.vllm.replay.scheduler import ScriptedScheduler
@@ -104,6 +106,7 @@ def replay(
     dummy: bool = True,
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
+    cudagraph_mode: str = "NONE",
 ) -> ReplayResult:
     """Run ``scenario`` through vLLM 0.33.0's real PCP + MTP code on CPU, ``pcp`` ranks as
     threads, ``mtp`` speculative tokens; record a trace into ``trace_dir`` (when given and
@@ -115,17 +118,23 @@ def replay(
     ``docs/vllm-0.33-pcp-mtp.md``). ``record=False`` builds plain ``PCPManager``s (the recording-off
     baseline). ``dummy`` appends a profile run (``propose(dummy_run=True)``) as the last
     step, phase ``dummy``; it must do no block-table gather and no collective (asserted).
-    Raises ValueError for bad arguments.
+    ``cudagraph_mode`` ``FULL_DECODE_ONLY`` / ``FULL_AND_PIECEWISE`` (MTP only) dispatches the draft
+    forwards through the speculator's own graph managers with stand-in FULL graphs
+    (``pcpviz.vllm.replay.graphs``; the target runs eagerly). Raises ValueError for bad arguments.
     """
     sc = _validate(pcp, mtp, scenario, decodes, block_size)
+    if cudagraph_mode not in ("NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
+        raise ValueError(f"cudagraph_mode must be NONE, FULL_DECODE_ONLY or FULL_AND_PIECEWISE, got {cudagraph_mode!r}")
+    if cudagraph_mode != "NONE" and sc.drafter != "mtp":
+        raise ValueError(f"cudagraph_mode={cudagraph_mode}: the replay's stand-in graphs are the MTP speculator's")
     c = ReplayConfig(pcp=pcp, k=mtp, shard=pcp > 1 and decodes == "sharded", block_size=block_size, max_num_reqs=8,
                      max_num_tokens=96, max_model_len=128, vocab=97, hidden=8)
     recording.install_wrappers()
     sched = ScriptedScheduler(sc, c)
     vllm_config = stand_in_vllm_config(c, sc.drafter)
     run = _Run(sc, c, sched, vllm_config=vllm_config, manager_cls=_manager_class(record, trace_dir), record=record,
-               progress=progress)
-    meta = _meta(sc, c, sched)
+               progress=progress, cudagraph_mode=cudagraph_mode)
+    meta = {**_meta(sc, c, sched), "cudagraph_mode": cudagraph_mode}
     t_start = time.perf_counter()
     trace_path, rec_seconds = _run_recorded(run, trace_dir if record else None, meta=meta, overwrite=overwrite,
                                             dummy=dummy)
@@ -155,8 +164,10 @@ class _Run:
     ``pcp`` rank threads, every step checked for agreement between the ranks."""
 
     def __init__(self, sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler, *, vllm_config: Any,
-                 manager_cls: type[PCPManager], record: bool, progress: Callable[[str], None] | None) -> None:
+                 manager_cls: type[PCPManager], record: bool, progress: Callable[[str], None] | None,
+                 cudagraph_mode: str = "NONE") -> None:
         self.sc, self.c, self.sched, self.vllm_config = sc, c, sched, vllm_config
+        self.cudagraph_mode = cudagraph_mode
         self.manager_cls, self.record, self.progress = manager_cls, record, progress
         self.group = FakePCPGroup(c.pcp, timeout=120.0)
         self.states: list[RankState | None] = [None] * c.pcp
@@ -167,6 +178,12 @@ class _Run:
     def build(self, rank: int) -> None:
         st = RankState(self.c, self.vllm_config, self.manager_cls, self.sched.num_slots, self.sc.drafter)
         self.states[rank] = st
+        if self.cudagraph_mode != "NONE":
+            mode = CUDAGraphMode[self.cudagraph_mode]
+            c = self.c
+            init_graph_managers(st.spec, mode, capture_sizes(max_num_seqs=c.max_num_reqs, k=c.k,
+                                                            max_num_batched_tokens=c.max_num_tokens, mode=mode))
+            capture_stand_ins(st.spec)
         if st.manager is None and self.record and recording.current_session() is not None:
             recording.attach_runner(st.runner, recording.current_session())  # PCP = 1
 
@@ -181,7 +198,9 @@ class _Run:
         sched, states = self.sched, self.states
         t0 = time.perf_counter()
         out, _ = sched.schedule(step, True)
-        outs = run_ranks(self.group, lambda rank: rank_step(states[rank], out, step=step, sched=sched))
+        eager = self.cudagraph_mode == "NONE"
+        outs = run_ranks(self.group, lambda rank: rank_step(states[rank], out, step=step, sched=sched,
+                                                            eager_drafts=eager))
         self.step_seconds.append(time.perf_counter() - t0)
         ref = outs[0]
         for rank, o in enumerate(outs[1:], start=1):
