@@ -155,20 +155,30 @@ def main(argv: list[str] | None = None) -> int:
         recording.set_mode("off")
         run(prompts[-1], new)  # warm-up
         times: dict[str, list[float]] = {m: [] for m in MODES}
+        hook_us: dict[str, list[float]] = {m: [] for m in MODES if m != "off"}
         for r in range(a.repeats):
             for m in MODES[r % len(MODES):] + MODES[: r % len(MODES)]:  # rotated: no mode always first
                 recording.set_mode(m, flight=flight)
+                secs0, steps0 = rec.seconds, rec.steps_written
                 times[m].append(run(prompts[r], new))
+                if m != "off":  # host time inside the hooks on vLLM's thread, per recorded step
+                    hook_us[m].append((rec.seconds - secs0) / max(rec.steps_written - steps0, 1) * 1e6)
         med = {m: statistics.median(v) for m, v in times.items()}
+        ratios = {m: [t / o for t, o in zip(times[m], times["off"])] for m in MODES if m != "off"}
         entry = {"prompts": n, "prompt_tokens": length, "new_tokens": new,
                  "seconds": {m: [round(x, 5) for x in v] for m, v in times.items()},
                  "median_s": {m: round(v, 5) for m, v in med.items()},
+                 "min_max_s": {m: [round(min(v), 5), round(max(v), 5)] for m, v in times.items()},
                  "record_over_off": round(med["record"] / med["off"], 4),
-                 "flight_over_off": round(med["flight"] / med["off"], 4)}
+                 "flight_over_off": round(med["flight"] / med["off"], 4),
+                 "ratio_per_repeat_min_max": {m: [round(min(v), 4), round(max(v), 4)] for m, v in ratios.items()},
+                 "hook_us_per_step": {m: {"median": round(statistics.median(v), 1), "min": round(min(v), 1),
+                                          "max": round(max(v), 1)} for m, v in hook_us.items()}}
         entry.update(sizes("record", lambda: run(prompts[0], new)))
         entry.update(sizes("flight", lambda: run(prompts[0], new)))
         res["workloads"][name] = entry
-        print(name, json.dumps({k: entry[k] for k in ("median_s", "record_over_off", "flight_over_off")}), flush=True)
+        print(name, json.dumps({k: entry[k] for k in ("median_s", "min_max_s", "record_over_off", "flight_over_off",
+                                                      "hook_us_per_step")}), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(res, indent=1))
     if not a.no_long:
@@ -192,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "after_flight": _host_mib()}}
         print("b64_ctx32k", json.dumps(res["b64_ctx32k"]), flush=True)
     recording.set_mode("off")
+    res["recorder"] = {"disabled_reason": rec.disabled_reason, "device_ring": rec.pack.ring.stats()}
     res["formula"] = ("decode step, R requests of context C, block size 16, K=2 (FULL_AND_PIECEWISE: draft "
                       "decodes replayed, their block tables not recorded): ~ R * 4 bytes * C/16 * 2 block tables "
                       "(target global, draft_0) + ~150 bytes * R of per-request views + ~6 kB fixed")

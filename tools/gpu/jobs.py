@@ -209,15 +209,76 @@ def _flight_pcp1(_: dict) -> dict:
     return out
 
 
+def _script(name: str, cmd: list[str], timeout_s: float = 560) -> dict:
+    """Run one of the repository's scripts in a child process (its output in logs/NAME.log)."""
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        out, rc = res.stdout + res.stderr, res.returncode
+    except subprocess.TimeoutExpired as exc:
+        out, rc = f"{exc.stdout or ''}{exc.stderr or ''}\ntimed out after {timeout_s:.0f} s", 124
+        out = out if isinstance(out, str) else out.decode(errors="replace")
+    (RESULTS / "logs" / f"{name}.log").write_text(out)
+    return {"rc": rc, "command": shlex.join(cmd), "tail": out.strip().splitlines()[-16:]}
+
+
 @job("overhead")
 def _overhead(_: dict) -> dict:
-    """benchmarks/bench_plugin_overhead.py: recording off / on / flight recorder, interleaved, one
-    process, FULL_AND_PIECEWISE (the figures of data/bench/plugin_overhead_h200x1.json)."""
+    """benchmarks/bench_plugin_overhead.py: recording off / on / flight recorder, interleaved, 7
+    repeats, one process, FULL_AND_PIECEWISE, the four workloads (the batch-64 32k-context memory
+    measurement left out: ``overhead-long``); data/bench/plugin_overhead_h200x1.json."""
     out = RESULTS / "bench" / "plugin_overhead_h200x1.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_plugin_overhead.py"), "--out", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=560)
-    (RESULTS / "logs" / "overhead.log").write_text(res.stdout + res.stderr)
-    return {"rc": res.returncode, "tail": (res.stdout + res.stderr).strip().splitlines()[-16:]}
+    return _script("overhead", [sys.executable, str(REPO / "benchmarks" / "bench_plugin_overhead.py"), "--out",
+                                str(out), "--repeats", "7", "--no-long"])
+
+
+@job("overhead-long")
+def _overhead_long(_: dict) -> dict:
+    """bench_plugin_overhead.py's batch-64 32k-context trace / ring bytes and host memory only."""
+    out = RESULTS / "bench" / "plugin_overhead_h200x1_b64.json"
+    return _script("overhead-long", [sys.executable, str(REPO / "benchmarks" / "bench_plugin_overhead.py"),
+                                     "--out", str(out), "--long-only"])
+
+
+@job("profile")
+def _profile(_: dict) -> dict:
+    """tools/gpu/profile_plugin.py: cProfile of a batch-1 decode (FULL_AND_PIECEWISE), off / flight /
+    record, and the host microseconds per step inside the hooks."""
+    out = RESULTS / "bench" / "plugin_profile_h200x1.txt"
+    return _script("profile", [sys.executable, str(REPO / "tools" / "gpu" / "profile_plugin.py"), "--out", str(out)])
+
+
+FULL_TRACE = "vllm-h200x1-pcp1-mtp2-full"
+
+
+@job("trace-full-pcp1")
+def _trace_full_pcp1(_: dict) -> dict:
+    """PCP=1, K=2, vLLM's default FULL_AND_PIECEWISE, three prompts: the draft phases replayed as FULL
+    graphs carry their views (fwd_source graph_capture / graph_buffers) and ``pcpviz check`` runs its
+    draft checks and forward_consumed_prepared on them. The trace is packed alone too (``OUT``)."""
+    out = _vllm_trace(FULL_TRACE, job_name="trace-full-pcp1", k=2, prompts=TRACE_PROMPTS[:3], mode="FULL_AND_PIECEWISE",
+                      pcp=1, max_tokens=32, timeout_s=540)
+    out.update(_full_phases(RESULTS / "traces" / FULL_TRACE))
+    return out
+
+
+def _full_phases(trace_dir: Path) -> dict:
+    """Draft phases per graph_mode and fwd_source, and the size of the trace."""
+    import numpy as np
+
+    import pcpviz.trace as pt
+
+    t = pt.open(trace_dir)
+    counts: dict[str, int] = {}
+    for step in t.steps:
+        for rank in t.ranks:
+            for ph in t.phases(step, rank):
+                if not ph.startswith("draft_"):
+                    continue
+                rec = t.record(step, rank, ph)
+                key = f"{ph}:{np.asarray(rec.get('graph_mode', 'NONE'))}:{np.asarray(rec.get('fwd_source', '-'))}"
+                counts[key] = counts.get(key, 0) + 1
+    size = sum(f.stat().st_size for f in trace_dir.rglob("*") if f.is_file())
+    return {"draft_phases": counts, "trace_bytes": size}
 
 
 @job("engine")
@@ -383,6 +444,10 @@ def _bench(_: dict) -> dict:
 
 def _pack(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    full = RESULTS / "traces" / FULL_TRACE
+    if full.is_dir():  # the trace to ship, on its own
+        with tarfile.open(out / f"{FULL_TRACE}.tar.xz", "w:xz", preset=6) as tar:
+            tar.add(full, arcname=FULL_TRACE)
     tmp = out / "results.tar.xz.tmp"
     with tarfile.open(tmp, "w:xz", preset=6) as tar:
         tar.add(RESULTS, arcname="results")

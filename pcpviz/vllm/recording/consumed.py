@@ -41,8 +41,8 @@ import torch
 from pcpviz.trace.fingerprints import row_fingerprints
 from pcpviz.vllm.recording.host import Fresh
 
-__all__ = ["in_full_replay", "full_replay", "capturing", "capturing_now", "note_capture", "captured_inputs", "model_call_views",
-           "model_inputs", "SOURCES"]
+__all__ = ["in_full_replay", "full_replay", "capturing", "capturing_now", "note_capture", "captured_inputs",
+           "model_call_views", "model_inputs", "SOURCES"]
 
 SOURCES = ("model_call", "graph_capture", "graph_buffers")
 _tls = threading.local()  # .full: inside a FULL replay; .manager: the graph manager capturing

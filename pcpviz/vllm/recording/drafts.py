@@ -188,7 +188,8 @@ class DraftContext:
             slots, source = first_layer_slots(cap["slot_mapping"], self.spec, rows), "graph_capture"
         else:
             buf = self.spec.input_buffers
-            ids, pos, hidden, slots, source = buf.input_ids, buf.positions, self.spec.hidden_states, None, "graph_buffers"
+            ids, pos, hidden = buf.input_ids, buf.positions, self.spec.hidden_states
+            slots, source = None, "graph_buffers"
         self.rec.put(self.phases[-1], **model_call_views(ids, pos, hidden, slots, source=source, rows=rows))
 
     def _replayed_phases(self, k: int) -> None:
