@@ -155,9 +155,9 @@ class RankRecorder:
         ring = self.pack.ring
         self.overflow_after.append(self.step)
         if ring.overflow_steps == 1:
-            logger.warning("pcpviz: PCP rank %d: the device ring (%d MiB, %s) is full; step %d and any later step that "
+            logger.warning("pcpviz: PCP rank %d: the device ring (%g MiB, %s) is full; step %d and any later step that "
                            "does not fit are not recorded (the trace says how many)", self.rank,
-                           ring.capacity >> 20, ENV_RING_MB, self.step)
+                           ring.capacity / (1 << 20), ENV_RING_MB, self.step)
         if ring.overflow_steps & (ring.overflow_steps - 1) == 0:  # 1, 2, 4, 8...: run.json stays current, cheaply
             self.update_meta(device_ring_overflow=self.overflow_meta())
 
