@@ -209,7 +209,7 @@ def _flight_pcp1(_: dict) -> dict:
     return out
 
 
-def _script(name: str, cmd: list[str], timeout_s: float = 560) -> dict:
+def _script(name: str, cmd: list[str], timeout_s: float = 540) -> dict:
     """Run one of the repository's scripts in a child process (its output in logs/NAME.log)."""
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
@@ -256,7 +256,7 @@ def _trace_full_pcp1(_: dict) -> dict:
     graphs carry their views (fwd_source graph_capture / graph_buffers) and ``pcpviz check`` runs its
     draft checks and forward_consumed_prepared on them. The trace is packed alone too (``OUT``)."""
     out = _vllm_trace(FULL_TRACE, job_name="trace-full-pcp1", k=2, prompts=TRACE_PROMPTS[:3], mode="FULL_AND_PIECEWISE",
-                      pcp=1, max_tokens=32, timeout_s=540)
+                      pcp=1, max_tokens=32, timeout_s=420)
     out.update(_full_phases(RESULTS / "traces" / FULL_TRACE))
     return out
 
