@@ -76,7 +76,12 @@ class DeviceRing:
                 self.buf = torch.empty(self.capacity, dtype=torch.uint8, device=device)
 
     def _free(self, a: int, b: int) -> bool:
-        return b <= self.capacity and all(b <= s or a >= e for s, e in self.spans)
+        if b > self.capacity:
+            return False
+        for s, e in self.spans:  # a loop, not all(genexpr): this runs once per hook call
+            if b > s and a < e:
+                return False
+        return True
 
     def reserve(self, nbytes: int) -> int | None:
         """Room for ``nbytes`` more of the step being recorded: the offset of its first byte in
@@ -84,7 +89,7 @@ class DeviceRing:
         if self.dropped:
             return None
         with self._lock:
-            at = _align(self.head)
+            at = (self.head + ALIGN - 1) // ALIGN * ALIGN
             end = at + nbytes
             if self._free(self.start, end):
                 self.head = end
