@@ -189,10 +189,6 @@ META_SCHEMA: Mapping[str, tuple[Callable[[Any], str | None], bool, str]] = {
     "vllm_version": (_str, False, "vLLM version of the producer"),
     "speculative_method": (_str, False, "mtp, eagle, dspark, ..."),
     "prompt_token_ids": (_token_ids, False, "prompt token ids per request"),
-    "device_ring_overflow": (lambda v: None if isinstance(v, dict) and type(v.get("steps")) is int else
-                             "expected {steps: int, ring_bytes, before_step}", False,
-                             "vllm-plugin: steps not recorded because the recorder's device ring was full "
-                             "(steps, ring_bytes, the recorded step each came before); the ranks end partial"),
 }
 """The run.json keys pcpviz knows: key -> (check, required, meaning). Other keys are allowed.
 One of ``block_size`` / ``block_sizes`` is required too."""
