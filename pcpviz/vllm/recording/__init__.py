@@ -28,8 +28,9 @@ DSpark inputs          ``dflash.speculator.prepare_dflash_inputs`` (module globa
 =====================  ==========================================================
 
 Every override calls ``super()`` first and records copies: tensors are copied on their
-device when the hook fires (``host.StepPack``: one flat copy per dtype per hook call) and
-moved to the host once per step (one copy of the step's buffer), so vLLM's persistent
+device when the hook fires (``host.StepPack``: one ``cat`` per dtype per hook call into the
+preallocated device ring, ``recording.ring``) and moved to the host off the step thread (one
+copy of the step's span), so vLLM's persistent
 buffers — which CUDA graphs replay by address — are never re-allocated and the recorded values are those of that moment.
 Recording never changes what vLLM computes (tested: identical draft tokens, slot mappings
 and KV caches with recording on and off).
@@ -52,7 +53,9 @@ The package, one concern per module:
 ``drafts``             ``DraftContext``: one ``propose`` call, a phase per draft forward
 ``manager``            ``RecordingPCPManager`` (the ``PCPManager`` overrides)
 ``wrappers``           the speculator / runner / warm-up method wrappers
-``host``               copies on the device (one buffer a step), staged to the host per step
+``host``               the hooks' copies (``StepPack``), staged to the host off the step thread
+``ring``               the preallocated device ring they land in; overflow counted and stated
+``consumed``           what each draft forward consumed (``fwd_*``), FULL-graph capture notes
 ``sink``               where finished steps go, off the step's path: rank file or flight ring
 ``procsink``           the plugin's default sink: a writer process per rank (outside vLLM's GIL)
 ``graphs``             the graph-replay ledger (CUDA-graph captures vs replays)

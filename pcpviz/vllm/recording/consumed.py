@@ -114,7 +114,7 @@ def _fp(t: Any) -> Fresh | None:
     return Fresh(row_fingerprints(t)) if ok else None
 
 
-def model_call_views(ids: Any, pos: Any, hidden: Any, slots: Any, *, source: str, rows: int | None = None) -> dict:
+def model_call_views(ids: Any, pos: Any, hidden: Any, *, slots: Any, source: str, rows: int | None = None) -> dict:
     """The ``fwd_*`` views of one forward's inputs (the first ``rows`` rows, all by default)."""
     n = rows if rows is not None else (int(pos.shape[0]) if isinstance(pos, torch.Tensor) else None)
     views: dict[str, Any] = {"fwd_source": np.array(source)}

@@ -170,7 +170,7 @@ class DraftContext:
         slots = None
         if is_forward_context_available():
             slots = first_layer_slots(get_forward_context().slot_mapping, self.spec, rows)
-        self.rec.put(self.phases[-1], **model_call_views(ids, pos, hidden, slots, source="model_call", rows=rows))
+        self.rec.put(self.phases[-1], **model_call_views(ids, pos, hidden, slots=slots, source="model_call", rows=rows))
 
     def on_full_replay(self, manager: Any, desc: Any) -> None:
         """A draft forward replayed as a FULL CUDA graph (no Python runs inside it): its phase
@@ -190,7 +190,7 @@ class DraftContext:
             buf = self.spec.input_buffers
             ids, pos, hidden = buf.input_ids, buf.positions, self.spec.hidden_states
             slots, source = None, "graph_buffers"
-        self.rec.put(self.phases[-1], **model_call_views(ids, pos, hidden, slots, source=source, rows=rows))
+        self.rec.put(self.phases[-1], **model_call_views(ids, pos, hidden, slots=slots, source=source, rows=rows))
 
     def _replayed_phases(self, k: int) -> None:
         """Draft forwards that ran inside another FULL replay (a fused multi-step decode graph)
