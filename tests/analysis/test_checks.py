@@ -29,7 +29,8 @@ EXPECTED_NAMES = [
     "local_positions_are_global", "local_seq_lens", "local_logits_not_sampled",
     "draft_prefill_rank_local", "draft_last_token_indices", "draft_input_ids",
     "draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance",
-    "hidden_restored", "hidden_handoffs", "target_outputs_agree", "graph_inputs_are_captured",
+    "hidden_restored", "hidden_handoffs", "target_outputs_agree", "forward_consumed_prepared",
+    "graph_inputs_are_captured",
     "verify_consistent", "drafts_fed_back", "ranks_agree", "positions_consistent", "verify_greedy",
 ]
 
@@ -70,7 +71,8 @@ def test_clean_traces_pass_every_check(tmp_path, kw):
     report = check(run, tmp_path)
     assert report.ok, report.format()
     k, pcp = kw["k"], kw["pcp"]
-    never = {"graph_inputs_are_captured"}  # the synthetic producer models eager runs: no graph ledger
+    # the synthetic producer models eager runs (no graph ledger) and records no fwd_* views
+    never = {"graph_inputs_are_captured", "forward_consumed_prepared"}
     if k < 2:
         never |= {"draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance"}
     if k < 1:
@@ -375,6 +377,20 @@ def case_huge_positions(_):
     return run, {"views_in_bounds"}, (1, 0, "target", "positions")
 
 
+def case_forward_consumed_shifted(_):
+    """The first draft forward was handed positions + 1 (the plugin's fwd_* views beside the prepared
+    ones; tests/vllm/test_recording_ring.py plants it in vLLM's classes)."""
+    run = clean_run(2)
+    for step in run.step_ids:
+        for rank in range(2):
+            d0 = run.views(step, rank, "draft_0")
+            d0["fwd_source"] = np.array("model_call")
+            d0["fwd_positions"] = np.asarray(d0["draft_positions"]).copy()
+    s = run.step_ids[1]
+    run.views(s, 0, "draft_0")["fwd_positions"] = run.views(s, 0, "draft_0")["fwd_positions"] + 1
+    return run, {"forward_consumed_prepared"}, (s, 0, "draft_0", "fwd_positions")
+
+
 def case_graph_input_moved(_):
     """A replay handed a buffer at another address than its graph's capture (the graph-replay
     ledger's line, as the plugin writes it; tests/test_graph_ledger.py makes it for real)."""
@@ -415,6 +431,7 @@ CASES = {
     "target_outputs_agree": [case_target_outputs_fork],
     "verify_greedy": [case_verify_not_greedy],
     "graph_inputs_are_captured": [case_graph_input_moved],
+    "forward_consumed_prepared": [case_forward_consumed_shifted],
 }
 
 
@@ -464,7 +481,7 @@ def test_missing_view_is_skipped_and_said_so(tmp_path):
     assert res.skipped == 2 * len(run.step_ids)
     assert res.skip_reason == "step 0 rank 0: no sampled_logits_rows"
     text = report.format()
-    assert "SKIP  local_logits_not_sampled" in text and "ran on 0 of" in text and "2 skipped" in text
+    assert "SKIP  local_logits_not_sampled" in text and "ran on 0 of" in text and "3 skipped" in text
     assert report.to_dict()["checks"]["local_logits_not_sampled"]["verdict"] == "skipped"
 
 
@@ -479,7 +496,7 @@ def test_phase_missing_on_some_steps_is_a_partial_skip(tmp_path):
     assert "skipped 2 (step 0 rank 0: no verify phase)" in report.format()
     # the summary's counts agree with the per-check lines: a skipped (step, rank) is not a skipped check
     last = report.format().splitlines()[-1]
-    assert "1 skipped (could run on no step)" in last  # graph_inputs_are_captured: no CUDA graphs
+    assert "2 skipped (could run on no step)" in last  # graph_inputs_are_captured, forward_consumed_prepared
     partial = [r for r in report.results.values() if r.verdict == PASS and r.skipped]
     assert f"; {len(partial)} passed checks skipped {sum(r.skipped for r in partial)} (step, rank)" in last
 
@@ -565,7 +582,8 @@ def test_cli_check_truncated_rank_file_checks_what_is_complete(tmp_path):
     assert lines and all(ln.startswith("pcpviz check: incomplete: ") for ln in lines), lines
     assert "rank1.arrow" in lines[0] and "last complete step" in lines[0]
     assert any("rank 1 lacks steps" in ln for ln in lines)
-    assert f"result: INCOMPLETE: {len(CHECKS) - 1} passed, 0 failed" in r.stdout  # all but the graph ledger's
+    # all but the graph ledger's and forward_consumed_prepared (no fwd_* views)
+    assert f"result: INCOMPLETE: {len(CHECKS) - 2} passed, 0 failed" in r.stdout
 
 
 def test_run_checks_takes_one_name_or_a_list_and_refuses_unknown_names():

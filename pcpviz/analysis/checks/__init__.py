@@ -40,10 +40,11 @@ from pcpviz.analysis.compare import first_difference, short_repr
 from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
 from .runner import CHECK_MODULES, CHECKS, run_checks
 
-ENGINE_VIEW_CHECKS = frozenset({"hidden_restored", "hidden_handoffs", "target_outputs_agree", "verify_greedy"})
+ENGINE_VIEW_CHECKS = frozenset({"hidden_restored", "hidden_handoffs", "target_outputs_agree", "verify_greedy",
+                                "forward_consumed_prepared"})
 """Checks of views only some producers record (fingerprints: the engine and the vLLM plugin, not
-older traces nor FULL CUDA-graph replays; top1_token: the engine alone): skipped where a view is
-missing, naming it."""
+older traces; top1_token: the engine alone; fwd_*: the vLLM plugin and the CPU replay): skipped
+where a view is missing, naming it."""
 
 __all__ = [
     "ENGINE_VIEW_CHECKS", "CHECKS", "PASS", "FAIL", "SKIPPED", "Violation", "CheckResult", "CheckReport", "run_checks",
