@@ -196,15 +196,16 @@ def wrap_spec_capture(original: Callable[..., Any]) -> Callable[..., Any]:
     from pcpviz.vllm.recording.wrappers import install_model_wrapper
 
     @functools.wraps(original)
-    def capture(self, forward_fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def capture(self, *args: Any, **kwargs: Any) -> Any:
+        forward_fn = args[0] if args else kwargs.get("forward_fn")
         model = getattr(getattr(forward_fn, "__self__", None), "model", None)
-        if model is not None:
+        if isinstance(model, torch.nn.Module):
             try:
                 install_model_wrapper(model)
             except Exception:  # noqa: BLE001 - never break vLLM's capture: the replays read "graph_buffers"
                 pass
         with capturing(self):
-            return original(self, forward_fn, *args, **kwargs)
+            return original(self, *args, **kwargs)
 
     capture._pcpviz_wrapper = True  # type: ignore[attr-defined]
     capture._pcpviz_original = original  # type: ignore[attr-defined]
