@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pcpviz.analysis.acceptance import json_ratio
+from pcpviz.trace.acceptance import json_ratio
 from pcpviz.engine.rank_procs import (WORK_PREFIX, RankError, RankProcess, blame, clean_stale_work_dirs,
                                       die_with_parent, rank_env)
 from pcpviz.engine.run_config import build_config
@@ -41,7 +41,7 @@ __all__ = ["run", "RunResult", "RankError", "RunInterrupted"]
 
 
 def _ratio(x: float | None) -> float:
-    """A ratio from a rank's result JSON: null (nothing drafted) is NaN (pcpviz.analysis.acceptance's policy)."""
+    """A ratio from a rank's result JSON: null (nothing drafted) is NaN (pcpviz.trace.acceptance's policy)."""
     return math.nan if x is None else float(x)
 
 
@@ -51,7 +51,7 @@ class RunResult:
     output_token_ids: list[list[int]]
     texts: list[str]
     num_accepted_tokens_per_pos: list[int]
-    acceptance_rate_per_pos: list[float]  # pcpviz.analysis.acceptance: NaN where nothing was drafted
+    acceptance_rate_per_pos: list[float]  # pcpviz.trace.acceptance: NaN where nothing was drafted
     acceptance_rate: float
     mean_acceptance_length: float
     num_drafts: int

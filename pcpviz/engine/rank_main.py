@@ -147,7 +147,7 @@ class _StepLoop:
     the scheduler's update, the acceptance counts and the progress line."""
 
     def __init__(self, rank: int, sched, worker, *, writer, timer, profiler, k: int) -> None:
-        from pcpviz.analysis.acceptance import Counts
+        from pcpviz.trace.acceptance import Counts
 
         self.rank, self.sched, self.worker = rank, sched, worker
         self.writer, self.timer, self.profiler = writer, timer, profiler
@@ -178,7 +178,7 @@ class _StepLoop:
 
     def step(self) -> bool:
         """One step; False when the run is over (no plan: done, or stopped)."""
-        from pcpviz.analysis.acceptance import count
+        from pcpviz.trace.acceptance import count
         from pcpviz.engine.scheduler import SchedulerOutput
 
         timer, writer, sched = self.timer, self.writer, self.sched
@@ -225,9 +225,9 @@ def _rank_info(rank: int, worker, timer) -> dict:
 
 
 def _result(loop: _StepLoop, wall: float, info: dict) -> dict:
-    """Rank 0's result: every request's tokens, acceptance by pcpviz.analysis.acceptance's
+    """Rank 0's result: every request's tokens, acceptance by pcpviz.trace.acceptance's
     definitions (None, JSON null, where nothing was drafted), the timings."""
-    from pcpviz.analysis.acceptance import json_ratio
+    from pcpviz.trace.acceptance import json_ratio
 
     counts = loop.counts
     return {

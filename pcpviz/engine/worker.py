@@ -110,7 +110,7 @@ class RequestState:
 @dataclass
 class StepResult:
     per_request: dict[str, tuple[list[int], int]]  # req_id -> (sampled tokens, num_rejected)
-    num_accepted: np.ndarray  # int64[R]: drafts accepted per request (pcpviz.analysis.acceptance.count)
+    num_accepted: np.ndarray  # int64[R]: drafts accepted per request (pcpviz.trace.acceptance.count)
     num_draft_tokens: np.ndarray  # int64[R]: drafts verified per request
     record: StepRecord | None
 
