@@ -79,9 +79,7 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child before ex
 def rank_env(cfg: dict, rank: int, port: int) -> dict:
     """The rank's environment: env:// variables, this pcpviz first on the path (absolute, so
     the rank imports the launcher's package whatever its working directory holds)."""
-    import pcpviz
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(pcpviz.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above pcpviz/
     paths = [root] + [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cfg["pcp"]), LOCAL_RANK=str(rank),
                LOCAL_WORLD_SIZE=str(cfg["pcp"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

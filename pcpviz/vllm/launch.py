@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pcpviz.vllm import SUPPORTED_VLLM_VERSION  # the one definition
+from pcpviz.vllm.supported import SUPPORTED_VLLM_VERSION  # the one definition
 
 __all__ = ["run", "build_vllm_launch", "VllmLaunch", "LaunchError", "preflight", "gpus_missing", "CUDAGRAPH_MODES"]
 
