@@ -16,12 +16,11 @@ import argparse
 import os
 from typing import Any, Callable
 
+from pcpviz.limits import MAX_JSON_INPUT_BYTES
 from pcpviz.trace.jsonlimits import loads_bounded
 from pcpviz.trace.runmeta import open_for_reading
 
-__all__ = ["MAX_JSON_INPUT_BYTES", "bounded_int", "check_output_file", "read_json_file"]
-
-MAX_JSON_INPUT_BYTES = 64 << 20
+__all__ = ["bounded_int", "check_output_file", "read_json_file"]
 
 
 def bounded_int(lo: int, hi: int) -> Callable[[str], int]:

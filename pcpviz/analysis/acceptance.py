@@ -26,10 +26,10 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from pcpviz.limits import MAX_SPECULATIVE_TOKENS
 from pcpviz.trace import TraceError
 from pcpviz.trace.acceptance import Counts, count, json_ratio, ratio, verify_counts
 from pcpviz.trace.schema import rank_file_name
-from pcpviz.trace.validate import MAX_SPECULATIVE_TOKENS
 
 __all__ = ["Counts", "count", "ratio", "json_ratio", "verify_counts", "RequestAcceptance",
            "StepAcceptance", "Acceptance", "acceptance", "acceptance_from_records"]

@@ -22,6 +22,7 @@ import re
 import sys
 from typing import Any, Iterator, Sequence
 
+from pcpviz.limits import MAX_PROMPTS
 from pcpviz.io_guards import bounded_int, check_output_file, read_json_file
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_INCOMPLETE", "EXIT_PIPE", "UsageError", "Incomplete",
@@ -78,9 +79,7 @@ def path(text: str) -> str:
 
 def read_prompts_file(path: str) -> list[str]:
     """The prompts of ``--prompts-file`` (a JSON list of strings, at most
-    ``engine.prompt_budget.MAX_PROMPTS``), or ValueError naming the option and the file."""
-    from pcpviz.engine.prompt_budget import MAX_PROMPTS
-
+    ``pcpviz.limits.MAX_PROMPTS``), or ValueError naming the option and the file."""
     loaded = read_json_file(path, "--prompts-file")
     if not isinstance(loaded, list) or not all(isinstance(p, str) for p in loaded):
         raise ValueError(f"--prompts-file {path}: expected a JSON list of strings")

@@ -15,7 +15,7 @@ import time
 
 from pcpviz.cli.guard import (EXIT_FAILED, EXIT_OK, UsageError, bounded_int, check_output_file, path,
                               read_prompts_file, seconds)
-from pcpviz.cli.layout_command import MAX_WORLD
+from pcpviz.limits import MAX_LAYOUT_WORLD
 
 __all__ = ["add_run", "STARTED"]
 
@@ -107,7 +107,7 @@ def add_run(sub) -> None:
                        description="Run the shipped tiny DeepSeek-V3 model (or --model) on --pcp ranks "
                                    "with MTP speculative decoding, the way vLLM 0.33.0's model runner "
                                    "does, and record every step's views to --trace.")
-    p.add_argument("--pcp", type=bounded_int(1, MAX_WORLD), default=2, help="PCP ranks (processes)")
+    p.add_argument("--pcp", type=bounded_int(1, MAX_LAYOUT_WORLD), default=2, help="PCP ranks (processes)")
     p.add_argument("--mtp", type=bounded_int(0, 64), default=2, help="num_speculative_tokens K (0 = no speculation)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; not empty)")

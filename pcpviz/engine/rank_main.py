@@ -33,7 +33,7 @@ def run_rank(cfg: dict) -> dict | None:
     result (the launcher's ``result.json``), the other ranks None."""
     import torch
 
-    from pcpviz.engine.phases import PhaseTimer
+    from pcpviz.engine.phase_timer import PhaseTimer
     from pcpviz.engine.recorder import AsyncRecorder
     from pcpviz.engine.worker import Worker
     from pcpviz.trace import TraceWriter

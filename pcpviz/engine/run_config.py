@@ -14,15 +14,12 @@ import os
 from typing import Sequence
 
 from pcpviz.engine.prompt_budget import check_prompt_budget
+from pcpviz.limits import (MAX_BATCHED_TOKENS, MAX_CPU_RANKS, MAX_ENGINE_BLOCK_SIZE, MAX_NUM_SEQS,
+                           MAX_SPECULATIVE_TOKENS, MAX_TIMEOUT_S)
 
-__all__ = ["build_config", "DTYPES", "MAX_CPU_RANKS", "MAX_BLOCK_SIZE", "MAX_BATCHED_TOKENS", "MAX_TIMEOUT_S"]
+__all__ = ["build_config", "DTYPES"]
 
 
-MAX_CPU_RANKS = 32
-"""Most ranks (processes) a CPU run starts."""
-MAX_BLOCK_SIZE = 4096
-MAX_BATCHED_TOKENS = 1 << 20
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 DTYPES = ("float32", "bfloat16")
@@ -42,8 +39,8 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
 
     ``cuda_graphs``: decode steps from CUDA graphs (None: on for CUDA at PCP=1, see
     ``EngineConfig.cuda_graphs`` for why not yet at PCP > 1; True on the CPU runs
-    the same padded path without capture, see ``pcpviz.engine.graphs``). ``time_phases``: the
-    per-phase breakdown of the loop (``RunResult.phases``, ``pcpviz.engine.phases``).
+    the same padded path without capture, see ``pcpviz.engine.decode_graphs``). ``time_phases``: the
+    per-phase breakdown of the loop (``RunResult.phases``, ``pcpviz.engine.phase_timer``).
     ``profile_dir``: a torch.profiler profile of every step after the first (which carries the
     one-time JIT and allocator costs) per rank, the phases as labelled ranges:
     ``profile_rank<r>.txt`` (operators by device time) and ``profile_rank<r>.json`` (a Chrome
@@ -98,10 +95,10 @@ def _check_sizes(*, pcp: int, num_speculative_tokens: int, max_new_tokens: int, 
     _positive("block_size", block_size)
     _positive("max_num_seqs", max_num_seqs)
     _positive("max_num_batched_tokens", max_num_batched_tokens)
-    for name, value, hi in (("block_size", block_size, MAX_BLOCK_SIZE),
+    for name, value, hi in (("block_size", block_size, MAX_ENGINE_BLOCK_SIZE),
                             ("max_num_batched_tokens", max_num_batched_tokens, MAX_BATCHED_TOKENS),
-                            ("max_num_seqs", max_num_seqs, 4096),
-                            ("num_speculative_tokens", num_speculative_tokens, 64)):
+                            ("max_num_seqs", max_num_seqs, MAX_NUM_SEQS),
+                            ("num_speculative_tokens", num_speculative_tokens, MAX_SPECULATIVE_TOKENS)):
         if value > hi:
             raise ValueError(f"{name}={value} is larger than pcpviz runs ({hi} at most)")
 

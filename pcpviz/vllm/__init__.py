@@ -23,7 +23,7 @@ run before vLLM is first imported, so it is the caller who decides when that hap
 as it was).
 """
 
-from pcpviz.vllm.supported import SUPPORTED_VLLM_VERSION  # noqa: F401 - the one definition, re-exported
+from pcpviz.vllm.contract import SUPPORTED_VLLM_VERSION  # noqa: F401 - the one definition, re-exported
 
 
 def __getattr__(name):

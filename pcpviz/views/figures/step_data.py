@@ -21,8 +21,9 @@ from pcpviz.trace.reader import Record
 from pcpviz.trace.schema import DRAFT_VIEW_REPLICATED, SEGMENT_DTYPE
 from pcpviz.trace.shapes import table_groups, view_text
 
-__all__ = ["view_array", "is_replicated", "StepLayout", "step_layout", "has_layout", "single_rank", "LAYOUT_VIEWS",
-           "layout_summary", "recorded_phases", "draft_source_phase", "trace_req_ids", "load_check_report"]
+__all__ = ["view_array", "is_replicated", "StepLayout", "step_layout", "has_layout", "single_rank",
+           "LAYOUT_INPUT_VIEWS", "layout_summary", "recorded_phases", "draft_source_phase", "trace_req_ids",
+           "load_check_report"]
 
 
 def view_array(rec: Record | None, name: str, default=None):
@@ -101,7 +102,7 @@ def recorded_phases(trace: Any, step: int, rank: int) -> list[str]:
     return trace.phases(step, rank)
 
 
-LAYOUT_VIEWS = ("per_rank_num_tokens", "padded_gather_idx", "kv_write_mask", "hidden_restore_idx")
+LAYOUT_INPUT_VIEWS = ("per_rank_num_tokens", "padded_gather_idx", "kv_write_mask", "hidden_restore_idx")
 """The target views a PCP layout is rebuilt from."""
 
 
@@ -112,7 +113,7 @@ def single_rank(target: Record | None) -> bool:
     Only a record that knows its run is PCP=1 (``Record.pcp``, from run.json) qualifies: a PCP>1
     record missing its layout views is damaged, and is never drawn as if it were PCP=1."""
     return (target is not None and getattr(target, "pcp", None) == 1
-            and not any(v in target for v in LAYOUT_VIEWS))
+            and not any(v in target for v in LAYOUT_INPUT_VIEWS))
 
 
 def has_layout(target: Record | None) -> bool:
