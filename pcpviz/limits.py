@@ -8,8 +8,8 @@ Two tables because two kinds of input:
 * **A trace** comes from any producer, real vLLM 0.33.0 included, so its bounds are wide: they
   keep a damaged or hostile file from sizing an allocation, never refuse a run vLLM could make.
   vLLM 0.33.0 bounds the KV block size only from below (``CacheConfig.block_size: int =
-  Field(default=None, gt=0)``, vllm/config/cache.py:187; hybrid models align it to page sizes
-  well past 4096), hence ``MAX_BLOCK_SIZE = 2**20``. Parallel sizes are bounded by
+  Field(default=None, gt=0)``, vllm/config/cache.py:187), so the trace's bound is ours and wide,
+  ``MAX_BLOCK_SIZE = 2**20``: it only stops a file from sizing an allocation. Parallel sizes are bounded by
   ``MAX_WORLD_SIZE``, which is also the most rank files a trace may have (one per PCP rank).
 * **A run of pcpviz's own engine** (``pcpviz.run``, ``pcpviz run``) is narrower: it is a tiny
   model on CPU processes or a few GPUs, and each bound is what that engine sensibly allocates. Each

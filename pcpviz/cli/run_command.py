@@ -79,6 +79,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
 def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
     """Write the rank config for torchrun (multi-host) instead of launching the ranks here: the
     GPUs are counted on the hosts that run the ranks, not on this one."""
+    import dataclasses
     import os
 
     from pcpviz.engine.run_config import build_config
@@ -88,11 +89,12 @@ def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
         cfg = build_config(prompts, count_local_devices=False, **_engine_options(args))
         work = os.path.abspath(os.path.splitext(args.write_config)[0] + "-work")
         os.makedirs(work, exist_ok=True)
-        cfg["work_dir"] = work
-        if cfg["trace_dir"]:
-            start_trace(cfg, "pcpviz run --write-config").release()  # the ranks create their files
-        with open(args.write_config, "w") as f:
-            json.dump(cfg, f)
+        cfg = dataclasses.replace(cfg, work_dir=work)
+        if cfg.trace_dir:
+            owner = start_trace(cfg, "pcpviz run --write-config")
+            owner.release()  # the ranks create their files
+            cfg = dataclasses.replace(cfg, trace_owner=owner.token)
+        cfg.to_json(args.write_config)
     except (ValueError, OSError) as e:
         raise UsageError(f"pcpviz run: {' '.join(str(e).split())}") from None
     print(f"wrote {args.write_config}; start the ranks with\n"
