@@ -16,6 +16,8 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from pcpviz.reference.batch import record_query_start_loc
+from pcpviz.reference.chunks import chunk_size
 from pcpviz.trace.bounds import step_problems
 from pcpviz.trace.reader import Record
 from pcpviz.trace.schema import DRAFT_VIEW_REPLICATED, SEGMENT_DTYPE
@@ -139,8 +141,7 @@ def _step_layout(target: Record) -> StepLayout:
         raise ValueError(f"malformed views: {problems[0]}")
     req_ids = tuple(str(x) for x in np.asarray(target["req_ids"]).ravel())
     q = np.asarray(target["num_scheduled_tokens"], dtype=np.int64)
-    qsl = view_array(target, "query_start_loc")
-    qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int64) if qsl is None else qsl.astype(np.int64)
+    qsl = record_query_start_loc(target)
     if single_rank(target):  # PCP=1: rank 0's rows are the global tokens, all written
         t1 = int(qsl[-1]) if qsl.size else 0
         per_rank = np.array([t1], dtype=np.int64)
@@ -167,10 +168,10 @@ def _step_layout(target: Record) -> StepLayout:
         ok = (gi >= 0) & (gi < q.shape[0])
         cover = (segs["global_start"][ok] == qsl[gi[ok]]) & (segs["global_stop"][ok] == qsl[gi[ok] + 1])
         whole[gi[ok][cover]] = True
-    chunk_size = np.maximum(-(-q // max(2 * n, 1)), 1)
+    size = np.maximum(chunk_size(q, max(n, 1)), 1)  # the reference's ceil(q / 2N), never 0
     if t:
         offset = np.arange(t) - qsl[token_req]
-        token_chunk = np.where(whole[token_req], 0, offset // chunk_size[token_req])
+        token_chunk = np.where(whole[token_req], 0, offset // size[token_req])
     else:
         token_chunk = np.zeros(0, np.int64)
     local = np.arange(p)
