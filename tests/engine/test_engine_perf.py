@@ -421,16 +421,16 @@ def test_every_run_times_its_steps_and_reads_the_steady_decode_step(runs):
 
 
 def test_static_input_views_start_aligned():
-    """Every static input view starts at a multiple of ALIGN elements, whatever the lengths of
+    """Every static input view starts at a multiple of INPUT_ALIGN elements, whatever the lengths of
     the arrays packed before it (Triton specializes kernels on pointer alignment: a view whose
     alignment depended on another array's length recompiled the prefill kernel on one H200)."""
     from pcpviz.engine.decode_graphs import StaticInputs
-    from pcpviz.engine.inputs import ALIGN, aligned
+    from pcpviz.engine.inputs import INPUT_ALIGN, aligned
 
     spec = {"a": ((3,), torch.int64), "b": ((5, 7), torch.int64), "c": ((1,), torch.int32), "d": ((9,), torch.int32)}
     s = StaticInputs(spec, torch.device("cpu"))
     offsets = {name: v.storage_offset() for name, v in s.views.items()}
-    assert all(off % ALIGN == 0 for off in offsets.values()), offsets
+    assert all(off % INPUT_ALIGN == 0 for off in offsets.values()), offsets
     assert offsets["b"] == aligned(3) and offsets["d"] == aligned(1)
     s.fill({"a": np.arange(3), "b": np.ones((5, 7)), "c": np.array([4]), "d": np.arange(9)})
     assert s.views["b"].sum().item() == 35 and s.views["d"].tolist() == list(range(9))
@@ -438,12 +438,12 @@ def test_static_input_views_start_aligned():
 
 @pytest.mark.gpu
 def test_uploaded_views_start_aligned():
-    from pcpviz.engine.inputs import ALIGN
+    from pcpviz.engine.inputs import INPUT_ALIGN
 
     up = Uploader(torch.device("cuda"))
     t = up.upload({"x": (np.arange(3), torch.int64), "y": (np.arange(5), torch.int64),
                    "z": (np.arange(7), torch.int32)})
-    assert all(v.storage_offset() % ALIGN == 0 for v in t.values())
+    assert all(v.storage_offset() % INPUT_ALIGN == 0 for v in t.values())
     assert t["y"].tolist() == list(range(5)) and t["z"].tolist() == list(range(7))
 
 
