@@ -12,7 +12,7 @@ Measures (every figure from the same invocation):
 * ``acceptance_rate_per_pos`` for K=2 and K=3 on held-out Python source;
 * ``tokens_equal``            the same prompts on CPU (gloo) and on the device (NCCL) give the same
                               tokens, and match ``data/bench/expected_tokens.json`` (made on CPU here).
-* ``phases``                  per configuration, where each step's time goes (``pcpviz.engine.phases``):
+* ``phases``                  per configuration, where each step's time goes (``pcpviz.engine.phase_timer``):
                               schedule, batch, h2d, target, gather, verify, draft_0, draft_k, record,
                               capture, other, per step (``per_step``: host ms, and device ms from CUDA
                               events on CUDA), over all steps and over decode steps only;

@@ -7,7 +7,9 @@
 See README.md.
 """
 
-__version__ = "0.1.0"
+from pcpviz.version import __version__
+
+__all__ = ["__version__", "run", "RunResult", "RankError", "trace"]
 
 
 def __getattr__(name):

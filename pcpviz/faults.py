@@ -43,6 +43,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from pcpviz.limits import MAX_ONSET_STEP
+
 __all__ = [
     "Fault", "FAULTS", "fault", "ENGINE", "SYNTHETIC", "PRODUCERS", "PRODUCER_MODULES", "faults_of", "parse_fault",
     "validate_faults", "active_faults", "STALE_ROWS_PER_LAUNCH",
@@ -340,9 +342,6 @@ def faults_of(producer: str) -> dict[str, Fault]:
     return {name: f for name, f in FAULTS.items() if producer in f.producers}
 
 
-MAX_ONSET_STEP = 1 << 20
-"""Latest step a fault may start at (``NAME@STEP``): no run is longer; a larger step would
-never fire, so it is refused rather than accepted silently."""
 
 
 def parse_fault(spec: str, *, producer: str = ENGINE) -> tuple[str, int]:

@@ -41,6 +41,7 @@ from pcpviz.analysis.diffreport import DiffReport, Divergence
 from pcpviz.analysis.parallel import chunk_bounds, default_workers, forked_imap
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
+from pcpviz.reference.batch import record_query_start_loc
 from pcpviz.trace.bounds import problems_at, step_problems
 
 __all__ = ["Acceptance", "RequestAcceptance", "StepAcceptance", "acceptance", "Divergence",
@@ -107,14 +108,14 @@ def _alignment(a_rec, b_rec) -> tuple[_Align | None, str | None]:
     request sets differ."""
     ra = np.asarray(a_rec["req_ids"]).astype(str)
     rb = np.asarray(b_rec["req_ids"]).astype(str)
-    qa = _qsl(a_rec)
+    qa = record_query_start_loc(a_rec)
     if ra.shape == rb.shape and np.array_equal(ra, rb):
         return _Align(ra, qa), None
     if ra.shape != rb.shape or set(ra.tolist()) != set(rb.tolist()):
         return None, "different requests scheduled"
     pos_b = {r: i for i, r in enumerate(rb.tolist())}
     perm = np.array([pos_b[r] for r in ra.tolist()], dtype=np.int64)
-    qb = _qsl(b_rec)
+    qb = record_query_start_loc(b_rec)
     if qa is None or qb is None:
         return _Align(ra, np.zeros(0, np.int64), perm, None, None), None
     tok_perm = np.concatenate([np.arange(qb[j], qb[j + 1]) for j in perm] or [np.zeros(0, np.int64)])
@@ -123,24 +124,13 @@ def _alignment(a_rec, b_rec) -> tuple[_Align | None, str | None]:
     return _Align(ra, qa, perm, tok_perm.astype(np.int64), inv.astype(np.int64)), None
 
 
-def _qsl(rec) -> np.ndarray | None:
-    if "num_scheduled_tokens" in rec:
-        q = np.asarray(rec["num_scheduled_tokens"], dtype=np.int64)
-        out = np.zeros(q.shape[0] + 1, dtype=np.int64)
-        np.cumsum(q, out=out[1:])
-        return out
-    if "query_start_loc" in rec:
-        return np.asarray(rec["query_start_loc"], dtype=np.int64)
-    return None
-
-
 def _mask_stale_rows(trace: Trace, step: int, rank: int, ea: np.ndarray, eb: np.ndarray):
     """Rows of a request past its ``q - num_rejected`` valid rows keep stale ids in vLLM's
     draft prefill (never read); blank them (-1) in both runs, using run A's batch."""
     if not (trace.has(step, rank, "target") and trace.has(step, rank, "verify")):
         return ea, eb
     tgt, ver = trace.record(step, rank, "target"), trace.record(step, rank, "verify")
-    qsl = _qsl(tgt)
+    qsl = record_query_start_loc(tgt)
     if qsl is None or "num_rejected" not in ver or ea.shape != (int(qsl[-1]),) or eb.shape != ea.shape:
         return ea, eb
     rej = np.asarray(ver["num_rejected"], dtype=np.int64)
@@ -168,7 +158,7 @@ def request_keys(trace: Trace) -> dict[str, tuple]:
             continue
         if not all(v in rec for v in ("req_ids", "is_prefilling", "input_ids", "positions")):
             continue
-        qsl = _qsl(rec)
+        qsl = record_query_start_loc(rec)
         if qsl is None:
             continue
         ids, pos = np.asarray(rec["input_ids"], dtype=np.int64), np.asarray(rec["positions"], dtype=np.int64)

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from pcpviz.analysis.compare import first_difference, short_repr
+from pcpviz.reference.batch import record_query_start_loc
 from pcpviz.trace.bounds import well_formed
 from pcpviz.trace.schema import causal_phase_key, view_spec
 
@@ -39,13 +40,6 @@ class RequestStep:
 
     step: int
     views: dict[tuple[str, str], np.ndarray]
-
-
-def _qsl(rec: Any) -> np.ndarray | None:
-    if "num_scheduled_tokens" in rec:
-        q = np.asarray(rec["num_scheduled_tokens"], dtype=np.int64)
-        return np.concatenate([[0], np.cumsum(q)])
-    return np.asarray(rec["query_start_loc"], dtype=np.int64) if "query_start_loc" in rec else None
 
 
 def _slice(kind: tuple, a: np.ndarray, i: int, lo: int, hi: int, n_req: int) -> np.ndarray | None:
@@ -82,7 +76,7 @@ def request_timelines(trace: Any, rank: int, *, rename: Callable[[str], str] = s
         if not trace.has(step, rank, "target") or not well_formed(trace, step, rank):
             continue
         tgt = trace.record(step, rank, "target")
-        qsl = _qsl(tgt)
+        qsl = record_query_start_loc(tgt)
         if qsl is None or "req_ids" not in tgt:
             continue
         rids = [rename(r) for r in np.asarray(tgt["req_ids"]).astype(str).tolist()]

@@ -18,12 +18,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import re
 import sys
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
-from pcpviz.trace.jsonlimits import loads_bounded
+from pcpviz.limits import MAX_PROMPTS
+from pcpviz.io_guards import bounded_int, check_output_file, read_json_file
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_INCOMPLETE", "EXIT_PIPE", "UsageError", "Incomplete",
            "positive_int", "EXIT_CODES_HELP", "bounded_int", "seconds", "path",
@@ -39,9 +39,6 @@ EXIT_CODES_HELP = ("Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad inp
                    "missing on some ranks, a run that did not finish or is still being written; "
                    "one 'incomplete:' line each on stderr), 130/143 'pcpviz run' stopped by "
                    "SIGINT/SIGTERM (trace marked partial), 141 stdout closed early.")
-
-MAX_JSON_INPUT_BYTES = 64 << 20
-
 
 class UsageError(Exception):
     """Bad input: reported as one line, exit code 2."""
@@ -59,20 +56,6 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
-
-
-def bounded_int(lo: int, hi: int) -> Callable[[str], int]:
-    """An argparse type: an int in ``lo..hi`` (one-line error otherwise)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"expected an integer in {lo}..{hi}, got {value}")
-        return value
-    parse.__name__ = "integer"
-    return parse
 
 
 def seconds(text: str) -> float:
@@ -94,49 +77,9 @@ def path(text: str) -> str:
     return text
 
 
-def check_output_file(path: str, option: str) -> None:
-    """ValueError (one line naming ``option``) if ``path`` cannot be written as a file: it is a
-    directory, its directory does not exist or is not writable."""
-    where = f"{option} {path}"
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # a name too long, a component that is a file, a loop of links
-        raise ValueError(f"{where}: {e.strerror or e}") from None
-    if os.path.isdir(path):
-        raise ValueError(f"{where}: is a directory; give a file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"{where}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"{where}: not writable")
-
-
-def read_json_file(path: str, option: str) -> Any:
-    """The JSON in ``path`` (at most 64 MiB), or ValueError naming ``option`` and the file."""
-    where = f"{option} {path}"
-    try:
-        if not os.path.isfile(path):
-            raise ValueError("not a regular file" if os.path.exists(path) else "no such file")
-        from pcpviz.trace.runmeta import open_for_reading
-
-        with os.fdopen(open_for_reading(path), "rb") as f:  # a FIFO swapped in is refused, not waited on
-            data = f.read(MAX_JSON_INPUT_BYTES + 1)
-        if len(data) > MAX_JSON_INPUT_BYTES:
-            raise ValueError(f"larger than {MAX_JSON_INPUT_BYTES} bytes")
-        return loads_bounded(data)
-    except RecursionError:
-        raise ValueError(f"{where}: nested too deeply") from None
-    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
-        raise ValueError(f"{where}: {' '.join(str(e).split())}") from None
-
-
 def read_prompts_file(path: str) -> list[str]:
     """The prompts of ``--prompts-file`` (a JSON list of strings, at most
-    ``engine.prompt_budget.MAX_PROMPTS``), or ValueError naming the option and the file."""
-    from pcpviz.engine.prompt_budget import MAX_PROMPTS
-
+    ``pcpviz.limits.MAX_PROMPTS``), or ValueError naming the option and the file."""
     loaded = read_json_file(path, "--prompts-file")
     if not isinstance(loaded, list) or not all(isinstance(p, str) for p in loaded):
         raise ValueError(f"--prompts-file {path}: expected a JSON list of strings")

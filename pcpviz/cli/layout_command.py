@@ -11,11 +11,9 @@ import argparse
 import json
 
 from pcpviz.cli.guard import EXIT_OK, UsageError, bounded_int
+from pcpviz.limits import MAX_LAYOUT_ROWS, MAX_LAYOUT_TOKENS, MAX_LAYOUT_WORLD
 
-__all__ = ["add_layout", "MAX_WORLD"]
-
-MAX_WORLD = 1024  # --pcp / --dcp of the layout command
-MAX_LAYOUT_TOKENS, MAX_LAYOUT_ROWS = 1 << 16, 4096  # what a text diagram can show
+__all__ = ["add_layout"]
 
 
 def _cmd_layout(args: argparse.Namespace) -> int:
@@ -75,11 +73,11 @@ def add_layout(sub) -> None:
                        description="How vLLM 0.33.0 splits one batch over PCP ranks (DualChunkSwap): "
                                    "each rank's rows, the all-gather and restore maps, the KV write "
                                    "mask. Requests are named A, B, ... in the order of --batch.")
-    p.add_argument("--pcp", type=bounded_int(1, MAX_WORLD), required=True, help="PCP world size N")
+    p.add_argument("--pcp", type=bounded_int(1, MAX_LAYOUT_WORLD), required=True, help="PCP world size N")
     p.add_argument("--batch", required=True,
                    help="rows like p13,p10@12,d4@20: p<tokens> a prefill (@ = tokens already computed), "
                         "d<tokens> a decode of 1 + drafts (@ = its position)")
-    p.add_argument("--dcp", type=bounded_int(1, MAX_WORLD), default=1, help="DCP world size")
+    p.add_argument("--dcp", type=bounded_int(1, MAX_LAYOUT_WORLD), default=1, help="DCP world size")
     p.add_argument("--decodes", choices=["auto", "sharded", "replicated"], default="auto",
                    help="decode placement; auto = vLLM's default (sharded iff DCP == 1)")
     p.add_argument("--pad", type=bounded_int(1, MAX_LAYOUT_TOKENS), default=None,

@@ -15,7 +15,7 @@ import time
 
 from pcpviz.cli.guard import (EXIT_FAILED, EXIT_OK, UsageError, bounded_int, check_output_file, path,
                               read_prompts_file, seconds)
-from pcpviz.cli.layout_command import MAX_WORLD
+from pcpviz.limits import MAX_LAYOUT_WORLD
 
 __all__ = ["add_run", "STARTED"]
 
@@ -79,6 +79,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
 def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
     """Write the rank config for torchrun (multi-host) instead of launching the ranks here: the
     GPUs are counted on the hosts that run the ranks, not on this one."""
+    import dataclasses
     import os
 
     from pcpviz.engine.run_config import build_config
@@ -88,11 +89,12 @@ def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
         cfg = build_config(prompts, count_local_devices=False, **_engine_options(args))
         work = os.path.abspath(os.path.splitext(args.write_config)[0] + "-work")
         os.makedirs(work, exist_ok=True)
-        cfg["work_dir"] = work
-        if cfg["trace_dir"]:
-            start_trace(cfg, "pcpviz run --write-config").release()  # the ranks create their files
-        with open(args.write_config, "w") as f:
-            json.dump(cfg, f)
+        cfg = dataclasses.replace(cfg, work_dir=work)
+        if cfg.trace_dir:
+            owner = start_trace(cfg, "pcpviz run --write-config")
+            owner.release()  # the ranks create their files
+            cfg = dataclasses.replace(cfg, trace_owner=owner.token)
+        cfg.to_json(args.write_config)
     except (ValueError, OSError) as e:
         raise UsageError(f"pcpviz run: {' '.join(str(e).split())}") from None
     print(f"wrote {args.write_config}; start the ranks with\n"
@@ -107,7 +109,7 @@ def add_run(sub) -> None:
                        description="Run the shipped tiny DeepSeek-V3 model (or --model) on --pcp ranks "
                                    "with MTP speculative decoding, the way vLLM 0.33.0's model runner "
                                    "does, and record every step's views to --trace.")
-    p.add_argument("--pcp", type=bounded_int(1, MAX_WORLD), default=2, help="PCP ranks (processes)")
+    p.add_argument("--pcp", type=bounded_int(1, MAX_LAYOUT_WORLD), default=2, help="PCP ranks (processes)")
     p.add_argument("--mtp", type=bounded_int(0, 64), default=2, help="num_speculative_tokens K (0 = no speculation)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; not empty)")

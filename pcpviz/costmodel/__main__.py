@@ -13,7 +13,7 @@ import math
 import os
 import sys
 
-from pcpviz.cli.guard import bounded_int
+from pcpviz.io_guards import bounded_int, check_output_file
 from pcpviz.costmodel.specs import H200, MODEL_NAMES, repo_root, model_by_name
 
 DEFAULT_FIT = os.path.join("data", "bench", "costmodel_fit.json")
@@ -75,7 +75,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_fit(args) -> int:
-    from pcpviz.cli.guard import check_output_file
     from pcpviz.costmodel.fit import fit, format_fit, write_fit
 
     out = os.path.join(repo_root(), DEFAULT_FIT) if args.out is None else args.out

@@ -28,6 +28,7 @@ import numpy as np
 from pcpviz.costmodel.points import Case, Points, load_points
 from pcpviz.costmodel.specs import H200, Hardware, ModelSpec, System, tiny_model
 from pcpviz.costmodel.step import decode_time_per_token, prefill_time
+from pcpviz.io_guards import read_json_file
 
 __all__ = ["PRIORS", "SYSTEM_KEYS", "Fit", "fit", "predict_case", "systems_from", "load_fit", "fit_to_json",
            "format_fit", "write_fit"]
@@ -239,8 +240,6 @@ def fit_to_json(f: Fit, hw: Hardware = H200) -> dict:
 
 def load_fit(path: str) -> dict[str, System]:
     """The systems of a fit file written by ``fit_to_json``; ValueError naming the file."""
-    from pcpviz.cli.guard import read_json_file
-
     doc = read_json_file(path, "--fit")
     try:
         return {name: System(**{**d, "name": name}) for name, d in doc["systems"].items()}

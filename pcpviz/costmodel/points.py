@@ -35,6 +35,7 @@ import os
 from typing import Any
 
 from pcpviz.costmodel.specs import repo_root
+from pcpviz.io_guards import read_json_file
 
 __all__ = ["Case", "MeasuredPoint", "RatioPoint", "Unchecked", "Points", "load_points", "DEFAULT_SOURCES"]
 
@@ -234,8 +235,6 @@ def load_points(root: str | None = None, sources: tuple[str, ...] = DEFAULT_SOUR
     """Every measured point in ``sources`` (paths relative to the repo ``root``); ValueError
     naming the file for a missing or malformed one. The engine's file (``h200x2_engine_v1.json``) must be
     among them: its K=2 acceptance is lent to decode points that record none."""
-    from pcpviz.cli.guard import read_json_file
-
     root = root or repo_root()
     docs = {}
     for rel in sources:

@@ -22,7 +22,7 @@ class PCPGroup:
     rank: int = 0
     world_size: int = 1
     num_collectives: int = 0
-    timer = None  # a pcpviz.engine.phases.PhaseTimer: all-gathers are timed as "gather"
+    timer = None  # a pcpviz.engine.phase_timer.PhaseTimer: all-gathers are timed as "gather"
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [M, ...] -> [N*M, ...]
         raise NotImplementedError

@@ -24,22 +24,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["Uploader", "aligned", "ALIGN"]
+__all__ = ["Uploader", "aligned", "INPUT_ALIGN"]
 
 RING = 4
-# Every view starts at a multiple of ALIGN elements (>= 64 bytes): Triton specializes a kernel on
+# Every view starts at a multiple of INPUT_ALIGN elements (>= 64 bytes): Triton specializes a kernel on
 # whether each pointer is 16-byte aligned, so views at offsets that depend on the other arrays'
 # lengths made a 32k-token prefill step recompile its attention kernel (~1 s, one H200).
-ALIGN = 16
+INPUT_ALIGN = 16
 
 
 def aligned(n: int) -> int:
-    """``n`` rounded up to a multiple of ``ALIGN``.
+    """``n`` rounded up to a multiple of ``INPUT_ALIGN``.
 
     >>> aligned(0), aligned(1), aligned(16), aligned(17)
     (0, 16, 16, 32)
     """
-    return -(-n // ALIGN) * ALIGN
+    return -(-n // INPUT_ALIGN) * INPUT_ALIGN
 
 _NP = {torch.int64: np.int64, torch.int32: np.int32}
 

@@ -17,6 +17,7 @@ second signal, or ranks still running after ``STOP_GRACE_S``, kill them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -30,10 +31,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from pcpviz.analysis.acceptance import json_ratio
+from pcpviz.trace.acceptance import json_ratio
 from pcpviz.engine.rank_procs import (WORK_PREFIX, RankError, RankProcess, blame, clean_stale_work_dirs,
                                       die_with_parent, rank_env)
-from pcpviz.engine.run_config import build_config
+from pcpviz.engine.run_config import RunConfig, build_config
 from pcpviz.engine.stops import RunInterrupted, StopGuard
 from pcpviz.engine.trace_dir import start_trace
 
@@ -41,7 +42,7 @@ __all__ = ["run", "RunResult", "RankError", "RunInterrupted"]
 
 
 def _ratio(x: float | None) -> float:
-    """A ratio from a rank's result JSON: null (nothing drafted) is NaN (pcpviz.analysis.acceptance's policy)."""
+    """A ratio from a rank's result JSON: null (nothing drafted) is NaN (pcpviz.trace.acceptance's policy)."""
     return math.nan if x is None else float(x)
 
 
@@ -51,7 +52,7 @@ class RunResult:
     output_token_ids: list[list[int]]
     texts: list[str]
     num_accepted_tokens_per_pos: list[int]
-    acceptance_rate_per_pos: list[float]  # pcpviz.analysis.acceptance: NaN where nothing was drafted
+    acceptance_rate_per_pos: list[float]  # pcpviz.trace.acceptance: NaN where nothing was drafted
     acceptance_rate: float
     mean_acceptance_length: float
     num_drafts: int
@@ -101,28 +102,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _progress_bar(cfg: dict):
+def _progress_bar(cfg: RunConfig):
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=len(cfg["prompt_token_ids"]) * cfg["max_new_tokens"],
-               desc=f"PCP={cfg['pcp']} K={cfg['num_speculative_tokens']}", unit="tok")
-    bar.set_postfix_str(f"prefill 0/{sum(len(p) for p in cfg['prompt_token_ids'])}")
+    bar = tqdm(total=len(cfg.prompt_token_ids) * cfg.max_new_tokens,
+               desc=f"PCP={cfg.pcp} K={cfg.num_speculative_tokens}", unit="tok")
+    bar.set_postfix_str(f"prefill 0/{sum(len(p) for p in cfg.prompt_token_ids)}")
     return bar
 
 
-def _launch(cfg: dict, progress: bool) -> dict:
+def _launch(cfg: RunConfig, progress: bool) -> dict:
     clean_stale_work_dirs()
     work = tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-")
-    cfg = dict(cfg, work_dir=work, store_file=os.path.join(work, "store"))
+    cfg = dataclasses.replace(cfg, work_dir=work, store_file=os.path.join(work, "store"))
     cfg_path = os.path.join(work, "config.json")
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
+    cfg.to_json(cfg_path)
     port = _free_port()
     ranks: list[RankProcess] = []
     bar = _progress_bar(cfg) if progress else None
     guard = StopGuard()  # SIGINT/SIGTERM: the ranks stop between two steps (pcpviz.engine.stops)
     try:
-        for rank in range(cfg["pcp"]):
+        for rank in range(cfg.pcp):
             # -P and cwd=work: a pcpviz/ folder in the caller's directory cannot shadow the package
             proc = subprocess.Popen(
                 [sys.executable, "-P", "-m", "pcpviz.engine.rank_main", cfg_path], env=rank_env(cfg, rank, port),
@@ -146,7 +146,7 @@ def _launch(cfg: dict, progress: bool) -> dict:
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        deadline = time.monotonic() + cfg["timeout_s"] * 4 + 600
+        deadline = time.monotonic() + cfg.timeout_s * 4 + 600
         while True:
             codes = [r.proc.poll() for r in ranks]
             guard.wait(os.path.join(work, "result.json"))
@@ -165,9 +165,9 @@ def _launch(cfg: dict, progress: bool) -> dict:
         reader.join(timeout=5)
         with open(os.path.join(work, "result.json")) as f:
             result = json.load(f)
-        guard.check(result, cfg.get("trace_dir"))
+        guard.check(result, cfg.trace_dir)
         digests = []
-        for rank in range(cfg["pcp"]):
+        for rank in range(cfg.pcp):
             with open(os.path.join(work, f"rank{rank}.json")) as f:
                 digests.append(json.load(f)["kv_cache_digest"])
         result["kv_cache_digests"] = digests
@@ -206,7 +206,9 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
 
     cfg = build_config(prompts, pcp=pcp, num_speculative_tokens=num_speculative_tokens, device=device,
                        max_new_tokens=max_new_tokens, trace_dir=trace_dir, inject=inject, **options)
-    owner = start_trace(cfg) if cfg["trace_dir"] else None
+    owner = start_trace(cfg) if cfg.trace_dir else None
+    if owner is not None:
+        cfg = dataclasses.replace(cfg, trace_owner=owner.token)
     try:
         res = _launch(cfg, progress)
     finally:
@@ -224,10 +226,10 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
         num_drafts=res["num_drafts"],
         num_steps=res["num_steps"],
         wall_s=res["wall_s"],
-        trace_path=cfg["trace_dir"],
+        trace_path=cfg.trace_dir,
         kv_cache_digests=res["kv_cache_digests"],
         phases=res.get("phases") or {},
         graphs=res.get("graphs"),
         step_ms=[(str(k), float(t)) for k, t in res.get("step_ms", [])],
-        config={k: v for k, v in cfg.items() if k != "prompt_token_ids"},
+        config={k: v for k, v in cfg.to_dict().items() if k != "prompt_token_ids"},
     )

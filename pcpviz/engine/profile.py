@@ -1,7 +1,7 @@
 """A torch.profiler profile of one rank's engine loop (``pcpviz.run(..., profile_dir=DIR)``).
 
 Every step after the first is profiled (the first carries the one-time costs: Triton JIT,
-allocator growth, library handles). The engine's phases (``pcpviz.engine.phases``) appear as
+allocator growth, library handles). The engine's phases (``pcpviz.engine.phase_timer``) appear as
 labelled ranges ``phase:<name>``, so the operator table and the timeline line up with
 ``RunResult.phases``. Written when the loop ends, per rank ``r``::
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-__all__ = ["MAX_PROMPTS", "MAX_PROMPT_TOKENS", "check_prompt_budget"]
+from pcpviz.limits import MAX_PROMPT_TOKENS, MAX_PROMPTS
 
-MAX_PROMPTS = 4096
-"""Most prompts one run takes (each is a request the scheduler keeps state for)."""
-MAX_PROMPT_TOKENS = 1 << 22
-"""Most prompt tokens, all prompts together, one run prefills."""
+__all__ = ["check_prompt_budget"]
+
 
 
 def check_prompt_budget(prompts: Sequence) -> None:

@@ -22,18 +22,19 @@ import sys
 import time
 import traceback
 
+from pcpviz.engine.run_config import RunConfig
 from pcpviz.engine.stops import STOP_KEY, catch_rank_stops, stop_requested
 
 __all__ = ["main", "run_rank"]
 
 
-def run_rank(cfg: dict) -> dict | None:
-    """One rank's run of ``cfg`` (``build_config``'s dict): set up, step until rank 0's scheduler
+def run_rank(cfg: RunConfig) -> dict | None:
+    """One rank's run of ``cfg`` (``build_config``'s ``RunConfig``): set up, step until rank 0's scheduler
     is done or a stop arrives, write ``rank<r>.json``, leave the group. Rank 0 returns the run's
     result (the launcher's ``result.json``), the other ranks None."""
     import torch
 
-    from pcpviz.engine.phases import PhaseTimer
+    from pcpviz.engine.phase_timer import PhaseTimer
     from pcpviz.engine.recorder import AsyncRecorder
     from pcpviz.engine.worker import Worker
     from pcpviz.trace import TraceWriter
@@ -42,18 +43,18 @@ def run_rank(cfg: dict) -> dict | None:
     rank = int(os.environ.get("RANK", "0"))
     group, device, model = _set_up(cfg)
     ecfg = _engine_config(cfg, group.world_size)
-    timer = PhaseTimer(bool(cfg.get("time_phases")), device)
+    timer = PhaseTimer(bool(cfg.time_phases), device)
     profiler = _profiler(cfg, rank, timer)
-    worker = Worker(model, group, ecfg, device, record=cfg.get("trace_dir") is not None, timer=timer)
+    worker = Worker(model, group, ecfg, device, record=cfg.trace_dir is not None, timer=timer)
     # The launcher claimed the directory and cleared it (pcpviz.trace.owner); the rank file is
     # created exclusively, so a file this run did not create is never replaced. Steps are
     # written by a background thread (pcpviz.engine.recorder): the loop never waits on disk.
-    writer = AsyncRecorder(_trace_sink(cfg, rank, TraceWriter)) if cfg.get("trace_dir") else None
+    writer = AsyncRecorder(_trace_sink(cfg, rank, TraceWriter)) if cfg.trace_dir else None
     sched = _scheduler(cfg, ecfg, model) if rank == 0 else None
     loop = _StepLoop(rank, sched, worker, writer=writer, timer=timer, profiler=profiler,
                      k=ecfg.num_speculative_tokens)
     loop.run()
-    if cfg["device"] == "cuda":
+    if cfg.device == "cuda":
         torch.cuda.synchronize()
     wall = time.perf_counter() - loop.t_start
     if profiler is not None:
@@ -61,13 +62,13 @@ def run_rank(cfg: dict) -> dict | None:
     if writer is not None:  # waits for the queued steps; a writer failure is raised here (one line)
         writer.close(**({"status": PARTIAL, "reason": f"stopped by {loop.stopped}"} if loop.stopped else {}))
     info = _rank_info(rank, worker, timer)
-    with open(os.path.join(cfg["work_dir"], f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(cfg.work_dir, f"rank{rank}.json"), "w") as f:
         json.dump(info, f)  # on disk before the group goes: a stuck teardown loses nothing
-    _teardown(worker, cfg["device"])
+    _teardown(worker, cfg.device)
     return None if sched is None else _result(loop, wall, info)
 
 
-def _set_up(cfg: dict):
+def _set_up(cfg: RunConfig):
     """(process group, device, model): the group joined, the device chosen, the model loaded
     in the run's dtype and warmed up."""
     import torch
@@ -75,8 +76,8 @@ def _set_up(cfg: dict):
     from pcpviz.engine.checkpoint import load_model
     from pcpviz.engine.dist import init_process_group
 
-    device_kind = cfg["device"]
-    group = init_process_group(device_kind, cfg["timeout_s"], cfg.get("store_file"))
+    device_kind = cfg.device
+    group = init_process_group(device_kind, cfg.timeout_s, cfg.store_file)
     if device_kind == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -84,10 +85,10 @@ def _set_up(cfg: dict):
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
-    torch.manual_seed(cfg["seed"])
-    model = load_model(cfg["model_dir"], device=device, dtype=getattr(torch, cfg.get("dtype", "float32")))
+    torch.manual_seed(cfg.seed)
+    model = load_model(cfg.model_dir, device=device, dtype=getattr(torch, cfg.dtype))
     model.eval()
-    if cfg.get("warmup", True):
+    if cfg.warmup:
         # A dummy forward (no cache, no collectives, like vLLM's profile run) so the first
         # timed step does not pay for kernel/library initialisation.
         with torch.no_grad():
@@ -98,39 +99,39 @@ def _set_up(cfg: dict):
     return group, device, model
 
 
-def _engine_config(cfg: dict, pcp: int):
+def _engine_config(cfg: RunConfig, pcp: int):
     import torch
 
     from pcpviz.engine.worker import EngineConfig
 
     return EngineConfig(
-        pcp=pcp, num_speculative_tokens=cfg["num_speculative_tokens"],
-        block_size=cfg["block_size"], num_blocks=cfg["num_blocks"], max_num_seqs=cfg["max_num_seqs"],
-        max_num_batched_tokens=cfg["max_num_batched_tokens"],
-        shard_decode_requests=cfg.get("shard_decode_requests"), faults=frozenset(cfg["inject"]),
-        dtype=getattr(torch, cfg.get("dtype", "float32")), cuda_graphs=cfg.get("cuda_graphs"),
+        pcp=pcp, num_speculative_tokens=cfg.num_speculative_tokens,
+        block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        shard_decode_requests=cfg.shard_decode_requests, faults=frozenset(cfg.inject),
+        dtype=getattr(torch, cfg.dtype), cuda_graphs=cfg.cuda_graphs,
     )
 
 
-def _profiler(cfg: dict, rank: int, timer):
+def _profiler(cfg: RunConfig, rank: int, timer):
     """A torch.profiler per step after the first (``profile_dir``), or None."""
-    if not cfg.get("profile_dir"):
+    if not cfg.profile_dir:
         return None
     from pcpviz.engine.profile import StepProfiler
 
     timer.labels = True
-    return StepProfiler(cfg["profile_dir"], rank, cfg["device"])
+    return StepProfiler(cfg.profile_dir, rank, cfg.device)
 
 
-def _scheduler(cfg: dict, ecfg, model):
+def _scheduler(cfg: RunConfig, ecfg, model):
     """Rank 0's continuous-batching scheduler over the run's prompts."""
     from pcpviz.engine.scheduler import Scheduler
 
     return Scheduler(
-        cfg["prompt_token_ids"], cfg["max_new_tokens"], num_speculative_tokens=ecfg.num_speculative_tokens,
+        cfg.prompt_token_ids, cfg.max_new_tokens, num_speculative_tokens=ecfg.num_speculative_tokens,
         block_size=ecfg.block_size, num_blocks=ecfg.num_blocks, max_num_seqs=ecfg.max_num_seqs,
         max_num_batched_tokens=ecfg.max_num_batched_tokens,
-        max_model_len=model.config.max_position_embeddings, eos_token_id=cfg.get("eos_token_id"),
+        max_model_len=model.config.max_position_embeddings, eos_token_id=cfg.eos_token_id,
     )
 
 
@@ -147,7 +148,7 @@ class _StepLoop:
     the scheduler's update, the acceptance counts and the progress line."""
 
     def __init__(self, rank: int, sched, worker, *, writer, timer, profiler, k: int) -> None:
-        from pcpviz.analysis.acceptance import Counts
+        from pcpviz.trace.acceptance import Counts
 
         self.rank, self.sched, self.worker = rank, sched, worker
         self.writer, self.timer, self.profiler = writer, timer, profiler
@@ -178,7 +179,7 @@ class _StepLoop:
 
     def step(self) -> bool:
         """One step; False when the run is over (no plan: done, or stopped)."""
-        from pcpviz.analysis.acceptance import count
+        from pcpviz.trace.acceptance import count
         from pcpviz.engine.scheduler import SchedulerOutput
 
         timer, writer, sched = self.timer, self.writer, self.sched
@@ -225,9 +226,9 @@ def _rank_info(rank: int, worker, timer) -> dict:
 
 
 def _result(loop: _StepLoop, wall: float, info: dict) -> dict:
-    """Rank 0's result: every request's tokens, acceptance by pcpviz.analysis.acceptance's
+    """Rank 0's result: every request's tokens, acceptance by pcpviz.trace.acceptance's
     definitions (None, JSON null, where nothing was drafted), the timings."""
-    from pcpviz.analysis.acceptance import json_ratio
+    from pcpviz.trace.acceptance import json_ratio
 
     counts = loop.counts
     return {
@@ -250,7 +251,7 @@ def _result(loop: _StepLoop, wall: float, info: dict) -> dict:
     }
 
 
-def _trace_sink(cfg: dict, rank: int, writer_cls):
+def _trace_sink(cfg: RunConfig, rank: int, writer_cls):
     """Where the rank's steps go: its rank file, or in flight-recorder mode
     (``PCPVIZ_FLIGHT_RECORDER``, ``pcpviz.trace.flight``) a ring of its last steps that is dumped
     as a trace on low acceptance, a signal, an exception or the end of the run."""
@@ -258,10 +259,10 @@ def _trace_sink(cfg: dict, rank: int, writer_cls):
 
     flight = FlightConfig.from_env()
     if flight is None:
-        return writer_cls(cfg["trace_dir"], rank, owner=cfg.get("trace_owner"))
+        return writer_cls(cfg.trace_dir, rank, owner=cfg.trace_owner)
     from pcpviz.engine.trace_dir import trace_meta
 
-    return FlightRing(flight, cfg["trace_dir"], rank, lambda: trace_meta(cfg))
+    return FlightRing(flight, cfg.trace_dir, rank, lambda: trace_meta(cfg))
 
 
 def _next_plan(sched, group, plan_cls):
@@ -394,10 +395,18 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m pcpviz.engine.rank_main CONFIG.json", file=sys.stderr)
         return 2
-    with open(argv[0]) as f:
-        cfg = json.load(f)
+    try:
+        cfg = RunConfig.from_json(argv[0])
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world != str(cfg.pcp):
+            raise ValueError(f"{argv[0]}: pcp: {cfg.pcp}, but WORLD_SIZE is {world} (start as many ranks as pcp)")
+        if cfg.work_dir is None:
+            raise ValueError(f"{argv[0]}: work_dir: missing (write the file with pcpviz run --write-config)")
+    except ValueError as exc:
+        print(f"pcpviz rank: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return 2
     rank = int(os.environ.get("RANK", "0"))
-    out_dir = cfg["work_dir"]
+    out_dir = cfg.work_dir
     catch_rank_stops()
     _stack_dumps(rank)
     try:

@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 import threading
 
+from pcpviz.engine.run_config import RunConfig
+
 __all__ = ["RankError", "RankProcess", "blame", "rank_env", "die_with_parent", "clean_stale_work_dirs",
            "WORK_PREFIX"]
 
@@ -76,15 +78,13 @@ def die_with_parent() -> None:  # pragma: no cover - runs in the child before ex
         pass
 
 
-def rank_env(cfg: dict, rank: int, port: int) -> dict:
+def rank_env(cfg: RunConfig, rank: int, port: int) -> dict:
     """The rank's environment: env:// variables, this pcpviz first on the path (absolute, so
     the rank imports the launcher's package whatever its working directory holds)."""
-    import pcpviz
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(pcpviz.__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # above pcpviz/
     paths = [root] + [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cfg["pcp"]), LOCAL_RANK=str(rank),
-               LOCAL_WORLD_SIZE=str(cfg["pcp"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(cfg.pcp), LOCAL_RANK=str(rank),
+               LOCAL_WORLD_SIZE=str(cfg.pcp), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                PYTHONPATH=os.pathsep.join(dict.fromkeys(paths)), PCPVIZ_PROGRESS="pipe")
     # one host: gloo's sockets (the CPU group; on CUDA the plan's control group) on loopback only
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")

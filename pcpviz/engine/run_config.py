@@ -1,33 +1,129 @@
-"""The rank config of a ``pcpviz.run``: every option validated, the prompts tokenized.
+"""The config of a ``pcpviz.run``, one type from the command line to the ranks: every option
+validated, the prompts tokenized.
 
     cfg = build_config(["def fib(n):"], pcp=2, num_speculative_tokens=2)   # ValueError, one line
-    cfg["prompt_token_ids"], cfg["num_blocks"]
+    cfg.prompt_token_ids, cfg.num_blocks                                     # a frozen RunConfig
 
-``build_config`` returns a JSON-able dict; ``pcpviz.engine.launch`` writes it for the ranks
-(``pcpviz.engine.rank_main``), ``pcpviz run --write-config`` for torchrun.
+``pcpviz run`` and ``pcpviz.run(...)`` build it with ``build_config``; ``pcpviz.engine.launch``
+writes it for the ranks (``RunConfig.to_json``), ``pcpviz run --write-config`` for torchrun, and
+each rank process decodes the same type back (``RunConfig.from_json``: one line naming the file
+and the key when it is damaged); run.json is derived from it (``pcpviz.engine.trace_dir.trace_meta``)
+and the rank's ``EngineConfig`` too (``rank_main``). A PCP=2 run's file::
+
+    {"pcp": 2, "num_speculative_tokens": 2, "device": "cpu", "block_size": 16, ...,
+     "prompt_token_ids": [[1, 100, 101, 102]], "work_dir": "/tmp/pcpviz-...", "trace_owner": "3f2a..."}
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import os
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence, get_type_hints
 
 from pcpviz.engine.prompt_budget import check_prompt_budget
+from pcpviz.limits import (MAX_BATCHED_TOKENS, MAX_CPU_RANKS, MAX_ENGINE_BLOCK_SIZE, MAX_NUM_SEQS,
+                           MAX_SPECULATIVE_TOKENS, MAX_TIMEOUT_S)
 
-__all__ = ["build_config", "DTYPES", "MAX_CPU_RANKS", "MAX_BLOCK_SIZE", "MAX_BATCHED_TOKENS", "MAX_TIMEOUT_S"]
-
-
-MAX_CPU_RANKS = 32
-"""Most ranks (processes) a CPU run starts."""
-MAX_BLOCK_SIZE = 4096
-MAX_BATCHED_TOKENS = 1 << 20
-MAX_TIMEOUT_S = 7 * 24 * 3600.0
+__all__ = ["RunConfig", "build_config", "DTYPES"]
 
 
 DTYPES = ("float32", "bfloat16")
 """Model and KV-cache dtypes: float32 (the default: exact, CPU-friendly) or bfloat16 (the
 checkpoint's ``torch_dtype``, what vLLM runs it in)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One run of the engine, as every process sees it (``build_config`` validates it)."""
+
+    pcp: int
+    num_speculative_tokens: int  # K
+    device: str  # "cpu" or "cuda"
+    max_new_tokens: int
+    trace_dir: str | None  # absolute
+    inject: tuple[str, ...]  # fault names, sorted
+    model_dir: str
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    num_blocks: int
+    shard_decode_requests: bool | None
+    seed: int
+    timeout_s: float
+    prompt_token_ids: tuple[tuple[int, ...], ...]  # int[R][len]
+    eos_token_id: int | None
+    dtype: str
+    overwrite: bool
+    cuda_graphs: bool | None
+    time_phases: bool
+    profile_dir: str | None
+    work_dir: str | None = None  # where the ranks write result.json / errors (set by the launcher)
+    store_file: str | None = None  # the FileStore rendezvous of a local launch (None: env:// TCP)
+    trace_owner: str | None = None  # the trace directory's claim token (pcpviz.trace.owner)
+    warmup: bool = True  # one throw-away forward before the first step
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document (lists for the tuples)."""
+        d = dataclasses.asdict(self)
+        d["inject"] = list(self.inject)
+        d["prompt_token_ids"] = [list(p) for p in self.prompt_token_ids]
+        return d
+
+    def to_json(self, path: str) -> None:
+        """Write the JSON document to ``path`` (OSError as ``open`` raises it)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f)
+
+    @classmethod
+    def from_dict(cls, doc: Any, where: str = "config") -> "RunConfig":
+        """The config of a JSON document; ValueError, one line naming ``where`` and the key."""
+        if not isinstance(doc, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(doc).__name__}")
+        hints = get_type_hints(cls)
+        unknown = sorted(set(doc) - set(hints))
+        if unknown:
+            raise ValueError(f"{where}: {unknown[0]}: not a key of a run config")
+        kw = {}
+        for f in dataclasses.fields(cls):
+            if f.name not in doc:
+                if f.default is dataclasses.MISSING:
+                    raise ValueError(f"{where}: {f.name}: missing")
+                continue
+            kw[f.name] = _typed(doc[f.name], hints[f.name], f"{where}: {f.name}")
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, path: str) -> "RunConfig":
+        """Read ``path`` (a rank config); ValueError, one line naming the file and the key."""
+        try:
+            with open(path, "rb") as f:
+                doc = json.loads(f.read())
+        except (OSError, ValueError, RecursionError) as exc:
+            raise ValueError(f"{path}: {' '.join(str(exc).split()) or type(exc).__name__}") from None
+        return cls.from_dict(doc, path)
+
+
+def _typed(value: Any, hint: Any, where: str) -> Any:
+    """``value`` as ``hint`` (int, float, str, bool, X | None, tuple[X, ...]), or ValueError."""
+    args = getattr(hint, "__args__", ())
+    if type(None) in args:
+        if value is None:
+            return None
+        (hint,) = [a for a in args if a is not type(None)]
+        args = getattr(hint, "__args__", ())
+    if getattr(hint, "__origin__", None) is tuple:
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: expected a list, got {type(value).__name__}")
+        return tuple(_typed(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+    ok = (isinstance(value, bool) if hint is bool else
+          isinstance(value, (int, float)) and not isinstance(value, bool) if hint is float else
+          isinstance(value, hint) and not (hint is int and isinstance(value, bool)))
+    if not ok:
+        raise ValueError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+    return float(value) if hint is float else value
 
 
 def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative_tokens: int = 2,
@@ -37,13 +133,13 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
                  shard_decode_requests: bool | None = None, seed: int = 0, timeout_s: float = 300.0,
                  stop_at_eos: bool = False, overwrite: bool = False, dtype: str = "float32",
                  count_local_devices: bool = True, cuda_graphs: bool | None = None,
-                 time_phases: bool = False, profile_dir: str | None = None) -> dict:
-    """Validate the arguments and build the rank config (a JSON-able dict).
+                 time_phases: bool = False, profile_dir: str | None = None) -> RunConfig:
+    """Validate the arguments and build the run's config.
 
     ``cuda_graphs``: decode steps from CUDA graphs (None: on for CUDA at PCP=1, see
     ``EngineConfig.cuda_graphs`` for why not yet at PCP > 1; True on the CPU runs
-    the same padded path without capture, see ``pcpviz.engine.graphs``). ``time_phases``: the
-    per-phase breakdown of the loop (``RunResult.phases``, ``pcpviz.engine.phases``).
+    the same padded path without capture, see ``pcpviz.engine.decode_graphs``). ``time_phases``: the
+    per-phase breakdown of the loop (``RunResult.phases``, ``pcpviz.engine.phase_timer``).
     ``profile_dir``: a torch.profiler profile of every step after the first (which carries the
     one-time JIT and allocator costs) per rank, the phases as labelled ranges:
     ``profile_rank<r>.txt`` (operators by device time) and ``profile_rank<r>.json`` (a Chrome
@@ -76,17 +172,17 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
     if num_blocks is None:
         per_req = -(-(max(len(t) for t in ids) + max_new_tokens + 2 * num_speculative_tokens + 1) // block_size)
         num_blocks = 1 + per_req * min(max_num_seqs, len(ids))
-    return {
-        "pcp": pcp, "num_speculative_tokens": num_speculative_tokens, "device": device,
-        "max_new_tokens": max_new_tokens, "trace_dir": os.path.abspath(trace_dir) if trace_dir else None,
-        "inject": faults, "model_dir": model_dir, "block_size": block_size,
-        "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs, "num_blocks": num_blocks,
-        "shard_decode_requests": shard_decode_requests, "seed": seed, "timeout_s": float(timeout_s),
-        "prompt_token_ids": ids, "eos_token_id": EOS_ID if stop_at_eos else None, "dtype": dtype,
-        "overwrite": bool(overwrite),
-        "cuda_graphs": None if cuda_graphs is None else bool(cuda_graphs),
-        "time_phases": bool(time_phases or profile_dir), "profile_dir": profile_dir,
-    }
+    return RunConfig(
+        pcp=pcp, num_speculative_tokens=num_speculative_tokens, device=device,
+        max_new_tokens=max_new_tokens, trace_dir=os.path.abspath(trace_dir) if trace_dir else None,
+        inject=tuple(faults), model_dir=model_dir, block_size=block_size,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, num_blocks=num_blocks,
+        shard_decode_requests=shard_decode_requests, seed=seed, timeout_s=float(timeout_s),
+        prompt_token_ids=tuple(tuple(int(t) for t in p) for p in ids), eos_token_id=EOS_ID if stop_at_eos else None,
+        dtype=dtype, overwrite=bool(overwrite),
+        cuda_graphs=None if cuda_graphs is None else bool(cuda_graphs),
+        time_phases=bool(time_phases or profile_dir), profile_dir=profile_dir,
+    )
 
 
 def _check_sizes(*, pcp: int, num_speculative_tokens: int, max_new_tokens: int, block_size: int,
@@ -98,10 +194,10 @@ def _check_sizes(*, pcp: int, num_speculative_tokens: int, max_new_tokens: int, 
     _positive("block_size", block_size)
     _positive("max_num_seqs", max_num_seqs)
     _positive("max_num_batched_tokens", max_num_batched_tokens)
-    for name, value, hi in (("block_size", block_size, MAX_BLOCK_SIZE),
+    for name, value, hi in (("block_size", block_size, MAX_ENGINE_BLOCK_SIZE),
                             ("max_num_batched_tokens", max_num_batched_tokens, MAX_BATCHED_TOKENS),
-                            ("max_num_seqs", max_num_seqs, 4096),
-                            ("num_speculative_tokens", num_speculative_tokens, 64)):
+                            ("max_num_seqs", max_num_seqs, MAX_NUM_SEQS),
+                            ("num_speculative_tokens", num_speculative_tokens, MAX_SPECULATIVE_TOKENS)):
         if value > hi:
             raise ValueError(f"{name}={value} is larger than pcpviz runs ({hi} at most)")
 

@@ -21,7 +21,7 @@ rejected) and rank 0 holding it::
 Every input of the K draft forwards is known on the host once verification is done, so
 they go to the device in one copy; the draft tokens stay on the device (each step feeds the
 next) and reach the host only at the next step's batch building (``Worker``), without a
-sync inside this step. In a decode step under graphs (``pcpviz.engine.graphs``) the inputs
+sync inside this step. In a decode step under graphs (``pcpviz.engine.decode_graphs``) the inputs
 are padded to the step's ``DecodeShape`` and draft_0 and draft_1..K-1 are two graphs.
 """
 
@@ -38,7 +38,7 @@ from pcpviz.reference.drafts import draft_decode_positions
 from pcpviz.reference.drafts import draft_prefill_inputs as reference_prefill_inputs
 from pcpviz.engine.attention import PagedAttention
 from pcpviz import faults as F
-from pcpviz.engine.graphs import pad
+from pcpviz.engine.decode_graphs import pad
 
 __all__ = ["propose", "draft_prefill_inputs"]
 

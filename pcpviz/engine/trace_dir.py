@@ -1,7 +1,8 @@
 """The trace directory of a ``pcpviz run``: claimed, and given its run.json, before the ranks start.
 
     owner = start_trace(cfg)            # ValueError (one line): another writer's, not empty, ...
-    ... the ranks write rank<r>.arrow with owner.token (cfg["trace_owner"]) ...
+    cfg = dataclasses.replace(cfg, trace_owner=owner.token)
+    ... the ranks write rank<r>.arrow with owner.token (RunConfig.trace_owner) ...
     owner.release()
 
 In flight-recorder mode (``PCPVIZ_FLIGHT_RECORDER``, ``pcpviz.trace.flight``) the directory holds
@@ -12,38 +13,39 @@ from __future__ import annotations
 
 import os
 
+from pcpviz.engine.run_config import RunConfig
+
 __all__ = ["start_trace", "trace_meta"]
 
 
-def start_trace(cfg: dict, command: str = "pcpviz run"):
-    """Claim ``cfg["trace_dir"]`` for this run and write its run.json; returns the claim
-    (``pcpviz.trace.owner.Claim``; release it when the ranks are done) and stores its token
-    in ``cfg["trace_owner"]`` for the rank processes. Raises ValueError (one line) when the
+def start_trace(cfg: RunConfig, command: str = "pcpviz run"):
+    """Claim ``cfg.trace_dir`` for this run and write its run.json; returns the claim
+    (``pcpviz.trace.owner.Claim``; release it when the ranks are done), whose token the rank
+    processes carry in ``RunConfig.trace_owner``. Raises ValueError (one line) when the
     directory is another writer's, not empty (without ``overwrite``) or not writable."""
     from pcpviz.trace import claim, write_run_meta
     from pcpviz.trace.flight import FlightConfig
 
-    owner = claim(cfg["trace_dir"], overwrite=cfg.get("overwrite", False), command=command)
-    cfg["trace_owner"] = owner.token
+    owner = claim(cfg.trace_dir, overwrite=cfg.overwrite, command=command)
     if FlightConfig.from_env() is not None:  # flight recorder: the dumps carry run.json, not the directory
         return owner
     try:
-        write_run_meta(cfg["trace_dir"], trace_meta(cfg), exclusive=True)
+        write_run_meta(cfg.trace_dir, trace_meta(cfg), exclusive=True)
     except (OSError, ValueError) as exc:
         owner.release()
-        raise ValueError(f"{cfg['trace_dir']}: cannot write run.json ({' '.join(str(exc).split())})") from None
+        raise ValueError(f"{cfg.trace_dir}: cannot write run.json ({' '.join(str(exc).split())})") from None
     return owner
 
 
-def trace_meta(cfg: dict) -> dict:
-    """run.json's keys for a run of ``cfg`` (``build_config``'s dict)."""
+def trace_meta(cfg: RunConfig) -> dict:
+    """run.json's keys for a run of ``cfg`` (the keys and values shipped traces hold)."""
     return {
         "producer": "pcpviz-engine",
-        "pcp": cfg["pcp"], "dcp": 1, "num_speculative_tokens": cfg["num_speculative_tokens"],
-        "block_size": cfg["block_size"], "shard_decode_requests": cfg["shard_decode_requests"]
-        if cfg["shard_decode_requests"] is not None else cfg["pcp"] > 1,
-        "model": os.path.basename(cfg["model_dir"]), "device": cfg["device"], "inject": cfg["inject"],
-        "max_num_batched_tokens": cfg["max_num_batched_tokens"], "seed": cfg["seed"],
-        "num_requests": len(cfg["prompt_token_ids"]), "max_new_tokens": cfg["max_new_tokens"],
-        "prompt_token_ids": cfg["prompt_token_ids"], "dtype": cfg.get("dtype", "float32"),
+        "pcp": cfg.pcp, "dcp": 1, "num_speculative_tokens": cfg.num_speculative_tokens,
+        "block_size": cfg.block_size, "shard_decode_requests": cfg.shard_decode_requests
+        if cfg.shard_decode_requests is not None else cfg.pcp > 1,
+        "model": os.path.basename(cfg.model_dir), "device": cfg.device, "inject": list(cfg.inject),
+        "max_num_batched_tokens": cfg.max_num_batched_tokens, "seed": cfg.seed,
+        "num_requests": len(cfg.prompt_token_ids), "max_new_tokens": cfg.max_new_tokens,
+        "prompt_token_ids": [list(p) for p in cfg.prompt_token_ids], "dtype": cfg.dtype,
     }

@@ -24,8 +24,8 @@ step's inputs go to the device in one pinned, non-blocking copy (``pcpviz.engine
 the only sync inside a step is the sampled tokens' copy to the host (vLLM has it too: the
 scheduler needs them). Draft tokens stay on the device and come back with a non-blocking
 copy that the *next* step waits for when it builds its batch. Decode steps can be replayed
-from CUDA graphs (``EngineConfig.cuda_graphs``; ``pcpviz.engine.graphs``), and every phase
-can be timed (``pcpviz.engine.phases``).
+from CUDA graphs (``EngineConfig.cuda_graphs``; ``pcpviz.engine.decode_graphs``), and every phase
+can be timed (``pcpviz.engine.phase_timer``).
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ from pcpviz.reference.blocks import (
 )
 from pcpviz.engine.attention import PagedAttention
 from pcpviz.engine.dist import PCPGroup
-from pcpviz.engine.graphs import DecodeShape, GraphRunner, decode_shape, pad
+from pcpviz.engine.decode_graphs import DecodeShape, GraphRunner, decode_shape, pad
 from pcpviz.engine.inputs import Uploader
 from pcpviz.engine.kv_cache import LatentKVCache
-from pcpviz.engine.phases import PhaseTimer
+from pcpviz.engine.phase_timer import PhaseTimer
 from pcpviz.engine.record import StepRecord
 from pcpviz.engine.scheduler import SchedulerOutput
 from pcpviz.reference.layout import PCPLayout, partition_batch, plan_layout
@@ -110,7 +110,7 @@ class RequestState:
 @dataclass
 class StepResult:
     per_request: dict[str, tuple[list[int], int]]  # req_id -> (sampled tokens, num_rejected)
-    num_accepted: np.ndarray  # int64[R]: drafts accepted per request (pcpviz.analysis.acceptance.count)
+    num_accepted: np.ndarray  # int64[R]: drafts accepted per request (pcpviz.trace.acceptance.count)
     num_draft_tokens: np.ndarray  # int64[R]: drafts verified per request
     record: StepRecord | None
 

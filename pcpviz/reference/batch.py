@@ -5,11 +5,41 @@ PCP rank's local batch. NumPy only; producers convert their tensors to these.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["GlobalBatch", "LocalBatch", "scheduler_row_order", "order_batch"]
+__all__ = ["GlobalBatch", "LocalBatch", "scheduler_row_order", "order_batch", "query_start_loc",
+           "record_query_start_loc"]
+
+
+def query_start_loc(num_scheduled_tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """int64[R+1]: where each row's tokens start in the global batch, and T last (vLLM's
+    ``query_start_loc``). PCP=2, rows of 9 and 1 tokens::
+
+        >>> query_start_loc([9, 1]).tolist()
+        [0, 9, 10]
+    """
+    q = np.asarray(num_scheduled_tokens, dtype=np.int64).reshape(-1)
+    out = np.zeros(q.shape[0] + 1, dtype=np.int64)
+    np.cumsum(q, out=out[1:])
+    return out
+
+
+def record_query_start_loc(rec: Any) -> np.ndarray | None:
+    """int64[R+1] of a recorded global batch (a trace's ``target`` record, or any mapping of its
+    views): from ``num_scheduled_tokens``, else the recorded ``query_start_loc``; None without
+    either. The one place a record's ``query_start_loc`` is rebuilt (diff, timelines, the checks
+    and the figures call it)::
+
+        >>> record_query_start_loc({"num_scheduled_tokens": np.array([9, 1])}).tolist()
+        [0, 9, 10]
+    """
+    if "num_scheduled_tokens" in rec:
+        return query_start_loc(rec["num_scheduled_tokens"])
+    if "query_start_loc" in rec:
+        return np.asarray(rec["query_start_loc"], dtype=np.int64)
+    return None
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,9 +70,7 @@ class GlobalBatch:
 
     @property
     def query_start_loc(self) -> np.ndarray:  # int64[R+1]
-        qsl = np.zeros(self.num_reqs + 1, dtype=np.int64)
-        np.cumsum(self.num_scheduled_tokens, out=qsl[1:])
-        return qsl
+        return query_start_loc(self.num_scheduled_tokens)
 
     @property
     def seq_lens(self) -> np.ndarray:  # int64[R]: GPU view, last position + 1

@@ -118,7 +118,7 @@ def draft_prefill_graph_modes(layout: PCPLayout, mode: str, *, k: int, max_num_s
     from vllm.config import CUDAGraphMode
 
     from pcpviz.teaching.examples.pcp_paths import draft_prefill_dispatch
-    from pcpviz.vllm.replay.graphs import capture_sizes, draft_prefill_manager
+    from pcpviz.vllm.replay.graph_dispatch import capture_sizes, draft_prefill_manager
 
     cg = CUDAGraphMode[mode]
     if cg == CUDAGraphMode.NONE:

@@ -21,20 +21,12 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pcpviz.limits import MAX_INDEX, MAX_NDIM, MAX_STRING_CHARS, MAX_TOKENS
+
 from . import schema as S
 
-__all__ = ["MAX_INDEX", "MAX_TOKENS", "MAX_STRING_CHARS", "MAX_NDIM", "step_problems",
-           "well_formed", "problems_at"]
+__all__ = ["step_problems", "well_formed", "problems_at"]
 
-MAX_INDEX = (1 << 31) - 1
-"""Largest position, length, slot, block id or row index a view may hold (vLLM keeps them in
-int32 on the GPU)."""
-MAX_TOKENS = 1 << 24
-"""Most tokens one step may schedule (global ``T``), and the longest any 1-d view may be."""
-MAX_STRING_CHARS = 4096
-"""Longest string (a request id) a view may hold."""
-MAX_NDIM = 4
-"""Most axes any view may have (the widest declared is [G, R, W])."""
 
 _INDEX_VIEWS = frozenset({
     "positions", "seq_lens", "num_scheduled_tokens", "num_computed_tokens", "prefill_len",

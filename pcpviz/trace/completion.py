@@ -42,10 +42,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+from pcpviz.limits import MAX_RECORD_BYTES
+
 from . import schema as S
 
 __all__ = ["COMPLETION_FILE", "COMPLETION_KEY", "COMPLETE", "PARTIAL", "STATUSES", "ENTRY_FIELDS",
-           "MAX_RECORD_BYTES", "RankEnd", "Completion", "record_end", "forget", "read_completion", "mark_legacy",
+           "RankEnd", "Completion", "record_end", "forget", "read_completion", "mark_legacy",
            "rank_file_busy", "judge"]
 
 COMPLETION_FILE = S.COMPLETION_FILE
@@ -69,8 +71,6 @@ ENTRY_FIELDS = {
 }
 """The fields of one rank's entry -> meaning (docs/trace-format.md)."""
 
-MAX_RECORD_BYTES = 16 << 20
-"""A completion record larger than this is refused (an entry is ~150 bytes)."""
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,16 @@ the path of the offending file, then (where it applies) the step, and says what 
 
 from __future__ import annotations
 
-__all__ = ["TraceError", "TraceWarning"]
+__all__ = ["TraceError", "TraceWarning", "MALFORMED"]
 
 
 class TraceError(ValueError):
     """A trace that cannot be read as asked: ``"<file>: [step N: ]<what is wrong>"``."""
+
+
+MALFORMED = (IndexError, ValueError, TypeError, KeyError)
+"""What reading a malformed view raises where a well-formed one would not (a wrong dtype, shape or
+length, a missing key): the figures draw a message for it, explain notes it and goes on."""
 
 
 class TraceWarning(UserWarning):

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["loads_bounded", "MAX_DEPTH"]
+from pcpviz.limits import MAX_JSON_DEPTH
 
-MAX_DEPTH = 200
+__all__ = ["loads_bounded"]
 
 
 def _depth(text: str) -> int:
@@ -43,7 +43,7 @@ def _depth(text: str) -> int:
     return deepest
 
 
-def loads_bounded(data: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:
+def loads_bounded(data: str | bytes, *, max_depth: int = MAX_JSON_DEPTH) -> Any:
     """``json.loads`` for input nested at most ``max_depth`` levels; deeper input raises
     ValueError (one line) without recursing. An object that names a key twice raises too:
     which of two values a file meant is not ours to guess."""

@@ -48,11 +48,10 @@ from . import schema as S
 from .errors import TraceError, TraceWarning
 from .index import MapBudget, RankIndex, scan_rank_file
 from .runmeta import check_version, file_kind, read_meta
+from pcpviz.limits import MAX_WORLD_SIZE
 
 __all__ = ["open", "Trace", "Record", "RankFile", "steps_summary"]
 
-MAX_RANKS = 4096
-"""Rank files past this many ranks (``rank99999.arrow``) are not read (run.json's pcp is bounded the same)."""
 
 
 # --------------------------------------------------------------------------- public records
@@ -310,8 +309,8 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
         m = S.RANK_FILE_RE.match(child.name)
         if not m:
             continue
-        kind = file_kind(child) if len(m.group(1)) <= 4 and int(m.group(1)) < MAX_RANKS else \
-            f"rank {m.group(1)[:20]} is more than the {MAX_RANKS} ranks a trace may have"
+        kind = file_kind(child) if len(m.group(1)) <= 4 and int(m.group(1)) < MAX_WORLD_SIZE else \
+            f"rank {m.group(1)[:20]} is more than the {MAX_WORLD_SIZE} ranks a trace may have"
         if kind is None:
             rank_paths.append((int(m.group(1)), child))
         else:

@@ -16,11 +16,13 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from pcpviz.limits import MAX_META_BYTES
+
 from . import schema as S
 from .errors import TraceError
 from .jsonlimits import loads_bounded
 
-__all__ = ["MAX_META_BYTES", "file_kind", "read_meta", "check_version", "open_for_reading"]
+__all__ = ["file_kind", "read_meta", "check_version", "open_for_reading"]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -42,8 +44,6 @@ def open_for_reading(path: Path) -> int:
     return fd
 
 
-MAX_META_BYTES = 64 << 20
-"""A run.json larger than this is refused (it holds settings and prompt ids, not data)."""
 
 
 def file_kind(path: Path) -> str | None:

@@ -68,6 +68,7 @@ from pcpviz.trace.codec import (  # noqa: F401 - the value codec, re-exported (`
     ALIGN, STR_TAG, STRUCT_PREFIX, Encoded, check_shape, decode_payload, encode_value, padded_size,
     parse_dtype_tag, row_crc32, step_crc32,
 )
+from pcpviz.version import __version__
 
 __all__ = [
     "SCHEMA_VERSION", "SCHEMA_VERSIONS", "upgrade_views", "META_SCHEMA_KEY", "META_RANK_KEY", "RUN_META_FILE",
@@ -260,8 +261,6 @@ ARROW_SCHEMA = pa.schema([
 
 def arrow_schema(rank: int) -> pa.Schema:
     """``ARROW_SCHEMA`` with this rank's metadata (version, rank)."""
-    from pcpviz import __version__
-
     return ARROW_SCHEMA.with_metadata({
         META_SCHEMA_KEY: str(SCHEMA_VERSION),
         META_RANK_KEY: str(int(rank)),

@@ -39,19 +39,13 @@ import numpy as np
 from . import schema as S
 from .completion import judge
 from .errors import TraceError
+from pcpviz.limits import MAX_BLOCK_SIZE, MAX_COUNT, MAX_SPECULATIVE_TOKENS, MAX_WORLD_SIZE
 
 __all__ = ["INVALID", "INCOMPLETE", "Problem", "TraceStatus", "META_SCHEMA", "validate_meta",
-           "validate", "trusted_meta", "undeclared_views", "MAX_WORLD_SIZE", "MAX_SPECULATIVE_TOKENS", "MAX_BLOCK_SIZE"]
+           "validate", "trusted_meta", "undeclared_views"]
 
 INVALID, INCOMPLETE = "invalid", "incomplete"
 
-MAX_WORLD_SIZE = 4096
-"""Largest pcp / dcp / tp accepted in run.json."""
-MAX_SPECULATIVE_TOKENS = 64
-"""Largest num_speculative_tokens accepted in run.json."""
-MAX_BLOCK_SIZE = 1 << 20
-"""Largest KV block size accepted in run.json."""
-_MAX_COUNT = 1 << 40  # token budgets, lengths, vocabularies
 _INT64 = 1 << 63
 
 
@@ -176,12 +170,12 @@ META_SCHEMA: Mapping[str, tuple[Callable[[Any], str | None], bool, str]] = {
     "block_sizes": (_block_sizes, False, "KV block size per KV-cache group"),
     "shard_decode_requests": (_bool, False, "decodes sharded over the PCP ranks"),
     "num_steps": (_int(0, _INT64 - 1), False, "steps every rank recorded"),
-    "num_requests": (_int(0, _MAX_COUNT), False, "requests of the run"),
-    "max_new_tokens": (_int(1, _MAX_COUNT), False, "tokens generated per request"),
-    "max_num_batched_tokens": (_int(1, _MAX_COUNT), False, "per-step token budget"),
-    "max_num_seqs": (_int(1, _MAX_COUNT), False, "request slots"),
-    "max_model_len": (_int(1, _MAX_COUNT), False, "context length"),
-    "vocab_size": (_int(1, _MAX_COUNT), False, "vocabulary size"),
+    "num_requests": (_int(0, MAX_COUNT), False, "requests of the run"),
+    "max_new_tokens": (_int(1, MAX_COUNT), False, "tokens generated per request"),
+    "max_num_batched_tokens": (_int(1, MAX_COUNT), False, "per-step token budget"),
+    "max_num_seqs": (_int(1, MAX_COUNT), False, "request slots"),
+    "max_model_len": (_int(1, MAX_COUNT), False, "context length"),
+    "vocab_size": (_int(1, MAX_COUNT), False, "vocabulary size"),
     "seed": (_int(-_INT64, _INT64 - 1), False, "random seed"),
     "inject": (_str_list, False, "injected faults (pcpviz.faults)"),
     "model": (_str, False, "model name or path"),

@@ -23,9 +23,7 @@ run before vLLM is first imported, so it is the caller who decides when that hap
 as it was).
 """
 
-SUPPORTED_VLLM_VERSION = "0.33.0"
-"""The one vLLM version pcpviz drives, records and replays (the plugin, the launcher and the CPU
-patches check it)."""
+from pcpviz.vllm.contract import SUPPORTED_VLLM_VERSION  # noqa: F401 - the one definition, re-exported
 
 
 def __getattr__(name):

@@ -50,7 +50,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from pcpviz.vllm import SUPPORTED_VLLM_VERSION
+from pcpviz.vllm.contract import SUPPORTED_VLLM_VERSION
 from pcpviz.vllm.fake_group import current_fake_group
 
 _apply_lock = threading.Lock()

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pcpviz.vllm import SUPPORTED_VLLM_VERSION  # the one definition
+from pcpviz.vllm.contract import ENV_TRACE_DIR, SUPPORTED_VLLM_VERSION  # the one definition
 
 __all__ = ["run", "build_vllm_launch", "VllmLaunch", "LaunchError", "preflight", "gpus_missing", "CUDAGRAPH_MODES"]
 
@@ -54,7 +54,6 @@ CUDAGRAPH_MODES = ("PIECEWISE", "NONE", "FULL_AND_PIECEWISE")
 """What ``run`` records. FULL_AND_PIECEWISE replays uniform decode steps as FULL graphs: the
 target's views and the verify outcome are recorded (their Python still runs), the draft phases
 those graphs replay carry only their tokens (``graph_mode`` FULL; one warning)."""
-ENV_TRACE_DIR = "PCPVIZ_TRACE_DIR"
 
 
 class LaunchError(RuntimeError):

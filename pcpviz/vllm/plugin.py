@@ -59,10 +59,10 @@ import threading
 from typing import Any
 
 from pcpviz.vllm import SUPPORTED_VLLM_VERSION  # the one definition
+from pcpviz.vllm.contract import ENV_TRACE_DIR  # the one definition
 
 __all__ = ["register", "status", "SUPPORTED_VLLM_VERSION", "ENV_TRACE_DIR", "RUNNER_MODULE"]
 
-ENV_TRACE_DIR = "PCPVIZ_TRACE_DIR"
 RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 V1_RUNNER_MODULE = "vllm.v1.worker.gpu_model_runner"  # vLLM's V1 model runner: not recorded
 

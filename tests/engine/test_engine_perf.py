@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import pcpviz
-from pcpviz.engine.graphs import GraphRunner, StaticInputs, capture_sizes, decode_shape
+from pcpviz.engine.decode_graphs import GraphRunner, StaticInputs, capture_sizes, decode_shape
 from pcpviz.engine.inputs import Uploader
-from pcpviz.engine.phases import PHASES, PhaseTimer
+from pcpviz.engine.phase_timer import TIMED_PHASES, PhaseTimer
 from pcpviz.engine.record import Pending, StepRecord, row_hashes
 from pcpviz.engine.recorder import AsyncRecorder
 from pcpviz.trace import TraceWriter
@@ -52,7 +52,7 @@ def test_phase_timer_partitions_steps_and_nests():
     assert set(s) == {"all", "decode"}
     assert s["all"]["steps"] == 3 and s["decode"]["steps"] == 2
     for kind in s.values():
-        assert list(kind["phases"]) == list(PHASES) == list(kind["per_step"])
+        assert list(kind["phases"]) == list(TIMED_PHASES) == list(kind["per_step"])
         total = sum(p["host_ms"] for p in kind["phases"].values())
         assert total == pytest.approx(kind["step_ms"], rel=1e-9, abs=1e-9)
         assert kind["phases"]["gather"]["host_ms"] > 0 and kind["phases"]["draft_0"]["host_ms"] == 0
@@ -86,7 +86,7 @@ def test_engine_phase_breakdown_names_every_phase_and_fits_the_loop(runs):
     s = eager.phases
     assert s["all"]["steps"] == eager.num_steps and 0 < s["decode"]["steps"] < eager.num_steps
     for kind in s.values():
-        assert list(kind["phases"]) == list(PHASES)
+        assert list(kind["phases"]) == list(TIMED_PHASES)
         total = sum(p["host_ms"] for p in kind["phases"].values())
         assert total == pytest.approx(kind["step_ms"], rel=1e-6)
         assert kind["step_ms"] <= eager.wall_s * 1e3
@@ -421,16 +421,16 @@ def test_every_run_times_its_steps_and_reads_the_steady_decode_step(runs):
 
 
 def test_static_input_views_start_aligned():
-    """Every static input view starts at a multiple of ALIGN elements, whatever the lengths of
+    """Every static input view starts at a multiple of INPUT_ALIGN elements, whatever the lengths of
     the arrays packed before it (Triton specializes kernels on pointer alignment: a view whose
     alignment depended on another array's length recompiled the prefill kernel on one H200)."""
-    from pcpviz.engine.graphs import StaticInputs
-    from pcpviz.engine.inputs import ALIGN, aligned
+    from pcpviz.engine.decode_graphs import StaticInputs
+    from pcpviz.engine.inputs import INPUT_ALIGN, aligned
 
     spec = {"a": ((3,), torch.int64), "b": ((5, 7), torch.int64), "c": ((1,), torch.int32), "d": ((9,), torch.int32)}
     s = StaticInputs(spec, torch.device("cpu"))
     offsets = {name: v.storage_offset() for name, v in s.views.items()}
-    assert all(off % ALIGN == 0 for off in offsets.values()), offsets
+    assert all(off % INPUT_ALIGN == 0 for off in offsets.values()), offsets
     assert offsets["b"] == aligned(3) and offsets["d"] == aligned(1)
     s.fill({"a": np.arange(3), "b": np.ones((5, 7)), "c": np.array([4]), "d": np.arange(9)})
     assert s.views["b"].sum().item() == 35 and s.views["d"].tolist() == list(range(9))
@@ -438,12 +438,12 @@ def test_static_input_views_start_aligned():
 
 @pytest.mark.gpu
 def test_uploaded_views_start_aligned():
-    from pcpviz.engine.inputs import ALIGN
+    from pcpviz.engine.inputs import INPUT_ALIGN
 
     up = Uploader(torch.device("cuda"))
     t = up.upload({"x": (np.arange(3), torch.int64), "y": (np.arange(5), torch.int64),
                    "z": (np.arange(7), torch.int32)})
-    assert all(v.storage_offset() % ALIGN == 0 for v in t.values())
+    assert all(v.storage_offset() % INPUT_ALIGN == 0 for v in t.values())
     assert t["y"].tolist() == list(range(5)) and t["z"].tolist() == list(range(7))
 
 

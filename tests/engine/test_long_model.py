@@ -1,7 +1,7 @@
 """The long-context checkpoint: same architecture, recorded provenance, and the claim it makes.
 
 ``data/models/pcpviz-tiny-dsv3-long`` continues the shipped weights with PoSE-style position
-skips (``pcpviz.engine.train --pos-skip-prob``). Its training.json records the 32k evaluation done
+skips (``tools.train.train --pos-skip-prob``). Its training.json records the 32k evaluation done
 on the GPU (8k-32k loss within 10% of the loss below 2k); here the same effect is checked on CPU
 at a size CI can afford: the same held-out tokens at positions 4k-6k and at 0-2k.
 """
@@ -15,10 +15,10 @@ import os
 import pytest
 import torch
 
-from pcpviz.engine import heldout
 from pcpviz.engine.checkpoint import load_model
 from pcpviz.engine.model_config import default_model_dir, read_config
 from pcpviz.engine.tokenizer import encode
+from tools.train import heldout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LONG = os.path.join(ROOT, "data", "models", "pcpviz-tiny-dsv3-long")

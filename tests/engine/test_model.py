@@ -13,11 +13,11 @@ import shutil
 import pytest
 import torch
 
-from pcpviz.engine import corpus as corpus_mod
 from pcpviz.engine import tokenizer as tok
 from pcpviz.engine.checkpoint import load_model
 from pcpviz.engine.model import causal_attention
 from pcpviz.engine.model_config import TinyDSV3Config, default_model_dir, read_config
+from tools.train import corpus as corpus_mod
 
 MODEL_DIR = default_model_dir()
 

@@ -34,19 +34,19 @@ def test_doctests():
 
 
 def test_the_ten_rows_are_there():
-    assert sorted(claims.CLAIMS, key=lambda k: int(k.split()[1])) == [f"row {i}" for i in range(1, 11)]
+    assert sorted(claims.load_claims(), key=lambda k: int(k.split()[1])) == [f"row {i}" for i in range(1, 11)]
 
 
-@pytest.mark.parametrize("key", sorted(claims.CLAIMS))
+@pytest.mark.parametrize("key", sorted(claims.load_claims()))
 def test_claim_is_stated_and_its_wrong_version_gone(key):
-    c = claims.CLAIMS[key]
+    c = claims.load_claims()[key]
     for rel, phrase in c.says:
         assert claims.normalized(phrase) in claims.normalized(claims.file_text(ROOT, rel)), f"{key}: {rel}: {phrase!r}"
     for rel, phrase in c.not_says:
         assert claims.normalized(phrase) not in claims.normalized(claims.file_text(ROOT, rel)), f"{key}: {rel}"
 
 
-REFS = sorted({r for c in claims.CLAIMS.values() for r in c.vllm} |
+REFS = sorted({r for c in claims.load_claims().values() for r in c.vllm} |
               {a.ref for seq in buffer_order.ORDERS.values() for a in seq if a.ref} |
               {a.ref for _, f in buffer_order.FIXES.values() for a in f.accesses if a.ref}, key=str)
 
@@ -184,3 +184,11 @@ def test_draft_prefill_graph_modes_are_vllms_dispatch():
     assert vllm_runs.draft_prefill_graph_modes(mixed, "NONE", k=3) == ["NONE", "NONE"]
     replicated = plan_layout([4], [False], 2, shard_decode_requests=False, dcp_world_size=2)
     assert vllm_runs.draft_prefill_graph_modes(replicated, "FULL_DECODE_ONLY", k=3) == ["FULL", "FULL"]
+
+
+def test_the_claims_live_in_docs_and_a_damaged_file_is_one_line(tmp_path):
+    assert claims.CLAIMS_FILE == ROOT / "docs" / "review" / "claims.json"
+    bad = tmp_path / "claims.json"
+    bad.write_text('{"claims": {"row 1": {"claim": "x", "says": [["a"]], "not_says": [], "vllm": []}}}')
+    with pytest.raises(ValueError, match=r"^\S+claims.json: claims.row 1.says: expected a list of \[file, phrase"):
+        claims.load_claims(bad)

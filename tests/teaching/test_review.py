@@ -3,6 +3,7 @@ vLLM 0.33.0, every piece of evidence exists, and the support matrix is vLLM's ow
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -24,12 +25,12 @@ def _vllm_dir() -> Path:
 
 
 def test_every_review_point_has_a_row():
-    keys = {p.key.rstrip("abcd") for p in review.REVIEW_MAP}
+    keys = {p.key.rstrip("abcd") for p in review.review_map()}
     assert REVIEW_KEYS <= keys, sorted(REVIEW_KEYS - keys)
-    assert all(p.modelled in ("yes", "partly", "no") for p in review.REVIEW_MAP)
+    assert all(p.modelled in ("yes", "partly", "no") for p in review.review_map())
 
 
-@pytest.mark.parametrize("ref", sorted({r for p in review.REVIEW_MAP for r in p.vllm}, key=str), ids=str)
+@pytest.mark.parametrize("ref", sorted({r for p in review.review_map() for r in p.vllm}, key=str), ids=str)
 def test_cited_vllm_line_holds_the_anchor(ref):
     lines = (_vllm_dir() / ref.path).read_text().splitlines()
     assert ref.anchor in lines[ref.line - 1], f"{ref}: {lines[ref.line - 1].strip()!r}"
@@ -42,7 +43,7 @@ def test_evidence_exists():
 
     teaching = {n for mod in (examples, pcp_rules, vllm_runs, buffer_order, claims, coverage) for n in mod.__all__}
 
-    for p in review.REVIEW_MAP:
+    for p in review.review_map():
         assert p.evidence, p.key
         for ev in p.evidence:
             kind, _, name = ev.partition(":")
@@ -67,7 +68,7 @@ def test_evidence_exists():
 
 
 def test_every_risk_says_what_is_demonstrated_and_what_only_read():
-    risks = [p for p in review.REVIEW_MAP if p.key.startswith("risk")]
+    risks = [p for p in review.review_map() if p.key.startswith("risk")]
     assert {p.key.rstrip("b") for p in risks} == {f"risk {i}" for i in range(1, 6)}
     for p in risks:
         assert p.demonstrated and p.only_read, p.key
@@ -77,7 +78,7 @@ def test_every_risk_says_what_is_demonstrated_and_what_only_read():
 
 def test_k1_returns_before_the_gather():
     # issue 11 point 6: with K <= 1 propose returns before the gather and the replicated steps
-    row = next(p for p in review.REVIEW_MAP if p.key == "impl 3")
+    row = next(p for p in review.review_map() if p.key == "impl 3")
     ret, gather = row.vllm
     assert "num_speculative_tokens <= 1" in ret.anchor and ret.line < gather.line
 
@@ -97,7 +98,7 @@ def test_support_matrix():
 
 def test_review_markdown_has_one_row_per_point():
     md = review.review_markdown()
-    assert len(md.splitlines()) == 2 + len(review.REVIEW_MAP)
+    assert len(md.splitlines()) == 2 + len(review.review_map())
     assert "`v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py:303`" in md
 
 
@@ -107,5 +108,22 @@ def test_illustrative_faults_say_so():
     assert unfaithful == {"fold_slot_mapping_without_shape_check"}
     for name in unfaithful:
         assert FAULTS[name].summary.startswith("ILLUSTRATION")
-    row = next(p for p in review.REVIEW_MAP if p.key == "impl 5c")
+    row = next(p for p in review.review_map() if p.key == "impl 5c")
     assert row.modelled == "no" and "illustration" in row.how
+
+
+def test_the_review_data_lives_in_docs_and_a_damaged_file_is_one_line(tmp_path):
+    # issue 40: the review is documentation (docs/review/), read by the library, not Python literals in it
+    assert review.REVIEW_FILE == ROOT / "docs" / "review" / "review-map.json"
+    assert not hasattr(review, "REVIEW_MAP")
+    doc = json.loads(review.REVIEW_FILE.read_text())
+    doc["points"][2]["vllm"][0]["line"] = "848"
+    bad = tmp_path / "review-map.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(ValueError) as err:
+        review.load_review(bad)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{bad}: points[2] (impl 2b): vllm[0]: line: expected int"), msg
+    bad.write_text("{")
+    with pytest.raises(ValueError, match=f"^{bad}: "):
+        review.load_review(bad)

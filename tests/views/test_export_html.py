@@ -295,13 +295,13 @@ def test_export_escapes_hostile_phase_names_and_request_ids(tmp_path, monkeypatc
 
 
 def test_a_wide_run_shows_a_sample_of_its_ranks(tmp_path, monkeypatch):
-    """Past ``MAX_RANKS`` ranks the report precomputes an even sample of them (first, last, the
+    """Past ``MAX_DRAWN_RANKS`` ranks the report precomputes an even sample of them (first, last, the
     ranks of first violations) and says so; ``--rank`` picks them."""
     from pcpviz.cli.commands import main
     from pcpviz.views.export import html as H
     from tracegen import clean_run
 
-    monkeypatch.setattr(H, "MAX_RANKS", 2)
+    monkeypatch.setattr(H, "MAX_DRAWN_RANKS", 2)
     assert H.shown_ranks(range(64)) == [0, 63]
     assert H.shown_ranks(range(64), [17]) == [0, 17, 63]
     assert H.shown_ranks([0, 1]) == [0, 1]

@@ -20,7 +20,7 @@ cpu_patches.apply_cpu_patches()
 from pcpviz.vllm import replay as _replay  # noqa: E402,F401  (imports vLLM inside the CPU environment)
 from pcpviz.vllm.replay.dummy_runs import probe_dummy_run  # noqa: E402
 from pcpviz.vllm.replay.full_graphs import probe_full_graphs  # noqa: E402
-from pcpviz.vllm.replay.graphs import capture_sizes  # noqa: E402
+from pcpviz.vllm.replay.graph_dispatch import capture_sizes  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_the_findings_figures(full):
     """The numbers docs/findings/full-draft-prefill-state.md quotes."""
     from vllm.config import CUDAGraphMode
 
-    from pcpviz.vllm.replay.graphs import eager_decodes_after_full_prefill
+    from pcpviz.vllm.replay.graph_dispatch import eager_decodes_after_full_prefill
 
     assert full.capture_sizes == (1, 2, 3, 4, 6, 8, 12, 15, 16, 24)
     (decode,) = [f for f in full.steps[1][0].forwards if f.phase == "draft_decode"]
@@ -172,7 +172,7 @@ def test_graph_manager_stand_ins_stay_while_any_rank_thread_still_builds():
 
     from vllm.v1.worker.gpu import cudagraph_utils
 
-    from pcpviz.vllm.replay import graphs
+    from pcpviz.vllm.replay import graph_dispatch as graphs
 
     own = cudagraph_utils.get_pp_group
     inside, left = threading.Event(), threading.Event()

@@ -10,6 +10,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from pcpviz.reference.batch import query_start_loc
 from pcpviz.reference.blocks import compute_slot_mappings
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.trace import SEGMENT_DTYPE, draft_index
@@ -260,9 +261,7 @@ class Ctx:
         """int64[R+1] from num_scheduled_tokens (or the recorded query_start_loc)."""
         q = self.get("target", "num_scheduled_tokens")
         if q is not None:
-            out = np.zeros(q.shape[0] + 1, dtype=np.int64)
-            np.cumsum(q, out=out[1:])
-            return out
+            return query_start_loc(q)
         return self.t("query_start_loc").astype(np.int64)
 
     def q(self) -> np.ndarray:

@@ -23,14 +23,13 @@ from pcpviz.analysis.acceptance import acceptance_from_records
 from pcpviz.analysis.diff import acceptance, request_keys
 from pcpviz.analysis.parity import generated_tokens
 from pcpviz.trace import TraceError, draft_index
+from pcpviz.trace.errors import MALFORMED
 
 __all__ = ["Symptoms", "gather_symptoms", "KvReplicas", "kv_divergence", "guarded", "MALFORMED", "ACCEPTANCE_DROP",
            "POSITION_DROP"]
-
-MALFORMED = (IndexError, ValueError, TypeError, KeyError)
-"""What reading a malformed view raises (a view of the wrong shape, dtype or length that a
-producer wrote so): that reading is then not evaluated, as ``run_checks`` does with a check.
-``TraceError`` (a payload failing its crc32) is not among them: that trace is unreadable."""
+# MALFORMED (pcpviz.trace.errors): what reading a malformed view raises; that reading is then not
+# evaluated, as run_checks does with a check. TraceError (a payload failing its crc32) is not among
+# them: that trace is unreadable.
 
 
 _NOT_EVALUATED = object()
@@ -55,10 +54,12 @@ ACCEPTANCE_DROP = 0.10
 POSITION_DROP = 0.15
 """... or the rate at one draft position fell by at least this much."""
 
-LAYOUT_VIEWS = frozenset({"padded_gather_idx", "hidden_restore_idx", "kv_write_mask", "per_rank_num_tokens", "segments",
-                          "slot_mapping_gathered", "moe_is_padding", "local_input_ids", "local_positions",
-                          "local_is_padding", "local_seq_lens", "local_query_start_loc", "local_logits_indices",
-                          "draft_input_ids", "draft_positions", "draft_seq_lens", "slot_mapping_draft"})
+LAYOUT_DEPENDENT_VIEWS = frozenset({
+    "padded_gather_idx", "hidden_restore_idx", "kv_write_mask", "per_rank_num_tokens", "segments",
+    "slot_mapping_gathered", "moe_is_padding", "local_input_ids", "local_positions",
+    "local_is_padding", "local_seq_lens", "local_query_start_loc", "local_logits_indices",
+    "draft_input_ids", "draft_positions", "draft_seq_lens", "slot_mapping_draft",
+})
 """Views that change with the rank-local layout and its padding alone (draft_0's are rank-local too)."""
 
 _KV_VIEWS = {"target": ("input_ids", "positions", "slot_mapping_gathered"),
@@ -100,7 +101,7 @@ class Symptoms:
     def only_layout_before_drafts(self) -> bool:
         """The drafts differ after differences only in the rank-local layout / padding views."""
         return self.drafts_first_differ is not None and all(
-            v.split(".", 1)[1] in LAYOUT_VIEWS for v in self.differs_before_drafts)
+            v.split(".", 1)[1] in LAYOUT_DEPENDENT_VIEWS for v in self.differs_before_drafts)
 
     def to_dict(self) -> dict[str, Any]:
         out = dict(self.__dict__)

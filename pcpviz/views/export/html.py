@@ -39,7 +39,7 @@ from pcpviz.views.panels import PanelInput, panel_marks, run_panels, step_panels
 from pcpviz.views.widgets import status as st
 
 __all__ = ["export_html", "STEP_VIEWS", "pack", "unpack", "embedded_data", "shown_steps", "shown_ranks", "MAX_ENTRIES",
-           "MAX_RANKS"]
+           "MAX_DRAWN_RANKS"]
 
 STEP_VIEWS = tuple(p.name for p in step_panels())
 """Panels precomputed per (step, rank) (``pcpviz.views.panels``); the per-run panels
@@ -247,20 +247,20 @@ def shown_steps(steps: Sequence[int], num_ranks: int, keep: Sequence[int] = ()) 
     return sorted(picked | (set(keep) & set(steps)))
 
 
-MAX_RANKS = 8
+MAX_DRAWN_RANKS = 8
 """Most ranks whose pages a report precomputes when no ``ranks`` are asked for: a wider run shows
 an even sample of its ranks (the first and last, and every rank of a first violation), so that
 ``MAX_ENTRIES`` buys steps rather than ranks (PCP=64: 32 steps on 8 ranks, not 4 on 64)."""
 
 
 def shown_ranks(ranks: Sequence[int], keep: Sequence[int] = ()) -> list[int]:
-    """The ranks a report precomputes by default: all of them up to ``MAX_RANKS``, else an even
+    """The ranks a report precomputes by default: all of them up to ``MAX_DRAWN_RANKS``, else an even
     sample with the first and last rank, plus the ``keep`` ranks (first violations).
     ``shown_ranks(range(64))`` is ``[0, 9, 18, 27, 36, 45, 54, 63]``."""
     ranks = list(ranks)
-    if len(ranks) <= MAX_RANKS:
+    if len(ranks) <= MAX_DRAWN_RANKS:
         return ranks
-    picked = {ranks[round(i * (len(ranks) - 1) / (MAX_RANKS - 1))] for i in range(MAX_RANKS)}
+    picked = {ranks[round(i * (len(ranks) - 1) / (MAX_DRAWN_RANKS - 1))] for i in range(MAX_DRAWN_RANKS)}
     return sorted(picked | (set(keep) & set(ranks)))
 
 

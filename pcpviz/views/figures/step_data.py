@@ -16,13 +16,16 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from pcpviz.reference.batch import record_query_start_loc
+from pcpviz.reference.chunks import chunk_size
 from pcpviz.trace.bounds import step_problems
 from pcpviz.trace.reader import Record
 from pcpviz.trace.schema import DRAFT_VIEW_REPLICATED, SEGMENT_DTYPE
 from pcpviz.trace.shapes import table_groups, view_text
 
-__all__ = ["view_array", "is_replicated", "StepLayout", "step_layout", "has_layout", "single_rank", "LAYOUT_VIEWS",
-           "layout_summary", "recorded_phases", "draft_source_phase", "trace_req_ids", "load_check_report"]
+__all__ = ["view_array", "is_replicated", "StepLayout", "step_layout", "has_layout", "single_rank",
+           "LAYOUT_INPUT_VIEWS", "layout_summary", "recorded_phases", "draft_source_phase", "trace_req_ids",
+           "load_check_report"]
 
 
 def view_array(rec: Record | None, name: str, default=None):
@@ -101,7 +104,7 @@ def recorded_phases(trace: Any, step: int, rank: int) -> list[str]:
     return trace.phases(step, rank)
 
 
-LAYOUT_VIEWS = ("per_rank_num_tokens", "padded_gather_idx", "kv_write_mask", "hidden_restore_idx")
+LAYOUT_INPUT_VIEWS = ("per_rank_num_tokens", "padded_gather_idx", "kv_write_mask", "hidden_restore_idx")
 """The target views a PCP layout is rebuilt from."""
 
 
@@ -112,7 +115,7 @@ def single_rank(target: Record | None) -> bool:
     Only a record that knows its run is PCP=1 (``Record.pcp``, from run.json) qualifies: a PCP>1
     record missing its layout views is damaged, and is never drawn as if it were PCP=1."""
     return (target is not None and getattr(target, "pcp", None) == 1
-            and not any(v in target for v in LAYOUT_VIEWS))
+            and not any(v in target for v in LAYOUT_INPUT_VIEWS))
 
 
 def has_layout(target: Record | None) -> bool:
@@ -138,8 +141,7 @@ def _step_layout(target: Record) -> StepLayout:
         raise ValueError(f"malformed views: {problems[0]}")
     req_ids = tuple(str(x) for x in np.asarray(target["req_ids"]).ravel())
     q = np.asarray(target["num_scheduled_tokens"], dtype=np.int64)
-    qsl = view_array(target, "query_start_loc")
-    qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int64) if qsl is None else qsl.astype(np.int64)
+    qsl = record_query_start_loc(target)
     if single_rank(target):  # PCP=1: rank 0's rows are the global tokens, all written
         t1 = int(qsl[-1]) if qsl.size else 0
         per_rank = np.array([t1], dtype=np.int64)
@@ -166,10 +168,10 @@ def _step_layout(target: Record) -> StepLayout:
         ok = (gi >= 0) & (gi < q.shape[0])
         cover = (segs["global_start"][ok] == qsl[gi[ok]]) & (segs["global_stop"][ok] == qsl[gi[ok] + 1])
         whole[gi[ok][cover]] = True
-    chunk_size = np.maximum(-(-q // max(2 * n, 1)), 1)
+    size = np.maximum(chunk_size(q, max(n, 1)), 1)  # the reference's ceil(q / 2N), never 0
     if t:
         offset = np.arange(t) - qsl[token_req]
-        token_chunk = np.where(whole[token_req], 0, offset // chunk_size[token_req])
+        token_chunk = np.where(whole[token_req], 0, offset // size[token_req])
     else:
         token_chunk = np.zeros(0, np.int64)
     local = np.arange(p)

@@ -13,6 +13,7 @@ from typing import Any, Iterable
 import plotly.graph_objects as go
 
 from pcpviz.views.figures.canvas import FLAG_COLOR
+from pcpviz.trace.errors import MALFORMED
 from pcpviz.trace.schema import view_panel
 
 __all__ = ["violation_view", "violation_marks", "mark_violation"]
@@ -54,9 +55,6 @@ def mark_violation(fig: go.Figure | dict, text: str) -> go.Figure | dict:
     fig.layout.annotations = tuple(fig.layout.annotations) + (ann,)
     return fig
 
-
-MALFORMED = (IndexError, ValueError, TypeError, KeyError)
-"""What drawing from a malformed or missing view raises (wrong shape, dtype or length)."""
 
 
 def message_spec(text: str, *, height: int = 120) -> dict:

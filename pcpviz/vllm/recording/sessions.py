@@ -23,13 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from pcpviz.trace.flight import FlightConfig
+from pcpviz.vllm.contract import ENV_TRACE_DIR  # the one definition
 from pcpviz.vllm.recording.recorder import RankRecorder
 
 __all__ = ["ENV_TRACE_DIR", "ENV_RECORD_DUMMY", "TraceSession", "session", "active_session", "current_session",
            "set_mode", "MODES", "close_active_session"]
 
-ENV_TRACE_DIR = "PCPVIZ_TRACE_DIR"
-"""Directory the plugin records into (unset or empty: the plugin is inert)."""
 ENV_RECORD_DUMMY = "PCPVIZ_RECORD_DUMMY"
 """``1``: the plugin also records dummy/profile runs (phase ``dummy``); default off."""
 

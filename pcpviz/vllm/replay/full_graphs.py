@@ -1,7 +1,7 @@
 """The FULL draft-prefill replay under PCP, driven through vLLM 0.33.0's own ``propose``.
 
 ``probe_full_graphs()`` runs a scenario on PCP rank threads with the speculator's CUDA-graph
-managers built by vLLM (``pcpviz.vllm.replay.graphs``: real dispatch, stand-in graphs) and
+managers built by vLLM (``pcpviz.vllm.replay.graph_dispatch``: real dispatch, stand-in graphs) and
 watches every draft forward: which buffers ``get_draft_input_buffers`` handed the model, with
 what ids, positions and slot mapping, under which graph mode, and whether the PCP manager's
 ``draft_prefill_batch`` is still set when ``propose`` returns (docs/findings/full-draft-prefill-state.md).
@@ -34,16 +34,16 @@ from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 
 from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
-from pcpviz.vllm.replay.graphs import capture_sizes, capture_stand_ins, init_graph_managers
+from pcpviz.vllm.replay.graph_dispatch import capture_sizes, capture_stand_ins, init_graph_managers
 from pcpviz.vllm.replay.ranks import RankState, ReplayConfig, stand_in_vllm_config
 from pcpviz.vllm.replay.scenarios import SCENARIOS
 from pcpviz.vllm.replay.scheduler import ScriptedScheduler
 from pcpviz.vllm.replay.step import rank_step
 from pcpviz.vllm.replay.stand_ins import MTP_LAYER
 
-__all__ = ["DraftForward", "ProposeObservation", "FullGraphProbe", "FIXES", "probe_full_graphs"]
+__all__ = ["DraftForward", "ProposeObservation", "FullGraphProbe", "PROBE_FIXES", "probe_full_graphs"]
 
-FIXES = ("clear_after_replay", "eager_prefill_under_pcp")
+PROBE_FIXES = ("clear_after_replay", "eager_prefill_under_pcp")
 _LOCAL, _OWN = "rank-local batch", "speculator buffers"
 
 
@@ -309,8 +309,8 @@ def _validate(mode: str, decodes: str, scenario: str, fix: str | None) -> CUDAGr
         raise ValueError(f"decodes must be 'sharded' or 'replicated', got {decodes!r}")
     if scenario not in SCENARIOS or SCENARIOS[scenario].drafter != "mtp":
         raise ValueError(f"scenario must be an MTP scenario of {sorted(SCENARIOS)}, got {scenario!r}")
-    if fix is not None and fix not in FIXES:
-        raise ValueError(f"fix must be None or one of {FIXES}, got {fix!r}")
+    if fix is not None and fix not in PROBE_FIXES:
+        raise ValueError(f"fix must be None or one of {PROBE_FIXES}, got {fix!r}")
     return CUDAGraphMode[mode]
 
 

@@ -82,7 +82,7 @@ def stand_in_sampler(st: RankState, hidden: torch.Tensor, batch: InputBatch, *, 
 def rank_step(st: RankState, out: SchedulerOutput, *, step: int, sched: ScriptedScheduler,
               eager_drafts: bool = True) -> StepOut:
     """One step on one rank. ``eager_drafts=False`` lets ``propose`` dispatch its draft forwards
-    through the speculator's CUDA-graph managers (``pcpviz.vllm.replay.graphs``); by default it
+    through the speculator's CUDA-graph managers (``pcpviz.vllm.replay.graph_dispatch``); by default it
     runs them eagerly (``is_profile=True``: there are no graph managers on CPU)."""
     c, runner, manager = st.c, st.runner, st.manager
     # execute_model: request-state updates (GPUModelRunner's own methods, stand-in self)

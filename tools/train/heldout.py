@@ -3,7 +3,7 @@
 ``evaluate`` scores consecutive non-overlapping windows of the held-out stream (main / MTP loss,
 top-1 accuracy, how often the MTP layer's greedy token equals the main model's next one);
 ``evaluate_long`` scores long sequences bucket by position (how far past its training windows
-a model holds up). ``pcpviz.engine.train`` writes both into ``training.json``.
+a model holds up). ``tools.train.train`` writes both into ``training.json``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pcpviz.engine.model import TinyDSV3
-from pcpviz.engine.objective import window_losses
+from tools.train.objective import window_losses
 
 __all__ = ["evaluate", "evaluate_long", "LONG_SHORT_BUCKET", "LONG_FAR_BUCKET"]
 

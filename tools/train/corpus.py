@@ -162,7 +162,7 @@ def concat_tokens(files: Sequence[SourceFile], bos_id: int, eos_id: int) -> byte
 def _main(argv=None) -> None:
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m pcpviz.engine.corpus",
+    p = argparse.ArgumentParser(prog="python -m tools.train.corpus",
                                 description="Summarize the stdlib corpus, or freeze it into a pack.")
     p.add_argument("--pack", default=None, help="write the corpus to this .tar.gz")
     p.add_argument("--root", default=None, help="stdlib root (default: this interpreter's)")

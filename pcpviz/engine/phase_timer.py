@@ -19,11 +19,11 @@ Worked example (PCP=2, K=2, one decode step; times in ms, host clock)::
     step ├ schedule 0.05 ┤ batch 0.20 ├ h2d 0.02 ┤ target 0.50 [gather 0.08] ┤ verify 0.03 ┤ ...
     summary()["decode"]["phases"]["target"]["host_ms"] == 0.42   (0.50 less the nested gather)
 
-Phase names the engine uses are ``PHASES``; ``summary()`` lists every one of them (zero when a
-configuration never enters it, e.g. ``draft_1`` at K=1), grouped by step kind: ``all`` steps and
-``decode`` steps only (no prefill row), each with ``steps``, ``step_ms`` (the sum of the steps'
-times) and per phase ``host_ms`` / ``device_ms`` summed over the steps (``per_step`` divides
-by ``steps``).
+Phase names the engine times are ``TIMED_PHASES`` (not the trace's phases,
+``pcpviz.trace.phases.PHASES``); ``summary()`` lists every one of them (zero when a configuration
+never enters it, e.g. ``draft_1`` at K=1), grouped by step kind: ``all`` steps and ``decode``
+steps only (no prefill row), each with ``steps``, ``step_ms`` (the sum of the steps' times) and per
+phase ``host_ms`` / ``device_ms`` summed over the steps (``per_step`` divides by ``steps``).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from __future__ import annotations
 import contextlib
 import time
 
-__all__ = ["PhaseTimer", "PHASES"]
+__all__ = ["PhaseTimer", "TIMED_PHASES"]
 
-PHASES = (
+TIMED_PHASES = (
     "schedule",  # rank 0's scheduler, the plan's broadcast (PCP > 1: also the wait for the
     #              slowest rank to reach it), applying the verdict (host)
     "batch",  # global batch, PCP layout, rank-local batch, slot mappings (host)
@@ -80,11 +80,11 @@ class PhaseTimer:
         self._marks.append((time.perf_counter_ns(), ev, top))
 
     def phase(self, name: str):
-        """A context manager timing ``name`` (one of ``PHASES``); a no-op when off."""
+        """A context manager timing ``name`` (one of ``TIMED_PHASES``); a no-op when off."""
         if not self.enabled or not self._in_step or self.suspended:
             return _NULL
-        if name not in PHASES:
-            raise ValueError(f"unknown phase {name!r} (known: {', '.join(PHASES)})")
+        if name not in TIMED_PHASES:
+            raise ValueError(f"unknown phase {name!r} (known: {', '.join(TIMED_PHASES)})")
         return self._phase(name)
 
     @contextlib.contextmanager
@@ -138,8 +138,8 @@ class PhaseTimer:
         out = {}
         for kind in ("all", "decode"):
             steps = [m for k, m in self._steps if kind == "all" or k == kind]
-            host = dict.fromkeys(PHASES, 0.0)
-            dev = dict.fromkeys(PHASES, 0.0) if self._cuda else None
+            host = dict.fromkeys(TIMED_PHASES, 0.0)
+            dev = dict.fromkeys(TIMED_PHASES, 0.0) if self._cuda else None
             step_ms = 0.0
             for marks in steps:
                 step_ms += (marks[-1][0] - marks[0][0]) / 1e6
@@ -153,9 +153,9 @@ class PhaseTimer:
                 "steps": n,
                 "step_ms": step_ms,
                 "phases": {p: {"host_ms": host[p], **({"device_ms": dev[p]} if dev is not None else {})}
-                           for p in PHASES},
+                           for p in TIMED_PHASES},
                 "per_step": {p: {"host_ms": host[p] / n if n else 0.0,
                                  **({"device_ms": dev[p] / n if n else 0.0} if dev is not None else {})}
-                             for p in PHASES},
+                             for p in TIMED_PHASES},
             }
         return out

@@ -105,7 +105,7 @@ class StaticInputs:
         for name, (shape, dt) in spec.items():
             n = int(np.prod(shape, dtype=np.int64))
             where[name] = (dt, sizes.get(dt, 0), n, tuple(shape))
-            sizes[dt] = sizes.get(dt, 0) + aligned(n)  # every view 16-element aligned (inputs.ALIGN)
+            sizes[dt] = sizes.get(dt, 0) + aligned(n)  # every view 16-element aligned (inputs.INPUT_ALIGN)
         self._dev = {dt: torch.zeros(n, dtype=dt, device=device) for dt, n in sizes.items()}
         self._host = {dt: torch.zeros(n, dtype=dt, pin_memory=self.cuda) for dt, n in sizes.items()}
         self._host_np = {dt: t.numpy() for dt, t in self._host.items()}

@@ -2,7 +2,7 @@
 
 ``loss = CE(main, t_{p+1}) + mtp_weight * CE(mtp, t_{p+2})``: the MTP layer at position p sees
 the main model's final hidden h_p and the embedding of t_{p+1} (zeroed at position 0, as vLLM
-does at inference). ``pcpviz.engine.train`` minimises it, ``pcpviz.engine.heldout`` reports it
+does at inference). ``tools.train.train`` minimises it, ``tools.train.heldout`` reports it
 on held-out text.
 """
 

@@ -6,7 +6,7 @@ Launch manual
 CPU only (4-5 s per step on 2 shared cores, so about 20 minutes; a weaker model than the
 shipped one — this exact run was not carried to the end here)::
 
-    python -m pcpviz.engine.train --out data/models/pcpviz-tiny-dsv3 --device cpu \\
+    python -m tools.train.train --out data/models/pcpviz-tiny-dsv3 --device cpu \\
         --steps 250 --batch 8 --seq-len 256 --seed 0
 
 How the shipped weights were made (``training.json`` in the model directory records the run:
@@ -14,8 +14,8 @@ arguments, a ``reproduce`` command with the step count fixed, losses, corpus has
 255 s of training, 12581 steps of 12 x 2048 tokens with bf16 autocast, on a frozen copy of this
 machine's Python 3.11 stdlib::
 
-    python -m pcpviz.engine.corpus --pack stdlib.tar.gz
-    python -m pcpviz.engine.train --out data/models/pcpviz-tiny-dsv3 --device cuda \\
+    python -m tools.train.corpus --pack stdlib.tar.gz
+    python -m tools.train.train --out data/models/pcpviz-tiny-dsv3 --device cuda \\
         --corpus-pack stdlib.tar.gz --batch 12 --seq-len 2048 --steps 12581 --seed 0
 
 (it was launched with ``--time-budget-s 270`` instead of ``--steps``: the script timed 10 steps
@@ -29,11 +29,11 @@ to 32k are seen. ``data/models/pcpviz-tiny-dsv3-long`` was made so, in two stage
 weights on one H200 (its ``training.json`` chains all three runs under ``previous_stages``)::
 
     # stage 1: 2,048-token windows, 330 s (20,412 steps)
-    python -m pcpviz.engine.train --out OUT1 --init-from data/models/pcpviz-tiny-dsv3 \
+    python -m tools.train.train --out OUT1 --init-from data/models/pcpviz-tiny-dsv3 \
         --device cuda --corpus-pack stdlib.tar.gz --batch 12 --seq-len 2048 --lr 5e-4 \
         --warmup 0.05 --pos-skip-prob 0.5 --pos-skip-max 32768 --time-budget-s 330 --seed 0
     # stage 2: 8,192-token windows, 200 s (8,392 steps)
-    python -m pcpviz.engine.train --out data/models/pcpviz-tiny-dsv3-long --init-from OUT1 \
+    python -m tools.train.train --out data/models/pcpviz-tiny-dsv3-long --init-from OUT1 \
         --device cuda --corpus-pack stdlib.tar.gz --batch 3 --seq-len 8192 --lr 3e-4 \
         --warmup 0.05 --pos-skip-prob 0.5 --pos-skip-max 32768 --time-budget-s 200 --seed 1 \
         --long-eval-tokens 32768 --long-eval-seqs 8
@@ -50,17 +50,17 @@ PIECEWISE finding's exact drafts are tied to its weights. Use the long model for
 step count that fits in ``S`` seconds; the chosen count is written to ``training.json`` so the run
 can be repeated with ``--steps``.
 
-Data: the Python standard library's ``*.py`` sources (:mod:`pcpviz.engine.corpus`), split by a
+Data: the Python standard library's ``*.py`` sources (``tools/train/corpus.py``), split by a
 keyed hash of the module path into train (~95%) and held-out (~5%) modules. Each file is one
 document ``<bos> bytes <eos>``; training windows are uniform random crops of the concatenated
 training stream (positions restart at 0 in every window). ``--corpus-pack FILE`` trains on a
-frozen corpus written by ``python -m pcpviz.engine.corpus --pack FILE`` (byte-identical text on
+frozen corpus written by ``python -m tools.train.corpus --pack FILE`` (byte-identical text on
 another machine).
 
-Objective (``pcpviz.engine.objective``): ``loss = CE(main, t_{p+1}) + mtp_weight * CE(mtp, t_{p+2})``
+Objective (``tools.train.objective``): ``loss = CE(main, t_{p+1}) + mtp_weight * CE(mtp, t_{p+2})``
 where the MTP layer at position p sees the main model's final hidden h_p and the embedding of
 t_{p+1} (zeroed at position 0, as vLLM does at inference); the held-out figures are
-``pcpviz.engine.heldout``'s. The MTP embedding and output head are tied to the main
+``tools.train.heldout``'s. The MTP embedding and output head are tied to the main
 model's during training (DeepSeek-V3) and saved as separate tensors in DeepSeek's layout.
 
 Outputs in ``--out``: ``config.json``, ``model.safetensors`` (bf16 by default), ``tokenizer.json``,
@@ -85,17 +85,17 @@ import time
 
 import torch
 
-from pcpviz.engine import corpus as corpus_mod
 from pcpviz.engine import tokenizer as tok
 from pcpviz.engine.checkpoint import load_model, save_model
-from pcpviz.engine.heldout import evaluate, evaluate_long
 from pcpviz.engine.model import TinyDSV3
 from pcpviz.engine.model_config import TinyDSV3Config
-from pcpviz.engine.objective import window_losses
+from tools.train import corpus as corpus_mod
+from tools.train.heldout import evaluate, evaluate_long
+from tools.train.objective import window_losses
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pcpviz.engine.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m tools.train.train", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="model directory to write")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
@@ -139,7 +139,7 @@ def _parse(argv=None) -> argparse.Namespace:
 def _reproduce_command(args, steps: int) -> str:
     """The same run with the step count fixed (no --time-budget-s)."""
     skip = {"time_budget_s", "steps", "out"}
-    parts = ["python -m pcpviz.engine.train", "--out", "OUT", "--steps", str(steps)]
+    parts = ["python -m tools.train.train", "--out", "OUT", "--steps", str(steps)]
     for k, v in vars(args).items():
         if k in skip or v is None or v is False:
             continue
@@ -188,7 +188,7 @@ def _heldout_figures(model, held_stream, args, device, autocast) -> tuple[dict, 
 def _eval_only(model, held_stream, args, device, autocast, corpus_summary) -> dict:
     """``--eval-only``: the held-out figures of ``--init-from`` as they are, in ``OUT/eval.json``."""
     ev, ev_long = _heldout_figures(model, held_stream, args, device, autocast)
-    record = {"producer": "pcpviz.engine.train --eval-only", "model": args.init_from,
+    record = {"producer": "tools.train.train --eval-only", "model": args.init_from,
               "device": str(device), "heldout": ev, "heldout_by_position": ev_long,
               "corpus": {"corpus_hash": corpus_summary["corpus_hash"]}}
     print(json.dumps(record, indent=1), flush=True)
@@ -339,7 +339,7 @@ def main(argv=None) -> dict:
 
     if args.eval_only:
         if not args.init_from:
-            raise SystemExit("pcpviz.engine.train: --eval-only needs --init-from MODEL_DIR")
+            raise SystemExit("tools.train.train: --eval-only needs --init-from MODEL_DIR")
         return _eval_only(model, held_stream, args, device, lambda: _autocast(device), summary)
 
     trainer = _Trainer(model, train_stream, args, device)
@@ -354,8 +354,8 @@ def main(argv=None) -> dict:
     print("held-out:", json.dumps(ev), flush=True)
     print("held-out by position:", json.dumps(ev_long), flush=True)
     record = {
-        "producer": "pcpviz.engine.train",
-        "command": "python -m pcpviz.engine.train " + " ".join(sys.argv[1:] if argv is None else argv),
+        "producer": "tools.train.train",
+        "command": "python -m tools.train.train " + " ".join(sys.argv[1:] if argv is None else argv),
         "reproduce": _reproduce_command(args, steps),
         "args": vars(args), "seed": args.seed, "steps": steps, "measured_step_s": measured,
         "tokens_seen": steps * args.batch * args.seq_len,
@@ -383,7 +383,7 @@ def _write_model_dir(model: TinyDSV3, args, record: dict, *, steps: int) -> None
     out = args.out
     os.makedirs(out, exist_ok=True)
     save_model(model, out, dtype=getattr(torch, args.save_dtype),
-               metadata={"producer": "pcpviz.engine.train", "seed": args.seed, "steps": steps})
+               metadata={"producer": "tools.train.train", "seed": args.seed, "steps": steps})
     tok.write_tokenizer_files(out)
     write_generation_config(out)
     with open(os.path.join(out, "training.json"), "w", encoding="utf-8") as f:
