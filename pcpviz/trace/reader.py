@@ -32,8 +32,10 @@ Policy on damage (the design's "loses nothing"):
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+import zlib
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -256,25 +258,40 @@ class Trace:
         if share and step != self._shared_step:
             self._shared, self._shared_step = {}, step
         out: dict[str, np.ndarray] = {}
+        u8, offsets, crcs, step_crc = loaded.u8, loaded.offsets, loaded.crcs, loaded.step_crc
         for j in layout.phases[phase]:
-            view, tag, shape = layout.views[j], layout.tags[j], loaded.shape(j)
-            start, stop = loaded.offsets[j], loaded.offsets[j + 1]
-            stored = loaded.values.slice(start, stop - start)
-            key = (phase, view, tag, shape, loaded.crcs[j]) if share else None
+            view, shape, crc = layout.views[j], loaded.shapes[j], crcs[j]
+            start, stop = offsets[j], offsets[j + 1]
+            stored = u8[start:stop]  # uint8[stop - start], read-only view of the map
+            key = (phase, view, layout.tags[j], shape, crc) if share else None
             seen = self._shared.get(key) if share else None
-            if seen is not None and seen[0].equals(stored):
+            if seen is not None and seen[0].equals(loaded.values.slice(start, stop - start)):
                 out[view] = seen[1]
                 continue
-            if S.row_crc32(step, phase, view, tag=tag, shape=shape, stored=stored) != loaded.crcs[j]:
+            head = layout.prefixes[j] + ",".join(map(str, shape)).encode("ascii") + b"\0"
+            if zlib.crc32(stored, zlib.crc32(head, step_crc)) != crc:  # schema.row_crc32
                 raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): corrupt data "
                                  "(crc32 mismatch)")
-            try:
-                out[view] = S.decode_payload(tag, shape, stored)
-            except ValueError as exc:
-                raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): {exc}") from None
+            out[view] = value = _decode_row(ix, step, phase, view, layout, j, shape, stored)
             if key is not None:
-                self._shared[key] = (stored, out[view])
+                self._shared[key] = (loaded.values.slice(start, stop - start), value)
         return out
+
+
+def _decode_row(ix: RankIndex, step: int, phase: str, view: str, layout, j: int, shape: tuple[int, ...],
+                stored: np.ndarray) -> np.ndarray:
+    """Row ``j``'s array: a numeric row whose bytes fit its dtype and shape is ``stored`` viewed
+    as them (zero-copy, read-only); a string row, or one that does not fit, goes through
+    ``schema.decode_payload`` (which says what is wrong)."""
+    dt = layout.dtypes[j]
+    if dt is not None:
+        nbytes = math.prod(shape) * dt.itemsize
+        if stored.shape[0] == S.padded_size(nbytes):
+            return stored[:nbytes].view(dt).reshape(shape)
+    try:
+        return S.decode_payload(layout.tags[j], shape, stored)
+    except ValueError as exc:
+        raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): {exc}") from None
 
 
 def _resolve_run_dir(path: str | os.PathLike) -> Path:

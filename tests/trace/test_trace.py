@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import pcpviz.trace as pt
+from pcpviz.trace import reader as reader_mod
 from pcpviz.trace import schema as S
 from pcpviz.trace import writer as W
 
@@ -231,8 +232,8 @@ def test_open_is_lazy_and_cache_is_bounded(tmp_path, monkeypatch):
                  "verify": {"num_accepted": np.array([s])}} for s in range(200)}
     _write(tmp_path, steps)
     calls = []
-    real = S.decode_payload
-    monkeypatch.setattr(S, "decode_payload", lambda *a: calls.append(a[0]) or real(*a))
+    real = reader_mod._decode_row  # every payload decoded goes through it
+    monkeypatch.setattr(reader_mod, "_decode_row", lambda *a: calls.append(a[0]) or real(*a))
     t = pt.open(tmp_path, cache_size=2)
     assert len(t.steps) == 200 and calls == []  # open decodes no payload
     t.record(150, 0, "target")
