@@ -292,6 +292,21 @@ class Loaded:
     def shape(self, j: int) -> tuple[int, ...]:
         return self.shapes[j]
 
+    def row_ok(self, layout: Layout, j: int) -> bool:
+        """Row ``j``'s stored bytes match its crc32 (``schema.row_crc32``, continued from the
+        step's head crc)."""
+        shape = self.shapes[j]
+        text = _SHAPE_TEXT.get(shape)
+        if text is None:
+            if len(_SHAPE_TEXT) >= _CACHE_MAX:
+                _SHAPE_TEXT.clear()
+            text = _SHAPE_TEXT[shape] = ",".join(map(str, shape)).encode("ascii") + b"\0"
+        stored = self.u8[self.offsets[j]:self.offsets[j + 1]]
+        return zlib.crc32(stored, zlib.crc32(text, zlib.crc32(layout.prefixes[j], self.step_crc))) == self.crcs[j]
+
+
+_SHAPE_TEXT: dict[tuple[int, ...], bytes] = {}  # a shape -> its text in a row's crc32 head
+
 
 def load(batch: pa.RecordBatch, step: int) -> Loaded:
     """What decoding reads of a batch (validated by Arrow): shapes, crc32s, payload offsets."""

@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 import os
 import threading
-import zlib
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -218,6 +217,18 @@ class Trace:
                 self._cache.popitem(last=False)
         return rec
 
+    def lazy_record(self, step: int, rank: int, phase: str) -> Record:
+        """``record()`` for a reader that needs a few of the views (the Chrome export's counts):
+        every row's crc32 is checked now, as ``record()`` does, but a view is decoded only when
+        read (``_LazyViews``). Not cached; arrays are not shared between ranks. A version 1
+        verify record (``schema.upgrade_views`` rewrites it whole) is ``record()``."""
+        if self.version < 2 and phase == S.PHASE_VERIFY:
+            return self.record(step, rank, phase)
+        ix, i = self._entry(step, rank)
+        if phase not in ix.layouts[i].phases:
+            return self.record(step, rank, phase)  # raises the KeyError record() raises
+        return Record(int(step), int(rank), phase, _LazyViews(ix, i, phase), pcp=self._pcp)
+
     def verify(self) -> int:
         """Decode every record (checking every crc32); returns how many. Raises TraceError."""
         n = 0
@@ -258,7 +269,7 @@ class Trace:
         if share and step != self._shared_step:
             self._shared, self._shared_step = {}, step
         out: dict[str, np.ndarray] = {}
-        u8, offsets, crcs, step_crc = loaded.u8, loaded.offsets, loaded.crcs, loaded.step_crc
+        u8, offsets, crcs = loaded.u8, loaded.offsets, loaded.crcs
         for j in layout.phases[phase]:
             view, shape, crc = layout.views[j], loaded.shapes[j], crcs[j]
             start, stop = offsets[j], offsets[j + 1]
@@ -268,8 +279,7 @@ class Trace:
             if seen is not None and seen[0].equals(loaded.values.slice(start, stop - start)):
                 out[view] = seen[1]
                 continue
-            head = layout.prefixes[j] + ",".join(map(str, shape)).encode("ascii") + b"\0"
-            if zlib.crc32(stored, zlib.crc32(head, step_crc)) != crc:  # schema.row_crc32
+            if not loaded.row_ok(layout, j):  # schema.row_crc32
                 raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): corrupt data "
                                  "(crc32 mismatch)")
             out[view] = value = _decode_row(ix, step, phase, view, layout, j, shape, stored)
@@ -292,6 +302,41 @@ def _decode_row(ix: RankIndex, step: int, phase: str, view: str, layout, j: int,
         return S.decode_payload(layout.tags[j], shape, stored)
     except ValueError as exc:
         raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): {exc}") from None
+
+
+class _LazyViews(Mapping[str, np.ndarray]):
+    """The views of one phase of one step, each decoded on first read; every row's crc32 is
+    checked when made (a damaged payload raises ``TraceError`` whether or not it is read)."""
+
+    def __init__(self, ix: RankIndex, i: int, phase: str) -> None:
+        self._ix, self._loaded, self._layout = ix, ix.batch(i), ix.layouts[i]
+        self._step, self._phase = int(ix.steps[i]), phase
+        self._rows = {self._layout.views[j]: j for j in self._layout.phases[phase]}
+        self._done: dict[str, np.ndarray] = {}
+        loaded, layout = self._loaded, self._layout
+        for view, j in self._rows.items():
+            if not loaded.row_ok(layout, j):
+                raise TraceError(f"{ix.path}: step {self._step}: view {view!r} (phase {phase!r}): corrupt data "
+                                 "(crc32 mismatch)")
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value = self._done.get(name)
+        if value is None:
+            j = self._rows[name]
+            loaded = self._loaded
+            stored = loaded.u8[loaded.offsets[j]:loaded.offsets[j + 1]]
+            value = self._done[name] = _decode_row(self._ix, self._step, self._phase, name, self._layout, j,
+                                                   loaded.shapes[j], stored)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._rows
 
 
 def _resolve_run_dir(path: str | os.PathLike) -> Path:
