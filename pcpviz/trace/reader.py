@@ -43,7 +43,6 @@ from types import MappingProxyType
 from typing import Any, Iterator, Mapping
 
 import numpy as np
-import pyarrow as pa
 
 from . import schema as S
 from .errors import TraceError, TraceWarning
@@ -165,7 +164,7 @@ class Trace:
         self._cache: OrderedDict[tuple[int, int, str], Record] = OrderedDict()
         self._cache_size = max(0, int(cache_size))
         self._lock = threading.Lock()
-        self._shared: dict[tuple, tuple[pa.Buffer, np.ndarray]] = {}  # this step's big rows, verified
+        self._shared: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # this step's big rows, verified
         self._shared_step: int | None = None
         pcp = meta.get("pcp")
         self._pcp = pcp if isinstance(pcp, int) and not isinstance(pcp, bool) else None
@@ -276,7 +275,7 @@ class Trace:
             stored = u8[start:stop]  # uint8[stop - start], read-only view of the map
             key = (phase, view, layout.tags[j], shape, crc) if share else None
             seen = self._shared.get(key) if share else None
-            if seen is not None and seen[0].equals(loaded.values.slice(start, stop - start)):
+            if seen is not None and _same_bytes(seen[0], stored):
                 out[view] = seen[1]
                 continue
             if not loaded.row_ok(layout, j):  # schema.row_crc32
@@ -284,8 +283,15 @@ class Trace:
                                  "(crc32 mismatch)")
             out[view] = value = _decode_row(ix, step, phase, view, layout, j, shape, stored)
             if key is not None:
-                self._shared[key] = (loaded.values.slice(start, stop - start), value)
+                self._shared[key] = (stored, value)
         return out
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Two uint8 payloads hold the same bytes (small ones compared as bytes: no NumPy call)."""
+    if a.shape[0] != b.shape[0]:
+        return False
+    return a.tobytes() == b.tobytes() if a.shape[0] <= 4096 else bool(np.array_equal(a, b))
 
 
 def _decode_row(ix: RankIndex, step: int, phase: str, view: str, layout, j: int, shape: tuple[int, ...],
