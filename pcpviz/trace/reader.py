@@ -9,6 +9,11 @@ decoded records are kept in a bounded LRU cache, and the mapped pages read are h
 the kernel every 256 MB read (``index.MapBudget``, all rank files together): a pass over every step holds a
 bounded part of the file in memory, however many steps it has.
 
+A row decodes to a read-only view of its batch's payload bytes (``batches.Loaded.u8``; the
+shapes of a batch are parsed once, a row's crc32 continues from the step's head crc32).
+``lazy_record`` checks every row's crc32 of a record as ``record`` does but decodes a view only
+when it is read: the Chrome export reads a handful of counts of each record.
+
 Ranks that record a payload byte-equal (a global view) get one array for it: a payload with the
 same row identity and crc32 as one another rank decoded in the same step is compared byte for
 byte with it, which checks it as its crc32 would (equal bytes under an equal row head), and the
