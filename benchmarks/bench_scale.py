@@ -84,9 +84,11 @@ def long_prompt(out: Path) -> Path:
     return run.write(out)
 
 
-def measure(argv: list[str], timeout: float, root: Path = ROOT) -> tuple[float, float, int | None]:
-    """(wall seconds, peak RSS in MiB, exit code or None when stopped at ``timeout``) of
-    ``python -m pcpviz.cli argv`` with the pcpviz of ``root``."""
+def measure(argv: list[str], timeout: float, root: Path = ROOT) -> tuple[float, float, int | None, float]:
+    """(wall seconds, peak RSS in MiB, exit code or None when stopped at ``timeout``, CPU
+    seconds: user + system, the command's worker processes included) of ``python -m pcpviz.cli
+    argv`` with the pcpviz of ``root``. On a shared machine the CPU seconds are the steadier
+    figure: wall time grows with the other users' load, CPU time much less."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(root / "kernels")]))
     t0 = time.perf_counter()
     p = subprocess.Popen([sys.executable, "-m", "pcpviz.cli", *argv], stdout=subprocess.DEVNULL,
@@ -94,11 +96,12 @@ def measure(argv: list[str], timeout: float, root: Path = ROOT) -> tuple[float, 
     while True:
         pid, status, usage = os.wait4(p.pid, os.WNOHANG)
         if pid:
-            return time.perf_counter() - t0, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status)
+            return (time.perf_counter() - t0, usage.ru_maxrss / 1024, os.waitstatus_to_exitcode(status),
+                    usage.ru_utime + usage.ru_stime)
         if time.perf_counter() - t0 > timeout:
             p.kill()
             _, status, usage = os.wait4(p.pid, 0)
-            return time.perf_counter() - t0, usage.ru_maxrss / 1024, None
+            return time.perf_counter() - t0, usage.ru_maxrss / 1024, None, usage.ru_utime + usage.ru_stime
         time.sleep(0.05)
 
 
@@ -149,28 +152,33 @@ def main(argv=None) -> int:
             if args.only and not any(word in name for word in args.only):
                 continue
             load = os.getloadavg()[0]
-            wall, rss, rc = measure(cmd, args.timeout)
+            wall, rss, rc, cpu = measure(cmd, args.timeout)
             rows.append(dict(scenario=sc, **shape, command=f"pcpviz {name}", seconds=round(wall, 2),
-                             peak_rss_mib=round(rss), exit=rc, load_before=round(load, 2)))
-            print(f"  {name:20s} {wall:8.1f} s {rss:8.0f} MiB  exit {rc}  (load {load:.1f})", flush=True)
+                             cpu_seconds=round(cpu, 2), peak_rss_mib=round(rss), exit=rc, load_before=round(load, 2)))
+            print(f"  {name:20s} {wall:8.1f} s {cpu:8.1f} CPU s {rss:8.0f} MiB  exit {rc}  (load {load:.1f})",
+                  flush=True)
             if args.baseline is not None:
-                bwall, brss, brc = measure(cmd, args.timeout, args.baseline.resolve())
-                rows[-1].update(baseline_seconds=round(bwall, 2), baseline_peak_rss_mib=round(brss), baseline_exit=brc,
-                                speedup=round(bwall / wall, 2) if brc is not None and rc is not None else None)
-                print(f"  {'  baseline':20s} {bwall:8.1f} s {brss:8.0f} MiB  exit {brc}", flush=True)
-    print("\n| scenario | steps | ranks | tokens | command | wall (s) | peak RSS (MiB) | exit |\n"
-          "|---|---|---|---|---|---|---|---|")
+                bwall, brss, brc, bcpu = measure(cmd, args.timeout, args.baseline.resolve())
+                rows[-1].update(baseline_seconds=round(bwall, 2), baseline_cpu_seconds=round(bcpu, 2),
+                                baseline_peak_rss_mib=round(brss), baseline_exit=brc,
+                                speedup=round(bwall / wall, 2) if brc is not None and rc is not None else None,
+                                cpu_ratio=round(bcpu / cpu, 2) if brc is not None and rc is not None else None)
+                print(f"  {'  baseline':20s} {bwall:8.1f} s {bcpu:8.1f} CPU s {brss:8.0f} MiB  exit {brc}",
+                      flush=True)
+    print("\n| scenario | steps | ranks | tokens | command | wall (s) | CPU (s) | peak RSS (MiB) | exit |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         wall = f"{r['seconds']:.1f}" if r["exit"] is not None else f"> {args.timeout:.0f} (stopped)"
         print(f"| {r['scenario']} | {r['steps']} | {r['ranks']} | {r['tokens']} | `{r['command']}` | {wall} | "
-              f"{r['peak_rss_mib']} | {r['exit']} |")
+              f"{r['cpu_seconds']:.1f} | {r['peak_rss_mib']} | {r['exit']} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(dict(
             command="python benchmarks/bench_scale.py " + " ".join(sys.argv[1:] if argv is None else argv),
             machine=f"{os.cpu_count()} CPUs (shared), {platform.platform()}", timeout_s=args.timeout,
             baseline=None if args.baseline is None else str(args.baseline),
-            note="one run; wall time and peak RSS (wait4) of each command in its own process", rows=rows),
+            note="one run; wall time, CPU time (user + system, workers included) and peak RSS (wait4) of each "
+                 "command in its own process", rows=rows),
             indent=1) + "\n")
     if args.keep is None:
         shutil.rmtree(work, ignore_errors=True)

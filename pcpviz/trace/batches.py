@@ -275,21 +275,47 @@ def _check_rows(where: str, batch: pa.RecordBatch, names: _Names, shapes: _Shape
 
 @dataclass(frozen=True)
 class Loaded:
-    """One step's batch as decoding reads it: per row its shape and crc32, and the payloads."""
+    """One step's batch as decoding reads it: per row its shape and crc32, and the payloads.
 
-    shape_offsets: list  # int[n+1]: row j's shape is items[shape_offsets[j]:shape_offsets[j+1]]
-    items: np.ndarray  # int64[...]: the shapes' dimensions
+    ``shapes`` are parsed once per batch (not once per row read); ``u8`` is the payload bytes as
+    a read-only ``uint8`` array (a view of the map): a row's array is a slice of it viewed as
+    its dtype (no Python buffer object per row). ``step_crc`` is the crc32 of the row heads'
+    common start ``"<step>\\0"`` (``schema.row_crc32`` continues from it)."""
+
+    shapes: list  # tuple[int, ...] per row
     crcs: list  # int[n]
     offsets: list  # int[n+1]: payload offsets into ``values``
     values: pa.Buffer  # the payload bytes (a slice of the map)
+    u8: np.ndarray  # uint8[len(values)], read-only, the same bytes
+    step_crc: int
 
     def shape(self, j: int) -> tuple[int, ...]:
-        return tuple(self.items[self.shape_offsets[j]:self.shape_offsets[j + 1]].tolist())
+        return self.shapes[j]
+
+    def row_ok(self, layout: Layout, j: int) -> bool:
+        """Row ``j``'s stored bytes match its crc32 (``schema.row_crc32``, continued from the
+        step's head crc)."""
+        shape = self.shapes[j]
+        text = _SHAPE_TEXT.get(shape)
+        if text is None:
+            if len(_SHAPE_TEXT) >= _CACHE_MAX:
+                _SHAPE_TEXT.clear()
+            text = _SHAPE_TEXT[shape] = ",".join(map(str, shape)).encode("ascii") + b"\0"
+        stored = self.u8[self.offsets[j]:self.offsets[j + 1]]
+        return zlib.crc32(stored, zlib.crc32(text, zlib.crc32(layout.prefixes[j], self.step_crc))) == self.crcs[j]
 
 
-def load(batch: pa.RecordBatch) -> Loaded:
+_SHAPE_TEXT: dict[tuple[int, ...], bytes] = {}  # a shape -> its text in a row's crc32 head
+
+
+def load(batch: pa.RecordBatch, step: int) -> Loaded:
     """What decoding reads of a batch (validated by Arrow): shapes, crc32s, payload offsets."""
     bufs, n = batch.to_struct_array().buffers(), batch.num_rows
-    return Loaded(_array(bufs[_SHAPE_OFF], np.int32, n + 1).tolist(), _array(bufs[_SHAPE_ITEMS], np.int64),
+    so = _array(bufs[_SHAPE_OFF], np.int32, n + 1).tolist()
+    items = _array(bufs[_SHAPE_ITEMS], np.int64).tolist()
+    values = bufs[_DATA] if bufs[_DATA] is not None else _EMPTY
+    u8 = np.frombuffer(values, dtype=np.uint8)
+    u8.flags.writeable = False
+    return Loaded([tuple(items[so[j]:so[j + 1]]) for j in range(n)],
                   _array(bufs[_CRC], np.uint32, n).tolist(), _array(bufs[_DATA_OFF], np.int64, n + 1).tolist(),
-                  bufs[_DATA] if bufs[_DATA] is not None else _EMPTY)
+                  values, u8, zlib.crc32(f"{step}\0".encode("utf-8")))

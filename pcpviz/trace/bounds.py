@@ -129,26 +129,110 @@ def step_problems(phases: Mapping[str, Mapping[str, Any]], *, memo: dict | None 
     outside ``-1 .. MAX_INDEX``, a string longer than ``MAX_STRING_CHARS``, or token counts
     (num_scheduled_tokens, query_start_loc, the token axis) that disagree. ``memo`` (one step's,
     shared by its ranks) remembers each view array's answer: ranks recording a view byte-equal
-    read one array (``pcpviz.trace.reader``), which is judged once."""
+    read one array (``pcpviz.trace.reader``), which is judged once.
+
+    The work is done in bulk (``_bulk_problems``): the shape and dtype rules once per (view,
+    dtype, axes), the index bounds as one min and max over all of the step's integer index
+    views of a dtype; only when a bound breaks is each view judged alone (``_view_problem``),
+    which names it. Both give the same lines, in the same order."""
     out = []
+    pending: list[tuple[str, str, Any, Any]] = []  # (phase, name, value, memo key) not in the memo
     for phase, views in phases.items():
         for name, value in views.items():
             key = (phase, name, id(value))
             seen = None if memo is None else memo.get(key)
             if seen is not None and seen[0] is value:
-                why = seen[1]
-            else:
-                why = _view_problem(phase, name, value)
-                if memo is not None:
-                    memo[key] = (value, why)
-            if why:
-                out.append(why)
+                if seen[1]:
+                    out.append(seen[1])
+                continue
+            pending.append((phase, name, value, key))
+    if pending:
+        whys = _bulk_problems(pending)
+        for (phase, name, value, key), why in zip(pending, whys):
+            if memo is not None:
+                memo[key] = (value, why)
+        if out or any(whys):  # keep the views' order: judged again in order
+            out = [why for phase, views in phases.items() for name, value in views.items()
+                   for why in (_memo_or_judge(memo, phase, name, value),) if why]
     target = phases.get(S.PHASE_TARGET)
     if target is not None and not any(p.startswith("target.") for p in out):
         why = _token_count_problem(target)
         if why:
             out.append(why)
     return out
+
+
+def _memo_or_judge(memo: dict | None, phase: str, name: str, value: Any) -> str | None:
+    seen = None if memo is None else memo.get((phase, name, id(value)))
+    return seen[1] if seen is not None and seen[0] is value else _view_problem(phase, name, value)
+
+
+_STATIC: dict[tuple, str | None] = {}
+_STATIC_MAX = 1 << 16
+
+
+def _static_problem(phase: Any, name: Any, a: np.ndarray) -> str | None:
+    """The part of ``_view_problem`` that depends on the dtype and axes only (memoized)."""
+    key = (phase, name, a.dtype, a.ndim, a.ndim == 1 and a.shape[0] > MAX_TOKENS)
+    try:
+        return _STATIC[key]
+    except (KeyError, TypeError):
+        pass
+    where = f"{phase}.{name}"
+    why = None
+    if a.ndim > MAX_NDIM:
+        why = f"{where}: {a.ndim}-d, at most {MAX_NDIM} axes"
+    elif a.ndim == 1 and a.shape[0] > MAX_TOKENS:
+        why = f"{where}: {a.shape[0]} entries, more than the bound {MAX_TOKENS}"
+    else:
+        spec = _spec(phase, name) if S.is_valid_phase(phase) and isinstance(name, str) else None
+        if spec is not None:
+            floats_for_ints = a.dtype.kind == "f" and spec.dtype.startswith(("int", "uint"))
+            why = f"{a.ndim}-d, declared {spec.shape}" if floats_for_ints and a.ndim not in spec.ndims \
+                else None if floats_for_ints else spec.problem(a)
+            why = f"{where}: {why}" if why else None
+    if len(_STATIC) >= _STATIC_MAX:
+        _STATIC.clear()
+    _STATIC[key] = why
+    return why
+
+
+def _bulk_problems(pending: list[tuple[str, str, Any, Any]]) -> list[str | None]:
+    """``_view_problem`` of each pending view, with the index bounds of all integer views of one
+    dtype checked at once (one concatenation, one min, one max)."""
+    whys: list[str | None] = []
+    groups: dict[np.dtype, list[np.ndarray]] = {}
+    alone: list[int] = []  # views judged by ``_view_problem`` (floats, long strings)
+    for i, (phase, name, value, _) in enumerate(pending):
+        a = value if type(value) is np.ndarray else np.asarray(value)
+        why = _static_problem(phase, name, a)
+        whys.append(why)
+        if why or a.size == 0:
+            continue
+        if a.dtype.names is not None:
+            for field in a.dtype.names:
+                f = a[field]
+                if f.dtype.kind in "iu":
+                    groups.setdefault(f.dtype, []).append(f.ravel())
+                elif f.dtype.kind == "f":
+                    alone.append(i)
+        elif a.dtype.kind == "U":
+            if a.dtype.itemsize // 4 > MAX_STRING_CHARS:
+                alone.append(i)
+        elif name in _INDEX_VIEWS:
+            if a.dtype.kind in "iu":
+                groups.setdefault(a.dtype, []).append(a.ravel())
+            elif a.dtype.kind == "f":
+                alone.append(i)
+    for dt, arrays in groups.items():
+        flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        if flat.max() > MAX_INDEX or flat.min() < -1:
+            alone = range(len(pending))  # some view breaks a bound: each judged alone names it
+            break
+    for i in alone:
+        if whys[i] is None:
+            whys[i] = _view_problem(pending[i][0], pending[i][1], pending[i][2])
+    return whys
 
 
 def problems_at(trace: Any, step: int, rank: int) -> list[str]:

@@ -148,7 +148,7 @@ class RankIndex:
         if not ok:
             raise TraceError(f"{self.path}: step {step}: its record batch changed since the trace was opened")
         try:
-            loaded = load(batch)
+            loaded = load(batch, step)
         except (ValueError, IndexError) as exc:
             raise TraceError(f"{self.path}: step {step}: corrupt index ({one_line(exc)})") from None
         self._last = (i, loaded)

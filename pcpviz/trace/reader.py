@@ -9,6 +9,11 @@ decoded records are kept in a bounded LRU cache, and the mapped pages read are h
 the kernel every 256 MB read (``index.MapBudget``, all rank files together): a pass over every step holds a
 bounded part of the file in memory, however many steps it has.
 
+A row decodes to a read-only view of its batch's payload bytes (``batches.Loaded.u8``; the
+shapes of a batch are parsed once, a row's crc32 continues from the step's head crc32).
+``lazy_record`` checks every row's crc32 of a record as ``record`` does but decodes a view only
+when it is read: the Chrome export reads a handful of counts of each record.
+
 Ranks that record a payload byte-equal (a global view) get one array for it: a payload with the
 same row identity and crc32 as one another rank decoded in the same step is compared byte for
 byte with it, which checks it as its crc32 would (equal bytes under an equal row head), and the
@@ -32,6 +37,7 @@ Policy on damage (the design's "loses nothing"):
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import warnings
@@ -42,7 +48,6 @@ from types import MappingProxyType
 from typing import Any, Iterator, Mapping
 
 import numpy as np
-import pyarrow as pa
 
 from . import schema as S
 from .errors import TraceError, TraceWarning
@@ -163,7 +168,7 @@ class Trace:
         self._cache: OrderedDict[tuple[int, int, str], Record] = OrderedDict()
         self._cache_size = max(0, int(cache_size))
         self._lock = threading.Lock()
-        self._shared: dict[tuple, tuple[pa.Buffer, np.ndarray]] = {}  # this step's big rows, verified
+        self._shared: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # this step's big rows, verified
         self._shared_step: int | None = None
         pcp = meta.get("pcp")
         self._pcp = pcp if isinstance(pcp, int) and not isinstance(pcp, bool) else None
@@ -215,6 +220,18 @@ class Trace:
                 self._cache.popitem(last=False)
         return rec
 
+    def lazy_record(self, step: int, rank: int, phase: str) -> Record:
+        """``record()`` for a reader that needs a few of the views (the Chrome export's counts):
+        every row's crc32 is checked now, as ``record()`` does, but a view is decoded only when
+        read (``_LazyViews``). Not cached; arrays are not shared between ranks. A version 1
+        verify record (``schema.upgrade_views`` rewrites it whole) is ``record()``."""
+        if self.version < 2 and phase == S.PHASE_VERIFY:
+            return self.record(step, rank, phase)
+        ix, i = self._entry(step, rank)
+        if phase not in ix.layouts[i].phases:
+            return self.record(step, rank, phase)  # raises the KeyError record() raises
+        return Record(int(step), int(rank), phase, _LazyViews(ix, i, phase), pcp=self._pcp)
+
     def verify(self) -> int:
         """Decode every record (checking every crc32); returns how many. Raises TraceError."""
         n = 0
@@ -255,25 +272,81 @@ class Trace:
         if share and step != self._shared_step:
             self._shared, self._shared_step = {}, step
         out: dict[str, np.ndarray] = {}
+        u8, offsets, crcs = loaded.u8, loaded.offsets, loaded.crcs
         for j in layout.phases[phase]:
-            view, tag, shape = layout.views[j], layout.tags[j], loaded.shape(j)
-            start, stop = loaded.offsets[j], loaded.offsets[j + 1]
-            stored = loaded.values.slice(start, stop - start)
-            key = (phase, view, tag, shape, loaded.crcs[j]) if share else None
+            view, shape, crc = layout.views[j], loaded.shapes[j], crcs[j]
+            start, stop = offsets[j], offsets[j + 1]
+            stored = u8[start:stop]  # uint8[stop - start], read-only view of the map
+            key = (phase, view, layout.tags[j], shape, crc) if share else None
             seen = self._shared.get(key) if share else None
-            if seen is not None and seen[0].equals(stored):
+            if seen is not None and _same_bytes(seen[0], stored):
                 out[view] = seen[1]
                 continue
-            if S.row_crc32(step, phase, view, tag=tag, shape=shape, stored=stored) != loaded.crcs[j]:
+            if not loaded.row_ok(layout, j):  # schema.row_crc32
                 raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): corrupt data "
                                  "(crc32 mismatch)")
-            try:
-                out[view] = S.decode_payload(tag, shape, stored)
-            except ValueError as exc:
-                raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): {exc}") from None
+            out[view] = value = _decode_row(ix, step, phase, view, layout, j, shape, stored)
             if key is not None:
-                self._shared[key] = (stored, out[view])
+                self._shared[key] = (stored, value)
         return out
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    """Two uint8 payloads hold the same bytes (small ones compared as bytes: no NumPy call)."""
+    if a.shape[0] != b.shape[0]:
+        return False
+    return a.tobytes() == b.tobytes() if a.shape[0] <= 4096 else bool(np.array_equal(a, b))
+
+
+def _decode_row(ix: RankIndex, step: int, phase: str, view: str, layout, j: int, shape: tuple[int, ...],
+                stored: np.ndarray) -> np.ndarray:
+    """Row ``j``'s array: a numeric row whose bytes fit its dtype and shape is ``stored`` viewed
+    as them (zero-copy, read-only); a string row, or one that does not fit, goes through
+    ``schema.decode_payload`` (which says what is wrong)."""
+    dt = layout.dtypes[j]
+    if dt is not None:
+        nbytes = math.prod(shape) * dt.itemsize
+        if stored.shape[0] == S.padded_size(nbytes):
+            return stored[:nbytes].view(dt).reshape(shape)
+    try:
+        return S.decode_payload(layout.tags[j], shape, stored)
+    except ValueError as exc:
+        raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): {exc}") from None
+
+
+class _LazyViews(Mapping[str, np.ndarray]):
+    """The views of one phase of one step, each decoded on first read; every row's crc32 is
+    checked when made (a damaged payload raises ``TraceError`` whether or not it is read)."""
+
+    def __init__(self, ix: RankIndex, i: int, phase: str) -> None:
+        self._ix, self._loaded, self._layout = ix, ix.batch(i), ix.layouts[i]
+        self._step, self._phase = int(ix.steps[i]), phase
+        self._rows = {self._layout.views[j]: j for j in self._layout.phases[phase]}
+        self._done: dict[str, np.ndarray] = {}
+        loaded, layout = self._loaded, self._layout
+        for view, j in self._rows.items():
+            if not loaded.row_ok(layout, j):
+                raise TraceError(f"{ix.path}: step {self._step}: view {view!r} (phase {phase!r}): corrupt data "
+                                 "(crc32 mismatch)")
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value = self._done.get(name)
+        if value is None:
+            j = self._rows[name]
+            loaded = self._loaded
+            stored = loaded.u8[loaded.offsets[j]:loaded.offsets[j + 1]]
+            value = self._done[name] = _decode_row(self._ix, self._step, self._phase, name, self._layout, j,
+                                                   loaded.shapes[j], stored)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._rows
 
 
 def _resolve_run_dir(path: str | os.PathLike) -> Path:

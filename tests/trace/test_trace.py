@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import pcpviz.trace as pt
+from pcpviz.trace import reader as reader_mod
 from pcpviz.trace import schema as S
 from pcpviz.trace import writer as W
 
@@ -231,8 +232,8 @@ def test_open_is_lazy_and_cache_is_bounded(tmp_path, monkeypatch):
                  "verify": {"num_accepted": np.array([s])}} for s in range(200)}
     _write(tmp_path, steps)
     calls = []
-    real = S.decode_payload
-    monkeypatch.setattr(S, "decode_payload", lambda *a: calls.append(a[0]) or real(*a))
+    real = reader_mod._decode_row  # every payload decoded goes through it
+    monkeypatch.setattr(reader_mod, "_decode_row", lambda *a: calls.append(a[0]) or real(*a))
     t = pt.open(tmp_path, cache_size=2)
     assert len(t.steps) == 200 and calls == []  # open decodes no payload
     t.record(150, 0, "target")
@@ -487,6 +488,32 @@ def test_corrupt_payload_is_caught_on_decode(tmp_path):
     assert t.record(3, 0, "target") == steps[3]["target"]
     with pytest.raises(pt.TraceError, match="step 2"):
         t.verify()
+
+
+def test_lazy_record_checks_every_row_and_decodes_what_is_read(tmp_path, monkeypatch):
+    steps = {s: {"target": {"positions": np.full(64, 1000 + s, dtype=np.int64), "req_ids": ["a", "b"],
+                            "seq_lens": np.array([3 + s, 4], dtype=np.int32)}} for s in range(5)}
+    _write(tmp_path, steps)
+    rank0 = tmp_path / "rank0.arrow"
+    t = pt.open(tmp_path)
+    calls = []
+    real = reader_mod._decode_row
+    monkeypatch.setattr(reader_mod, "_decode_row", lambda *a: calls.append(a[3]) or real(*a))
+    rec = t.lazy_record(3, 0, "target")
+    assert calls == [] and set(rec) == {"positions", "req_ids", "seq_lens"} and "seq_lens" in rec
+    assert rec["seq_lens"].tolist() == [6, 4] and calls == ["seq_lens"]
+    assert rec == t.record(3, 0, "target") == steps[3]["target"]
+    assert not rec["positions"].flags.writeable
+    with pytest.raises(KeyError, match="not recorded at step 3"):
+        rec["input_ids"]
+    raw = bytearray(rank0.read_bytes())  # a damaged payload the caller never reads still raises
+    raw[raw.index(np.full(64, 1002, dtype=np.int64).tobytes()) + 100] ^= 0x40
+    rank0.write_bytes(bytes(raw))
+    t = pt.open(tmp_path, strict=True)
+    with pytest.raises(pt.TraceError, match="step 2: view 'positions' \\(phase 'target'\\): corrupt data"):
+        t.lazy_record(2, 0, "target")
+    with pytest.raises(KeyError, match="phase 'verify' not recorded at step 2"):
+        t.lazy_record(2, 0, "verify")
 
 
 def test_damage_in_the_middle_keeps_the_steps_before_it(tmp_path):

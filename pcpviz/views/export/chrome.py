@@ -175,11 +175,11 @@ def _step_events(trace: Trace, step: int, rank: int, plan: _Plan, *, synthetic: 
     its verify, then the step's span (the phases' extent, with the step's counts). Raises
     ``_Unrecorded`` when recorded times are wanted and a phase has none."""
     phases = sorted(trace.phases(step, rank), key=causal_phase_key)
-    target = trace.record(step, rank, "target") if "target" in phases else None
+    target = trace.lazy_record(step, rank, "target") if "target" in phases else None
     events: list[dict[str, Any]] = []
     span, extra = None, {}
-    for i, phase in enumerate(phases):
-        rec = trace.record(step, rank, phase)
+    for i, phase in enumerate(phases):  # only the views counted are decoded
+        rec = target if phase == "target" else trace.lazy_record(step, rank, phase)
         if synthetic:
             t0 = plan.start[step] + i * SYNTHETIC_PHASE_US
             t1 = t0 + SYNTHETIC_PHASE_US
