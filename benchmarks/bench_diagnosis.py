@@ -26,6 +26,8 @@ from pcpviz.analysis.checks import run_checks
 from pcpviz.analysis.diff import diff_traces
 from pcpviz.analysis.explain import CLEAN, FAULT, explain
 from pcpviz.analysis.mutations import MUTATIONS, Mutation, copy_package, run_planted
+from pcpviz.analysis.producers import INSIDE, attribute_divergence, attribute_violation, patched_function
+from pcpviz.trace import open as open_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 A = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\ndef main(argv):\n    parser = ",
@@ -53,6 +55,9 @@ class Row:
     first: str
     verdict: str
     top: str | None
+    named: str = "-"  # the producer check (else diff) names for the first wrong value
+    producer_right: bool = False  # it is the function the mutation patched
+    producer_sure: bool = False  # named as "the fault is inside it", sure
 
     @property
     def exercised(self) -> bool:
@@ -65,6 +70,10 @@ class Row:
     @property
     def clean_on_difference(self) -> bool:
         return self.verdict == CLEAN and self.diverges
+
+    @property
+    def producer_confidently_wrong(self) -> bool:
+        return not self.harmless and self.producer_sure and not self.producer_right
 
     @property
     def alarm(self) -> bool:
@@ -88,9 +97,16 @@ def judge(m: Mutation, setting: str, bad: Path, good: Path) -> Row:
     e = explain(bad, good)
     v = report.first_violation
     first = "-" if v is None else f"s{v.step} {v.phase}.{v.view} r{v.rank} ({v.check})"
+    tb = open_trace(bad)
+    who = attribute_violation(tb, report) or attribute_divergence(tb, d)
+    want = None if m.harmless else patched_function(m.file, m.old)
+    named = "-" if who is None or who.producer is None else who.producer
+    right = want is not None and who is not None and who.cite is not None and \
+        who.cite.split(":")[0] == f"pcpviz/{m.file}" and named.split(".")[-1] == want.split(".")[-1]
+    sure = who is not None and who.verdict == INSIDE and who.sure.startswith("sure")
     return Row(m.name, setting, m.harmless, True, "", d.first is not None, bool(report.failed),
                v is not None and m.at_own_place(v.phase, v.view), first, e.verdict,
-               None if e.top is None else e.top.fault)
+               None if e.top is None else e.top.fault, named, right, sure)
 
 
 def bench(settings, names=None, work: Path | None = None) -> list[Row]:
@@ -122,18 +138,19 @@ def bench(settings, names=None, work: Path | None = None) -> list[Row]:
 def _line(r: Row) -> str:
     yn = lambda b: "yes" if b else "no"  # noqa: E731
     if not r.ran:
-        return f"| {r.mutation} | {r.setting} | run failed: {r.note} | | | | |"
+        return f"| {r.mutation} | {r.setting} | run failed: {r.note} | | | | | |"
     if not r.exercised and not r.harmless:
-        return f"| {r.mutation} | {r.setting} | not exercised (run equals the clean one) | | | | |"
+        return f"| {r.mutation} | {r.setting} | not exercised (run equals the clean one) | | | | | |"
     verdict = r.verdict + (f" {r.top}" if r.top else "")
     flag = "ALARM" if r.alarm else ("CONFIDENTLY WRONG" if r.confidently_wrong else
                                     "CLEAN ON A DIFFERENCE" if r.clean_on_difference else "ok")
+    named = "-" if r.harmless else f"{yn(r.producer_right)} (`{r.named}`{', sure' if r.producer_sure else ''})"
     return (f"| {r.mutation}{' (refactor)' if r.harmless else ''} | {r.setting} | {yn(r.check_fails)} | "
-            f"{yn(r.at_own_place)} ({r.first}) | {yn(r.diverges)} | {verdict} | {flag} |")
+            f"{yn(r.at_own_place)} ({r.first}) | {yn(r.diverges)} | {verdict} | {named} | {flag} |")
 
 
 HEADER = ("| mutation | setting | check fails? | first evidence at the bug's phase/view? | diff diverges? | "
-          "explain verdict | |\n|---|---|---|---|---|---|---|")
+          "explain verdict | named producer is the patched function? | |\n|---|---|---|---|---|---|---|---|")
 
 
 def summary(rows: list[Row]) -> dict:
@@ -147,6 +164,8 @@ def summary(rows: list[Row]) -> dict:
             "first_evidence_at_own_place": sum(r.at_own_place for r in bugs) / n,
             "diff_diverges": sum(r.diverges for r in bugs) / n,
             "confidently_wrong": sum(r.confidently_wrong for r in bugs),
+            "producer_named_right": sum(r.producer_right for r in bugs) / n,
+            "producer_confidently_wrong": sum(r.producer_confidently_wrong for r in bugs),
             "clean_on_difference": sum(r.clean_on_difference for r in rows),
             "refactors": len(ref), "refactor_alarms": sum(r.alarm for r in ref)}
 

@@ -29,7 +29,8 @@ _ROOT = Path(__file__).resolve().parents[2]  # the directory holding the pcpviz 
 
 __all__ = ["Producer", "VLLM", "ENGINE", "MAPS", "producer_map", "producer_of", "Attribution", "attribute",
            "INSIDE", "INPUTS_WRONG", "UNKNOWN",
-           "attribute_violation", "attribute_divergence"]
+           "attribute_violation", "attribute_divergence",
+           "patched_function"]
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,8 @@ ENGINE: tuple[Producer, ...] = (
              ("verify.num_sampled", "verify.num_rejected", "verify.num_accepted", "verify.sampled_token_ids",
               "verify.req_ids", "verify.num_draft_tokens"),
              _t("input_ids", "num_scheduled_tokens", "is_prefilling", "top1_token")),
-    Producer("draft_prefill_inputs", _SP + "draft_prefill_inputs", 0, ("batch", "verify", "next_prompt_tokens"),
+    Producer("draft_prefill_inputs", "pcpviz.reference.drafts:draft_prefill_inputs", 0,
+             ("input_ids", "query_start_loc", "num_rejected", "num_sampled", "last_sampled", "next_prompt_tokens"),
              ("draft_0.draft_global_input_ids", "draft_0.draft_last_token_indices"),
              _t("input_ids", "query_start_loc") + ("verify.num_sampled", "verify.num_rejected",
                                                    "verify.sampled_token_ids")),
@@ -367,3 +369,28 @@ def attribute_divergence(trace_b, diff) -> Attribution | None:
     rank = d.rank_b if d.rank_b is not None else (trace_b.ranks[0] if trace_b.ranks else 0)
     return attribute(trace_b.meta, d.phase, d.view, recorded=_recorded(trace_b, d.step, rank), wrong=wrong,
                      compared=complete)
+
+
+def patched_function(file: str, old: str) -> str | None:
+    """The qualname of the function of ``pcpviz/<file>`` holding the text ``old`` (a mutation's
+    patch site; ``Worker._verify``), or None."""
+    path = _ROOT / "pcpviz" / file
+    src = path.read_text(encoding="utf-8")
+    at = src.find(old)
+    if at < 0:
+        return None
+    line = src.count("\n", 0, at) + 1
+    best: tuple[int, str] | None = None
+
+    def walk(node: ast.AST, prefix: str) -> None:
+        nonlocal best
+        for n in getattr(node, "body", []):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{prefix}{n.name}"
+                if isinstance(n, ast.ClassDef):
+                    walk(n, name + ".")
+                elif n.lineno <= line <= (n.end_lineno or n.lineno):
+                    if best is None or n.lineno > best[0]:
+                        best = (n.lineno, name)
+    walk(ast.parse(src), "")
+    return None if best is None else best[1]
