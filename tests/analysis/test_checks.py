@@ -686,3 +686,17 @@ def test_an_integer_view_stored_as_non_integers_is_reported_not_cast(tmp_path, v
     res = report.results["verify_consistent"]
     assert res.verdict == FAIL and res.first_violation.step == step
     assert f"verify.num_accepted holds {shown}, not an integer" in res.first_violation.message
+
+
+@pytest.mark.parametrize("meta, applies", [
+    ({}, True),
+    ({"launch": {"llm_kwargs": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}}}, True),
+    ({"launch": {"llm_kwargs": {"speculative_config": {"rejection_sample_method": "synthetic",
+                                                        "synthetic_acceptance_length": 2.0}}}}, False),
+    ({"speculative_config": {"rejection_sample_method": "block"}}, False),
+    ({"stand_ins": {"rejection_sampler": "scripted per scenario"}}, False),  # the CPU replay's scripted acceptance
+])
+def test_num_accepted_from_tokens_applies_to_vllms_standard_rejection_only(meta, applies):
+    from pcpviz.analysis.checks.context import Config
+
+    assert Config.from_meta(meta).acceptance_rule is applies

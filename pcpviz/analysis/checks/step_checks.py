@@ -302,10 +302,11 @@ def must_sample_rule(c: Ctx) -> None:
        "rejects a draft, the token sampled in its place differs from it (greedy: the target's argmax "
        "was not the draft; random: the residual max(p - q, 0) is zero at the rejected draft; vLLM "
        "0.33.0 v1/worker/gpu/spec_decode/rejection_sampler_utils.py:600-617, 726-733 and 937-962). "
-       "Not derivable under synthetic acceptance rates or block verification")
+       "Skipped under another rejection method (synthetic, block, fly) or a stand-in rejection sampler")
 def num_accepted_from_tokens(c: Ctx) -> None:
     if not c.cfg.acceptance_rule:
-        raise Skip("run.json declares synthetic acceptance rates or block verification")
+        raise Skip("run.json declares another rejection method than vLLM's standard one, or a stand-in "
+                   "rejection sampler")
     nacc = c.need("verify", "num_accepted").astype(np.int64)
     ns = c.need("verify", "num_sampled").astype(np.int64)
     nd = c.need("verify", "num_draft_tokens").astype(np.int64)
