@@ -8,6 +8,7 @@ one refactor; the full table is the benchmark's."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ import pytest
 
 from pcpviz.analysis.explain import CLEAN, FAULT
 from pcpviz.analysis.mutations import MUTATIONS
+from pcpviz.analysis.producers import VLLM, find_def
+from pcpviz.analysis.vllm_mutations import VLLM_MUTATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET = ["draft_block_table_wrong_request", "draft_hidden_not_restored", "extra_accepted_draft",
@@ -92,11 +95,6 @@ def test_a_chunked_prefill_must_sample_bug_fails_its_own_rule(tmp_path):
 def test_the_vllm_mutations_name_mapped_functions_of_the_installed_source():
     """Each planted vLLM bug replaces a function the vLLM producer map names, found where the
     replay looks it up (read from the source, not imported: importing vLLM is slow)."""
-    import ast
-
-    from pcpviz.analysis.producers import VLLM, find_def
-    from pcpviz.analysis.vllm_mutations import VLLM_MUTATIONS
-
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:
         pytest.skip("vLLM is not installed")

@@ -28,9 +28,12 @@ def test_derived_rules_cite_vllms_source(rule):
 # --------------------------------------------------------------------------- the producer map
 
 import ast  # noqa: E402
-import sys  # noqa: E402
 
+from tracegen import corrupt, worked_example_run  # noqa: E402
+
+from pcpviz.analysis.checks import run_checks  # noqa: E402
 from pcpviz.analysis.producers import ENGINE, INSIDE, VLLM, attribute, attribute_violation, find_def  # noqa: E402
+from pcpviz.trace import open as open_trace  # noqa: E402
 from pcpviz.trace.schema import VIEW_SPECS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,12 +100,6 @@ def test_the_first_wrong_value_is_walked_up_to_the_producer_whose_inputs_were_ri
 
 
 def test_check_names_the_producer_of_a_planted_wrong_draft_position(tmp_path):
-    sys.path.insert(0, str(ROOT / "tests" / "helpers"))
-    from tracegen import corrupt, worked_example_run
-
-    from pcpviz.analysis.checks import run_checks
-    from pcpviz.trace import open as open_trace
-
     run = worked_example_run()  # producer vllm-replay: the vLLM map
     corrupt(run, 7, "draft_1", "draft_positions", lambda a: a + 1)
     path = run.write(tmp_path / "t")
