@@ -99,7 +99,8 @@ VLLM: tuple[Producer, ...] = (
                                                   "last_sampled", "next_prefill_tokens"),
              ("draft_0.draft_global_input_ids", "draft_0.draft_last_token_indices"),
              _t("input_ids", "positions", "query_start_loc", "seq_lens") + (
-                 "verify.num_sampled", "verify.num_rejected", "verify.sampled_token_ids")),
+                 "verify.num_sampled", "verify.num_rejected", "verify.sampled_token_ids"),
+             unrecorded=("next_prefill_tokens (the request state's next prompt tokens)",)),
     Producer("PCPManager.prepare_draft_prefill", _P, 848, ("input_batch", "input_ids"),
              ("draft_0.draft_input_ids", "draft_0.draft_positions", "draft_0.draft_seq_lens", "draft_0.view",
               "draft_0.draft_prefill_restored"),
