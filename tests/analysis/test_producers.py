@@ -4,6 +4,7 @@ against the installed vLLM 0.33.0 source (and this checkout's engine)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,7 @@ import ast  # noqa: E402
 from tracegen import corrupt, worked_example_run  # noqa: E402
 
 from pcpviz.analysis.checks import run_checks  # noqa: E402
+from pcpviz.cli.commands import main as cli_main  # noqa: E402
 from pcpviz.analysis.producers import ENGINE, INSIDE, VLLM, attribute, attribute_violation, find_def  # noqa: E402
 from pcpviz.trace import open as open_trace  # noqa: E402
 from pcpviz.trace.schema import VIEW_SPECS  # noqa: E402
@@ -106,3 +108,23 @@ def test_check_names_the_producer_of_a_planted_wrong_draft_position(tmp_path):
     who = attribute_violation(open_trace(path), run_checks(path))
     assert who.view == "draft_1.draft_positions" and who.producer == "prepare_decode_inputs"
     assert "walked up from BlockTables.compute_slot_mappings" in who.line() and "the fault is inside it" in who.line()
+
+
+def test_check_diff_and_explain_print_the_producer(tmp_path, capsys):
+    """The human line and the additive --json key ``producer`` (null where nothing failed)."""
+    run = worked_example_run()
+    good = run.write(tmp_path / "good")
+    corrupt(run, 7, "draft_1", "draft_positions", lambda a: a + 1)
+    bad = run.write(tmp_path / "bad")
+    assert cli_main(["check", str(bad)]) == 1
+    assert "first wrong value: draft_1.draft_positions written by `prepare_decode_inputs`" in capsys.readouterr().out
+    assert cli_main(["check", "--json", str(bad)]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["producer"]["producer"] == "prepare_decode_inputs" and "checks" in doc
+    assert cli_main(["check", "--json", str(good)]) == 0
+    assert json.loads(capsys.readouterr().out)["producer"] is None
+    assert cli_main(["diff", "--json", str(good), str(bad)]) == 1
+    d = json.loads(capsys.readouterr().out)
+    assert d["producer"]["view"].startswith("draft_1.") and d["producer"]["producer"] is not None
+    assert cli_main(["explain", "--json", "--no-rerun", str(bad), str(good)]) == 1
+    assert json.loads(capsys.readouterr().out)["producer"]["producer"] == "prepare_decode_inputs"
