@@ -159,6 +159,11 @@ MUTATIONS: tuple[Mutation, ...] = (
        "block_rows = np.concatenate([worker.input_block_tables[:max(r - 1, 0)], worker.input_block_tables[r:r + 1]])"
        " if r > 1 else worker.input_block_tables[:r].copy()",
        "draft_k", "block_table_draft", "block tables: the last request's row read one past the batch"),
+    _M("must_sample_a_chunk_early", "engine/verify.py",
+       "if prefilling[i] and st.num_computed + q[i] < st.prompt_len:",
+       "if prefilling[i] and st.num_computed + 2 * q[i] < st.prompt_len:",
+       "verify", "num_sampled", "chunked prefill: the must-sample rule looks one chunk ahead, so the chunk "
+       "before a prompt's last samples (seq_len < prefill_len)"),
     # -- harmless refactors: the runs must equal the clean ones, and no tool may raise an alarm
     _M("refactor_sampled_last_numpy", "engine/speculator.py",
        "sampled_last = np.array([s[-1] if len(s) else -1 for s in verify.sampled], dtype=np.int64)",

@@ -48,13 +48,18 @@ def _no_steps(path: str, cmd: str, status) -> None:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     from pcpviz.analysis.checks import run_checks
+    from pcpviz.analysis.producers import attribute_violation
 
     trace, status = _open_trace(args.trace, "check", require_steps=True)
     try:
         report = run_checks(trace, status=status)
     except ValueError as e:  # a payload that fails its checksum while being read
         raise UsageError(f"pcpviz check: {e}") from None
-    print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
+    who = attribute_violation(trace, report)
+    if args.json:
+        print(json.dumps({**report.to_dict(), "producer": None if who is None else who.to_dict()}, indent=1))
+    else:
+        print(report.format() + ("" if who is None else f"\n  first wrong value: {who.line()}"))
     return exit_code(status, not report.failed)
 
 
@@ -76,6 +81,7 @@ def add_check(sub) -> None:
 
 def _cmd_diff(args: argparse.Namespace) -> int:
     from pcpviz.analysis.diff import diff_traces
+    from pcpviz.analysis.producers import attribute_divergence
 
     a, status_a = _open_trace(args.a, "diff")
     b, status_b = _open_trace(args.b, "diff")
@@ -83,7 +89,11 @@ def _cmd_diff(args: argparse.Namespace) -> int:
         report = diff_traces(a, b)
     except ValueError as e:
         raise UsageError(f"pcpviz diff: {e}") from None
-    print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
+    who = attribute_divergence(b, report)
+    if args.json:
+        print(json.dumps({**report.to_dict(), "producer": None if who is None else who.to_dict()}, indent=1))
+    else:
+        print(report.format() + ("" if who is None else f"\n  first divergent value: {who.line()}"))
     if not (status_a.complete and status_b.complete):
         return exit_code(status_a if not status_a.complete else status_b, report.same)
     return EXIT_OK if report.same else EXIT_FAILED

@@ -111,6 +111,7 @@ def trace_format_markdown() -> str:
 def checks_and_faults_markdown() -> str:
     """The check list (run order) with the faults each catches, then the fault registry."""
     from pcpviz.analysis.checks import CHECKS
+    from pcpviz.analysis.derived_rules import DERIVED_RULES, TRUSTED_VIEWS
     from pcpviz.faults import FAULTS, PRODUCERS
 
     out = [
@@ -128,6 +129,17 @@ def checks_and_faults_markdown() -> str:
     for name, doc in CHECKS.items():
         caught = ", ".join(f"`{f.name}`" for f in FAULTS.values() if f.caught_by == name)
         out.append(f"| `{name}` | {_cell(doc)} | {caught} |")
+    out += ["", "## Derived rules", "",
+            "Values these checks derive from first principles instead of taking the recorded value on trust "
+            "(`pcpviz.analysis.derived_rules`), with the vLLM 0.33.0 code each is read from "
+            "(held against the installed package by `tests/analysis/test_producers.py`).", "",
+            "| check | derives | from | rule | vLLM 0.33.0 |", "|---|---|---|---|---|"]
+    for r in DERIVED_RULES:
+        cites = ", ".join(f"`{f}:{line}` (`{name}`)" for f, line, name in r.vllm)
+        out.append(f"| `{r.check}` | `{r.view}` | {', '.join(f'`{v}`' for v in r.derived_from)} | "
+                   f"{_cell(r.rule)} | {cites} |")
+    out += ["", "Still taken as given:", ""]
+    out += [f"- `{v}`: {_cell(why)}" for v, why in TRUSTED_VIEWS.items()]
     out += ["", "## Faults", "",
             "The fault registry, `pcpviz.faults` (`pcpviz run --list-faults` lists the engine's). Producers: "
             + ", ".join(f"`{p}`" for p in PRODUCERS) + ".", "",

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pcpviz import faults as F
+from pcpviz.analysis.checks.context import Config
 from pcpviz.analysis.checks import (CHECKS, ENGINE_VIEW_CHECKS, FAIL, PASS, SKIPPED, first_difference, run_checks,
                                     short_repr)
 from tracegen import (
@@ -32,6 +33,7 @@ EXPECTED_NAMES = [
     "hidden_restored", "hidden_handoffs", "target_outputs_agree", "forward_consumed_prepared",
     "graph_inputs_are_captured",
     "verify_consistent", "drafts_fed_back", "ranks_agree", "positions_consistent", "verify_greedy",
+    "is_prefilling_rule", "must_sample_rule", "num_accepted_from_tokens",
 ]
 
 
@@ -97,7 +99,9 @@ def test_vllm_worked_example_passes(tmp_path):
     assert report["drafts_fed_back"].verdict == SKIPPED  # one step: no previous step
     assert report["drafts_fed_back"].skip_reason == "step 7 rank 0: no previous step"
     # vLLM's own numbers: none of the engine's fingerprints or top1_token
-    assert set(report.skipped) == {"drafts_fed_back", "graph_inputs_are_captured"} | ENGINE_VIEW_CHECKS
+    # nor prefill_len (the derived prefill rules need it)
+    assert set(report.skipped) == ({"drafts_fed_back", "graph_inputs_are_captured", "is_prefilling_rule",
+                                    "must_sample_rule"} | ENGINE_VIEW_CHECKS)
 
 
 def test_long_trace_checks_quickly(tmp_path):
@@ -404,6 +408,90 @@ def case_graph_input_moved(_):
     return run, {"graph_inputs_are_captured"}, (s, 1, "target", "graph_inputs_moved")
 
 
+def case_is_prefilling(_):
+    run = clean_run(2)
+    s = first_step(run, lambda ph: ph["target"]["is_prefilling"].any())
+    corrupt(run, s, "target", "is_prefilling", lambda a: np.zeros_like(a))
+    return run, {"is_prefilling_rule", "layout_matches_plan", "kv_write_mask_canonical"}, \
+        (s, 0, "target", "is_prefilling")
+
+
+def case_partial_chunk_samples(_):
+    """A partial prefill chunk (seq_len < prefill_len) that samples: what vLLM's kernel zeroes."""
+    run = clean_run(2)
+    s = first_step(run, lambda ph: (ph["target"]["seq_lens"] < ph["target"]["prefill_len"]).any())
+    t = run.views(s, 0, "target")
+    i = int(np.argmax(t["seq_lens"] < t["prefill_len"]))
+    ids = run.views(s, 0, "target")["input_ids"]
+    tok = int(ids[int(t["query_start_loc"][i + 1]) - 1])
+
+    def sample(a):
+        a[i] = 1
+        return a
+
+    def token(a):
+        a[i, 0] = tok
+        return a
+    corrupt(run, s, "verify", "num_sampled", sample)
+    corrupt(run, s, "verify", "sampled_token_ids", token)
+    # the draft prefill and the next step then disagree with the sampled token too
+    return run, {"must_sample_rule", "draft_input_ids", "drafts_fed_back", "verify_greedy"}, \
+        (s, 0, "verify", "num_sampled")
+
+
+def case_completed_prompt_not_sampled(_):
+    """The chunk that completes a prompt samples nothing (the must-sample rule off by one)."""
+    run = clean_run(2)
+
+    def done(ph):
+        t, v = ph["target"], ph["verify"]
+        return (t["is_prefilling"] & (t["seq_lens"] >= t["prefill_len"]) & (v["num_sampled"] > 0)).any()
+    s = first_step(run, done)
+    t, v = run.views(s, 0, "target"), run.views(s, 0, "verify")
+    i = int(np.argmax(t["is_prefilling"] & (t["seq_lens"] >= t["prefill_len"]) & (v["num_sampled"] > 0)))
+
+    def none(a):
+        a[i] = 0
+        return a
+
+    def unsampled(a):
+        a[i] = -1
+        return a
+    corrupt(run, s, "verify", "num_sampled", none)
+    corrupt(run, s, "verify", "sampled_token_ids", unsampled)
+    # every other check takes num_sampled == 0 as given: only the derived rule sees it
+    return run, {"must_sample_rule"}, (s, 0, "verify", "num_sampled")
+
+
+def case_one_draft_too_few_accepted(_):
+    """One accepted draft counted as rejected, its token sampled as the correction: every count
+    stays consistent (verify_consistent passes); only the tokens show the draft was accepted."""
+    run = clean_run(2)
+    s = first_step(run, lambda ph: (ph["verify"]["num_accepted"] >= 1).any())
+    v = run.views(s, 0, "verify")
+    i = int(np.argmax(v["num_accepted"] >= 1))
+    a = int(v["num_accepted"][i])
+
+    def fewer(x):
+        x[i] -= 1
+        return x
+
+    def more(x):
+        x[i] += 1
+        return x
+
+    def drop(x):
+        x[i, a] = -1
+        return x
+    corrupt(run, s, "verify", "num_accepted", fewer)
+    corrupt(run, s, "verify", "num_rejected", more)
+    corrupt(run, s, "verify", "num_sampled", fewer)
+    corrupt(run, s, "verify", "sampled_token_ids", drop)
+    return run, {"num_accepted_from_tokens", "verify_greedy", "drafts_fed_back", "positions_consistent",
+                 "draft_last_token_indices"}, \
+        (s, 0, "verify", "num_accepted")
+
+
 CASES = {
     "views_in_bounds": [case_bogus_query_start_loc, case_huge_positions],
     "layout_matches_plan": [case_layout],
@@ -430,6 +518,9 @@ CASES = {
     "hidden_handoffs": [case_hidden_not_chained],
     "target_outputs_agree": [case_target_outputs_fork],
     "verify_greedy": [case_verify_not_greedy],
+    "is_prefilling_rule": [case_is_prefilling],
+    "must_sample_rule": [case_partial_chunk_samples, case_completed_prompt_not_sampled],
+    "num_accepted_from_tokens": [case_one_draft_too_few_accepted],
     "graph_inputs_are_captured": [case_graph_input_moved],
     "forward_consumed_prepared": [case_forward_consumed_shifted],
 }
@@ -614,3 +705,15 @@ def test_an_integer_view_stored_as_non_integers_is_reported_not_cast(tmp_path, v
     res = report.results["verify_consistent"]
     assert res.verdict == FAIL and res.first_violation.step == step
     assert f"verify.num_accepted holds {shown}, not an integer" in res.first_violation.message
+
+
+@pytest.mark.parametrize("meta, applies", [
+    ({}, True),
+    ({"launch": {"llm_kwargs": {"speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}}}, True),
+    ({"launch": {"llm_kwargs": {"speculative_config": {"rejection_sample_method": "synthetic",
+                                                        "synthetic_acceptance_length": 2.0}}}}, False),
+    ({"speculative_config": {"rejection_sample_method": "block"}}, False),
+    ({"stand_ins": {"rejection_sampler": "scripted per scenario"}}, False),  # the CPU replay's scripted acceptance
+])
+def test_num_accepted_from_tokens_applies_to_vllms_standard_rejection_only(meta, applies):
+    assert Config.from_meta(meta).acceptance_rule is applies

@@ -8,6 +8,7 @@ one refactor; the full table is the benchmark's."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import sys
 from pathlib import Path
@@ -16,6 +17,8 @@ import pytest
 
 from pcpviz.analysis.explain import CLEAN, FAULT
 from pcpviz.analysis.mutations import MUTATIONS
+from pcpviz.analysis.producers import VLLM, find_def
+from pcpviz.analysis.vllm_mutations import VLLM_MUTATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET = ["draft_block_table_wrong_request", "draft_hidden_not_restored", "extra_accepted_draft",
@@ -65,3 +68,44 @@ def test_every_mutation_still_patches_its_file(m):
     the code a mutation patches must move the mutation with it."""
     src = (ROOT / "pcpviz" / m.file).read_text()
     assert src.count(m.old) == 1, f"{m.name}: {m.old!r} occurs {src.count(m.old)} times in pcpviz/{m.file}"
+
+
+PRODUCERS = {"draft_block_table_wrong_request": "Worker._write_input_block_tables",
+             "draft_hidden_not_restored": "_draft_prefill", "extra_accepted_draft": "greedy_verify"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PRODUCERS))
+def test_the_named_producer_is_the_patched_function(rows, name):
+    r = rows[name]
+    assert r.named == PRODUCERS[name] and r.producer_right, r
+
+
+@pytest.mark.slow
+def test_a_chunked_prefill_must_sample_bug_fails_its_own_rule(tmp_path):
+    """The sampler's must-sample rule one chunk early (the chunk before a prompt's last samples):
+    every check that takes num_sampled on trust passes it; must_sample_rule fails at verify.num_sampled."""
+    bench = _bench()
+    bench.SETTINGS["ci-chunked"] = dict(bench.SETTINGS["pcp4-k3-chunked"], pcp=2, max_new_tokens=6)
+    (r,) = bench.bench(["ci-chunked"], ["must_sample_a_chunk_early"], work=tmp_path)
+    assert r.ran and r.check_fails and r.at_own_place, r.first
+    assert "must_sample_rule" in r.first and r.named == "greedy_verify" and r.producer_right, r
+
+
+def test_the_vllm_mutations_name_mapped_functions_of_the_installed_source():
+    """Each planted vLLM bug replaces a function the vLLM producer map names, found where the
+    replay looks it up (read from the source, not imported: importing vLLM is slow)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vLLM is not installed")
+    site = Path(spec.origin).resolve().parents[1]
+    names = {p.name for p in VLLM}
+    assert sum(m.harmless for m in VLLM_MUTATIONS) >= 2 and sum(not m.harmless for m in VLLM_MUTATIONS) >= 6
+    for m in VLLM_MUTATIONS:
+        assert m.producer in names, m.name
+        base = ROOT if m.module.startswith("pcpviz.") else site
+        src = (base / (m.module.replace(".", "/") + ".py")).read_text()
+        if m.module.startswith("pcpviz."):  # imported there by name from vLLM
+            assert f"import InputBatch, {m.attr}" in src or m.attr in src, m.name
+        else:
+            assert find_def(ast.parse(src), m.attr) is not None, f"{m.module} has no {m.attr}"

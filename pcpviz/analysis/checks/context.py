@@ -39,6 +39,7 @@ class Config:
     k: int | None
     block_sizes: tuple[int, ...] | None
     speculative_method: str = "mtp"
+    acceptance_rule: bool = True  # standard rejection sampling (num_accepted_from_tokens applies)
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "Config":
@@ -62,7 +63,27 @@ class Config:
                    dcp_interleave=as_int("dcp_interleave", 1) or 1,
                    shard=None if shard is None else bool(shard),
                    k=as_int("num_speculative_tokens"), block_sizes=block_sizes,
-                   speculative_method=str(meta.get("speculative_method") or "mtp"))
+                   speculative_method=str(meta.get("speculative_method") or "mtp"),
+                   acceptance_rule=_standard_rejection(meta))
+
+
+def _standard_rejection(meta: Mapping[str, Any]) -> bool:
+    """False where run.json's speculative config (top level or the launch's ``llm_kwargs``) asks
+    vLLM for another rejection method than ``"standard"`` (vLLM 0.33.0 config/speculative.py:83,
+    562: ``synthetic``, ``block``, ``fly``) or for synthetic acceptance, or where it declares the
+    rejection sampler a stand-in (the CPU replay's scripted acceptance: ``stand_ins``)."""
+    stand_ins = meta.get("stand_ins")
+    if isinstance(stand_ins, Mapping) and stand_ins.get("rejection_sampler"):
+        return False
+    launch = meta.get("launch")
+    kwargs = launch.get("llm_kwargs") if isinstance(launch, Mapping) else None
+    for spec in (meta.get("speculative_config"), kwargs.get("speculative_config") if isinstance(kwargs, Mapping)
+                 else None):
+        if isinstance(spec, Mapping) and (spec.get("rejection_sample_method", "standard") not in (None, "standard")
+                                          or spec.get("synthetic_acceptance_rates") is not None
+                                          or spec.get("synthetic_acceptance_length") is not None):
+            return False
+    return True
 
 
 def _is_warmup(phases: Mapping[str, Mapping[str, np.ndarray]]) -> bool:

@@ -250,3 +250,81 @@ def verify_greedy(c: Ctx) -> None:
                    expected=str(a), actual=str(int(nacc[i])))
         c.expect("verify", "sampled_token_ids", want=t[:a + 1], got=sampled[i, :a + 1],
                  what=f"request row {i}'s sampled tokens are not the target's argmax", index_map=lambda j: (i, j[0]))
+
+
+# --------------------------------------------------------------------------- rules derived from vLLM's own
+# The three checks below re-derive values the checks above take as given. Each cites the vLLM 0.33.0 code the
+# rule is read from (docs/checks-and-faults.md lists them under "Derived rules").
+
+@check("is_prefilling_rule",
+       "is_prefilling is derived, not trusted: a request is prefilling iff its CPU cursor "
+       "(num_computed_tokens) is short of its prefill_len (vLLM 0.33.0 "
+       "v1/worker/gpu/model_runner.py:1338, num_computed_prefill_tokens < prefill_len)")
+def is_prefilling_rule(c: Ctx) -> None:
+    pf = c.need("target", "is_prefilling").astype(bool)
+    nc = c.need("target", "num_computed_tokens").astype(np.int64)
+    pl = c.need("target", "prefill_len").astype(np.int64)
+    if not pf.shape == nc.shape == pl.shape:
+        raise Skip("is_prefilling, num_computed_tokens and prefill_len differ in length")
+    c.expect("target", "is_prefilling", want=nc < pl, got=pf,
+             what="is_prefilling != (num_computed_tokens < prefill_len)")
+
+
+@check("must_sample_rule",
+       "the sampler's must-sample rule, derived: a request samples this step iff its seq_len "
+       "(num_computed + scheduled tokens) reaches its prefill_len; a chunk that stops short samples "
+       "nothing and rejects nothing (vLLM 0.33.0 v1/worker/gpu/input_batch.py:517-542, "
+       "_get_num_sampled_and_rejected_kernel: is_chunked_prefilling = seq_len < prefill_len)")
+def must_sample_rule(c: Ctx) -> None:
+    ns = c.need("verify", "num_sampled").astype(np.int64)
+    sl = c.need("target", "seq_lens").astype(np.int64)
+    pl = c.need("target", "prefill_len").astype(np.int64)
+    if not ns.shape == sl.shape == pl.shape:
+        raise Skip("verify and the target batch differ in rows (verify_consistent reports it)")
+    chunked = sl < pl  # bool[R]: a partial prefill chunk
+    wrong = chunked != (ns == 0)
+    if wrong.any():
+        i = int(np.argmax(wrong))
+        why = (f"seq_len {int(sl[i])} < prefill_len {int(pl[i])}: a partial chunk must not sample"
+               if chunked[i] else f"seq_len {int(sl[i])} >= prefill_len {int(pl[i])}: the request must sample")
+        c.fail("verify", "num_sampled", f"request row {i}: {why}", index=(i,),
+               expected="0" if chunked[i] else ">= 1", actual=str(int(ns[i])))
+    for view in ("num_rejected", "num_accepted"):
+        got = c.get("verify", view)
+        if got is not None and got.shape == ns.shape:
+            got = got.astype(np.int64)
+            c.expect("verify", view, want=np.where(chunked, 0, got), got=got,
+                     what="a partial prefill chunk counts drafts")
+
+
+@check("num_accepted_from_tokens",
+       "num_accepted is derived from the drafts and the target's sampled tokens: where a request "
+       "rejects a draft, the token sampled in its place differs from it (greedy: the target's argmax "
+       "was not the draft; random: the residual max(p - q, 0) is zero at the rejected draft; vLLM "
+       "0.33.0 v1/worker/gpu/spec_decode/rejection_sampler_utils.py:600-617, 726-733 and 937-962). "
+       "Skipped under another rejection method (synthetic, block, fly) or a stand-in rejection sampler")
+def num_accepted_from_tokens(c: Ctx) -> None:
+    if not c.cfg.acceptance_rule:
+        raise Skip("run.json declares another rejection method than vLLM's standard one, or a stand-in "
+                   "rejection sampler")
+    nacc = c.need("verify", "num_accepted").astype(np.int64)
+    ns = c.need("verify", "num_sampled").astype(np.int64)
+    nd = c.need("verify", "num_draft_tokens").astype(np.int64)
+    sampled = slot_groups(c.need("verify", "sampled_token_ids")).astype(np.int64)
+    ids = c.t("input_ids").astype(np.int64)
+    qsl = c.qsl()
+    if not nacc.shape == ns.shape == nd.shape == (qsl.shape[0] - 1,) or sampled.shape[0] != nacc.shape[0]:
+        raise Skip("verify and the target batch differ in rows (verify_consistent reports it)")
+    rows = np.flatnonzero((ns > 0) & (nacc < nd) & (nacc >= 0) & (nacc < sampled.shape[1]))
+    if rows.size == 0:
+        return
+    at = qsl[1:][rows] - nd[rows] + nacc[rows]  # the global row of the first rejected draft
+    if (at < 0).any() or (at >= ids.shape[0]).any():
+        raise Skip("draft rows outside the target's tokens (views_in_bounds reports it)")
+    same = sampled[rows, nacc[rows]] == ids[at]
+    if same.any():
+        j = int(np.argmax(same))
+        i = int(rows[j])
+        c.fail("verify", "num_accepted", f"request row {i} rejects draft {int(nacc[i])} (token {int(ids[at[j]])}) "
+               f"but samples that same token in its place: the draft was accepted", index=(i,),
+               expected=f">= {int(nacc[i]) + 1}", actual=str(int(nacc[i])))

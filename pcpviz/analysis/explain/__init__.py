@@ -45,6 +45,7 @@ from pcpviz.analysis.explain.evidence import KvReplicas, Symptoms, gather_sympto
 from pcpviz.analysis.checks.report import violation_order
 from pcpviz.analysis.explain.mechanism import mechanism
 from pcpviz.analysis.explain.rules import NOTHING, RULES, UNSEEN, Findings
+from pcpviz.analysis.producers import Attribution, attribute_divergence, attribute_violation
 from pcpviz.faults import ENGINE, FAULTS, faults_of
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
@@ -84,6 +85,7 @@ class Explanation:
     headline: str
     symptoms: Symptoms
     hypotheses: tuple[Hypothesis, ...]  # best first
+    producer: Attribution | None = None  # who wrote the first wrong (or divergent) value
 
     @property
     def ok(self) -> bool:
@@ -98,11 +100,14 @@ class Explanation:
     def to_dict(self) -> dict[str, Any]:
         return {"trace": self.trace, "verdict": self.verdict, "headline": self.headline, "ok": self.ok,
                 "top": None if self.top is None else self.top.fault, "symptoms": self.symptoms.to_dict(),
-                "hypotheses": [h.to_dict() for h in self.hypotheses]}
+                "hypotheses": [h.to_dict() for h in self.hypotheses],
+                "producer": None if self.producer is None else self.producer.to_dict()}
 
     def format(self, max_hypotheses: int = 4) -> str:
         lines = [f"pcpviz explain {self.trace}", f"  verdict: {self.verdict}: {self.headline}"]
         lines += [f"  {line}" for line in self.symptoms.lines()]
+        if self.producer is not None:
+            lines.append(f"  producer: {self.producer.line()}")
         shown = [h for h in self.hypotheses if h.status != "ruled out"][:max_hypotheses]
         if shown:
             lines.append("  hypotheses (best first):")
@@ -258,6 +263,9 @@ def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | No
         ta = None if ref is None else (ref if isinstance(ref, Trace) else open_trace(ref))
         diff = None if ta is None else diff_traces(ta, tb)
         sym = gather_symptoms(tb, report, diff, reference_trace=ta, reference_kind=kind, note=note, kv=kv)
+        who = attribute_violation(tb, report)
+        if who is None and diff is not None:
+            who = attribute_divergence(tb, diff)
     f = Findings(tb, report)
     hyps = _rank([_hypothesis(name, f, sym) for name in faults_of(ENGINE)], report)
     verdict, headline = _verdict(report, sym, hyps)
@@ -268,7 +276,7 @@ def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | No
             f"the run stopped early: {ending.removeprefix('partial: ')}" if ending.startswith("partial")
             else "data lost")
         headline += f"; the trace is INCOMPLETE ({why}): this covers only the steps that are left"
-    return Explanation(str(tb.path), verdict, headline, sym, hyps)
+    return Explanation(str(tb.path), verdict, headline, sym, hyps, who)
 
 
 def _rate(x: float) -> str:
