@@ -32,6 +32,7 @@ from pcpviz.vllm.replay.scenarios import SCENARIOS, Scenario
 from pcpviz.vllm.replay.scheduler import ScriptedScheduler
 from pcpviz.vllm.replay.stand_ins import DSPARK_MODEL_DECLARATION, DSPARK_STATUS, MODELS_DECLARATION, STAND_INS
 from pcpviz.vllm.replay.step import StepOut, dummy_step, rank_step
+from pcpviz.vllm.replay.tiny import TINY_MODELS_DECLARATION, TINY_STAND_INS, tiny_model
 
 __all__ = ["PRODUCER", "ReplayResult", "replay"]
 
@@ -71,7 +72,14 @@ class ReplayResult:
         return [s[rank].draft_tokens for s in self.steps]
 
 
-def _validate(pcp: int, mtp: int, scenario: str, decodes: str, block_size: int) -> Scenario:
+MODELS = ("tiny", "scripted")
+
+
+def _validate(pcp: int, mtp: int, scenario: str, decodes: str, block_size: int, models: str) -> Scenario:
+    if models not in MODELS:
+        raise ValueError(f"models must be one of {', '.join(MODELS)}, got {models!r}")
+    if models == "tiny" and scenario in SCENARIOS and SCENARIOS[scenario].drafter == "dspark":
+        raise ValueError("the dspark scenario's drafter has no weights: run it with models='scripted'")
     if not isinstance(pcp, int) or isinstance(pcp, bool) or pcp < 1:
         raise ValueError(f"pcp must be an int >= 1, got {pcp!r}")
     if pcp > 8:
@@ -104,6 +112,8 @@ def replay(
     dummy: bool = True,
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
+    models: str | None = None,
+    graph_mode: str = "NONE",
 ) -> ReplayResult:
     """Run ``scenario`` through vLLM 0.33.0's real PCP + MTP code on CPU, ``pcp`` ranks as
     threads, ``mtp`` speculative tokens; record a trace into ``trace_dir`` (when given and
@@ -115,11 +125,23 @@ def replay(
     ``docs/vllm-0.33-pcp-mtp.md``). ``record=False`` builds plain ``PCPManager``s (the recording-off
     baseline). ``dummy`` appends a profile run (``propose(dummy_run=True)``) as the last
     step, phase ``dummy``; it must do no block-table gather and no collective (asserted).
+    ``models="tiny"`` (the default, except for the ``dspark`` scenario, whose drafter has no
+    weights) runs the shipped tiny DeepSeek-V3 checkpoint behind vLLM's model interfaces with
+    greedy rejection sampling, so acceptance is measured (``pcpviz.vllm.replay.tiny``);
+    ``"scripted"`` runs the weightless stand-ins with the scenario's scripted rejections.
+    ``graph_mode`` ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE") builds the speculator's CUDA-graph
+    managers and lets vLLM's dispatch pick each draft forward's mode (``pcpviz.vllm.replay.graphs``:
+    stand-in graphs that read the buffers they were captured with).
     Raises ValueError for bad arguments.
     """
-    sc = _validate(pcp, mtp, scenario, decodes, block_size)
+    if models is None:
+        models = "scripted" if SCENARIOS.get(scenario) is not None and SCENARIOS[scenario].drafter == "dspark" \
+            else "tiny"
+    sc = _validate(pcp, mtp, scenario, decodes, block_size, models)
+    vocab, hidden = (97, 8) if models == "scripted" else (tiny_model().config.vocab_size,
+                                                           tiny_model().config.hidden_size)
     c = ReplayConfig(pcp=pcp, k=mtp, shard=pcp > 1 and decodes == "sharded", block_size=block_size, max_num_reqs=8,
-                     max_num_tokens=96, max_model_len=128, vocab=97, hidden=8)
+                     max_num_tokens=96, max_model_len=128, vocab=vocab, hidden=hidden, models=models)
     recording.install_wrappers()
     sched = ScriptedScheduler(sc, c)
     vllm_config = stand_in_vllm_config(c, sc.drafter)
@@ -238,10 +260,14 @@ def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler) -> dict[str, 
         "shard_decode_requests": c.shard, "scenario": sc.name, "scenario_description": sc.description,
         "speculative_method": "dspark" if sc.drafter == "dspark" else "mtp",
         "models": MODELS_DECLARATION, "stand_ins": STAND_INS, "model": "pcpviz stand-in (no weights)",
+        "replay_models": c.models,
         "max_num_seqs": c.max_num_reqs, "max_num_batched_tokens": c.max_num_tokens,
         "max_model_len": c.max_model_len, "vocab_size": c.vocab, "cudagraph_mode": "NONE",
         "prompt_token_ids": {rid: p for rid, p in sched.prompts.items()},
     }
+    if c.models == "tiny":
+        meta["models"], meta["model"] = TINY_MODELS_DECLARATION, "pcpviz-tiny-dsv3 (data/models, float32)"
+        meta["stand_ins"] = {**STAND_INS, **TINY_STAND_INS}
     if sc.drafter == "dspark":
         meta["dspark_status"] = DSPARK_STATUS
         meta["models"] = MODELS_DECLARATION + "; " + DSPARK_MODEL_DECLARATION

@@ -30,6 +30,7 @@ from vllm.v1.worker.gpu.states import RequestState
 
 from pcpviz.vllm.replay.stand_ins import (DSPARK_LAYER, MTP_LAYER, TARGET_LAYER, StandInDSpark,
                                           StandInMLAGroup, StandInMTP, StandInTarget)
+from pcpviz.vllm.replay.tiny import TinyMTP, TinyTarget, tiny_model
 
 __all__ = ["CPU", "ReplayConfig", "stand_in_vllm_config", "RankState"]
 
@@ -47,6 +48,7 @@ class ReplayConfig:
     max_model_len: int
     vocab: int
     hidden: int
+    models: str = "scripted"  # "tiny": the checkpoint's weights (pcpviz.vllm.replay.tiny); "scripted": stand_ins
 
     @property
     def max_blocks(self) -> int:
@@ -126,7 +128,15 @@ class RankState:
         self.input_buffers = InputBuffers(c.max_num_reqs, c.max_num_tokens, CPU)
         self.kv_target = torch.full((num_slots, 2), -1.0)
         self.kv_draft = torch.full((num_slots, 2), -1.0)
-        self.target = StandInTarget(TARGET_LAYER, c.vocab, c.hidden, self.kv_target, c.shard, 0, use_pcp=c.pcp > 1)
+        if c.models == "tiny":
+            tiny = tiny_model()
+            n_layers = tiny.config.num_layers
+            self.target = TinyTarget(TARGET_LAYER, tiny, num_slots=num_slots, block_size=c.block_size,
+                                     bookkeeping=self.kv_target, shard_decodes=c.shard, use_pcp=c.pcp > 1,
+                                     layer_ids=list(range(n_layers)))
+        else:
+            self.target = StandInTarget(TARGET_LAYER, c.vocab, c.hidden, self.kv_target, c.shard, 0,
+                                        use_pcp=c.pcp > 1)
         self.target.aux_hidden_states = drafter == "dspark"  # requires_aux_hidden_states("dspark")
         draft_layer = DSPARK_LAYER if drafter == "dspark" else MTP_LAYER
         self.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[TARGET_LAYER,
@@ -157,7 +167,13 @@ class RankState:
             spec.model = StandInDSpark(draft_layer, c.vocab, c.hidden, self.kv_draft, c.shard, 1, use_pcp=False)
         else:
             spec = MTPSpeculator(vllm_config, CPU)
-            spec.model = StandInMTP(draft_layer, c.vocab, c.hidden, self.kv_draft, c.shard, 1, use_pcp=c.pcp > 1)
+            if c.models == "tiny":
+                spec.model = TinyMTP(draft_layer, tiny, num_slots=num_slots, block_size=c.block_size,
+                                     bookkeeping=self.kv_draft, shard_decodes=c.shard, use_pcp=c.pcp > 1,
+                                     layer_ids=[n_layers])
+            else:
+                spec.model = StandInMTP(draft_layer, c.vocab, c.hidden, self.kv_draft, c.shard, 1,
+                                        use_pcp=c.pcp > 1)
         spec.draft_attn_layer_names = {draft_layer}
         # set_attn(), with a stand-in attention group instead of init_attn_backend():
         spec.model_state = model_state
