@@ -21,12 +21,14 @@ from typing import Any
 import numpy as np
 
 import vllm
+from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
 from pcpviz.vllm import recording
 from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 from pcpviz.vllm.recording import RecordingPCPManager
+from pcpviz.vllm.replay.graphs import GRAPH_STAND_INS, PIECEWISE_STAND_IN, build_replay_graphs
 from pcpviz.vllm.replay.ranks import RankState, ReplayConfig, stand_in_vllm_config
 from pcpviz.vllm.replay.scenarios import SCENARIOS, Scenario
 from pcpviz.vllm.replay.scheduler import ScriptedScheduler
@@ -73,9 +75,13 @@ class ReplayResult:
 
 
 MODELS = ("tiny", "scripted")
+GRAPH_MODES = ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
 
 
-def _validate(pcp: int, mtp: int, scenario: str, decodes: str, block_size: int, models: str) -> Scenario:
+def _validate(pcp: int, mtp: int, scenario: str, decodes: str, block_size: int, models: str,  # noqa: PLR0913
+              graph_mode: str = "NONE") -> Scenario:
+    if graph_mode not in GRAPH_MODES:
+        raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {graph_mode!r}")
     if models not in MODELS:
         raise ValueError(f"models must be one of {', '.join(MODELS)}, got {models!r}")
     if models == "tiny" and scenario in SCENARIOS and SCENARIOS[scenario].drafter == "dspark":
@@ -137,7 +143,10 @@ def replay(
     if models is None:
         models = "scripted" if SCENARIOS.get(scenario) is not None and SCENARIOS[scenario].drafter == "dspark" \
             else "tiny"
-    sc = _validate(pcp, mtp, scenario, decodes, block_size, models)
+    sc = _validate(pcp, mtp, scenario, decodes, block_size, models, graph_mode)
+    if graph_mode != "NONE" and sc.drafter != "mtp":
+        raise ValueError(f"graph_mode={graph_mode} replays the MTP speculator's graph managers; scenario "
+                         f"{scenario!r} runs {sc.drafter}")
     vocab, hidden = (97, 8) if models == "scripted" else (tiny_model().config.vocab_size,
                                                            tiny_model().config.hidden_size)
     c = ReplayConfig(pcp=pcp, k=mtp, shard=pcp > 1 and decodes == "sharded", block_size=block_size, max_num_reqs=8,
@@ -146,8 +155,8 @@ def replay(
     sched = ScriptedScheduler(sc, c)
     vllm_config = stand_in_vllm_config(c, sc.drafter)
     run = _Run(sc, c, sched, vllm_config=vllm_config, manager_cls=_manager_class(record, trace_dir), record=record,
-               progress=progress)
-    meta = _meta(sc, c, sched)
+               progress=progress, graph_mode=graph_mode)
+    meta = _meta(sc, c, sched, graph_mode)
     t_start = time.perf_counter()
     trace_path, rec_seconds = _run_recorded(run, trace_dir if record else None, meta=meta, overwrite=overwrite,
                                             dummy=dummy)
@@ -177,8 +186,10 @@ class _Run:
     ``pcp`` rank threads, every step checked for agreement between the ranks."""
 
     def __init__(self, sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler, *, vllm_config: Any,
-                 manager_cls: type[PCPManager], record: bool, progress: Callable[[str], None] | None) -> None:
+                 manager_cls: type[PCPManager], record: bool, progress: Callable[[str], None] | None,
+                 graph_mode: str = "NONE") -> None:
         self.sc, self.c, self.sched, self.vllm_config = sc, c, sched, vllm_config
+        self.graph_mode = CUDAGraphMode[graph_mode]
         self.manager_cls, self.record, self.progress = manager_cls, record, progress
         self.group = FakePCPGroup(c.pcp, timeout=120.0)
         self.states: list[RankState | None] = [None] * c.pcp
@@ -189,6 +200,9 @@ class _Run:
     def build(self, rank: int) -> None:
         st = RankState(self.c, self.vllm_config, self.manager_cls, self.sched.num_slots, self.sc.drafter)
         self.states[rank] = st
+        if self.graph_mode != CUDAGraphMode.NONE:
+            build_replay_graphs(st.spec, self.graph_mode, max_num_seqs=self.c.max_num_reqs,
+                                max_num_batched_tokens=self.c.max_num_tokens, k=self.c.k)
         if st.manager is None and self.record and recording.current_session() is not None:
             recording.attach_runner(st.runner, recording.current_session())  # PCP = 1
 
@@ -203,7 +217,9 @@ class _Run:
         sched, states = self.sched, self.states
         t0 = time.perf_counter()
         out, _ = sched.schedule(step, True)
-        outs = run_ranks(self.group, lambda rank: rank_step(states[rank], out, step=step, sched=sched))
+        eager = self.graph_mode == CUDAGraphMode.NONE
+        outs = run_ranks(self.group, lambda rank: rank_step(states[rank], out, step=step, sched=sched,
+                                                            eager_drafts=eager))
         self.step_seconds.append(time.perf_counter() - t0)
         ref = outs[0]
         for rank, o in enumerate(outs[1:], start=1):
@@ -252,7 +268,7 @@ def _run_recorded(run: _Run, trace_dir: str | os.PathLike | None, *, meta: dict[
     return ambient.run_dir, sum(r.seconds for r in mine if r is not None)
 
 
-def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler) -> dict[str, Any]:
+def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler, graph_mode: str = "NONE") -> dict[str, Any]:
     """run.json of a replay: the stand-ins it ran and the vLLM settings they stand in for."""
     meta = {
         "producer": PRODUCER, "vllm_version": vllm.__version__, "pcp": c.pcp, "dcp": 1,
@@ -262,7 +278,7 @@ def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler) -> dict[str, 
         "models": MODELS_DECLARATION, "stand_ins": STAND_INS, "model": "pcpviz stand-in (no weights)",
         "replay_models": c.models,
         "max_num_seqs": c.max_num_reqs, "max_num_batched_tokens": c.max_num_tokens,
-        "max_model_len": c.max_model_len, "vocab_size": c.vocab, "cudagraph_mode": "NONE",
+        "max_model_len": c.max_model_len, "vocab_size": c.vocab, "cudagraph_mode": graph_mode,
         "prompt_token_ids": {rid: p for rid, p in sched.prompts.items()},
     }
     if c.models == "tiny":
@@ -272,6 +288,8 @@ def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler) -> dict[str, 
         meta["dspark_status"] = DSPARK_STATUS
         meta["models"] = MODELS_DECLARATION + "; " + DSPARK_MODEL_DECLARATION
         meta["stand_ins"] = {**STAND_INS, "dspark_model": DSPARK_MODEL_DECLARATION}
+    if graph_mode != "NONE":
+        meta["stand_ins"] = {**meta["stand_ins"], "cuda_graphs": GRAPH_STAND_INS + "; " + PIECEWISE_STAND_IN}
     return meta
 
 
