@@ -25,6 +25,7 @@ from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
+from pcpviz.vllm import fixes as vllm_fixes
 from pcpviz.vllm import recording
 from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 from pcpviz.vllm.recording import RecordingPCPManager
@@ -120,6 +121,7 @@ def replay(
     progress: Callable[[str], None] | None = None,
     models: str | None = None,
     graph_mode: str = "NONE",
+    fixes: str | None = None,
 ) -> ReplayResult:
     """Run ``scenario`` through vLLM 0.33.0's real PCP + MTP code on CPU, ``pcp`` ranks as
     threads, ``mtp`` speculative tokens; record a trace into ``trace_dir`` (when given and
@@ -138,8 +140,11 @@ def replay(
     ``graph_mode`` ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE") builds the speculator's CUDA-graph
     managers and lets vLLM's dispatch pick each draft forward's mode (``pcpviz.vllm.replay.graphs``:
     stand-in graphs that read the buffers they were captured with).
+    ``fixes`` names ``pcpviz.vllm.fixes`` to patch into vLLM for this run (comma-separated; default
+    ``$PCPVIZ_FIXES``); run.json lists them under ``vllm_fixes``.
     Raises ValueError for bad arguments.
     """
+    fix_names = vllm_fixes.requested(fixes)
     if models is None:
         models = "scripted" if SCENARIOS.get(scenario) is not None and SCENARIOS[scenario].drafter == "dspark" \
             else "tiny"
@@ -157,9 +162,11 @@ def replay(
     run = _Run(sc, c, sched, vllm_config=vllm_config, manager_cls=_manager_class(record, trace_dir), record=record,
                progress=progress, graph_mode=graph_mode)
     meta = _meta(sc, c, sched, graph_mode)
+    meta["vllm_fixes"] = list(fix_names)
     t_start = time.perf_counter()
-    trace_path, rec_seconds = _run_recorded(run, trace_dir if record else None, meta=meta, overwrite=overwrite,
-                                            dummy=dummy)
+    with vllm_fixes.applied(fix_names):
+        trace_path, rec_seconds = _run_recorded(run, trace_dir if record else None, meta=meta, overwrite=overwrite,
+                                                dummy=dummy)
     states = run.states
     return ReplayResult(
         trace_path=trace_path, scenario=sc.name, pcp=pcp, num_speculative_tokens=mtp, shard_decode_requests=c.shard,
@@ -201,8 +208,7 @@ class _Run:
         st = RankState(self.c, self.vllm_config, self.manager_cls, self.sched.num_slots, self.sc.drafter)
         self.states[rank] = st
         if self.graph_mode != CUDAGraphMode.NONE:
-            build_replay_graphs(st.spec, self.graph_mode, max_num_seqs=self.c.max_num_reqs,
-                                max_num_batched_tokens=self.c.max_num_tokens, k=self.c.k)
+            build_replay_graphs(st.spec, self.graph_mode, max_num_batched_tokens=self.c.max_num_tokens)
         if st.manager is None and self.record and recording.current_session() is not None:
             recording.attach_runner(st.runner, recording.current_session())  # PCP = 1
 

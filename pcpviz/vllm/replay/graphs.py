@@ -226,7 +226,7 @@ def replay_piecewise_as_captured(spec: Any) -> None:
     mgr = spec.prefill_cudagraph_manager
 
     def run_pw_graph(model: Any, model_inputs: dict[str, Any]) -> Any:
-        n = model_inputs["hidden_states"].shape[0]  # num_tokens (padded to the graph size)
+        n = model_inputs["hidden_states"].shape[0]  # num_tokens
         captured = dict(model_inputs, input_ids=spec.input_buffers.input_ids[:n],
                         positions=spec.input_buffers.positions[:n])
         return model(**captured)
@@ -234,12 +234,15 @@ def replay_piecewise_as_captured(spec: Any) -> None:
     mgr.run_pw_graph = run_pw_graph
 
 
-def build_replay_graphs(spec: Any, mode: CUDAGraphMode, *, max_num_seqs: int, max_num_batched_tokens: int,
-                        k: int) -> dict[str, int]:
-    """The speculator's graph managers for ``mode`` with vLLM's default capture sizes, stand-in FULL
-    graphs, and PIECEWISE pieces that read their captured buffers. Returns the FULL graph counts."""
-    sizes = capture_sizes(max_num_seqs=max_num_seqs, k=k, max_num_batched_tokens=max_num_batched_tokens, mode=mode)
-    init_graph_managers(spec, mode, sizes)
+def build_replay_graphs(spec: Any, mode: CUDAGraphMode, *, max_num_batched_tokens: int) -> dict[str, int]:
+    """The speculator's graph managers for ``mode``, stand-in FULL graphs, and PIECEWISE pieces that
+    read their captured buffers. Returns the FULL graph counts.
+
+    Capture sizes: every size 1..``max_num_batched_tokens`` (a user's ``cudagraph_capture_sizes``),
+    so no draft forward is padded: the replay's target forward runs eagerly, and a draft prefill
+    padded past the target's rows (16 for 14) would meet a target-sized slot mapping and restore
+    (on a GPU the target is padded to the same size)."""
+    init_graph_managers(spec, mode, list(range(1, max_num_batched_tokens + 1)))
     counts = capture_stand_ins(spec)
     replay_piecewise_as_captured(spec)
     return counts

@@ -133,7 +133,7 @@ class RankState:
             n_layers = tiny.config.num_layers
             self.target = TinyTarget(TARGET_LAYER, tiny, num_slots=num_slots, block_size=c.block_size,
                                      bookkeeping=self.kv_target, shard_decodes=c.shard, use_pcp=c.pcp > 1,
-                                     layer_ids=list(range(n_layers)), world=c.pcp)
+                                     layer_ids=list(range(n_layers)))
         else:
             self.target = StandInTarget(TARGET_LAYER, c.vocab, c.hidden, self.kv_target, c.shard, 0,
                                         use_pcp=c.pcp > 1)
@@ -170,7 +170,7 @@ class RankState:
             if c.models == "tiny":
                 spec.model = TinyMTP(draft_layer, tiny, num_slots=num_slots, block_size=c.block_size,
                                      bookkeeping=self.kv_draft, shard_decodes=c.shard, use_pcp=c.pcp > 1,
-                                     layer_ids=[n_layers], world=c.pcp)
+                                     layer_ids=[n_layers])
             else:
                 spec.model = StandInMTP(draft_layer, c.vocab, c.hidden, self.kv_draft, c.shard, 1,
                                         use_pcp=c.pcp > 1)

@@ -97,12 +97,12 @@ class _TinyLayerStack(torch.nn.Module):
     """What the target and the MTP wrapper share: the per-rank caches and the attention callback."""
 
     def __init__(self, layer: str, model: TinyDSV3, *, num_slots: int, block_size: int, bookkeeping: torch.Tensor,
-                 shard_decodes: bool, use_pcp: bool, layer_ids: list[int], world: int = 1) -> None:
+                 shard_decodes: bool, use_pcp: bool, layer_ids: list[int]) -> None:
         super().__init__()
         cfg = model.config
         self.layer, self.tiny, self.block_size = layer, model, block_size
         self.kv_cache = bookkeeping  # float32[slots, 2]: (token, position) per written slot
-        self.shard_decodes, self.use_pcp, self.world = shard_decodes, use_pcp, world
+        self.shard_decodes, self.use_pcp = shard_decodes, use_pcp
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         self.latent = {i: torch.zeros(num_slots, width) for i in layer_ids}  # float32[slots, R + Dr] per layer
         self.aux_hidden_states = False
@@ -114,14 +114,7 @@ class _TinyLayerStack(torch.nn.Module):
         return md, slots
 
     def _gather(self, md: Any, slot_mapping: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor):
-        """vLLM's MLA KV-write gather (``update_kv_cache``). A replay artifact is trimmed first: the
-        replay's target runs eagerly, so a draft prefill padded by a graph dispatch (16 rows) gets the
-        target's unpadded gathered mapping (2 x 14 entries); its padding rows are dropped so each
-        rank's rows meet their own slots (on a GPU the target's batch is padded to the same size)."""
-        rows = kv_c.shape[0]
-        if self.world > 1 and rows < slot_mapping.shape[0] < self.world * rows:
-            keep = slot_mapping.shape[0] // self.world
-            kv_c, k_pe = kv_c[:keep], k_pe[:keep]
+        """vLLM's MLA KV-write gather, as ``MLAAttention.update_kv_cache`` calls it."""
         return maybe_gather_mla_latent_cache_inputs(kv_c, k_pe, slot_mapping, md.num_decode_tokens,
                                                     use_pcp=self.use_pcp, pcp_shard_decode_requests=self.shard_decodes)
 
