@@ -11,6 +11,7 @@ no collective.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -122,6 +123,7 @@ def replay(
     models: str | None = None,
     graph_mode: str = "NONE",
     fixes: str | None = None,
+    chunked_prefill: bool = True,
 ) -> ReplayResult:
     """Run ``scenario`` through vLLM 0.33.0's real PCP + MTP code on CPU, ``pcp`` ranks as
     threads, ``mtp`` speculative tokens; record a trace into ``trace_dir`` (when given and
@@ -140,6 +142,7 @@ def replay(
     ``graph_mode`` ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE") builds the speculator's CUDA-graph
     managers and lets vLLM's dispatch pick each draft forward's mode (``pcpviz.vllm.replay.graphs``:
     stand-in graphs that read the buffers they were captured with).
+    ``chunked_prefill=False`` schedules every prompt whole (the scenario's chunks dropped).
     ``fixes`` names ``pcpviz.vllm.fixes`` to patch into vLLM for this run (comma-separated; default
     ``$PCPVIZ_FIXES``); run.json lists them under ``vllm_fixes``.
     Raises ValueError for bad arguments.
@@ -149,6 +152,8 @@ def replay(
         models = "scripted" if SCENARIOS.get(scenario) is not None and SCENARIOS[scenario].drafter == "dspark" \
             else "tiny"
     sc = _validate(pcp, mtp, scenario, decodes, block_size, models, graph_mode)
+    if not chunked_prefill:
+        sc = dataclasses.replace(sc, requests=tuple(dataclasses.replace(r, chunk=None) for r in sc.requests))
     if graph_mode != "NONE" and sc.drafter != "mtp":
         raise ValueError(f"graph_mode={graph_mode} replays the MTP speculator's graph managers; scenario "
                          f"{scenario!r} runs {sc.drafter}")
@@ -286,6 +291,7 @@ def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler, graph_mode: s
         "max_num_seqs": c.max_num_reqs, "max_num_batched_tokens": c.max_num_tokens,
         "max_model_len": c.max_model_len, "vocab_size": c.vocab, "cudagraph_mode": graph_mode,
         "prompt_token_ids": {rid: p for rid, p in sched.prompts.items()},
+        "chunked_prefill": any(r.chunk is not None for r in sc.requests),
     }
     if c.models == "tiny":
         meta["models"], meta["model"] = TINY_MODELS_DECLARATION, "pcpviz-tiny-dsv3 (data/models, float32)"
