@@ -79,6 +79,7 @@ class RungResult:
     acceptance_flip: str | None  # "position 0: 0.89 (base) vs 0.26"
     first_divergence: str | None  # diff's first divergent view (flips only)
     error: str | None = None  # the rung could not run (one line)
+    acceptance_delta: float = 0.0  # the largest |rate - base rate| over the common positions
 
     @property
     def flips(self) -> bool:
@@ -89,7 +90,8 @@ class RungResult:
                 "options": self.rung.options, "trace": self.trace_path,
                 "acceptance_rate_per_pos": [None if math.isnan(x) else x for x in self.acceptance],
                 "tokens_equal": self.tokens_equal, "token_divergence": self.token_divergence,
-                "acceptance_flip": self.acceptance_flip, "flips": self.flips,
+                "acceptance_flip": self.acceptance_flip, "acceptance_delta": self.acceptance_delta,
+                "flips": self.flips,
                 "first_divergence": self.first_divergence, "error": self.error}
 
 
@@ -120,6 +122,10 @@ class BisectReport:
         flips = self.flips()
         if not flips:
             lines.append("no knob flips acceptance (tolerance %.2f) or tokens" % self.tolerance)
+        if flips:
+            top = max(r.acceptance_delta for r in flips)
+            strongest = [r.rung.name for r in flips if r.acceptance_delta >= top - 1e-9]
+            lines.append(f"largest acceptance change ({top:.2f}): {', '.join(strongest)}")
         for r in flips:
             what = "; ".join(x for x in (r.token_divergence, r.acceptance_flip and "acceptance " + r.acceptance_flip)
                              if x)
@@ -211,17 +217,20 @@ def _compare(base_path: Path, path: Path, base_acc: tuple[float, ...], rung: Run
         if i is not None:
             token_div = f"request {rid} token {i}: {a[i]} (base) vs {b[i]}"
             break
-    acc_flip = None
+    acc_flip, delta = None, 0.0
     for pos in range(min(len(base_acc), len(acc))):
         x, y = base_acc[pos], acc[pos]
-        if not (math.isnan(x) or math.isnan(y)) and abs(x - y) > tolerance:
+        if math.isnan(x) or math.isnan(y):
+            continue
+        delta = max(delta, abs(x - y))
+        if acc_flip is None and abs(x - y) > tolerance:
             acc_flip = f"position {pos}: {x:.2f} (base) vs {y:.2f}"
-            break
     first = None
     if token_div is not None or acc_flip is not None:
         report = diff_traces(base_path, path, max_divergences=1)
         first = None if report.first is None else report.first.describe()
-    return RungResult(rung, str(path), tuple(acc), token_div is None, token_div, acc_flip, first)
+    return RungResult(rung, str(path), tuple(acc), token_div is None, token_div, acc_flip, first,
+                      acceptance_delta=round(delta, 6))
 
 
 def bisect(producer: str = "replay", *, out_dir: str | os.PathLike, base: dict[str, Any] | None = None,
