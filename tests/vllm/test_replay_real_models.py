@@ -85,3 +85,19 @@ def test_fixes_by_name_and_environment(monkeypatch):
         assert on == ("piecewise_draft_prefill",) and PCPManager.get_draft_input_buffers is not before
     assert PCPManager.get_draft_input_buffers is before
     assert np.all([f.finding.endswith(".md") for f in fixes.FIXES.values()])
+
+
+def test_the_class_level_fixes_do_what_the_probes_candidate_fixes_do():
+    """full_draft_prefill_state and dspark_dummy_run_block_tables, patched into vLLM's classes as the
+    plugin would, give what the findings' probes measured for their candidate fixes."""
+    from pcpviz.vllm.replay.dummy_runs import probe_dummy_run
+    from pcpviz.vllm.replay.full_graphs import probe_full_graphs
+
+    assert probe_full_graphs().stale()  # the finding, without a fix
+    with fixes.applied(["full_draft_prefill_state"]):
+        p = probe_full_graphs()
+    assert not p.stale() and not any(o.left_set for obs in p.steps for o in obs)
+    assert not any(f.wrong_rows for obs in p.steps for o in obs for f in o.forwards)
+    with fixes.applied(["dspark_dummy_run_block_tables"]):
+        for o in probe_dummy_run(drafter="dspark", kind="attention"):
+            assert (o.draft_slots == -1).all() and not o.kv_writes
