@@ -15,8 +15,8 @@ acceptance returns to the eager figure:
 ``piecewise_draft_prefill``         piecewise-draft-prefill.md: copy the rank-local ids and positions
                                     into the speculator's own buffers (the ones its draft-prefill graph
                                     was captured with) when ``get_draft_input_buffers`` hands
-                                    ``_run_model`` the rank-local batch; ``_run_model`` then reads them
-                                    there (the finding's ``copy_in_run_model``)
+                                    ``_run_model`` the rank-local batch, and the global rows back in
+                                    ``restore_draft_prefill`` (the finding's ``copy_in_run_model``)
 ``full_draft_prefill_state``        full-draft-prefill-state.md: dispatch the draft prefill eagerly
                                     while the PCP manager's ``draft_prefill_batch`` is set (the finding's
                                     ``eager_prefill_under_pcp``; removes the PIECEWISE cause too)
@@ -60,18 +60,34 @@ class Fix:
 
 
 def _copy_local_rows(orig: dict) -> dict:
+    """Copy the rank-local rows in for the draft prefill's forward; put the global rows back when
+    ``restore_draft_prefill`` runs right after it, so every later read (and the next step's
+    stale rows) sees the buffers as vLLM left them."""
     get_buffers = orig[(PCPManager, "get_draft_input_buffers")]
+    restore = orig[(PCPManager, "restore_draft_prefill")]
 
     def get_draft_input_buffers(self: PCPManager, input_buffers: Any, num_tokens: int) -> Any:
         handed, is_padding = get_buffers(self, input_buffers, num_tokens)
         if handed is input_buffers:
             return handed, is_padding
         n = min(int(num_tokens), handed.input_ids.shape[0])  # int: rows the local batch holds
+        self._pcpviz_global_rows = (input_buffers, n, input_buffers.input_ids[:n].clone(),
+                                    input_buffers.positions[:n].clone())
         input_buffers.input_ids[:n].copy_(handed.input_ids[:n])
         input_buffers.positions[:n].copy_(handed.positions[:n])
         return input_buffers, is_padding
 
-    return {(PCPManager, "get_draft_input_buffers"): get_draft_input_buffers}
+    def restore_draft_prefill(self: PCPManager, *a: Any, **kw: Any) -> Any:
+        saved = getattr(self, "_pcpviz_global_rows", None)
+        if saved is not None:
+            buffers, n, ids, pos = saved
+            buffers.input_ids[:n].copy_(ids)
+            buffers.positions[:n].copy_(pos)
+            self._pcpviz_global_rows = None
+        return restore(self, *a, **kw)
+
+    return {(PCPManager, "get_draft_input_buffers"): get_draft_input_buffers,
+            (PCPManager, "restore_draft_prefill"): restore_draft_prefill}
 
 
 _pending = threading.local()  # per rank thread (the replay) or process (vLLM): a draft prefill is staged
@@ -118,7 +134,7 @@ def _zero_input_block_tables(orig: dict) -> dict:
 FIXES: dict[str, Fix] = {f.name: f for f in (
     Fix("piecewise_draft_prefill", "piecewise-draft-prefill.md",
         "copy the rank-local draft-prefill ids and positions into the speculator's captured buffers",
-        ((PCPManager, "get_draft_input_buffers"),), _copy_local_rows),
+        ((PCPManager, "get_draft_input_buffers"), (PCPManager, "restore_draft_prefill")), _copy_local_rows),
     Fix("full_draft_prefill_state", "full-draft-prefill-state.md",
         "dispatch the draft prefill eagerly while draft_prefill_batch is set",
         ((PCPManager, "prepare_draft_prefill"), (PCPManager, "restore_draft_prefill"),
