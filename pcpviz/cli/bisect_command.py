@@ -33,7 +33,7 @@ def _cmd_bisect(args: argparse.Namespace) -> int:
     try:
         report = bisect(args.producer, out_dir=args.out, base=base, knobs=knobs, tolerance=args.tolerance,
                         inject=args.inject, fixes=args.fixes, progress=say)
-    except ValueError as e:
+    except (ValueError, ImportError) as e:  # a bad option; vLLM missing or the wrong version (replay)
         raise UsageError(f"pcpviz bisect: {' '.join(str(e).split())}") from None
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
     return EXIT_FAILED if report.flips() else EXIT_OK
