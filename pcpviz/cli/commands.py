@@ -10,6 +10,7 @@
     pcpviz explain runs/bad runs/demo                 # the most likely cause, with the evidence
     pcpviz export runs/demo --html runs/demo.html
     pcpviz replay --pcp 2 --mtp 2 --trace runs/vllm   # the real vLLM code on CPU
+    pcpviz bisect --graph-mode PIECEWISE --out runs/b # which knob flips acceptance or tokens
 
 Also `python -m pcpviz ...`. Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad input
 (one-line reason on stderr; an invalid run.json too), 3 incomplete trace (data lost: a missing or
@@ -26,6 +27,7 @@ from typing import Callable, Sequence
 
 from pcpviz.cli.guard import (EXIT_BAD_INPUT, EXIT_INCOMPLETE, Incomplete, UsageError, named_stdout,
                               system_error)
+from pcpviz.cli.bisect_command import add_bisect
 from pcpviz.cli.layout_command import add_layout
 from pcpviz.cli.replay_command import add_replay
 from pcpviz.cli.run_command import add_run
@@ -56,7 +58,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 # Each subcommand is one module's add_<name>(sub); `pcpviz --help` lists them in this order.
-SUBCOMMANDS: list[Callable] = [add_layout, add_run, add_check, add_diff, add_export, add_explain, add_replay]
+SUBCOMMANDS: list[Callable] = [add_layout, add_run, add_check, add_diff, add_export, add_explain, add_replay,
+                               add_bisect]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ __all__ = ["add_replay"]
 def _cmd_replay(args: argparse.Namespace) -> int:
     """Drive vLLM 0.33.0's real PCP + MTP classes on CPU through a scripted scenario and record
     the trace (see pcpviz.vllm.replay). vLLM's model runner, PCP manager, block tables and MTP
-    proposer run as they are; the models are small stand-ins."""
+    proposer run as they are; the target and MTP compute with the tiny checkpoint's weights."""
     if args.mtp > 4:  # the cheap checks before importing vLLM (seconds)
         raise UsageError(f"pcpviz replay: mtp (num_speculative_tokens) must be an int in 1..4, got {args.mtp}")
     from pcpviz.trace import claim
@@ -35,7 +35,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         with claim(args.trace, overwrite=args.overwrite, command="pcpviz replay"):
             res = replay_module.replay(pcp=args.pcp, mtp=args.mtp, trace_dir=args.trace, scenario=args.scenario,
                                        decodes=args.decodes, block_size=args.block_size,
-                                       overwrite=args.overwrite, progress=say)
+                                       overwrite=args.overwrite, progress=say, models=args.models,
+                                       graph_mode=args.graph_mode, fixes=args.fixes)
     except ValueError as e:
         raise UsageError(f"pcpviz replay: {' '.join(str(e).split())}") from None
     decodes = "no PCP" if res.pcp == 1 else ("sharded" if res.shard_decode_requests else "replicated") + " decodes"
@@ -61,6 +62,12 @@ def add_replay(sub) -> None:
     p.add_argument("--decodes", choices=["sharded", "replicated"], default="sharded",
                    help="decode placement (vLLM's default with DCP = 1 is sharded)")
     p.add_argument("--block-size", type=bounded_int(1, 1024), default=4, help="KV block size")
+    p.add_argument("--models", choices=["tiny", "scripted"], default=None,
+                   help="tiny: the shipped checkpoint's weights, real acceptance (default; dspark: scripted)")
+    p.add_argument("--graph-mode", choices=["NONE", "PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"],
+                   default="NONE", help="the speculator's CUDA-graph mode (vLLM's dispatch, stand-in graphs)")
+    p.add_argument("--fixes", default=None, help="pcpviz.vllm.fixes to patch in, comma-separated "
+                                                 "(default: $PCPVIZ_FIXES)")
     p.add_argument("--overwrite", action="store_true", help="replace a trace already in --trace")
     p.add_argument("--check", action="store_true", help="run pcpviz check on the trace (exit 1 on a failure)")
     p.add_argument("--quiet", action="store_true", help="no per-step progress")

@@ -180,12 +180,14 @@ def _install() -> None:
                 return
             from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
-            from pcpviz.vllm import recording
+            from pcpviz.vllm import fixes, recording
 
             recording.install_wrappers()
             GPUModelRunner.pcp_manager_cls = property(lambda self: recording.RecordingPCPManager)
             _status = "enabled"
             logger.info("pcpviz plugin enabled: recording PCP steps into %s", os.environ.get(ENV_TRACE_DIR))
+            if fixes.apply_from_env():  # opt-in fixes for docs/findings ($PCPVIZ_FIXES)
+                logger.info("pcpviz plugin: vLLM patched with %s", ", ".join(fixes.active()))
         except Exception as exc:  # noqa: BLE001
             _disable(f"{type(exc).__name__}: {exc}")
 

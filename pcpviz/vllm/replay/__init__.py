@@ -38,24 +38,27 @@ What runs is vLLM's (``docs/vllm-0.33-pcp-mtp.md#running-the-pcp-code-on-cpu``):
 * for the ``dspark`` scenario: the block-table gather and ``prepare_dflash_inputs``
   (see ``DSPARK_STATUS``).
 
-What is a stand-in (declared in the trace's ``run.json`` under ``"models"`` and
-``"stand_ins"``): the target and MTP models (deterministic functions of token and
-position, no weights: the target predicts ``(5*token + 3*position + 7) % vocab`` for the
-next position, the MTP module the same one position further; both emulate the MLA KV
-write into a per-rank cache through the real ``maybe_gather_mla_latent_cache_inputs``),
-the attention backend (a metadata builder that only calls ``split_decodes_and_prefills``),
-the rejection outcome (scripted per scenario: accepted drafts are the scheduled drafts,
-the bonus token is the target's top-1), the scheduler (scripted: async scheduling, so the
-CPU cursor runs ahead by the last step's rejected drafts), the vLLM config
-(``SimpleNamespace`` with the fields the code reads; a stand-in model registry resolves
-the architecture to the stand-in target) and the runner's sampler/model-state
-bookkeeping (no-ops).
+The models (declared in the trace's ``run.json`` under ``"models"`` and ``"stand_ins"``): by
+default (``models="tiny"``) the shipped tiny DeepSeek-V3 checkpoint's target and MTP layer behind
+vLLM's model interfaces, each MLA layer writing its latents through the real
+``maybe_gather_mla_latent_cache_inputs`` and attending over the context read back through the
+metadata's block table (``pcpviz.vllm.replay.tiny``), with greedy rejection sampling, so acceptance
+is measured and a bug in vLLM's code moves it. ``models="scripted"`` (and the ``dspark`` scenario)
+keeps the weightless stand-ins: deterministic functions of token and position, the target
+predicting ``(5*token + 3*position + 7) % vocab``, the rejections scripted per scenario.
+Stand-ins either way: the attention backend (a metadata builder that only calls
+``split_decodes_and_prefills``), the scheduler (scripted: async scheduling, so the CPU cursor runs
+ahead by the last step's rejected drafts), the vLLM config (``SimpleNamespace`` with the fields
+the code reads) and the runner's sampler/model-state bookkeeping (no-ops). ``graph_mode`` builds the
+speculator's CUDA-graph managers (vLLM's sizing and dispatch, stand-in graphs, ``graphs``);
+``fixes`` patches the findings' fixes in (``pcpviz.vllm.fixes``).
 
 The package, one concern per module:
 
 ================  ================================================================
 ``scenarios``     ``Scenario``, ``ScenarioRequest``, ``SCENARIOS`` (plain data)
 ``stand_ins``     the stand-in models and attention group; what run.json declares
+``tiny``          the tiny checkpoint behind vLLM's target and MTP interfaces; the prompts
 ``ranks``         ``RankState``: one rank's vLLM objects; the stand-in ``VllmConfig``
 ``scheduler``     ``ScriptedScheduler``: ``SchedulerOutput`` per step
 ``step``          one step on one rank (``rank_step``), the profile run (``dummy_step``)

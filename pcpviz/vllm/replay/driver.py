@@ -11,6 +11,7 @@ no collective.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -25,15 +26,17 @@ from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
+from pcpviz.vllm import fixes as vllm_fixes
 from pcpviz.vllm import recording
 from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 from pcpviz.vllm.recording import RecordingPCPManager
-from pcpviz.vllm.replay.graphs import capture_sizes, capture_stand_ins, init_graph_managers
+from pcpviz.vllm.replay.graph_dispatch import GRAPH_STAND_INS, PIECEWISE_STAND_IN, build_replay_graphs
 from pcpviz.vllm.replay.ranks import RankState, ReplayConfig, stand_in_vllm_config
 from pcpviz.vllm.replay.scenarios import SCENARIOS, Scenario
 from pcpviz.vllm.replay.scheduler import ScriptedScheduler
 from pcpviz.vllm.replay.stand_ins import DSPARK_MODEL_DECLARATION, DSPARK_STATUS, MODELS_DECLARATION, STAND_INS
 from pcpviz.vllm.replay.step import StepOut, dummy_step, rank_step
+from pcpviz.vllm.replay.tiny import TINY_MODELS_DECLARATION, TINY_STAND_INS, tiny_model
 
 __all__ = ["PRODUCER", "ReplayResult", "replay"]
 
@@ -73,7 +76,18 @@ class ReplayResult:
         return [s[rank].draft_tokens for s in self.steps]
 
 
-def _validate(pcp: int, mtp: int, scenario: str, decodes: str, block_size: int) -> Scenario:
+MODELS = ("tiny", "scripted")
+GRAPH_MODES = ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY")
+
+
+def _validate(pcp: int, mtp: int, scenario: str, decodes: str, block_size: int, models: str,  # noqa: PLR0913
+              graph_mode: str = "NONE") -> Scenario:
+    if graph_mode not in GRAPH_MODES:
+        raise ValueError(f"graph_mode must be one of {', '.join(GRAPH_MODES)}, got {graph_mode!r}")
+    if models not in MODELS:
+        raise ValueError(f"models must be one of {', '.join(MODELS)}, got {models!r}")
+    if models == "tiny" and scenario in SCENARIOS and SCENARIOS[scenario].drafter == "dspark":
+        raise ValueError("the dspark scenario's drafter has no weights: run it with models='scripted'")
     if not isinstance(pcp, int) or isinstance(pcp, bool) or pcp < 1:
         raise ValueError(f"pcp must be an int >= 1, got {pcp!r}")
     if pcp > 8:
@@ -106,7 +120,10 @@ def replay(
     dummy: bool = True,
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
-    cudagraph_mode: str = "NONE",
+    models: str | None = None,
+    graph_mode: str = "NONE",
+    fixes: str | None = None,
+    chunked_prefill: bool = True,
 ) -> ReplayResult:
     """Run ``scenario`` through vLLM 0.33.0's real PCP + MTP code on CPU, ``pcp`` ranks as
     threads, ``mtp`` speculative tokens; record a trace into ``trace_dir`` (when given and
@@ -118,26 +135,43 @@ def replay(
     ``docs/vllm-0.33-pcp-mtp.md``). ``record=False`` builds plain ``PCPManager``s (the recording-off
     baseline). ``dummy`` appends a profile run (``propose(dummy_run=True)``) as the last
     step, phase ``dummy``; it must do no block-table gather and no collective (asserted).
-    ``cudagraph_mode`` ``FULL_DECODE_ONLY`` / ``FULL_AND_PIECEWISE`` (MTP only) dispatches the draft
-    forwards through the speculator's own graph managers with stand-in FULL graphs
-    (``pcpviz.vllm.replay.graphs``; the target runs eagerly). Raises ValueError for bad arguments.
+    ``models="tiny"`` (the default, except for the ``dspark`` scenario, whose drafter has no
+    weights) runs the shipped tiny DeepSeek-V3 checkpoint behind vLLM's model interfaces with
+    greedy rejection sampling, so acceptance is measured (``pcpviz.vllm.replay.tiny``);
+    ``"scripted"`` runs the weightless stand-ins with the scenario's scripted rejections.
+    ``graph_mode`` ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE") builds the speculator's CUDA-graph
+    managers and lets vLLM's dispatch pick each draft forward's mode (``pcpviz.vllm.replay.graphs``:
+    stand-in graphs that read the buffers they were captured with).
+    ``chunked_prefill=False`` schedules every prompt whole (the scenario's chunks dropped).
+    ``fixes`` names ``pcpviz.vllm.fixes`` to patch into vLLM for this run (comma-separated; default
+    ``$PCPVIZ_FIXES``); run.json lists them under ``vllm_fixes``.
+    Raises ValueError for bad arguments.
     """
-    sc = _validate(pcp, mtp, scenario, decodes, block_size)
-    if cudagraph_mode not in ("NONE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
-        raise ValueError(f"cudagraph_mode must be NONE, FULL_DECODE_ONLY or FULL_AND_PIECEWISE, got {cudagraph_mode!r}")
-    if cudagraph_mode != "NONE" and sc.drafter != "mtp":
-        raise ValueError(f"cudagraph_mode={cudagraph_mode}: the replay's stand-in graphs are the MTP speculator's")
+    fix_names = vllm_fixes.requested(fixes)
+    if models is None:
+        models = "scripted" if SCENARIOS.get(scenario) is not None and SCENARIOS[scenario].drafter == "dspark" \
+            else "tiny"
+    sc = _validate(pcp, mtp, scenario, decodes, block_size, models, graph_mode)
+    if not chunked_prefill:
+        sc = dataclasses.replace(sc, requests=tuple(dataclasses.replace(r, chunk=None) for r in sc.requests))
+    if graph_mode != "NONE" and sc.drafter != "mtp":
+        raise ValueError(f"graph_mode={graph_mode} replays the MTP speculator's graph managers; scenario "
+                         f"{scenario!r} runs {sc.drafter}")
+    vocab, hidden = (97, 8) if models == "scripted" else (tiny_model().config.vocab_size,
+                                                           tiny_model().config.hidden_size)
     c = ReplayConfig(pcp=pcp, k=mtp, shard=pcp > 1 and decodes == "sharded", block_size=block_size, max_num_reqs=8,
-                     max_num_tokens=96, max_model_len=128, vocab=97, hidden=8)
+                     max_num_tokens=96, max_model_len=128, vocab=vocab, hidden=hidden, models=models)
     recording.install_wrappers()
     sched = ScriptedScheduler(sc, c)
     vllm_config = stand_in_vllm_config(c, sc.drafter)
     run = _Run(sc, c, sched, vllm_config=vllm_config, manager_cls=_manager_class(record, trace_dir), record=record,
-               progress=progress, cudagraph_mode=cudagraph_mode)
-    meta = {**_meta(sc, c, sched), "cudagraph_mode": cudagraph_mode}
+               progress=progress, graph_mode=graph_mode)
+    meta = _meta(sc, c, sched, graph_mode)
+    meta["vllm_fixes"] = list(fix_names)
     t_start = time.perf_counter()
-    trace_path, rec_seconds = _run_recorded(run, trace_dir if record else None, meta=meta, overwrite=overwrite,
-                                            dummy=dummy)
+    with vllm_fixes.applied(fix_names):
+        trace_path, rec_seconds = _run_recorded(run, trace_dir if record else None, meta=meta, overwrite=overwrite,
+                                                dummy=dummy)
     states = run.states
     return ReplayResult(
         trace_path=trace_path, scenario=sc.name, pcp=pcp, num_speculative_tokens=mtp, shard_decode_requests=c.shard,
@@ -165,9 +199,9 @@ class _Run:
 
     def __init__(self, sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler, *, vllm_config: Any,
                  manager_cls: type[PCPManager], record: bool, progress: Callable[[str], None] | None,
-                 cudagraph_mode: str = "NONE") -> None:
+                 graph_mode: str = "NONE") -> None:
         self.sc, self.c, self.sched, self.vllm_config = sc, c, sched, vllm_config
-        self.cudagraph_mode = cudagraph_mode
+        self.graph_mode = CUDAGraphMode[graph_mode]
         self.manager_cls, self.record, self.progress = manager_cls, record, progress
         self.group = FakePCPGroup(c.pcp, timeout=120.0)
         self.states: list[RankState | None] = [None] * c.pcp
@@ -178,12 +212,8 @@ class _Run:
     def build(self, rank: int) -> None:
         st = RankState(self.c, self.vllm_config, self.manager_cls, self.sched.num_slots, self.sc.drafter)
         self.states[rank] = st
-        if self.cudagraph_mode != "NONE":
-            mode = CUDAGraphMode[self.cudagraph_mode]
-            c = self.c
-            init_graph_managers(st.spec, mode, capture_sizes(max_num_seqs=c.max_num_reqs, k=c.k,
-                                                            max_num_batched_tokens=c.max_num_tokens, mode=mode))
-            capture_stand_ins(st.spec)
+        if self.graph_mode != CUDAGraphMode.NONE:
+            build_replay_graphs(st.spec, self.graph_mode, max_num_batched_tokens=self.c.max_num_tokens)
         if st.manager is None and self.record and recording.current_session() is not None:
             recording.attach_runner(st.runner, recording.current_session())  # PCP = 1
 
@@ -198,7 +228,7 @@ class _Run:
         sched, states = self.sched, self.states
         t0 = time.perf_counter()
         out, _ = sched.schedule(step, True)
-        eager = self.cudagraph_mode == "NONE"
+        eager = self.graph_mode == CUDAGraphMode.NONE
         outs = run_ranks(self.group, lambda rank: rank_step(states[rank], out, step=step, sched=sched,
                                                             eager_drafts=eager))
         self.step_seconds.append(time.perf_counter() - t0)
@@ -249,7 +279,7 @@ def _run_recorded(run: _Run, trace_dir: str | os.PathLike | None, *, meta: dict[
     return ambient.run_dir, sum(r.seconds for r in mine if r is not None)
 
 
-def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler) -> dict[str, Any]:
+def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler, graph_mode: str = "NONE") -> dict[str, Any]:
     """run.json of a replay: the stand-ins it ran and the vLLM settings they stand in for."""
     meta = {
         "producer": PRODUCER, "vllm_version": vllm.__version__, "pcp": c.pcp, "dcp": 1,
@@ -257,14 +287,21 @@ def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler) -> dict[str, 
         "shard_decode_requests": c.shard, "scenario": sc.name, "scenario_description": sc.description,
         "speculative_method": "dspark" if sc.drafter == "dspark" else "mtp",
         "models": MODELS_DECLARATION, "stand_ins": STAND_INS, "model": "pcpviz stand-in (no weights)",
+        "replay_models": c.models,
         "max_num_seqs": c.max_num_reqs, "max_num_batched_tokens": c.max_num_tokens,
-        "max_model_len": c.max_model_len, "vocab_size": c.vocab, "cudagraph_mode": "NONE",
+        "max_model_len": c.max_model_len, "vocab_size": c.vocab, "cudagraph_mode": graph_mode,
         "prompt_token_ids": {rid: p for rid, p in sched.prompts.items()},
+        "chunked_prefill": any(r.chunk is not None for r in sc.requests),
     }
+    if c.models == "tiny":
+        meta["models"], meta["model"] = TINY_MODELS_DECLARATION, "pcpviz-tiny-dsv3 (data/models, float32)"
+        meta["stand_ins"] = {**STAND_INS, **TINY_STAND_INS}
     if sc.drafter == "dspark":
         meta["dspark_status"] = DSPARK_STATUS
         meta["models"] = MODELS_DECLARATION + "; " + DSPARK_MODEL_DECLARATION
         meta["stand_ins"] = {**STAND_INS, "dspark_model": DSPARK_MODEL_DECLARATION}
+    if graph_mode != "NONE":
+        meta["stand_ins"] = {**meta["stand_ins"], "cuda_graphs": GRAPH_STAND_INS + "; " + PIECEWISE_STAND_IN}
     return meta
 
 

@@ -41,7 +41,8 @@ from vllm.v1.worker.gpu import cudagraph_utils
 from vllm.v1.worker.gpu.cudagraph_utils import prepare_inputs_to_capture
 
 __all__ = ["capture_sizes", "init_graph_managers", "draft_prefill_manager", "eager_decodes_after_full_prefill",
-           "capture_stand_ins", "StandInGraph", "GRAPH_STAND_INS"]
+           "capture_stand_ins", "StandInGraph", "GRAPH_STAND_INS", "PIECEWISE_STAND_IN", "replay_piecewise_as_captured",
+           "build_replay_graphs"]
 
 GRAPH_STAND_INS = (
     "CUDA graphs: vLLM's VllmConfig._set_cudagraph_sizes, SpeculatorCudaGraphManager._init_candidates, "
@@ -49,6 +50,14 @@ GRAPH_STAND_INS = (
     "graph pool (none) while it is built, and each captured FULL graph, whose replay runs the captured "
     "call on the persistent buffers with the Python state of capture time (draft_prefill_batch None) "
     "and leaves Python state as it was; PIECEWISE pieces run eagerly (run_pw_graph calls the model)"
+)
+
+
+PIECEWISE_STAND_IN = (
+    "PIECEWISE draft prefill (replay(graph_mode=...)): the stand-in piecewise graph reads input_ids and positions "
+    "at the addresses it was captured with, the speculator's own input_buffers rows [:num_tokens], whatever "
+    "_run_model hands it (what vLLM's CUDAGraphWrapper does; its debug address check fails there on GPU, "
+    "docs/findings/piecewise-draft-prefill.md); hidden_states are the captured buffer itself"
 )
 
 
@@ -205,4 +214,35 @@ def capture_stand_ins(spec: Any) -> dict[str, int]:
             mgr.graphs[desc] = StandInGraph(forward, spec.pcp_manager)
         mgr._graphs_captured = True
         counts[name] = len(mgr.graphs)
+    return counts
+
+
+def replay_piecewise_as_captured(spec: Any) -> None:
+    """Make the draft prefill's PIECEWISE graph read what a replayed graph reads: the buffers it was
+    captured with. vLLM captures the draft prefill's pieces on ``spec.input_buffers``; under PCP
+    ``_run_model`` hands the model the rank-local batch (``get_draft_input_buffers``) at other
+    addresses, and a replay ignores them. PCP=2, 13-token prompt: rank 1 is handed its 6 local rows
+    but the graph embeds rows 0..5 of the *global* shifted ids (positions 0..5)."""
+    mgr = spec.prefill_cudagraph_manager
+
+    def run_pw_graph(model: Any, model_inputs: dict[str, Any]) -> Any:
+        n = model_inputs["hidden_states"].shape[0]  # num_tokens
+        captured = dict(model_inputs, input_ids=spec.input_buffers.input_ids[:n],
+                        positions=spec.input_buffers.positions[:n])
+        return model(**captured)
+
+    mgr.run_pw_graph = run_pw_graph
+
+
+def build_replay_graphs(spec: Any, mode: CUDAGraphMode, *, max_num_batched_tokens: int) -> dict[str, int]:
+    """The speculator's graph managers for ``mode``, stand-in FULL graphs, and PIECEWISE pieces that
+    read their captured buffers. Returns the FULL graph counts.
+
+    Capture sizes: every size 1..``max_num_batched_tokens`` (a user's ``cudagraph_capture_sizes``),
+    so no draft forward is padded: the replay's target forward runs eagerly, and a draft prefill
+    padded past the target's rows (16 for 14) would meet a target-sized slot mapping and restore
+    (on a GPU the target is padded to the same size)."""
+    init_graph_managers(spec, mode, list(range(1, max_num_batched_tokens + 1)))
+    counts = capture_stand_ins(spec)
+    replay_piecewise_as_captured(spec)
     return counts

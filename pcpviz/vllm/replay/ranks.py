@@ -30,6 +30,7 @@ from vllm.v1.worker.gpu.states import RequestState
 
 from pcpviz.vllm.replay.stand_ins import (DSPARK_LAYER, MTP_LAYER, TARGET_LAYER, StandInDSpark,
                                           StandInMLAGroup, StandInMTP, StandInTarget)
+from pcpviz.vllm.replay.tiny import TinyMTP, TinyTarget, tiny_model
 
 __all__ = ["CPU", "ReplayConfig", "stand_in_vllm_config", "RankState"]
 
@@ -47,6 +48,7 @@ class ReplayConfig:
     max_model_len: int
     vocab: int
     hidden: int
+    models: str = "scripted"  # "tiny": the checkpoint's weights (pcpviz.vllm.replay.tiny); "scripted": stand_ins
 
     @property
     def max_blocks(self) -> int:
@@ -107,6 +109,24 @@ def _noop(*_: Any, **__: Any) -> None:
     return None
 
 
+def _target(c: ReplayConfig, num_slots: int, kv: torch.Tensor) -> torch.nn.Module:
+    """The target model: the tiny checkpoint (``c.models == "tiny"``) or the weightless stand-in."""
+    if c.models == "tiny":
+        tiny = tiny_model()
+        return TinyTarget(TARGET_LAYER, tiny, num_slots=num_slots, block_size=c.block_size, bookkeeping=kv,
+                          shard_decodes=c.shard, use_pcp=c.pcp > 1, layer_ids=list(range(tiny.config.num_layers)))
+    return StandInTarget(TARGET_LAYER, c.vocab, c.hidden, kv, c.shard, 0, use_pcp=c.pcp > 1)
+
+
+def _mtp(c: ReplayConfig, num_slots: int, kv: torch.Tensor) -> torch.nn.Module:
+    """The MTP module: the checkpoint's MTP layer (layer ``num_hidden_layers``) or the stand-in."""
+    if c.models == "tiny":
+        tiny = tiny_model()
+        return TinyMTP(MTP_LAYER, tiny, num_slots=num_slots, block_size=c.block_size, bookkeeping=kv,
+                       shard_decodes=c.shard, use_pcp=c.pcp > 1, layer_ids=[tiny.config.num_layers])
+    return StandInMTP(MTP_LAYER, c.vocab, c.hidden, kv, c.shard, 1, use_pcp=c.pcp > 1)
+
+
 class RankState:
     """One PCP rank's persistent objects (built on its thread: the PCP manager reads its rank
     from the fake group)."""
@@ -126,7 +146,7 @@ class RankState:
         self.input_buffers = InputBuffers(c.max_num_reqs, c.max_num_tokens, CPU)
         self.kv_target = torch.full((num_slots, 2), -1.0)
         self.kv_draft = torch.full((num_slots, 2), -1.0)
-        self.target = StandInTarget(TARGET_LAYER, c.vocab, c.hidden, self.kv_target, c.shard, 0, use_pcp=c.pcp > 1)
+        self.target = _target(c, num_slots, self.kv_target)
         self.target.aux_hidden_states = drafter == "dspark"  # requires_aux_hidden_states("dspark")
         draft_layer = DSPARK_LAYER if drafter == "dspark" else MTP_LAYER
         self.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[TARGET_LAYER,
@@ -157,7 +177,7 @@ class RankState:
             spec.model = StandInDSpark(draft_layer, c.vocab, c.hidden, self.kv_draft, c.shard, 1, use_pcp=False)
         else:
             spec = MTPSpeculator(vllm_config, CPU)
-            spec.model = StandInMTP(draft_layer, c.vocab, c.hidden, self.kv_draft, c.shard, 1, use_pcp=c.pcp > 1)
+            spec.model = _mtp(c, num_slots, self.kv_draft)
         spec.draft_attn_layer_names = {draft_layer}
         # set_attn(), with a stand-in attention group instead of init_attn_backend():
         spec.model_state = model_state

@@ -18,6 +18,7 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 
 from pcpviz.vllm.replay.ranks import ReplayConfig
 from pcpviz.vllm.replay.scenarios import Scenario
+from pcpviz.vllm.replay.tiny import tiny_prompts
 
 __all__ = ["ScriptedScheduler"]
 
@@ -30,8 +31,12 @@ class ScriptedScheduler:
     def __init__(self, scenario: Scenario, c: ReplayConfig) -> None:
         self.s, self.c = scenario, c
         self.reqs = {r.req_id: r for r in scenario.requests}
-        self.prompts = {r.req_id: [int(1 + (17 * i + 5 * j) % (c.vocab - 1)) for j in range(r.prompt_len)]
-                        for i, r in enumerate(scenario.requests)}
+        if c.models == "tiny":  # Python source, byte-tokenized (the model's domain)
+            texts = tiny_prompts([r.prompt_len for r in scenario.requests])
+            self.prompts = {r.req_id: p for r, p in zip(scenario.requests, texts)}
+        else:
+            self.prompts = {r.req_id: [int(1 + (17 * i + 5 * j) % (c.vocab - 1)) for j in range(r.prompt_len)]
+                            for i, r in enumerate(scenario.requests)}
         self.computed: dict[str, int] = {}  # GPU truth: tokens computed and kept
         self.lag: dict[str, int] = {}  # rejected drafts the scheduler has not seen yet
         self.sampled: dict[str, bool] = {}  # sampled in the previous step (so it has drafts)

@@ -192,7 +192,8 @@ class StandInMLAGroup:
         return SimpleNamespace(num_decodes=num_decodes, num_prefills=num_prefills,
                                num_decode_tokens=num_decode_tokens, num_prefill_tokens=num_prefill_tokens,
                                num_actual_tokens=common.num_actual_tokens, slot_mapping=common.slot_mapping,
-                               seq_lens=common.seq_lens, block_table=common.block_table_tensor)
+                               seq_lens=common.seq_lens, block_table=common.block_table_tensor,
+                               query_start_loc=common.query_start_loc)
 
     def build_metadata_for_cudagraph_capture(self, common: Any, ubatch_idx: int = 0) -> Any:
         """A FULL graph's capture-time metadata: built the same way (its tensors are views of the

@@ -51,10 +51,12 @@ class StepOut:
 
 def stand_in_sampler(st: RankState, hidden: torch.Tensor, batch: InputBatch, *, step: int,
                       sched: ScriptedScheduler) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Scripted rejection sampling on the restored global batch: request i accepts its first
-    nd - rejected drafts (the scheduled drafts themselves), then the target's top-1 at the
-    next logits row is the bonus token; vLLM's get_num_sampled_and_rejected then applies the
-    chunked-prefill rule. Rows past num_sampled are -1."""
+    """Rejection sampling on the restored global batch. With the tiny model (``st.c.models ==
+    "tiny"``) it is greedy, as vLLM's rejection sampler at temperature 0: request i accepts its
+    drafts while each equals the target's top-1 at its logits row; scripted stand-ins accept the
+    first nd - rejected drafts the scenario names. Then the target's top-1 at the next logits row
+    is the bonus token, and vLLM's get_num_sampled_and_rejected applies the chunked-prefill rule.
+    Rows past num_sampled are -1."""
     k = st.c.k
     r = batch.num_reqs
     logits = st.target.compute_logits(hidden[batch.logits_indices])
@@ -65,8 +67,14 @@ def stand_in_sampler(st: RankState, hidden: torch.Tensor, batch: InputBatch, *, 
     sampled = torch.full((r, k + 1), -1, dtype=torch.int64)
     num_sampled = torch.zeros(r, dtype=torch.int32)
     qsl = batch.query_start_loc_np
+    greedy = st.c.models == "tiny"
     for i, rid in enumerate(batch.req_ids):
-        accepted = int(nd[i]) - sched.rejected(step, rid, int(nd[i]))
+        drafts = batch.input_ids[int(qsl[i + 1]) - int(nd[i]):int(qsl[i + 1])].to(torch.int64)
+        if greedy:  # temperature 0: accept while the draft is the target's top-1 at its row
+            hits = (drafts == top1[int(cu[i]):int(cu[i]) + int(nd[i])]).to(torch.int64)
+            accepted = int(hits.cumprod(0).sum()) if len(hits) else 0
+        else:
+            accepted = int(nd[i]) - sched.rejected(step, rid, int(nd[i]))
         draft_rows = int(qsl[i + 1]) - int(nd[i]) + np.arange(accepted)
         if accepted:
             sampled[i, :accepted] = batch.input_ids[torch.from_numpy(draft_rows)].to(torch.int64)
