@@ -161,7 +161,7 @@ def test_full_replayed_draft_phase_carries_views_on_real_vllm(tmp_path):
 
     trace, _ = run("data/models/pcpviz-tiny-dsv3", ["def add(a, b):\n    return", "import os\n"], pcp=1,
                    num_speculative_tokens=2, trace_dir=tmp_path / "t", max_tokens=16,
-                   graph_mode="FULL_AND_PIECEWISE")
+                   cudagraph_mode="FULL_AND_PIECEWISE")
     full = [(s, ph) for s in trace.steps for ph in trace.phases(s, 0) if ph.startswith("draft_")
             and str(trace.record(s, 0, ph).get("graph_mode")) == "FULL"]
     assert full

@@ -140,7 +140,7 @@ def replay(
     greedy rejection sampling, so acceptance is measured (``pcpviz.vllm.replay.tiny``);
     ``"scripted"`` runs the weightless stand-ins with the scenario's scripted rejections.
     ``graph_mode`` ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE") builds the speculator's CUDA-graph
-    managers and lets vLLM's dispatch pick each draft forward's mode (``pcpviz.vllm.replay.graphs``:
+    managers and lets vLLM's dispatch pick each draft forward's mode (``pcpviz.vllm.replay.graph_dispatch``:
     stand-in graphs that read the buffers they were captured with).
     ``chunked_prefill=False`` schedules every prompt whole (the scenario's chunks dropped).
     ``fixes`` names ``pcpviz.vllm.fixes`` to patch into vLLM for this run (comma-separated; default
