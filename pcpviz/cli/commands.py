@@ -24,7 +24,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from pcpviz.cli.guard import (EXIT_BAD_INPUT, EXIT_INCOMPLETE, Incomplete, UsageError, named_stdout,
+from pcpviz.cli.guard import (EXIT_BAD_INPUT, EXIT_INCOMPLETE, Incomplete, UsageError, named_stdout, terminal_safe,
                               system_error)
 from pcpviz.cli.layout_command import add_layout
 from pcpviz.cli.replay_command import add_replay
@@ -77,10 +77,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
             return code
         except UsageError as e:
-            print(str(e).splitlines()[0], file=sys.stderr)
+            print(terminal_safe(str(e).splitlines()[0]), file=sys.stderr)
             return EXIT_BAD_INPUT
         except Incomplete as e:
-            print(str(e).splitlines()[0], file=sys.stderr)
+            print(terminal_safe(str(e).splitlines()[0]), file=sys.stderr)
             return EXIT_INCOMPLETE
         except (OSError, MemoryError, RecursionError) as e:  # `| head`, a name too long, a full disk
             return system_error(argv, e)

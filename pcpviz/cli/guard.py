@@ -24,6 +24,7 @@ import sys
 from typing import Any, Callable, Iterator, Sequence
 
 from pcpviz.trace.jsonlimits import loads_bounded
+from pcpviz.trace.outputs import check_output, special_kind
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_INCOMPLETE", "EXIT_PIPE", "UsageError", "Incomplete",
            "positive_int", "EXIT_CODES_HELP", "bounded_int", "seconds", "path",
@@ -96,8 +97,12 @@ def path(text: str) -> str:
 
 def check_output_file(path: str, option: str) -> None:
     """ValueError (one line naming ``option``) if ``path`` cannot be written as a file: it is a
-    directory, its directory does not exist or is not writable."""
+    directory, a device, FIFO or socket (or a link to one: ``pcpviz.trace.outputs``), its
+    directory does not exist or is not writable."""
     where = f"{option} {path}"
+    kind = special_kind(path)
+    if kind is not None and kind != "a directory":
+        check_output(path, option)
     try:
         os.stat(path)
     except FileNotFoundError:
@@ -216,9 +221,12 @@ def drop_stdout() -> None:
         pass
 
 
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff"
+                     "\ud800-\udfff]")
 """Characters a terminal acts on or hides: C0/C1 controls but tab and newline (ESC sequences,
-carriage returns, backspaces), zero-width and bidirectional overrides (text shown reordered)."""
+carriage returns, backspaces), zero-width and bidirectional overrides (text shown reordered); and
+lone surrogates, which stand for the bytes of a file name that is not UTF-8 (``bad-\\xff.html``:
+shown as the byte, since no encoding can write them)."""
 
 
 def terminal_safe(text: str) -> str:
@@ -229,8 +237,14 @@ def terminal_safe(text: str) -> str:
         >>> print(terminal_safe("req\x1b[2J0 ok\u202e"))
         req\x1b[2J0 ok\u202e
     """
-    return _UNSAFE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
-                       else f"\\u{ord(m.group()):04x}", text)
+    return _UNSAFE.sub(_escape, text)
+
+
+def _escape(m: re.Match) -> str:
+    code = ord(m.group())
+    if 0xDC80 <= code <= 0xDCFF:  # surrogateescape's stand-in for the byte code - 0xDC00
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 class NamedStdout:

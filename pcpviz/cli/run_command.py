@@ -16,6 +16,7 @@ import time
 from pcpviz.cli.guard import (EXIT_FAILED, EXIT_OK, UsageError, bounded_int, check_output_file, path,
                               read_prompts_file, seconds)
 from pcpviz.cli.layout_command import MAX_WORLD
+from pcpviz.trace.outputs import write_output
 
 __all__ = ["add_run", "STARTED"]
 
@@ -61,9 +62,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
           flush=True)
     if args.json:
         try:
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
-        except OSError as e:  # the run's output is above; only the file is lost
+            write_output(args.json, json.dumps(doc, indent=1), option="--json")
+        except (OSError, ValueError) as e:  # the run's output is above; only the file is lost
             raise UsageError(f"pcpviz run: --json {args.json}: {' '.join(str(e).split())}") from None
     return EXIT_OK
 
@@ -91,8 +91,7 @@ def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
         cfg["work_dir"] = work
         if cfg["trace_dir"]:
             start_trace(cfg, "pcpviz run --write-config").release()  # the ranks create their files
-        with open(args.write_config, "w") as f:
-            json.dump(cfg, f)
+        write_output(args.write_config, json.dumps(cfg), option="--write-config")
     except (ValueError, OSError) as e:
         raise UsageError(f"pcpviz run: {' '.join(str(e).split())}") from None
     print(f"wrote {args.write_config}; start the ranks with\n"

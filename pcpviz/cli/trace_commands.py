@@ -14,6 +14,7 @@ import argparse
 import json
 
 from pcpviz.cli.guard import EXIT_FAILED, EXIT_OK, Incomplete, UsageError, exit_code, path, trace_verdict
+from pcpviz.trace.outputs import check_output, special_kind
 
 __all__ = ["add_check", "add_diff", "add_export", "add_explain", "EXPORT_FORMATS"]
 
@@ -123,6 +124,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
                          + " or ".join(f"--{f} OUT" for f in EXPORT_FORMATS))
     if args.rank and not args.html:
         raise UsageError("pcpviz export: --rank chooses the HTML report's ranks; give --html OUT too")
+    for fmt, out in wanted:  # a device, FIFO or socket (or a link to one) is refused before any work
+        if special_kind(out) not in (None, "a directory"):
+            try:
+                check_output(out, f"--{fmt}")
+            except ValueError as e:
+                raise UsageError(f"pcpviz export: {e}") from None
     writers = [(fmt, out, _exporter(fmt)) for fmt, out in wanted]
     trace, status = _open_trace(args.trace, "export")
     if not trace.steps and not status.complete:
