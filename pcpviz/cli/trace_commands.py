@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from pcpviz.cli.guard import EXIT_FAILED, EXIT_OK, Incomplete, UsageError, exit_code, path, trace_verdict
+from pcpviz.cli.guard import (EXIT_FAILED, EXIT_OK, Incomplete, UsageError, exit_code, path,
+                              trace_verdict)
+from pcpviz.trace.schema import MalformedValue
 from pcpviz.trace.outputs import check_output, special_kind
 
 __all__ = ["add_check", "add_diff", "add_export", "add_explain", "EXPORT_FORMATS"]
@@ -137,6 +139,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
     for fmt, out, fn in writers:
         try:
             written = fn(trace, out, ranks=args.rank) if fmt == "html" and args.rank else fn(trace, out)
+        except (MalformedValue, OverflowError) as e:  # inf, NaN, 2.5 where an integer view is declared
+            raise Incomplete(f"pcpviz export: incomplete: {args.trace}: {' '.join(str(e).split())} "
+                             f"(damaged data; --{fmt} {out} not written)") from None
         except (ValueError, OSError) as e:
             raise UsageError(f"pcpviz export: --{fmt} {out}: {' '.join(str(e).split())}") from None
         for shown in ([written] if isinstance(written, (str, bytes)) or not hasattr(written, "__iter__")

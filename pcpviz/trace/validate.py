@@ -39,6 +39,7 @@ import numpy as np
 from . import schema as S
 from .completion import judge
 from .errors import TraceError
+from .values import malformed_value
 
 __all__ = ["INVALID", "INCOMPLETE", "Problem", "TraceStatus", "META_SCHEMA", "validate_meta",
            "validate", "trusted_meta", "undeclared_views", "MAX_WORLD_SIZE", "MAX_SPECULATIVE_TOKENS", "MAX_BLOCK_SIZE"]
@@ -299,6 +300,10 @@ def validate(trace: Any) -> TraceStatus:
                        f"hold {len(all_steps)} steps")
         else:
             invalid("num_steps", f"{num_steps}, but the rank files hold {len(all_steps)} steps")
+    damaged = malformed_value(trace) if hasattr(trace, "_index") else None  # inf/NaN in an integer view
+    if damaged is not None:
+        incomplete(Path(trace.path) / damaged.split(" ", 1)[0], None,
+                   f"{Path(trace.path) / damaged} (damaged data)")
     ending, ended = judge(trace, pcp)  # how the run ended (pcpviz.trace.completion)
     problems += [Problem(INCOMPLETE, file, key, message) for file, key, message in ended]
     _check_drafts(trace, meta, invalid)

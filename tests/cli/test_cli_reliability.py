@@ -1,0 +1,51 @@
+"""Issue 39's reliability classes through the command line: damaged values give every command
+the same verdict (exit 3, one 'incomplete:' line), products of bounded options are bounded."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import time
+
+import numpy as np
+import pytest
+
+from pcpviz.cli import main as cli_main
+from tracegen import clean_run, corrupt, write
+
+
+def run_cli(argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli_main([str(a) for a in argv])
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module", params=[np.inf, np.nan, 1e300, 2.5], ids=["inf", "nan", "huge", "fraction"])
+def damaged(request, tmp_path_factory):
+    run = clean_run(2, 2)
+    step = run.steps[1][0]
+    corrupt(run, step, "target", "seq_lens", lambda a: np.full(a.shape, request.param, dtype="<f8"), ranks=[1])
+    return write(run, tmp_path_factory.mktemp("d"))
+
+
+@pytest.mark.parametrize("argv", [["check", "{t}"], ["export", "{t}", "--html", "{o}.html"],
+                                  ["export", "{t}", "--chrome", "{o}.json"], ["explain", "{t}", "--no-rerun"],
+                                  ["diff", "{t}", "{t}"]], ids=["check", "html", "chrome", "explain", "diff"])
+def test_a_float_in_an_integer_view_is_exit_3_in_every_command(damaged, tmp_path, argv):
+    rc, _, err = run_cli([a.format(t=damaged, o=tmp_path / "out") for a in argv])
+    assert rc == 3, err
+    lines = {line for line in err.strip().splitlines()}
+    assert len(lines) == 1 and "rank1.arrow step" in err and "seq_lens holds" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--pad", "65536", "--pcp", "1024", "--batch", "p13"], "--pcp 1024 x --pad 65536"),
+    (["--pcp", "1024", "--batch", ",".join(["d1"] * 4096)], "--pcp 1024 x --batch's 4096 rows"),
+])
+def test_layout_bounds_products_of_options(argv, named):
+    t0 = time.monotonic()
+    rc, _, err = run_cli(["layout", *argv])
+    assert rc == 2 and named in err and len(err.strip().splitlines()) == 1, err
+    assert time.monotonic() - t0 < 10  # refused at once, not after allocating the product
