@@ -479,9 +479,9 @@ def test_phase_missing_on_some_steps_is_a_partial_skip(tmp_path):
     assert "skipped 2 (step 0 rank 0: no verify phase)" in report.format()
     # the summary's counts agree with the per-check lines: a skipped (step, rank) is not a skipped check
     last = report.format().splitlines()[-1]
-    assert "1 skipped (could run on no step)" in last  # graph_inputs_are_captured: no CUDA graphs
+    assert " 1 skipped;" in last  # graph_inputs_are_captured: no CUDA graphs
     partial = [r for r in report.results.values() if r.verdict == PASS and r.skipped]
-    assert f"; {len(partial)} passed checks skipped {sum(r.skipped for r in partial)} (step, rank)" in last
+    assert f"; {len(partial)} passing check{'s' * (len(partial) > 1)} did not run on {sum(r.skipped for r in partial)} (step, rank)" in last
 
 
 def test_malformed_view_fails_instead_of_crashing(tmp_path):
@@ -565,7 +565,7 @@ def test_cli_check_truncated_rank_file_checks_what_is_complete(tmp_path):
     assert lines and all(ln.startswith("pcpviz check: incomplete: ") for ln in lines), lines
     assert "rank1.arrow" in lines[0] and "last complete step" in lines[0]
     assert any("rank 1 lacks steps" in ln for ln in lines)
-    assert f"result: INCOMPLETE: {len(CHECKS) - 1} passed, 0 failed" in r.stdout  # all but the graph ledger's
+    assert f"result: INCOMPLETE: {len(CHECKS)} checks: {len(CHECKS) - 1} passed, 1 skipped" in r.stdout  # all but the graph ledger's
 
 
 def test_run_checks_takes_one_name_or_a_list_and_refuses_unknown_names():

@@ -49,3 +49,19 @@ def test_layout_bounds_products_of_options(argv, named):
     rc, _, err = run_cli(["layout", *argv])
     assert rc == 2 and named in err and len(err.strip().splitlines()) == 1, err
     assert time.monotonic() - t0 < 10  # refused at once, not after allocating the product
+
+
+def test_make_lab_turns_off_the_news_pop_up():
+    """``make lab`` installs the lab settings overrides the browser tests use (no news, no update
+    check) and starts JupyterLab with an empty news URL."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    plan = subprocess.run(["make", "-n", "lab"], cwd=root, capture_output=True,
+                          text=True, timeout=60).stdout
+    assert "tools/jupyterlab/overrides.json" in plan and "share/jupyter/lab/settings/overrides.json" in plan
+    assert "--LabApp.news_url=" in plan
+    doc = json.loads((root / "tools/jupyterlab/overrides.json").read_text())
+    assert doc["@jupyterlab/apputils-extension:notification"] == {"fetchNews": "false", "checkForUpdates": False}
