@@ -45,7 +45,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.write_config:
         return _write_rank_config(args, prompts)
     try:
-        res = run(prompts, progress=not args.quiet, **_engine_options(args))
+        res = run(prompts, progress=not args.quiet, redeliver_stop=False, **_engine_options(args))
     except ValueError as e:
         raise UsageError(f"pcpviz run: {e}") from None
     except (RankError, RunInterrupted) as e:  # a stop: 130 (SIGINT) or 143 (SIGTERM), its trace marked partial

@@ -34,7 +34,7 @@ from pcpviz.analysis.acceptance import json_ratio
 from pcpviz.engine.rank_procs import (WORK_PREFIX, RankError, RankProcess, blame, clean_stale_work_dirs,
                                       die_with_parent, rank_env)
 from pcpviz.engine.run_config import build_config
-from pcpviz.engine.stops import RunInterrupted, StopGuard
+from pcpviz.engine.stops import RunInterrupted, StopGuard, redeliver
 from pcpviz.engine.trace_dir import start_trace
 
 __all__ = ["run", "RunResult", "RankError", "RunInterrupted"]
@@ -189,7 +189,7 @@ def _launch(cfg: dict, progress: bool) -> dict:
 
 def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative_tokens: int = 2,
         device: str = "cpu", max_new_tokens: int = 32, trace_dir: str | None = None,
-        inject: Sequence[str] = (), progress: bool = True, **options) -> RunResult:
+        inject: Sequence[str] = (), progress: bool = True, redeliver_stop: bool = True, **options) -> RunResult:
     """Run the tiny DeepSeek-V3 model on ``pcp`` ranks with MTP (K = ``num_speculative_tokens``).
 
     ``prompts`` are strings (byte-level tokenized, with BOS) or token-id lists.
@@ -201,6 +201,12 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
     refused either way), ``cuda_graphs`` (decode steps from CUDA graphs; on for CUDA at
     PCP=1 by default), ``time_phases`` (``RunResult.phases``: where the loop's time goes),
     ``profile_dir`` (a torch.profiler profile per rank, see ``build_config``).
+
+    SIGINT or SIGTERM stop the ranks between two steps and finalize the trace (marked partial);
+    then the signal is re-delivered to this process, so the host's own handling of it happens
+    (the default SIGTERM action ends it with 143; SIGINT raises ``KeyboardInterrupt``), and if
+    the host's handler returns, ``RunInterrupted`` (a ``BaseException``) is raised.
+    ``redeliver_stop=False`` (the CLI) only raises ``RunInterrupted``.
     """
     from pcpviz.engine.tokenizer import decode
 
@@ -209,6 +215,13 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
     owner = start_trace(cfg) if cfg["trace_dir"] else None
     try:
         res = _launch(cfg, progress)
+    except RunInterrupted as stop:
+        if owner is not None:
+            owner.release()
+            owner = None
+        if redeliver_stop:
+            redeliver(stop)  # the host's handling of the signal (pcpviz.engine.stops)
+        raise
     finally:
         if owner is not None:
             owner.release()

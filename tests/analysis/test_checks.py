@@ -481,7 +481,8 @@ def test_phase_missing_on_some_steps_is_a_partial_skip(tmp_path):
     last = report.format().splitlines()[-1]
     assert " 1 skipped;" in last  # graph_inputs_are_captured: no CUDA graphs
     partial = [r for r in report.results.values() if r.verdict == PASS and r.skipped]
-    assert f"; {len(partial)} passing check{'s' * (len(partial) > 1)} did not run on {sum(r.skipped for r in partial)} (step, rank)" in last
+    plural = "s" * (len(partial) > 1)
+    assert f"; {len(partial)} passing check{plural} did not run on {sum(r.skipped for r in partial)} (step, rank)" in last
 
 
 def test_malformed_view_fails_instead_of_crashing(tmp_path):
@@ -565,7 +566,8 @@ def test_cli_check_truncated_rank_file_checks_what_is_complete(tmp_path):
     assert lines and all(ln.startswith("pcpviz check: incomplete: ") for ln in lines), lines
     assert "rank1.arrow" in lines[0] and "last complete step" in lines[0]
     assert any("rank 1 lacks steps" in ln for ln in lines)
-    assert f"result: INCOMPLETE: {len(CHECKS)} checks: {len(CHECKS) - 1} passed, 1 skipped" in r.stdout  # all but the graph ledger's
+    # all but the graph ledger's
+    assert f"result: INCOMPLETE: {len(CHECKS)} checks: {len(CHECKS) - 1} passed, 1 skipped" in r.stdout
 
 
 def test_run_checks_takes_one_name_or_a_list_and_refuses_unknown_names():
