@@ -65,3 +65,29 @@ def test_make_lab_turns_off_the_news_pop_up():
     assert "--LabApp.news_url=" in plan
     doc = json.loads((root / "tools/jupyterlab/overrides.json").read_text())
     assert doc["@jupyterlab/apputils-extension:notification"] == {"fetchNews": "false", "checkForUpdates": False}
+
+
+def test_open_warns_on_a_live_run_before_its_first_step(tmp_path):
+    """``pcpviz.trace.open`` on a run whose writer holds the directory but has not finished a
+    step: a TraceWarning naming the directory (and the writer), not a silent empty trace; with
+    ``strict`` a TraceError; ``pcpviz check`` exits 3 on the same directory."""
+    import warnings
+
+    import pcpviz.trace as pt
+
+    run = tmp_path / "live"
+    with pt.claim(run, command="test writer") as c:
+        w = pt.TraceWriter(run, 0, meta=dict(clean_run(1, 1).meta), owner=c.token)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                t = pt.open(run)
+            assert not t.steps
+            lines = [str(x.message) for x in caught if issubclass(x.category, pt.TraceWarning)]
+            assert any("no complete step yet" in ln and "test writer" in ln for ln in lines), lines
+            with pytest.raises(pt.TraceError, match="no complete step yet"):
+                pt.open(run, strict=True)
+            rc, _, err = run_cli(["check", run])
+            assert rc == 3, err
+        finally:
+            w.close()
