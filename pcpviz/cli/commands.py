@@ -10,6 +10,7 @@
     pcpviz explain runs/bad runs/demo                 # the most likely cause, with the evidence
     pcpviz export runs/demo --html runs/demo.html
     pcpviz replay --pcp 2 --mtp 2 --trace runs/vllm   # the real vLLM code on CPU
+    pcpviz synth --tokens 131072 --trace runs/synth   # a synthetic trace with a 128k-token step
 
 Also `python -m pcpviz ...`. Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad input
 (one-line reason on stderr; an invalid run.json too), 3 incomplete trace (data lost: a missing or
@@ -29,6 +30,7 @@ from pcpviz.cli.guard import (EXIT_BAD_INPUT, EXIT_INCOMPLETE, Incomplete, Usage
 from pcpviz.cli.layout_command import add_layout
 from pcpviz.cli.replay_command import add_replay
 from pcpviz.cli.run_command import add_run
+from pcpviz.cli.synth_command import add_synth
 from pcpviz.cli.trace_commands import add_check, add_diff, add_explain, add_export
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
@@ -56,7 +58,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # Each subcommand is one module's add_<name>(sub); `pcpviz --help` lists them in this order.
-SUBCOMMANDS: list[Callable] = [add_layout, add_run, add_check, add_diff, add_export, add_explain, add_replay]
+SUBCOMMANDS: list[Callable] = [add_layout, add_run, add_check, add_diff, add_export, add_explain, add_replay, add_synth]
 
 
 def build_parser() -> argparse.ArgumentParser:

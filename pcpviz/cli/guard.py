@@ -174,7 +174,7 @@ def exit_code(status: Any, ok: bool) -> int:
     return 0 if ok else 1
 
 
-SUBCOMMAND_NAMES = frozenset({"layout", "run", "check", "diff", "export", "explain", "replay"})
+SUBCOMMAND_NAMES = frozenset({"layout", "run", "check", "diff", "export", "explain", "replay", "synth"})
 """The subcommands, for naming the command in a one-line error raised before argparse ran."""
 
 

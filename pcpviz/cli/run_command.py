@@ -72,7 +72,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
     """The `pcpviz run` flags as keyword arguments of pcpviz.run / build_config."""
     return dict(pcp=args.pcp, num_speculative_tokens=args.mtp, device=args.device,
                 max_new_tokens=args.max_new_tokens, trace_dir=args.trace, inject=args.inject or (),
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, dtype=args.dtype,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                block_size=args.block_size, dtype=args.dtype,
                 model_dir=args.model, timeout_s=args.timeout, overwrite=args.overwrite)
 
 
@@ -114,6 +115,8 @@ def add_run(sub) -> None:
     p.add_argument("--max-new-tokens", type=bounded_int(1, 1 << 20), default=32, help="tokens to generate per prompt")
     p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1 << 20), default=2048,
                    help="per-step token budget (chunked prefill)")
+    p.add_argument("--max-num-seqs", type=bounded_int(1, 1024), default=16,
+                   help="most requests in one step (vLLM's max_num_seqs; 64 prompts in one step need 64)")
     p.add_argument("--block-size", type=bounded_int(1, 4096), default=16, help="KV cache block size")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="model and KV-cache dtype (vLLM runs the shipped checkpoint in bfloat16)")
@@ -125,7 +128,8 @@ def add_run(sub) -> None:
     p.add_argument("--json", type=path, default=None, help="write a summary (requests, acceptance) to this file")
     p.add_argument("--inject", action="append", help="inject a fault (repeatable); see --list-faults")
     p.add_argument("--list-faults", action="store_true", help="list the injectable faults and exit")
-    p.add_argument("--timeout", type=seconds, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--timeout", type=seconds, default=300.0,
+                   help="collective timeout in seconds: how long a rank waits on a stuck or dead peer")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--write-config", type=path, default=None, metavar="FILE",
                    help="only write the rank config for torchrun (multi-host) and exit")

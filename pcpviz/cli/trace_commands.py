@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from pcpviz.cli.guard import (EXIT_FAILED, EXIT_OK, Incomplete, UsageError, exit_code, path,
-                              trace_verdict)
+                              terminal_safe, trace_verdict)
 from pcpviz.trace.schema import MalformedValue
 from pcpviz.trace.outputs import check_output, special_kind
 
@@ -164,14 +165,33 @@ def add_export(sub) -> None:
     p.set_defaults(func=_cmd_export)
 
 
+def _say_rerun(trace) -> None:
+    """Up front on stderr: what explain re-runs without GOOD, roughly how long, how to skip it."""
+    from pcpviz.analysis.explain import other_producer, rerun_plan
+
+    plan, why = rerun_plan(trace)
+    if plan is None:
+        return
+    n, new = len(plan["prompts"]), plan["max_new_tokens"]
+    other = other_producer(trace)
+    print(terminal_safe(
+        f"pcpviz explain: no GOOD run given: re-running the {n} prompt{'s' * (n > 1)} on pcpviz's engine as the "
+        f"reference (PCP {plan['pcp']}, K {plan['num_speculative_tokens']}, {n * new} tokens to generate; the "
+        f"engine's start-up plus generation, typically tens of seconds on CPU)"
+        + (f"; {other}, so only the checks and prompts count, not its differences" if other else "")
+        + "; --no-rerun skips it"), file=sys.stderr, flush=True)
+
+
 def add_explain(sub) -> None:
     def run(args: argparse.Namespace) -> int:
         from pcpviz.analysis.explain import explain
 
         bad, status = _open_trace(args.bad, "explain", require_steps=True)
         good = None if args.good is None else _open_trace(args.good, "explain", require_steps=True)[0]
+        if good is None and not args.no_rerun:
+            _say_rerun(bad)
         try:
-            report = explain(bad, good, rerun=not args.no_rerun, status=status)
+            report = explain(bad, good, rerun=not args.no_rerun, status=status, progress=not args.json)
         except ValueError as e:  # a payload that fails its checksum while being read
             raise UsageError(f"pcpviz explain: {' '.join(str(e).split())}") from None
         print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())

@@ -110,6 +110,24 @@ def _progress_bar(cfg: dict):
     return bar
 
 
+_TIMEOUT_WORDS = ("timed out", "timeout", "time out")
+
+
+def timeout_named(err: RankError, timeout_s: float) -> RankError:
+    """``err`` with the setting that bounds the wait named when it is a timeout: a rank waiting on
+    a stuck or dead peer gives up after the collective timeout, which ``pcpviz run --timeout``
+    (``timeout_s=``) sets::
+
+        rank 1 failed: ... timed out; the collective timeout is 300 s (pcpviz run --timeout SECONDS)
+    """
+    text = str(err)
+    if not any(w in text.lower() for w in _TIMEOUT_WORDS) or "--timeout" in text:
+        return err
+    out = RankError(err.rank, text.split(": ", 1)[-1] + f"; the collective timeout is {timeout_s:g} s "
+                    "(pcpviz run --timeout SECONDS, pcpviz.run(timeout_s=...))")
+    return out
+
+
 def _launch(cfg: dict, progress: bool) -> dict:
     clean_stale_work_dirs()
     work = tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-")
@@ -119,7 +137,10 @@ def _launch(cfg: dict, progress: bool) -> dict:
         json.dump(cfg, f)
     port = _free_port()
     ranks: list[RankProcess] = []
-    bar = _progress_bar(cfg) if progress else None
+    bars: list = []  # the progress bar, made at rank 0's first progress line: start-up is not token time
+    if progress:
+        print(f"pcpviz run: starting {cfg['pcp']} rank process{'es' * (cfg['pcp'] > 1)} (loading the model)...",
+              file=sys.stderr, flush=True)
     guard = StopGuard()  # SIGINT/SIGTERM: the ranks stop between two steps (pcpviz.engine.stops)
     try:
         for rank in range(cfg["pcp"]):
@@ -135,7 +156,10 @@ def _launch(cfg: dict, progress: bool) -> dict:
 
         def pump() -> None:  # rank 0's progress lines (rank_main.progress_line)
             for line in ranks[0].proc.stdout:
-                if line.startswith("PCPVIZ_PROGRESS ") and bar is not None:
+                if line.startswith("PCPVIZ_PROGRESS ") and progress:
+                    if not bars:
+                        bars.append(_progress_bar(cfg))
+                    bar = bars[0]
                     doc = json.loads(line.split(" ", 1)[1])
                     # a long prompt takes many chunked-prefill steps before its first token
                     done, todo = doc["prefill"]
@@ -155,12 +179,12 @@ def _launch(cfg: dict, progress: bool) -> dict:
                 grace = time.monotonic() + 2.0
                 while time.monotonic() < grace and any(r.proc.poll() is None for r in ranks):
                     time.sleep(0.05)
-                raise blame(ranks, work)
+                raise timeout_named(blame(ranks, work), cfg["timeout_s"])
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
                 r = next(r for r, c in zip(ranks, codes) if c is None)
-                raise RankError(r.rank, "timed out")
+                raise timeout_named(RankError(r.rank, "timed out"), cfg["timeout_s"])
             time.sleep(0.05)
         reader.join(timeout=5)
         with open(os.path.join(work, "result.json")) as f:
@@ -182,7 +206,7 @@ def _launch(cfg: dict, progress: bool) -> dict:
                 r.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        if bar is not None:
+        for bar in bars:
             bar.close()
         shutil.rmtree(work, ignore_errors=True)
 

@@ -91,3 +91,41 @@ def test_open_warns_on_a_live_run_before_its_first_step(tmp_path):
             assert rc == 3, err
         finally:
             w.close()
+
+
+@pytest.mark.slow  # a 128k-token step written and checked
+def test_synth_writes_a_128k_token_step(tmp_path):
+    """``pcpviz synth``: the synthetic producer's 128k-token step from the command line, checked
+    clean; a second write into the same directory is refused without --overwrite."""
+    import pcpviz.trace as pt
+
+    out = tmp_path / "s"
+    rc, stdout, err = run_cli(["synth", "--tokens", "131072", "--requests", "16", "--pcp", "4", "--trace", out])
+    assert rc == 0, err
+    t = pt.open(out)
+    first = t.record(t.steps[0], 0, "target")
+    assert int(np.asarray(first["num_scheduled_tokens"]).sum()) == 131072 and len(first["req_ids"]) == 16
+    assert run_cli(["check", out])[0] == 0
+    rc, _, err = run_cli(["synth", "--trace", out])
+    assert rc == 2 and "--overwrite" in err
+
+
+def test_run_takes_max_num_seqs(tmp_path):
+    """``--max-num-seqs`` reaches the rank config, so 64 requests can share one step."""
+    import json
+
+    cfg = tmp_path / "ranks.json"
+    rc, _, err = run_cli(["run", "--max-num-seqs", "64", *sum((["--prompt", f"p{i}"] for i in range(64)), []),
+                          "--write-config", cfg])
+    assert rc == 0, err
+    assert json.loads(cfg.read_text())["max_num_seqs"] == 64
+    assert run_cli(["run", "--max-num-seqs", "0", "--prompt", "x"])[0] == 2
+
+
+def test_a_rank_timeout_names_the_option():
+    from pcpviz.engine.launch import RankError, timeout_named
+
+    err = timeout_named(RankError(1, "Gloo: Timed out waiting 5000ms for recv"), 5.0)
+    assert "rank 1 failed" in str(err) and "--timeout" in str(err) and "5 s" in str(err) and err.rank == 1
+    other = RankError(0, "out of memory")
+    assert timeout_named(other, 5.0) is other
