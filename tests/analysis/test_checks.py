@@ -482,7 +482,8 @@ def test_phase_missing_on_some_steps_is_a_partial_skip(tmp_path):
     assert " 1 skipped;" in last  # graph_inputs_are_captured: no CUDA graphs
     partial = [r for r in report.results.values() if r.verdict == PASS and r.skipped]
     plural = "s" * (len(partial) > 1)
-    assert f"; {len(partial)} passing check{plural} did not run on {sum(r.skipped for r in partial)} (step, rank)" in last
+    pairs = sum(r.skipped for r in partial)
+    assert f"; {len(partial)} passing check{plural} did not run on {pairs} (step, rank)" in last
 
 
 def test_malformed_view_fails_instead_of_crashing(tmp_path):
