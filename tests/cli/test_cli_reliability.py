@@ -129,3 +129,16 @@ def test_a_rank_timeout_names_the_option():
     assert "rank 1 failed" in str(err) and "--timeout" in str(err) and "5 s" in str(err) and err.rank == 1
     other = RankError(0, "out of memory")
     assert timeout_named(other, 5.0) is other
+
+
+def test_notebook_06_fault_sweep_says_what_it_runs_first():
+    """Notebook 06's fault sweep (minutes of engine runs) prints what follows before its first run
+    and flushes a row as each run ends."""
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).resolve().parents[2] / "notebooks/06_design_review.ipynb").read_text())
+    cell = next("".join(c["source"]) for c in nb["cells"] if "faults_of(ENGINE)" in "".join(c["source"]))
+    first_run = cell.index("pcpviz.run(")
+    assert "engine runs of 2 ranks follow" in cell[:first_run]
+    assert cell.count("flush=True") >= 3
