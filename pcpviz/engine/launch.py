@@ -128,6 +128,13 @@ def timeout_named(err: RankError, timeout_s: float) -> RankError:
     return out
 
 
+def _say_start(cfg: dict, progress: bool) -> None:
+    """One line while the ranks load the model (the progress bar starts at the first step)."""
+    if progress:
+        print(f"pcpviz run: starting {cfg['pcp']} rank process{'es' * (cfg['pcp'] > 1)} (loading the model)...",
+              file=sys.stderr, flush=True)
+
+
 def _launch(cfg: dict, progress: bool) -> dict:
     clean_stale_work_dirs()
     work = tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-")
@@ -138,9 +145,7 @@ def _launch(cfg: dict, progress: bool) -> dict:
     port = _free_port()
     ranks: list[RankProcess] = []
     bars: list = []  # the progress bar, made at rank 0's first progress line: start-up is not token time
-    if progress:
-        print(f"pcpviz run: starting {cfg['pcp']} rank process{'es' * (cfg['pcp'] > 1)} (loading the model)...",
-              file=sys.stderr, flush=True)
+    _say_start(cfg, progress)
     guard = StopGuard()  # SIGINT/SIGTERM: the ranks stop between two steps (pcpviz.engine.stops)
     try:
         for rank in range(cfg["pcp"]):
