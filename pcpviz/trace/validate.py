@@ -39,7 +39,7 @@ import numpy as np
 from . import schema as S
 from .completion import judge
 from .errors import TraceError
-from .values import malformed_value
+from .values import report_malformed
 
 __all__ = ["INVALID", "INCOMPLETE", "Problem", "TraceStatus", "META_SCHEMA", "validate_meta",
            "validate", "trusted_meta", "undeclared_views", "MAX_WORLD_SIZE", "MAX_SPECULATIVE_TOKENS", "MAX_BLOCK_SIZE"]
@@ -199,8 +199,7 @@ def validate_meta(meta: Any, path: str | Path) -> list[Problem]:
     """The schema problems of a run.json document (``path`` names it in the messages)."""
     path = str(path)
     if not isinstance(meta, dict):
-        return [Problem(INVALID, path, None, f"{path}: top level is a {type(meta).__name__}, "
-                        "not an object")]
+        return [Problem(INVALID, path, None, f"{path}: top level is a {type(meta).__name__}, not an object")]
     out: list[Problem] = []
 
     def bad(key: str, what: str) -> None:
@@ -300,10 +299,7 @@ def validate(trace: Any) -> TraceStatus:
                        f"hold {len(all_steps)} steps")
         else:
             invalid("num_steps", f"{num_steps}, but the rank files hold {len(all_steps)} steps")
-    damaged = malformed_value(trace) if hasattr(trace, "_index") else None  # inf/NaN in an integer view
-    if damaged is not None:
-        incomplete(Path(trace.path) / damaged.split(" ", 1)[0], None,
-                   f"{Path(trace.path) / damaged} (damaged data)")
+    report_malformed(trace, incomplete)  # inf, NaN or 2.5 in an integer view: damaged data
     ending, ended = judge(trace, pcp)  # how the run ended (pcpviz.trace.completion)
     problems += [Problem(INCOMPLETE, file, key, message) for file, key, message in ended]
     _check_drafts(trace, meta, invalid)
@@ -483,7 +479,6 @@ def check_or_raise(trace: Any) -> TraceStatus:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise TraceError(bad[0].message + more)
     return st
-
 
 
 def undeclared_views(trace: Any) -> list[str]:

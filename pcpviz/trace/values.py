@@ -8,11 +8,12 @@ verdict (exit 3) in ``check``, ``diff``, ``explain`` and ``export``::
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 from .schema import MalformedValue, int_view, view_spec
 
-__all__ = ["malformed_value"]
+__all__ = ["malformed_value", "report_malformed"]
 
 
 def malformed_value(trace: Any) -> str | None:
@@ -32,6 +33,14 @@ def malformed_value(trace: Any) -> str | None:
                 except MalformedValue as e:
                     return f"{ix.path.name} step {step} {phase}.{e}"
     return None
+
+
+def report_malformed(trace: Any, incomplete: Callable[[Path, str | None, str], None]) -> None:
+    """``validate``'s part: one INCOMPLETE problem (``incomplete(file, key, message)``) naming the
+    rank file, step and view of the first malformed value, if there is one."""
+    damaged = malformed_value(trace) if hasattr(trace, "_index") else None
+    if damaged is not None:
+        incomplete(Path(trace.path) / damaged.split(" ", 1)[0], None, f"{Path(trace.path) / damaged} (damaged data)")
 
 
 def _float_int_rows(layout: Any) -> tuple[tuple[str, str], ...]:
