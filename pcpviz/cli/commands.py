@@ -82,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(terminal_safe(str(e).splitlines()[0]), file=sys.stderr)
             return EXIT_BAD_INPUT
         except Incomplete as e:
-            print(terminal_safe(str(e).splitlines()[0]), file=sys.stderr)
+            if str(e):  # empty: its line is on stderr already
+                print(terminal_safe(str(e).splitlines()[0]), file=sys.stderr)
             return EXIT_INCOMPLETE
         except (OSError, MemoryError, RecursionError) as e:  # `| head`, a name too long, a full disk
             return system_error(argv, e)

@@ -42,6 +42,16 @@ def _open_trace(path: str, cmd: str, *, require_steps: bool = False):
     return trace, status
 
 
+class _Reported(Incomplete):
+    """Exit 3 whose one line (the trace's 'incomplete: ... (damaged data)') is already on stderr."""
+
+
+def _damaged(*statuses) -> bool:
+    """A value no integer view can hold was found on open (``pcpviz.trace.values``): a command
+    that then fails on that value exits 3 with the line already printed, not a second one."""
+    return any(p.message.endswith("(damaged data)") for st in statuses for p in st.problems)
+
+
 def _no_steps(path: str, cmd: str, status) -> None:
     """A trace without one complete step: lost data (exit 3) if its status says data was lost
     (the rank files are missing or damaged), else bad input (exit 2)."""
@@ -86,6 +96,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     try:
         report = diff_traces(a, b)
     except ValueError as e:
+        if _damaged(status_a, status_b):
+            raise _Reported("") from None
         raise UsageError(f"pcpviz diff: {e}") from None
     print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
     if not (status_a.complete and status_b.complete):
@@ -140,10 +152,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     for fmt, out, fn in writers:
         try:
             written = fn(trace, out, ranks=args.rank) if fmt == "html" and args.rank else fn(trace, out)
-        except (MalformedValue, OverflowError) as e:  # inf, NaN, 2.5 where an integer view is declared
+        except (MalformedValue, OverflowError, ValueError) as e:
+            if not (_damaged(status) or isinstance(e, (MalformedValue, OverflowError))):
+                raise UsageError(f"pcpviz export: --{fmt} {out}: {' '.join(str(e).split())}") from None
+            if _damaged(status):  # inf, NaN, 2.5 where an integer view is declared: said on open
+                raise _Reported("") from None
             raise Incomplete(f"pcpviz export: incomplete: {args.trace}: {' '.join(str(e).split())} "
                              f"(damaged data; --{fmt} {out} not written)") from None
-        except (ValueError, OSError) as e:
+        except OSError as e:
             raise UsageError(f"pcpviz export: --{fmt} {out}: {' '.join(str(e).split())}") from None
         for shown in ([written] if isinstance(written, (str, bytes)) or not hasattr(written, "__iter__")
                      else written):
@@ -193,6 +209,8 @@ def add_explain(sub) -> None:
         try:
             report = explain(bad, good, rerun=not args.no_rerun, status=status, progress=not args.json)
         except ValueError as e:  # a payload that fails its checksum while being read
+            if _damaged(status):
+                raise _Reported("") from None
             raise UsageError(f"pcpviz explain: {' '.join(str(e).split())}") from None
         print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
         return exit_code(status, report.ok)
