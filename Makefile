@@ -36,10 +36,13 @@ setup: $(STAMP)
 
 # JupyterLab prints its URL with the token; LabApp.default_url (not ServerApp's, which the
 # jupyterlab extension overrides with /lab) makes that URL and / land on the quickstart.
+# tools/jupyterlab/overrides.json (installed as the venv's lab settings overrides) and an empty
+# news_url turn off the "get notified about Jupyter news?" pop-up and the update check.
 lab: setup
+	@install -D -m 644 tools/jupyterlab/overrides.json $(VENV)/share/jupyter/lab/settings/overrides.json
 	@echo "JupyterLab on port $(PORT): open the http://127.0.0.1:$(PORT)/lab/tree/00_quickstart.ipynb?token=... URL printed below."
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --port=$(PORT) --allow-root \
-		--ServerApp.open_browser=False --LabApp.default_url=/lab/tree/00_quickstart.ipynb
+		--ServerApp.open_browser=False --LabApp.default_url=/lab/tree/00_quickstart.ipynb --LabApp.news_url=
 
 # The browser test drives Debian's Chromium: installed here when missing (root with apt-get),
 # otherwise one line says how, and the browser test fails naming it.

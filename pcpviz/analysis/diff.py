@@ -195,6 +195,30 @@ class _RenamedRequests:
         return out
 
 
+def prompts_note(ta: Trace, tb: Trace) -> str | None:
+    """One line when the two runs served different prompts (run.json's ``prompt_token_ids``,
+    else the requests' ``request_keys``), so a reader knows up front that divergences follow
+    from the input: ``"the runs served different prompts: 2 of b's 3 are not among a's 3"``."""
+    def prompts(t: Trace) -> list[tuple] | None:
+        p = t.meta.get("prompt_token_ids") if isinstance(t.meta, dict) else None
+        if isinstance(p, dict):
+            p = list(p.values())
+        if isinstance(p, list) and all(isinstance(x, list) for x in p):
+            return sorted(tuple(x) for x in p)
+        return None
+
+    pa_, pb_ = prompts(ta), prompts(tb)
+    if pa_ is None or pb_ is None:  # no prompts in run.json: (length, last token) per request
+        pa_, pb_ = sorted(request_keys(ta).values()), sorted(request_keys(tb).values())
+        if not pa_ or not pb_:
+            return None
+    if pa_ == pb_:
+        return None
+    missing = sum(1 for x in pb_ if x not in set(pa_))
+    return (f"the runs served different prompts: {missing} of b's {len(pb_)} are not among a's {len(pa_)}; "
+            "differences follow from the input, not only from the run")
+
+
 def _align_request_ids(ta: Trace, tb: Trace) -> tuple[Any, int]:
     """Run B seen with run A's request ids where the two runs served the same prompts under
     other names; returns (the trace to compare, requests renamed)."""
@@ -418,7 +442,8 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
     """Compare run B against run A (see the module doc); expected values are A's. Streams over
     the steps: one step of each run is read at a time."""
     ta, tb = _open(a), _open(b)
-    notes: list[str] = []
+    differ = prompts_note(ta, tb)
+    notes: list[str] = [differ] if differ else []
     tb, renamed = _align_request_ids(ta, tb)
     if renamed:
         notes.append(f"{renamed} requests of b matched to a's by their prompts (other request ids)")

@@ -12,8 +12,10 @@ and only each chunk's result comes back.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Iterator
 
@@ -53,6 +55,22 @@ def chunk_bounds(num_steps: int, workers: int) -> list[int]:
 
 
 _TASK: list[Callable[[int], Any]] = []  # the function a forked child runs: set just before the fork
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a forked worker: be killed (SIGKILL) when the process that forked it dies, however it
+    dies (SIGTERM, SIGKILL, a crash), so a stopped ``pcpviz check`` leaves no worker behind
+    holding its pipes. Linux only (``prctl``); elsewhere the parent's stop handling kills the pool.
+    A parent already gone before this ran is noticed by ``getppid``."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the parent decides; a worker only dies with it
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _run_task(i: int) -> Any:
@@ -71,7 +89,8 @@ def forked_imap(fn: Callable[[int], Any], n: int, *, workers: int) -> Iterator[A
         raise RuntimeError("forked_imap is not re-entrant")
     _TASK.append(fn)
     try:  # with "fork", the pool forks all its children at the first submit
-        pool = ProcessPoolExecutor(min(workers, n), mp_context=multiprocessing.get_context("fork"))
+        pool = ProcessPoolExecutor(min(workers, n), mp_context=multiprocessing.get_context("fork"),
+                                   initializer=_die_with_parent, initargs=(os.getpid(),))
         futures = [pool.submit(_run_task, i) for i in range(n)]
     except BaseException:
         _TASK.clear()
@@ -80,14 +99,26 @@ def forked_imap(fn: Callable[[int], Any], n: int, *, workers: int) -> Iterator[A
 
 
 def _results(pool: ProcessPoolExecutor, futures: list) -> Iterator[Any]:
+    done = False
     try:
         for f in futures:
             yield f.result()
+        done = True
     finally:
         for f in futures:
             f.cancel()
-        pool.shutdown(wait=True)
+        if not done:  # stopped (KeyboardInterrupt, an error, the caller gave up): kill, don't wait
+            _kill_workers(pool)
+        pool.shutdown(wait=done, cancel_futures=True)
         _TASK.clear()
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        try:
+            proc.kill()
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 def forked_map(fn: Callable[[int], Any], n: int, *, workers: int) -> list[Any]:

@@ -30,6 +30,7 @@ import numpy as np
 
 from pcpviz.analysis.diff import acceptance, diff_traces, request_keys
 from pcpviz.trace import open as open_trace
+from pcpviz.trace.outputs import write_output
 
 __all__ = ["generated_tokens", "RequestParity", "RunParity", "compare", "format_markdown"]
 
@@ -151,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                "runs": [{"name": r.name, "acceptance_per_position": r.acceptance_per_position,
                          "first_view_divergence": r.first_view_divergence, "divergent_views": r.divergent_views,
                          "requests": [q.__dict__ for q in r.requests]} for r in rows]}
-        with open(a.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        write_output(a.json, json.dumps(doc, indent=1), option="--json")
     return 0
 
 

@@ -11,6 +11,7 @@
     pcpviz export runs/demo --html runs/demo.html
     pcpviz replay --pcp 2 --mtp 2 --trace runs/vllm   # the real vLLM code on CPU
     pcpviz bisect --graph-mode PIECEWISE --out runs/b # which knob flips acceptance or tokens
+    pcpviz synth --tokens 131072 --trace runs/synth   # a synthetic trace with a 128k-token step
 
 Also `python -m pcpviz ...`. Exit codes: 0 ok, 1 a check failed or runs differ, 2 bad input
 (one-line reason on stderr; an invalid run.json too), 3 incomplete trace (data lost: a missing or
@@ -25,12 +26,13 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from pcpviz.cli.guard import (EXIT_BAD_INPUT, EXIT_INCOMPLETE, Incomplete, UsageError, named_stdout,
+from pcpviz.cli.guard import (EXIT_BAD_INPUT, EXIT_INCOMPLETE, Incomplete, UsageError, named_stdout, terminal_safe,
                               system_error)
 from pcpviz.cli.bisect_command import add_bisect
 from pcpviz.cli.layout_command import add_layout
 from pcpviz.cli.replay_command import add_replay
 from pcpviz.cli.run_command import add_run
+from pcpviz.cli.synth_command import add_synth
 from pcpviz.cli.trace_commands import add_check, add_diff, add_explain, add_export
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
@@ -59,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
 
 # Each subcommand is one module's add_<name>(sub); `pcpviz --help` lists them in this order.
 SUBCOMMANDS: list[Callable] = [add_layout, add_run, add_check, add_diff, add_export, add_explain, add_replay,
-                               add_bisect]
+                               add_bisect, add_synth]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,10 +82,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()  # a full disk or a closed pipe on stdout is reported here, not at exit
             return code
         except UsageError as e:
-            print(str(e).splitlines()[0], file=sys.stderr)
+            print(terminal_safe(str(e).splitlines()[0]), file=sys.stderr)
             return EXIT_BAD_INPUT
         except Incomplete as e:
-            print(str(e).splitlines()[0], file=sys.stderr)
+            if str(e):  # empty: its line is on stderr already
+                print(terminal_safe(str(e).splitlines()[0]), file=sys.stderr)
             return EXIT_INCOMPLETE
         except (OSError, MemoryError, RecursionError) as e:  # `| head`, a name too long, a full disk
             return system_error(argv, e)

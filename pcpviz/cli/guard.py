@@ -22,8 +22,13 @@ import re
 import sys
 from typing import Any, Iterator, Sequence
 
+<<<<<<< HEAD
 from pcpviz.limits import MAX_PROMPTS
 from pcpviz.io_guards import bounded_int, check_output_file, read_json_file
+=======
+from pcpviz.trace.jsonlimits import loads_bounded
+from pcpviz.trace.outputs import check_output, special_kind
+>>>>>>> wt-rel
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_INCOMPLETE", "EXIT_PIPE", "UsageError", "Incomplete",
            "positive_int", "EXIT_CODES_HELP", "bounded_int", "seconds", "path",
@@ -77,6 +82,51 @@ def path(text: str) -> str:
     return text
 
 
+<<<<<<< HEAD
+=======
+def check_output_file(path: str, option: str) -> None:
+    """ValueError (one line naming ``option``) if ``path`` cannot be written as a file: it is a
+    directory, a device, FIFO or socket (or a link to one: ``pcpviz.trace.outputs``), its
+    directory does not exist or is not writable."""
+    where = f"{option} {path}"
+    kind = special_kind(path)
+    if kind is not None and kind != "a directory":
+        check_output(path, option)
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a name too long, a component that is a file, a loop of links
+        raise ValueError(f"{where}: {e.strerror or e}") from None
+    if os.path.isdir(path):
+        raise ValueError(f"{where}: is a directory; give a file name")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{where}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ValueError(f"{where}: not writable")
+
+
+def read_json_file(path: str, option: str) -> Any:
+    """The JSON in ``path`` (at most 64 MiB), or ValueError naming ``option`` and the file."""
+    where = f"{option} {path}"
+    try:
+        if not os.path.isfile(path):
+            raise ValueError("not a regular file" if os.path.exists(path) else "no such file")
+        from pcpviz.trace.runmeta import open_for_reading
+
+        with os.fdopen(open_for_reading(path), "rb") as f:  # a FIFO swapped in is refused, not waited on
+            data = f.read(MAX_JSON_INPUT_BYTES + 1)
+        if len(data) > MAX_JSON_INPUT_BYTES:
+            raise ValueError(f"larger than {MAX_JSON_INPUT_BYTES} bytes")
+        return loads_bounded(data)
+    except RecursionError:
+        raise ValueError(f"{where}: nested too deeply") from None
+    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{where}: {' '.join(str(e).split())}") from None
+
+
+>>>>>>> wt-rel
 def read_prompts_file(path: str) -> list[str]:
     """The prompts of ``--prompts-file`` (a JSON list of strings, at most
     ``pcpviz.limits.MAX_PROMPTS``), or ValueError naming the option and the file."""
@@ -112,7 +162,7 @@ def exit_code(status: Any, ok: bool) -> int:
     return 0 if ok else 1
 
 
-SUBCOMMAND_NAMES = frozenset({"layout", "run", "check", "diff", "export", "explain", "replay"})
+SUBCOMMAND_NAMES = frozenset({"layout", "run", "check", "diff", "export", "explain", "replay", "synth"})
 """The subcommands, for naming the command in a one-line error raised before argparse ran."""
 
 
@@ -159,9 +209,12 @@ def drop_stdout() -> None:
         pass
 
 
-_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff]")
+_UNSAFE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069\ufeff"
+                     "\ud800-\udfff]")
 """Characters a terminal acts on or hides: C0/C1 controls but tab and newline (ESC sequences,
-carriage returns, backspaces), zero-width and bidirectional overrides (text shown reordered)."""
+carriage returns, backspaces), zero-width and bidirectional overrides (text shown reordered); and
+lone surrogates, which stand for the bytes of a file name that is not UTF-8 (``bad-\\xff.html``:
+shown as the byte, since no encoding can write them)."""
 
 
 def terminal_safe(text: str) -> str:
@@ -172,8 +225,14 @@ def terminal_safe(text: str) -> str:
         >>> print(terminal_safe("req\x1b[2J0 ok\u202e"))
         req\x1b[2J0 ok\u202e
     """
-    return _UNSAFE.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
-                       else f"\\u{ord(m.group()):04x}", text)
+    return _UNSAFE.sub(_escape, text)
+
+
+def _escape(m: re.Match) -> str:
+    code = ord(m.group())
+    if 0xDC80 <= code <= 0xDCFF:  # surrogateescape's stand-in for the byte code - 0xDC00
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 class NamedStdout:

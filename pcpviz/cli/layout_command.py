@@ -11,9 +11,25 @@ import argparse
 import json
 
 from pcpviz.cli.guard import EXIT_OK, UsageError, bounded_int
-from pcpviz.limits import MAX_LAYOUT_ROWS, MAX_LAYOUT_TOKENS, MAX_LAYOUT_WORLD
+from pcpviz.limits import MAX_LAYOUT_ROWS, MAX_LAYOUT_SLOTS, MAX_LAYOUT_TOKENS, MAX_LAYOUT_WORLD
 
+<<<<<<< HEAD
 __all__ = ["add_layout"]
+=======
+__all__ = ["add_layout"]
+
+
+def _check_products(pcp: int, pad: int | None, rows: int, tokens: int) -> None:
+    """UsageError naming the options when their product, not one of them, is too large: the
+    gather map holds N*P slots (``--pcp 1024 --pad 65536``: 67,108,864) and each rank lists every
+    row's segments, so each value within its own limit can still ask for gigabytes."""
+    per_rank = max(pad or 0, -(-tokens // pcp) * 2)  # DualChunkSwap pads each rank to 2 chunks
+    for what, value in ((f"--pcp {pcp} x --pad {pad}" if pad else f"--pcp {pcp} x --batch's {tokens} tokens",
+                         pcp * per_rank), (f"--pcp {pcp} x --batch's {rows} rows", pcp * rows)):
+        if value > MAX_LAYOUT_SLOTS:
+            raise UsageError(f"pcpviz layout: {what} asks for {value:,} slots; the layout command "
+                             f"holds at most {MAX_LAYOUT_SLOTS:,} (give a smaller --pcp, --pad or --batch)")
+>>>>>>> wt-rel
 
 
 def _cmd_layout(args: argparse.Namespace) -> int:
@@ -27,6 +43,7 @@ def _cmd_layout(args: argparse.Namespace) -> int:
             raise ValueError(f"{len(spec.kinds)} rows, {sum(spec.num_scheduled_tokens)} tokens: the "
                              f"layout command draws at most {MAX_LAYOUT_ROWS} rows and "
                              f"{MAX_LAYOUT_TOKENS} tokens")
+        _check_products(args.pcp, args.pad, len(spec.kinds), sum(spec.num_scheduled_tokens))
         shard = None if args.decodes == "auto" else args.decodes == "sharded"
         plan = lambda pad: plan_layout(  # noqa: E731
             spec.num_scheduled_tokens, spec.is_prefilling, args.pcp,

@@ -20,8 +20,13 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if args.mtp > 4:  # the cheap checks before importing vLLM (seconds)
         raise UsageError(f"pcpviz replay: mtp (num_speculative_tokens) must be an int in 1..4, got {args.mtp}")
     from pcpviz.trace import claim
+    from pcpviz.trace.flight import FlightConfig
     from pcpviz.trace.owner import check_target
 
+    try:
+        FlightConfig.from_env()  # PCPVIZ_FLIGHT_*: a bad value is one line before anything is created
+    except ValueError as e:
+        raise UsageError(f"pcpviz replay: {e}") from None
     try:
         check_target(args.trace, overwrite=args.overwrite)
     except ValueError as e:

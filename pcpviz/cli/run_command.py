@@ -16,6 +16,7 @@ import time
 from pcpviz.cli.guard import (EXIT_FAILED, EXIT_OK, UsageError, bounded_int, check_output_file, path,
                               read_prompts_file, seconds)
 from pcpviz.limits import MAX_LAYOUT_WORLD
+from pcpviz.trace.outputs import write_output
 
 __all__ = ["add_run", "STARTED"]
 
@@ -44,7 +45,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.write_config:
         return _write_rank_config(args, prompts)
     try:
-        res = run(prompts, progress=not args.quiet, **_engine_options(args))
+        res = run(prompts, progress=not args.quiet, redeliver_stop=False, **_engine_options(args))
     except ValueError as e:
         raise UsageError(f"pcpviz run: {e}") from None
     except (RankError, RunInterrupted) as e:  # a stop: 130 (SIGINT) or 143 (SIGTERM), its trace marked partial
@@ -61,9 +62,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
           flush=True)
     if args.json:
         try:
-            with open(args.json, "w") as f:
-                json.dump(doc, f, indent=1)
-        except OSError as e:  # the run's output is above; only the file is lost
+            write_output(args.json, json.dumps(doc, indent=1), option="--json")
+        except (OSError, ValueError) as e:  # the run's output is above; only the file is lost
             raise UsageError(f"pcpviz run: --json {args.json}: {' '.join(str(e).split())}") from None
     return EXIT_OK
 
@@ -72,7 +72,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
     """The `pcpviz run` flags as keyword arguments of pcpviz.run / build_config."""
     return dict(pcp=args.pcp, num_speculative_tokens=args.mtp, device=args.device,
                 max_new_tokens=args.max_new_tokens, trace_dir=args.trace, inject=args.inject or (),
-                max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, dtype=args.dtype,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                block_size=args.block_size, dtype=args.dtype,
                 model_dir=args.model, timeout_s=args.timeout, overwrite=args.overwrite)
 
 
@@ -94,7 +95,7 @@ def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
             owner = start_trace(cfg, "pcpviz run --write-config")
             owner.release()  # the ranks create their files
             cfg = dataclasses.replace(cfg, trace_owner=owner.token)
-        cfg.to_json(args.write_config)
+        write_output(args.write_config, json.dumps(cfg.to_dict()), option="--write-config")
     except (ValueError, OSError) as e:
         raise UsageError(f"pcpviz run: {' '.join(str(e).split())}") from None
     print(f"wrote {args.write_config}; start the ranks with\n"
@@ -117,6 +118,8 @@ def add_run(sub) -> None:
     p.add_argument("--max-new-tokens", type=bounded_int(1, 1 << 20), default=32, help="tokens to generate per prompt")
     p.add_argument("--max-num-batched-tokens", type=bounded_int(1, 1 << 20), default=2048,
                    help="per-step token budget (chunked prefill)")
+    p.add_argument("--max-num-seqs", type=bounded_int(1, 1024), default=16,
+                   help="most requests in one step (vLLM's max_num_seqs; 64 prompts in one step need 64)")
     p.add_argument("--block-size", type=bounded_int(1, 4096), default=16, help="KV cache block size")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="model and KV-cache dtype (vLLM runs the shipped checkpoint in bfloat16)")
@@ -128,7 +131,8 @@ def add_run(sub) -> None:
     p.add_argument("--json", type=path, default=None, help="write a summary (requests, acceptance) to this file")
     p.add_argument("--inject", action="append", help="inject a fault (repeatable); see --list-faults")
     p.add_argument("--list-faults", action="store_true", help="list the injectable faults and exit")
-    p.add_argument("--timeout", type=seconds, default=300.0, help="collective timeout in seconds")
+    p.add_argument("--timeout", type=seconds, default=300.0,
+                   help="collective timeout in seconds: how long a rank waits on a stuck or dead peer")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--write-config", type=path, default=None, metavar="FILE",
                    help="only write the rank config for torchrun (multi-host) and exit")

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
-from pcpviz.cli.guard import EXIT_FAILED, EXIT_OK, Incomplete, UsageError, exit_code, path, trace_verdict
+from pcpviz.cli.guard import (EXIT_FAILED, EXIT_OK, Incomplete, UsageError, exit_code, path,
+                              terminal_safe, trace_verdict)
+from pcpviz.trace.schema import MalformedValue
+from pcpviz.trace.outputs import check_output, special_kind
 
 __all__ = ["add_check", "add_diff", "add_export", "add_explain", "EXPORT_FORMATS"]
 
@@ -36,6 +40,16 @@ def _open_trace(path: str, cmd: str, *, require_steps: bool = False):
     if require_steps and not trace.steps:
         _no_steps(path, cmd, status)
     return trace, status
+
+
+class _Reported(Incomplete):
+    """Exit 3 whose one line (the trace's 'incomplete: ... (damaged data)') is already on stderr."""
+
+
+def _damaged(*statuses) -> bool:
+    """A value no integer view can hold was found on open (``pcpviz.trace.values``): a command
+    that then fails on that value exits 3 with the line already printed, not a second one."""
+    return any(p.message.endswith("(damaged data)") for st in statuses for p in st.problems)
 
 
 def _no_steps(path: str, cmd: str, status) -> None:
@@ -88,6 +102,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     try:
         report = diff_traces(a, b)
     except ValueError as e:
+        if _damaged(status_a, status_b):
+            raise _Reported("") from None
         raise UsageError(f"pcpviz diff: {e}") from None
     who = attribute_divergence(b, report)
     if args.json:
@@ -133,6 +149,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
                          + " or ".join(f"--{f} OUT" for f in EXPORT_FORMATS))
     if args.rank and not args.html:
         raise UsageError("pcpviz export: --rank chooses the HTML report's ranks; give --html OUT too")
+    for fmt, out in wanted:  # a device, FIFO or socket (or a link to one) is refused before any work
+        if special_kind(out) not in (None, "a directory"):
+            try:
+                check_output(out, f"--{fmt}")
+            except ValueError as e:
+                raise UsageError(f"pcpviz export: {e}") from None
     writers = [(fmt, out, _exporter(fmt)) for fmt, out in wanted]
     trace, status = _open_trace(args.trace, "export")
     if not trace.steps and not status.complete:
@@ -140,7 +162,14 @@ def _cmd_export(args: argparse.Namespace) -> int:
     for fmt, out, fn in writers:
         try:
             written = fn(trace, out, ranks=args.rank) if fmt == "html" and args.rank else fn(trace, out)
-        except (ValueError, OSError) as e:
+        except (MalformedValue, OverflowError, ValueError) as e:
+            if not (_damaged(status) or isinstance(e, (MalformedValue, OverflowError))):
+                raise UsageError(f"pcpviz export: --{fmt} {out}: {' '.join(str(e).split())}") from None
+            if _damaged(status):  # inf, NaN, 2.5 where an integer view is declared: said on open
+                raise _Reported("") from None
+            raise Incomplete(f"pcpviz export: incomplete: {args.trace}: {' '.join(str(e).split())} "
+                             f"(damaged data; --{fmt} {out} not written)") from None
+        except OSError as e:
             raise UsageError(f"pcpviz export: --{fmt} {out}: {' '.join(str(e).split())}") from None
         for shown in ([written] if isinstance(written, (str, bytes)) or not hasattr(written, "__iter__")
                      else written):
@@ -162,15 +191,36 @@ def add_export(sub) -> None:
     p.set_defaults(func=_cmd_export)
 
 
+def _say_rerun(trace) -> None:
+    """Up front on stderr: what explain re-runs without GOOD, roughly how long, how to skip it."""
+    from pcpviz.analysis.explain import other_producer, rerun_plan
+
+    plan, why = rerun_plan(trace)
+    if plan is None:
+        return
+    n, new = len(plan["prompts"]), plan["max_new_tokens"]
+    other = other_producer(trace)
+    print(terminal_safe(
+        f"pcpviz explain: no GOOD run given: re-running the {n} prompt{'s' * (n > 1)} on pcpviz's engine as the "
+        f"reference (PCP {plan['pcp']}, K {plan['num_speculative_tokens']}, {n * new} tokens to generate; the "
+        f"engine's start-up plus generation, typically tens of seconds on CPU)"
+        + (f"; {other}, so only the checks and prompts count, not its differences" if other else "")
+        + "; --no-rerun skips it"), file=sys.stderr, flush=True)
+
+
 def add_explain(sub) -> None:
     def run(args: argparse.Namespace) -> int:
         from pcpviz.analysis.explain import explain
 
         bad, status = _open_trace(args.bad, "explain", require_steps=True)
         good = None if args.good is None else _open_trace(args.good, "explain", require_steps=True)[0]
+        if good is None and not args.no_rerun:
+            _say_rerun(bad)
         try:
-            report = explain(bad, good, rerun=not args.no_rerun, status=status)
+            report = explain(bad, good, rerun=not args.no_rerun, status=status, progress=not args.json)
         except ValueError as e:  # a payload that fails its checksum while being read
+            if _damaged(status):
+                raise _Reported("") from None
             raise UsageError(f"pcpviz explain: {' '.join(str(e).split())}") from None
         print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
         return exit_code(status, report.ok)

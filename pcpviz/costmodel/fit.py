@@ -29,6 +29,7 @@ from pcpviz.costmodel.points import Case, Points, load_points
 from pcpviz.costmodel.specs import H200, Hardware, ModelSpec, System, tiny_model
 from pcpviz.costmodel.step import decode_time_per_token, prefill_time
 from pcpviz.io_guards import read_json_file
+from pcpviz.trace.outputs import write_output
 
 __all__ = ["PRIORS", "SYSTEM_KEYS", "Fit", "fit", "predict_case", "systems_from", "load_fit", "fit_to_json",
            "format_fit", "write_fit"]
@@ -248,6 +249,4 @@ def load_fit(path: str) -> dict[str, System]:
 
 
 def write_fit(f: Fit, path: str, hw: Hardware = H200) -> None:
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(fit_to_json(f, hw), fh, indent=1)
-        fh.write("\n")
+    write_output(path, json.dumps(fit_to_json(f, hw), indent=1) + "\n", option="--out")

@@ -35,7 +35,7 @@ from pcpviz.trace.acceptance import json_ratio
 from pcpviz.engine.rank_procs import (WORK_PREFIX, RankError, RankProcess, blame, clean_stale_work_dirs,
                                       die_with_parent, rank_env)
 from pcpviz.engine.run_config import RunConfig, build_config
-from pcpviz.engine.stops import RunInterrupted, StopGuard
+from pcpviz.engine.stops import RunInterrupted, StopGuard, redeliver
 from pcpviz.engine.trace_dir import start_trace
 
 __all__ = ["run", "RunResult", "RankError", "RunInterrupted"]
@@ -111,6 +111,31 @@ def _progress_bar(cfg: RunConfig):
     return bar
 
 
+_TIMEOUT_WORDS = ("timed out", "timeout", "time out")
+
+
+def timeout_named(err: RankError, timeout_s: float) -> RankError:
+    """``err`` with the setting that bounds the wait named when it is a timeout: a rank waiting on
+    a stuck or dead peer gives up after the collective timeout, which ``pcpviz run --timeout``
+    (``timeout_s=``) sets::
+
+        rank 1 failed: ... timed out; the collective timeout is 300 s (pcpviz run --timeout SECONDS)
+    """
+    text = str(err)
+    if not any(w in text.lower() for w in _TIMEOUT_WORDS) or "--timeout" in text:
+        return err
+    out = RankError(err.rank, text.split(": ", 1)[-1] + f"; the collective timeout is {timeout_s:g} s "
+                    "(pcpviz run --timeout SECONDS, pcpviz.run(timeout_s=...))")
+    return out
+
+
+def _say_start(cfg: RunConfig, progress: bool) -> None:
+    """One line while the ranks load the model (the progress bar starts at the first step)."""
+    if progress:
+        print(f"pcpviz run: starting {cfg.pcp} rank process{'es' * (cfg.pcp > 1)} (loading the model)...",
+              file=sys.stderr, flush=True)
+
+
 def _launch(cfg: RunConfig, progress: bool) -> dict:
     clean_stale_work_dirs()
     work = tempfile.mkdtemp(prefix=f"{WORK_PREFIX}{os.getpid()}-")
@@ -119,7 +144,8 @@ def _launch(cfg: RunConfig, progress: bool) -> dict:
     cfg.to_json(cfg_path)
     port = _free_port()
     ranks: list[RankProcess] = []
-    bar = _progress_bar(cfg) if progress else None
+    bars: list = []  # the progress bar, made at rank 0's first progress line: start-up is not token time
+    _say_start(cfg, progress)
     guard = StopGuard()  # SIGINT/SIGTERM: the ranks stop between two steps (pcpviz.engine.stops)
     try:
         for rank in range(cfg.pcp):
@@ -135,7 +161,10 @@ def _launch(cfg: RunConfig, progress: bool) -> dict:
 
         def pump() -> None:  # rank 0's progress lines (rank_main.progress_line)
             for line in ranks[0].proc.stdout:
-                if line.startswith("PCPVIZ_PROGRESS ") and bar is not None:
+                if line.startswith("PCPVIZ_PROGRESS ") and progress:
+                    if not bars:
+                        bars.append(_progress_bar(cfg))
+                    bar = bars[0]
                     doc = json.loads(line.split(" ", 1)[1])
                     # a long prompt takes many chunked-prefill steps before its first token
                     done, todo = doc["prefill"]
@@ -155,12 +184,12 @@ def _launch(cfg: RunConfig, progress: bool) -> dict:
                 grace = time.monotonic() + 2.0
                 while time.monotonic() < grace and any(r.proc.poll() is None for r in ranks):
                     time.sleep(0.05)
-                raise blame(ranks, work)
+                raise timeout_named(blame(ranks, work), cfg.timeout_s)
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
                 r = next(r for r, c in zip(ranks, codes) if c is None)
-                raise RankError(r.rank, "timed out")
+                raise timeout_named(RankError(r.rank, "timed out"), cfg.timeout_s)
             time.sleep(0.05)
         reader.join(timeout=5)
         with open(os.path.join(work, "result.json")) as f:
@@ -182,14 +211,14 @@ def _launch(cfg: RunConfig, progress: bool) -> dict:
                 r.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        if bar is not None:
+        for bar in bars:
             bar.close()
         shutil.rmtree(work, ignore_errors=True)
 
 
 def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative_tokens: int = 2,
         device: str = "cpu", max_new_tokens: int = 32, trace_dir: str | None = None,
-        inject: Sequence[str] = (), progress: bool = True, **options) -> RunResult:
+        inject: Sequence[str] = (), progress: bool = True, redeliver_stop: bool = True, **options) -> RunResult:
     """Run the tiny DeepSeek-V3 model on ``pcp`` ranks with MTP (K = ``num_speculative_tokens``).
 
     ``prompts`` are strings (byte-level tokenized, with BOS) or token-id lists.
@@ -201,6 +230,12 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
     refused either way), ``cuda_graphs`` (decode steps from CUDA graphs; on for CUDA at
     PCP=1 by default), ``time_phases`` (``RunResult.phases``: where the loop's time goes),
     ``profile_dir`` (a torch.profiler profile per rank, see ``build_config``).
+
+    SIGINT or SIGTERM stop the ranks between two steps and finalize the trace (marked partial);
+    then the signal is re-delivered to this process, so the host's own handling of it happens
+    (the default SIGTERM action ends it with 143; SIGINT raises ``KeyboardInterrupt``), and if
+    the host's handler returns, ``RunInterrupted`` (a ``BaseException``) is raised.
+    ``redeliver_stop=False`` (the CLI) only raises ``RunInterrupted``.
     """
     from pcpviz.engine.tokenizer import decode
 
@@ -211,6 +246,13 @@ def run(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_speculative
         cfg = dataclasses.replace(cfg, trace_owner=owner.token)
     try:
         res = _launch(cfg, progress)
+    except RunInterrupted as stop:
+        if owner is not None:
+            owner.release()
+            owner = None
+        if redeliver_stop:
+            redeliver(stop)  # the host's handling of the signal (pcpviz.engine.stops)
+        raise
     finally:
         if owner is not None:
             owner.release()

@@ -24,11 +24,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
 __all__ = ["STOP_KEY", "STOP_GRACE_S", "RunInterrupted", "StopGuard", "stop_requested", "catch_rank_stops",
-           "catch_stops", "forward_stop", "restore_stops", "await_stop"]
+           "catch_stops", "forward_stop", "restore_stops", "await_stop", "redeliver"]
 
 STOP_KEY = "pcpviz_stop"
 """Key of the document rank 0 broadcasts instead of a plan when the run is stopped."""
@@ -40,8 +41,12 @@ trace files before they are killed."""
 _stop: list[str] = []  # this rank process: the name of the first SIGINT/SIGTERM it received
 
 
-class RunInterrupted(RuntimeError):
-    """SIGINT or SIGTERM stopped the run (``signum``); the message says what the trace holds."""
+class RunInterrupted(BaseException):
+    """SIGINT or SIGTERM stopped the run (``signum``); the message says what the trace holds.
+
+    A ``BaseException``, like ``KeyboardInterrupt``: a host's ``except Exception`` does not turn
+    its own termination into an ordinary error. ``pcpviz.run`` re-delivers the signal first
+    (``redeliver``), so a host that keeps the default SIGTERM action still dies of it (143)."""
 
     def __init__(self, signum: int, message: str) -> None:
         super().__init__(message)
@@ -152,3 +157,20 @@ class StopGuard:
 
     def close(self) -> None:
         restore_stops(self._previous)
+
+
+def redeliver(stop: RunInterrupted) -> None:
+    """After the trace is finalized and the launcher's handlers are restored: let the host's own
+    handling of ``stop.signum`` happen. With the default action (SIGTERM's) the process dies of
+    the signal (exit 143) after one line on stderr; a Python handler runs (SIGINT's raises
+    ``KeyboardInterrupt`` here); an ignored signal stays ignored. Returns only when the host's
+    handler returned (the caller then raises ``stop``). Main thread only (else a no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(stop.signum)
+    if handler == signal.SIG_IGN or handler is None:
+        return
+    if handler == signal.SIG_DFL:
+        print(f"pcpviz.run: {stop}", file=sys.stderr, flush=True)
+    os.kill(os.getpid(), stop.signum)
+    time.sleep(0.01)  # a Python handler runs at the next bytecode boundary, here

@@ -45,6 +45,7 @@ from typing import Any, Mapping
 from pcpviz.limits import MAX_RECORD_BYTES
 
 from . import schema as S
+from .outputs import check_output
 
 __all__ = ["COMPLETION_FILE", "COMPLETION_KEY", "COMPLETE", "PARTIAL", "STATUSES", "ENTRY_FIELDS",
            "RankEnd", "Completion", "record_end", "forget", "read_completion", "mark_legacy",
@@ -158,6 +159,7 @@ def _write_record(run_dir: Path, doc: dict) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+        check_output(run_dir / COMPLETION_FILE)  # a FIFO or device there is not replaced
         os.replace(tmp, run_dir / COMPLETION_FILE)
     finally:
         if os.path.lexists(tmp):

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import schema as S
+from .outputs import special_kind
 
 __all__ = ["LOCK_FILE", "Claim", "claim", "check_target", "check_writer", "writer_busy", "open_regular",
            "trace_files"]
@@ -286,9 +287,14 @@ def _claim_in(p: Path, *, overwrite: bool, command: str) -> Claim:
         if not overwrite:
             _refuse_non_empty(p)
         else:
-            for f in trace_files(p):
+            old = trace_files(p)
+            for f in old:  # all checked before any is removed: a refusal removes nothing
                 if f.is_dir() and not f.is_symlink():
                     raise ValueError(f"{f}: is a directory, not a trace file; remove it yourself")
+                kind = special_kind(f)
+                if kind is not None:
+                    raise ValueError(f"{f}: is {kind}, not a trace file; --overwrite replaced nothing")
+            for f in old:
                 try:
                     f.unlink()
                 except OSError as exc:

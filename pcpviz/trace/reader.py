@@ -52,6 +52,8 @@ import numpy as np
 from . import schema as S
 from .errors import TraceError, TraceWarning
 from .index import MapBudget, RankIndex, scan_rank_file
+from .completion import rank_file_busy
+from .owner import writer_busy
 from .runmeta import check_version, file_kind, read_meta
 from pcpviz.limits import MAX_WORLD_SIZE
 
@@ -405,4 +407,14 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
     notes += [unreadable[r] for r in sorted(unreadable)]
     for note in notes:
         warnings.warn(note, TraceWarning, stacklevel=2)
+    if not any(f.steps for f in files.values()):  # a live run before its first step: say so
+        busy = writer_busy(run_dir) or next((f"{f.path.name} is being written" for f in files.values()
+                                             if rank_file_busy(f.path)), None)
+        if busy:
+            empty = (f"{run_dir}: no complete step yet ({busy.split(': ', 1)[-1]}): the trace holds "
+                     "0 records (the CLI exits 3 on it)")
+            if strict:
+                raise TraceError(empty)
+            notes.append(empty)
+            warnings.warn(empty, TraceWarning, stacklevel=2)
     return Trace(run_dir, meta, files, index, notes, cache_size, unreadable)

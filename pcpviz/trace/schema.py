@@ -75,6 +75,7 @@ __all__ = [
     "COMPLETION_FILE", "COMPLETION_KEY", "rank_file_name",
     "PHASE_TARGET", "PHASE_VERIFY", "PHASE_DUMMY", "DRAFT_PHASE_PREFIX", "PHASES",
     "draft_phase", "draft_index", "is_valid_phase", "phase_sort_key", "causal_phase_key", "int_view",
+    "MalformedValue", "MALFORMED_VALUE",
     "GLOBAL_BATCH_VIEWS", "LAYOUT_VIEWS", "LOCAL_BATCH_VIEWS", "BLOCK_TABLE_VIEWS",
     "SLOT_MAPPING_VIEWS", "DRAFT_VIEWS", "VERIFY_VIEWS", "DIGEST_VIEWS", "VIEW_GROUPS", "VIEWS",
     "KNOWN_VIEWS", "PHASE_CLASSES", "GLOBAL", "RANK", "ViewSpec", "VIEW_SPECS", "phase_class", "view_spec",
@@ -102,6 +103,15 @@ for _s in VIEW_SPECS:
         _SPEC_INDEX[(_p, _s.name)] = _s
 
 
+class MalformedValue(ValueError):
+    """A value a file stored where the schema declares an integer view that no integer can be:
+    NaN, inf, 2.5 or beyond int64. Damaged data: every command reports it as lost (exit 3)."""
+
+
+MALFORMED_VALUE = "MalformedValue"
+"""The exception's name as a check's 'could not evaluate' line carries it."""
+
+
 def int_view(values, name: str):
     """int64 array of an integer view as read from a file. A producer may store integers in a
     float column; those are kept when every value is a whole finite number, and anything else
@@ -119,7 +129,7 @@ def int_view(values, name: str):
         raise ValueError(f"{name} holds {a.dtype} values, not integers")
     bad = ~np.isfinite(a) | (a != np.round(a)) | (np.abs(a) >= 2.0**63)
     if bad.any():
-        raise ValueError(f"{name} holds {float(a[bad].flat[0])!r}, not an integer")
+        raise MalformedValue(f"{name} holds {float(a[bad].flat[0])!r}, not an integer")
     return a.astype(np.int64)
 
 

@@ -40,6 +40,7 @@ from . import schema as S
 from .completion import judge
 from .errors import TraceError
 from pcpviz.limits import MAX_BLOCK_SIZE, MAX_COUNT, MAX_SPECULATIVE_TOKENS, MAX_WORLD_SIZE
+from .values import report_malformed
 
 __all__ = ["INVALID", "INCOMPLETE", "Problem", "TraceStatus", "META_SCHEMA", "validate_meta",
            "validate", "trusted_meta", "undeclared_views"]
@@ -192,8 +193,7 @@ def validate_meta(meta: Any, path: str | Path) -> list[Problem]:
     """The schema problems of a run.json document (``path`` names it in the messages)."""
     path = str(path)
     if not isinstance(meta, dict):
-        return [Problem(INVALID, path, None, f"{path}: top level is a {type(meta).__name__}, "
-                        "not an object")]
+        return [Problem(INVALID, path, None, f"{path}: top level is a {type(meta).__name__}, not an object")]
     out: list[Problem] = []
 
     def bad(key: str, what: str) -> None:
@@ -293,6 +293,7 @@ def validate(trace: Any) -> TraceStatus:
                        f"hold {len(all_steps)} steps")
         else:
             invalid("num_steps", f"{num_steps}, but the rank files hold {len(all_steps)} steps")
+    report_malformed(trace, incomplete)  # inf, NaN or 2.5 in an integer view: damaged data
     ending, ended = judge(trace, pcp)  # how the run ended (pcpviz.trace.completion)
     problems += [Problem(INCOMPLETE, file, key, message) for file, key, message in ended]
     _check_drafts(trace, meta, invalid)
@@ -472,7 +473,6 @@ def check_or_raise(trace: Any) -> TraceStatus:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise TraceError(bad[0].message + more)
     return st
-
 
 
 def undeclared_views(trace: Any) -> list[str]:

@@ -44,6 +44,7 @@ import pyarrow as pa
 
 from . import schema as S
 from .completion import COMPLETE, PARTIAL, forget, record_end
+from .outputs import check_output
 from .owner import check_writer, open_regular
 
 __all__ = ["TraceWriter", "write_run_meta"]
@@ -92,6 +93,7 @@ def _install_meta(run_dir: Path, text: str, *, replace: bool) -> Path:
         finally:
             os.close(fd)
         if replace:
+            check_output(final)  # a FIFO, device or socket named run.json is not replaced
             os.replace(tmp, final)
         else:
             os.link(tmp, final)

@@ -587,9 +587,11 @@ def test_phase_missing_on_some_steps_is_a_partial_skip(tmp_path):
     assert "skipped 2 (step 0 rank 0: no verify phase)" in report.format()
     # the summary's counts agree with the per-check lines: a skipped (step, rank) is not a skipped check
     last = report.format().splitlines()[-1]
-    assert "2 skipped (could run on no step)" in last  # graph_inputs_are_captured, forward_consumed_prepared
+    assert " 2 skipped;" in last  # graph_inputs_are_captured (no CUDA graphs), forward_consumed_prepared
     partial = [r for r in report.results.values() if r.verdict == PASS and r.skipped]
-    assert f"; {len(partial)} passed checks skipped {sum(r.skipped for r in partial)} (step, rank)" in last
+    plural = "s" * (len(partial) > 1)
+    pairs = sum(r.skipped for r in partial)
+    assert f"; {len(partial)} passing check{plural} did not run on {pairs} (step, rank)" in last
 
 
 def test_malformed_view_fails_instead_of_crashing(tmp_path):
@@ -674,7 +676,7 @@ def test_cli_check_truncated_rank_file_checks_what_is_complete(tmp_path):
     assert "rank1.arrow" in lines[0] and "last complete step" in lines[0]
     assert any("rank 1 lacks steps" in ln for ln in lines)
     # all but the graph ledger's and forward_consumed_prepared (no fwd_* views)
-    assert f"result: INCOMPLETE: {len(CHECKS) - 2} passed, 0 failed" in r.stdout
+    assert f"result: INCOMPLETE: {len(CHECKS)} checks: {len(CHECKS) - 2} passed, 2 skipped" in r.stdout
 
 
 def test_run_checks_takes_one_name_or_a_list_and_refuses_unknown_names():

@@ -162,13 +162,13 @@ class CheckReport:
         return "\n".join(lines)
 
     def counts_line(self) -> str:
-        """``"18 passed, 0 failed, 0 skipped (could run on no step); 2 passed checks skipped 3
-        (step, rank) they could not run on"``: counts of
-        checks, agreeing with the per-check lines (a PASS line may say ``skipped 2``: those are
-        (step, rank) pairs the check could not run on, not skipped checks)."""
+        """``"26 checks: 24 passed, 1 failed, 1 skipped; 2 passing checks did not run on 3 (step, rank)"``: counts
+        of checks (a failed or skipped count of 0 is left out; skipped = ran on no step), then how
+        many passing checks could not run on some (step, rank) pairs and on how many in all."""
         partial = [r for r in self.results.values() if r.verdict == PASS and r.skipped]
         pairs = sum(r.skipped for r in partial)
-        note = (f"; {len(partial)} passed checks skipped {pairs} (step, rank) they could not run on"
+        parts = [f"{len(self.passed)} passed"] + [f"{n} {what}" for n, what in (
+            (len(self.failed), "failed"), (len(self.skipped), "skipped")) if n]
+        note = (f"; {len(partial)} passing check{'s' * (len(partial) > 1)} did not run on {pairs} (step, rank)"
                 if partial else "")
-        return (f"{len(self.passed)} passed, {len(self.failed)} failed, "
-                f"{len(self.skipped)} skipped (could run on no step){note}")
+        return f"{len(self.results)} checks: " + ", ".join(parts) + note

@@ -51,8 +51,8 @@ from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 
 __all__ = ["Hypothesis", "Explanation", "explain", "CLEAN", "FAULT", "UNEXPLAINED", "ACCEPTANCE_REGRESSION",
-           "DIVERGED", "rerun_plan", "RERUN_MAX_PROMPTS", "RERUN_MAX_NEW_TOKENS", "RERUN_MAX_PROMPT_TOKENS",
-           "RERUN_MAX_PCP"]
+           "DIVERGED", "rerun_plan", "other_producer", "RERUN_MAX_PROMPTS", "RERUN_MAX_NEW_TOKENS",
+           "RERUN_MAX_PROMPT_TOKENS", "RERUN_MAX_PCP"]
 
 CLEAN, FAULT, UNEXPLAINED, ACCEPTANCE_REGRESSION = "CLEAN", "FAULT", "UNEXPLAINED", "ACCEPTANCE_REGRESSION"
 DIVERGED = "DIVERGED"
@@ -228,7 +228,20 @@ def rerun_plan(trace: Trace) -> tuple[dict | None, str]:
                 block_size=m.get("block_size") or 16, max_new_tokens=max_new, **opts), ""
 
 
-def _rerun(trace: Trace, out_dir: str) -> tuple[str | None, str]:
+def other_producer(trace: Trace) -> str | None:
+    """Why an engine re-run on this CPU is another producer than the one that wrote ``trace``
+    (real vLLM, a GPU, another dtype), else None. Such a re-run schedules, rounds and samples on
+    its own terms: only what must agree across producers (the checks, the prompts) is compared."""
+    m = trace.meta if isinstance(trace.meta, dict) else {}
+    producer = m.get("producer")
+    if producer != "pcpviz-engine":
+        return f"the trace comes from {producer or 'an unnamed producer'}, the re-run from pcpviz's engine"
+    if m.get("device", "cpu") != "cpu":
+        return f"the trace ran on {m.get('device')}, the re-run on CPU"
+    return None
+
+
+def _rerun(trace: Trace, out_dir: str, *, progress: bool = False) -> tuple[str | None, str]:
     """Re-run the trace's prompts on the engine (same PCP, K, block size); (trace dir, note)."""
     import pcpviz
 
@@ -237,7 +250,7 @@ def _rerun(trace: Trace, out_dir: str) -> tuple[str | None, str]:
         return None, why
     prompts = plan.pop("prompts")
     try:
-        pcpviz.run(prompts, trace_dir=out_dir, progress=False, **plan)
+        pcpviz.run(prompts, trace_dir=out_dir, progress=progress, **plan)
     except (ValueError, RuntimeError, OSError) as e:
         return None, f"no re-run: {' '.join(str(e).split())}"
     return out_dir, (f"reference: a clean engine re-run of the same {len(prompts)} prompts "
@@ -245,10 +258,12 @@ def _rerun(trace: Trace, out_dir: str) -> tuple[str | None, str]:
 
 
 def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | None = None, *,
-            rerun: bool = True, status: Any = None) -> Explanation:
+            rerun: bool = True, status: Any = None, progress: bool = False) -> Explanation:
     """Explain ``bad`` (see the module doc). ``good``: a good run of the same prompts; without it,
-    ``rerun=True`` re-runs the prompts on the engine as the reference (``rerun=False``: none).
-    ``status``: ``pcpviz.trace.validate(bad)`` when the caller has it already."""
+    ``rerun=True`` re-runs the prompts on the engine as the reference (``rerun=False``: none;
+    ``progress``: the re-run's progress bar). A re-run by another producer (``other_producer``:
+    real vLLM, a GPU) is no reference for views, tokens or acceptance: its differences are noted,
+    never the verdict. ``status``: ``pcpviz.trace.validate(bad)`` when the caller has it already."""
     tb = bad if isinstance(bad, Trace) else open_trace(bad)
     kv = KvReplicas(tb.ranks[0] if tb.ranks else None)
     report = run_checks(tb, status=status, probe=kv.probe)  # one pass: the checks and the KV replicas
@@ -258,7 +273,7 @@ def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | No
         ref = good
         kind = "good" if good is not None else None
         if ref is None and rerun:
-            ref, note = _rerun(tb, os.path.join(tmp, "rerun"))
+            ref, note = _rerun(tb, os.path.join(tmp, "rerun"), progress=progress)
             kind = "rerun" if ref is not None else None
         ta = None if ref is None else (ref if isinstance(ref, Trace) else open_trace(ref))
         diff = None if ta is None else diff_traces(ta, tb)
@@ -269,6 +284,13 @@ def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | No
     f = Findings(tb, report)
     hyps = _rank([_hypothesis(name, f, sym) for name in faults_of(ENGINE)], report)
     verdict, headline = _verdict(report, sym, hyps)
+    other = other_producer(tb) if kind == "rerun" else None
+    if other is not None and verdict in (DIVERGED, ACCEPTANCE_REGRESSION):
+        headline = (f"every check passes; the engine re-run differs ({verdict.lower().replace('_', ' ')}: "
+                    f"{headline}), but {other}: scheduling, rounding and sampling differ by producer, so "
+                    "that is no evidence against this run (give GOOD, a good run by the same producer, "
+                    "to compare views and acceptance)")
+        verdict = CLEAN
     if not report.complete:
         ending = getattr(report.status, "ending", "")
         why = {"being written": "it is still being written",

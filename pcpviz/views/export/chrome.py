@@ -41,7 +41,7 @@ import numpy as np
 
 from pcpviz.analysis.parallel import default_workers, forked_imap
 from pcpviz.trace.schema import causal_phase_key
-from pcpviz.views.export.atomic import atomic_output
+from pcpviz.trace.outputs import atomic_output, check_output
 from pcpviz.trace import Trace, TraceError, draft_index
 from pcpviz.trace import open as open_trace
 
@@ -344,6 +344,7 @@ def export_chrome(trace: Trace | str | os.PathLike, out: str | os.PathLike, *,
     if merged is None:
         merged = out.suffix.lower() == ".json" and not out.is_dir()
     if merged:
+        check_output(out)  # a device, FIFO or socket is refused before any work
         if out.parent and not out.parent.exists():
             out.parent.mkdir(parents=True)
         targets = [(out, None)]

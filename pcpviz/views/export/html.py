@@ -33,7 +33,7 @@ from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
 from pcpviz.views.figures.lod import TOKEN_PX, record_strips
 from pcpviz.views.export import tokens as tk
-from pcpviz.views.export.atomic import atomic_output
+from pcpviz.trace.outputs import atomic_output, check_output
 from pcpviz.views.export.plotly_json import figure_json
 from pcpviz.views.panels import PanelInput, panel_marks, run_panels, step_panels
 from pcpviz.views.widgets import status as st
@@ -362,6 +362,7 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
     ``ranks`` limits the ranks whose panels are precomputed (default: all; each rank adds one set
     of figures per step to the file).
     """
+    check_output(out_path)  # a device, FIFO or socket is refused before any work
     trace = trace_path if isinstance(trace_path, Trace) else open_trace(trace_path)
     if not trace.steps:
         raise ValueError(f"trace {trace.path} has no complete step")

@@ -20,7 +20,7 @@ from pcpviz.reference.batch import record_query_start_loc
 from pcpviz.reference.chunks import chunk_size
 from pcpviz.trace.bounds import step_problems
 from pcpviz.trace.reader import Record
-from pcpviz.trace.schema import DRAFT_VIEW_REPLICATED, SEGMENT_DTYPE
+from pcpviz.trace.schema import DRAFT_VIEW_REPLICATED, SEGMENT_DTYPE, int_view, view_spec
 from pcpviz.trace.shapes import table_groups, view_text
 
 __all__ = ["view_array", "is_replicated", "StepLayout", "step_layout", "has_layout", "single_rank",
@@ -29,10 +29,17 @@ __all__ = ["view_array", "is_replicated", "StepLayout", "step_layout", "has_layo
 
 
 def view_array(rec: Record | None, name: str, default=None):
-    """``rec[name]`` as an array, ``default`` when ``rec`` is None or lacks the view."""
+    """``rec[name]`` as an array, ``default`` when ``rec`` is None or lacks the view. An integer
+    view a file stored as floats is read as int64 when it holds whole numbers; NaN, inf or 2.5
+    raise ``MalformedValue`` naming the view (the commands exit 3: damaged data)."""
     if rec is None or name not in rec:
         return default
-    return np.asarray(rec[name])
+    a = np.asarray(rec[name])
+    if a.dtype.kind == "f":
+        spec = view_spec(rec.phase, name)
+        if spec is not None and spec.dtype.startswith(("int", "uint")):
+            return int_view(a, f"step {rec.step} rank {rec.rank} {rec.phase}.{name}")
+    return a
 
 
 @dataclass(frozen=True)

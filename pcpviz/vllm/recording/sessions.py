@@ -22,8 +22,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from pcpviz.trace.files import RUN_META_FILE
 from pcpviz.trace.flight import FlightConfig
 from pcpviz.vllm.contract import ENV_TRACE_DIR  # the one definition
+from pcpviz.trace.outputs import special_kind
+from pcpviz.trace.owner import LOCK_FILE, trace_files, writer_busy
 from pcpviz.vllm.recording.recorder import RankRecorder
 
 __all__ = ["ENV_TRACE_DIR", "ENV_RECORD_DUMMY", "TraceSession", "session", "active_session", "current_session",
@@ -155,12 +158,47 @@ def active_session() -> TraceSession | None:
     with _session_lock:
         if _session is None:
             run_dir = os.environ.get(ENV_TRACE_DIR, "").strip()
-            if run_dir:
+            refused = _refused_dir(run_dir) if run_dir else None
+            if refused is not None:
+                if not _warned:  # once per process: the plugin is off here, vLLM runs on
+                    _warned.append(refused)
+                    logging.getLogger("vllm.pcpviz").warning(
+                        "pcpviz: %s=%s: %s; nothing is being written there (recording is off in this process)",
+                        ENV_TRACE_DIR, run_dir, refused)
+            elif run_dir:
                 _session = TraceSession(run_dir, producer="vllm-plugin",
                                         record_dummy=os.environ.get(ENV_RECORD_DUMMY, "") == "1",
                                         flight=_flight_from_env())
                 atexit.register(_session.close, "finished: process exit")
         return _session
+
+
+_warned: list[str] = []  # the one warning this process gave about $PCPVIZ_TRACE_DIR
+
+
+def _refused_dir(run_dir: str) -> str | None:
+    """Why the plugin cannot record into ``run_dir`` before any step is taken, else None: it
+    already holds a trace (a run of its own was never overwritten by the plugin), another run is
+    writing there, or its lock file or run.json is a FIFO, device or socket."""
+    p = Path(run_dir)
+    if not p.exists():
+        return None
+    if not p.is_dir():
+        return "exists and is not a directory"
+    for name in (LOCK_FILE, RUN_META_FILE):
+        kind = special_kind(p / name) if os.path.lexists(p / name) else None
+        if kind is not None or os.path.islink(p / name) and name == LOCK_FILE:
+            return f"its {name} is {kind or 'a symbolic link'}, not a regular file"
+    busy = writer_busy(p)
+    if busy:
+        return busy.split(": ", 1)[-1]
+    try:
+        held = [f.name for f in trace_files(p)]
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if held:
+        return f"already holds a trace ({', '.join(held[:3])}); give a new directory or remove it"
+    return None
 
 
 def _flight_from_env() -> FlightConfig | None:

@@ -27,6 +27,7 @@ from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
 from pcpviz.vllm import fixes as vllm_fixes
+from pcpviz.trace.flight import FlightConfig
 from pcpviz.vllm import recording
 from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
 from pcpviz.vllm.recording import RecordingPCPManager
@@ -264,7 +265,7 @@ def _run_recorded(run: _Run, trace_dir: str | os.PathLike | None, *, meta: dict[
         path = Path(trace_dir)
         _check_run_dir(path, overwrite)
         with recording.session(path, producer=PRODUCER, meta=meta, strict=True, record_dummy=True,
-                               overwrite=overwrite) as sess:
+                               overwrite=overwrite, flight=FlightConfig.from_env()) as sess:  # PCPVIZ_FLIGHT_*
             run.run(dummy)
         return path, sess.seconds_recording
     run.run(dummy)
