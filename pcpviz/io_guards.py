@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from pcpviz.limits import MAX_JSON_INPUT_BYTES
 from pcpviz.trace.jsonlimits import loads_bounded
+from pcpviz.trace.outputs import check_output, special_kind
 from pcpviz.trace.runmeta import open_for_reading
 
 __all__ = ["bounded_int", "check_output_file", "read_json_file"]
@@ -39,8 +40,12 @@ def bounded_int(lo: int, hi: int) -> Callable[[str], int]:
 
 def check_output_file(path: str, option: str) -> None:
     """ValueError (one line naming ``option``) if ``path`` cannot be written as a file: it is a
-    directory, its directory does not exist or is not writable."""
+    directory, a device, FIFO or socket (or a link to one: ``pcpviz.trace.outputs``), its
+    directory does not exist or is not writable."""
     where = f"{option} {path}"
+    kind = special_kind(path)
+    if kind is not None and kind != "a directory":
+        check_output(path, option)
     try:
         os.stat(path)
     except FileNotFoundError:

@@ -22,13 +22,8 @@ import re
 import sys
 from typing import Any, Iterator, Sequence
 
-<<<<<<< HEAD
 from pcpviz.limits import MAX_PROMPTS
 from pcpviz.io_guards import bounded_int, check_output_file, read_json_file
-=======
-from pcpviz.trace.jsonlimits import loads_bounded
-from pcpviz.trace.outputs import check_output, special_kind
->>>>>>> wt-rel
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_BAD_INPUT", "EXIT_INCOMPLETE", "EXIT_PIPE", "UsageError", "Incomplete",
            "positive_int", "EXIT_CODES_HELP", "bounded_int", "seconds", "path",
@@ -82,51 +77,6 @@ def path(text: str) -> str:
     return text
 
 
-<<<<<<< HEAD
-=======
-def check_output_file(path: str, option: str) -> None:
-    """ValueError (one line naming ``option``) if ``path`` cannot be written as a file: it is a
-    directory, a device, FIFO or socket (or a link to one: ``pcpviz.trace.outputs``), its
-    directory does not exist or is not writable."""
-    where = f"{option} {path}"
-    kind = special_kind(path)
-    if kind is not None and kind != "a directory":
-        check_output(path, option)
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # a name too long, a component that is a file, a loop of links
-        raise ValueError(f"{where}: {e.strerror or e}") from None
-    if os.path.isdir(path):
-        raise ValueError(f"{where}: is a directory; give a file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise ValueError(f"{where}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ValueError(f"{where}: not writable")
-
-
-def read_json_file(path: str, option: str) -> Any:
-    """The JSON in ``path`` (at most 64 MiB), or ValueError naming ``option`` and the file."""
-    where = f"{option} {path}"
-    try:
-        if not os.path.isfile(path):
-            raise ValueError("not a regular file" if os.path.exists(path) else "no such file")
-        from pcpviz.trace.runmeta import open_for_reading
-
-        with os.fdopen(open_for_reading(path), "rb") as f:  # a FIFO swapped in is refused, not waited on
-            data = f.read(MAX_JSON_INPUT_BYTES + 1)
-        if len(data) > MAX_JSON_INPUT_BYTES:
-            raise ValueError(f"larger than {MAX_JSON_INPUT_BYTES} bytes")
-        return loads_bounded(data)
-    except RecursionError:
-        raise ValueError(f"{where}: nested too deeply") from None
-    except (OSError, ValueError) as e:  # JSONDecodeError, UnicodeDecodeError are ValueErrors
-        raise ValueError(f"{where}: {' '.join(str(e).split())}") from None
-
-
->>>>>>> wt-rel
 def read_prompts_file(path: str) -> list[str]:
     """The prompts of ``--prompts-file`` (a JSON list of strings, at most
     ``pcpviz.limits.MAX_PROMPTS``), or ValueError naming the option and the file."""

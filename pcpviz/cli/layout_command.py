@@ -13,9 +13,6 @@ import json
 from pcpviz.cli.guard import EXIT_OK, UsageError, bounded_int
 from pcpviz.limits import MAX_LAYOUT_ROWS, MAX_LAYOUT_SLOTS, MAX_LAYOUT_TOKENS, MAX_LAYOUT_WORLD
 
-<<<<<<< HEAD
-__all__ = ["add_layout"]
-=======
 __all__ = ["add_layout"]
 
 
@@ -29,7 +26,6 @@ def _check_products(pcp: int, pad: int | None, rows: int, tokens: int) -> None:
         if value > MAX_LAYOUT_SLOTS:
             raise UsageError(f"pcpviz layout: {what} asks for {value:,} slots; the layout command "
                              f"holds at most {MAX_LAYOUT_SLOTS:,} (give a smaller --pcp, --pad or --batch)")
->>>>>>> wt-rel
 
 
 def _cmd_layout(args: argparse.Namespace) -> int:
