@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 from pcpviz.views.figures.aggregate import run_edges
 from pcpviz.views.figures.canvas import (FLAG_COLOR, Canvas, L_NULL, L_PAD, L_REPLICA, L_WRITTEN, range_text,
                                          req_levels, strip_heat, strip_labels, vline, as_figure)
-from pcpviz.views.figures.lod import PLOT_PX, Lane, RunText, draw_strip
+from pcpviz.views.figures.lod import FONT_PX, PAD_MIN_PX, PLOT_PX, Lane, RunText, draw_strip
 from pcpviz.trace import Record
 from pcpviz.trace.shapes import slot_groups
 from pcpviz.views.figures.step_data import is_replicated, step_layout, view_array
@@ -47,7 +47,9 @@ def _slot_strip(slots: np.ndarray, req: np.ndarray, status: np.ndarray | None, l
         hover.append(h)
     starts = s0.astype(np.int64) if n else np.zeros(0, np.int64)  # a run's slots count up from its first
     return Lane(e, np.asarray(level, dtype=float), text, hover,
-                RunText(["PAD" if u < 0 else "" for u in starts.tolist()], starts, starts >= 0))
+                RunText(["PAD" if u < 0 else "" for u in starts.tolist()], starts, starts >= 0),
+                token_hover=((index_name, a.astype(np.int64)), ("slot", np.where(starts >= 0, starts, -1))),
+                min_px=np.where(starts < 0, PAD_MIN_PX, 0))
 
 
 def _mask_strip(status: np.ndarray, req: np.ndarray) -> Lane:
@@ -60,7 +62,9 @@ def _mask_strip(status: np.ndarray, req: np.ndarray) -> Lane:
                 [({2: "written", 1: "replica", 0: "pad"}[x], {2: "W", 1: "r", 0: "·"}[x]) for x in st],
                 [f"{names[x]}<br>gathered rows {range_text(a, b - 1)}"
                  for x, a, b in zip(st, e[:-1].tolist(), e[1:].tolist())],
-                RunText.per_run([{2: "W", 1: "r", 0: "·"}[x] for x in st]))
+                RunText.per_run([{2: "W", 1: "r", 0: "·"}[x] for x in st]),
+                token_hover=(("gathered row", e[:-1].astype(np.int64)),),
+                min_px=np.array([PAD_MIN_PX if x == 0 else 0 for x in st], dtype=np.int64))
 
 
 def slot_mappings_spec(target: Record, draft: Record | None = None, *, draft_phase: str | None = None,
@@ -106,9 +110,9 @@ def slot_mappings_spec(target: Record, draft: Record | None = None, *, draft_pha
     windows = windows or {}
     for k, (_, lane, xtitle, rank_p) in enumerate(strips):
         xr, yr = fig.ref(k + 1, 1)
-        d = draw_strip([lane], window=windows.get("xaxis" + xr[1:]), px=px, font_size=9)
-        fig.add(strip_heat(d, [""], font_size=9, ygap=0), k + 1, 1)
-        annots.extend(strip_labels(xr, yr, d, font_size=9))
+        d = draw_strip([lane], window=windows.get("xaxis" + xr[1:]), px=px, font_size=FONT_PX)
+        fig.add(strip_heat(d, [""], font_size=FONT_PX, ygap=0), k + 1, 1)
+        annots.extend(strip_labels(xr, yr, d, font_size=FONT_PX))
         fig.axis("y", k + 1, 1, showticklabels=False)
         fig.axis("x", k + 1, 1, title=dict(text=xtitle, standoff=0, font=dict(size=10)), range=list(d.window))
         if xtitle == "request row (global order)" and r and lane.length == r and d.per_token:
