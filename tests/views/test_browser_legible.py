@@ -23,7 +23,8 @@ from PIL import Image
 from pcpviz.synthetic import RequestSpec, generate
 from pcpviz.views.figures.palette import PAD_COLOR, REQUEST_COLORS
 from pcpviz.views.widgets import LayoutBuilder, Workbench
-from test_browser_views import SHOTS, _MEASURE, _jsonable, _no_overlaps, plotly_js  # noqa: F401
+from test_browser_views import SHOTS, _MEASURE, _jsonable, _no_overlaps
+from test_browser_views import plotly_js  # noqa: F401 (the plotly.js fixture)
 
 pytestmark = pytest.mark.slow  # Chromium
 
@@ -58,7 +59,7 @@ def _draw(browser, js, specs: dict, width: int, stem: str) -> tuple[dict, dict, 
 
 
 @pytest.mark.parametrize("size", list(SIZES))
-def test_sixteen_requests_show_padding_colours_and_readable_labels(size, browser, plotly_js, tmp_path):
+def test_sixteen_requests_show_padding_colours_and_readable_labels(size, browser, plotly_js, tmp_path):  # noqa: F811
     tokens, pcp = SIZES[size]
     # uneven prompts: each rank gets padding rows
     reqs = [RequestSpec(f"r{i}", tokens // 16 - 3 * (i % 4), 2) for i in range(16)]
@@ -79,7 +80,7 @@ def test_sixteen_requests_show_padding_colours_and_readable_labels(size, browser
         _no_overlaps(measured[v]["texts"], f"{size} {v}")
 
 
-def test_notebook_01_subplot_titles_do_not_overlap(browser, plotly_js):
+def test_notebook_01_subplot_titles_do_not_overlap(browser, plotly_js):  # noqa: F811
     fig = LayoutBuilder(prompts="13, 7", decodes="1, 4", pcp=2, decode_mode="sharded").figure
     spec = json.loads(fig.to_json())
     page = browser.new_page(viewport={"width": 760, "height": 900})

@@ -191,7 +191,7 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
     for k in range(1, n):
         shapes.append(vline(x4r, y4r, k * p, color="#555", width=1))
     return fig.spec(height=440 + 24 * n + (22 if single_rank(target) else 0),
-                    margin=dict(l=70, r=20, t=112 if single_rank(target) else 90, b=30),
+                    margin=dict(l=70, r=20, t=132 if single_rank(target) else 110, b=30),
                     title=_title(sl, single_rank(target)) if title is None else dict(text=title),
                     legend=dict(orientation="h", y=-0.06), showlegend=True)
 
@@ -224,11 +224,12 @@ lanes' hover texts and the header name each)."""
 
 
 def _title(sl: StepLayout, pcp1: bool) -> dict:
-    """One line that fits the figure (a PCP=1 run's note as a subtitle under it)."""
+    """Three short lines that fit a one-column figure (a PCP=1 run's note as a subtitle under them)."""
     reqs = ", ".join(sl.req_ids)
     reqs = reqs if len(reqs) <= MAX_TITLE_REQS else f"{len(sl.req_ids)} (named in the hover texts)"
-    out = dict(text=f"step layout: PCP={sl.pcp}, T={sl.num_tokens}, P={sl.padded}, per-rank tokens "
-                    f"{_short_list(sl.per_rank_num_tokens.tolist())}<br>requests {reqs}", font=dict(size=13))
+    out = dict(text=f"step layout: PCP={sl.pcp}, T={sl.num_tokens}, P={sl.padded}<br>per-rank tokens "
+                    f"{_short_list(sl.per_rank_num_tokens.tolist(), limit=4)}<br>requests {reqs}",
+               font=dict(size=13))
     if pcp1:
         out["subtitle"] = dict(text="a PCP=1 run records no layout: rank 0's rows are the global batch")
     return out
