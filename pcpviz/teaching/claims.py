@@ -25,6 +25,7 @@ __all__ = ["Claim", "CLAIMS", "REVIEW", "file_text", "normalized"]
 _AR = "v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py"
 _PCP = "v1/worker/gpu/pcp_manager.py"
 _DOC = "docs/vllm-0.33-pcp-mtp.md"
+_MOE = "model_executor/layers/fused_moe/runner/moe_runner.py"
 REVIEW = "REVIEW_MAP"  # not a file: review.review_markdown(), where the review map's rows are read
 _NB = {n: f"notebooks/{n}.ipynb" for n in ("00_quickstart", "01_pcp_layout", "02_block_tables_and_slot_mappings",
                                            "04_acceptance_regression", "06_design_review", "07_dspark")}
@@ -82,16 +83,24 @@ CLAIMS: dict[str, Claim] = {
          (_NB["04_acceptance_regression"], "**Not PIECEWISE, and not FULL_AND_PIECEWISE.**")),
         ((_NB["04_acceptance_regression"], "-cc.cudagraph_mode=PIECEWISE"),), ()),
     "row 7": Claim(
-        "only the memory-profile dummy run has no collective; other dummy runs all-gather",
-        ((_NB["06_design_review"], "Only the **memory-profile** run (`skip_attn`) has no collective"),
-         (_DOC, "such a dummy run does all-gather")),
+        "only the memory-profile dummy run has no KV gather; other dummy runs all-gather; an MoE model's "
+        "expert gather runs in every dummy run (issue 36, W2)",
+        ((_NB["06_design_review"], "Only the **memory-profile** run (`skip_attn`) has no KV gather"),
+         (_DOC, "such a dummy run does all-gather"),
+         (_DOC, "so it issues no KV gather. It is not free of collectives")),
         ((_NB["06_design_review"], "the profile run drafts globally with no collective"),
+         (_NB["06_design_review"], "Only the **memory-profile** run (`skip_attn`) has no collective"),
+         (_DOC, "so it issues no collective"),
          (_DOC, "the dummy step issues no PCP all-gather at all")),
         (VllmRef("model_executor/layers/attention/mla_attention.py", 794,
                  "if slot_mapping is None or (cache is not None and cache.dummy_batch):"),
          VllmRef(_PCP, 803, "return self._gathered_kv_slot_mappings[:, : num_tokens * self.pcp_world_size]"),
          VllmRef("v1/attention/ops/pcp.py", 40,
-                 "pcp_group.all_gather(tensor.contiguous(), dim=0) for tensor in tensors"))),
+                 "pcp_group.all_gather(tensor.contiguous(), dim=0) for tensor in tensors"),
+         VllmRef("v1/worker/gpu/model_runner.py", 1895, "is_padding=not is_profile,"),
+         VllmRef(_PCP, 746, "is_padding=self.moe_is_padding("),
+         VllmRef(_MOE, 828, "hidden_states = get_pcp_group().all_gather(hidden_states, dim=0)"),
+         VllmRef(_MOE, 861, "hidden_states = get_pcp_group().reduce_scatter(hidden_states, dim=0)"))),
     "row 8": Claim(
         "a full KV replica per rank only with DCP = 1; with DCP > 1 other DCP ranks' slots are PAD",
         ((_NB["00_quickstart"], "with DCP = 1 each rank keeps a full KV replica"),

@@ -230,7 +230,7 @@ REVIEW_MAP: tuple[ReviewPoint, ...] = (
         ("replay:mixed", "check:draft_block_tables_global", "teach:input_block_table_gather",
          "test:tests/teaching/test_claims.py::test_gather_rows_equal_vllms_kernel"),
         demonstrated="vLLM's gather kernel on CPU (row zeroing); the replay's profile run (no gather, no "
-        "collective) and a dummy run with attention (no gather, all-gathers)",
+        "collective with its dense stand-in model) and a dummy run with attention (no gather, all-gathers)",
         only_read="the dummy runs' CUDA-graph replays"),
     ReviewPoint(
         "risk 1b", "dummy runs under PCP: the PCP manager's get_dummy_block_tables zeroes only its own "
