@@ -162,7 +162,7 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
     drawn = _request_labels(drawn, sl, px)
     labels = ["global"] + [f"rank {k}" + (" ◀" if rank == k else "") for k in range(n)]
     fig = Canvas(
-        [[2], [1, 1], [2]], vertical_spacing=0.17, horizontal_spacing=0.1, row_heights=[0.4, 0.44, 0.16],
+        [[2], [1, 1], [2]], vertical_spacing=0.18, horizontal_spacing=0.1, row_heights=[0.4, 0.44, 0.16],
         subplot_titles=(
             "global batch vs each rank's rows (colour = request, c = chunk, grey = PAD)",
             "padded_gather_idx<br>gathered row → global token",
@@ -190,7 +190,7 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
     fig.axis("x", 3, 1, range=list(mask.window))
     for k in range(1, n):
         shapes.append(vline(x4r, y4r, k * p, color="#555", width=1))
-    return fig.spec(height=440 + 24 * n + (22 if single_rank(target) else 0),
+    return fig.spec(height=460 + 24 * n + (22 if single_rank(target) else 0),
                     margin=dict(l=70, r=20, t=132 if single_rank(target) else 110, b=30),
                     title=_title(sl, single_rank(target)) if title is None else dict(text=title),
                     legend=dict(orientation="h", y=-0.06), showlegend=True)
