@@ -98,7 +98,7 @@ def slot_mappings_spec(target: Record, draft: Record | None = None, *, draft_pha
                        "gathered row (rank-major)", p))
     # write mask strip (own row)
     strips.append((f"kv_write_mask [N*P={status.shape[0]}]: {int(sl.kv_write_mask.sum())} rows written "
-                   f"(T = {t}); W written, r replica, · padding", _mask_strip(status, rreq),
+                   f"(T = {t})<br>W written, r replica, · padding", _mask_strip(status, rreq),
                    "gathered row (rank-major)", p))
     strip, flag_note = _draft_strip(draft, target, draft_phase=draft_phase, group=group, levels=levels,
                                     status=status, rreq=rreq, num_reqs=r, padded=p)
@@ -125,9 +125,9 @@ def slot_mappings_spec(target: Record, draft: Record | None = None, *, draft_pha
         annots.append(dict(text=flag_note, xref="paper", yref="paper", x=1, y=-0.08, xanchor="right",
                            showarrow=False, font=dict(color=FLAG_COLOR, size=13), bgcolor="#fff3f3",
                            bordercolor=FLAG_COLOR))
-    return fig.spec(height=130 + 105 * len(strips), margin=dict(l=30, r=20, t=70, b=40),
-                      title=dict(text=f"slot mappings (group {group}; PCP={n}, P={p}, T={t}, R={r}; "
-                                      "text = slot id)"))
+    return fig.spec(height=150 + 120 * len(strips), margin=dict(l=30, r=20, t=80, b=40),
+                      title=dict(text=f"slot mappings (group {group}; text = slot id)<br>PCP={n}, P={p}, T={t}, R={r}",
+                                 font=dict(size=13)))
 
 
 def slot_mappings_figure(target: Record, draft: Record | None = None, *, draft_phase: str | None = None,
@@ -153,14 +153,14 @@ def _draft_strip(draft: Record | None, target: Record, *, draft_phase: str | Non
     if is_replicated(draft, target):
         dreq = np.arange(v.shape[0]) if v.shape[0] == r else np.full(v.shape[0], -1)
         what = (f"{draft_phase or 'draft'} slot_mapping_draft [G={sd.shape[0]}, {v.shape[0]}] "
-                f"replicated: unexpanded, one slot per request (R = {r})")
+                f"replicated:<br>unexpanded, one slot per request (R = {r})")
         if v.shape[0] != r:
             flag_note = (f"⚠ {draft_phase}: replicated draft slot mapping has length {v.shape[0]}, "
                          f"expected unexpanded R = {r}")
         return (what, _slot_strip(v, dreq, None, levels, draft_phase or "draft", "request row"),
                 "request row (global order)", None), flag_note
     m = min(v.shape[0], status.shape[0])
-    return (f"{draft_phase or 'draft'} slot_mapping_draft [G={sd.shape[0]}, {v.shape[0]}] rank-local: "
+    return (f"{draft_phase or 'draft'} slot_mapping_draft [G={sd.shape[0]}, {v.shape[0]}] rank-local:<br>"
             f"the target's gathered (expanded N*P) mapping",
             _slot_strip(v[:m], rreq[:m], status[:m], levels, draft_phase or "draft", "gathered row"),
             "gathered row (rank-major)", p), None
