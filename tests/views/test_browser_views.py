@@ -125,10 +125,19 @@ def _jsonable(o):
     raise TypeError(type(o))
 
 
+TEXT_CLEAR = 7
+"""Rows are sampled this many px (at most 0.3 lane pitches) below a lane's centre, under its labels
+(11 px text centred on the lane, black or white by cell: a white block id on blue is no mark, a dark
+0 on a white null block is one), still inside the cell (a block-table row is ~20 px)."""
+
+
 def _coverage(img: np.ndarray, ax: dict, y: float) -> float:
-    """Share of the plot area's pixels along row ``y`` that are marks (not near-white)."""
+    """Share of the plot area's pixels along the row ``TEXT_CLEAR`` px below ``y`` that are marks
+    (not near-white)."""
     x0, x1 = int(round(ax["x0"])) + 1, int(round(ax["x1"])) - 1
-    row = img[int(round(y)), x0:x1, :3].astype(int)
+    lanes = ax.get("lanes") or []
+    pitch = float(np.min(np.abs(np.diff(lanes)))) if len(lanes) > 1 else 4 * TEXT_CLEAR
+    row = img[int(round(y + min(TEXT_CLEAR, 0.3 * pitch))), x0:x1, :3].astype(int)  # inside the lane's cell
     return float(((255 - row).max(axis=1) > BG_DIFF).mean())
 
 
