@@ -1,5 +1,5 @@
 """Big steps legible at full view (issue 39 item 10), held on the drawn data: a 16-request step of
-16k tokens (``pcpviz.synthetic``) and the shipped CPU trace.
+4k tokens (``pcpviz.synthetic``) and the shipped CPU trace.
 
 * a per-token hover says the token's position (the ``positions`` view), not its x coordinate;
 * the request colours stay apart (CIE76 Delta E) for 16 requests, and a 16-request step at full
@@ -28,9 +28,11 @@ L_PAD = 0
 
 @pytest.fixture(scope="module")
 def big(tmp_path_factory):
-    """Step 0 of a 16-request prefill of 16,320 tokens at PCP=2 (uneven prompts: padding)."""
-    reqs = [RequestSpec(f"r{i}", 1024 - 3 * (i % 4), 2) for i in range(16)]
-    run = generate(reqs, pcp=2, num_speculative_tokens=2, block_size=16, max_num_batched_tokens=16384, max_num_reqs=16)
+    """Step 0 of a 16-request prefill of 4,072 tokens at PCP=2 (uneven prompts: padding; one-token
+    blocks, so each block-table row is ~250 columns: runs with range labels at full width); the
+    16k-token steps are drawn in ``test_browser_legible.py``."""
+    reqs = [RequestSpec(f"r{i}", 256 - 3 * (i % 4), 2) for i in range(16)]
+    run = generate(reqs, pcp=2, num_speculative_tokens=2, block_size=1, max_num_batched_tokens=4096, max_num_reqs=16)
     t = open_trace(run.write(tmp_path_factory.mktemp("big") / "trace"))
     return t.record(0, 0, "target")
 
