@@ -19,7 +19,7 @@ from pcpviz.synthetic import RequestSpec, generate
 from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
 from pcpviz.views.figures.canvas import level_color
-from pcpviz.views.figures.lod import PAD_MIN_PX, PLOT_PX, record_strips
+from pcpviz.views.figures.lod import PAD_MIN_PX, PLOT_PX, pixel_cells, record_strips
 from pcpviz.views.figures.palette import DIM_COLOR, PAD_COLOR, REQUEST_COLORS, delta_e, srgb_to_lab
 from test_browser import REPO  # tests/views is on sys.path (rootless test dirs)
 
@@ -68,16 +68,18 @@ def test_sixteen_requests_draw_sixteen_colours_and_are_named_at_full_width(big):
     assert names >= {f"r{i}" for i in range(16)}, sorted(names)
 
 
-def test_padding_is_drawn_at_least_three_pixels_wide_at_full_width(big):
+@pytest.mark.parametrize("px", [300, PLOT_PX])  # a Workbench column, the 940 px figure
+def test_padding_is_drawn_at_least_three_pixels_wide_at_full_width(big, px):
+    # rank 0's 24 padding rows of 4,072 tokens: 1.8 px at 300 px before PAD_MIN_PX
     with record_strips() as calls:
-        fg.token_order_spec(big, px=PLOT_PX)
+        fg.token_order_spec(big, px=px)
     d = calls[0].drawn
     per_rank = np.asarray(big["per_rank_num_tokens"])
     padded = int(np.asarray(big["padded_gather_idx"]).shape[0] // per_rank.shape[0])
     assert per_rank[0] < padded  # rank 0 has padding rows
-    px = np.diff(d.edges) / (d.window[1] - d.window[0]) * PLOT_PX
+    cell_px = np.diff(d.edges) / (d.window[1] - d.window[0]) * px
     lane = d.z[1]  # rank 0
-    assert px[lane == L_PAD].sum() >= PAD_MIN_PX - 0.5
+    assert cell_px[lane == L_PAD].sum() >= PAD_MIN_PX - 0.5
     assert level_color(L_PAD) == PAD_COLOR
 
 
@@ -114,3 +116,13 @@ def test_block_range_labels_are_11px_and_contrast_with_their_cell_and_every_pane
         assert _contrast(a["font"]["color"], level_color(d.z[int(a["y"]), col])) >= 3, a
     axes = [v for k, v in spec["layout"].items() if k.startswith("xaxis")]
     assert len(axes) == 3 and all(ax.get("showticklabels", True) for ax in axes)
+
+
+def test_pixel_cells_widens_a_run_that_wants_it_and_leaves_others():
+    # a 2-token run among 10,000 tokens drawn 100 px wide: 0.02 px, one borrowed pixel without min_px
+    edges = np.array([0, 5000, 5002, 10000])
+    pe, runs, _ = pixel_cells(edges, 0, 10000, px=100, min_px=np.array([0, 3, 0]))
+    widths = dict(zip(runs.tolist(), np.diff(pe).tolist()))
+    assert widths[1] == 3 and widths[0] + widths[2] == 97
+    pe, runs, _ = pixel_cells(edges, 0, 10000, px=100)
+    assert dict(zip(runs.tolist(), np.diff(pe).tolist()))[1] == 1
