@@ -23,12 +23,14 @@ PHASE_TARGET = "target"
 PHASE_VERIFY = "verify"
 """Sampling/rejection outcome on the global batch (identical on every rank)."""
 PHASE_DUMMY = "dummy"
-"""A profile/dummy run: no gather, no collectives."""
+"""A profile/dummy run: the memory-profile run has no KV gather, other dummy runs all-gather, and an MoE
+model's expert gather runs in every one (docs/vllm-0.33-pcp-mtp.md, dummy runs)."""
 DRAFT_PHASE_PREFIX = "draft_"
 """Draft step k is phase ``draft_{k}``: k=0 rank-local draft prefill, k>=1 replicated decodes."""
 
 PHASES: dict[str, str] = {
-    PHASE_DUMMY: "profile/dummy run (no gather, no collectives)",
+    PHASE_DUMMY: "profile/dummy run (the memory-profile run has no KV gather, other dummy runs all-gather; "
+                 "an MoE model's expert gather runs in every one)",
     PHASE_TARGET: "target forward on the rank-local DualChunkSwap rows",
     "draft_<k>": "draft step k: k=0 rank-local draft prefill, k>=1 replicated draft decode",
     PHASE_VERIFY: "sampling/rejection outcome on the global batch",

@@ -45,7 +45,8 @@ class PanelInput:
     ``recs``: ``{phase: record}`` of the step on the rank; ``phase``: the selected phase (the
     Workbench's control; the export selects ``draft_phase``); ``draft_phase``: the draft step the
     draft panels show; ``flags``: its zero/stale block-table rows; ``windows``: the zoomed x ranges
-    (axis -> (lo, hi)); ``acceptance``: the run's ``AcceptanceStats`` (per-run panels).
+    (axis -> (lo, hi)); ``acceptance``: the run's ``AcceptanceStats`` (per-run panels); ``px``: the
+    plot-area width the strips are drawn for.
     """
 
     step: int | None = None
@@ -58,6 +59,7 @@ class PanelInput:
     flags: list = field(default_factory=list)
     windows: Mapping[str, tuple[float, float]] | None = None
     acceptance: Any = None
+    px: int = fg.PLOT_PX  # plot-area width (px) the strips are drawn at (``pcpviz.views.figures.lod``)
 
     @property
     def target(self) -> Any:
@@ -148,7 +150,8 @@ def panel_marks(p: Panel, violations: Any, inp: PanelInput) -> list[str]:
 @panel("token_order", "Token order — global batch vs each rank's local rows",
        depends={"step", "rank", "highlight"}, zoom_axes=("xaxis", "xaxis4"))
 def token_order(p: PanelInput) -> dict:
-    return fg.token_order_spec(p.target, rank=p.rank, highlight=p.highlight, colors=p.colors, windows=p.windows)
+    return fg.token_order_spec(p.target, rank=p.rank, highlight=p.highlight, colors=p.colors, windows=p.windows,
+                               px=p.px)
 
 
 @panel("timeline", "Draft-step timeline — target → draft_0 (rank-local) → gather → draft_k (replicated) → verify",
@@ -162,14 +165,14 @@ def timeline(p: PanelInput) -> dict:
        zoom_links=(("xaxis2", "xaxis"), ("xaxis3", "xaxis")))
 def block_tables(p: PanelInput) -> dict:
     return fg.block_tables_spec(p.target, p.draft, draft_phase=p.draft_phase, rank=p.rank, highlight=p.highlight,
-                                colors=p.colors, flags=p.flags, windows=p.windows)
+                                colors=p.colors, flags=p.flags, windows=p.windows, px=p.px)
 
 
 @panel("slot_mappings", "Slot mappings — global, gathered (PAD), write mask, draft",
        depends={"step", "rank", "draft_phase", "highlight"}, zoom_axes=("xaxis", "xaxis2", "xaxis3", "xaxis4"))
 def slot_mappings(p: PanelInput) -> dict:
     return fg.slot_mappings_spec(p.target, p.draft, draft_phase=p.draft_phase, highlight=p.highlight,
-                                 colors=p.colors, windows=p.windows)
+                                 colors=p.colors, windows=p.windows, px=p.px)
 
 
 @panel("acceptance", "Acceptance (vLLM's definition)", depends={"highlight"}, per_step=False,

@@ -2,8 +2,8 @@
 
 For every shipped trace at its largest step and for synthetic steps of 2k, 16k and 128k tokens
 (``pcpviz.synthetic.long_prompt_run``), the Workbench's figures (the specs it pushes to its
-``FigureWidget``s, ``Workbench._spec``) are drawn 940 px wide, screenshot to
-``artifacts/views/<case>_<view>.png``, and checked:
+``FigureWidget``s, ``Workbench._spec``) are drawn as wide as the Workbench draws them (one column of
+its grid), screenshot to ``artifacts/views/<case>_<view>.png``, and checked:
 
 * **marks in proportion**: along each lane of the token-order view, each strip of the slot
   mappings and each row of the block tables, the share of plot-area pixels that are not
@@ -12,7 +12,8 @@ For every shipped trace at its largest step and for synthetic steps of 2k, 16k a
   almost nothing and fail this;
 * **labels do not overlap**: the bounding boxes of every drawn text (run labels, cell text,
   annotations) are pairwise disjoint;
-* **a zoom reveals per-token cells**: the token-order view zoomed to 60 tokens (as a zoom in
+* **a zoom reveals per-token cells**: the token-order view zoomed to 60 tokens, or as many as
+  have room for a digit each (as a zoom in
   the browser asks the Workbench, ``Workbench.zoom``) draws one cell per token (a 1 px gap
   between consecutive cells) with each cell's chunk as text.
 
@@ -32,6 +33,7 @@ from PIL import Image
 from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
 from pcpviz.views.widgets import Workbench
+from pcpviz.views.figures.lod import label_px
 from test_browser import REPO  # tests/views is on sys.path (rootless test dirs)
 
 pytestmark = pytest.mark.slow  # JupyterLab and Chromium in a real browser
@@ -93,16 +95,17 @@ _MEASURE = """(ids) => ids.map(id => {
 })"""
 
 
-def _draw(browser, plotly_js: Path, specs: dict[str, dict], stem: str) -> tuple[dict, dict]:
-    """Draw ``specs`` (view -> spec) in one page; screenshots and measurements per view."""
-    page = browser.new_page(viewport={"width": 1000, "height": 1200})
+def _draw(browser, plotly_js: Path, specs: dict[str, dict], stem: str, width: int = 940) -> tuple[dict, dict]:
+    """Draw ``specs`` (view -> spec) in one page, ``width`` px wide (the Workbench's figure width);
+    screenshots and measurements per view."""
+    page = browser.new_page(viewport={"width": width + 60, "height": 1200})
     try:
-        divs = "".join(f"<div id='{k}' style='width:940px'></div>" for k in specs)
+        divs = "".join(f"<div id='{k}' style='width:{width}px'></div>" for k in specs)
         page.set_content(f"<html><body style='margin:0;background:#fff'>{divs}</body></html>")
         page.add_script_tag(path=str(plotly_js))
-        page.evaluate("""(specs) => Promise.all(Object.entries(specs).map(([k, s]) =>
-            Plotly.newPlot(k, s.data, Object.assign({}, s.layout, {width: 940}), {staticPlot: true})))""",
-                      json.loads(json.dumps(specs, default=_jsonable)))
+        page.evaluate("""([specs, w]) => Promise.all(Object.entries(specs).map(([k, s]) =>
+            Plotly.newPlot(k, s.data, Object.assign({}, s.layout, {width: w}), {staticPlot: true})))""",
+                      [json.loads(json.dumps(specs, default=_jsonable)), width])
         measured = dict(zip(specs, page.evaluate(_MEASURE, list(specs))))
         shots = {}
         for k in specs:
@@ -122,10 +125,19 @@ def _jsonable(o):
     raise TypeError(type(o))
 
 
+TEXT_CLEAR = 7
+"""Rows are sampled this many px (at most 0.3 lane pitches) below a lane's centre, under its labels
+(11 px text centred on the lane, black or white by cell: a white block id on blue is no mark, a dark
+0 on a white null block is one), still inside the cell (a block-table row is ~20 px)."""
+
+
 def _coverage(img: np.ndarray, ax: dict, y: float) -> float:
-    """Share of the plot area's pixels along row ``y`` that are marks (not near-white)."""
+    """Share of the plot area's pixels along the row ``TEXT_CLEAR`` px below ``y`` that are marks
+    (not near-white)."""
     x0, x1 = int(round(ax["x0"])) + 1, int(round(ax["x1"])) - 1
-    row = img[int(round(y)), x0:x1, :3].astype(int)
+    lanes = ax.get("lanes") or []
+    pitch = float(np.min(np.abs(np.diff(lanes)))) if len(lanes) > 1 else 4 * TEXT_CLEAR
+    row = img[int(round(y + min(TEXT_CLEAR, 0.3 * pitch))), x0:x1, :3].astype(int)  # inside the lane's cell
     return float(((255 - row).max(axis=1) > BG_DIFF).mean())
 
 
@@ -182,11 +194,11 @@ def test_views_draw_marks_in_proportion_without_overlaps_and_zoom_to_tokens(case
     specs = {v: wb._spec(v) for v in VIEWS}
     target = trace.record(step, wb.rank.value, "target")
     sl = fg.step_layout(target)
-    span = min(60, max(sl.num_tokens, sl.padded))
+    span = min(60, max(sl.num_tokens, sl.padded), int(wb.px // label_px("0")))  # cells wide enough for a digit
     lo = max(0, min(sl.num_tokens // 3, max(sl.num_tokens, sl.padded) - span))
     wb.zoom("token_order", xaxis=(lo, lo + span))
     specs["token_order_zoom"] = wb._spec("token_order")
-    measured, shots = _draw(browser, plotly_js, specs, f"{case}_step{step}")
+    measured, shots = _draw(browser, plotly_js, specs, f"{case}_step{step}", width=wb.width)
     for path in shots.values():
         print(path.relative_to(REPO))
     img = {k: np.asarray(Image.open(p).convert("RGB")) for k, p in shots.items()}

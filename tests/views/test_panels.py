@@ -41,7 +41,7 @@ def test_workbench_and_export_show_the_registry_titles(tmp_path):
 
     trace = Path(__file__).resolve().parents[2] / "data" / "traces" / "cpu-pcp2-mtp2"
     wb = Workbench(trace, checks=False)
-    heads = [c.value for c in wb.children if isinstance(c, W.HTML) and c.value.startswith("<h4")]
+    heads = [c.value for c in wb.grid.children if isinstance(c, W.HTML) and c.value.startswith("<h4")]
     page = Path(export_html(trace, tmp_path / "r.html", checks=False)).read_text()
     for p in PANELS.values():
         assert any(html.escape(p.title) in h for h in heads), p.name

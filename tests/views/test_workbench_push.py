@@ -14,7 +14,7 @@ import pytest
 
 import pcpviz.trace as pt
 from pcpviz.views import figures as fg
-from pcpviz.views.figures.lod import pixel_cells
+from pcpviz.views.figures.lod import PAD_MIN_PX, pixel_cells
 from pcpviz.views.figures.token_order import _lane_rows, _lane_runs
 from pcpviz.synthetic import long_prompt_run
 from pcpviz.views.widgets import Workbench
@@ -179,6 +179,7 @@ def test_lanes_share_the_union_of_their_pixel_cells(which):
     u = width / fg.PLOT_PX
     cuts = set()
     for (rq, _, _), e in zip(rows, _lane_runs(rows)):
-        e = e if e[-1] >= width else np.append(e, width)
-        cuts |= set(pixel_cells(e, 0, width, px=fg.PLOT_PX)[0].tolist())
+        mp = np.where(rq[e[:-1]] >= 0, 0, PAD_MIN_PX)  # padding runs are drawn at least PAD_MIN_PX wide
+        e, mp = (e, mp) if e[-1] >= width else (np.append(e, width), np.append(mp, 0))
+        cuts |= set(pixel_cells(e, 0, width, px=fg.PLOT_PX, min_px=mp)[0].tolist())
     assert np.allclose(x, np.array(sorted(cuts)) * u)

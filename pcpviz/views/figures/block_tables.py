@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 from pcpviz.views.figures.aggregate import run_edges
 from pcpviz.views.figures.canvas import (FLAG_COLOR, Canvas, L_NULL, range_text, req_levels, strip_heat,
                                          strip_labels, as_figure, request_color_index)
-from pcpviz.views.figures.lod import PLOT_PX, Lane, RunText, draw_strip
+from pcpviz.views.figures.lod import FONT_PX, PLOT_PX, Lane, RunText, draw_strip
 from pcpviz.trace import Record
 from pcpviz.trace.shapes import table_groups
 from pcpviz.views.figures.step_data import is_replicated, view_array
@@ -124,7 +124,7 @@ def _block_heat(table: np.ndarray, row_ids: Sequence[str], row_labels: Sequence[
     lanes = [_block_lane(table[i], float(levels[i]), row_labels[i]) for i in range(table.shape[0])]
     if not lanes:
         lanes = [Lane(np.array([0, w]), np.array([np.nan]), [""], [""])]
-    fs = 9 if w > 16 else 10
+    fs = FONT_PX
     return draw_strip(lanes, window=window, px=px, font_size=fs), fs
 
 
@@ -168,7 +168,9 @@ def block_tables_spec(target: Record, draft: Record | None = None, *, draft_phas
             break
         panels.append((title, np.zeros((0, 1), dtype=np.int32), [], []))
     heights = [max(t.shape[0], 1) + 1.5 for _, t, _, _ in panels]
-    fig = Canvas([[1]] * len(panels), shared_x=True, vertical_spacing=0.09, row_heights=heights,
+    total_rows = sum(t.shape[0] for _, t, _, _ in panels)
+    height = int(170 + 20 * total_rows + 40 * len(panels))
+    fig = Canvas([[1]] * len(panels), shared_x=True, vertical_spacing=min(75 / height, 0.2), row_heights=heights,
                   subplot_titles=[p[0] for p in panels])
     for k, (_, table, ids, labels) in enumerate(panels):
         d, fs = _block_heat(table, ids, labels, w, colors, highlight, window, px)
@@ -176,7 +178,7 @@ def block_tables_spec(target: Record, draft: Record | None = None, *, draft_phas
         xr, yr = fig.ref(k + 1, 1)
         fig.annotations.extend(strip_labels(xr, yr, d, font_size=fs))
         fig.axis("y", k + 1, 1, autorange="reversed")
-        fig.axis("x", k + 1, 1, range=list(d.window), showticklabels=k == len(panels) - 1)
+        fig.axis("x", k + 1, 1, range=list(d.window), showticklabels=True)
     shapes = fig.shapes
     annots = fig.annotations
     if tabs[2] is not None and flags:
@@ -192,11 +194,9 @@ def block_tables_spec(target: Record, draft: Record | None = None, *, draft_phas
         annots.append(dict(text=msg, xref="paper", yref=f"{yr} domain", x=1, y=1, xanchor="right",
                            yanchor="bottom", yshift=16, showarrow=False, font=dict(color=FLAG_COLOR, size=12),
                            bgcolor="#fff3f3", bordercolor=FLAG_COLOR))
-    col_title = (f"block-table column (text = block id; {w} used columns: runs of consecutive block ids "
-                 "until zoomed in to one cell per column)")
+    col_title = f"block-table column ({w} used; zoom in for one per column)"
     fig.axis("x", len(panels), 1, title=dict(text=col_title))
-    total_rows = sum(t.shape[0] for _, t, _, _ in panels)
-    return fig.spec(height=int(200 + 24 * total_rows + 40 * len(panels)), margin=dict(l=90, r=20, t=60, b=60),
+    return fig.spec(height=height, margin=dict(l=90, r=20, t=60, b=60),
                       title=dict(text=f"block tables (group {group}; W = {w} used columns)"))
 
 

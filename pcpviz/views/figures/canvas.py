@@ -21,8 +21,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from pcpviz.views.figures.lod import Drawn
-from pcpviz.views.figures.palette import DIM_COLOR, PAD_COLOR, heat_z, request_color
+from pcpviz.views.figures.lod import FONT_PX, Drawn
+from pcpviz.views.figures.palette import DIM_COLOR, PAD_COLOR, heat_z, request_color, text_color
 
 __all__ = ["TOKEN_LIMIT", "TEMPLATE", "FLAG_COLOR",
            "WRITTEN_COLOR", "REPLICA_COLOR", "NULL_COLOR", "DIM_COLOR", "PAD_COLOR",
@@ -231,7 +231,7 @@ def range_text(a: int, b: int) -> str:
     return f"{a}" if a == b else f"{a}–{b}"
 
 
-def _heat(z, edges, labels, text=None, hover=None, show_text=True, name="", font_size=10,
+def _heat(z, edges, labels, text=None, hover=None, show_text=True, name="", font_size=FONT_PX,
           xgap=1, ygap=3) -> dict:
     """A level heatmap trace (dict). ``text`` and ``texttemplate`` are always present (empty
     when hidden) so consecutive figures of a view keep the same properties and update in place."""
@@ -244,13 +244,26 @@ def _heat(z, edges, labels, text=None, hover=None, show_text=True, name="", font
     )
 
 
-def strip_heat(d: Drawn, names, *, name: str = "", font_size: float = 10, ygap: int = 3) -> dict:
+def strip_heat(d: Drawn, names, *, name: str = "", font_size: float = FONT_PX, ygap: int = 3) -> dict:
     """The heatmap trace of a drawn strip (``pcpviz.views.figures.lod.draw_strip``)."""
     return _heat(d.z, d.edges, list(names), d.text, d.hover, d.text is not None, name, font_size=font_size,
                  xgap=d.xgap, ygap=ygap)
 
 
-def strip_labels(xref: str, yref: str, d: Drawn, *, font_size: float = 10, color: str = "#222") -> list[dict]:
-    """Annotations of a drawn strip's run labels (lane ``i`` at y = i on a category axis)."""
-    return [dict(x=x, y=li, xref=xref, yref=yref, text=t, showarrow=False, font=dict(size=font_size, color=color))
-            for x, li, t in d.labels]
+def level_color(level: float) -> str:
+    """The colour a heatmap level is drawn in (``L_PAD`` grey, ``_L_REQ0 + i`` request colour i)."""
+    return _LEVEL_COLORS[min(max(int(round(level)), 0), len(_LEVEL_COLORS) - 1)]
+
+
+def strip_labels(xref: str, yref: str, d: Drawn, *, font_size: float = FONT_PX) -> list[dict]:
+    """Annotations of a drawn strip's run labels (lane ``i`` at y = i on a category axis), each in
+    black or white, whichever reads better on the cell under it (``palette.text_color``): a block
+    range on a dark blue request reads white."""
+    out = []
+    for x, li, t in d.labels:
+        k = min(max(int(np.searchsorted(d.edges, x, side="right")) - 1, 0), d.z.shape[1] - 1)
+        level = d.z[li, k] if d.z.size else np.nan
+        color = text_color(level_color(level)) if np.isfinite(level) else "#111111"
+        out.append(dict(x=x, y=li, xref=xref, yref=yref, text=t, showarrow=False,
+                        font=dict(size=font_size, color=color)))
+    return out

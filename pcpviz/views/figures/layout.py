@@ -128,12 +128,12 @@ def layout_figure(
     n, p, t = layout.pcp_world_size, layout.padded_num_tokens, layout.num_tokens
     names = req_names or [f"req {i}" for i in range(layout.num_reqs)]
     fig = make_subplots(
-        rows=3, cols=2, vertical_spacing=0.14, horizontal_spacing=0.08, row_heights=[0.45, 0.4, 0.15],
+        rows=3, cols=2, vertical_spacing=0.16, horizontal_spacing=0.1, row_heights=[0.45, 0.4, 0.15],
         specs=[[{"colspan": 2}, None], [{}, {}], [{"colspan": 2}, None]],
         subplot_titles=(
             "token order: global batch vs each rank's local rows (text = chunk)",
-            "padded_gather_idx: all-gathered row → global token",
-            "hidden_restore_idx: global token → all-gathered row",
+            "padded_gather_idx<br>all-gathered row → global token",
+            "hidden_restore_idx<br>global token → all-gathered row",
             "KV write mask over the all-gathered rows",
         ),
     )

@@ -39,7 +39,8 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-__all__ = ["PLOT_PX", "TOKEN_PX", "MAX_LABELS", "Lane", "RunText", "Drawn", "Strip", "lod_enabled", "pixel_cells",
+__all__ = ["PLOT_PX", "TOKEN_PX", "MAX_LABELS", "FONT_PX", "PAD_MIN_PX", "Lane", "RunText", "Drawn", "Strip",
+           "lod_enabled", "pixel_cells",
            "draw_strip", "label_px", "record_strips"]
 
 PLOT_PX = 860
@@ -48,6 +49,10 @@ TOKEN_PX = 4.0
 """Per-token cells once every visible token is at least this wide (px)."""
 MAX_LABELS = 60
 """At most this many run labels per lane (the widest runs first)."""
+PAD_MIN_PX = 3
+"""Least width (px) of a padding run at full view: a 2-token PAD run of a 16k-token lane is 0.1 px."""
+FONT_PX = 11
+"""Font size (px) of run labels and cell texts: 11 px or more is readable on a laptop screen."""
 
 
 def lod_enabled() -> bool:
@@ -55,7 +60,7 @@ def lod_enabled() -> bool:
     return os.environ.get("PCPVIZ_LOD", "1") != "0"
 
 
-def label_px(text: str, font_size: float = 10) -> float:
+def label_px(text: str, font_size: float = FONT_PX) -> float:
     """Width (px) a label needs: ~0.62 em per character plus 4 px of margin."""
     return 0.62 * font_size * len(text) + 4
 
@@ -88,6 +93,16 @@ class Lane:
     label: Sequence[str | tuple[str, ...]]  # [m] run label ('' none; a tuple: alternatives, longest first)
     hover: Sequence[str]  # [m] run hover text
     text: RunText | None = None  # what a per-token cell reads (None: nothing)
+    token_hover: Sequence[tuple[str, np.ndarray]] = ()  # per-token hover lines: (name, int64[m] first value)
+    min_px: np.ndarray | None = None  # int64[m]: least width (px) of a run drawn as runs (PAD: 3)
+
+    def token_lines(self, run: int, tok: int) -> str:
+        """The per-token hover lines of token ``tok`` of run ``run``: ``name first + (tok - run
+        start)`` for each ``token_hover`` entry whose first value is not negative. A rank lane's run
+        of global tokens 100-149 at positions 40-89, hovered at its token 102: ``global token
+        102<br>position 42``."""
+        d = tok - int(self.edges[run])
+        return "".join(f"<br>{name} {int(first[run]) + d}" for name, first in self.token_hover if first[run] >= 0)
 
     @property
     def length(self) -> int:
@@ -139,7 +154,8 @@ class Drawn:
     window: tuple[float, float]  # the x range drawn (data units)
 
 
-def pixel_cells(edges: np.ndarray, lo: float, hi: float, *, px: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def pixel_cells(edges: np.ndarray, lo: float, hi: float, *, px: int,
+                min_px: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Runs ``edges`` (int64[m+1]) over the window ``[lo, hi)`` drawn ``px`` pixels wide:
     ``(pixel edges int64[k+1], run of each cell int64[k], runs under each cell int64[k])``.
 
@@ -171,10 +187,37 @@ def pixel_cells(edges: np.ndarray, lo: float, hi: float, *, px: int) -> tuple[np
             have[prev] -= 1
             have[int(ids[j])] = 1
         under[q] += 1
+    if min_px is not None:
+        _widen(owner, have, f, ids, np.asarray(min_px, dtype=np.int64)[first:last], px)
     brk = np.flatnonzero(np.diff(owner) != 0) + 1
     starts = np.concatenate([[0], brk])
     cell_under = np.maximum.reduceat(under, starts)
     return np.append(starts, px).astype(np.int64), owner[starts], cell_under
+
+
+def _widen(owner: np.ndarray, have: dict[int, int], f: np.ndarray, ids: np.ndarray, want: np.ndarray,
+           px: int) -> None:
+    """Give each run ``ids[j]`` at least ``want[j]`` pixels around its middle (in place), taken
+    from neighbours that keep at least two pixels and want no width of their own: a 2-token PAD
+    run of a 16k-token lane (0.1 px) is drawn 3 px wide, in grey, where it lies."""
+    wanted = {int(r) for r, w in zip(ids.tolist(), want.tolist()) if w > 0}
+    for j in np.flatnonzero(want > 0).tolist():
+        r, need = int(ids[j]), int(want[j]) - have.get(int(ids[j]), 0)
+        if need <= 0:
+            continue
+        mid = min(max(int((f[j] + f[j + 1]) / 2), 0), px - 1)
+        for q in sorted(range(max(mid - need - 1, 0), min(mid + need + 2, px)), key=lambda q: abs(q - mid)):
+            prev = int(owner[q])
+            if need <= 0:
+                break
+            if prev == r or prev in wanted or have.get(prev, 0) < 2:
+                continue
+            if not (q == 0 or q == px - 1 or owner[q - 1] == r or owner[q + 1] == r or q == mid):
+                continue  # grow one contiguous block
+            owner[q] = r
+            have[prev] -= 1
+            have[r] = have.get(r, 0) + 1
+            need -= 1
 
 
 def _window(lanes: Sequence[Lane], window: tuple[float, float] | None) -> tuple[float, float, int]:
@@ -189,7 +232,7 @@ def _window(lanes: Sequence[Lane], window: tuple[float, float] | None) -> tuple[
 
 
 def draw_strip(lanes: Sequence[Lane], *, window: tuple[float, float] | None = None, px: int = PLOT_PX,
-               font_size: float = 10) -> Drawn:
+               font_size: float = FONT_PX) -> Drawn:
     """The cells and labels of ``lanes`` for ``window`` (data units; None: the whole strip) at
     ``px`` pixels (see the module docstring)."""
     lo, hi, width = _window(lanes, window)
@@ -210,7 +253,10 @@ def _draw_runs(lanes: Sequence[Lane], lo: float, hi: float, px: int, font_size: 
     per_lane = []
     for ln in lanes:
         e = ln.edges if ln.length >= hi else np.append(ln.edges, int(np.ceil(hi)))  # beyond: an empty run
-        per_lane.append((e, pixel_cells(e, lo, hi, px=px)))
+        mp = None
+        if ln.min_px is not None:
+            mp = ln.min_px if ln.length >= hi else np.append(ln.min_px, 0)
+        per_lane.append((e, pixel_cells(e, lo, hi, px=px, min_px=mp)))
     union = np.unique(np.concatenate([c[0] for _, c in per_lane]))
     starts = union[:-1]
     z = np.full((len(lanes), starts.shape[0]), np.nan)
@@ -269,7 +315,7 @@ def _draw_tokens(lanes: Sequence[Lane], lo: float, hi: float, px: int, font_size
         rr = np.where(inside, run, 0)
         z[li] = np.where(inside, ln.level[rr] if m else np.nan, np.nan)
         for j in range(tok.shape[0]):
-            hover[li, j] = f"{ln.hover[rr[j]]}<br>position {tok[j]}" if inside[j] else ""
+            hover[li, j] = ln.hover[rr[j]] + ln.token_lines(int(rr[j]), int(tok[j])) if inside[j] else ""
         if ln.text is not None and inside.any() and not every_label:
             tt = ln.token_texts(rr[inside], tok[inside])
             text[li, inside] = list(tt)

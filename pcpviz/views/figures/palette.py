@@ -1,18 +1,53 @@
-"""Colours shared by every pcpviz figure: one colour per request, grey padding, and the
-empty (uncoloured) heatmap cell."""
+"""Colours shared by every pcpviz figure: one colour per request, grey padding, a paler grey for
+the requests a highlight dims, and the empty (uncoloured) heatmap cell.
+
+The request colours are 28 hues chosen to stay apart: any two of them differ by at least 24
+(CIE76 Delta E), any two of the first 16 by at least 27, and each from the padding and dim greys by
+more (``tests/views/test_legible_views.py`` measures it). The old list (plotly's, then D3's) had
+two blues, two greens, two oranges and two reds within the first 16 (``#EF553B`` against
+``#D62728``: Delta E 12.8). ``PAD_COLOR`` is a mid grey that a 3 px strip shows between saturated
+colours; ``DIM_COLOR`` is a paler one (Delta E ~27 from it), so a dimmed request never reads as
+padding.
+"""
 
 from __future__ import annotations
 
 import numpy as np
-import plotly.colors as pc
 
-PAD_COLOR = "#d9d9d9"
+PAD_COLOR = "#a6a6a6"
 DIM_COLOR = "#f0f0f0"
-_BASE = pc.qualitative.Plotly + pc.qualitative.D3 + pc.qualitative.Set2
+REQUEST_COLORS = (
+    "#1F77B4", "#FF7F0E", "#2CA02C", "#D62728", "#9467BD", "#8C564B", "#E377C2", "#BCBD22", "#17BECF",
+    "#511CFB", "#FE00FA", "#16FF32", "#1CFFCE", "#FC0080", "#6C7C32", "#E3EE9E", "#F99379", "#B10DA1",
+    "#3283FE", "#B68100", "#008856", "#86CE00", "#B3446C", "#862A16", "#782AB6", "#AF0038", "#FEAF16",
+    "#00B5F7",
+)
+"""D3's first nine (without its grey), then the hue farthest from all chosen so far, in turn."""
 
 
 def request_color(req: int) -> str:
-    return _BASE[req % len(_BASE)]
+    return REQUEST_COLORS[req % len(REQUEST_COLORS)]
+
+
+def srgb_to_lab(color: str) -> np.ndarray:
+    """CIE L*a*b* (D65) of a ``#rrggbb`` colour: ``srgb_to_lab('#ffffff')`` is ~``[100, 0, 0]``."""
+    h = color.lstrip("#")
+    rgb = np.array([int(h[i:i + 2], 16) for i in (0, 2, 4)], dtype=float) / 255
+    lin = np.where(rgb > 0.04045, ((rgb + 0.055) / 1.055) ** 2.4, rgb / 12.92)
+    m = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]])
+    xyz = m @ lin / np.array([0.95047, 1.0, 1.08883])
+    f = np.where(xyz > 0.008856, np.cbrt(xyz), 7.787 * xyz + 16 / 116)
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+def delta_e(a: str, b: str) -> float:
+    """CIE76 colour difference of two ``#rrggbb`` colours (about 2.3 is just noticeable)."""
+    return float(np.linalg.norm(srgb_to_lab(a) - srgb_to_lab(b)))
+
+
+def text_color(background: str) -> str:
+    """Black or white, whichever reads better on ``background`` (L* above 60: dark text)."""
+    return "#111111" if srgb_to_lab(background)[0] > 60 else "#ffffff"
 
 
 def request_colorscale(num_reqs: int, dim_below_zero: bool = False) -> list[list]:

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 from pcpviz.views.figures.aggregate import run_edges
 from pcpviz.views.figures.canvas import (FLAG_COLOR, Canvas, L_NULL, L_PAD, L_REPLICA, L_WRITTEN, range_text,
                                          req_levels, strip_heat, strip_labels, vline, as_figure)
-from pcpviz.views.figures.lod import PLOT_PX, Lane, RunText, draw_strip
+from pcpviz.views.figures.lod import FONT_PX, PAD_MIN_PX, PLOT_PX, Lane, RunText, draw_strip
 from pcpviz.trace import Record
 from pcpviz.trace.shapes import slot_groups
 from pcpviz.views.figures.step_data import is_replicated, step_layout, view_array
@@ -47,7 +47,9 @@ def _slot_strip(slots: np.ndarray, req: np.ndarray, status: np.ndarray | None, l
         hover.append(h)
     starts = s0.astype(np.int64) if n else np.zeros(0, np.int64)  # a run's slots count up from its first
     return Lane(e, np.asarray(level, dtype=float), text, hover,
-                RunText(["PAD" if u < 0 else "" for u in starts.tolist()], starts, starts >= 0))
+                RunText(["PAD" if u < 0 else "" for u in starts.tolist()], starts, starts >= 0),
+                token_hover=((index_name, a.astype(np.int64)), ("slot", np.where(starts >= 0, starts, -1))),
+                min_px=np.where(starts < 0, PAD_MIN_PX, 0))
 
 
 def _mask_strip(status: np.ndarray, req: np.ndarray) -> Lane:
@@ -60,7 +62,9 @@ def _mask_strip(status: np.ndarray, req: np.ndarray) -> Lane:
                 [({2: "written", 1: "replica", 0: "pad"}[x], {2: "W", 1: "r", 0: "·"}[x]) for x in st],
                 [f"{names[x]}<br>gathered rows {range_text(a, b - 1)}"
                  for x, a, b in zip(st, e[:-1].tolist(), e[1:].tolist())],
-                RunText.per_run([{2: "W", 1: "r", 0: "·"}[x] for x in st]))
+                RunText.per_run([{2: "W", 1: "r", 0: "·"}[x] for x in st]),
+                token_hover=(("gathered row", e[:-1].astype(np.int64)),),
+                min_px=np.array([PAD_MIN_PX if x == 0 else 0 for x in st], dtype=np.int64))
 
 
 def slot_mappings_spec(target: Record, draft: Record | None = None, *, draft_phase: str | None = None,
@@ -94,7 +98,7 @@ def slot_mappings_spec(target: Record, draft: Record | None = None, *, draft_pha
                        "gathered row (rank-major)", p))
     # write mask strip (own row)
     strips.append((f"kv_write_mask [N*P={status.shape[0]}]: {int(sl.kv_write_mask.sum())} rows written "
-                   f"(T = {t}); W written, r replica, · padding", _mask_strip(status, rreq),
+                   f"(T = {t})<br>W written, r replica, · padding", _mask_strip(status, rreq),
                    "gathered row (rank-major)", p))
     strip, flag_note = _draft_strip(draft, target, draft_phase=draft_phase, group=group, levels=levels,
                                     status=status, rreq=rreq, num_reqs=r, padded=p)
@@ -106,9 +110,9 @@ def slot_mappings_spec(target: Record, draft: Record | None = None, *, draft_pha
     windows = windows or {}
     for k, (_, lane, xtitle, rank_p) in enumerate(strips):
         xr, yr = fig.ref(k + 1, 1)
-        d = draw_strip([lane], window=windows.get("xaxis" + xr[1:]), px=px, font_size=9)
-        fig.add(strip_heat(d, [""], font_size=9, ygap=0), k + 1, 1)
-        annots.extend(strip_labels(xr, yr, d, font_size=9))
+        d = draw_strip([lane], window=windows.get("xaxis" + xr[1:]), px=px, font_size=FONT_PX)
+        fig.add(strip_heat(d, [""], font_size=FONT_PX, ygap=0), k + 1, 1)
+        annots.extend(strip_labels(xr, yr, d, font_size=FONT_PX))
         fig.axis("y", k + 1, 1, showticklabels=False)
         fig.axis("x", k + 1, 1, title=dict(text=xtitle, standoff=0, font=dict(size=10)), range=list(d.window))
         if xtitle == "request row (global order)" and r and lane.length == r and d.per_token:
@@ -121,9 +125,9 @@ def slot_mappings_spec(target: Record, draft: Record | None = None, *, draft_pha
         annots.append(dict(text=flag_note, xref="paper", yref="paper", x=1, y=-0.08, xanchor="right",
                            showarrow=False, font=dict(color=FLAG_COLOR, size=13), bgcolor="#fff3f3",
                            bordercolor=FLAG_COLOR))
-    return fig.spec(height=130 + 105 * len(strips), margin=dict(l=30, r=20, t=70, b=40),
-                      title=dict(text=f"slot mappings (group {group}; PCP={n}, P={p}, T={t}, R={r}; "
-                                      "text = slot id)"))
+    return fig.spec(height=150 + 120 * len(strips), margin=dict(l=30, r=20, t=80, b=40),
+                      title=dict(text=f"slot mappings (group {group}; text = slot id)<br>PCP={n}, P={p}, T={t}, R={r}",
+                                 font=dict(size=13)))
 
 
 def slot_mappings_figure(target: Record, draft: Record | None = None, *, draft_phase: str | None = None,
@@ -149,14 +153,14 @@ def _draft_strip(draft: Record | None, target: Record, *, draft_phase: str | Non
     if is_replicated(draft, target):
         dreq = np.arange(v.shape[0]) if v.shape[0] == r else np.full(v.shape[0], -1)
         what = (f"{draft_phase or 'draft'} slot_mapping_draft [G={sd.shape[0]}, {v.shape[0]}] "
-                f"replicated: unexpanded, one slot per request (R = {r})")
+                f"replicated:<br>unexpanded, one slot per request (R = {r})")
         if v.shape[0] != r:
             flag_note = (f"⚠ {draft_phase}: replicated draft slot mapping has length {v.shape[0]}, "
                          f"expected unexpanded R = {r}")
         return (what, _slot_strip(v, dreq, None, levels, draft_phase or "draft", "request row"),
                 "request row (global order)", None), flag_note
     m = min(v.shape[0], status.shape[0])
-    return (f"{draft_phase or 'draft'} slot_mapping_draft [G={sd.shape[0]}, {v.shape[0]}] rank-local: "
+    return (f"{draft_phase or 'draft'} slot_mapping_draft [G={sd.shape[0]}, {v.shape[0]}] rank-local:<br>"
             f"the target's gathered (expanded N*P) mapping",
             _slot_strip(v[:m], rreq[:m], status[:m], levels, draft_phase or "draft", "gathered row"),
             "gathered row (rank-major)", p), None

@@ -21,9 +21,9 @@ from pcpviz.views.figures.aggregate import run_lines, run_edges
 from pcpviz.views.figures.canvas import (DIM_COLOR, PAD_COLOR, REPLICA_COLOR, TOKEN_LIMIT, WRITTEN_COLOR, Canvas,
                                          L_PAD, L_REPLICA, L_WRITTEN, hline, range_text, req_levels,
                                          strip_heat, strip_labels, vline, as_figure)
-from pcpviz.views.figures.lod import PLOT_PX, Lane, RunText, draw_strip
+from pcpviz.views.figures.lod import PAD_MIN_PX, PLOT_PX, Drawn, Lane, RunText, draw_strip, label_px
 from pcpviz.trace import Record
-from pcpviz.views.figures.step_data import StepLayout, single_rank, step_layout
+from pcpviz.views.figures.step_data import StepLayout, single_rank, step_layout, view_array
 
 __all__ = ["token_order_spec", "token_order_figure"]
 
@@ -49,8 +49,10 @@ def _lane_runs(rows: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> list[np
 
 
 def _lane(sl: StepLayout, li: int, lane: tuple[np.ndarray, np.ndarray, np.ndarray], e: np.ndarray,
-          levels: np.ndarray) -> Lane:
-    """Lane ``li`` (0 = global, 1+r = rank r) as runs: colour = request, grey = padding."""
+          levels: np.ndarray, positions: np.ndarray | None) -> Lane:
+    """Lane ``li`` (0 = global, 1+r = rank r) as runs: colour = request, grey = padding (at least
+    ``PAD_MIN_PX`` wide). A token's hover names its lane row, global token and position (the
+    ``positions`` view: a run of one request's chunk counts up by one)."""
     rq, ck, gt = (a[e[:-1]] for a in lane)
     where = "global token" if li == 0 else f"rank {li - 1} local row"
     level, label, hover = [], [], []
@@ -65,8 +67,14 @@ def _lane(sl: StepLayout, li: int, lane: tuple[np.ndarray, np.ndarray, np.ndarra
             label.append(("pad", "·"))
             hover.append(f"padding<br>{where} {range_text(a, b)}")
     chunk = np.where(rq >= 0, ck, -1)
+    real = (rq >= 0) & (gt >= 0)
+    lines = [] if li == 0 else [(f"rank {li - 1} local row", e[:-1].astype(np.int64))]
+    lines.append(("global token", np.where(real, gt, -1)))
+    if positions is not None and positions.shape[0] >= sl.num_tokens:
+        lines.append(("position", np.where(real, positions[np.clip(gt, 0, max(sl.num_tokens - 1, 0))], -1)))
     return Lane(e, np.asarray(level, dtype=float), label, hover,
-                RunText.per_run([str(c) if c >= 0 else "·" for c in chunk.tolist()]))
+                RunText.per_run([str(c) if c >= 0 else "·" for c in chunk.tolist()]),
+                token_hover=tuple(lines), min_px=np.where(rq >= 0, 0, PAD_MIN_PX))
 
 
 def _mask_lane(status: np.ndarray) -> Lane:
@@ -78,7 +86,9 @@ def _mask_lane(status: np.ndarray) -> Lane:
     hover = [f"{_MASK_NAMES[s]}<br>gathered rows {range_text(a, b - 1)}"
              for s, a, b in zip(st, e[:-1].tolist(), e[1:].tolist())]
     return Lane(e, np.array([lev[s] for s in st], dtype=float), [names[s] for s in st], hover,
-                RunText.per_run([{2: "W", 1: "r", 0: "·"}[s] for s in st]))
+                RunText.per_run([{2: "W", 1: "r", 0: "·"}[s] for s in st]),
+                token_hover=(("gathered row", e[:-1].astype(np.int64)),),
+                min_px=np.array([PAD_MIN_PX if s == 0 else 0 for s in st], dtype=np.int64))
 
 
 _MASK_NAMES = {2: "written", 1: "masked (extra replica)", 0: "padding"}
@@ -145,17 +155,19 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
     width = max(t, p, 1)
     windows = windows or {}
     levels = req_levels(sl.req_ids, colors, highlight)
-    lanes = [_lane(sl, li, lane, e, levels) for li, (lane, e) in enumerate(zip(rows, _lane_runs(rows)))]
+    pos = view_array(target, "positions")
+    pos = None if pos is None else np.asarray(pos, dtype=np.int64).ravel()
+    lanes = [_lane(sl, li, lane, e, levels, pos) for li, (lane, e) in enumerate(zip(rows, _lane_runs(rows)))]
     drawn = draw_strip(lanes, window=windows.get("xaxis"), px=px)
+    drawn = _request_labels(drawn, sl, px)
     labels = ["global"] + [f"rank {k}" + (" ◀" if rank == k else "") for k in range(n)]
     fig = Canvas(
-        [[2], [1, 1], [2]], vertical_spacing=0.13, horizontal_spacing=0.08, row_heights=[0.42, 0.42, 0.16],
+        [[2], [1, 1], [2]], vertical_spacing=0.18, horizontal_spacing=0.1, row_heights=[0.4, 0.44, 0.16],
         subplot_titles=(
-            "token order: global batch vs each rank's local rows (colour = request, c = chunk, grey = padding; "
-            "zoom in for tokens)",
-            "padded_gather_idx: gathered row → global token",
-            "hidden_restore_idx: global token → gathered row",
-            "KV write mask over the gathered rows (blue written, orange replica not written, grey pad)",
+            "global batch vs each rank's rows (colour = request, c = chunk, grey = PAD)",
+            "padded_gather_idx<br>gathered row → global token",
+            "hidden_restore_idx<br>global token → gathered row",
+            "KV write mask (blue written, orange replica, grey PAD)",
         ),
     )
     fig.add(strip_heat(drawn, labels, name="lanes"), 1, 1)
@@ -178,10 +190,32 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
     fig.axis("x", 3, 1, range=list(mask.window))
     for k in range(1, n):
         shapes.append(vline(x4r, y4r, k * p, color="#555", width=1))
-    return fig.spec(height=560 + 26 * n + (22 if single_rank(target) else 0),
-                    margin=dict(l=70, r=20, t=92 if single_rank(target) else 70, b=30),
+    return fig.spec(height=460 + 24 * n + (22 if single_rank(target) else 0),
+                    margin=dict(l=70, r=20, t=132 if single_rank(target) else 110, b=30),
                     title=_title(sl, single_rank(target)) if title is None else dict(text=title),
                     legend=dict(orientation="h", y=-0.06), showlegend=True)
+
+
+def _request_labels(d: Drawn, sl: StepLayout, px: int) -> Drawn:
+    """``d`` with each request's name laid over its extent of the global lane where no run label of
+    that request was drawn and the name fits (16 requests of a 16k-token step: 64 chunk runs of
+    ~13 px, too narrow for ``c0``, but each request's ~54 px shows its name)."""
+    if d.text is not None:  # per-token cells: their text is there
+        return d
+    lo, hi = d.window
+    u = (hi - lo) / max(px, 1)
+    starts = sl.query_start_loc.astype(np.int64)
+    labelled = {int(sl.token_req[min(max(int(x), 0), sl.num_tokens - 1)]) for x, li, _ in d.labels if li == 0} \
+        if sl.num_tokens else set()
+    extra = []
+    for q, name in enumerate(sl.req_ids):
+        a, b = max(float(starts[q]), lo), min(float(starts[q + 1]), hi)
+        if q in labelled or b <= a or label_px(name) > (b - a) / u:
+            continue
+        extra.append(((a + b) / 2, 0, name))
+    if not extra:
+        return d
+    return Drawn(d.edges, d.z, d.text, d.hover, d.labels + extra, d.per_token, d.xgap, d.window)
 
 
 MAX_TITLE_REQS = 60
@@ -190,11 +224,12 @@ lanes' hover texts and the header name each)."""
 
 
 def _title(sl: StepLayout, pcp1: bool) -> dict:
-    """One line that fits the figure (a PCP=1 run's note as a subtitle under it)."""
+    """Three short lines that fit a one-column figure (a PCP=1 run's note as a subtitle under them)."""
     reqs = ", ".join(sl.req_ids)
     reqs = reqs if len(reqs) <= MAX_TITLE_REQS else f"{len(sl.req_ids)} (named in the hover texts)"
-    out = dict(text=f"step layout: PCP={sl.pcp}, T={sl.num_tokens}, P={sl.padded}, per-rank tokens "
-                    f"{_short_list(sl.per_rank_num_tokens.tolist())}, requests {reqs}")
+    out = dict(text=f"step layout: PCP={sl.pcp}, T={sl.num_tokens}, P={sl.padded}<br>per-rank tokens "
+                    f"{_short_list(sl.per_rank_num_tokens.tolist(), limit=4)}<br>requests {reqs}",
+               font=dict(size=13))
     if pcp1:
         out["subtitle"] = dict(text="a PCP=1 run records no layout: rank 0's rows are the global batch")
     return out

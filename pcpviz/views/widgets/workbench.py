@@ -68,6 +68,15 @@ load_check_report = fg.load_check_report
 MAX_REPLACEMENTS = 3
 """Most times one view's figure widget is replaced after its front end stopped hearing the kernel."""
 
+SCREEN_GRID = [["token_order", "block_tables"], ["timeline", "slot_mappings"], ["acceptance", None]]
+"""The views' places with two columns: what a reader needs together, side by side (None: the view
+to the left spans the row)."""
+GRID_GAP = 16
+"""Space (px) between the two columns."""
+PLOT_MARGIN = 110
+"""A figure's left and right margins together (px, the widest of the views'): its strips are drawn
+``width - PLOT_MARGIN`` px wide."""
+
 SPEC_CACHE_SIZE = 256
 """Figure specs kept per Workbench (least recently used dropped first): moving back to a step,
 rank, draft phase or highlight shown before costs a dictionary look-up."""
@@ -84,12 +93,18 @@ class Workbench(W.VBox):
     ``acceptance`` (``AcceptanceStats``) and ``jump_to(violation)``; ``show_explain(good)`` adds
     the ``pcpviz.analysis.explain`` panel (then ``explanation`` and ``explain_panel``).
 
-    ``width`` is the figures' width in px (None: plotly's autosize).
+    ``width`` is the Workbench's width in px (None: the figures take plotly's autosize, one per
+    row). Its views are laid out in ``columns`` columns (``SCREEN_GRID``: the token order beside
+    the block tables, then the timeline beside the slot mappings) so that on a 1400 x 900 screen
+    with JupyterLab's file browser open (a ~970 px output area) the controls, the token order and
+    the block tables are all on screen at once (``tests/views/test_browser_fit.py``); each figure
+    is ``(width - gap) / columns`` px wide and its strips are drawn at that width (``lod``).
+    ``columns=1`` stacks them, each as wide as the Workbench.
     """
 
     def __init__(self, trace: Trace | str | os.PathLike, *, step: int | None = None, rank: int | None = None,
                  phase: str | None = None, highlight: str | None = None, checks: bool = True,
-                 width: int | None = 940) -> None:
+                 width: int | None = 960, columns: int = 2) -> None:
         self.trace = trace if isinstance(trace, Trace) else open_trace(trace)
         t = self.trace
         if not t.steps:
@@ -109,13 +124,15 @@ class Workbench(W.VBox):
         self._cached_for: Trace | None = None
         # Figure width in px. FigureWidget sizes itself once, before JupyterLab attaches it, and
         # falls back to plotly's 700 px; an explicit width is what reliably fills a notebook cell.
-        self.width = width
+        self.columns = columns = max(1, min(int(columns), 2))
+        self.width = None if width is None else max(int(width) - GRID_GAP * (columns - 1), columns) // columns
+        self.px = max(self.width - PLOT_MARGIN, 100) if self.width else fg.PLOT_PX  # strips drawn this wide
 
         style = {"description_width": "70px"}
         steps = list(t.steps)
         self.step = W.SelectionSlider(options=steps, value=steps[0] if step is None else step, description="step",
                                       continuous_update=False, style=style,
-                                      layout=W.Layout(width="420px"))
+                                      layout=W.Layout(width="400px"))
         self.rank = W.Dropdown(options=[(f"rank {r}", r) for r in t.ranks],
                                value=t.ranks[0] if rank is None else rank, description="rank", style=style,
                                layout=W.Layout(width="170px"))
@@ -144,20 +161,42 @@ class Workbench(W.VBox):
         self.phase.observe(self._on_phase, names="value")
         self.highlight.observe(self._on_highlight, names="value")
 
-        view_boxes = []
-        for name in VIEW_NAMES:
-            view_boxes.append(W.HTML(f"<h4 style='margin:14px 0 0 4px'>{html.escape(PANELS[name].title)}</h4>"))
-            view_boxes.append(self.figures[name])
-        controls = W.VBox([W.HBox([self.step, self.rank, self.highlight]), self.phase],
-                          layout=W.Layout(border="1px solid #ddd", padding="6px"))
-        children = [W.HTML(st.RELOAD_NOTE), self.header, controls, self.status]
-        if self.checks_box is not None:
-            children.append(self.checks_box)
-        super().__init__(children + view_boxes)
+        controls = W.VBox([self.step, W.HBox([self.rank, self.highlight]), self.phase],
+                          layout=W.Layout(border="1px solid #ddd", padding="4px", width="420px", flex="0 0 auto",
+                                          align_self="flex-start"))
+        controls.add_class("pcpviz-controls")
+        about = W.VBox([self.header, self.status] + ([self.checks_box] if self.checks_box is not None else []),
+                       layout=W.Layout(flex="1 1 auto", min_width="0", margin="0 0 0 10px"))
+        self._boxes: dict[str, W.Box] = {}  # view -> the grid cell its figure is drawn in
+        self.grid = W.GridBox(self._grid_children(), layout=self._grid_layout())
+        super().__init__([W.HTML(st.RELOAD_NOTE), W.HBox([controls, about]), self.grid])
         self.add_class("pcpviz-workbench")
         self._render(set(VIEW_NAMES))
 
     # ------------------------------------------------------------------ figures
+
+    def _grid_children(self) -> list[W.Widget]:
+        """Each view's title and figure, in ``VIEW_NAMES`` order (the page's order), each placed
+        in its grid area (``SCREEN_GRID``)."""
+        out = []
+        for name in VIEW_NAMES:
+            title = W.HTML(f"<h4 style='margin:6px 0 0 4px'>{html.escape(PANELS[name].title)}</h4>",
+                           layout=W.Layout(grid_area=f"t_{name}", min_width="0", overflow="hidden"))
+            self._boxes[name] = W.Box([self.figures[name]], layout=W.Layout(grid_area=f"f_{name}", min_width="0"))
+            out += [title, self._boxes[name]]
+        return out
+
+    def _grid_layout(self) -> W.Layout:
+        """The grid: ``SCREEN_GRID``'s rows of views (one view per row with ``columns=1``)."""
+        rows = SCREEN_GRID if self.columns == 2 else [[v] for row in SCREEN_GRID for v in row if v]
+        rows = rows + [[v] + [v] * (self.columns - 1) for v in VIEW_NAMES if not any(v in r for r in rows)]
+        areas = []
+        for row in rows:
+            cells = [(v or row[0]) for v in row] if len(row) == self.columns else [row[0]] * self.columns
+            areas += [" ".join(f"t_{v}" for v in cells), " ".join(f"f_{v}" for v in cells)]
+        cols = " ".join([f"{self.width}px" if self.width else "1fr"] * self.columns)
+        return W.Layout(grid_template_areas="\n".join(f'"{a}"' for a in areas), grid_template_columns=cols,
+                        grid_gap=f"0 {GRID_GAP}px", align_items="flex-start")
 
     def _new_figure(self, view: str) -> go.FigureWidget:
         """The widget ``view`` is drawn in: restorable after a page reload, replaced when its front
@@ -178,7 +217,7 @@ class Workbench(W.VBox):
         fw = self._new_figure(view)
         self.figures[view] = fw
         self._shown[view] = push_spec(fw, self._spec(view), None, width=self.width)
-        self.children = tuple(fw if c is old else c for c in self.children)
+        self._boxes[view].children = (fw,)
         old.close()
 
     # ------------------------------------------------------------------ data access
@@ -327,7 +366,7 @@ class Workbench(W.VBox):
         panel.selected_index = None if ex.ok else 0
         self.explain_panel, self.explanation = panel, ex
         kids = list(self.children)
-        kids.insert(kids.index(self.status) + 1 + (self.checks_box is not None), panel)
+        kids.insert(kids.index(self.grid), panel)  # under the controls, above the views
         self.children = tuple(kids)
         return ex
 
@@ -389,7 +428,7 @@ class Workbench(W.VBox):
         step, rank, dp = self.step.value, self.rank.value, self.draft_phase
         return PanelInput(step=step, rank=rank, recs=recs, phase=self.phase.value, draft_phase=dp,
                           highlight=self._hl(), colors=self.colors, flags=self._draft_flags(step, rank, dp),
-                          windows=self.windows.get(view) or None, acceptance=self.acceptance)
+                          windows=self.windows.get(view) or None, acceptance=self.acceptance, px=self.px)
 
     def _build(self, view: str) -> dict:
         p = PANELS[view]
