@@ -35,7 +35,7 @@ vllm#51031 class) changes nothing while ``I <= k`` and moves tokens to the wrong
 once ``I > k`` (``--block-size 128 --cp-kv-cache-interleave-size 128`` with a 64-token kernel).
 
 PCP=2, DCP=2 example (vLLM with PCP > 1 allows DCP = PCP: the DCP group *is* the PCP group at
-TP=1, ``config/parallel.py`` 595-606; ``I = 2``, ``M = 4``, one request of 7 tokens in block 5)::
+TP=1, ``config/parallel.py`` 595-606; ``I = 2``, ``M = 4``, one request of 7 tokens in request-state slot 1, block 5)::
 
     position    0  1  2  3  4  5  6
     owner       0  0  1  1  0  0  1
@@ -43,7 +43,7 @@ TP=1, ``config/parallel.py`` 595-606; ``I = 2``, ``M = 4``, one request of 7 tok
     rank 0      20 21 -1 -1 22 23 -1      local_len 4
     rank 1      -1 -1 20 21 -1 -1 22      local_len 3
 
-    >>> s = dcp_shard(np.array([[0, 5]]), 4, np.array([1]), query_start_loc=np.array([0, 7]),
+    >>> s = dcp_shard(np.array([[0], [5]]), 4, np.array([1]), query_start_loc=np.array([0, 7]),
     ...               positions=np.arange(7), dcp_size=2, interleave=2)
     >>> s.slots.tolist()
     [[20, 21, -1, -1, 22, 23, -1], [-1, -1, 20, 21, -1, -1, 22]]
