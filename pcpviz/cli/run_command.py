@@ -73,7 +73,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
     return dict(pcp=args.pcp, num_speculative_tokens=args.mtp, device=args.device,
                 max_new_tokens=args.max_new_tokens, trace_dir=args.trace, inject=args.inject or (),
                 max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size, dtype=args.dtype,
-                model_dir=args.model, timeout_s=args.timeout, overwrite=args.overwrite)
+                model_dir=args.model, timeout_s=args.timeout, overwrite=args.overwrite,
+                dcp=args.dcp, dcp_interleave=args.dcp_interleave)
 
 
 def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
@@ -108,6 +109,11 @@ def add_run(sub) -> None:
                                    "with MTP speculative decoding, the way vLLM 0.33.0's model runner "
                                    "does, and record every step's views to --trace.")
     p.add_argument("--pcp", type=bounded_int(1, MAX_WORLD), default=2, help="PCP ranks (processes)")
+    p.add_argument("--dcp", type=bounded_int(1, MAX_WORLD), default=1,
+                   help="decode context parallel: 1, or --pcp (KV sharded over the PCP ranks; the engine's own "
+                        "DCP on the dense model, not a vLLM 0.33.0 configuration)")
+    p.add_argument("--dcp-interleave", type=bounded_int(1, 4096), default=1,
+                   help="cp_kv_cache_interleave_size: DCP shards the KV in runs of this many tokens")
     p.add_argument("--mtp", type=bounded_int(0, 64), default=2, help="num_speculative_tokens K (0 = no speculation)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; not empty)")

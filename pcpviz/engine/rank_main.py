@@ -109,6 +109,7 @@ def _engine_config(cfg: dict, pcp: int):
         max_num_batched_tokens=cfg["max_num_batched_tokens"],
         shard_decode_requests=cfg.get("shard_decode_requests"), faults=frozenset(cfg["inject"]),
         dtype=getattr(torch, cfg.get("dtype", "float32")), cuda_graphs=cfg.get("cuda_graphs"),
+        dcp=int(cfg.get("dcp", 1)), dcp_interleave=int(cfg.get("dcp_interleave", 1)),
     )
 
 
@@ -128,7 +129,7 @@ def _scheduler(cfg: dict, ecfg, model):
 
     return Scheduler(
         cfg["prompt_token_ids"], cfg["max_new_tokens"], num_speculative_tokens=ecfg.num_speculative_tokens,
-        block_size=ecfg.block_size, num_blocks=ecfg.num_blocks, max_num_seqs=ecfg.max_num_seqs,
+        block_size=ecfg.block_size * ecfg.dcp, num_blocks=ecfg.num_blocks, max_num_seqs=ecfg.max_num_seqs,
         max_num_batched_tokens=ecfg.max_num_batched_tokens,
         max_model_len=model.config.max_position_embeddings, eos_token_id=cfg.get("eos_token_id"),
     )

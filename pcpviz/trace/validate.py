@@ -169,6 +169,8 @@ META_SCHEMA: Mapping[str, tuple[Callable[[Any], str | None], bool, str]] = {
     "dcp": (_int(1, MAX_WORLD_SIZE), False, "DCP world size"),
     "dcp_rank": (_int(0, MAX_WORLD_SIZE - 1), False, "DCP rank of the recorded ranks"),
     "dcp_interleave": (_int(1, MAX_BLOCK_SIZE), False, "DCP KV interleave size"),
+    "dcp_group": (_str, False, "'pcp': the DCP group is the PCP group, each rank file's DCP rank is its PCP rank"),
+    "vllm_configuration": (_str, False, "why the run is not a configuration vLLM 0.33.0 accepts, if it is not"),
     "tp": (_int(1, MAX_WORLD_SIZE), False, "tensor-parallel size"),
     "num_speculative_tokens": (_int(0, MAX_SPECULATIVE_TOKENS), False,
                                "K: draft phases draft_0..draft_{K-1} per step"),
