@@ -12,16 +12,19 @@ import numpy as np
 import pytest
 
 from pcpviz import faults as F
-from pcpviz.analysis.checks import (CHECKS, ENGINE_VIEW_CHECKS, FAIL, PASS, SKIPPED, first_difference, run_checks,
-                                    short_repr)
+from pcpviz.analysis.checks import (CHECKS, DCP_CHECKS, ENGINE_VIEW_CHECKS, FAIL, PASS, SKIPPED, first_difference,
+                                    run_checks, short_repr)
 from tracegen import (
     RequestSpec,
     clean_run,
     corrupt,
     first_step,
     generate,
+    run_of_trace,
     worked_example_run,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 EXPECTED_NAMES = [
     "views_in_bounds", "layout_matches_plan", "restore_gather_identity", "kv_written_once", "gathered_slots_are_global",
@@ -31,6 +34,7 @@ EXPECTED_NAMES = [
     "draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance",
     "hidden_restored", "hidden_handoffs", "target_outputs_agree", "graph_inputs_are_captured",
     "verify_consistent", "drafts_fed_back", "ranks_agree", "positions_consistent", "verify_greedy",
+    "dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combined",
 ]
 
 
@@ -71,6 +75,8 @@ def test_clean_traces_pass_every_check(tmp_path, kw):
     assert report.ok, report.format()
     k, pcp = kw["k"], kw["pcp"]
     never = {"graph_inputs_are_captured"}  # the synthetic producer models eager runs: no graph ledger
+    # DCP = 1: no DCP checks; the synthetic producer runs no attention (no dcp_ranks_combined)
+    never |= DCP_CHECKS if kw.get("dcp", 1) == 1 else {"dcp_partial_combined"}
     if k < 2:
         never |= {"draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance"}
     if k < 1:
@@ -95,7 +101,7 @@ def test_vllm_worked_example_passes(tmp_path):
     assert report["drafts_fed_back"].verdict == SKIPPED  # one step: no previous step
     assert report["drafts_fed_back"].skip_reason == "step 7 rank 0: no previous step"
     # vLLM's own numbers: none of the engine's fingerprints or top1_token
-    assert set(report.skipped) == {"drafts_fed_back", "graph_inputs_are_captured"} | ENGINE_VIEW_CHECKS
+    assert set(report.skipped) == {"drafts_fed_back", "graph_inputs_are_captured"} | ENGINE_VIEW_CHECKS | DCP_CHECKS
 
 
 def test_long_trace_checks_quickly(tmp_path):
@@ -388,6 +394,38 @@ def case_graph_input_moved(_):
     return run, {"graph_inputs_are_captured"}, (s, 1, "target", "graph_inputs_moved")
 
 
+def _dcp_step(run):
+    return next(s for s in run.step_ids if "draft_1" in run.phases(s, 0))
+
+
+def case_dcp_foreign_token(_):
+    """Rank 0 (DCP rank 0's share, the synthetic producer's dcp_rank) writes a token another DCP
+    rank owns."""
+    run = clean_run(2, dcp=2)
+    s = _dcp_step(run)
+    slots = run.views(s, 0, "target")["slot_mapping_global"]
+    j = int(np.flatnonzero(slots[0] < 0)[0])
+    slots[0, j] = int(slots.max()) + 1
+    return run, {"dcp_kv_sharding", "global_slots_match_block_table", "gathered_slots_are_global",
+                 "kv_written_once"}, (s, 0, "target", "slot_mapping_global")
+
+
+def case_dcp_draft_local_len(_):
+    """draft_1's per-rank local_len one too long (vllm#50391's formula broken)."""
+    run = clean_run(2, dcp=2)
+    s = _dcp_step(run)
+    run.views(s, 0, "draft_1")["dcp_local_seq_lens"] += 1
+    return run, {"dcp_local_lens"}, (s, 0, "draft_1", "dcp_local_seq_lens")
+
+
+def case_dcp_not_combined(_):
+    """The shipped engine DCP trace with one phase combining a single rank's partial attention."""
+    run = run_of_trace(ROOT / "data" / "traces" / "cpu-pcp2-dcp2-mtp2")
+    s = run.step_ids[1]
+    run.views(s, 1, "draft_1")["dcp_ranks_combined"] = np.array(1, dtype=np.int64)
+    return run, {"dcp_partial_combined"}, (s, 1, "draft_1", "dcp_ranks_combined")
+
+
 CASES = {
     "views_in_bounds": [case_bogus_query_start_loc, case_huge_positions],
     "layout_matches_plan": [case_layout],
@@ -415,6 +453,9 @@ CASES = {
     "target_outputs_agree": [case_target_outputs_fork],
     "verify_greedy": [case_verify_not_greedy],
     "graph_inputs_are_captured": [case_graph_input_moved],
+    "dcp_kv_sharding": [case_dcp_foreign_token],
+    "dcp_local_lens": [case_dcp_draft_local_len],
+    "dcp_partial_combined": [case_dcp_not_combined],
 }
 
 
@@ -479,7 +520,7 @@ def test_phase_missing_on_some_steps_is_a_partial_skip(tmp_path):
     assert "skipped 2 (step 0 rank 0: no verify phase)" in report.format()
     # the summary's counts agree with the per-check lines: a skipped (step, rank) is not a skipped check
     last = report.format().splitlines()[-1]
-    assert "1 skipped (could run on no step)" in last  # graph_inputs_are_captured: no CUDA graphs
+    assert "4 skipped (could run on no step)" in last  # graph_inputs_are_captured (no CUDA graphs), DCP_CHECKS
     partial = [r for r in report.results.values() if r.verdict == PASS and r.skipped]
     assert f"; {len(partial)} passed checks skipped {sum(r.skipped for r in partial)} (step, rank)" in last
 

@@ -45,7 +45,10 @@ ENGINE_VIEW_CHECKS = frozenset({"hidden_restored", "hidden_handoffs", "target_ou
 older traces nor FULL CUDA-graph replays; top1_token: the engine alone): skipped where a view is
 missing, naming it."""
 
+DCP_CHECKS = frozenset({"dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combined"})
+"""Checks of a DCP > 1 run (``dcp_checks``): skipped, saying so, where run.json's ``dcp`` is 1."""
+
 __all__ = [
-    "ENGINE_VIEW_CHECKS", "CHECKS", "PASS", "FAIL", "SKIPPED", "Violation", "CheckResult", "CheckReport", "run_checks",
+    "DCP_CHECKS", "ENGINE_VIEW_CHECKS", "CHECKS", "PASS", "FAIL", "SKIPPED", "Violation", "CheckResult", "CheckReport", "run_checks",
     "first_difference", "short_repr", "CHECK_MODULES",
 ]
