@@ -109,8 +109,8 @@ def add_timestamps(phases: dict[str, dict[str, np.ndarray]], t0: float, layout: 
 
 def _dcp_views(phases: dict, s: Settings, local_seq_lens: np.ndarray) -> None:
     """DCP > 1: ``dcp_owner`` and DCP rank 0's local lengths (the synthetic producer records DCP
-    rank 0's share on every rank, run.json ``dcp_rank`` 0; interleave 1)."""
-    kw = dict(dcp_size=s.dcp, interleave=1)
+    rank 0's share on every rank, run.json ``dcp_rank`` 0)."""
+    kw = dict(dcp_size=s.dcp, interleave=s.dcp_interleave)
     target = phases["target"]
     target["dcp_owner"] = dcp_owner(target["positions"], block_size=s.block_size, **kw)
     target["dcp_local_seq_lens"] = dcp_local_seq_lens(local_seq_lens, **kw)[0].astype(np.int64)
