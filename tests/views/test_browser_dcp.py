@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 import test_browser_views as tbv  # tests/views is on sys.path (rootless test dirs)
-from test_browser_views import plotly_js  # noqa: F401 - the fixture
+from test_browser_views import plotly_js  # noqa: F401, F811 - the fixture
 from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
 from pcpviz.views.figures.canvas import REPLICA_COLOR, WRITTEN_COLOR
@@ -28,7 +28,7 @@ def _rgb(hex_color: str) -> np.ndarray:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_dcp_shards_panel_is_legible_at_real_sizes(case, browser, plotly_js, tmp_path, monkeypatch):
+def test_dcp_shards_panel_is_legible_at_real_sizes(case, browser, plotly_js, tmp_path, monkeypatch):  # noqa: F811
     from pcpviz.synthetic import long_prompt_run
 
     t, pcp = CASES[case]

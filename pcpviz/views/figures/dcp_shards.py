@@ -68,7 +68,7 @@ def _draft_strip(draft: Record, levels, num_reqs: int) -> Lane | None:
              enumerate(zip(slots[:r].tolist(), lens[:r].tolist(), pos[:r].tolist()))]
     level = [L_PAD if s < 0 else levels[i] if i < num_reqs else L_NULL for i, s in enumerate(slots[:r].tolist())]
     return Lane(np.arange(r + 1, dtype=np.int64), np.asarray(level, dtype=float), [f"{a} · {b}" for a, b in text],
-                hover, RunText.per_run([f"{a}·{b[4:]}" for a, b in text]))
+                hover, RunText.per_run([f"{a} · {b}" for a, b in text]))
 
 
 def dcp_shards_spec(target: Record, draft: Record | None = None, *, rank: int | None = None,
