@@ -32,9 +32,11 @@ import numpy as np
 import torch
 
 from pcpviz.engine.kv_cache import context_slots
+from pcpviz.reference.blocks import gather_block_table_rows
+from pcpviz.reference.layout import partition_batch
 from pcpviz.reference.dcp import dcp_local_seq_lens, draft_local_lens
 
-__all__ = ["DCPRows", "dcp_rows_host", "dcp_rows_of", "dcp_partial_mla", "dcp_combine"]
+__all__ = ["DCPRows", "dcp_rows_host", "dcp_rows_of", "dcp_step_inputs", "dcp_partial_mla", "dcp_combine"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,19 @@ def dcp_rows_host(locals_by_rank, block_rows_by_rank, *, dcp_rank: int, dcp_size
             if rows else np.zeros((0, width), np.int32),
             "dcp_qsl": np.asarray(qsl, dtype=np.int64), "dcp_qlens": qlens,
             "dcp_seqlens": np.concatenate(seqlens) if seqlens else np.zeros(0, np.int64)}
+
+
+def dcp_step_inputs(batch, layout, local, *, rank: int, world: int, table: np.ndarray, bt_local: np.ndarray,
+                    dcp: int, interleave: int) -> dict:
+    """The worker's DCP step inputs: ``dcp_rows`` (``dcp_rows_host`` over every rank's local batch,
+    ``partition_batch`` of the others recomputed on this rank) and ``dcp_local_seq_lens`` (int64[r]:
+    this rank's share of its own local rows' seq_lens)."""
+    locs = [local if j == rank else partition_batch(batch, j, world, layout=layout) for j in range(world)]
+    bts = [bt_local if j == rank else gather_block_table_rows(table, lb.idx_mapping, lb.num_reqs_padded)
+           for j, lb in enumerate(locs)]
+    rows = dcp_rows_host(locs, bts, dcp_rank=rank, dcp_size=dcp, interleave=interleave)
+    mine = dcp_local_seq_lens(np.asarray(local.seq_lens[: local.num_reqs]), dcp_size=dcp, interleave=interleave)
+    return {"dcp_rows": rows, "dcp_local_seq_lens": mine[rank].astype(np.int64)}
 
 
 def dcp_partial_mla(q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, *, rows: DCPRows,

@@ -46,8 +46,8 @@ from pcpviz.reference.blocks import (
     gathered_slot_mapping,
 )
 from pcpviz.engine.attention import PagedAttention
-from pcpviz.engine.dcp_attention import dcp_rows_host, dcp_rows_of
-from pcpviz.reference.dcp import dcp_local_seq_lens, dcp_owner
+from pcpviz.engine.dcp_attention import dcp_rows_of, dcp_step_inputs
+from pcpviz.reference.dcp import dcp_owner
 from pcpviz.engine.dist import PCPGroup
 from pcpviz.engine.graphs import DecodeShape, GraphRunner, decode_shape, pad
 from pcpviz.engine.inputs import Uploader
@@ -79,8 +79,7 @@ class EngineConfig:
     # only when asked); True on the CPU runs the same padded buffers without capture (the
     # tests' way of checking the graph path's bookkeeping); False: the unpadded eager path.
     cuda_graphs: bool | None = None
-    # The engine's own DCP (pcpviz.engine.dcp_attention): 1, or pcp (the DCP group is the PCP group)
-    dcp: int = 1
+    dcp: int = 1  # the engine's own DCP (pcpviz.engine.dcp_attention): 1, or pcp (DCP group = PCP group)
     dcp_interleave: int = 1
 
 
@@ -142,8 +141,7 @@ class StepInputs:
     # (query_start_loc int64[B+1], seq_lens int64[B]) of the rank-local rows on the host, for the
     # kernels' decode/prefill row split (None on the decode-graph path: every row is short)
     host_lens: tuple[np.ndarray, np.ndarray] | None = None
-    # DCP > 1: every rank's rows with this rank's local lengths (pcpviz.engine.dcp_attention.dcp_rows_host)
-    dcp_rows: dict | None = None
+    dcp_rows: dict | None = None  # DCP > 1: every rank's rows, this rank's local lengths (dcp_rows_host)
     dcp_local_seq_lens: np.ndarray | None = None  # int64[r]: this rank's share of its local rows' seq_lens
 
 
@@ -273,7 +271,8 @@ class Worker:
 
         table = self._table  # == self.table.as_array(), read-only here
         bt_local = gather_block_table_rows(table, local.idx_mapping, local.num_reqs_padded)
-        slots_global = self.slot_mapping(table, batch.idx_mapping, batch.query_start_loc, batch.positions)
+        slots_global = self.slot_mapping(table, batch.idx_mapping, query_start_loc=batch.query_start_loc,
+                                         positions=batch.positions)
         slots_gathered = gathered_slot_mapping(slots_global, layout)
         self.check_slots(slots_gathered)
         if n == 1:
@@ -294,31 +293,17 @@ class Worker:
                           bt_local=bt_local, slots_global=slots_global, slots_gathered=slots_gathered,
                           sample_rows=sample_rows, shape=shape, bounds=bounds,
                           host_lens=None if shape is not None else (local.query_start_loc, local_seq_lens),
-                          **self._dcp_inputs(batch, layout, local, bt_local, table))
+                          **(dcp_step_inputs(batch, layout, local, rank=rank, world=n, table=table, bt_local=bt_local,
+                                             dcp=cfg.dcp, interleave=cfg.dcp_interleave) if cfg.dcp > 1 else {}))
 
-    def slot_mapping(self, table, idx_mapping, query_start_loc, positions) -> np.ndarray:
-        """int64[1, T]: ``BlockTables.compute_slot_mappings`` on this rank (DCP > 1: this rank's share,
-        the rest PAD), in manager blocks of ``block_size``."""
+    def slot_mapping(self, table, idx_mapping, *, query_start_loc, positions) -> np.ndarray:
+        """int64[1, T]: ``compute_slot_mappings`` in manager blocks; DCP > 1: this rank's share (rank = DCP rank)."""
         return compute_slot_mappings(table, self.cfg.block_size, idx_mapping, query_start_loc=query_start_loc,
                                      positions=positions, **self.dcp_kw())
 
     def dcp_kw(self) -> dict:
-        """compute_slot_mappings' DCP arguments: this rank is DCP rank ``rank`` (DCP = PCP)."""
-        cfg = self.cfg
-        return dict(cp_size=cfg.dcp, cp_rank=self.rank, cp_interleave=cfg.dcp_interleave) if cfg.dcp > 1 else {}
-
-    def _dcp_inputs(self, batch, layout, local, bt_local, table) -> dict:
-        """StepInputs' DCP fields: every rank's local rows with this rank's local lengths."""
-        cfg, n = self.cfg, self.group.world_size
-        if cfg.dcp == 1:
-            return {}
-        locs = [local if j == self.rank else partition_batch(batch, j, n, layout=layout) for j in range(n)]
-        bts = [bt_local if j == self.rank else gather_block_table_rows(table, lb.idx_mapping, lb.num_reqs_padded)
-               for j, lb in enumerate(locs)]
-        rows = dcp_rows_host(locs, bts, dcp_rank=self.rank, dcp_size=cfg.dcp, interleave=cfg.dcp_interleave)
-        nr = local.num_reqs
-        mine = dcp_local_seq_lens(np.asarray(local.seq_lens[:nr]), dcp_size=cfg.dcp, interleave=cfg.dcp_interleave)
-        return {"dcp_rows": rows, "dcp_local_seq_lens": mine[self.rank].astype(np.int64)}
+        c = self.cfg
+        return dict(cp_size=c.dcp, cp_rank=self.rank, cp_interleave=c.dcp_interleave) if c.dcp > 1 else {}
 
     def _plan(self, batch: GlobalBatch, padded_num_tokens: int | None) -> PCPLayout:
         """``plan_layout`` of the step, remembered for decode-only steps: the layout depends on
@@ -406,8 +391,8 @@ class Worker:
                            top1=targets, hidden_global=hidden_global[: layout.num_tokens], t0=t0, t1=t1,
                            hidden_local=hidden_local[: h.positions.shape[0]])
                 if h.dcp_local_seq_lens is not None:
-                    rec.dcp("target", local_lens=h.dcp_local_seq_lens, ranks_combined=dcp_ranks)
-                    rec.dcp_owner(dcp_owner(h.batch.positions, block_size=cfg.block_size, dcp_size=cfg.dcp,
+                    rec.dcp("target", local_lens=h.dcp_local_seq_lens, ranks_combined=dcp_ranks,
+                            owner=dcp_owner(h.batch.positions, block_size=cfg.block_size, dcp_size=cfg.dcp,
                                             interleave=cfg.dcp_interleave))
 
         with timer.phase("verify"):

@@ -123,7 +123,8 @@ def generate(
     """Simulate the requests to completion and record every step on every rank.
 
     ``dcp > 1`` makes decodes replicated (rank 0's copy kept in the gathered mapping) and uses DCP-sharded
-    slot mappings for DCP rank 0 (runs of ``dcp_interleave`` tokens), as vLLM does; ``shard_decode_requests`` overrides the
+    slot mappings for DCP rank 0 (runs of ``dcp_interleave`` tokens), as vLLM
+    does; ``shard_decode_requests`` overrides the
     decode placement (default: vLLM's rule, sharded iff PCP > 1 and DCP == 1).
     ``graph_pad`` rounds P up to a multiple (a CUDA-graph size). ``reverse_rows`` reverses the
     global row order (a producer that orders rows differently; results are unchanged).

@@ -33,8 +33,8 @@ EXPECTED_NAMES = [
     "draft_prefill_rank_local", "draft_last_token_indices", "draft_input_ids",
     "draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance",
     "hidden_restored", "hidden_handoffs", "target_outputs_agree", "graph_inputs_are_captured",
-    "verify_consistent", "drafts_fed_back", "ranks_agree", "positions_consistent", "verify_greedy",
     "dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combined",
+    "verify_consistent", "drafts_fed_back", "ranks_agree", "positions_consistent", "verify_greedy",
 ]
 
 

@@ -30,7 +30,8 @@ The package: ``report`` (Violation, CheckResult, CheckReport), ``context`` (what
 and the ``@check`` registry), the checks by group (``layout_checks``: target layout, KV writes,
 rank-local batch, sampling; ``draft_checks``: draft_0 and draft_k; ``handoff_checks``: the
 hidden-state hand-offs (fingerprints) and target outputs across ranks; ``step_checks``: verify,
-the next step, ranks, positions; ``graph_checks``: the CUDA-graph replay ledger) and ``runner`` (``run_checks``; ``CHECK_MODULES`` fixes the
+the next step, ranks, positions; ``graph_checks``: the CUDA-graph replay ledger; ``dcp_checks``: the KV
+sharded over DCP ranks) and ``runner`` (``run_checks``; ``CHECK_MODULES`` fixes the
 order). The comparison helpers are ``pcpviz.analysis.compare`` (shared with ``pcpviz.analysis.diff``). Adding a
 check: a function decorated ``@check(name, description)`` in the module of its group.
 """

@@ -23,7 +23,7 @@ from pcpviz.views.figures.aggregate import run_edges
 from pcpviz.views.figures.canvas import (L_NULL, L_PAD, L_REPLICA, L_WRITTEN, Canvas, range_text, req_levels,
                                          strip_heat, strip_labels)
 from pcpviz.views.figures.lod import PLOT_PX, Lane, RunText, draw_strip
-from pcpviz.views.figures.slot_mappings import _slot_strip
+from pcpviz.views.figures.slot_mappings import slot_strip
 from pcpviz.views.figures.step_data import is_replicated, step_layout, view_array
 
 __all__ = ["dcp_shards_spec", "rank_level"]
@@ -92,7 +92,7 @@ def dcp_shards_spec(target: Record, draft: Record | None = None, *, rank: int | 
     if sg is not None:
         mine = int(np.sum(sg[0][:t] >= 0))
         strips.append((f"rank {rank}'s slot_mapping_global: its share ({mine} of {t} tokens; PAD = another rank's)",
-                       _slot_strip(sg[0][:t], req, None, levels, "global", "global token"), "global token"))
+                       slot_strip(sg[0][:t], req, None, levels, "global", "global token"), "global token"))
     local, full = view_array(target, "dcp_local_seq_lens"), view_array(target, "local_seq_lens")
     if local is not None and full is not None:
         n = min(local.shape[0], full.shape[0])

@@ -22,7 +22,7 @@ from pcpviz.trace import Record
 from pcpviz.trace.shapes import slot_groups
 from pcpviz.views.figures.step_data import is_replicated, step_layout, view_array
 
-__all__ = ["slot_mappings_spec", "slot_mappings_figure"]
+__all__ = ["slot_mappings_spec", "slot_mappings_figure", "slot_strip"]
 
 
 def _slot_strip(slots: np.ndarray, req: np.ndarray, status: np.ndarray | None, levels: np.ndarray,
@@ -48,6 +48,10 @@ def _slot_strip(slots: np.ndarray, req: np.ndarray, status: np.ndarray | None, l
     starts = s0.astype(np.int64) if n else np.zeros(0, np.int64)  # a run's slots count up from its first
     return Lane(e, np.asarray(level, dtype=float), text, hover,
                 RunText(["PAD" if u < 0 else "" for u in starts.tolist()], starts, starts >= 0))
+
+
+slot_strip = _slot_strip
+"""A slot-mapping strip (runs of one request whose slot ids count up by one), shared with ``dcp_shards``."""
 
 
 def _mask_strip(status: np.ndarray, req: np.ndarray) -> Lane:
