@@ -505,7 +505,7 @@ def test_missing_view_is_skipped_and_said_so(tmp_path):
     assert res.skipped == 2 * len(run.step_ids)
     assert res.skip_reason == "step 0 rank 0: no sampled_logits_rows"
     text = report.format()
-    assert "SKIP  local_logits_not_sampled" in text and "ran on 0 of" in text and "2 skipped" in text
+    assert "SKIP  local_logits_not_sampled" in text and "ran on 0 of" in text and "5 skipped" in text  # + DCP_CHECKS
     assert report.to_dict()["checks"]["local_logits_not_sampled"]["verdict"] == "skipped"
 
 
@@ -606,7 +606,8 @@ def test_cli_check_truncated_rank_file_checks_what_is_complete(tmp_path):
     assert lines and all(ln.startswith("pcpviz check: incomplete: ") for ln in lines), lines
     assert "rank1.arrow" in lines[0] and "last complete step" in lines[0]
     assert any("rank 1 lacks steps" in ln for ln in lines)
-    assert f"result: INCOMPLETE: {len(CHECKS) - 1} passed, 0 failed" in r.stdout  # all but the graph ledger's
+    # all but the graph ledger's and the DCP checks (DCP = 1)
+    assert f"result: INCOMPLETE: {len(CHECKS) - 1 - len(DCP_CHECKS)} passed, 0 failed" in r.stdout
 
 
 def test_run_checks_takes_one_name_or_a_list_and_refuses_unknown_names():
