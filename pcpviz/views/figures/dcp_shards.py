@@ -25,6 +25,7 @@ from pcpviz.views.figures.canvas import (L_NULL, L_PAD, L_REPLICA, L_WRITTEN, Ca
 from pcpviz.views.figures.lod import PLOT_PX, Lane, RunText, draw_strip
 from pcpviz.views.figures.slot_mappings import slot_strip
 from pcpviz.views.figures.step_data import is_replicated, step_layout, view_array
+from pcpviz.views.figures.violations import message_spec
 
 __all__ = ["dcp_shards_spec", "rank_level"]
 
@@ -81,15 +82,19 @@ def dcp_shards_spec(target: Record, draft: Record | None = None, *, rank: int | 
     levels = req_levels(sl.req_ids, colors, highlight)
     t = sl.num_tokens
     owner = view_array(target, "dcp_owner")
-    if owner is None:
-        fig = Canvas([[1]], subplot_titles=["no DCP views: a run with dcp = 1 keeps every token's KV on every rank"])
-        return fig.spec(height=160, margin=dict(l=30, r=20, t=60, b=20))
-    owner = owner.astype(np.int64)[:t]
     req = sl.token_req[:t]
-    strips = [(f"dcp_owner [T={t}]: the DCP rank holding each global token's KV", _owner_strip(owner, req),
-               "global token")]
     sg = slot_groups(view_array(target, "slot_mapping_global"))
-    if sg is not None:
+    strips = []
+    if owner is None:  # DCP = 1: no sharding; every rank's cache holds every token (its slots, all written)
+        owner = np.zeros(t, dtype=np.int64)
+        if sg is not None:
+            strips.append((f"DCP = 1: rank {rank} stores every token's KV (slot_mapping_global [T={t}])",
+                           slot_strip(sg[0][:t], req, None, levels, "global", "global token"), "global token"))
+    else:
+        owner = owner.astype(np.int64)[:t]
+        strips.append((f"dcp_owner [T={t}]: the DCP rank holding each global token's KV", _owner_strip(owner, req),
+                       "global token"))
+    if sg is not None and strips and strips[0][0].startswith("dcp_owner"):
         mine = int(np.sum(sg[0][:t] >= 0))
         strips.append((f"rank {rank}'s slot_mapping_global: its share ({mine} of {t} tokens; PAD = another rank's)",
                        slot_strip(sg[0][:t], req, None, levels, "global", "global token"), "global token"))
@@ -104,6 +109,8 @@ def dcp_shards_spec(target: Record, draft: Record | None = None, *, rank: int | 
         if lane is not None:
             strips.append((f"{draft_phase} on rank {rank}: slot written (PAD: another rank's) · local_len",
                            lane, "request row (global order)"))
+    if not strips:
+        return message_spec(f"DCP shards: step without slot_mapping_global on rank {rank}")
     fig = Canvas([[1]] * len(strips), vertical_spacing=0.5 / len(strips), subplot_titles=[s[0] for s in strips])
     windows = windows or {}
     for k, (_, lane, xtitle) in enumerate(strips):
