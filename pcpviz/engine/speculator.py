@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pcpviz.reference.blocks import compute_slot_mappings
 from pcpviz.reference.drafts import draft_decode_positions
 from pcpviz.reference.drafts import draft_prefill_inputs as reference_prefill_inputs
 from pcpviz.engine.attention import PagedAttention
@@ -217,7 +218,8 @@ def _draft_decode_inputs(worker, batch, table, *, last_idx, k, draft_ids=None) -
     for positions in steps:
         # Slots come from the persistent block tables by request slot (always right);
         # attention reads input_block_tables (wrong when the gather was skipped).
-        slots = worker.slot_mapping(table, batch.idx_mapping, query_start_loc=qsl, positions=positions)[0]
+        slots = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping, query_start_loc=qsl,
+                                      positions=positions, **worker.dcp_kw())[0]
         if F.DRAFT_SLOT_FROM_SEQ_LEN in faults and r:
             # The fault: the block from seq_len // block_size; one slot before a block boundary
             # that is the next block (the null block when it is not allocated yet).
