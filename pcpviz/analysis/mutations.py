@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Mutation", "MUTATIONS", "PLANTED_MARK", "copy_package", "plant", "run_planted", "main"]
+__all__ = ["Mutation", "MUTATIONS", "DCP_MUTATIONS", "PLANTED_MARK", "copy_package", "plant", "run_planted", "main"]
 
 
 @dataclass(frozen=True)
@@ -180,6 +180,28 @@ MUTATIONS: tuple[Mutation, ...] = (
        None, None, "refactor: the draft positions step by step", harmless=True),
 )
 
+DCP_MUTATIONS: tuple[Mutation, ...] = (
+    _M("dcp_kernel_block_size_ignored", "engine/worker.py",
+       "        return compute_slot_mappings(table, self.cfg.block_size, idx_mapping, "
+       "query_start_loc=query_start_loc,\n                                     positions=positions, **self.dcp_kw())\n",
+       "        from pcpviz.reference.dcp import kernel_block_table\n"
+       "        k = self.cfg.block_size // 2  # the attention kernel's block size, in place of the manager's\n"
+       "        kt = kernel_block_table(table, block_size=self.cfg.block_size, kernel_block_size=k)\n"
+       "        return compute_slot_mappings(kt, k, idx_mapping, query_start_loc=query_start_loc,\n"
+       "                                     positions=positions, **self.dcp_kw())\n",
+       "target", "slot_mapping_global", "vllm#51031 class: the DCP slot mapping computes ownership and local "
+       "offsets with the kernel block size (half the manager's); wrong once the interleave exceeds it"),
+    _M("dcp_draft_local_len_off_by_one", "engine/speculator.py",
+       "            lens = draft_local_lens(positions, dcp_size=cfg.dcp, "
+       "interleave=cfg.dcp_interleave)[worker.rank]\n",
+       "            lens = draft_local_lens(positions - 1, dcp_size=cfg.dcp, "
+       "interleave=cfg.dcp_interleave)[worker.rank]\n",
+       "draft_k", "dcp_local_seq_lens", "the draft decodes' per-rank local_len from seq_len - 1: the rank that "
+       "owns the draft token leaves it out of its attention"),
+)
+"""Planted DCP bugs: they need a run with ``dcp`` > 1 (the first also ``dcp_interleave`` > block_size / 2),
+so they are not in ``MUTATIONS`` (the diagnosis benchmark runs at DCP = 1); ``plant`` takes them by name."""
+
 
 PLANTED_MARK = ".pcpviz-planted"
 """The file ``plant`` leaves in its directory (holding the mutation's name): what ``overwrite`` may replace."""
@@ -193,7 +215,7 @@ def plant(name: str, root: Path | str, *, overwrite: bool = False) -> Path:
     Raises ValueError for an unknown name or a ``root`` that exists and is not empty, unless
     ``overwrite`` and ``root`` is an earlier planted copy (it holds ``PLANTED_MARK`` and nothing
     but what ``plant`` writes): then that copy is replaced."""
-    by_name = {m.name: m for m in MUTATIONS}
+    by_name = {m.name: m for m in MUTATIONS + DCP_MUTATIONS}
     if name not in by_name:
         raise ValueError(f"unknown mutation {name!r} (python -m pcpviz.analysis.mutations --list)")
     root = Path(root)

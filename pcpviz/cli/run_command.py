@@ -15,7 +15,7 @@ import time
 
 from pcpviz.cli.guard import (EXIT_FAILED, EXIT_OK, UsageError, bounded_int, check_output_file, path,
                               read_prompts_file, seconds)
-from pcpviz.limits import MAX_LAYOUT_WORLD
+from pcpviz.limits import MAX_ENGINE_BLOCK_SIZE, MAX_LAYOUT_WORLD
 from pcpviz.trace.outputs import write_output
 
 __all__ = ["add_run", "STARTED"]
@@ -74,7 +74,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
                 max_new_tokens=args.max_new_tokens, trace_dir=args.trace, inject=args.inject or (),
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 block_size=args.block_size, dtype=args.dtype,
-                model_dir=args.model, timeout_s=args.timeout, overwrite=args.overwrite)
+                model_dir=args.model, timeout_s=args.timeout, overwrite=args.overwrite,
+                dcp=args.dcp, dcp_interleave=args.dcp_interleave)
 
 
 def _write_rank_config(args: argparse.Namespace, prompts: list[str]) -> int:
@@ -111,6 +112,11 @@ def add_run(sub) -> None:
                                    "with MTP speculative decoding, the way vLLM 0.33.0's model runner "
                                    "does, and record every step's views to --trace.")
     p.add_argument("--pcp", type=bounded_int(1, MAX_LAYOUT_WORLD), default=2, help="PCP ranks (processes)")
+    p.add_argument("--dcp", type=bounded_int(1, MAX_LAYOUT_WORLD), default=1,
+                   help="decode context parallel: 1, or --pcp (KV sharded over the PCP ranks; the engine's own "
+                        "DCP on the dense model, not a vLLM 0.33.0 configuration)")
+    p.add_argument("--dcp-interleave", type=bounded_int(1, MAX_ENGINE_BLOCK_SIZE), default=1,
+                   help="cp_kv_cache_interleave_size: DCP shards the KV in runs of this many tokens")
     p.add_argument("--mtp", type=bounded_int(0, 64), default=2, help="num_speculative_tokens K (0 = no speculation)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--prompt", action="append", help="a prompt (repeatable; not empty)")

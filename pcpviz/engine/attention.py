@@ -21,13 +21,14 @@ on CPU, or with ``PCPVIZ_KERNELS=0``, the torch reference.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pcpviz.engine.dist import PCPGroup
 import numpy as np
 
+from pcpviz.engine.dcp_attention import DCPRows, dcp_combine, dcp_partial_mla
 from pcpviz.engine.kv_cache import LatentKVCache, kernels_for, paged_mla_attention
 
 __all__ = ["PagedAttention"]
@@ -52,6 +53,9 @@ class PagedAttention:
     # (query_start_loc int64[B+1], seq_lens int64[B]) on the host, if the caller has them: the
     # kernel path splits decode rows from prefill rows with them (else one sync per forward)
     host_lens: tuple[np.ndarray, np.ndarray] | None = None
+    # DCP > 1 (pcpviz.engine.dcp_attention): the KV is sharded, attention is partial + combined
+    dcp: DCPRows | None = None
+    dcp_ranks: list[int] = field(default_factory=list)  # per layer: partial results combined
 
     def __call__(self, layer_idx, q_nope, q_pe, kv_c, k_pe):
         latent = torch.cat([kv_c, k_pe], dim=-1)
@@ -64,6 +68,8 @@ class PagedAttention:
             slots, latent = slots[:keep], latent[:keep]
         self.cache.write(layer_idx, slots, latent, checked=self.slots_checked)
         w_uk, w_uv = self.model.mla_up_weights(layer_idx)
+        if self.dcp is not None:
+            return self._dcp_attention(layer_idx, q_nope, q_pe, w_uk, w_uv)
         kw = {}
         if kernels_for(self.cache.layers[layer_idx]) is not None:  # CUDA: Triton kernels
             if self.bounds is None:
@@ -77,3 +83,17 @@ class PagedAttention:
             w_uk=w_uk, w_uv=w_uv, block_size=self.cache.block_size, scale=self.model.config.softmax_scale, **kw,
         )
         return out.to(q_nope.dtype)
+
+    def _dcp_attention(self, layer_idx, q_nope, q_pe, w_uk, w_uv):
+        """Partial attention over this rank's KV shard, combined over the DCP (= PCP) group."""
+        rows = self.dcp
+        p = q_nope.shape[0]
+        if rows.gather_queries:
+            q_nope, q_pe = self.group.all_gather(q_nope.contiguous()), self.group.all_gather(q_pe.contiguous())
+        ctx, lse = dcp_partial_mla(q_nope, q_pe, self.cache.layers[layer_idx], rows=rows, w_uk=w_uk,
+                                   block_size=self.cache.block_size, scale=self.model.config.softmax_scale)
+        ctx, ranks = dcp_combine(ctx, lse, self.group)
+        self.dcp_ranks.append(ranks)
+        if rows.gather_queries:
+            ctx = ctx[self.group.rank * p:(self.group.rank + 1) * p]
+        return torch.einsum("qhr,hvr->qhv", ctx, w_uv.float()).to(q_nope.dtype)

@@ -110,6 +110,7 @@ def _engine_config(cfg: RunConfig, pcp: int):
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         shard_decode_requests=cfg.shard_decode_requests, faults=frozenset(cfg.inject),
         dtype=getattr(torch, cfg.dtype), cuda_graphs=cfg.cuda_graphs,
+        dcp=cfg.dcp, dcp_interleave=cfg.dcp_interleave,
     )
 
 
@@ -129,7 +130,7 @@ def _scheduler(cfg: RunConfig, ecfg, model):
 
     return Scheduler(
         cfg.prompt_token_ids, cfg.max_new_tokens, num_speculative_tokens=ecfg.num_speculative_tokens,
-        block_size=ecfg.block_size, num_blocks=ecfg.num_blocks, max_num_seqs=ecfg.max_num_seqs,
+        block_size=ecfg.block_size * ecfg.dcp, num_blocks=ecfg.num_blocks, max_num_seqs=ecfg.max_num_seqs,
         max_num_batched_tokens=ecfg.max_num_batched_tokens,
         max_model_len=model.config.max_position_embeddings, eos_token_id=cfg.eos_token_id,
     )

@@ -181,3 +181,13 @@ class StepRecord:
             "t_start_us": np.array(t0, dtype=np.int64),
             "t_end_us": np.array(t1, dtype=np.int64),
         }
+
+    def dcp(self, phase: str, *, local_lens, ranks_combined: int, owner=None) -> None:
+        """DCP > 1: this rank's local length of each row the phase attends (``dcp_local_seq_lens``:
+        the target's and draft prefill's local rows; draft_k: the per-rank ``local_len`` of the
+        draft decodes) and how many ranks' partial attention its combine summed."""
+        self.phases[phase]["dcp_local_seq_lens"] = np.asarray(local_lens, dtype=np.int64).copy()
+        self.phases[phase]["dcp_ranks_combined"] = np.array(int(ranks_combined), dtype=np.int64)
+        if owner is not None:  # the target: the DCP rank each global token's KV was dealt to
+            self.phases[phase]["dcp_owner"] = np.asarray(owner, dtype=np.int64).copy()
+

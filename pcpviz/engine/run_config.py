@@ -64,6 +64,8 @@ class RunConfig:
     store_file: str | None = None  # the FileStore rendezvous of a local launch (None: env:// TCP)
     trace_owner: str | None = None  # the trace directory's claim token (pcpviz.trace.owner)
     warmup: bool = True  # one throw-away forward before the first step
+    dcp: int = 1  # decode context parallel: 1, or pcp (the engine's own DCP; not a vLLM 0.33.0 configuration)
+    dcp_interleave: int = 1  # cp_kv_cache_interleave_size: DCP shards the KV in runs of this many tokens
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON document (lists for the tuples)."""
@@ -133,7 +135,8 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
                  shard_decode_requests: bool | None = None, seed: int = 0, timeout_s: float = 300.0,
                  stop_at_eos: bool = False, overwrite: bool = False, dtype: str = "float32",
                  count_local_devices: bool = True, cuda_graphs: bool | None = None,
-                 time_phases: bool = False, profile_dir: str | None = None) -> RunConfig:
+                 time_phases: bool = False, profile_dir: str | None = None, dcp: int = 1,
+                 dcp_interleave: int = 1) -> RunConfig:
     """Validate the arguments and build the run's config.
 
     ``cuda_graphs``: decode steps from CUDA graphs (None: on for CUDA at PCP=1, see
@@ -149,7 +152,13 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
     only); without it a non-empty ``trace_dir`` is refused. ``count_local_devices=False`` skips
     "this host has ``pcp`` GPUs" for a config that torchrun starts on other hosts
     (``pcpviz run --write-config``). Raises ValueError with a one-line
-    reason naming the option."""
+    reason naming the option.
+
+    ``dcp``: decode context parallel over the PCP ranks (1 or ``pcp``: the DCP group *is* the PCP
+    group, as vLLM 0.33.0 allows at TP=1, ``config/parallel.py`` 595-606), the KV cache sharded by
+    ``pcpviz.reference.dcp`` in runs of ``dcp_interleave`` tokens. vLLM 0.33.0 refuses PCP + DCP for a
+    dense-MLA model like the shipped one (``pcp_manager.py`` 195-200): this is the engine's own DCP,
+    not a vLLM 0.33.0 configuration."""
     from pcpviz.engine.tokenizer import EOS_ID
     from pcpviz.faults import validate_faults
     from pcpviz.trace.owner import check_target
@@ -157,6 +166,8 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
     _check_sizes(pcp=pcp, num_speculative_tokens=num_speculative_tokens, max_new_tokens=max_new_tokens,
                  block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     _check_choices(device=device, pcp=pcp, cuda_graphs=cuda_graphs, dtype=dtype, timeout_s=timeout_s)
+    _check_dcp(pcp=pcp, dcp=dcp, dcp_interleave=dcp_interleave, block_size=block_size, cuda_graphs=cuda_graphs,
+               shard_decode_requests=shard_decode_requests)
     if trace_dir is not None:
         check_target(trace_dir, overwrite=overwrite)
     if profile_dir is not None:
@@ -182,7 +193,22 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
         dtype=dtype, overwrite=bool(overwrite),
         cuda_graphs=None if cuda_graphs is None else bool(cuda_graphs),
         time_phases=bool(time_phases or profile_dir), profile_dir=profile_dir,
+        dcp=int(dcp), dcp_interleave=int(dcp_interleave),
     )
+
+
+def _check_dcp(*, pcp: int, dcp: int, dcp_interleave: int, block_size: int, cuda_graphs,
+               shard_decode_requests) -> None:
+    """The engine's DCP spans the PCP group: dcp is 1 or pcp; the interleave divides the block size."""
+    if isinstance(dcp, bool) or not isinstance(dcp, int) or dcp not in (1, pcp):
+        raise ValueError(f"dcp={dcp}: the engine's DCP spans the PCP group, so dcp must be 1 or pcp={pcp}")
+    if isinstance(dcp_interleave, bool) or not isinstance(dcp_interleave, int) or dcp_interleave < 1 \
+            or block_size % dcp_interleave:
+        raise ValueError(f"dcp_interleave={dcp_interleave} must be >= 1 and divide block_size={block_size}")
+    if dcp > 1 and cuda_graphs:
+        raise ValueError("cuda_graphs with dcp > 1: the engine's DCP attention runs eager only")
+    if dcp > 1 and shard_decode_requests:
+        raise ValueError("shard_decode_requests with dcp > 1: decodes are replicated under DCP (vLLM too)")
 
 
 def _check_sizes(*, pcp: int, num_speculative_tokens: int, max_new_tokens: int, block_size: int,

@@ -37,6 +37,8 @@ from pcpviz.reference.blocks import compute_slot_mappings
 from pcpviz.reference.drafts import draft_decode_positions
 from pcpviz.reference.drafts import draft_prefill_inputs as reference_prefill_inputs
 from pcpviz.engine.attention import PagedAttention
+from pcpviz.engine.dcp_attention import DCPRows, dcp_rows_of
+from pcpviz.reference.dcp import draft_local_lens
 from pcpviz import faults as F
 from pcpviz.engine.decode_graphs import pad
 
@@ -83,6 +85,8 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
             rec.draft_prefill(local_ids=host.local_ids, local_positions=h.positions, local_seq_lens=h.seq_lens,
                               bt_local=h.bt_local, slots_gathered=h.slots_gathered, last_idx=host.read_idx,
                               tokens=tok0[:r], global_ids=host.draft_ids, t0=t0, t1=t1)
+            if h.dcp_local_seq_lens is not None:
+                rec.dcp("draft_0", local_lens=h.dcp_local_seq_lens, ranks_combined=worker.dcp_ranks_combined["draft_0"])
             p = local.num_tokens_padded
             rec.fingerprints("draft_0", hidden_in=hidden_in[:p], mtp_local=mtp_local[:p], hidden_last=h_last[:r])
     if k <= 1:
@@ -104,7 +108,7 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     if rec is not None:
         with timer.phase("record"):
             _record_decodes(rec, decode, drafts, handed, block_rows=block_rows, marks=marks + [t1], r=r,
-                            fold_n=n if fold else 1)
+                            fold_n=n if fold else 1, ranks=worker.dcp_ranks_combined)
     return drafts[:r]
 
 
@@ -165,10 +169,12 @@ def _host_inputs(worker, h, *, verify, sched) -> _HostInputs:
             "dslots": (np.stack([pad(s, rows, -1) for s in decode["slots"]]), torch.int64),
             "qsl": (np.arange(rows + 1, dtype=np.int64), torch.int64), **_stale_arrays(decode, rows),
         })
+        if "local_lens" in decode:
+            arrays["dlocal"] = (np.stack([pad(s, rows) for s in decode["local_lens"]]), torch.int64)
     return _HostInputs(draft_ids, local_ids, read_idx, hidden_rank_local, decode, block_rows, arrays)
 
 
-def _record_decodes(rec, decode, drafts, handed, *, block_rows, marks, r, fold_n) -> None:
+def _record_decodes(rec, decode, drafts, handed, *, block_rows, marks, r, fold_n, ranks) -> None:
     """Record draft steps 1..K-1 (``marks[j-1]..marks[j]`` their windows) and the hidden states
     each read and handed on."""
     rec.fingerprints("draft_0", hidden_out=handed[0][:r])
@@ -179,6 +185,8 @@ def _record_decodes(rec, decode, drafts, handed, *, block_rows, marks, r, fold_n
         rec.draft_decode(step=j, ids=decode.get("stale_ids", drafts[:r, j - 1]), positions=decode["positions"][j - 1],
                          seq_lens=decode["seq_lens"][j - 1], block_rows=block_rows, slots=written,
                          tokens=drafts[:r, j], t0=marks[j - 1], t1=marks[j] if j < drafts.shape[1] - 1 else marks[-1])
+        if "local_lens" in decode:
+            rec.dcp(f"draft_{j}", local_lens=decode["local_lens"][j - 1], ranks_combined=ranks[f"draft_{j}"])
         rec.fingerprints(f"draft_{j}", hidden_in=handed[2 * j - 1][:r], hidden_out=handed[2 * j][:r])
 
 
@@ -211,7 +219,7 @@ def _draft_decode_inputs(worker, batch, table, *, last_idx, k, draft_ids=None) -
         # Slots come from the persistent block tables by request slot (always right);
         # attention reads input_block_tables (wrong when the gather was skipped).
         slots = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping, query_start_loc=qsl,
-                                      positions=positions)[0]
+                                      positions=positions, **worker.dcp_kw())[0]
         if F.DRAFT_SLOT_FROM_SEQ_LEN in faults and r:
             # The fault: the block from seq_len // block_size; one slot before a block boundary
             # that is the next block (the null block when it is not allocated yet).
@@ -221,6 +229,9 @@ def _draft_decode_inputs(worker, batch, table, *, last_idx, k, draft_ids=None) -
         out["positions"].append(positions)
         out["seq_lens"].append(positions + 1)
         out["slots"].append(slots)
+        if cfg.dcp > 1:  # this rank's local_len of the draft decode (vllm#50391)
+            lens = draft_local_lens(positions, dcp_size=cfg.dcp, interleave=cfg.dcp_interleave)[worker.rank]
+            out.setdefault("local_lens", []).append(lens.astype(np.int64))
     if F.DRAFT_DECODES_READ_PREFILL_BATCH in faults and worker.group.world_size > 1 and r \
             and not batch.is_prefilling.any() and draft_ids is not None:
         # The fault, on a decode-only step (where vLLM's draft prefill can replay a FULL graph): each
@@ -237,7 +248,8 @@ def _draft_prefill(worker, d, dt, *, hidden_local, bounds, hidden_rank_local, ho
     model = worker.model
     attn = PagedAttention(model, worker.cache, worker.group, expanded=True, slots=d["slots"],
                           block_rows=d["block_rows"], query_start_loc=d["qsl"], positions=d["positions"],
-                          seq_lens=d["seq_lens"], bounds=bounds, slots_checked=True, host_lens=host_lens)
+                          seq_lens=d["seq_lens"], bounds=bounds, slots_checked=True, host_lens=host_lens,
+                          dcp=dcp_rows_of(d))
     with torch.no_grad():
         hidden_in = hidden_local  # [P, H]: the target's rank-local rows, what the MTP layer reads
         mtp_local = model.mtp_forward(dt["ids"], dt["positions"], hidden_in, attn=attn)
@@ -245,6 +257,7 @@ def _draft_prefill(worker, d, dt, *, hidden_local, bounds, hidden_rank_local, ho
             h_last = mtp_local[dt["read_idx"]]
         else:
             h_last = worker.group.all_gather(mtp_local)[d["restore"]][dt["read_idx"]]  # [R', H]
+        worker.dcp_ranks_combined["draft_0"] = min(attn.dcp_ranks, default=1)
         return model.mtp_logits(h_last).argmax(-1), h_last, mtp_local, hidden_in
 
 
@@ -272,7 +285,8 @@ def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=Fal
             attn = PagedAttention(model, worker.cache, worker.group, expanded=False, slots=dt["dslots"][j - 1],
                                   block_rows=dt["block_rows"], query_start_loc=dt["qsl"],
                                   positions=dt["dpos"][j - 1], seq_lens=dt["dseq"][j - 1],
-                                  fold_without_shape_check=fold, bounds=bounds[j - 1], slots_checked=True)
+                                  fold_without_shape_check=fold, bounds=bounds[j - 1], slots_checked=True,
+                                  dcp=_decode_dcp_rows(dt, j))
             if keep:
                 handed.append(hidden)  # what step j reads (== handed[j - 1] unless a hand-off broke)
             # the fault draft_decodes_read_prefill_batch: every step fed the draft prefill's first rows
@@ -283,5 +297,15 @@ def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=Fal
             if keep:
                 handed.append(model.mtp_recycle_hidden(mtp_h))
             cols.append(ids)
+            worker.dcp_ranks_combined[f"draft_{j}"] = min(attn.dcp_ranks, default=1)
             marks.append(_now_us())
         return torch.stack(cols, dim=1), handed
+
+
+def _decode_dcp_rows(dt: dict, j: int) -> DCPRows | None:
+    """Draft step j's ``DCPRows`` (every rank the same rows; this rank's local_len), None without DCP."""
+    if "dlocal" not in dt:
+        return None
+    return DCPRows(block_rows=dt["block_rows"], query_start_loc=dt["qsl"], local_q_lens=dt["dlocal"][j - 1],
+                   local_seq_lens=dt["dlocal"][j - 1], gather_queries=False)
+

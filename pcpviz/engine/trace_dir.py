@@ -41,11 +41,23 @@ def trace_meta(cfg: RunConfig) -> dict:
     """run.json's keys for a run of ``cfg`` (the keys and values shipped traces hold)."""
     return {
         "producer": "pcpviz-engine",
-        "pcp": cfg.pcp, "dcp": 1, "num_speculative_tokens": cfg.num_speculative_tokens,
+        "pcp": cfg.pcp, "dcp": cfg.dcp, "num_speculative_tokens": cfg.num_speculative_tokens,
         "block_size": cfg.block_size, "shard_decode_requests": cfg.shard_decode_requests
-        if cfg.shard_decode_requests is not None else cfg.pcp > 1,
+        if cfg.shard_decode_requests is not None else cfg.pcp > 1 and cfg.dcp == 1,
         "model": os.path.basename(cfg.model_dir), "device": cfg.device, "inject": list(cfg.inject),
         "max_num_batched_tokens": cfg.max_num_batched_tokens, "seed": cfg.seed,
         "num_requests": len(cfg.prompt_token_ids), "max_new_tokens": cfg.max_new_tokens,
         "prompt_token_ids": [list(p) for p in cfg.prompt_token_ids], "dtype": cfg.dtype,
+        **_dcp_meta(cfg),
     }
+
+
+def _dcp_meta(cfg: RunConfig) -> dict:
+    """run.json's DCP keys: at dcp > 1 the DCP rank of each rank file is its PCP rank (``dcp_group``
+    'pcp'), and the run is labelled: vLLM 0.33.0 allows PCP + DCP for sparse MLA only."""
+    if cfg.dcp == 1:
+        return {}
+    return {"dcp_interleave": cfg.dcp_interleave, "dcp_group": "pcp",
+            "vllm_configuration": "not a vLLM 0.33.0 configuration: vLLM 0.33.0 allows PCP + DCP for "
+            "sparse-MLA models only (pcp_manager.py 195-200); this is the engine's own DCP on a dense-MLA model"}
+

@@ -46,6 +46,8 @@ from pcpviz.reference.blocks import (
     gathered_slot_mapping,
 )
 from pcpviz.engine.attention import PagedAttention
+from pcpviz.engine.dcp_attention import dcp_rows_of, dcp_step_inputs
+from pcpviz.reference.dcp import dcp_owner
 from pcpviz.engine.dist import PCPGroup
 from pcpviz.engine.decode_graphs import DecodeShape, GraphRunner, decode_shape, pad
 from pcpviz.engine.inputs import Uploader
@@ -77,6 +79,8 @@ class EngineConfig:
     # only when asked); True on the CPU runs the same padded buffers without capture (the
     # tests' way of checking the graph path's bookkeeping); False: the unpadded eager path.
     cuda_graphs: bool | None = None
+    dcp: int = 1  # the engine's own DCP (pcpviz.engine.dcp_attention): 1, or pcp (DCP group = PCP group)
+    dcp_interleave: int = 1
 
 
 def compile_by_default(device: torch.device) -> bool:
@@ -137,6 +141,8 @@ class StepInputs:
     # (query_start_loc int64[B+1], seq_lens int64[B]) of the rank-local rows on the host, for the
     # kernels' decode/prefill row split (None on the decode-graph path: every row is short)
     host_lens: tuple[np.ndarray, np.ndarray] | None = None
+    dcp_rows: dict | None = None  # DCP > 1: every rank's rows, this rank's local lengths (dcp_rows_host)
+    dcp_local_seq_lens: np.ndarray | None = None  # int64[r]: this rank's share of its local rows' seq_lens
 
 
 def _now_us() -> int:
@@ -182,6 +188,7 @@ class Worker:
             model.compile_regions()
         self._pending_drafts = None  # (host int64[R, K], event, req_ids, keep bool[R]) of the last step
         self._layouts: dict[tuple, PCPLayout] = {}  # decode-only steps' layouts (Worker._plan)
+        self.dcp_ranks_combined: dict[str, int] = {}  # DCP > 1: partial results combined, per draft phase
 
     # ------------------------------------------------------------------------------ inputs
     def _apply_scheduler_output(self, sched: SchedulerOutput) -> None:
@@ -242,7 +249,7 @@ class Worker:
         """The step's host inputs: global batch, layout, local batch, block tables, slots."""
         cfg, n, rank = self.cfg, self.group.world_size, self.rank
         batch, logits_indices, num_draft = self._global_batch(sched)
-        shard = cfg.shard_decode_requests if cfg.shard_decode_requests is not None else n > 1
+        shard = cfg.shard_decode_requests if cfg.shard_decode_requests is not None else (n > 1 and cfg.dcp == 1)
         shape = None
         if self.graphs is not None and not self.faults:
             shape = decode_shape(batch.num_scheduled_tokens, batch.is_prefilling,
@@ -264,8 +271,8 @@ class Worker:
 
         table = self._table  # == self.table.as_array(), read-only here
         bt_local = gather_block_table_rows(table, local.idx_mapping, local.num_reqs_padded)
-        slots_global = compute_slot_mappings(table, cfg.block_size, batch.idx_mapping,
-                                             query_start_loc=batch.query_start_loc, positions=batch.positions)
+        slots_global = self.slot_mapping(table, batch.idx_mapping, query_start_loc=batch.query_start_loc,
+                                         positions=batch.positions)
         slots_gathered = gathered_slot_mapping(slots_global, layout)
         self.check_slots(slots_gathered)
         if n == 1:
@@ -285,7 +292,18 @@ class Worker:
                           local=local, positions=local_positions, seq_lens=local_seq_lens, table=table,
                           bt_local=bt_local, slots_global=slots_global, slots_gathered=slots_gathered,
                           sample_rows=sample_rows, shape=shape, bounds=bounds,
-                          host_lens=None if shape is not None else (local.query_start_loc, local_seq_lens))
+                          host_lens=None if shape is not None else (local.query_start_loc, local_seq_lens),
+                          **(dcp_step_inputs(batch, layout, local, rank=rank, world=n, table=table, bt_local=bt_local,
+                                             dcp=cfg.dcp, interleave=cfg.dcp_interleave) if cfg.dcp > 1 else {}))
+
+    def slot_mapping(self, table, idx_mapping, *, query_start_loc, positions) -> np.ndarray:
+        """int64[1, T]: ``compute_slot_mappings`` in manager blocks; DCP > 1: this rank's share (rank = DCP rank)."""
+        return compute_slot_mappings(table, self.cfg.block_size, idx_mapping, query_start_loc=query_start_loc,
+                                     positions=positions, **self.dcp_kw())
+
+    def dcp_kw(self) -> dict:
+        c = self.cfg
+        return dict(cp_size=c.dcp, cp_rank=self.rank, cp_interleave=c.dcp_interleave) if c.dcp > 1 else {}
 
     def _plan(self, batch: GlobalBatch, padded_num_tokens: int | None) -> PCPLayout:
         """``plan_layout`` of the step, remembered for decode-only steps: the layout depends on
@@ -297,7 +315,7 @@ class Worker:
         layout = self._layouts.get(key) if decode_only else None
         if layout is None:
             layout = plan_layout(q, pref, self.group.world_size, shard_decode_requests=self.cfg.shard_decode_requests,
-                                 padded_num_tokens=padded_num_tokens)
+                                 dcp_world_size=self.cfg.dcp, padded_num_tokens=padded_num_tokens)
             if decode_only:
                 for a in (layout.num_scheduled_tokens, layout.is_prefilling, layout.query_start_loc,
                           layout.replicated, layout.padded_gather_idx, layout.hidden_restore_idx,
@@ -354,10 +372,12 @@ class Worker:
                 "slots": (h.slots_gathered[0], torch.int64), "block_rows": (h.bt_local, torch.int32),
                 "qsl": (local.query_start_loc, torch.int64), "seq_lens": (h.seq_lens, torch.int64),
                 "restore": (pad(layout.hidden_restore_idx, max(tokens, layout.num_tokens)), torch.int64),
-                "sample_rows": (pad(h.sample_rows, tokens), torch.int64)})
+                "sample_rows": (pad(h.sample_rows, tokens), torch.int64),
+                **{k: (a, torch.int32 if k == "dcp_block_rows" else torch.int64)
+                   for k, a in (h.dcp_rows or {}).items()}})
         local_logits = F.SAMPLE_LOCAL_LOGITS in self.faults
         with timer.phase("target"):
-            top1, hidden_global, hidden_local = self.run_forward(
+            top1, hidden_global, hidden_local, dcp_ranks = self.run_forward(
                 ("target", shape), lambda: self._target(dev, h.bounds, local_logits, host_lens=h.host_lens))
             num_sampled_rows = h.sample_rows.shape[0]
             targets = top1[:num_sampled_rows].cpu().numpy()  # the step's one sync (as in vLLM)
@@ -370,6 +390,10 @@ class Worker:
                            sampled_rows=h.sample_rows, sampled_from="local" if local_logits else "global",
                            top1=targets, hidden_global=hidden_global[: layout.num_tokens], t0=t0, t1=t1,
                            hidden_local=hidden_local[: h.positions.shape[0]])
+                if h.dcp_local_seq_lens is not None:
+                    rec.dcp("target", local_lens=h.dcp_local_seq_lens, ranks_combined=dcp_ranks,
+                            owner=dcp_owner(h.batch.positions, block_size=cfg.block_size, dcp_size=cfg.dcp,
+                                            interleave=cfg.dcp_interleave))
 
         with timer.phase("verify"):
             verify = self._verify(sched, h.batch, h.num_draft, targets)
@@ -394,13 +418,14 @@ class Worker:
         states [T, H], rank-local hidden states [P, H]). Reads only ``d`` (graph-capturable)."""
         attn = PagedAttention(self.model, self.cache, self.group, expanded=True, slots=d["slots"],
                               block_rows=d["block_rows"], query_start_loc=d["qsl"], positions=d["positions"],
-                              seq_lens=d["seq_lens"], bounds=bounds, slots_checked=True, host_lens=host_lens)
+                              seq_lens=d["seq_lens"], bounds=bounds, slots_checked=True, host_lens=host_lens,
+                              dcp=dcp_rows_of(d))
         with torch.no_grad():
             hidden_local = self.model.forward_hidden(d["ids"], d["positions"], attn)  # [P, H]
             hidden_global = self.group.all_gather(hidden_local)[d["restore"]]  # [T, H]
             src = hidden_local if local_logits else hidden_global
             top1 = self.model.logits(src[d["sample_rows"]]).argmax(-1)
-        return top1, hidden_global, hidden_local
+        return top1, hidden_global, hidden_local, min(attn.dcp_ranks, default=1)
 
     # ------------------------------------------------------------------------------ drafts
     def _defer_drafts(self, drafts: torch.Tensor, req_ids, keep: np.ndarray) -> None:

@@ -13,6 +13,7 @@ import numpy as np
 
 from pcpviz import faults as F
 from pcpviz.reference.blocks import draft_decode_slot_mapping, gather_block_table_rows
+from pcpviz.reference.dcp import dcp_local_seq_lens, dcp_owner
 from pcpviz.reference.layout import PCPLayout, partition_batch
 from pcpviz.synthetic.settings import Settings
 from pcpviz.synthetic.step import Drafts, Step, Verify
@@ -83,6 +84,8 @@ def rank_phases(rank: int, st: Step, layout: PCPLayout, *, full: np.ndarray, v: 
             "slot_mapping_draft": slots_gathered if F.EXPANDED_DRAFT_SLOT_MAPPING in on else slots,
             "draft_tokens": d.tokens[:, j],
         }
+    if s.dcp > 1:
+        _dcp_views(phases, s, lsl)
     synthetic_fingerprints(phases, rank, layout, positions=st.positions, input_ids=st.input_ids, n=s.pcp,
                            global_ids=d.global_ids, last_idx=d.last_idx)
     target["top1_token"] = np.asarray(v.top1, dtype=np.int64)
@@ -103,3 +106,16 @@ def add_timestamps(phases: dict[str, dict[str, np.ndarray]], t0: float, layout: 
         views["t_end_us"] = np.array(round(tt + dur), dtype=np.int64)
         tt += dur + 1.0
     return tt
+
+
+def _dcp_views(phases: dict, s: Settings, local_seq_lens: np.ndarray) -> None:
+    """DCP > 1: ``dcp_owner`` and DCP rank 0's local lengths (the synthetic producer records DCP
+    rank 0's share on every rank, run.json ``dcp_rank`` 0)."""
+    kw = dict(dcp_size=s.dcp, interleave=s.dcp_interleave)
+    target = phases["target"]
+    target["dcp_owner"] = dcp_owner(target["positions"], block_size=s.block_size, **kw)
+    target["dcp_local_seq_lens"] = dcp_local_seq_lens(local_seq_lens, **kw)[0].astype(np.int64)
+    for name, views in phases.items():
+        if name.startswith("draft_") and name != "draft_0":
+            views["dcp_local_seq_lens"] = dcp_local_seq_lens(views["draft_positions"] + 1, **kw)[0].astype(np.int64)
+

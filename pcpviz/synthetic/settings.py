@@ -81,11 +81,12 @@ class Settings:
     timestamps: bool
     reverse_rows: bool
     faults: frozenset[str]  # specs as given: NAME or NAME@STEP
+    dcp_interleave: int = 1  # cp_kv_cache_interleave_size
 
     @property
     def dcp_kw(self) -> dict:
         """The DCP-sharded slot-mapping arguments for DCP rank 0 (empty without DCP)."""
-        return dict(cp_size=self.dcp, cp_rank=0, cp_interleave=1) if self.dcp > 1 else {}
+        return dict(cp_size=self.dcp, cp_rank=0, cp_interleave=self.dcp_interleave) if self.dcp > 1 else {}
 
     def token(self, req: Req, pos: int) -> int:
         """The true token at ``pos``: the prompt's, then a seeded hash."""
@@ -107,6 +108,8 @@ def check_settings(requests: Sequence[RequestSpec], *, pcp: int, num_speculative
     n, k, bs = int(pcp), int(num_speculative_tokens), int(block_size)
     if n < 1 or k < 0 or bs < 1 or dcp < 1:
         raise ValueError("pcp, block_size, dcp must be >= 1 and num_speculative_tokens >= 0")
+    if bs % int(rest.get("dcp_interleave", 1)):
+        raise ValueError(f"dcp_interleave={rest.get('dcp_interleave')} must divide block_size={bs}")
     shard = (n > 1 and dcp == 1) if shard_decode_requests is None else bool(shard_decode_requests)
     probs = [float(accept_prob)] * k if np.isscalar(accept_prob) else [float(p) for p in accept_prob]
     if len(probs) != k:

@@ -109,6 +109,7 @@ def generate(
     max_num_reqs: int = 16,
     shard_decode_requests: bool | None = None,
     dcp: int = 1,
+    dcp_interleave: int = 1,
     accept_prob: float | Sequence[float] = 0.7,
     vocab_size: int = 1000,
     seed: int = 0,
@@ -122,7 +123,8 @@ def generate(
     """Simulate the requests to completion and record every step on every rank.
 
     ``dcp > 1`` makes decodes replicated (rank 0's copy kept in the gathered mapping) and uses DCP-sharded
-    slot mappings for DCP rank 0, as vLLM does; ``shard_decode_requests`` overrides the
+    slot mappings for DCP rank 0 (runs of ``dcp_interleave`` tokens), as vLLM
+    does; ``shard_decode_requests`` overrides the
     decode placement (default: vLLM's rule, sharded iff PCP > 1 and DCP == 1).
     ``graph_pad`` rounds P up to a multiple (a CUDA-graph size). ``reverse_rows`` reverses the
     global row order (a producer that orders rows differently; results are unchanged).
@@ -131,7 +133,8 @@ def generate(
     s = check_settings(requests, pcp=pcp, num_speculative_tokens=num_speculative_tokens, block_size=block_size,
                   dcp=dcp, shard_decode_requests=shard_decode_requests, accept_prob=accept_prob,
                   faults=faults, vocab_size=vocab_size, seed=seed, max_num_batched_tokens=max_num_batched_tokens,
-                  max_num_reqs=max_num_reqs, graph_pad=graph_pad, timestamps=timestamps, reverse_rows=reverse_rows)
+                  max_num_reqs=max_num_reqs, graph_pad=graph_pad, timestamps=timestamps, reverse_rows=reverse_rows,
+                  dcp_interleave=int(dcp_interleave))
     sim = _Simulation(requests, s)
     steps: list[tuple[int, list[dict]]] = []
     step = 0
@@ -161,7 +164,7 @@ def generate(
         step += 1
 
     meta = {
-        "producer": producer, "pcp": s.pcp, "dcp": dcp, "dcp_rank": 0,
+        "producer": producer, "pcp": s.pcp, "dcp": dcp, "dcp_rank": 0, "dcp_interleave": s.dcp_interleave,
         "num_speculative_tokens": s.k, "block_size": s.block_size, "shard_decode_requests": s.shard,
         "model": "synthetic", "seed": seed, "max_num_batched_tokens": max_num_batched_tokens,
         "inject": sorted(s.faults), "num_requests": len(requests),
@@ -171,12 +174,12 @@ def generate(
 
 def long_prompt_run(*, pcp: int = 4, prompt_len: int = 32_768, chunk: int = 8192,
                     num_short: int = 7, max_new_tokens: int = 96, num_speculative_tokens: int = 3,
-                    block_size: int = 16, seed: int = 0) -> SyntheticRun:
+                    block_size: int = 16, seed: int = 0, **dcp) -> SyntheticRun:
     """The benchmark scenario: one long prompt chunked over a few steps next to short requests,
-    then tens of decode steps (PCP=4, K=3 by default)."""
+    then tens of decode steps (PCP=4, K=3 by default); ``dcp=`` / ``dcp_interleave=`` pass to ``generate``."""
     reqs = [RequestSpec("long", prompt_len, max_new_tokens, 0)]
     reqs += [RequestSpec(f"s{i}", 200 + 150 * i, max_new_tokens // 2 + 4 * i, i % 3)
              for i in range(num_short)]
     return generate(reqs, pcp=pcp, num_speculative_tokens=num_speculative_tokens,
                     block_size=block_size, max_num_batched_tokens=chunk,
-                    max_num_reqs=len(reqs) + 1, seed=seed, accept_prob=0.6)
+                    max_num_reqs=len(reqs) + 1, seed=seed, accept_prob=0.6, **dcp)

@@ -19,7 +19,7 @@ from pcpviz.trace.fingerprints import FINGERPRINT_ROWS, FINGERPRINT_SPEC
 from pcpviz.trace.graph_views import GRAPH_ROWS
 from pcpviz.trace.phases import PHASE_DUMMY, PHASE_TARGET, PHASE_VERIFY
 
-__all__ = ["GLOBAL", "RANK", "ViewSpec", "VIEW_SPECS"]
+__all__ = ["GLOBAL", "RANK", "ViewSpec", "VIEW_SPECS", "DCP_SHARE_VIEWS"]
 
 
 # Every view a producer writes is declared once, here, per phase class (``target``, ``verify``,
@@ -280,9 +280,32 @@ VIEW_SPECS: tuple[ViewSpec, ...] = tuple(
         ("draft_tokens", "int64", "[R, K]", "what the dummy propose returned"),
     ], scope=RANK)
     + [v for phases, rows, extra in GRAPH_ROWS for v in _specs("CUDA graphs", phases, rows, scope=RANK, **extra)]
+    + _specs("DCP", (_T,), [
+        ("dcp_owner", "int64", "[T]", "DCP > 1: the DCP rank that stores each global token's KV "
+         "(pcpviz.reference.dcp.dcp_owner of its position); each rank's slot mappings hold its share, PAD "
+         "elsewhere", dict(scope=GLOBAL, align=_TOK)),
+    ], panel="dcp_shards")
+    + _specs("DCP", (_T, _D0), [
+        ("dcp_local_seq_lens", "int64", "[r]", "DCP > 1: how many of each local row's seq_len tokens "
+         "this rank stores (get_dcp_local_seq_lens): its attention reads local tokens 0..len-1"),
+        ("dcp_ranks_combined", "int64", "[]", "DCP > 1: ranks whose partial attention the LSE combine "
+         "summed (fewest over the layers)"),
+    ], scope=RANK, panel="dcp_shards")
+    + _specs("DCP", (_DK,), [
+        ("dcp_local_seq_lens", "int64", "[R]", "DCP > 1: the draft decode's per-rank local_len: this "
+         "rank's share of draft_positions + 1 (vllm#50391)"),
+        ("dcp_ranks_combined", "int64", "[]", "DCP > 1: ranks whose partial attention the LSE combine "
+         "summed (fewest over the layers)"),
+    ], scope=RANK, panel="dcp_shards")
     + _specs("timing", _ALL, [
         ("t_start_us", "int64", "[]", "wall clock when the phase started (µs since the epoch)"),
         ("t_end_us", "int64", "[]", "wall clock when the phase ended (µs since the epoch)"),
     ], scope=RANK, run_specific="wall-clock time")
 )
 """Every view producers write, per phase class (see ``ViewSpec``)."""
+
+DCP_SHARE_VIEWS = frozenset({"slot_mapping_global", "slot_mapping_gathered", "slot_mapping_draft"})
+"""Views declared ``GLOBAL`` that hold one DCP rank's share when run.json's ``dcp`` > 1 (the slots
+of tokens another DCP rank stores are PAD): ``ranks_agree`` does not compare them across ranks
+whose DCP ranks differ; ``dcp_kv_sharding`` checks them instead."""
+

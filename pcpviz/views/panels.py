@@ -175,6 +175,14 @@ def slot_mappings(p: PanelInput) -> dict:
                                  colors=p.colors, windows=p.windows, px=p.px)
 
 
+@panel("dcp_shards", "DCP shards — which DCP rank holds each token's KV, local lengths, draft slots per rank",
+       depends={"step", "rank", "draft_phase", "highlight"}, zoom_axes=("xaxis", "xaxis2"),
+       zoom_links=(("xaxis2", "xaxis"),))
+def dcp_shards(p: PanelInput) -> dict:
+    return fg.dcp_shards_spec(p.target, p.draft, rank=p.rank, draft_phase=p.draft_phase, highlight=p.highlight,
+                              colors=p.colors, windows=p.windows)
+
+
 @panel("acceptance", "Acceptance (vLLM's definition)", depends={"highlight"}, per_step=False,
        step_marker=fg.acceptance_step_marker)
 def acceptance(p: PanelInput) -> dict:

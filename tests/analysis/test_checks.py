@@ -13,16 +13,19 @@ import pytest
 
 from pcpviz import faults as F
 from pcpviz.analysis.checks.context import Config
-from pcpviz.analysis.checks import (CHECKS, ENGINE_VIEW_CHECKS, FAIL, PASS, SKIPPED, first_difference, run_checks,
-                                    short_repr)
+from pcpviz.analysis.checks import (CHECKS, DCP_CHECKS, ENGINE_VIEW_CHECKS, FAIL, PASS, SKIPPED, first_difference,
+                                    run_checks, short_repr)
 from tracegen import (
     RequestSpec,
     clean_run,
     corrupt,
     first_step,
     generate,
+    run_of_trace,
     worked_example_run,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 EXPECTED_NAMES = [
     "views_in_bounds", "layout_matches_plan", "restore_gather_identity", "kv_written_once", "gathered_slots_are_global",
@@ -31,7 +34,7 @@ EXPECTED_NAMES = [
     "draft_prefill_rank_local", "draft_last_token_indices", "draft_input_ids",
     "draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance",
     "hidden_restored", "hidden_handoffs", "target_outputs_agree", "forward_consumed_prepared",
-    "graph_inputs_are_captured",
+    "graph_inputs_are_captured", "dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combined",
     "verify_consistent", "drafts_fed_back", "ranks_agree", "positions_consistent", "verify_greedy",
     "is_prefilling_rule", "must_sample_rule", "num_accepted_from_tokens",
 ]
@@ -75,6 +78,8 @@ def test_clean_traces_pass_every_check(tmp_path, kw):
     k, pcp = kw["k"], kw["pcp"]
     # the synthetic producer models eager runs (no graph ledger) and records no fwd_* views
     never = {"graph_inputs_are_captured", "forward_consumed_prepared"}
+    # DCP = 1: no DCP checks; the synthetic producer runs no attention (no dcp_ranks_combined)
+    never |= DCP_CHECKS if kw.get("dcp", 1) == 1 else {"dcp_partial_combined"}
     if k < 2:
         never |= {"draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance"}
     if k < 1:
@@ -101,7 +106,7 @@ def test_vllm_worked_example_passes(tmp_path):
     # vLLM's own numbers: none of the engine's fingerprints or top1_token
     # nor prefill_len (the derived prefill rules need it)
     assert set(report.skipped) == ({"drafts_fed_back", "graph_inputs_are_captured", "is_prefilling_rule",
-                                    "must_sample_rule"} | ENGINE_VIEW_CHECKS)
+                                    "must_sample_rule"} | ENGINE_VIEW_CHECKS | DCP_CHECKS)
 
 
 def test_long_trace_checks_quickly(tmp_path):
@@ -492,6 +497,38 @@ def case_one_draft_too_few_accepted(_):
         (s, 0, "verify", "num_accepted")
 
 
+def _dcp_step(run):
+    return next(s for s in run.step_ids if "draft_1" in run.phases(s, 0))
+
+
+def case_dcp_foreign_token(_):
+    """Rank 0 (DCP rank 0's share, the synthetic producer's dcp_rank) writes a token another DCP
+    rank owns."""
+    run = clean_run(2, dcp=2)
+    s = _dcp_step(run)
+    slots = run.views(s, 0, "target")["slot_mapping_global"]
+    j = int(np.flatnonzero(slots[0] < 0)[0])
+    slots[0, j] = int(slots.max()) + 1
+    return run, {"dcp_kv_sharding", "global_slots_match_block_table", "gathered_slots_are_global",
+                 "kv_written_once"}, (s, 0, "target", "slot_mapping_global")
+
+
+def case_dcp_draft_local_len(_):
+    """draft_1's per-rank local_len one too long (vllm#50391's formula broken)."""
+    run = clean_run(2, dcp=2)
+    s = _dcp_step(run)
+    run.views(s, 0, "draft_1")["dcp_local_seq_lens"] += 1
+    return run, {"dcp_local_lens"}, (s, 0, "draft_1", "dcp_local_seq_lens")
+
+
+def case_dcp_not_combined(_):
+    """The shipped engine DCP trace with one phase combining a single rank's partial attention."""
+    run = run_of_trace(ROOT / "data" / "traces" / "cpu-pcp2-dcp2-mtp2")
+    s = run.step_ids[1]
+    run.views(s, 1, "draft_1")["dcp_ranks_combined"] = np.array(1, dtype=np.int64)
+    return run, {"dcp_partial_combined"}, (s, 1, "draft_1", "dcp_ranks_combined")
+
+
 CASES = {
     "views_in_bounds": [case_bogus_query_start_loc, case_huge_positions],
     "layout_matches_plan": [case_layout],
@@ -523,6 +560,9 @@ CASES = {
     "num_accepted_from_tokens": [case_one_draft_too_few_accepted],
     "graph_inputs_are_captured": [case_graph_input_moved],
     "forward_consumed_prepared": [case_forward_consumed_shifted],
+    "dcp_kv_sharding": [case_dcp_foreign_token],
+    "dcp_local_lens": [case_dcp_draft_local_len],
+    "dcp_partial_combined": [case_dcp_not_combined],
 }
 
 
@@ -572,7 +612,7 @@ def test_missing_view_is_skipped_and_said_so(tmp_path):
     assert res.skipped == 2 * len(run.step_ids)
     assert res.skip_reason == "step 0 rank 0: no sampled_logits_rows"
     text = report.format()
-    assert "SKIP  local_logits_not_sampled" in text and "ran on 0 of" in text and "3 skipped" in text
+    assert "SKIP  local_logits_not_sampled" in text and "ran on 0 of" in text and "6 skipped" in text  # + DCP_CHECKS
     assert report.to_dict()["checks"]["local_logits_not_sampled"]["verdict"] == "skipped"
 
 
@@ -587,7 +627,7 @@ def test_phase_missing_on_some_steps_is_a_partial_skip(tmp_path):
     assert "skipped 2 (step 0 rank 0: no verify phase)" in report.format()
     # the summary's counts agree with the per-check lines: a skipped (step, rank) is not a skipped check
     last = report.format().splitlines()[-1]
-    assert " 2 skipped;" in last  # graph_inputs_are_captured (no CUDA graphs), forward_consumed_prepared
+    assert " 5 skipped;" in last  # graph_inputs_are_captured (no CUDA graphs), forward_consumed_prepared, DCP_CHECKS
     partial = [r for r in report.results.values() if r.verdict == PASS and r.skipped]
     plural = "s" * (len(partial) > 1)
     pairs = sum(r.skipped for r in partial)
@@ -675,8 +715,9 @@ def test_cli_check_truncated_rank_file_checks_what_is_complete(tmp_path):
     assert lines and all(ln.startswith("pcpviz check: incomplete: ") for ln in lines), lines
     assert "rank1.arrow" in lines[0] and "last complete step" in lines[0]
     assert any("rank 1 lacks steps" in ln for ln in lines)
-    # all but the graph ledger's and forward_consumed_prepared (no fwd_* views)
-    assert f"result: INCOMPLETE: {len(CHECKS)} checks: {len(CHECKS) - 2} passed, 2 skipped" in r.stdout
+    # all but the graph ledger's, forward_consumed_prepared (no fwd_* views) and the DCP checks (DCP = 1)
+    n_skip = 2 + len(DCP_CHECKS)
+    assert f"result: INCOMPLETE: {len(CHECKS)} checks: {len(CHECKS) - n_skip} passed, {n_skip} skipped" in r.stdout
 
 
 def test_run_checks_takes_one_name_or_a_list_and_refuses_unknown_names():

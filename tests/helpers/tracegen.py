@@ -23,6 +23,7 @@ from pcpviz.synthetic import RequestSpec, SyntheticRun, generate, long_prompt_ru
 from pcpviz.trace import SEGMENT_DTYPE
 
 __all__ = [
+    "run_of_trace",
     "RequestSpec", "SyntheticRun", "generate", "long_prompt_run", "REQUESTS",
     "clean_run", "corrupt", "first_step", "worked_example_run",
 ]
@@ -170,3 +171,14 @@ def worked_example_run() -> SyntheticRun:
 
 def write(run: SyntheticRun, root: Path, name: str = "trace") -> Path:
     return run.write(Path(root) / name)
+
+
+def run_of_trace(path: Path | str) -> SyntheticRun:
+    """A recorded trace as a mutable ``SyntheticRun`` (to corrupt a real producer's views)."""
+    from pcpviz import trace as pt
+
+    t = pt.open(path)
+    steps = [(s, [{ph: {v: np.array(t.record(s, r, ph)[v], copy=True) for v in t.record(s, r, ph).keys()}
+                   for ph in t.phases(s, r)} for r in t.ranks]) for s in t.steps]
+    return SyntheticRun(dict(t.meta), steps, {})
+

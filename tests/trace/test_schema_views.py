@@ -58,7 +58,7 @@ def test_specs_are_complete_and_consistent():
         assert set(spec.phases) <= set(S.PHASE_CLASSES)
         assert spec.scope in (S.GLOBAL, S.RANK)
         assert spec.kinds and spec.ndims, spec.name
-        assert spec.panel in ("token_order", "timeline", "block_tables", "slot_mappings")
+        assert spec.panel in ("token_order", "timeline", "block_tables", "slot_mappings", "dcp_shards")
     assert S.view_spec("draft_7", "draft_positions").shape == "[R]"
     assert S.view_spec("draft_0", "draft_positions").scope == S.RANK
     assert S.view_spec("target", "padded_gather_idx").decl == "int64[N*P]"

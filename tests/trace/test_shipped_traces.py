@@ -9,7 +9,7 @@ import pytest
 
 import pcpviz
 import pcpviz.trace as pt
-from pcpviz.analysis.checks import ENGINE_VIEW_CHECKS, run_checks
+from pcpviz.analysis.checks import DCP_CHECKS, ENGINE_VIEW_CHECKS, run_checks
 
 TRACES = sorted(p for p in (Path(__file__).resolve().parents[2] / "data" / "traces").iterdir() if p.is_dir())
 GPU_TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "h200x2-nccl-pcp2-mtp2"
@@ -41,6 +41,8 @@ def test_shipped_trace_passes_every_check(path):
                  for ph in trace.phases(s, r))
     assert (GRAPHS in report.passed) == ledger
     skipped.discard(GRAPHS)
+    if trace.meta.get("dcp", 1) == 1:
+        skipped -= DCP_CHECKS
     if trace.meta["pcp"] == 1:
         assert skipped - optional == PCP1_SKIPS - optional, report.format()
     elif trace.meta["num_speculative_tokens"] == 1:

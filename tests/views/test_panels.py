@@ -21,8 +21,8 @@ def test_every_panel_a_view_names_is_registered():
 
 def test_affects_follows_depends():
     a = affects()
-    assert a["phase"] == {"timeline", "block_tables", "slot_mappings"}
-    assert a["step"] == {"token_order", "timeline", "block_tables", "slot_mappings", "acceptance_marker"}
+    assert a["phase"] == {"timeline", "block_tables", "slot_mappings", "dcp_shards"}
+    assert a["step"] == {"token_order", "timeline", "block_tables", "slot_mappings", "dcp_shards", "acceptance_marker"}
     assert a["highlight"] == set(PANELS)
     assert [p.name for p in step_panels()] + [p.name for p in run_panels()] == list(PANELS)
 

@@ -128,7 +128,7 @@ def test_a_revisited_state_is_served_from_the_cache(pcp8_trace):
     assert {n: _state(f) for n, f in wb.figures.items()} == before
     wb.clear_cache()
     wb.step.value = s1
-    assert len(wb._specs) == 5  # the four step views and the acceptance figure its marker is laid on
+    assert len(wb._specs) == 6  # the five step views and the acceptance figure its marker is laid on
 
 
 def test_the_cache_is_dropped_when_the_trace_changes(tmp_path):

@@ -20,14 +20,14 @@ import pytest
 from pcpviz.vllm.replay import replay
 
 import pcpviz.trace as pt  # noqa: E402
-from pcpviz.analysis.checks import run_checks  # noqa: E402
+from pcpviz.analysis.checks import DCP_CHECKS, run_checks  # noqa: E402
 from pcpviz.analysis.diff import diff_traces  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 # What a PCP=1 trace cannot have: the PCP layout, rank-local batch and the cross-rank checks.
 PCP1_SKIPS = {"layout_matches_plan", "restore_gather_identity", "kv_written_once", "gathered_slots_are_global",
               "kv_write_mask_canonical", "local_batch_matches_layout", "local_positions_are_global",
-              "local_seq_lens", "ranks_agree", "target_outputs_agree", "graph_inputs_are_captured"}
+              "local_seq_lens", "ranks_agree", "target_outputs_agree", "graph_inputs_are_captured"} | DCP_CHECKS
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pcpviz.vllm import cpu_patches
 cpu_patches.apply_cpu_patches()
 
 import pcpviz.vllm  # noqa: E402
-from pcpviz.analysis.checks import CHECKS, run_checks  # noqa: E402
+from pcpviz.analysis.checks import CHECKS, DCP_CHECKS, run_checks  # noqa: E402
 from pcpviz.trace import open as open_trace  # noqa: E402
 from pcpviz.vllm import recording  # noqa: E402
 from pcpviz.vllm import replay as replay_module  # noqa: E402
@@ -79,7 +79,7 @@ def test_mixed_trace_passes_every_check(mixed):
     # hidden states; the (step, rank) pairs skipped are only the dummy step (no target/draft/verify
     # phase) and the first step (no previous step).
     engine_only = {"verify_greedy"}
-    no_graphs = {"graph_inputs_are_captured"}
+    no_graphs = {"graph_inputs_are_captured"} | DCP_CHECKS  # and DCP = 1
     assert set(report.skipped) == engine_only | no_graphs
     assert "top1_token" in (report.results["verify_greedy"].skip_reason or "")
     assert set(report.passed) == set(CHECKS) - engine_only - no_graphs

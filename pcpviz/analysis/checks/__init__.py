@@ -30,7 +30,8 @@ The package: ``report`` (Violation, CheckResult, CheckReport), ``context`` (what
 and the ``@check`` registry), the checks by group (``layout_checks``: target layout, KV writes,
 rank-local batch, sampling; ``draft_checks``: draft_0 and draft_k; ``handoff_checks``: the
 hidden-state hand-offs (fingerprints) and target outputs across ranks; ``step_checks``: verify,
-the next step, ranks, positions; ``graph_checks``: the CUDA-graph replay ledger) and ``runner`` (``run_checks``; ``CHECK_MODULES`` fixes the
+the next step, ranks, positions; ``graph_checks``: the CUDA-graph replay ledger; ``dcp_checks``: the KV
+sharded over DCP ranks) and ``runner`` (``run_checks``; ``CHECK_MODULES`` fixes the
 order). The comparison helpers are ``pcpviz.analysis.compare`` (shared with ``pcpviz.analysis.diff``). Adding a
 check: a function decorated ``@check(name, description)`` in the module of its group.
 """
@@ -46,7 +47,10 @@ ENGINE_VIEW_CHECKS = frozenset({"hidden_restored", "hidden_handoffs", "target_ou
 older traces; top1_token: the engine alone; fwd_*: the vLLM plugin and the CPU replay): skipped
 where a view is missing, naming it."""
 
+DCP_CHECKS = frozenset({"dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combined"})
+"""Checks of a DCP > 1 run (``dcp_checks``): skipped, saying so, where run.json's ``dcp`` is 1."""
+
 __all__ = [
-    "ENGINE_VIEW_CHECKS", "CHECKS", "PASS", "FAIL", "SKIPPED", "Violation", "CheckResult", "CheckReport", "run_checks",
+    "DCP_CHECKS", "ENGINE_VIEW_CHECKS", "CHECKS", "PASS", "FAIL", "SKIPPED", "Violation", "CheckResult", "CheckReport", "run_checks",
     "first_difference", "short_repr", "CHECK_MODULES",
 ]

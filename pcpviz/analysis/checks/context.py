@@ -40,6 +40,7 @@ class Config:
     block_sizes: tuple[int, ...] | None
     speculative_method: str = "mtp"
     acceptance_rule: bool = True  # standard rejection sampling (num_accepted_from_tokens applies)
+    dcp_group: str = ""  # "pcp": the DCP rank of rank file r is r (run.json dcp_group)
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "Config":
@@ -64,7 +65,8 @@ class Config:
                    shard=None if shard is None else bool(shard),
                    k=as_int("num_speculative_tokens"), block_sizes=block_sizes,
                    speculative_method=str(meta.get("speculative_method") or "mtp"),
-                   acceptance_rule=_standard_rejection(meta))
+                   acceptance_rule=_standard_rejection(meta),
+                   dcp_group=str(meta.get("dcp_group") or ""))
 
 
 def _standard_rejection(meta: Mapping[str, Any]) -> bool:
@@ -322,6 +324,11 @@ class Ctx:
         p, n = self.padded(), self.num_local()
         return pgi[self.rank * p:self.rank * p + n].astype(np.int64)
 
+    def dcp_rank(self) -> int:
+        """This rank's DCP rank: its PCP rank when the DCP group is the PCP group (run.json
+        ``dcp_group`` 'pcp'), else run.json's ``dcp_rank``."""
+        return self.rank % self.cfg.dcp if self.cfg.dcp_group == "pcp" else self.cfg.dcp_rank
+
     def block_sizes(self, groups: int) -> list[int]:
         bs = self.cfg.block_sizes
         if bs is None:
@@ -339,7 +346,7 @@ class Ctx:
         sizes = self.block_sizes(table.shape[0])
         kw = {}
         if self.cfg.dcp > 1:
-            kw = dict(cp_size=self.cfg.dcp, cp_rank=self.cfg.dcp_rank,
+            kw = dict(cp_size=self.cfg.dcp, cp_rank=self.dcp_rank(),
                       cp_interleave=self.cfg.dcp_interleave)
         rows = np.arange(table.shape[1], dtype=np.int64)
         out = []

@@ -7,6 +7,7 @@ import numpy as np
 
 from pcpviz.analysis.compare import first_difference, fmt_value as _fmt, short_repr
 from pcpviz.trace.schema import GLOBAL, causal_phase_key, phase_class, view_spec
+from pcpviz.trace.view_specs import DCP_SHARE_VIEWS
 
 from pcpviz.trace.shapes import slot_groups
 
@@ -156,6 +157,8 @@ def ranks_agree(c: Ctx) -> None:
                    f"but not on rank {c.rank if phase in theirs else ref}")
         a, b = theirs[phase], mine[phase]
         for view in _agreeing_views(phase, list(a.keys()) + [v for v in b.keys() if v not in a]):
+            if c.cfg.dcp > 1 and view in DCP_SHARE_VIEWS:
+                continue  # one DCP rank's share on each rank (dcp_kv_sharding checks them)
             if view not in a or view not in b:
                 c.fail(phase, view, f"recorded on rank {ref if view in a else c.rank} only")
             if view == "segments":

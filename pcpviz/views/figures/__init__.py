@@ -13,6 +13,8 @@ serialises the figures.
                             step's rows; zero/stale draft rows outlined in red
 * ``slot_mappings_figure``  (``slot_mappings.py``) global ``[G, T]``, gathered ``[G, N*P]`` (PAD
                             shown), the write mask, and the draft step's slot mapping
+* ``dcp_shards_spec``       (``dcp_shards.py``) DCP > 1: which DCP rank holds each token's KV,
+                            this rank's share of the slots, local lengths, draft slots per rank
 * ``draft_timeline_figure`` (``timeline.py``) target -> draft_0 (rank-local) -> gather ->
                             draft_1.. (replicated) -> verify
 * ``acceptance_figure``     (``acceptance.py``) acceptance per draft position (vLLM's
@@ -42,6 +44,7 @@ from pcpviz.views.figures.canvas import (DIM_COLOR, FLAG_COLOR, TEMPLATE, TOKEN_
                                    as_figure, request_color_index, safe_spec, safe_text, shorten, validate_figure)
 from pcpviz.views.figures.lod import PLOT_PX, draw_strip, lod_enabled, pixel_cells
 from pcpviz.views.figures.slot_mappings import slot_mappings_figure, slot_mappings_spec
+from pcpviz.views.figures.dcp_shards import dcp_shards_spec
 from pcpviz.views.figures.step_data import (StepLayout, draft_source_phase, has_layout, layout_summary, load_check_report,
                                             recorded_phases, step_layout, trace_req_ids)
 from pcpviz.views.figures.timeline import draft_timeline_figure, draft_timeline_spec
@@ -57,6 +60,6 @@ __all__ = [
     "draft_timeline_figure", "acceptance_figure", "acceptance_step_marker", "mark_violation",
     "violation_view", "violation_marks", "validate_figure", "load_acceptance", "from_diff_acceptance",
     "load_check_report", "trace_req_ids", "request_color_index",
-    "token_order_spec", "block_tables_spec", "slot_mappings_spec", "draft_timeline_spec", "acceptance_spec", "as_figure",
+    "token_order_spec", "block_tables_spec", "slot_mappings_spec", "dcp_shards_spec", "draft_timeline_spec", "acceptance_spec", "as_figure",
     "drawn", "message_spec", "safe_text", "safe_spec", "shorten",
 ]

@@ -22,7 +22,7 @@ from pcpviz.trace import Record
 from pcpviz.trace.shapes import slot_groups
 from pcpviz.views.figures.step_data import is_replicated, step_layout, view_array
 
-__all__ = ["slot_mappings_spec", "slot_mappings_figure"]
+__all__ = ["slot_mappings_spec", "slot_mappings_figure", "slot_strip"]
 
 
 def _slot_strip(slots: np.ndarray, req: np.ndarray, status: np.ndarray | None, levels: np.ndarray,
@@ -50,6 +50,10 @@ def _slot_strip(slots: np.ndarray, req: np.ndarray, status: np.ndarray | None, l
                 RunText(["PAD" if u < 0 else "" for u in starts.tolist()], starts, starts >= 0),
                 token_hover=((index_name, a.astype(np.int64)), ("slot", np.where(starts >= 0, starts, -1))),
                 min_px=np.where(starts < 0, PAD_MIN_PX, 0))
+
+
+slot_strip = _slot_strip
+"""A slot-mapping strip (runs of one request whose slot ids count up by one), shared with ``dcp_shards``."""
 
 
 def _mask_strip(status: np.ndarray, req: np.ndarray) -> Lane:
