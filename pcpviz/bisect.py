@@ -40,9 +40,9 @@ from pcpviz.analysis.diff import diff_traces
 from pcpviz.analysis.parity import generated_tokens
 from pcpviz.trace import open as open_trace
 
-__all__ = ["PRODUCERS", "KNOBS", "Rung", "RungResult", "BisectReport", "ladder", "bisect"]
+__all__ = ["BISECT_PRODUCERS", "KNOBS", "Rung", "RungResult", "BisectReport", "ladder", "bisect"]
 
-PRODUCERS = ("replay", "engine")
+BISECT_PRODUCERS = ("replay", "engine")
 KNOBS = {
     "replay": ("pcp", "graph_mode", "k", "chunked_prefill", "decodes"),
     "engine": ("pcp", "k", "max_num_batched_tokens"),
@@ -150,8 +150,8 @@ def ladder(producer: str, base: dict[str, Any], knobs: Sequence[str] | None = No
         >>> [r.name for r in ladder("replay", {"pcp": 2, "k": 2, "graph_mode": "PIECEWISE"}, ["pcp", "graph_mode"])[0]]
         ['pcp=1', 'graph_mode=NONE', 'graph_mode=FULL_AND_PIECEWISE']
     """
-    if producer not in PRODUCERS:
-        raise ValueError(f"producer must be one of {', '.join(PRODUCERS)}, got {producer!r}")
+    if producer not in BISECT_PRODUCERS:
+        raise ValueError(f"producer must be one of {', '.join(BISECT_PRODUCERS)}, got {producer!r}")
     opts = {**_DEFAULTS[producer], **base}
     wanted = list(KNOBS[producer]) if knobs is None else list(knobs)
     bad = [k for k in wanted if k not in _ALL_KNOBS]

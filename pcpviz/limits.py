@@ -29,7 +29,8 @@ from __future__ import annotations
 __all__ = [
     "MAX_WORLD_SIZE", "MAX_SPECULATIVE_TOKENS", "MAX_BLOCK_SIZE", "MAX_COUNT", "MAX_INDEX", "MAX_TOKENS",
     "MAX_STRING_CHARS", "MAX_NDIM", "MAX_RECORD_BYTES", "MAX_META_BYTES", "MAX_JSON_DEPTH",
-    "MAX_JSON_INPUT_BYTES", "MAX_LAYOUT_WORLD", "MAX_LAYOUT_TOKENS", "MAX_LAYOUT_ROWS", "MAX_LAYOUT_SLOTS", "MAX_CPU_RANKS",
+    "MAX_JSON_INPUT_BYTES", "MAX_LAYOUT_WORLD", "MAX_LAYOUT_TOKENS", "MAX_LAYOUT_ROWS", "MAX_LAYOUT_SLOTS",
+    "MAX_SYNTH_TOKENS", "MAX_CPU_RANKS",
     "MAX_ENGINE_BLOCK_SIZE", "MAX_BATCHED_TOKENS", "MAX_NUM_SEQS", "MAX_TIMEOUT_S", "MAX_PROMPTS", "MAX_PROMPT_TOKENS",
     "MAX_ONSET_STEP",
 ]
@@ -76,6 +77,9 @@ MAX_LAYOUT_ROWS = 4096
 MAX_LAYOUT_SLOTS = 1 << 20
 """Most slots of ``pcpviz layout``'s maps: --pcp x (--pad or tokens) and --pcp x rows (each option
 within its own bound can still multiply to gigabytes)."""
+MAX_SYNTH_TOKENS = 1 << 20
+"""Most prompt tokens of one ``pcpviz synth`` trace, all requests together (~45 MB of trace per 128k
+tokens at PCP = 4); its rank-local rows (tokens x ranks) at most 8 times this."""
 MAX_CPU_RANKS = 32
 """Most ranks (processes) a CPU run of the engine starts."""
 MAX_ENGINE_BLOCK_SIZE = 4096

@@ -109,7 +109,14 @@ def _global_batch(rec) -> GlobalBatch:
 
 def mirror(trace, *, stop_at_first: bool = False) -> MirrorReport:
     """Recompute every (step, rank)'s layout, rank-local batch, block-table rows and slot mappings
-    from the recorded global batch with pcpviz's code and compare them with the trace."""
+    from the recorded global batch with pcpviz's code and compare them with the trace.
+
+    Raises ValueError on the engine's own DCP (run.json ``dcp_group`` "pcp"): its KV is sharded by
+    ``pcpviz.reference.dcp``, a data path the mirror does not model (the DCP checks hold it)."""
+    if trace.meta.get("dcp_group"):
+        raise ValueError(f"mirror: {trace.path}: DCP {trace.meta.get('dcp')} sharded over the "
+                         f"{trace.meta['dcp_group']} group is not modelled here; pcpviz check's dcp_* checks "
+                         "hold its slots and lengths")
     n = int(trace.meta["pcp"])
     sizes = trace.meta.get("block_sizes") or [trace.meta["block_size"]]
     shard = bool(trace.meta.get("shard_decode_requests", n > 1))

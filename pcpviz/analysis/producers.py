@@ -9,7 +9,7 @@ k >= 1, ``draft_1`` the first only) and the recorded views its inputs are (``inp
 ``prev_verify`` is the previous step's verify, ``draft_prev`` the previous draft step).
 ``unrecorded`` names the inputs no trace records. Which map applies is the trace's producer
 (run.json ``producer``): ``vllm-plugin`` and ``vllm-replay`` -> ``VLLM``, ``pcpviz-engine`` ->
-``ENGINE``; the synthetic producer has none.
+``ENGINE_PRODUCERS``; the synthetic producer has none.
 
 ``attribute(meta, step, phase, view, wrong)`` walks from the first wrong value up: PCP=2, draft_1
 ``draft_seq_lens`` wrong, ``target.seq_lens`` and ``verify.num_rejected`` right -> "written by
@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping
 
 _ROOT = Path(__file__).resolve().parents[2]  # the directory holding the pcpviz package
 
-__all__ = ["Producer", "VLLM", "ENGINE", "MAPS", "producer_map", "producer_of", "Attribution", "attribute",
+__all__ = ["Producer", "VLLM", "ENGINE_PRODUCERS", "MAPS", "producer_map", "producer_of", "Attribution", "attribute",
            "INSIDE", "INPUTS_WRONG", "UNKNOWN",
            "attribute_violation", "attribute_divergence",
            "patched_function"]
@@ -119,7 +119,7 @@ VLLM: tuple[Producer, ...] = (
 """vLLM 0.33.0's producers of the recorded views (file under vllm/, def line)."""
 
 _W, _SP, _RB = "pcpviz.engine.worker:Worker.", "pcpviz.engine.speculator:", "pcpviz.reference.blocks:"
-ENGINE: tuple[Producer, ...] = (
+ENGINE_PRODUCERS: tuple[Producer, ...] = (
     Producer("Worker._global_batch", _W + "_global_batch", 0, ("sched",),
              _t("req_ids", "idx_mapping", "num_scheduled_tokens", "num_computed_tokens", "query_start_loc",
                 "positions", "input_ids", "seq_lens", "is_prefilling", "prefill_len", "num_draft_tokens",
@@ -176,7 +176,7 @@ ENGINE: tuple[Producer, ...] = (
 )
 """The engine's producers of the recorded views (module:qualname; line read from the source)."""
 
-MAPS: dict[str, tuple[Producer, ...]] = {"vllm-plugin": VLLM, "vllm-replay": VLLM, "pcpviz-engine": ENGINE}
+MAPS: dict[str, tuple[Producer, ...]] = {"vllm-plugin": VLLM, "vllm-replay": VLLM, "pcpviz-engine": ENGINE_PRODUCERS}
 """run.json ``producer`` -> its producer map."""
 
 

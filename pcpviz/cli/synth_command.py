@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from pcpviz.limits import MAX_SYNTH_TOKENS
 from pcpviz.cli.guard import EXIT_OK, UsageError, bounded_int, path
 
-__all__ = ["add_synth", "MAX_SYNTH_TOKENS"]
-
-MAX_SYNTH_TOKENS = 1 << 20  # prompt tokens of one trace (all requests): ~45 MB of trace per 128k at PCP=4
+__all__ = ["add_synth"]
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
@@ -51,7 +50,7 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 def add_synth(sub) -> None:
     p = sub.add_parser("synth", help="write a synthetic trace with steps as large as asked (128k tokens and more)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__.replace("``", ""))
     p.add_argument("--tokens", type=bounded_int(1, MAX_SYNTH_TOKENS), default=131072,
                    help="prompt tokens of all requests together")
     p.add_argument("--requests", type=bounded_int(1, 1024), default=16, help="requests (prompts of equal length)")

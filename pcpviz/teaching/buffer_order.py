@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from pcpviz.teaching.review import VllmRef
 
-__all__ = ["Access", "Fix", "ORDERS", "FIXES", "check_order"]
+__all__ = ["Access", "CandidateFix", "ORDERS", "CANDIDATE_FIXES", "check_order"]
 
 _AR = "v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py"
 _PCP = "v1/worker/gpu/pcp_manager.py"
@@ -50,7 +50,7 @@ class Access:
 
 
 @dataclass(frozen=True)
-class Fix:
+class CandidateFix:
     """Splice ``accesses`` in ``after`` (or ``instead of``) the access whose ``what`` is ``at``."""
 
     at: str
@@ -102,25 +102,25 @@ ORDERS: dict[str, tuple[Access, ...]] = {
     ),
 }
 
-FIXES: dict[str, tuple[str, Fix]] = {
-    "write_in_prepare_draft_prefill": ("piecewise_draft_prefill", Fix("prepare_draft_prefill", (
+CANDIDATE_FIXES: dict[str, tuple[str, CandidateFix]] = {
+    "write_in_prepare_draft_prefill": ("piecewise_draft_prefill", CandidateFix("prepare_draft_prefill", (
         Access("prepare_draft_prefill", "copy", _SPEC_IDS, "rank-local ids", source=_SPEC_IDS, needs=_IDS),
         Access("prepare_draft_prefill (positions)", "write", _SPEC_POS, "rank-local positions")), replace=True)),
-    "copy_in_run_model": ("piecewise_draft_prefill", Fix("_prefill", (
+    "copy_in_run_model": ("piecewise_draft_prefill", CandidateFix("_prefill", (
         Access("_run_model: copy the local rows", "copy", _SPEC_IDS, "rank-local ids", source="local.input_ids",
                needs="rank-local ids"),
         Access("_run_model: copy the local positions", "write", _SPEC_POS, "rank-local positions")))),
-    "clear_after_replay": ("full_draft_prefill", Fix("run_fullgraph (no Python runs: restore_draft_prefill's clear "
-                                                     "is not replayed)", (
+    "clear_after_replay": ("full_draft_prefill", CandidateFix(
+        "run_fullgraph (no Python runs: restore_draft_prefill's clear is not replayed)", (
         Access("propose: draft_prefill_batch = None after the replay", "write", "pcp.draft_prefill_batch", "None"),))),
-    "eager_prefill_under_pcp": ("full_draft_prefill", Fix("run_fullgraph (no Python runs: restore_draft_prefill's "
-                                                          "clear is not replayed)", (
+    "eager_prefill_under_pcp": ("full_draft_prefill", CandidateFix(
+        "run_fullgraph (no Python runs: restore_draft_prefill's clear is not replayed)", (
         Access("_prefill -> restore_draft_prefill (eager)", "write", "pcp.draft_prefill_batch", "None",
                VllmRef(_PCP, 879, "self.draft_prefill_batch = None")),), replace=True)),
-    "zero_input_block_tables": ("dspark_dummy_run", Fix("PCPManager.get_dummy_block_tables", (
+    "zero_input_block_tables": ("dspark_dummy_run", CandidateFix("PCPManager.get_dummy_block_tables", (
         Access("BlockTables.get_dummy_block_tables, also under PCP", "write", "input_block_tables", "zeros",
                VllmRef("v1/worker/gpu/block_table.py", 224, "block_table[:num_rows].zero_()")),))),
-    "gather_in_dummy_runs": ("dspark_dummy_run", Fix("propose(dummy_run=True): no gather", (
+    "gather_in_dummy_runs": ("dspark_dummy_run", CandidateFix("propose(dummy_run=True): no gather", (
         Access("gather_block_tables(dummy idx_mapping = arange: live request slots)", "write", "input_block_tables",
                "live requests' rows"),), replace=True)),
 }
@@ -132,10 +132,10 @@ def _spliced(order: str, fix: str | None) -> tuple[Access, ...]:
     seq = ORDERS[order]
     if fix is None:
         return seq
-    if fix not in FIXES or FIXES[fix][0] != order:
+    if fix not in CANDIDATE_FIXES or CANDIDATE_FIXES[fix][0] != order:
         raise ValueError(f"unknown fix {fix!r} for {order!r}; known: "
-                         f"{', '.join(k for k, (o, _) in FIXES.items() if o == order)}")
-    f = FIXES[fix][1]
+                         f"{', '.join(k for k, (o, _) in CANDIDATE_FIXES.items() if o == order)}")
+    f = CANDIDATE_FIXES[fix][1]
     at = next(i for i, a in enumerate(seq) if a.what == f.at)
     return seq[:at] + f.accesses + seq[at + 1:] if f.replace else seq[:at + 1] + f.accesses + seq[at + 1:]
 

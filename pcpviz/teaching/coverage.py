@@ -7,7 +7,7 @@
 to keep both true. ``coverage_markdown()`` renders it for notebook 06.
 
     >>> [c.key for c in COVERAGE if c.status == "not run"][:2]
-    ['full-graphs', 'dcp']
+    ['dcp', 'dspark']
 """
 
 from __future__ import annotations
@@ -42,9 +42,12 @@ COVERAGE: tuple[Coverage, ...] = (
              "acceptance collapses: docs/findings/piecewise-draft-prefill.md"),
     Coverage("engine-gpu", "the pcpviz engine at PCP = 2 on GPUs (NCCL)", "GPU", ("h200x2-nccl-pcp2-mtp2",),
              (("producer", ("pcpviz-engine",)), ("pcp", (2,)))),
-    Coverage("full-graphs", "FULL_DECODE_ONLY / FULL_AND_PIECEWISE on GPUs", "not run", (),
+    Coverage("full-graphs", "FULL_AND_PIECEWISE (vLLM's default), PCP = 1, recorded (1 x H200)", "GPU",
+             ("vllm-h200x1-pcp1-mtp2-full",),
              (("producer", ("vllm-plugin",)), ("cudagraph_mode", ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"))),
-             "vLLM's dispatch with stand-in graphs on CPU: docs/findings/full-draft-prefill-state.md"),
+             "the FULL-replayed draft phases carry their views (fwd_source graph_capture); PCP = 2 under FULL "
+             "graphs not run on GPUs: vLLM's dispatch with stand-in graphs on CPU, "
+             "docs/findings/full-draft-prefill-state.md"),
     Coverage("dcp", "DCP > 1 (replicated decodes) on GPUs", "not run", (),
              (("producer", ("vllm-plugin",)), ("dcp", (2, 4, 8))),
              "vLLM 0.33.0 allows it for sparse MLA only; the replay forces replicated decodes at DCP = 1"),

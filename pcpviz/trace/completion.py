@@ -44,6 +44,7 @@ from typing import Any, Mapping
 
 from pcpviz.limits import MAX_RECORD_BYTES
 
+from .owner import rank_file_busy, writer_busy
 from . import schema as S
 from .outputs import check_output
 
@@ -227,27 +228,8 @@ def mark_legacy(run_dir: str | os.PathLike, why: str) -> Completion:
     return read_completion(run_dir)
 
 
-def rank_file_busy(path: Path) -> bool:
-    """True while a live ``TraceWriter`` holds ``path`` open (its exclusive flock)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
 def _live_writers(trace: Any) -> list[tuple[str, str | None, str]]:
     """One line per live writer of the trace: the directory's claim, then busy rank files."""
-    from .owner import writer_busy
-
     out = []
     busy = writer_busy(Path(trace.path))
     if busy:

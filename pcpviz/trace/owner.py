@@ -41,7 +41,7 @@ from . import schema as S
 from .outputs import special_kind
 
 __all__ = ["LOCK_FILE", "Claim", "claim", "check_target", "check_writer", "writer_busy", "open_regular",
-           "trace_files"]
+           "trace_files", "rank_file_busy"]
 
 LOCK_FILE = ".writer.lock"
 """Name of the lock file inside a claimed run directory."""
@@ -305,3 +305,20 @@ def _claim_in(p: Path, *, overwrite: bool, command: str) -> Claim:
     with _held_lock:
         _held[_key(p)] = c
     return c
+
+
+def rank_file_busy(path: Path) -> bool:
+    """True while a live ``TraceWriter`` holds ``path`` open (its exclusive flock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)

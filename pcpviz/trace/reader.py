@@ -52,8 +52,7 @@ import numpy as np
 from . import schema as S
 from .errors import TraceError, TraceWarning
 from .index import MapBudget, RankIndex, scan_rank_file
-from .completion import rank_file_busy
-from .owner import writer_busy
+from .owner import rank_file_busy, writer_busy
 from .runmeta import check_version, file_kind, read_meta
 from pcpviz.limits import MAX_WORLD_SIZE
 

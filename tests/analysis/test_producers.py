@@ -34,7 +34,7 @@ from tracegen import corrupt, worked_example_run  # noqa: E402
 
 from pcpviz.analysis.checks import run_checks  # noqa: E402
 from pcpviz.cli.commands import main as cli_main  # noqa: E402
-from pcpviz.analysis.producers import ENGINE, INSIDE, VLLM, attribute, attribute_violation, find_def  # noqa: E402
+from pcpviz.analysis.producers import ENGINE_PRODUCERS, INSIDE, VLLM, attribute, attribute_violation, find_def  # noqa: E402
 from pcpviz.trace import open as open_trace  # noqa: E402
 from pcpviz.trace.schema import VIEW_SPECS  # noqa: E402
 
@@ -71,7 +71,7 @@ def test_vllm_producers_exist_at_their_line_and_read_their_inputs(p):
     assert all(_declared(k) for k in p.writes + p.inputs), [k for k in p.writes + p.inputs if not _declared(k)]
 
 
-@pytest.mark.parametrize("p", ENGINE, ids=lambda p: f"{p.name}:{p.writes[0]}")
+@pytest.mark.parametrize("p", ENGINE_PRODUCERS, ids=lambda p: f"{p.name}:{p.writes[0]}")
 def test_engine_producers_exist_and_read_their_inputs(p):
     module, qual = p.where.split(":")
     node = find_def(ast.parse((ROOT / ("/".join(module.split(".")) + ".py")).read_text()), qual)

@@ -21,8 +21,8 @@ def test_bad_dcp_options_are_one_line_errors(kw, match):
 
 def test_dcp_config_is_recorded():
     cfg = build_config(["x = "], pcp=2, dcp=2, dcp_interleave=4, max_new_tokens=2)
-    assert (cfg["dcp"], cfg["dcp_interleave"]) == (2, 4)
-    assert build_config(["x = "], pcp=2, max_new_tokens=2)["dcp"] == 1
+    assert (cfg.dcp, cfg.dcp_interleave) == (2, 4)
+    assert build_config(["x = "], pcp=2, max_new_tokens=2).dcp == 1
 
 
 def test_cli_refuses_a_dcp_that_is_not_the_pcp(tmp_path):

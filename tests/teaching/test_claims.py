@@ -48,7 +48,7 @@ def test_claim_is_stated_and_its_wrong_version_gone(key):
 
 REFS = sorted({r for c in claims.load_claims().values() for r in c.vllm} |
               {a.ref for seq in buffer_order.ORDERS.values() for a in seq if a.ref} |
-              {a.ref for _, f in buffer_order.FIXES.values() for a in f.accesses if a.ref}, key=str)
+              {a.ref for _, f in buffer_order.CANDIDATE_FIXES.values() for a in f.accesses if a.ref}, key=str)
 
 
 @pytest.mark.parametrize("ref", REFS, ids=str)
@@ -65,7 +65,7 @@ def test_order_of_reads_and_writes():
     bad = buffer_order.check_order("piecewise_draft_prefill", "write_in_prepare_draft_prefill")
     assert "reads and writes speculator.input_ids" in bad[0] and bad[1].startswith("_prefill: speculator.positions")
     for fix in ("copy_in_run_model", "clear_after_replay", "eager_prefill_under_pcp", "zero_input_block_tables"):
-        assert buffer_order.check_order(buffer_order.FIXES[fix][0], fix) == [], fix
+        assert buffer_order.check_order(buffer_order.CANDIDATE_FIXES[fix][0], fix) == [], fix
     assert buffer_order.check_order("dspark_dummy_run", "gather_in_dummy_runs")  # refuted
     with pytest.raises(ValueError, match="unknown fix"):
         buffer_order.check_order("dspark_dummy_run", "copy_in_run_model")

@@ -163,7 +163,8 @@ MALFORMED_VIEWS = [  # (phase, view, damage): each made export or the Workbench 
     ("target", "local_req_ids", lambda a: np.concatenate([a, a[:1]])),  # a row too many
     ("target", "req_ids", lambda a: a[:0]),  # empty
     ("draft_1", "block_table_draft", lambda a: a.reshape(-1)),  # [G, R, B] flattened
-    ("target", "t_start_us", lambda a: np.asarray(np.nan)),  # not a time
+    ("target", "t_start_us", lambda a: np.asarray([a, a])),  # two times, not one (a NaN time is damaged
+    # data since the integer views are checked for floats: exit 3, tests/cli/test_cli_reliability.py)
 ]
 
 

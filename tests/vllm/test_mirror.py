@@ -31,6 +31,10 @@ def test_real_vllm_traces_are_shipped():
 @pytest.mark.parametrize("path", TRACES, ids=[p.name for p in TRACES])
 def test_engine_data_path_equals_every_shipped_trace(path):
     trace = pt.open(path)
+    if trace.meta.get("dcp_group"):
+        with pytest.raises(ValueError, match="is not modelled here"):
+            mirror(trace)
+        return
     report = mirror(trace)
     assert report.ok, str(report.first)
     assert report.compared == _targets(trace) and report.views >= 10 * report.compared

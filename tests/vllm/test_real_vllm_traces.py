@@ -22,7 +22,7 @@ def test_provenance(path):
     gpus = 1 if "h200x1" in path.name else 2
     assert meta["producer"] == "vllm-plugin" and meta["vllm_version"] == "0.33.0"
     assert meta["gpus"] == ["NVIDIA H200"] * gpus and meta["torch_version"].startswith("2.11")
-    assert meta["pcp"] == gpus and meta["cudagraph_mode"] in ("NONE", "PIECEWISE")
+    assert meta["pcp"] == gpus and meta["cudagraph_mode"] in ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE")
     assert meta["command"]
     if "flight" in path.name:  # a flight-recorder dump: its run.json says what triggered it
         assert meta["flight_recorder"]["trigger"].startswith("acceptance ")

@@ -73,10 +73,10 @@ def _standard_rejection(meta: Mapping[str, Any]) -> bool:
     """False where run.json's speculative config (top level or the launch's ``llm_kwargs``) asks
     vLLM for another rejection method than ``"standard"`` (vLLM 0.33.0 config/speculative.py:83,
     562: ``synthetic``, ``block``, ``fly``) or for synthetic acceptance, or where it declares the
-    rejection sampler a stand-in (the CPU replay's scripted acceptance: ``stand_ins``)."""
+    rejection sampler a scripted stand-in (the CPU replay's ``models="scripted"``: ``stand_ins``)."""
     stand_ins = meta.get("stand_ins")
-    if isinstance(stand_ins, Mapping) and stand_ins.get("rejection_sampler"):
-        return False
+    if isinstance(stand_ins, Mapping) and stand_ins.get("rejection_sampler") and meta.get("replay_models") != "tiny":
+        return False  # the replay's scripted acceptance (the tiny model's is greedy: the standard rule)
     launch = meta.get("launch")
     kwargs = launch.get("llm_kwargs") if isinstance(launch, Mapping) else None
     for spec in (meta.get("speculative_config"), kwargs.get("speculative_config") if isinstance(kwargs, Mapping)
