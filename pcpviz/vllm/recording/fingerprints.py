@@ -29,16 +29,14 @@ from typing import Any
 
 import torch
 
-from pcpviz.trace.fingerprints import row_fingerprints
-from pcpviz.vllm.recording.host import Fresh
+from pcpviz.vllm.recording.host import Deferred, Fresh, fingerprint_view
 
 __all__ = ["on_target_hidden", "on_restored_target", "before_forward", "after_forward", "on_restored_draft"]
 
 
-def _fp(t: Any) -> Fresh | None:
-    """The rows' fingerprints (computed on the device now, copied at the end of the step)."""
-    ok = isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point()
-    return Fresh(row_fingerprints(t)) if ok else None
+def _fp(t: Any) -> Deferred | Fresh | None:
+    """The rows' fingerprints (``host.fingerprint_view``: small rows copied now, fingerprinted by the drain)."""
+    return fingerprint_view(t)
 
 
 def on_target_hidden(ctx: Any, last_hidden_states: Any) -> None:
