@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["FINGERPRINT_ROWS", "FINGERPRINT_SPEC", "row_fingerprints", "row_fingerprints_host",
+           "row_fingerprints_host_at",
            "synthetic_fingerprints"]
 
 _FP = "per-row fingerprint (pcpviz.trace.fingerprints.row_fingerprints)"
@@ -95,6 +96,11 @@ def row_fingerprints_host(x: np.ndarray) -> tuple[np.ndarray]:
     h = x.shape[-1] if x.ndim else 1
     bits = x.reshape(-1, h).view(np.int32).astype(np.int64)
     return ((bits * _host_weights(h)).sum(axis=-1),)
+
+
+def row_fingerprints_host_at(x: np.ndarray, index: np.ndarray) -> tuple[np.ndarray]:
+    """``row_fingerprints_host(x[index])``: rows picked on the host (``last_token_indices``)."""
+    return row_fingerprints_host(np.asarray(x)[np.asarray(index, dtype=np.int64)])
 
 
 def _vfp(tag: int, *xs: np.ndarray) -> np.ndarray:

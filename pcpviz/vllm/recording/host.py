@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -217,14 +219,33 @@ class StepPack:
         self.layout: list = []  # (offset in the step, places) per copy
         self.fresh: list = []  # [(box, key, slot, tensor)] copied at the step's end
         self.memo: dict[int, tuple[list, list]] = {}  # id(Deferred.args) -> (args, their entries), this step
+        self.held: list | None = None  # the device tensors of puts held for one copy (``hold``)
 
     def put(self, phase: dict[str, Any], views: dict[str, Any]) -> None:
-        """Add one hook call's views to ``phase`` as entries; its device tensors copied now."""
-        now: list = []
+        """Add one hook call's views to ``phase`` as entries; its device tensors copied now (or
+        at the end of ``hold``)."""
+        held = self.held
+        now: list = [] if held is None else held
         for name, value in views.items():
             phase[name] = self._entry(value, phase, name, now)
-        if now:
+        if now and held is None:
             self._copy(now)
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """The puts inside share one copy, made when the block ends: for a hook that puts several
+        times while vLLM runs nothing (``_run_model``'s entry: the prepared inputs and
+        ``hidden_in_fp``; a FULL replay: those and the graph's buffers)."""
+        if self.held is not None:
+            yield
+            return
+        self.held = []
+        try:
+            yield
+        finally:
+            now, self.held = self.held, None
+            if now:
+                self._copy(now)
 
     def _copy(self, items: list) -> None:
         """One ``cat`` of ``items`` (``(box, key, slot, tensor)``, as bytes) into the ring."""
@@ -305,7 +326,7 @@ class StepPack:
 
     def discard(self) -> None:
         """Forget the step being recorded (it is not written)."""
-        self.layout, self.fresh, self.memo = [], [], {}
+        self.layout, self.fresh, self.memo, self.held = [], [], {}, None
         self.ring.discard()
 
 
