@@ -330,9 +330,11 @@ class StepPack:
         self.ring.discard()
 
 
-HOST_FP_MAX_BYTES = 1 << 19
+HOST_FP_MAX_BYTES = 1 << 16
 """Rows up to this many bytes are copied and fingerprinted on the host (off the step's path);
-larger ones (a long prefill's hidden states) are fingerprinted on the device, 8 bytes a row."""
+larger ones are fingerprinted on the device, 8 bytes a row. 64 kB keeps a batch-1 decode's rows
+(H=7168 bf16, K=2: 3 rows, 43 kB) on the host and a step near 0.3 MB, so a backlog of 128
+undrained steps still fits the 64 MiB ring; batch 32 (96 rows, 1.4 MB) stays on the device."""
 
 
 def fingerprint_view(t: Any) -> Deferred | Fresh | None:
