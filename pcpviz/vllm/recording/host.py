@@ -252,6 +252,8 @@ class StepPack:
         flat, places, total = [], [], 0
         for box, key, slot, t in items:
             b = t.reshape(-1)
+            if not b.is_contiguous():  # a strided column or an expanded view: reshape kept its strides
+                b = b.contiguous()
             if b.dtype is not torch.uint8:
                 b = b.view(torch.uint8)  # uint8[numel * itemsize]
             n = b.shape[0]
