@@ -175,8 +175,11 @@ def step(rec, st: Stage, x: torch.Tensor, ops: int, *, on: bool) -> torch.Tensor
         if st.pcp > 1:
             ctx.global_draft_ids = st.input_ids[: st.t].detach().clone()  # prepare_draft_prefill
         n0 = st.local.num_tokens if st.pcp > 1 else st.t
-        rec.guard(ctx.on_forward, n0, {"layer.0": st.slots[0, :n0]}, "PIECEWISE")
-        rec.guard(fingerprints.before_forward, ctx, n0)
+        if hasattr(ctx, "on_run_model"):  # _run_model's entry, as recording.wrappers calls it
+            rec.guard(ctx.on_run_model, n0, {"layer.0": st.slots[0, :n0]}, "PIECEWISE")
+        else:  # an older recorder (--against)
+            rec.guard(ctx.on_forward, n0, {"layer.0": st.slots[0, :n0]}, "PIECEWISE")
+            rec.guard(fingerprints.before_forward, ctx, n0)
         x = vllm_work(x, part)
         rec.guard(fingerprints.after_forward, ctx, (st.hidden[:n0], st.hidden[:n0]))
         if st.pcp > 1:

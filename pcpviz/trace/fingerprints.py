@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["FINGERPRINT_ROWS", "FINGERPRINT_SPEC", "row_fingerprints", "synthetic_fingerprints"]
+__all__ = ["FINGERPRINT_ROWS", "FINGERPRINT_SPEC", "row_fingerprints", "row_fingerprints_host",
+           "row_fingerprints_host_at",
+           "synthetic_fingerprints"]
 
 _FP = "per-row fingerprint (pcpviz.trace.fingerprints.row_fingerprints)"
 FINGERPRINT_ROWS: dict[str, list[tuple]] = {
@@ -61,10 +63,44 @@ def row_fingerprints(t):
     key = (x.device, h)
     w = _WEIGHTS.get(key)
     if w is None:
-        g = torch.Generator().manual_seed(0x9C9F17)
-        w = _WEIGHTS[key] = (torch.randint(1, 2**16, (h,), generator=g, dtype=torch.int64) | 1).to(x.device)
+        w = _WEIGHTS[key] = torch.from_numpy(_host_weights(h)).to(x.device)
     # int32 bits times int64 weights multiply in int64 (type promotion): four calls, two kernels
     return (x.detach().reshape(-1, h).view(torch.int32) * w).sum(dim=-1)
+
+
+_HOST_WEIGHTS: dict[int, np.ndarray] = {}
+
+
+def _host_weights(h: int) -> np.ndarray:
+    """int64[h]: the fixed weights of ``row_fingerprints`` (odd, below 2**16; the same everywhere)."""
+    w = _HOST_WEIGHTS.get(h)
+    if w is None:
+        import torch  # noqa: PLC0415 - the trace package itself does not need torch
+
+        g = torch.Generator().manual_seed(0x9C9F17)
+        w = _HOST_WEIGHTS[h] = (torch.randint(1, 2**16, (h,), generator=g, dtype=torch.int64) | 1).numpy()
+    return w
+
+
+def row_fingerprints_host(x: np.ndarray) -> tuple[np.ndarray]:
+    """``row_fingerprints`` of a host copy of the rows ``[rows, H]`` (any float dtype; bf16 rows
+    arrive widened exactly to float32), computed off the step's path: ``(int64[rows],)``, equal
+    to what the device computes from the same rows.
+
+        >>> import torch
+        >>> a = torch.randn(3, 5)
+        >>> bool((row_fingerprints_host(a.numpy())[0] == row_fingerprints(a).numpy()).all())
+        True
+    """
+    x = np.ascontiguousarray(x, dtype=np.float32)  # float32[rows, H]
+    h = x.shape[-1] if x.ndim else 1
+    bits = x.reshape(-1, h).view(np.int32).astype(np.int64)
+    return ((bits * _host_weights(h)).sum(axis=-1),)
+
+
+def row_fingerprints_host_at(x: np.ndarray, index: np.ndarray) -> tuple[np.ndarray]:
+    """``row_fingerprints_host(x[index])``: rows picked on the host (``last_token_indices``)."""
+    return row_fingerprints_host(np.asarray(x)[np.asarray(index, dtype=np.int64)])
 
 
 def _vfp(tag: int, *xs: np.ndarray) -> np.ndarray:

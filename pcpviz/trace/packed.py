@@ -32,6 +32,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .fingerprints import row_fingerprints_host, row_fingerprints_host_at
+
 __all__ = ["resolve", "DERIVED", "block_rows", "verify_views", "trim_block_tables", "host_entry"]
 
 
@@ -91,7 +93,9 @@ def _segments(rows: list) -> tuple[np.ndarray]:
 
 
 DERIVED: dict[str, Callable[..., tuple]] = {"block_rows": block_rows, "verify": verify_views,
-                                             "columns": _columns, "stack": _stack, "segments": _segments}
+                                             "columns": _columns, "stack": _stack, "segments": _segments,
+                                             "row_fp": row_fingerprints_host,
+                                             "row_fp_at": row_fingerprints_host_at}
 """The host-side computations a ``("d", ...)`` entry may name (``columns``: output k is column k)."""
 
 

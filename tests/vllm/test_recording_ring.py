@@ -139,12 +139,13 @@ def test_positions_shifted_on_their_way_to_rope_fail_at_draft_0(tmp_path, monkey
 
 @pytest.mark.slow
 def test_a_tiny_device_ring_drops_steps_and_the_trace_says_so(tmp_path, monkeypatch, caplog):
-    # 5032 bytes: the scenario's steps take 3.5 to 5.3 kB of the ring; the largest do not fit
-    monkeypatch.setenv("PCPVIZ_DEVICE_RING_MB", "0.0048")
+    # 7864 bytes: the scenario's steps take 5.6 to 8.3 kB of the ring (the hidden rows fingerprinted by the
+    # drain included); the largest do not fit
+    monkeypatch.setenv("PCPVIZ_DEVICE_RING_MB", "0.0075")
     run = replay(pcp=1, mtp=2, trace_dir=tmp_path / "t", scenario="mixed", dummy=False)
     meta = json.loads((tmp_path / "t" / "run.json").read_text())
     lost = meta["device_ring_overflow"]
-    assert lost["ring_bytes"] == 5032 and 1 <= lost["steps"] < len(run.steps)
+    assert lost["ring_bytes"] == 7864 and 1 <= lost["steps"] < len(run.steps)
     ending = json.loads((tmp_path / "t" / "complete.json").read_text())["ranks"]["0"]
     assert ending["status"] == "partial" and "device ring overflow" in ending["reason"]
     report = run_checks(pt.open(tmp_path / "t"))
@@ -171,3 +172,27 @@ def test_full_replayed_draft_phase_carries_views_on_real_vllm(tmp_path):
         assert {"draft_positions", "fwd_positions", "fwd_input_ids", "hidden_in_fp"} <= set(rec)
     assert run_checks(trace).ok
     assert recording is not None
+
+
+def test_one_copy_of_mixed_dtypes_strided_columns_and_host_fingerprints_resolves_exactly():
+    """A put of int64 / int32 / bool / bf16 tensors, a strided column and an expanded view (one
+    byte-level copy), and rows fingerprinted by the drain, resolve to the tensors' values; the
+    host fingerprints equal the device ones."""
+    from pcpviz.trace.fingerprints import row_fingerprints
+    from pcpviz.vllm.recording.host import StepPack, fingerprint_view
+    from pcpviz.vllm.recording.ring import DeviceRing
+
+    pack = StepPack(DeviceRing(1 << 16))
+    a = torch.arange(12, dtype=torch.int64).view(4, 3)
+    hidden = torch.randn(3, 8).to(torch.bfloat16)
+    views = {"col": a[:, 1], "i32": torch.arange(5, dtype=torch.int32), "mask": torch.tensor([True, False, True]),
+             "wide": torch.tensor([7], dtype=torch.int64).expand(4), "h": hidden, "fp": fingerprint_view(hidden)}
+    phase: dict = {}
+    with pack.hold():
+        pack.put(phase, views)
+    assert len(pack.layout) == 1  # one copy for the whole put
+    got = pack.stage({"p": phase}).resolve()["p"]
+    assert got["col"].tolist() == [1, 4, 7, 10] and got["i32"].tolist() == [0, 1, 2, 3, 4]
+    assert got["mask"].tolist() == [True, False, True] and got["wide"].tolist() == [7, 7, 7, 7]
+    assert np.array_equal(got["h"], hidden.float().numpy())
+    assert got["fp"].tolist() == row_fingerprints(hidden).tolist()

@@ -38,8 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pcpviz.trace.fingerprints import row_fingerprints
-from pcpviz.vllm.recording.host import Fresh
+from pcpviz.vllm.recording.host import Deferred, Fresh, fingerprint_view
 
 __all__ = ["in_full_replay", "full_replay", "capturing", "capturing_now", "note_capture", "captured_inputs",
            "model_call_views", "model_inputs", "SOURCES"]
@@ -109,9 +108,8 @@ def captured_inputs(manager: Any, num_tokens: int) -> dict[str, Any] | None:
         return _CAPTURED.get((id(manager), int(num_tokens)))
 
 
-def _fp(t: Any) -> Fresh | None:
-    ok = isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point()
-    return Fresh(row_fingerprints(t)) if ok else None
+def _fp(t: Any) -> Deferred | Fresh | None:
+    return fingerprint_view(t)
 
 
 def model_call_views(ids: Any, pos: Any, hidden: Any, *, slots: Any, source: str, rows: int | None = None) -> dict:

@@ -159,6 +159,12 @@ class DraftContext:
             views["slot_mapping_draft"] = slots
         rec.put(name, **views)
 
+    def on_run_model(self, num_tokens: int, slot_mappings: Any, graph_mode: str = "NONE") -> None:
+        """``_run_model``'s entry: ``on_forward`` and the phase's ``hidden_in_fp``, in one copy."""
+        with self.rec.pack.hold():
+            self.on_forward(num_tokens, slot_mappings, graph_mode)
+            fingerprints.before_forward(self, num_tokens)
+
     def on_model_call(self, args: tuple, kwargs: dict) -> None:
         """The draft model was called (eager or PIECEWISE): the ``fwd_*`` views of the phase
         (``recording.consumed``), its arguments as the model got them."""
@@ -177,7 +183,10 @@ class DraftContext:
         from the buffers the graph reads, right before the replay; ``fwd_source`` says whether
         they are the tensors noted at capture (``graph_capture``) or the speculator's buffers
         (``graph_buffers``)."""
-        n = int(desc.num_tokens)
+        with self.rec.pack.hold():  # the phase's views in one copy
+            self._full_replay_views(manager, int(desc.num_tokens))
+
+    def _full_replay_views(self, manager: Any, n: int) -> None:
         self.on_forward(n, None, "FULL")
         fingerprints.before_forward(self, n)
         k = len(self.phases) - 1

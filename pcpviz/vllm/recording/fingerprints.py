@@ -29,16 +29,14 @@ from typing import Any
 
 import torch
 
-from pcpviz.trace.fingerprints import row_fingerprints
-from pcpviz.vllm.recording.host import Fresh
+from pcpviz.vllm.recording.host import HOST_FP_MAX_BYTES, Deferred, Fresh, fingerprint_view
 
 __all__ = ["on_target_hidden", "on_restored_target", "before_forward", "after_forward", "on_restored_draft"]
 
 
-def _fp(t: Any) -> Fresh | None:
-    """The rows' fingerprints (computed on the device now, copied at the end of the step)."""
-    ok = isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point()
-    return Fresh(row_fingerprints(t)) if ok else None
+def _fp(t: Any) -> Deferred | Fresh | None:
+    """The rows' fingerprints (``host.fingerprint_view``: small rows copied now, fingerprinted by the drain)."""
+    return fingerprint_view(t)
 
 
 def on_target_hidden(ctx: Any, last_hidden_states: Any) -> None:
@@ -79,9 +77,10 @@ def after_forward(ctx: Any, out: Any) -> None:
     if k > 0:
         ctx.rec.put(name, hidden_out_fp=_fp(hidden[:r]))
         return
-    ctx.rec.put(name, mtp_local_fp=_fp(last))
-    if ctx.spec.pcp_manager is None:
-        on_restored_draft(ctx, last, hidden)
+    with ctx.rec.pack.hold():  # one copy
+        ctx.rec.put(name, mtp_local_fp=_fp(last))
+        if ctx.spec.pcp_manager is None:
+            on_restored_draft(ctx, last, hidden)
 
 
 def on_restored_draft(ctx: Any, last: Any, hidden: Any) -> None:
@@ -90,4 +89,13 @@ def on_restored_draft(ctx: Any, last: Any, hidden: Any) -> None:
     if ctx.dummy or not ctx.phases or not isinstance(last, torch.Tensor):
         return
     lti = ctx.spec.last_token_indices[: ctx.num_reqs]
-    ctx.rec.put(ctx.phases[0], hidden_last_fp=_fp(last[lti]), hidden_out_fp=_fp(hidden[lti]))
+    ctx.rec.put(ctx.phases[0], hidden_last_fp=_fp_at(last, lti), hidden_out_fp=_fp_at(hidden, lti))
+
+
+def _fp_at(t: Any, index: torch.Tensor) -> Deferred | Fresh | None:
+    """``_fp(t[index])``; rows small enough for the host are copied whole with ``index`` and
+    gathered by the drain (no gather kernel on the step's thread)."""
+    if isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point() \
+            and t.numel() * t.element_size() <= HOST_FP_MAX_BYTES:
+        return Deferred("row_fp_at", [t, index])
+    return _fp(t[index])

@@ -28,16 +28,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
 
+from pcpviz.trace.fingerprints import row_fingerprints
 from pcpviz.trace.packed import host_entry, resolve
 from pcpviz.vllm.recording.ring import DeviceRing
 
 __all__ = ["Deferred", "Fresh", "Strings", "StepPack", "StagedStep", "to_host", "now_us", "block_rows",
-           "host_pool"]
+           "host_pool", "fingerprint_view", "HOST_FP_MAX_BYTES"]
 
 _DTYPES = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.int8: "|i1", torch.uint8: "|u1",
            torch.bool: "|b1", torch.float32: "<f4", torch.float16: "<f2", torch.float64: "<f8",
@@ -194,69 +197,87 @@ def _side_stream(device: torch.device) -> Any:
 
 def _fill(layout: list) -> None:
     """Put each device tensor's entry ``("b", offset, dtype, shape)`` in its place (unless a
-    later view of the same name took it): ``layout`` is ``[(offset, dtype, itemsize, places)]``
-    per packed tensor, ``places`` ``[(box, key, slot, shape, numel)]`` in their order in it."""
-    for off, dtype, size, places in layout:
-        for box, key, slot, shape, numel in places:
+    later view of the same name took it): ``layout`` is ``[(offset, places)]`` per packed copy,
+    ``places`` ``[(box, key, slot, dtype, shape, nbytes)]`` in their order in it."""
+    for off, places in layout:
+        for box, key, slot, dtype, shape, nbytes in places:
             if box[key] is slot:
                 box[key] = ("b", off, dtype, shape)
-            off += numel * size
+            off += nbytes
 
 
 class StepPack:
     """One recorder's device copies of the step being recorded, in its device ring
-    (``recording.ring``): per hook call one ``torch.cat(..., out=)`` per dtype into the ring (all
-    of its views of that dtype), the fresh tensors the same way at the step's end; ``stage``
-    records one event. No allocation and no host synchronisation on the step's thread."""
+    (``recording.ring``): per hook call one ``torch.cat(..., out=)`` into the ring of all of its
+    device tensors, whatever their dtypes (each seen as its bytes), the fresh tensors the same way
+    at the step's end; ``stage`` records one event. No allocation and no host synchronisation on
+    the step's thread."""
 
     def __init__(self, ring: DeviceRing | None = None) -> None:
         self.device: torch.device | None = None  # of the first tensor put: others go to the host now
         self.ring = ring if ring is not None else DeviceRing()
-        self.layout: list = []  # (offset in the step, dtype str, itemsize, places) per copy
-        self.fresh: dict[torch.dtype, list] = {}  # dtype -> [(box, key, slot, tensor)] copied at the step's end
+        self.layout: list = []  # (offset in the step, places) per copy
+        self.fresh: list = []  # [(box, key, slot, tensor)] copied at the step's end
         self.memo: dict[int, tuple[list, list]] = {}  # id(Deferred.args) -> (args, their entries), this step
+        self.held: list | None = None  # the device tensors of puts held for one copy (``hold``)
 
     def put(self, phase: dict[str, Any], views: dict[str, Any]) -> None:
-        """Add one hook call's views to ``phase`` as entries; its device tensors copied now."""
-        now: dict[torch.dtype, list] = {}
+        """Add one hook call's views to ``phase`` as entries; its device tensors copied now (or
+        at the end of ``hold``)."""
+        held = self.held
+        now: list = [] if held is None else held
         for name, value in views.items():
             phase[name] = self._entry(value, phase, name, now)
-        for dtype, items in now.items():
-            self._copy(dtype, items)
+        if now and held is None:
+            self._copy(now)
 
-    def _copy(self, dtype: torch.dtype, items: list) -> None:
-        """One ``cat`` of ``items`` (``(box, key, slot, tensor)``, all ``dtype``) into the ring."""
-        numel = [t.numel() for *_, t in items]
-        total = sum(numel)
-        at = self.ring.reserve(total * dtype.itemsize)
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """The puts inside share one copy, made when the block ends: for a hook that puts several
+        times while vLLM runs nothing (``_run_model``'s entry: the prepared inputs and
+        ``hidden_in_fp``; a FULL replay: those and the graph's buffers)."""
+        if self.held is not None:
+            yield
+            return
+        self.held = []
+        try:
+            yield
+        finally:
+            now, self.held = self.held, None
+            if now:
+                self._copy(now)
+
+    def _copy(self, items: list) -> None:
+        """One ``cat`` of ``items`` (``(box, key, slot, tensor)``, as bytes) into the ring."""
+        flat, places, total = [], [], 0
+        for box, key, slot, t in items:
+            b = t.reshape(-1)
+            if not b.is_contiguous():  # a strided column or an expanded view: reshape kept its strides
+                b = b.contiguous()
+            if b.dtype is not torch.uint8:
+                b = b.view(torch.uint8)  # uint8[numel * itemsize]
+            n = b.shape[0]
+            flat.append(b)
+            places.append((box, key, slot, _DTYPES[t.dtype], tuple(t.shape), n))
+            total += n
+        ring = self.ring
+        at = ring.reserve(total)
         if at is None:
             return  # the ring is full: the step is dropped (DeviceRing.finish counts it)
-        out = self.ring.view(at, total, dtype)
-        flat = [t.reshape(-1) for *_, t in items]
+        out = ring.buf[at:at + total]
         if len(flat) == 1:
             out.copy_(flat[0])
         else:
             torch.cat(flat, out=out)
-        self.layout.append((self.ring.offset(at), _DTYPES[dtype], dtype.itemsize,
-                            [(box, key, slot, tuple(t.shape), n) for (box, key, slot, t), n in zip(items, numel)]))
+        self.layout.append((at - ring.start, places))
 
-    def _entry(self, value: Any, box: Any, key: Any, now: dict) -> Any:
+    def _entry(self, value: Any, box: Any, key: Any, now: list) -> Any:
         if isinstance(value, torch.Tensor):
             if self._packable(value):
                 slot = _Slot()
-                now.setdefault(value.dtype, []).append((box, key, slot, value.detach() if value.requires_grad
-                                                        else value))
+                now.append((box, key, slot, value.detach() if value.requires_grad else value))
                 return slot
             return host_entry(np.array(to_host(value)))
-        if isinstance(value, np.ndarray):
-            return host_entry(value)
-        if isinstance(value, Fresh):
-            t = value.t
-            if self._packable(t):
-                slot = _Slot()
-                self.fresh.setdefault(t.dtype, []).append((box, key, slot, t.detach()))
-                return slot
-            return host_entry(np.array(to_host(t)))
         if isinstance(value, Deferred):
             known = self.memo.get(id(value.args))  # another output of the same computation
             if known is None:
@@ -265,6 +286,15 @@ class StepPack:
                 for i, a in enumerate(value.args):
                     args[i] = self._entry(a, args, i, now)
             return ("d", value.fn, known[1], value.index)
+        if isinstance(value, np.ndarray):
+            return host_entry(value)
+        if isinstance(value, Fresh):
+            t = value.t
+            if self._packable(t):
+                slot = _Slot()
+                self.fresh.append((box, key, slot, t.detach()))
+                return slot
+            return host_entry(np.array(to_host(t)))
         if isinstance(value, Strings):
             return ("s", value.items)
         if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
@@ -275,15 +305,15 @@ class StepPack:
         if self.device is None:
             self.device = t.device
             self.ring.ensure(t.device)
-        return t.dtype in _DTYPES and t.device == self.device
+        return t.device == self.device and t.dtype in _DTYPES
 
     def stage(self, phases: dict[str, dict[str, Any]]) -> StagedStep | None:
         """The step's copies on their way to the host: the fresh tensors copied into the ring
-        (one ``cat`` per dtype), one event on the current stream; no synchronisation. None when
+        (one ``cat``), one event on the current stream; no synchronisation. None when
         the ring had no room for the step (dropped: ``ring.overflow_steps`` counts it)."""
-        for dtype, items in self.fresh.items():
-            self._copy(dtype, items)
-        layout, self.layout, self.fresh, self.memo = self.layout, [], {}, {}
+        if self.fresh:
+            self._copy(self.fresh)
+        layout, self.layout, self.fresh, self.memo = self.layout, [], [], {}
         dropped = self.ring.dropped
         span = self.ring.finish()
         if dropped:
@@ -298,8 +328,28 @@ class StepPack:
 
     def discard(self) -> None:
         """Forget the step being recorded (it is not written)."""
-        self.layout, self.fresh, self.memo = [], {}, {}
+        self.layout, self.fresh, self.memo, self.held = [], [], {}, None
         self.ring.discard()
+
+
+HOST_FP_MAX_BYTES = 1 << 16
+"""Rows up to this many bytes are copied and fingerprinted on the host (off the step's path);
+larger ones are fingerprinted on the device, 8 bytes a row. 64 kB keeps a batch-1 decode's rows
+(H=7168 bf16, K=2: 3 rows, 43 kB) on the host and a step near 0.3 MB, so a backlog of 128
+undrained steps still fits the 64 MiB ring; batch 32 (96 rows, 1.4 MB) stays on the device."""
+
+
+def fingerprint_view(t: Any) -> Deferred | Fresh | None:
+    """The ``*_fp`` view of the rows ``t`` (float ``[rows, H]``; None for anything else):
+    ``row_fingerprints`` of them, equal wherever it is computed. Small rows (a decode batch's)
+    are copied with the hook's other views and fingerprinted by the drain (``packed`` ``row_fp``):
+    no kernel and no torch work on the step's thread beyond the copy; larger ones on the device.
+    PCP=1, batch 1, K=2, H=7168 bf16: 3 rows, 43 kB, copied."""
+    if not (isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point()):
+        return None
+    if t.numel() * t.element_size() <= HOST_FP_MAX_BYTES:
+        return Deferred("row_fp", [t])
+    return Fresh(row_fingerprints(t))
 
 
 def now_us() -> int:

@@ -66,6 +66,7 @@ class DeviceRing:
         self.buf: torch.Tensor | None = None  # uint8[capacity], allocated on the first put's device
         self.start = self.head = 0  # the step being recorded: bytes [start, head)
         self.spans: list[tuple[int, int]] = []
+        self.top = 0  # the largest end of the undrained spans (0: none)
         self.dropped = False  # the step being recorded no longer fits: its views are dropped
         self.overflow_steps = 0
         self._lock = threading.Lock()
@@ -78,7 +79,9 @@ class DeviceRing:
     def _free(self, a: int, b: int) -> bool:
         if b > self.capacity:
             return False
-        for s, e in self.spans:  # a loop, not all(genexpr): this runs once per hook call
+        if a >= self.top:  # past every undrained span (the usual case until the ring wraps)
+            return True
+        for s, e in self.spans:
             if b > s and a < e:
                 return False
         return True
@@ -122,6 +125,7 @@ class DeviceRing:
         with self._lock:
             if span is not None:
                 self.spans.append(span)
+                self.top = max(self.top, span[1])
             self.start = self.head = _align(self.head) if span is not None else self.start
         self.dropped = False
         return span
@@ -138,6 +142,7 @@ class DeviceRing:
                 self.spans.remove(span)
             except ValueError:
                 pass
+            self.top = max((e for _, e in self.spans), default=0)
             if not self.spans and self.head == self.start:
                 self.start = self.head = 0  # nothing in flight: start the next step at the ring's start
 

@@ -217,8 +217,7 @@ def _wrap_run_model(original: Callable[..., Any]) -> Callable[..., Any]:
         if ctx is None or ctx.spec is not self or in_full_replay():
             return original(self, num_tokens, attn_metadata, slot_mappings, *args, **kwargs)
         mode = kwargs.get("cudagraph_runtime_mode", args[1] if len(args) > 1 else None)
-        ctx.rec.guard(ctx.on_forward, int(num_tokens), slot_mappings, getattr(mode, "name", "NONE"))
-        ctx.rec.guard(fingerprints.before_forward, ctx, int(num_tokens))
+        ctx.rec.guard(ctx.on_run_model, int(num_tokens), slot_mappings, getattr(mode, "name", "NONE"))
         out = original(self, num_tokens, attn_metadata, slot_mappings, *args, **kwargs)
         ctx.rec.guard(fingerprints.after_forward, ctx, out)
         return out
