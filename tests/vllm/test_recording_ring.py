@@ -124,7 +124,9 @@ def _shift_first_draft_positions(monkeypatch):
 @pytest.mark.parametrize("pcp", [1, 2])
 def test_positions_shifted_on_their_way_to_rope_fail_at_draft_0(tmp_path, monkeypatch, pcp):
     _shift_first_draft_positions(monkeypatch)
-    run = replay(pcp=pcp, mtp=2, trace_dir=tmp_path / "bug", scenario="mixed")
+    # the weightless stand-in MTP (models="scripted") is where the bug is planted; the recorder's
+    # wrapper is the same for the tiny model's
+    run = replay(pcp=pcp, mtp=2, trace_dir=tmp_path / "bug", scenario="mixed", models="scripted")
     report = run_checks(run.trace)
     v = report["forward_consumed_prepared"].first_violation
     assert v is not None, report.format()
@@ -142,7 +144,7 @@ def test_a_tiny_device_ring_drops_steps_and_the_trace_says_so(tmp_path, monkeypa
     # 7864 bytes: the scenario's steps take 5.6 to 8.3 kB of the ring (the hidden rows fingerprinted by the
     # drain included); the largest do not fit
     monkeypatch.setenv("PCPVIZ_DEVICE_RING_MB", "0.0075")
-    run = replay(pcp=1, mtp=2, trace_dir=tmp_path / "t", scenario="mixed", dummy=False)
+    run = replay(pcp=1, mtp=2, trace_dir=tmp_path / "t", scenario="mixed", dummy=False, models="scripted")
     meta = json.loads((tmp_path / "t" / "run.json").read_text())
     lost = meta["device_ring_overflow"]
     assert lost["ring_bytes"] == 7864 and 1 <= lost["steps"] < len(run.steps)
