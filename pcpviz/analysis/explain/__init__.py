@@ -224,6 +224,8 @@ def rerun_plan(trace: Trace) -> tuple[dict | None, str]:
     opts = {"max_num_batched_tokens": budget} if budget else {}
     if m.get("dtype") in ("float32", "bfloat16"):
         opts["dtype"] = m["dtype"]
+    if m.get("dcp_group") == "pcp" and type(m.get("dcp")) is int and m["dcp"] > 1:  # the engine's own DCP
+        opts.update(dcp=m["dcp"], dcp_interleave=m.get("dcp_interleave") or 1)
     return dict(prompts=prompts, pcp=pcp, num_speculative_tokens=m.get("num_speculative_tokens") or 0,
                 block_size=m.get("block_size") or 16, max_new_tokens=max_new, **opts), ""
 
