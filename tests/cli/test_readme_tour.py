@@ -143,7 +143,8 @@ def test_run_prints_the_engine_time_and_the_command_time(tour):
 
 def test_the_fault_demo_compares_matching_runs(tour):
     runs = [c for c in tour[0] if c.startswith("pcpviz run") and "--write-config" not in c]
-    clean, bad = runs
+    clean = next(c for c in runs if "--trace runs/demo " in c)
+    bad = next(c for c in runs if "--inject" in c)
     assert bad.replace("\\\n", " ").split("--inject")[0].split("--trace")[0] == \
         clean.split("--trace")[0], "the faulty run must repeat the clean run's prompt, PCP and K"
     assert "--inject skip_draft_block_table_gather" in bad

@@ -293,6 +293,8 @@ def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | No
                     "that is no evidence against this run (give GOOD, a good run by the same producer, "
                     "to compare views and acceptance)")
         verdict = CLEAN
+        if not report.failed:
+            who = None  # no wrong value: naming the function that wrote a cross-producer difference would blame it
     if not report.complete:
         ending = getattr(report.status, "ending", "")
         why = {"being written": "it is still being written",

@@ -175,9 +175,11 @@ def _rank_divergent(f: Findings) -> Signature:
     v = f.first("ranks_agree")
     if v is None:
         return NOTHING
-    # verify_greedy failing on a higher rank at that verify is this fault's own symptom
+    # verify_greedy and num_accepted_from_tokens failing on a higher rank at that verify are this
+    # fault's own symptoms (that rank's count disagrees with the tokens it and rank 0 verified)
+    own = ("verify_greedy", "num_accepted_from_tokens")
     others = [c for c in f.report.failed if c != "ranks_agree" and f.first(c).step <= v.step
-              and not (c == "verify_greedy" and f.first(c).step == v.step and f.first(c).rank != f.rank)]
+              and not (c in own and f.first(c).step == v.step and f.first(c).rank != f.rank)]
     out = NOTHING
     if others:
         out += _no(f"other checks fail by then ({', '.join(others[:3])}): ranks disagreeing is their consequence")
