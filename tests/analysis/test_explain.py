@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import pcpviz
-from pcpviz.analysis.explain import ACCEPTANCE_REGRESSION, CLEAN, DIVERGED, FAULT, explain
+from pcpviz.analysis.explain import ACCEPTANCE_REGRESSION, CLEAN, FAULT, explain
 from pcpviz.faults import ENGINE, active_faults, faults_of, parse_fault, validate_faults
 
 ENGINE_FAULTS = faults_of(ENGINE)  # the faults explain weighs
