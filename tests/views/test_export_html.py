@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pcpviz.views.export.html import STEP_VIEWS, embedded_data, export_html, pack, unpack
+from pcpviz.views.panels import PANELS
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO / "data" / "traces" / "cpu-pcp2-mtp2"
@@ -134,7 +135,7 @@ def test_export_renders_offline_and_the_step_control_swaps_figures(exported, tmp
                 "() => [...document.querySelectorAll('.js-plotly-plot')].map(p => (p.querySelector('.gtitle')"
                 " || {}).textContent || '')")
             before = titles()
-            assert len(before) == 5 and all(before), before
+            assert len(before) == len(PANELS) and all(before), before
             assert "requests req0, req1" in before[0]
             page.screenshot(path=str(SHOTS / "export_step0.png"), full_page=True)
             page.focus("#step")

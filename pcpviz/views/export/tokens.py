@@ -48,6 +48,10 @@ def _lane(ln: Lane) -> dict | None:
             return None
         out["t"] = {"c": [safe_text(str(c)) for c in ln.text.const], "s": start.tolist(),
                     "k": np.asarray(ln.text.counts, dtype=bool).astype(int).tolist()}
+    # the per-token hover lines (Lane.token_lines): name and each run's first value, -1 where none
+    out["th"] = [[safe_text(str(name)), np.asarray(first, dtype=np.int64).tolist()] for name, first in ln.token_hover]
+    if any(max((abs(v) for v in first), default=0) + ln.length >= _SAFE_INT for _, first in out["th"]):
+        return None
     return out
 
 
@@ -158,7 +162,8 @@ const PCPVIZ_TOKENS = (function(){
       for (let t = t0; t < t1; t++) {
         const r = right(ln.e, t), inside = t < len && r >= 0 && r < m;
         zr.push(inside ? ln.z[r] : null);
-        hr.push(inside ? ln.h[r] + '<br>position ' + t : '');
+        hr.push(inside ? ln.h[r] + (ln.th || []).map(([name, first]) =>
+          first[r] >= 0 ? '<br>' + name + ' ' + (first[r] + t - ln.e[r]) : '').join('') : '');
         let s = '';
         if (inside && ln.t) {
           s = ln.t.k[r] ? String(ln.t.s[r] + t - ln.e[r]) : ln.t.c[r]; fits = fits && labelPx(s, fs) <= cellPx;
