@@ -25,7 +25,9 @@ def test_bisect_names_pcp_and_the_graph_mode_for_the_piecewise_finding(tmp_path)
     for r in report.flips():  # the finding's signature: acceptance moves, tokens do not
         assert r.tokens_equal and r.acceptance_flip.startswith("position 0")
     (none,) = [r for r in report.rungs if r.rung.name == "graph_mode=NONE"]
-    assert "draft_0" in none.first_divergence and "draft_tokens" in none.first_divergence
+    # the PIECEWISE draft prefill reads the captured input buffers: the first view that differs is
+    # what draft_0's forward consumed (fwd_input_ids), before the draft tokens it then proposes
+    assert "phase draft_0, view fwd_input_ids" in none.first_divergence, none.first_divergence
     (fp,) = [r for r in report.rungs if r.rung.name == "graph_mode=FULL_AND_PIECEWISE"]
     assert not fp.flips  # the mixed steps draft-prefill PIECEWISE there too
     text = report.format()
