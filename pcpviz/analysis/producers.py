@@ -347,16 +347,9 @@ def attribute_violation(trace, report) -> Attribution | None:
         return None
     flagged = {(r.first_violation.step, r.first_violation.phase, r.first_violation.view)
                for r in report.results.values() if r.first_violation is not None}
-    prev = max((x for x in trace.steps if x < v.step), default=None)
-
-    def wrong(key: str) -> bool:
-        p, view = key.split(".", 1)
-        if p.startswith("prev_"):
-            return prev is not None and (prev, p[5:], view) in flagged
-        return (v.step, p, view) in flagged
     rank = v.rank if v.rank is not None else (trace.ranks[0] if trace.ranks else 0)
-    return attribute(trace.meta, v.phase, v.view, recorded=_recorded(trace, v.step, rank), wrong=wrong,
-                     compared=False)
+    return attribute(trace.meta, v.phase, v.view, recorded=_recorded(trace, v.step, rank),
+                     wrong=_marked_wrong(trace, v.step, flagged), compared=False)
 
 
 def attribute_divergence(trace_b, diff) -> Attribution | None:
@@ -365,19 +358,25 @@ def attribute_divergence(trace_b, diff) -> Attribution | None:
     if d is None or d.phase is None or d.view is None:
         return None
     seen = {(x.step, x.phase, x.view) for x in diff.divergences}
-    prev = max((x for x in trace_b.steps if x < d.step), default=None)
     # the divergences are the first per (step, phase, view) in step order, capped: the first step's are
     # all there when the list goes past it or is not full
     complete = any(x.step > d.step for x in diff.divergences) or len(diff.divergences) < 200
+    rank = d.rank_b if d.rank_b is not None else (trace_b.ranks[0] if trace_b.ranks else 0)
+    return attribute(trace_b.meta, d.phase, d.view, recorded=_recorded(trace_b, d.step, rank),
+                     wrong=_marked_wrong(trace_b, d.step, seen), compared=complete)
+
+
+def _marked_wrong(trace, step: int, marked: set[tuple[int, str, str]]):
+    """Whether an input ``"phase.view"`` (``"prev_phase.view"``: the step before) of ``step`` is among
+    the ``(step, phase, view)`` marked wrong (failed checks or divergences)."""
+    prev = max((x for x in trace.steps if x < step), default=None)
 
     def wrong(key: str) -> bool:
         p, view = key.split(".", 1)
         if p.startswith("prev_"):
-            return prev is not None and (prev, p[5:], view) in seen
-        return (d.step, p, view) in seen
-    rank = d.rank_b if d.rank_b is not None else (trace_b.ranks[0] if trace_b.ranks else 0)
-    return attribute(trace_b.meta, d.phase, d.view, recorded=_recorded(trace_b, d.step, rank), wrong=wrong,
-                     compared=complete)
+            return prev is not None and (prev, p[5:], view) in marked
+        return (step, p, view) in marked
+    return wrong
 
 
 def patched_function(file: str, old: str) -> str | None:
