@@ -15,10 +15,18 @@ Producers and their knobs (the others are reported as not available there):
                replicated: the DCP-style placement)
 ``engine``     the pcpviz engine (``pcpviz.run``, CPU or CUDA ranks): ``pcp``, ``k``,
                ``max_num_batched_tokens`` (the chunked-prefill budget: base <-> 2048)
+``vllm``       real vLLM 0.33.0 on GPUs (``pcpviz.vllm.run``, the plugin recording): ``pcp``,
+               ``graph_mode`` (its ``cudagraph_mode``), ``k``, ``max_num_batched_tokens``
+               (base <-> 256, with ``max_num_seqs`` 16 so vLLM accepts the small budget) and
+               ``prefix_caching`` (``enable_prefix_caching``)
 =============  ===============================================================================
 
-Prefix caching has no switch in either producer (reported as not available); real vLLM on GPUs
-runs through ``pcpviz.vllm.run`` one configuration at a time (docs/tour.md).
+Prefix caching has no switch in the replay or the engine (reported as not available there). A
+rung the machine cannot run (``pcp=2`` on one GPU) is reported as an error line, not a flip.
+A bug planted with ``python -m pcpviz.analysis.mutations NAME DIR`` runs in every engine rung
+when bisect itself runs with ``PYTHONPATH=DIR`` (the ranks inherit it): the chunked-prefill
+bug ``must_sample_a_chunk_early`` flips only ``max_num_batched_tokens=2048``
+(``tests/engine/test_bisect_engine.py``).
 
 The PIECEWISE finding on the replay, base PCP=2, K=2, PIECEWISE::
 
@@ -36,27 +44,36 @@ from pathlib import Path
 from typing import Any
 
 from pcpviz.analysis.acceptance import acceptance
+from pcpviz.analysis.checks import run_checks
 from pcpviz.analysis.diff import diff_traces
 from pcpviz.analysis.parity import generated_tokens
 from pcpviz.trace import open as open_trace
 
 __all__ = ["BISECT_PRODUCERS", "KNOBS", "Rung", "RungResult", "BisectReport", "ladder", "bisect"]
 
-BISECT_PRODUCERS = ("replay", "engine")
+BISECT_PRODUCERS = ("replay", "engine", "vllm")
 KNOBS = {
     "replay": ("pcp", "graph_mode", "k", "chunked_prefill", "decodes"),
     "engine": ("pcp", "k", "max_num_batched_tokens"),
+    "vllm": ("pcp", "graph_mode", "k", "max_num_batched_tokens", "prefix_caching"),
 }
 _ALL_KNOBS = ("pcp", "graph_mode", "k", "chunked_prefill", "max_num_batched_tokens", "prefix_caching", "decodes")
 _DEFAULTS = {
     "replay": {"pcp": 2, "k": 2, "graph_mode": "NONE", "chunked_prefill": True, "decodes": "sharded",
                "scenario": "mixed"},
     "engine": {"pcp": 2, "k": 2, "max_num_batched_tokens": 16, "device": "cpu", "max_new_tokens": 12},
+    "vllm": {"pcp": 2, "k": 2, "graph_mode": "FULL_AND_PIECEWISE", "max_num_batched_tokens": 2048,
+             "prefix_caching": False, "max_new_tokens": 32},
 }
+VLLM_SMALL_BUDGET = 256
+"""The ``max_num_batched_tokens`` rung of a vLLM base budget above it (and the base budget's rung
+below it is 2048): vLLM wants the budget at least ``max_num_seqs``, which the vLLM rungs set to 16."""
 _GRAPH_MODES = ("NONE", "PIECEWISE", "FULL_AND_PIECEWISE")
 _ENGINE_PROMPTS = ("def read_config(path):\n    with open(path) as f:\n        return json",
                    "class Stack:\n    def __init__(self):\n        self.items = []\n",
                    "import os\nimport sys\n\nfor name in sorted(os.listdir(")
+_VLLM_PROMPTS = _ENGINE_PROMPTS + ("".join(f"def scale_{i}(x):\n    return x * {i} + {i * i}\n\n" for i in range(40)),)
+"""The vLLM rungs' prompts: the engine's, and one longer than the 256-token budget rung (it chunks there)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,7 @@ class RungResult:
     first_divergence: str | None  # diff's first divergent view (flips only)
     error: str | None = None  # the rung could not run (one line)
     acceptance_delta: float = 0.0  # the largest |rate - base rate| over the common positions
+    check: str | None = None  # "passes" or "fails <check> at <where>" (pcpviz check on the rung's trace)
 
     @property
     def flips(self) -> bool:
@@ -92,7 +110,7 @@ class RungResult:
                 "tokens_equal": self.tokens_equal, "token_divergence": self.token_divergence,
                 "acceptance_flip": self.acceptance_flip, "acceptance_delta": self.acceptance_delta,
                 "flips": self.flips,
-                "first_divergence": self.first_divergence, "error": self.error}
+                "first_divergence": self.first_divergence, "check": self.check, "error": self.error}
 
 
 @dataclass(frozen=True)
@@ -114,11 +132,13 @@ class BisectReport:
     def format(self) -> str:
         """The report as text: the base, one line per rung, then each flip with its first divergent view."""
         lines = [f"bisect on {self.producer}, base {_opts(self.base.rung.options)}: acceptance "
-                 f"{_rates(self.base.acceptance)}"]
+                 f"{_rates(self.base.acceptance)}; check {self.base.check}"]
         for r in self.rungs:
             verdict = ("ERROR " + r.error if r.error else "FLIPS" if r.flips else "same")
             lines.append(f"  {r.rung.name:<28} acceptance {_rates(r.acceptance):<18} tokens "
                          f"{'equal' if r.tokens_equal else 'DIFFER'}  {verdict}")
+            if r.check and r.check != self.base.check:
+                lines.append(f"  {'':<28} check {r.check}")
         flips = self.flips()
         if not flips:
             lines.append("no knob flips acceptance (tolerance %.2f) or tokens" % self.tolerance)
@@ -137,7 +157,8 @@ class BisectReport:
 
 
 def _opts(options: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v}" for k, v in options.items() if k not in ("device", "max_new_tokens", "scenario"))
+    return " ".join(f"{k}={v}" for k, v in options.items()
+                    if k not in ("device", "max_new_tokens", "scenario", "model", "engine_args"))
 
 
 def _rates(rates: Sequence[float]) -> str:
@@ -162,26 +183,27 @@ def ladder(producer: str, base: dict[str, Any], knobs: Sequence[str] | None = No
         if knob not in KNOBS[producer]:
             unavailable.append(f"{knob} (no switch in the {producer})")
             continue
-        for value in _values(knob, opts[knob]):
+        for value in _values(knob, opts[knob], producer):
             rungs.append(Rung(f"{knob}={value}", knob, value, {**opts, knob: value}))
-    if knobs is None:
-        unavailable.append("prefix_caching (no switch in either producer)")
+    if knobs is None and "prefix_caching" not in KNOBS[producer]:
+        unavailable.append(f"prefix_caching (no switch in the {producer})")
     return rungs, unavailable
 
 
-def _values(knob: str, base: Any) -> list[Any]:
+def _values(knob: str, base: Any, producer: str = "engine") -> list[Any]:
     if knob == "pcp":
         return [1] if base > 1 else [2]
     if knob == "k":
         return [1] if base > 1 else [2]
     if knob == "graph_mode":
         return [m for m in _GRAPH_MODES if m != base]
-    if knob == "chunked_prefill":
+    if knob in ("chunked_prefill", "prefix_caching"):
         return [not base]
     if knob == "decodes":
         return ["replicated" if base == "sharded" else "sharded"]
     if knob == "max_num_batched_tokens":
-        return [2048] if base < 2048 else [16]
+        small = VLLM_SMALL_BUDGET if producer == "vllm" else 16
+        return [2048] if base < 2048 else [small]
     raise ValueError(f"unknown knob {knob!r}")
 
 
@@ -203,6 +225,33 @@ def _run_engine(options: dict[str, Any], trace_dir: Path, *, inject: Sequence[st
                max_new_tokens=options["max_new_tokens"], max_num_batched_tokens=options["max_num_batched_tokens"],
                trace_dir=str(trace_dir), inject=list(inject), progress=False, overwrite=True)
     return trace_dir
+
+
+def _run_vllm(options: dict[str, Any], trace_dir: Path, *, prompts: Sequence[str]) -> Path:
+    """One rung on real vLLM 0.33.0 (``pcpviz.vllm.run`` in a child process, the plugin recording)."""
+    from pcpviz.vllm.launch import run as vllm_run  # pure until it launches: no vLLM import here
+
+    engine_args = {**options.get("engine_args", {}), "max_num_batched_tokens": options["max_num_batched_tokens"],
+                   "enable_prefix_caching": bool(options["prefix_caching"])}
+    engine_args.setdefault("max_num_seqs", 16)
+    vllm_run(options.get("model") or default_vllm_model(), list(prompts), pcp=options["pcp"],
+             num_speculative_tokens=options["k"], trace_dir=trace_dir, max_tokens=options["max_new_tokens"],
+             cudagraph_mode=options["graph_mode"], extra_engine_args=engine_args, progress=False)
+    return trace_dir
+
+
+def default_vllm_model() -> str:
+    """The shipped tiny MTP model (``data/models/pcpviz-tiny-dsv3``), the vLLM rungs' default."""
+    return str(Path(__file__).resolve().parents[1] / "data" / "models" / "pcpviz-tiny-dsv3")
+
+
+def _check(path: Path) -> str:
+    """``pcpviz check`` on a rung's trace, as one phrase: which configuration's own views are wrong."""
+    report = run_checks(open_trace(path))
+    v = report.first_violation
+    if v is not None:
+        return f"fails {v.check} at {v.where()}"
+    return "passes" if report.ok else "does not pass (" + report.counts_line() + ")"
 
 
 def _compare(base_path: Path, path: Path, base_acc: tuple[float, ...], rung: Rung, *,
@@ -230,18 +279,25 @@ def _compare(base_path: Path, path: Path, base_acc: tuple[float, ...], rung: Run
         report = diff_traces(base_path, path, max_divergences=1)
         first = None if report.first is None else report.first.describe()
     return RungResult(rung, str(path), tuple(acc), token_div is None, token_div, acc_flip, first,
-                      acceptance_delta=round(delta, 6))
+                      acceptance_delta=round(delta, 6), check=_check(path))
 
 
 def bisect(producer: str = "replay", *, out_dir: str | os.PathLike, base: dict[str, Any] | None = None,
            knobs: Sequence[str] | None = None, tolerance: float = 0.1, inject: Sequence[str] = (),
-           fixes: str | None = None, prompts: Sequence[str] = _ENGINE_PROMPTS,
+           fixes: str | None = None, prompts: Sequence[str] | None = None,
            progress: Callable[[str], None] | None = None) -> BisectReport:
     """Run the base configuration and one rung per knob value into ``out_dir/<rung>``, and report
     the rungs that flip tokens or acceptance (a rate per position moving by more than ``tolerance``).
-    ``inject`` plants engine faults (every rung); ``fixes`` names ``pcpviz.vllm.fixes`` for the replay.
+    ``inject`` plants engine faults (every rung); ``fixes`` names ``pcpviz.vllm.fixes`` for the replay
+    (the vLLM rungs take ``PCPVIZ_FIXES`` from the environment, as the plugin does).
     Raises ValueError for a bad producer, knob or option."""
+    if inject and producer != "engine":
+        raise ValueError("inject plants engine faults: it needs --producer engine")
+    if fixes and producer != "replay":
+        raise ValueError("fixes names replay fixes: on real vLLM set PCPVIZ_FIXES in the environment instead")
     rungs, unavailable = ladder(producer, base or {}, knobs)
+    if prompts is None:
+        prompts = _VLLM_PROMPTS if producer == "vllm" else _ENGINE_PROMPTS
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} exists and is not a directory")
@@ -253,12 +309,14 @@ def bisect(producer: str = "replay", *, out_dir: str | os.PathLike, base: dict[s
             progress(f"running {rung.name}: {_opts(rung.options)}")
         if producer == "replay":
             return _run_replay(rung.options, d, fixes=fixes)
+        if producer == "vllm":
+            return _run_vllm(rung.options, d, prompts=prompts)
         return _run_engine(rung.options, d, inject=inject, prompts=prompts)
 
     base_rung = Rung("base", None, None, opts)
     base_path = run(base_rung)
     base_acc = tuple(acceptance(open_trace(base_path)).rate_per_position)
-    base_res = RungResult(base_rung, str(base_path), base_acc, True, None, None, None)
+    base_res = RungResult(base_rung, str(base_path), base_acc, True, None, None, None, check=_check(base_path))
     results = []
     for rung in rungs:
         try:

@@ -433,6 +433,20 @@ def _full_graphs(_: dict) -> dict:
             "one_full_decode_only": _unrecorded("full-graphs-one", unrecorded_job(one, "FULL_DECODE_ONLY"), 300)}
 
 
+@job("bisect-pcp1")
+def _bisect_pcp1(_: dict) -> dict:
+    """``pcpviz bisect --producer vllm`` on one GPU: base PCP=1, K=2, FULL_AND_PIECEWISE (vLLM's
+    default), the graph-mode knob (NONE, PIECEWISE); the report lands in bench/bisect_vllm_h200x1.json."""
+    from pcpviz.bisect import bisect
+
+    engine_args = {k: v for k, v in ENGINE_ARGS.items() if k != "max_num_batched_tokens"}
+    report = bisect("vllm", out_dir=RESULTS / "traces" / "bisect-pcp1", knobs=["graph_mode"],
+                    base={"pcp": 1, "k": 2, "engine_args": engine_args}, progress=_log)
+    doc = {"command": "python3 tools/gpu/jobs.py --out $OUT bisect-pcp1", **report.to_dict(), "text": report.format()}
+    (RESULTS / "bench" / "bisect_vllm_h200x1.json").write_text(json.dumps(doc, indent=1))
+    return {"flips": doc["flips"], "text": doc["text"].splitlines()}
+
+
 @job("bench")
 def _bench(_: dict) -> dict:
     out = RESULTS / "bench" / "vllm_h200x2.json"
