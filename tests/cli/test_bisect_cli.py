@@ -26,7 +26,8 @@ def test_the_ladder_changes_one_knob_per_rung():
 
 @pytest.mark.parametrize("argv, message", [
     (["bisect", "--out", "x", "--knobs", "nope"], "unknown knob 'nope'"),
-    (["bisect", "--out", "x", "--producer", "engine", "--graph-mode", "PIECEWISE"], "--graph-mode is a replay and vllm knob"),
+    (["bisect", "--out", "x", "--producer", "engine", "--graph-mode", "PIECEWISE"],
+     "--graph-mode is a replay and vllm knob"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -44,7 +45,8 @@ def test_the_vllm_ladder_has_prefix_caching_and_a_budget_vllm_accepts():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["bisect", "--out", "x", "--producer", "engine", "--model", "m"], "--model and --vllm-args are for --producer vllm"),
+    (["bisect", "--out", "x", "--producer", "engine", "--model", "m"],
+     "--model and --vllm-args are for --producer vllm"),
     (["bisect", "--out", "x", "--budget", "64"], "--budget and --prompt are for the engine and vllm"),
     (["bisect", "--out", "x", "--producer", "vllm", "--vllm-args", "{oops"], "--vllm-args is not JSON"),
     (["bisect", "--out", "x", "--producer", "vllm", "--vllm-args", "[1]"], "--vllm-args must be a JSON object"),
