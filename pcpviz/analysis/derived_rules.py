@@ -35,6 +35,11 @@ DERIVED_RULES: tuple[DerivedRule, ...] = (
                 (("v1/worker/gpu/input_batch.py", 517, "_get_num_sampled_and_rejected_kernel"),
                  ("v1/worker/gpu/input_batch.py", 545, "get_num_sampled_and_rejected"),
                  ("v1/worker/gpu/spec_decode/rejection_sampler.py", 464, "get_num_sampled_and_rejected"))),
+    DerivedRule("cursor_rolls_back_rejections", "verify.num_computed_after",
+                ("target.positions", "target.query_start_loc", "verify.num_rejected"),
+                "num_computed_after = the request's first position this step + q - num_rejected",
+                (("v1/worker/gpu/input_batch.py", 566, "_post_update_kernel"),
+                 ("v1/worker/gpu/input_batch.py", 636, "post_update"))),
     DerivedRule("num_accepted_from_tokens", "verify.num_accepted",
                 ("target.input_ids", "target.query_start_loc", "verify.num_draft_tokens", "verify.sampled_token_ids"),
                 "the token sampled in place of the first rejected draft differs from it (standard rejection "

@@ -140,7 +140,9 @@ class StepRecord:
             if isinstance(t, torch.Tensor):
                 self.phases[phase][f"{name}_fp"] = fingerprint(t)
 
-    def verify(self, *, req_ids, num_draft, v, k, t0, t1) -> None:
+    def verify(self, *, req_ids, num_draft, v, k, t0, t1, num_computed_after=None) -> None:
+        """The verify phase; ``num_computed_after`` ``int64[R]``: each request's GPU cursor once the
+        verify rolled back its rejected drafts."""
         self.phases["verify"] = {
             "req_ids": np.array(req_ids, dtype=str),
             "num_draft_tokens": np.asarray(num_draft, dtype=np.int64).copy(),
@@ -148,6 +150,8 @@ class StepRecord:
             "num_sampled": v.num_sampled.astype(np.int64),
             "num_rejected": v.num_rejected.astype(np.int64),
             "num_accepted": v.num_accepted.astype(np.int64),
+            **({} if num_computed_after is None else
+               {"num_computed_after": np.asarray(num_computed_after, dtype=np.int64).copy()}),
             "t_start_us": np.array(t0, dtype=np.int64),
             "t_end_us": np.array(t1, dtype=np.int64),
         }

@@ -400,7 +400,8 @@ class Worker:
         t2 = _now_us()
         if rec is not None:
             with timer.phase("record"):
-                rec.verify(req_ids=h.batch.req_ids, num_draft=h.num_draft, v=verify, k=k, t0=t1, t1=t2)
+                rec.verify(req_ids=h.batch.req_ids, num_draft=h.num_draft, v=verify, k=k, t0=t1, t1=t2,
+                           num_computed_after=[self.states[r].num_computed for r in h.batch.req_ids])
 
         if k > 0 and h.batch.num_reqs:
             from pcpviz.engine.speculator import propose

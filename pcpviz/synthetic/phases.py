@@ -93,6 +93,8 @@ def rank_phases(rank: int, st: Step, layout: PCPLayout, *, full: np.ndarray, v: 
         "req_ids": np.array(batch.req_ids, dtype=str), "num_draft_tokens": st.num_draft,
         "sampled_token_ids": v.sampled, "num_sampled": v.num_sampled, "num_rejected": v.num_rejected,
         "num_accepted": v.num_accepted,
+        # the GPU cursor once the rejected drafts are rolled back (vLLM's post_update)
+        "num_computed_after": np.array([r.computed for r in st.rows], dtype=np.int64) + st.q - v.num_rejected,
     }
     return phases
 

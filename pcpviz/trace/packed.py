@@ -78,6 +78,20 @@ def verify_views(sampled: np.ndarray, num_sampled: np.ndarray, num_rejected: np.
     return out, ns, num_rejected.astype(np.int64), np.maximum(ns - 1, 0)
 
 
+def take_rows(table: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray]:
+    """A request-state table's rows for the batch: ``table[idx]`` as int64, ``-1`` where ``idx``
+    is masked (negative) or past the table (vLLM's ``post_update`` skips such a row).
+
+        >>> take_rows(np.array([7, 9, 4], dtype=np.int32), np.array([2, -1, 0]))[0].tolist()
+        [4, -1, 7]
+    """
+    idx = np.asarray(idx).astype(np.int64)
+    out = np.full(idx.shape, -1, dtype=np.int64)
+    ok = (idx >= 0) & (idx < table.shape[0])
+    out[ok] = table[idx[ok]]
+    return (out,)
+
+
 def _columns(t: np.ndarray) -> tuple[np.ndarray, ...]:
     return tuple(np.ascontiguousarray(t[:, k]) for k in range(t.shape[1]))
 
@@ -94,6 +108,7 @@ def _segments(rows: list) -> tuple[np.ndarray]:
 
 DERIVED: dict[str, Callable[..., tuple]] = {"block_rows": block_rows, "verify": verify_views,
                                              "columns": _columns, "stack": _stack, "segments": _segments,
+                                             "take_rows": take_rows,
                                              "row_fp": row_fingerprints_host,
                                              "row_fp_at": row_fingerprints_host_at}
 """The host-side computations a ``("d", ...)`` entry may name (``columns``: output k is column k)."""

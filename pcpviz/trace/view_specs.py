@@ -262,6 +262,9 @@ VIEW_SPECS: tuple[ViewSpec, ...] = tuple(
         ("num_sampled", "int64", "[R]", "tokens sampled per request (0 or num_accepted + 1)"),
         ("num_rejected", "int64", "[R]", "draft tokens rejected per request"),
         ("num_accepted", "int64", "[R]", "draft tokens accepted per request"),
+        ("num_computed_after", "int64", "[R]", "the GPU cursor after this step's verify: tokens computed "
+         "per request once its rejected drafts are rolled back (vLLM's post_update: num_computed_tokens "
+         "+= q - num_rejected)", dict(pad="-1 marks a masked row")),
     ], align=_REQ)
     + _specs("digests", (_T,), [
         ("top1_token", "int64", "[S]", "engine only: argmax token of each sampled row"),

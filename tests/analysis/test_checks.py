@@ -36,7 +36,7 @@ EXPECTED_NAMES = [
     "hidden_restored", "hidden_handoffs", "target_outputs_agree", "forward_consumed_prepared",
     "graph_inputs_are_captured", "dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combined",
     "verify_consistent", "drafts_fed_back", "ranks_agree", "positions_consistent", "verify_greedy",
-    "is_prefilling_rule", "must_sample_rule", "num_accepted_from_tokens",
+    "is_prefilling_rule", "must_sample_rule", "cursor_rolls_back_rejections", "num_accepted_from_tokens",
 ]
 
 
@@ -104,9 +104,10 @@ def test_vllm_worked_example_passes(tmp_path):
     assert report["drafts_fed_back"].verdict == SKIPPED  # one step: no previous step
     assert report["drafts_fed_back"].skip_reason == "step 7 rank 0: no previous step"
     # vLLM's own numbers: none of the engine's fingerprints or top1_token
-    # nor prefill_len (the derived prefill rules need it)
+    # nor prefill_len (the derived prefill rules need it), nor the cursor after verify
     assert set(report.skipped) == ({"drafts_fed_back", "graph_inputs_are_captured", "is_prefilling_rule",
-                                    "must_sample_rule"} | ENGINE_VIEW_CHECKS | DCP_CHECKS)
+                                    "must_sample_rule", "cursor_rolls_back_rejections"}
+                                   | ENGINE_VIEW_CHECKS | DCP_CHECKS)
 
 
 def test_long_trace_checks_quickly(tmp_path):
@@ -328,7 +329,9 @@ def case_positions(_):
     run = clean_run(2, faults=[F.GLOBAL_POSITIONS_FROM_CPU_CURSOR])
     s = first_step(run, lambda ph: ph["verify"]["num_rejected"].any())
     nxt = run.step_ids[run.step_ids.index(s) + 1]
-    return run, {"positions_consistent"}, (nxt, 0, "target", "positions")
+    # the cursor after verify (right) no longer follows from the wrong positions: the derived rule
+    # fails too, one phase later
+    return run, {"positions_consistent", "cursor_rolls_back_rejections"}, (nxt, 0, "target", "positions")
 
 
 def case_cpu_cursor_bound(_):
@@ -468,6 +471,20 @@ def case_completed_prompt_not_sampled(_):
     return run, {"must_sample_rule"}, (s, 0, "verify", "num_sampled")
 
 
+def case_cursor_keeps_a_rejected_draft(_):
+    """The GPU cursor after a rejection keeps one rejected draft (num_computed_after one too far):
+    the next step's positions would start one too late; the derived rule fails at this verify."""
+    run = clean_run(2)
+    s = first_step(run, lambda ph: (ph["verify"]["num_rejected"] >= 1).any())
+    i = int(np.argmax(run.views(s, 0, "verify")["num_rejected"] >= 1))
+
+    def ahead(a):
+        a[i] += 1
+        return a
+    corrupt(run, s, "verify", "num_computed_after", ahead)
+    return run, {"cursor_rolls_back_rejections"}, (s, 0, "verify", "num_computed_after")
+
+
 def case_one_draft_too_few_accepted(_):
     """One accepted draft counted as rejected, its token sampled as the correction: every count
     stays consistent (verify_consistent passes); only the tokens show the draft was accepted."""
@@ -492,6 +509,7 @@ def case_one_draft_too_few_accepted(_):
     corrupt(run, s, "verify", "num_rejected", more)
     corrupt(run, s, "verify", "num_sampled", fewer)
     corrupt(run, s, "verify", "sampled_token_ids", drop)
+    corrupt(run, s, "verify", "num_computed_after", fewer)  # post_update rolls back the extra rejection
     return run, {"num_accepted_from_tokens", "verify_greedy", "drafts_fed_back", "positions_consistent",
                  "draft_last_token_indices"}, \
         (s, 0, "verify", "num_accepted")
@@ -557,6 +575,7 @@ CASES = {
     "verify_greedy": [case_verify_not_greedy],
     "is_prefilling_rule": [case_is_prefilling],
     "must_sample_rule": [case_partial_chunk_samples, case_completed_prompt_not_sampled],
+    "cursor_rolls_back_rejections": [case_cursor_keeps_a_rejected_draft],
     "num_accepted_from_tokens": [case_one_draft_too_few_accepted],
     "graph_inputs_are_captured": [case_graph_input_moved],
     "forward_consumed_prepared": [case_forward_consumed_shifted],

@@ -300,6 +300,32 @@ def must_sample_rule(c: Ctx) -> None:
                      what="a partial prefill chunk counts drafts")
 
 
+@check("cursor_rolls_back_rejections",
+       "the GPU cursor after verify is derived: a request's num_computed_after is its first position "
+       "this step (the cursor before it) plus the tokens scheduled, less the drafts rejected (vLLM 0.33.0 "
+       "v1/worker/gpu/input_batch.py:566-633, _post_update_kernel: computed_delta = query_len - "
+       "num_rejected). Skipped where the producer does not record the cursor")
+def cursor_rolls_back_rejections(c: Ctx) -> None:
+    after = c.need("verify", "num_computed_after").astype(np.int64)
+    nrej = c.need("verify", "num_rejected").astype(np.int64)
+    pos = c.t("positions").astype(np.int64)
+    qsl = c.qsl()
+    if not after.shape == nrej.shape == (qsl.shape[0] - 1,):
+        raise Skip("verify and the target batch differ in rows (verify_consistent reports it)")
+    q = np.diff(qsl)  # int64[R]
+    live = (after >= 0) & (q > 0)  # -1: a masked row vLLM's post_update skips
+    idx = c.get("verify", "idx_mapping")
+    if idx is not None and idx.shape == after.shape:
+        live &= idx >= 0
+    starts = qsl[:-1][live]
+    if starts.size and (starts.max() >= pos.shape[0] or starts.min() < 0):
+        raise Skip("query starts outside the target's positions (views_in_bounds reports it)")
+    want = after.copy()
+    want[live] = pos[starts] + q[live] - nrej[live]
+    c.expect("verify", "num_computed_after", want=want, got=after,
+             what="the cursor after verify != the first position this step + q - num_rejected")
+
+
 @check("num_accepted_from_tokens",
        "num_accepted is derived from the drafts and the target's sampled tokens: where a request "
        "rejects a draft, the token sampled in its place differs from it (greedy: the target's argmax "

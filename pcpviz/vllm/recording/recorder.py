@@ -319,10 +319,13 @@ class RankRecorder:
 
     # -- verify
     def on_postprocess_sampled(self, idx_mapping: torch.Tensor, sampled: torch.Tensor, num_sampled: torch.Tensor, *,
-                               num_rejected: torch.Tensor, t0: int) -> None:
+                               num_rejected: torch.Tensor, t0: int, cursor: torch.Tensor | None = None) -> None:
         """The verify phase: ``sampled_token_ids`` ``int64[R, K+1]`` (PAD = -1 past
         ``num_sampled``), ``num_sampled`` / ``num_rejected`` / ``num_accepted`` ``int64[R]`` and
-        ``idx_mapping`` ``int32[R]`` (-1 marks a masked row, which vLLM's ``post_update`` skips)."""
+        ``idx_mapping`` ``int32[R]`` (-1 marks a masked row, which vLLM's ``post_update`` skips).
+        ``cursor``: ``req_states.num_computed_tokens.gpu`` ``int32[max_num_reqs]`` once ``post_update``
+        rolled back the rejected drafts; ``num_computed_after`` is its rows for the batch (a copy of
+        the whole table, taken with the other views; the rows are taken on the host)."""
         g = self.global_batch
         r = num_sampled.shape[0]
         views: dict[str, Any] = {}
@@ -335,6 +338,8 @@ class RankRecorder:
         # (pcpviz.trace.packed.verify_views) from copies of the three tensors taken now.
         verify = Deferred("verify", [sampled, num_sampled, num_rejected])
         views["idx_mapping"] = idx_mapping
+        if isinstance(cursor, torch.Tensor) and cursor.ndim == 1:
+            views["num_computed_after"] = Deferred("take_rows", [cursor, idx_mapping])
         target = (self.phases or {}).get("target")
         if target is not None and "t_end_us" not in target:
             target["t_end_us"] = host_entry(np.array(t0, dtype=np.int64))  # PCP=1: no restore_for_sampling

@@ -233,8 +233,10 @@ def _wrap_postprocess_sampled(original: Callable[..., Any]) -> Callable[..., Any
         t0 = now_us()
         out = original(self, idx_mapping, sampled_tokens, num_sampled, num_rejected, *args, **kwargs)
         if rec is not None:
+            states = getattr(self, "req_states", None)
+            cursor = getattr(getattr(states, "num_computed_tokens", None), "gpu", None)
             rec.guard(rec.on_postprocess_sampled, idx_mapping, sampled_tokens, num_sampled, num_rejected=num_rejected,
-                      t0=t0)
+                      t0=t0, cursor=cursor)
         return out
 
     return _mark(postprocess_sampled, original)
