@@ -145,7 +145,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     _M("cursor_not_rolled_back", "engine/worker.py",
        "st.num_computed += int(batch.num_scheduled_tokens[i]) - rejected\n",
        "st.num_computed += int(batch.num_scheduled_tokens[i]) - max(rejected - 1, 0)\n",
-       "target", "positions", "positions after a rejection: the GPU cursor keeps one rejected token"),
+       "verify", "num_computed_after", "positions after a rejection: the GPU cursor keeps one rejected token "
+       "(first wrong: the cursor the verify leaves, then the next step's positions)"),
     _M("decode_owner_shifted", "reference/chunks.py",
        "ids = (0,) if decode_ordinal % pcp_world_size == rank else ()",
        "ids = (0,) if (decode_ordinal + 1) % pcp_world_size == rank else ()",

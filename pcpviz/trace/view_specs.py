@@ -127,6 +127,9 @@ VIEW_SPECS: tuple[ViewSpec, ...] = tuple(
         ("prefill_len", "int64", "[R]", "prompt tokens to prefill per request", dict(align=_REQ)),
         ("logits_indices", "int64", "[S]", "global token rows whose logits are sampled: each request's "
          "last 1 + num_draft_tokens rows", dict(align=("tokidx",))),
+        ("scheduled_draft_ids", "int64", "[R, K]", "engine only: the drafts each request's state keeps "
+         "for this step (the previous step's draft tokens, as stored), -1 past its own",
+         dict(align=_REQ, pad="-1 past the request's kept drafts")),
         ("num_draft_tokens", "int64", "[R]", "draft tokens scheduled per request (vLLM's "
          "num_draft_tokens_per_req; zeros when vLLM has none)", dict(align=_REQ)),
     ])

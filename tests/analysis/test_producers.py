@@ -56,6 +56,8 @@ def _names(node: ast.AST) -> set[str]:
 
 def _declared(key: str) -> bool:
     phase, view = key.split(".", 1)
+    if phase.startswith("prev_") and phase != "prev_verify":  # the previous step's phase
+        phase = phase[5:]
     cls = {"draft_1": "draft_k", "draft_prev": "draft_k", "prev_verify": "verify"}.get(phase, phase)
     return (cls, view) in _DECLARED or (phase == "draft_prev" and ("draft_0", view) in _DECLARED)
 
