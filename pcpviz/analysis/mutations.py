@@ -141,7 +141,8 @@ MUTATIONS: tuple[Mutation, ...] = (
     _M("drafts_fed_to_wrong_request", "engine/worker.py",
        "st.drafts = a[i].copy() if keep[i] else empty",
        "st.drafts = a[(i + 1) % len(req_ids)].copy() if keep[i] else empty",
-       "target", "input_ids", "drafts of the next request scheduled (only acceptance changes)"),
+       "target", "scheduled_draft_ids", "drafts of the next request kept and scheduled (only acceptance "
+       "changes; first wrong: the drafts the request state keeps, then the input ids)"),
     _M("cursor_not_rolled_back", "engine/worker.py",
        "st.num_computed += int(batch.num_scheduled_tokens[i]) - rejected\n",
        "st.num_computed += int(batch.num_scheduled_tokens[i]) - max(rejected - 1, 0)\n",

@@ -71,7 +71,8 @@ def test_every_mutation_still_patches_its_file(m):
 
 
 PRODUCERS = {"draft_block_table_wrong_request": "Worker._write_input_block_tables",
-             "draft_hidden_not_restored": "_draft_prefill", "extra_accepted_draft": "greedy_verify"}
+             "draft_hidden_not_restored": "_draft_prefill", "extra_accepted_draft": "greedy_verify",
+             "drafts_fed_to_wrong_request": "Worker._resolve_drafts"}
 
 
 @pytest.mark.slow
