@@ -166,11 +166,14 @@ def step(rec, st: Stage, x: torch.Tensor, ops: int, *, on: bool) -> torch.Tensor
     x = vllm_work(x, part)
     if not on:
         return vllm_work(x, 2 * part)
-    from pcpviz.vllm.recording import wrappers
+    try:
+        from pcpviz.vllm.recording import state as threads  # the draft context's thread-local
+    except ImportError:  # an older recorder (--against): it lived in wrappers
+        from pcpviz.vllm.recording import wrappers as threads
 
     ctx = rec.guard(rec.begin_propose, st.spec, st.batch, False)
     rec.guard(fingerprints.on_target_hidden, ctx, st.hidden[: (st.local.num_tokens if st.pcp > 1 else st.t)])
-    wrappers._tls.ctx = ctx
+    threads._tls.ctx = ctx
     try:
         if st.pcp > 1:
             ctx.global_draft_ids = st.input_ids[: st.t].detach().clone()  # prepare_draft_prefill
@@ -188,7 +191,7 @@ def step(rec, st: Stage, x: torch.Tensor, ops: int, *, on: bool) -> torch.Tensor
         rec.guard(LEDGER.on_full_replay, rec, "draft_1")
         x = vllm_work(x, part)
     finally:
-        wrappers._tls.ctx = None
+        threads._tls.ctx = None
     rec.guard(rec.end_propose, ctx, st.draft_tokens)
     return x
 

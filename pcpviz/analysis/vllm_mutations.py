@@ -109,6 +109,9 @@ VLLM_MUTATIONS: tuple[VllmMutation, ...] = (
     _M("block_tables_next_request", _BT, "BlockTables.gather_block_tables", "BlockTables.gather_block_tables",
        "target", "block_table_global|block_table_local", "block tables: each row gathered from the next request's",
        _replace(1, "idx_mapping", lambda t: t.roll(1) if t.numel() > 1 else t)),
+    _M("cursor_keeps_a_rejected_draft", "vllm.v1.worker.gpu.model_runner", "post_update", "post_update", "verify",
+       "num_computed_after", "cursor: post_update rolls back one draft fewer than were rejected",
+       _replace(6, "num_rejected", lambda t: (t - 1).clamp(min=0))),
     # -- harmless refactors: the replay must equal the clean one
     _M("refactor_decode_inputs_passthrough", _AR, "prepare_decode_inputs", "prepare_decode_inputs", None, None,
        "refactor: prepare_decode_inputs behind a pass-through wrapper", _identity, harmless=True),

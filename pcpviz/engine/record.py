@@ -195,3 +195,16 @@ class StepRecord:
         if owner is not None:  # the target: the DCP rank each global token's KV was dealt to
             self.phases[phase]["dcp_owner"] = np.asarray(owner, dtype=np.int64).copy()
 
+
+def kept_drafts(drafts: list, k: int) -> np.ndarray:
+    """The view ``scheduled_draft_ids``: the drafts each request's state keeps for the step
+    (``Worker._resolve_drafts`` stored them), ``int64[R, K]``, -1 past a request's own.
+
+        >>> kept_drafts([np.array([5, 6]), np.array([], dtype=np.int64)], 2).tolist()
+        [[5, 6], [-1, -1]]
+    """
+    out = np.full((len(drafts), k), -1, dtype=np.int64)
+    for i, d in enumerate(drafts):
+        d = np.asarray(d, dtype=np.int64)[:k]
+        out[i, : d.shape[0]] = d
+    return out

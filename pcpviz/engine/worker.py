@@ -53,7 +53,7 @@ from pcpviz.engine.decode_graphs import DecodeShape, GraphRunner, decode_shape, 
 from pcpviz.engine.inputs import Uploader
 from pcpviz.engine.kv_cache import LatentKVCache
 from pcpviz.engine.phase_timer import PhaseTimer
-from pcpviz.engine.record import StepRecord
+from pcpviz.engine.record import StepRecord, kept_drafts
 from pcpviz.engine.scheduler import SchedulerOutput
 from pcpviz.reference.layout import PCPLayout, partition_batch, plan_layout
 
@@ -390,7 +390,8 @@ class Worker:
                            sampled_rows=h.sample_rows, sampled_from="local" if local_logits else "global",
                            top1=targets, hidden_global=hidden_global[: layout.num_tokens], t0=t0, t1=t1,
                            hidden_local=hidden_local[: h.positions.shape[0]])
-                rec.phases["target"]["scheduled_draft_ids"] = self._kept_drafts(h.batch.req_ids, k)
+                kept = kept_drafts([self.states[r].drafts for r in h.batch.req_ids], k)
+                rec.phases["target"]["scheduled_draft_ids"] = kept
                 if h.dcp_local_seq_lens is not None:
                     rec.dcp("target", local_lens=h.dcp_local_seq_lens, ranks_combined=dcp_ranks,
                             owner=dcp_owner(h.batch.positions, block_size=cfg.block_size, dcp_size=cfg.dcp,
@@ -457,15 +458,6 @@ class Worker:
                 st.drafts = a[i].copy() if keep[i] else empty
 
     # ------------------------------------------------------------------------------ helpers
-    def _kept_drafts(self, req_ids, k: int) -> np.ndarray:
-        """The drafts each request's state keeps for this step (``_resolve_drafts`` stored them):
-        ``int64[R, K]``, -1 past a request's own (none while it prefills)."""
-        out = np.full((len(req_ids), k), -1, dtype=np.int64)
-        for i, rid in enumerate(req_ids):
-            d = self.states[rid].drafts[:k]
-            out[i, : d.shape[0]] = d
-        return out
-
     def _write_input_block_tables(self, table: np.ndarray, idx_mapping: np.ndarray,
                                   max_rows: int | None = None) -> None:
         """``BlockTables.gather_block_tables(idx_mapping, R)`` with out=None: rows of the batch in

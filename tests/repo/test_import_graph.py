@@ -16,12 +16,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Left to issue 35's branch (wt-rec), which restructures pcpviz/vllm/recording/: today an 8-file
-# circle held together by function-local imports (issue 40, "vllm/recording/ depends one way").
-# Empty this set once that branch is merged; a circle outside it fails.
-ALLOWED_CIRCLE = frozenset(f"pcpviz.vllm.recording.{m}" for m in (
-    "drafts", "graphs", "manager", "procsink", "recorder", "sessions", "sink", "wrappers"))
-
 PRODUCERS_AND_TRACE = ("pcpviz.engine", "pcpviz.vllm", "pcpviz.synthetic", "pcpviz.trace", "pcpviz.reference")
 ABOVE_THEM = ("pcpviz.analysis", "pcpviz.views", "pcpviz.cli", "pcpviz.teaching")
 
@@ -140,7 +134,7 @@ def _chain(came: dict[str, str], end: str) -> str:
 def test_no_import_circle():
     edges = import_graph()
     assert len(edges) > 150 and "pcpviz.trace.schema" in edges["pcpviz.trace.reader"]
-    found = [c for c in circles(edges) if not set(c) <= ALLOWED_CIRCLE]
+    found = circles(edges)
     assert not found, "import circles (break them; a function-local import does not):\n" + "\n".join(
         _one_cycle(c, edges) for c in found)
 

@@ -19,7 +19,7 @@ cpu_patches.apply_cpu_patches()
 import pcpviz.trace as pt  # noqa: E402
 from pcpviz.analysis.checks import run_checks  # noqa: E402
 from pcpviz.vllm import recording  # noqa: E402
-from pcpviz.vllm.recording import wrappers  # noqa: E402
+from pcpviz.vllm.recording import patching  # noqa: E402
 from pcpviz.vllm.recording.ring import DeviceRing  # noqa: E402
 from pcpviz.vllm.replay import replay  # noqa: E402
 from pcpviz.vllm.replay.stand_ins import StandInMTP  # noqa: E402
@@ -101,7 +101,7 @@ def _shift_first_draft_positions(monkeypatch):
     """Plant the bug: the first draft forward of every propose hands RoPE its positions + 1 (the
     speculator's buffers stay right). Planted outside the recorder's model wrapper, where vLLM's
     ``_run_model`` would compute the argument."""
-    wrappers.install_model_wrapper(StandInMTP.__new__(StandInMTP))  # the recorder's wrapper first (inner)
+    patching.install_model_wrapper(StandInMTP.__new__(StandInMTP))  # the recorder's wrapper first (inner)
     inner = StandInMTP.__call__
 
     def planted(self, *args, **kwargs):

@@ -45,21 +45,28 @@ A plugin session is *lenient*: an exception inside a hook is logged once and swi
 recording off for that rank (serving is never broken); the replay's session is *strict*
 and re-raises.
 
-The package, one concern per module:
+The package, one concern per module, from the top (each imports only those below it; no
+circle, function-local imports included: ``tests/repo/test_import_graph.py``):
 
 =====================  ==========================================================
+``manager``            ``RecordingPCPManager`` (the ``PCPManager`` overrides)
+``wrappers``           the speculator / runner / warm-up method wrappers; ``set_mode``
 ``sessions``           ``TraceSession``, ``session()``, ``active_session()`` (where traces go)
 ``recorder``           ``RankRecorder``: one rank's step, the target and verify views
+``procsink``           the plugin's default sink: a writer process per rank (outside vLLM's
+                       GIL); ``make_sink`` picks a recorder's sink
+``sink``               the inline or threaded sink: rank file or flight ring
 ``drafts``             ``DraftContext``: one ``propose`` call, a phase per draft forward
-``manager``            ``RecordingPCPManager`` (the ``PCPManager`` overrides)
-``wrappers``           the speculator / runner / warm-up method wrappers
+``graphs``             the graph-replay ledger (CUDA-graph captures vs replays)
+``patching``           wrapper marks, the speculator's instance and model-class patches
+``consumed``           what each draft forward consumed (``fwd_*``), FULL-graph capture notes
+``fingerprints``       the hidden-state fingerprint hooks
 ``host``               the hooks' copies (``StepPack``), staged to the host off the step thread
 ``ring``               the preallocated device ring they land in; overflow counted and stated
-``consumed``           what each draft forward consumed (``fwd_*``), FULL-graph capture notes
-``sink``               where finished steps go, off the step's path: rank file or flight ring
-``procsink``           the plugin's default sink: a writer process per rank (outside vLLM's GIL)
-``graphs``             the graph-replay ledger (CUDA-graph captures vs replays)
+``backlog``            the bounded queue of staged steps a sink drains
 ``meta``               run.json keys learned from the process and the speculator
+``state``              the shared process state: the running draft, warm-up, the session,
+                       which recorder an object feeds
 =====================  ==========================================================
 
 Import this package only after ``pcpviz.vllm.cpu_patches.apply_cpu_patches()`` on a CPU-only
@@ -70,10 +77,9 @@ from __future__ import annotations
 
 from pcpviz.vllm.recording.manager import RecordingPCPManager
 from pcpviz.vllm.recording.recorder import RankRecorder
-from pcpviz.vllm.recording.sessions import (ENV_RECORD_DUMMY, ENV_TRACE_DIR, TraceSession, active_session,
-                                             current_session, session, set_mode)
-from pcpviz.vllm.recording.wrappers import (attach_runner, install_wrappers, owner_recorder, recorder_of,
-                                             uninstall_wrappers, wrapped_targets)
+from pcpviz.vllm.recording.sessions import ENV_RECORD_DUMMY, ENV_TRACE_DIR, TraceSession, active_session, session
+from pcpviz.vllm.recording.state import attach_runner, current_session, owner_recorder, recorder_of
+from pcpviz.vllm.recording.wrappers import install_wrappers, set_mode, uninstall_wrappers, wrapped_targets
 
 __all__ = [
     "ENV_TRACE_DIR", "ENV_RECORD_DUMMY", "RecordingPCPManager", "RankRecorder", "TraceSession",

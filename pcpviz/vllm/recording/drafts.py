@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,8 +34,6 @@ from pcpviz.vllm.recording import fingerprints
 from pcpviz.vllm.recording.consumed import captured_inputs, model_call_views, model_inputs
 from pcpviz.vllm.recording.host import Deferred, Fresh, block_rows, now_us
 
-if TYPE_CHECKING:
-    from pcpviz.vllm.recording.recorder import RankRecorder
 
 __all__ = ["DraftContext", "first_layer_slots", "fake_group_all_gathers"]
 
@@ -78,7 +76,7 @@ def first_layer_slots(slot_mappings: Any, spec: Any, limit: int | None = None) -
 class DraftContext:
     """What one ``propose`` call on one rank recorded: a phase per draft forward."""
 
-    def __init__(self, rec: RankRecorder, spec: Any, input_batch: Any, dummy: bool) -> None:
+    def __init__(self, rec: Any, spec: Any, input_batch: Any, dummy: bool) -> None:
         self.rec, self.spec, self.input_batch, self.dummy = rec, spec, input_batch, dummy
         self.num_reqs = int(input_batch.num_reqs)
         self.phases: list[str] = []

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 
 from pcpviz.vllm.recording.consumed import capturing, full_replay, in_full_replay
+from pcpviz.vllm.recording.patching import install_model_wrapper
+from pcpviz.vllm.recording.state import current_draft, current_session, live_recorder
 
 __all__ = ["GraphLedger", "LEDGER", "wrap_graph_call", "wrap_run_fullgraph", "graph_targets",
            "install_graph_wrappers", "ledger_views"]
@@ -104,8 +106,6 @@ LEDGER = GraphLedger()
 def _phase(full: bool = False) -> str:
     """The phase a replay belongs to: the draft forward running (a FULL replay inside ``propose``
     runs no ``_run_model``: the next draft phase), else the target."""
-    from pcpviz.vllm.recording.wrappers import current_draft
-
     ctx = current_draft()
     if ctx is None or ctx.dummy:
         return "target"
@@ -117,9 +117,6 @@ def _phase(full: bool = False) -> str:
 
 def _live_recorder() -> Any:
     """The recorder of the step being recorded in this process (None: nothing to attribute to)."""
-    from pcpviz.vllm.recording.sessions import current_session
-    from pcpviz.vllm.recording.wrappers import live_recorder
-
     s = current_session()
     if s is None:
         return None
@@ -167,8 +164,6 @@ def wrap_run_fullgraph(original: Callable[..., Any]) -> Callable[..., Any]:
     draft forward's replay records its phase from the buffers the graph reads
     (``DraftContext.on_full_replay``), before the replay. Nothing records inside the replay
     (``consumed.full_replay``: the CPU replay's stand-in graphs run Python there)."""
-    from pcpviz.vllm.recording.wrappers import current_draft
-
     @functools.wraps(original)
     def run_fullgraph(self, desc: Any, *args: Any, **kwargs: Any) -> Any:
         if in_full_replay():
@@ -192,9 +187,7 @@ def wrap_run_fullgraph(original: Callable[..., Any]) -> Callable[..., Any]:
 def wrap_spec_capture(original: Callable[..., Any]) -> Callable[..., Any]:
     """``SpeculatorCudaGraphManager.capture(forward_fn, ...)``: the drafter's model calls while it
     captures are noted (``consumed.note_capture``: the tensors each graph reads at replay); the
-    model class is wrapped first (``wrappers.install_model_wrapper``)."""
-    from pcpviz.vllm.recording.wrappers import install_model_wrapper
-
+    model class is wrapped first (``patching.install_model_wrapper``)."""
     @functools.wraps(original)
     def capture(self, *args: Any, **kwargs: Any) -> Any:
         forward_fn = args[0] if args else kwargs.get("forward_fn")

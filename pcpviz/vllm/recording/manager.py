@@ -38,7 +38,8 @@ from pcpviz.vllm.recording import fingerprints
 from pcpviz.vllm.recording.host import now_us
 from pcpviz.vllm.recording.recorder import RankRecorder
 from pcpviz.vllm.recording.sessions import active_session
-from pcpviz.vllm.recording.wrappers import current_draft, ensure_warm_up_wrapper, recorder_of
+from pcpviz.vllm.recording.state import current_draft, recorder_of
+from pcpviz.vllm.recording.wrappers import ensure_warm_up_wrapper
 
 __all__ = ["RecordingPCPManager"]
 

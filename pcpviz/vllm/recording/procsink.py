@@ -32,7 +32,7 @@ import tempfile
 import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pcpviz
 from pcpviz.trace.completion import record_end
@@ -40,12 +40,10 @@ from pcpviz.trace.procwriter import STATE_BYTES, read_state
 from pcpviz.trace.schema import rank_file_name
 from pcpviz.vllm.recording.backlog import Backlog, held_bytes
 from pcpviz.vllm.recording.host import StagedStep
-from pcpviz.vllm.recording.sink import max_bytes
+from pcpviz.vllm.recording.sink import ENV_WRITER, StepSink, max_bytes
 
-if TYPE_CHECKING:
-    from pcpviz.vllm.recording.recorder import RankRecorder
 
-__all__ = ["ProcessSink", "REPLY_TIMEOUT_S"]
+__all__ = ["ProcessSink", "REPLY_TIMEOUT_S", "make_sink"]
 
 logger = logging.getLogger("vllm.pcpviz")
 
@@ -61,7 +59,7 @@ class ProcessSink:
 
     kind = "process"
 
-    def __init__(self, rec: RankRecorder) -> None:
+    def __init__(self, rec: Any) -> None:
         self.rec = rec
         self.proc: subprocess.Popen | None = None
         self.dead = ""
@@ -331,3 +329,16 @@ def _catch_flight_signal(sink: ProcessSink) -> None:
 
 
 _installed_signals: set[int] = set()
+
+
+def make_sink(rec: Any) -> Any:
+    """The sink of a recorder: inline for a strict session, else ``$PCPVIZ_WRITER`` (process)."""
+    if rec.session.strict:
+        return StepSink(rec, threaded=False)
+    kind = os.environ.get(ENV_WRITER, "").strip().lower() or "process"
+    if kind not in ("process", "thread", "inline"):
+        logger.warning("pcpviz: %s=%r: expected process, thread or inline; using process", ENV_WRITER, kind)
+        kind = "process"
+    if kind == "process":
+        return ProcessSink(rec)
+    return StepSink(rec, threaded=kind == "thread")

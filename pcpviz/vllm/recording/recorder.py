@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,12 +36,9 @@ from pcpviz.trace.packed import host_entry
 from pcpviz.vllm.recording.host import Deferred, Fresh, StepPack, Strings, block_rows, now_us
 from pcpviz.vllm.recording.ring import ENV_RING_MB
 from pcpviz.vllm.recording.meta import environment_meta, speculator_meta
-from pcpviz.vllm.recording.sink import make_sink
-from pcpviz.vllm.recording.wrappers import install_instance_wrappers, warming_up
-
-if TYPE_CHECKING:
-    from pcpviz.vllm.recording.manager import RecordingPCPManager
-    from pcpviz.vllm.recording.sessions import TraceSession
+from pcpviz.vllm.recording.procsink import make_sink
+from pcpviz.vllm.recording.patching import install_instance_wrappers
+from pcpviz.vllm.recording.state import warming_up
 
 __all__ = ["RankRecorder", "global_batch_views"]
 
@@ -71,7 +68,7 @@ def global_batch_views(g: Any) -> dict[str, Any]:
 class RankRecorder:
     """One PCP rank's steps: the phases of the step being recorded, written at its end."""
 
-    def __init__(self, session: TraceSession, pcp_rank: int, pcp_world_size: int) -> None:
+    def __init__(self, session: Any, pcp_rank: int, pcp_world_size: int) -> None:
         self.session = session
         self.rank = pcp_rank
         self.pcp_world_size = pcp_world_size
@@ -229,7 +226,7 @@ class RankRecorder:
     def on_layout(self, segments_by_rank: list, per_rank_num_tokens: list[int]) -> None:
         self._layout = (segments_by_rank, list(per_rank_num_tokens))
 
-    def on_partition(self, manager: RecordingPCPManager, global_batch: Any, local: Any, *, t0: int) -> None:
+    def on_partition(self, manager: Any, global_batch: Any, local: Any, *, t0: int) -> None:
         self.global_batch = global_batch
         nr = local.num_reqs
         p = local.num_tokens_after_padding
@@ -294,7 +291,7 @@ class RankRecorder:
                          dcp_rank=int(getattr(runner, "dcp_rank", 0) or 0),
                          dcp_interleave=int(getattr(runner, "cp_interleave", 1) or 1))
 
-    def on_prepare_attn(self, manager: RecordingPCPManager, local: Any, block_tables: Any) -> None:
+    def on_prepare_attn(self, manager: Any, local: Any, block_tables: Any) -> None:
         bt = manager._block_tables
         g = manager._global_batch
         idx = g.idx_mapping[: g.num_reqs]
@@ -306,12 +303,12 @@ class RankRecorder:
         self.update_meta(block_size=int(bt.block_sizes[0]), block_sizes=[int(b) for b in bt.block_sizes],
                          dcp_rank=int(manager.dcp_rank), dcp_interleave=int(manager.cp_interleave))
 
-    def on_slot_mappings(self, manager: RecordingPCPManager, gathered: torch.Tensor) -> None:
+    def on_slot_mappings(self, manager: Any, gathered: torch.Tensor) -> None:
         g = manager._global_batch
         self.put("target", slot_mapping_global=manager._global_batch_slot_mappings[:, : g.num_tokens],
                  slot_mapping_gathered=gathered)
 
-    def on_restore_for_sampling(self, manager: RecordingPCPManager, batch: Any, num_aux: int) -> None:
+    def on_restore_for_sampling(self, manager: Any, batch: Any, num_aux: int) -> None:
         self.put("target", sampled_logits_rows=batch.logits_indices,
                  sampled_from=np.array("global" if batch is manager._global_batch else "local"),
                  num_aux_hidden_states_restored=np.array(num_aux, dtype=np.int64),

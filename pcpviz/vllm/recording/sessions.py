@@ -28,15 +28,13 @@ from pcpviz.vllm.contract import ENV_TRACE_DIR  # the one definition
 from pcpviz.trace.outputs import special_kind
 from pcpviz.trace.owner import LOCK_FILE, trace_files, writer_busy
 from pcpviz.vllm.recording.recorder import RankRecorder
+from pcpviz.vllm.recording.state import close_active_session, current_session, session_lock, swap_session
 
 __all__ = ["ENV_TRACE_DIR", "ENV_RECORD_DUMMY", "TraceSession", "session", "active_session", "current_session",
-           "set_mode", "MODES", "close_active_session"]
+           "close_active_session"]
 
 ENV_RECORD_DUMMY = "PCPVIZ_RECORD_DUMMY"
 """``1``: the plugin also records dummy/profile runs (phase ``dummy``); default off."""
-
-_session_lock = threading.Lock()
-_session: TraceSession | None = None
 
 
 class TraceSession:
@@ -93,70 +91,22 @@ class TraceSession:
 @contextlib.contextmanager
 def session(run_dir: str | os.PathLike, **kwargs: Any) -> Iterator[TraceSession]:
     """Make a ``TraceSession`` the active one for the ``RecordingPCPManager``s built inside."""
-    global _session
     s = TraceSession(run_dir, **kwargs)
-    with _session_lock:
-        previous, _session = _session, s
+    with session_lock:
+        previous = swap_session(s)
     try:
         yield s
     finally:
         s.close()
-        with _session_lock:
-            _session = previous
-
-
-MODES = ("record", "flight", "off")
-
-
-def set_mode(mode: str, *, flight: FlightConfig | None = None) -> None:
-    """Switch this process's recording between ``record`` (every step to the rank files),
-    ``flight`` (the last steps in host memory, ``flight`` or the session's config) and ``off``
-    (the wrappers removed: vLLM runs as without the plugin) between two ``generate`` calls; what
-    is pending is written first. For the interleaved on/off repeats of
-    ``benchmarks/bench_plugin_overhead.py``."""
-    from pcpviz.vllm.recording.wrappers import install_wrappers, uninstall_wrappers
-
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-    s = current_session()
-    if s is None:
-        raise ValueError("no recording session in this process (is PCPVIZ_TRACE_DIR set?)")
-    for rec in list(s.recorders.values()):
-        rec.flush_quietly()
-        rec.sink.drain()
-    if mode == "flight":
-        s.flight = flight or s.flight
-        if s.flight is None:
-            raise ValueError("flight mode needs a FlightConfig (or PCPVIZ_FLIGHT_RECORDER)")
-    if mode == "off":
-        uninstall_wrappers()
-    else:
-        install_wrappers()
-        from pcpviz.vllm.recording.wrappers import ensure_warm_up_wrapper
-
-        ensure_warm_up_wrapper()
-    s.mode = mode
-
-
-def current_session() -> TraceSession | None:
-    """The active session if there is one (never creates the plugin's)."""
-    return _session
-
-
-def close_active_session(reason: str) -> None:
-    """Finalize the plugin's session of this process, if it has one (``Worker.shutdown``, exit)."""
-    with _session_lock:
-        s = _session
-    if s is not None:
-        s.close(reason)
+        with session_lock:
+            swap_session(previous)
 
 
 def active_session() -> TraceSession | None:
     """The session a new ``RecordingPCPManager`` records into: the one opened with
     ``session()``, else one made from ``$PCPVIZ_TRACE_DIR`` (the plugin's), else None."""
-    global _session
-    with _session_lock:
-        if _session is None:
+    with session_lock:
+        if current_session() is None:
             run_dir = os.environ.get(ENV_TRACE_DIR, "").strip()
             refused = _refused_dir(run_dir) if run_dir else None
             if refused is not None:
@@ -166,11 +116,12 @@ def active_session() -> TraceSession | None:
                         "pcpviz: %s=%s: %s; nothing is being written there (recording is off in this process)",
                         ENV_TRACE_DIR, run_dir, refused)
             elif run_dir:
-                _session = TraceSession(run_dir, producer="vllm-plugin",
-                                        record_dummy=os.environ.get(ENV_RECORD_DUMMY, "") == "1",
-                                        flight=_flight_from_env())
-                atexit.register(_session.close, "finished: process exit")
-        return _session
+                made = TraceSession(run_dir, producer="vllm-plugin",
+                                    record_dummy=os.environ.get(ENV_RECORD_DUMMY, "") == "1",
+                                    flight=_flight_from_env())
+                swap_session(made)
+                atexit.register(made.close, "finished: process exit")
+        return current_session()
 
 
 _warned: list[str] = []  # the one warning this process gave about $PCPVIZ_TRACE_DIR

@@ -27,7 +27,7 @@ import logging
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pcpviz.trace import TraceWriter
 from pcpviz.trace.flight import FlightRing
@@ -35,10 +35,8 @@ from pcpviz.trace.procwriter import RankOutput
 from pcpviz.vllm.recording.backlog import Backlog, held_bytes
 from pcpviz.vllm.recording.host import StagedStep
 
-if TYPE_CHECKING:
-    from pcpviz.vllm.recording.recorder import RankRecorder
 
-__all__ = ["StepSink", "make_sink", "ENV_MAX_MB", "ENV_WRITER", "DEFAULT_MAX_MB", "max_bytes"]
+__all__ = ["StepSink", "ENV_MAX_MB", "ENV_WRITER", "DEFAULT_MAX_MB", "max_bytes"]
 
 logger = logging.getLogger("vllm.pcpviz")
 
@@ -61,27 +59,12 @@ def max_bytes() -> int:
     return int(max(mb, 0.001) * (1 << 20))
 
 
-def make_sink(rec: RankRecorder) -> Any:
-    """The sink of a recorder: inline for a strict session, else ``$PCPVIZ_WRITER`` (process)."""
-    if rec.session.strict:
-        return StepSink(rec, threaded=False)
-    kind = os.environ.get(ENV_WRITER, "").strip().lower() or "process"
-    if kind not in ("process", "thread", "inline"):
-        logger.warning("pcpviz: %s=%r: expected process, thread or inline; using process", ENV_WRITER, kind)
-        kind = "process"
-    if kind == "process":
-        from pcpviz.vllm.recording.procsink import ProcessSink
-
-        return ProcessSink(rec)
-    return StepSink(rec, threaded=kind == "thread")
-
-
 class StepSink:
     """One rank's destination in this process: inline, or through a writer thread (``threaded``)."""
 
     kind = "inline"
 
-    def __init__(self, rec: RankRecorder, *, threaded: bool) -> None:
+    def __init__(self, rec: Any, *, threaded: bool) -> None:
         self.rec = rec
         s = rec.session
         self.out = RankOutput(s.run_dir, rec.rank, meta=rec.run_meta, overwrite=s.overwrite, max_bytes=max_bytes(),

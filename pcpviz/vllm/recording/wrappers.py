@@ -1,4 +1,5 @@
-"""The method wrappers that feed the recorders, and the state they share with the PCP manager.
+"""The method wrappers that feed the recorders (the state they share: ``state``; the instance and
+model-class patches: ``patching``; the CUDA-graph hooks: ``graphs``).
 
 What is wrapped (``wrapped_targets``; ``install_wrappers`` patches the classes once, idempotent;
 every wrapper is inert unless the object's PCP manager is a ``RecordingPCPManager`` with a live
@@ -34,88 +35,23 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-import torch
-from vllm.forward_context import get_forward_context, is_forward_context_available
+from typing import Any
 
 from pcpviz.vllm.recording import fingerprints
-from pcpviz.vllm.recording.consumed import capturing_now, in_full_replay, note_capture
+from pcpviz.vllm.recording.consumed import in_full_replay
+from pcpviz.vllm.recording.graphs import graph_targets, install_graph_wrappers
 from pcpviz.vllm.recording.host import now_us
+from pcpviz.vllm.recording.patching import install_lock, is_wrapped, mark, uninstall_model_wrappers
+from pcpviz.trace.flight import FlightConfig
+from pcpviz.vllm.recording.sessions import active_session
+from pcpviz.vllm.recording.state import (attach_runner, close_active_session, current_draft, current_session,
+                                         drafting, owner_recorder, recorder_of, warm_up)
 
-if TYPE_CHECKING:
-    from pcpviz.vllm.recording.drafts import DraftContext
-    from pcpviz.vllm.recording.recorder import RankRecorder
-
-__all__ = ["install_wrappers", "uninstall_wrappers", "wrapped_targets", "install_instance_wrappers",
-           "ensure_warm_up_wrapper", "recorder_of", "live_recorder", "owner_recorder", "attach_runner", "warming_up",
-           "current_draft"]
-
-_tls = threading.local()  # .ctx: the DraftContext of the propose running on this thread
-_warmup_depth = 0  # > 0 inside vLLM's Worker.compile_or_warm_up_model (this process)
-
-
-def current_draft() -> DraftContext | None:
-    """The ``DraftContext`` of the ``propose`` running on this thread (None outside one)."""
-    return getattr(_tls, "ctx", None)
-
-
-def warming_up() -> bool:
-    """True while vLLM warms up before serving: ``Worker.compile_or_warm_up_model`` runs
-    synthetic scheduler steps (requests ``_warmup_{i}_``, ``_v2_mixed_warmup_*``; fake draft
-    tokens) through ``execute_model`` when it compiles (``cudagraph_mode`` PIECEWISE, JIT warm-up)."""
-    return _warmup_depth > 0
-
-
-def recorder_of(manager: Any) -> RankRecorder | None:
-    """The live recorder of a ``RecordingPCPManager`` (None for anything else, and during
-    vLLM's warm-up unless the session records dummy runs: ``PCPVIZ_RECORD_DUMMY=1``)."""
-    return live_recorder(getattr(manager, "_pcpviz_recorder", None))
-
-
-def live_recorder(rec: RankRecorder | None) -> RankRecorder | None:
-    """``rec`` if it records now (not switched off, not closed, not inside vLLM's warm-up unless
-    dummy runs are recorded), else None."""
-    if rec is None or rec.disabled or rec.closed or rec.session.mode == "off":
-        return None
-    if _warmup_depth > 0 and not rec.session.record_dummy:
-        return None
-    return rec
-
+__all__ = ["install_wrappers", "uninstall_wrappers", "wrapped_targets", "ensure_warm_up_wrapper", "set_mode", "MODES"]
 
 _installed = False
-_install_lock = threading.Lock()
 
-
-def _wrapped(fn: Any) -> bool:
-    return bool(getattr(fn, "_pcpviz_wrapper", False))
-
-
-def _mark(fn: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
-    fn._pcpviz_wrapper = True  # type: ignore[attr-defined]
-    fn._pcpviz_original = original  # type: ignore[attr-defined]
-    return fn
-
-
-def owner_recorder(obj: Any) -> RankRecorder | None:
-    """The live recorder of a model runner or speculator: its PCP manager's (PCP > 1), else its
-    own (PCP = 1: ``attach_runner``)."""
-    manager = getattr(obj, "pcp_manager", None)
-    return recorder_of(manager) if manager is not None else recorder_of(obj)
-
-
-def attach_runner(runner: Any, session: Any) -> RankRecorder | None:
-    """PCP = 1 (no ``PCPManager``): give ``runner`` and its speculator a recorder of
-    ``session`` (rank 0 of 1; None on a TP rank that does not record). The plugin calls it
-    when a ``GPUModelRunner`` is built, the CPU replay on its stand-in runner."""
-    rec = session.recorder_for_rank(0, 1)
-    runner._pcpviz_recorder = rec
-    spec = getattr(runner, "speculator", None)
-    if spec is not None:
-        spec._pcpviz_recorder = rec
-    return rec
 
 
 def _wrap_runner_init(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -124,13 +60,11 @@ def _wrap_runner_init(original: Callable[..., Any]) -> Callable[..., Any]:
         original(self, *args, **kwargs)
         ensure_warm_up_wrapper()
         if getattr(self, "pcp_manager", None) is None:
-            from pcpviz.vllm.recording.sessions import active_session
-
             s = active_session()
             if s is not None:
                 attach_runner(self, s)
 
-    return _mark(__init__, original)
+    return mark(__init__, original)
 
 
 def _wrap_prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -145,7 +79,7 @@ def _wrap_prepare_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
         rec.guard(rec.on_global_batch, self, batch, t0)
         return batch
 
-    return _mark(prepare_inputs, original)
+    return mark(prepare_inputs, original)
 
 
 def _wrap_prepare_attn(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -157,7 +91,7 @@ def _wrap_prepare_attn(original: Callable[..., Any]) -> Callable[..., Any]:
             rec.guard(rec.on_runner_attn, self, input_batch, block_tables=out[0], slot_mappings=out[1])
         return out
 
-    return _mark(prepare_attn, original)
+    return mark(prepare_attn, original)
 
 
 def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -175,7 +109,7 @@ def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
                 rec.dump(f"exception: {type(exc).__name__}: {' '.join(str(exc).split())[:160]}")
             raise
 
-    return _mark(step, original)
+    return mark(step, original)
 
 
 def _wrap_propose(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -198,16 +132,12 @@ def _wrap_propose(original: Callable[..., Any]) -> Callable[..., Any]:
         if ctx is None:
             return original(self, *args, **kwargs)
         rec.guard(fingerprints.on_target_hidden, ctx, bound.arguments.get("last_hidden_states"))
-        previous = current_draft()
-        _tls.ctx = ctx
-        try:
+        with drafting(ctx):
             out = original(self, *args, **kwargs)
-        finally:
-            _tls.ctx = previous
         rec.guard(rec.end_propose, ctx, out)
         return out
 
-    return _mark(propose, original)
+    return mark(propose, original)
 
 
 def _wrap_run_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -222,7 +152,7 @@ def _wrap_run_model(original: Callable[..., Any]) -> Callable[..., Any]:
         ctx.rec.guard(fingerprints.after_forward, ctx, out)
         return out
 
-    return _mark(_run_model, original)
+    return mark(_run_model, original)
 
 
 def _wrap_postprocess_sampled(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -239,7 +169,7 @@ def _wrap_postprocess_sampled(original: Callable[..., Any]) -> Callable[..., Any
                       t0=t0, cursor=cursor)
         return out
 
-    return _mark(postprocess_sampled, original)
+    return mark(postprocess_sampled, original)
 
 
 def _wrap_prepare_dflash_inputs(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -254,31 +184,25 @@ def _wrap_prepare_dflash_inputs(original: Callable[..., Any]) -> Callable[..., A
                           context_positions=context_positions, context_slots=context_slot_mapping)
         return out
 
-    return _mark(prepare_dflash_inputs, original)
+    return mark(prepare_dflash_inputs, original)
 
 
 def _wrap_warm_up(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
-        global _warmup_depth
-        _warmup_depth += 1
-        try:
+        with warm_up():
             return original(self, *args, **kwargs)
-        finally:
-            _warmup_depth -= 1
 
-    return _mark(compile_or_warm_up_model, original)
+    return mark(compile_or_warm_up_model, original)
 
 
 def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def shutdown(self, *args: Any, **kwargs: Any) -> Any:
-        from pcpviz.vllm.recording.sessions import close_active_session
-
         close_active_session("finished: vLLM shut down")  # before the runner frees its buffers
         return original(self, *args, **kwargs)
 
-    return _mark(shutdown, original)
+    return mark(shutdown, original)
 
 
 _WORKER_WRAPPERS = {"compile_or_warm_up_model": _wrap_warm_up, "shutdown": _wrap_shutdown}
@@ -302,76 +226,10 @@ def ensure_warm_up_wrapper() -> None:
     and before it warms up. A no-op where the GPU worker module was never imported."""
     if "vllm.v1.worker.gpu_worker" not in sys.modules:
         return
-    with _install_lock:
+    with install_lock:
         for owner, name in _worker_targets():
-            if not _wrapped(getattr(owner, name)):
+            if not is_wrapped(getattr(owner, name)):
                 setattr(owner, name, _WORKER_WRAPPERS[name](getattr(owner, name)))
-
-
-def install_instance_wrappers(spec: Any) -> None:
-    """Wrap ``gather_block_tables`` / ``compute_slot_mappings`` on the speculator's own
-    ``BlockTables`` instance (shared with the runner and the PCP manager): they record only
-    inside a recorded ``propose`` on the calling thread."""
-    model = getattr(spec, "model", None)
-    if isinstance(model, torch.nn.Module):
-        install_model_wrapper(model)
-    bt = getattr(spec, "block_tables", None)
-    if bt is None or getattr(bt, "_pcpviz_instance_wrapped", False):
-        return
-    gather, compute = bt.gather_block_tables, bt.compute_slot_mappings
-
-    @functools.wraps(gather)
-    def gather_block_tables(idx_mapping, num_reqs_padded, out=None, *args: Any, **kwargs: Any):
-        result = gather(idx_mapping, num_reqs_padded, out, *args, **kwargs)
-        ctx = current_draft()
-        if ctx is not None and out is None and ctx.spec.block_tables is bt:
-            ctx.on_gather_block_tables()
-        return result
-
-    @functools.wraps(compute)
-    def compute_slot_mappings(*args: Any, **kwargs: Any):
-        result = compute(*args, **kwargs)
-        ctx = current_draft()
-        if ctx is not None and ctx.spec.block_tables is bt and not in_full_replay():
-            ctx.rec.guard(ctx.on_compute_slot_mappings, result)
-        return result
-
-    bt.gather_block_tables = _mark(gather_block_tables, gather)
-    bt.compute_slot_mappings = _mark(compute_slot_mappings, compute)
-    bt._pcpviz_instance_wrapped = True
-
-
-_model_classes: list[tuple[type, Any]] = []  # (class, its own __call__ before, or None): uninstall_wrappers
-
-
-def install_model_wrapper(model: Any) -> None:
-    """Wrap the draft model's class ``__call__`` (once per class; vLLM's ``support_torch_compile``
-    sets its own ``__call__``, so module hooks would not run): inside a recorded ``propose`` the
-    call's arguments become the phase's ``fwd_*`` views (``DraftContext.on_model_call``); while a
-    speculator graph manager captures, they are noted for its FULL replays (``consumed``)."""
-    cls = type(model)
-    with _install_lock:
-        if _wrapped(cls.__call__):
-            return
-        own = cls.__dict__.get("__call__")
-        original = cls.__call__
-
-        @functools.wraps(original)
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            if not in_full_replay():
-                ctx = current_draft()
-                if ctx is not None and getattr(ctx.spec, "model", None) is self:
-                    ctx.rec.guard(ctx.on_model_call, args, kwargs)
-                elif capturing_now():
-                    try:
-                        slots = get_forward_context().slot_mapping if is_forward_context_available() else None
-                        note_capture(args, kwargs, slots)
-                    except Exception:  # noqa: BLE001 - a capture note never breaks vLLM's capture
-                        pass
-            return original(self, *args, **kwargs)
-
-        cls.__call__ = _mark(__call__, original)
-        _model_classes.append((cls, own))
 
 
 def wrapped_targets() -> list[tuple[Any, str]]:
@@ -412,16 +270,14 @@ def install_wrappers() -> None:
     """Patch the speculator / runner methods and the graph ledger's targets (idempotent). Inert
     unless the object has a live recorder (its PCP manager's, or its own at PCP = 1)."""
     global _installed
-    with _install_lock:
+    with install_lock:
         if _installed:
             return
         for owner, name in wrapped_targets():
             current = getattr(owner, name)
-            if _wrapped(current):
+            if is_wrapped(current):
                 continue
             setattr(owner, name, _WRAPPERS[name](current))
-        from pcpviz.vllm.recording.graphs import install_graph_wrappers
-
         install_graph_wrappers()
         _installed = True
 
@@ -429,19 +285,41 @@ def install_wrappers() -> None:
 def uninstall_wrappers() -> None:
     """Undo ``install_wrappers`` (tests)."""
     global _installed
-    with _install_lock:
+    with install_lock:
         targets = wrapped_targets()
-        from pcpviz.vllm.recording.graphs import graph_targets
-
         worker = _worker_targets() if "vllm.v1.worker.gpu_worker" in sys.modules else []
         for owner, name in targets + worker + [(o, n) for o, n, _ in graph_targets()]:
             current = getattr(owner, name)
-            if _wrapped(current):
+            if is_wrapped(current):
                 setattr(owner, name, current._pcpviz_original)
-        while _model_classes:
-            cls, own = _model_classes.pop()
-            if own is None:
-                del cls.__call__
-            else:
-                cls.__call__ = own
+        uninstall_model_wrappers()
         _installed = False
+
+
+MODES = ("record", "flight", "off")
+
+
+def set_mode(mode: str, *, flight: FlightConfig | None = None) -> None:
+    """Switch this process's recording between ``record`` (every step to the rank files),
+    ``flight`` (the last steps in host memory, ``flight`` or the session's config) and ``off``
+    (the wrappers removed: vLLM runs as without the plugin) between two ``generate`` calls; what
+    is pending is written first. For the interleaved on/off repeats of
+    ``benchmarks/bench_plugin_overhead.py``."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    s = current_session()
+    if s is None:
+        raise ValueError("no recording session in this process (is PCPVIZ_TRACE_DIR set?)")
+    for rec in list(s.recorders.values()):
+        rec.flush_quietly()
+        rec.sink.drain()
+    if mode == "flight":
+        s.flight = flight or s.flight
+        if s.flight is None:
+            raise ValueError("flight mode needs a FlightConfig (or PCPVIZ_FLIGHT_RECORDER)")
+    if mode == "off":
+        uninstall_wrappers()
+    else:
+        install_wrappers()
+        ensure_warm_up_wrapper()
+    s.mode = mode
