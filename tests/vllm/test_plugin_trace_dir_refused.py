@@ -38,13 +38,13 @@ def _fifo_meta(d: Path) -> None:
                                        (_fifo_lock, ".writer.lock is a FIFO"), (_fifo_meta, "run.json is a FIFO")],
                          ids=["trace", "fifo-lock", "fifo-run-json"])
 def test_plugin_warns_once_and_writes_nothing(tmp_path, monkeypatch, caplog, make, why):
-    from pcpviz.vllm.recording import sessions
+    from pcpviz.vllm.recording import sessions, state
 
     d = tmp_path / "t"
     make(d)
     before = sorted(os.listdir(d))
     monkeypatch.setenv(sessions.ENV_TRACE_DIR, str(d))
-    monkeypatch.setattr(sessions, "_session", None)
+    monkeypatch.setattr(state, "_session", None)
     monkeypatch.setattr(sessions, "_warned", [])
     with caplog.at_level(logging.WARNING, logger="vllm.pcpviz"):
         assert sessions.active_session() is None
