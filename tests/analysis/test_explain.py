@@ -1,9 +1,10 @@
-"""`pcpviz explain` held to account: every registered fault is injected under two settings
-(PCP 2 with K 2, PCP 4 with K 3; a prompt set each; the step of onset varied from 0 to 2 across the
-faults) and `explain` must rank the injected fault first in at least 90% of the cases and never
-blame a clean run — neither the engine's (explained against an engine re-run of its prompts) nor
-the shipped real vLLM traces. The confusion matrix is printed (``pytest -s``). Each engine run
-costs one Python + torch start per rank, so the matrix is kept to 2 settings x the faults.
+"""`pcpviz explain` held to account: every registered fault is injected under PCP 2 with K 2, and
+every other one (alternating through the sorted names) under PCP 4 with K 3 (a prompt set each;
+the step of onset varied from 0 to 2 across the faults), and `explain` must rank the injected
+fault first in at least 90% of the cases and never blame a clean run — neither the engine's
+(explained against an engine re-run of its prompts) nor the shipped real vLLM traces. The
+confusion matrix is printed (``pytest -s``). Each engine run costs one Python + torch start per
+rank (four at PCP 4), so the PCP 4 setting takes half the faults.
 
 The real acceptance collapse under PIECEWISE CUDA graphs (data/traces/vllm-h200x2-pcp2-mtp2-piecewise:
 same tokens, 0.26 vs 0.89 at position 0) passes every check: `explain` must say acceptance
@@ -58,10 +59,17 @@ def matrix(tmp_path_factory):
         clean = _run(root / s / "clean", s, [])
         out[(s, "clean")] = explain(clean, rerun=j == 0)
         for i, name in enumerate(sorted(ENGINE_FAULTS)):
+            if not _in_matrix(j, i):
+                continue
             onset = (i + j) % 3
             bad = _run(root / s / name, s, [f"{name}@{onset}"])
             out[(s, name)] = explain(bad, clean)
     return out
+
+
+def _in_matrix(setting: int, fault: int) -> bool:
+    """Setting 0 takes every fault, setting 1 (PCP 4) the odd-numbered ones."""
+    return setting == 0 or fault % 2 == 1
 
 
 def _confusion(matrix) -> tuple[dict, str]:
@@ -83,7 +91,7 @@ def test_explain_ranks_the_injected_fault_first(matrix):
     hits = [c for c in cases if matrix[c].top is not None and matrix[c].top.fault == c[1]]
     accuracy = len(hits) / len(cases)
     print(f"top-1 accuracy {len(hits)}/{len(cases)} = {accuracy:.2%}")
-    assert len(cases) == len(SETTINGS) * len(ENGINE_FAULTS)
+    assert len(cases) == sum(_in_matrix(j, i) for j in range(len(SETTINGS)) for i in range(len(ENGINE_FAULTS)))
     assert accuracy >= 0.9, table
     for c in cases:
         e = matrix[c]
