@@ -21,6 +21,14 @@ from pcpviz.engine.model_config import TinyDSV3Config, default_model_dir, read_c
 __all__ = ["check_model_dir", "load_model", "save_model"]
 
 
+def _shell(cfg: TinyDSV3Config) -> TinyDSV3:
+    """The model's modules, for their names and shapes before the checkpoint's weights go in.
+    Built on the CPU, not on the meta device: a tiny model's default init there costs ~30 ms,
+    while ``nn.Embedding``'s ``normal_`` on meta tensors goes through ``torch._refs`` and
+    imports ``torch._dynamo`` (1.5 s and more of every rank's start)."""
+    return TinyDSV3(cfg)
+
+
 def check_model_dir(model_dir: str) -> TinyDSV3Config:
     """The model's config, after checking that ``config.json`` parses and ``model.safetensors``
     is a whole safetensors file holding exactly the tensors the config needs, with their
@@ -47,8 +55,7 @@ def check_model_dir(model_dir: str) -> TinyDSV3Config:
             shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
         raise ValueError(f"{weights}: not a readable safetensors file ({' '.join(str(exc).split())})") from None
-    with torch.device("meta"):
-        want = {k: tuple(v.shape) for k, v in TinyDSV3(cfg).state_dict().items()}
+    want = {k: tuple(v.shape) for k, v in _shell(cfg).state_dict().items()}
     if set(want) != set(shapes):
         missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
         raise ValueError(f"{weights}: tensors do not match {cfg_path} (missing {missing[:3]}, "
@@ -121,8 +128,7 @@ def load_model(model_dir: Optional[str] = None, device: str | torch.device = "cp
 
     model_dir = model_dir or default_model_dir()
     cfg = read_config(model_dir)
-    with torch.device("meta"):
-        model = TinyDSV3(cfg)
+    model = _shell(cfg)
     state = load_file(os.path.join(model_dir, "model.safetensors"), device="cpu")
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
