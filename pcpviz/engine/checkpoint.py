@@ -1,6 +1,5 @@
 """The tiny model's checkpoint on disk: ``config.json`` + ``model.safetensors`` (checkpoint names).
 
-    check_model_dir("data/models/pcpviz-tiny-dsv3")    # TinyDSV3Config, or ValueError naming the file
     model = load_model("data/models/pcpviz-tiny-dsv3", device="cpu", dtype=torch.float32)
     save_model(model, "out/tiny", dtype=torch.bfloat16)
 """
@@ -18,53 +17,15 @@ import torch
 from pcpviz.engine.model import TinyDSV3
 from pcpviz.engine.model_config import TinyDSV3Config, default_model_dir, read_config
 
-__all__ = ["check_model_dir", "load_model", "save_model"]
+__all__ = ["load_model", "save_model"]
 
 
 def _shell(cfg: TinyDSV3Config) -> TinyDSV3:
-    """The model's modules, for their names and shapes before the checkpoint's weights go in.
+    """The model's modules, before the checkpoint's weights go in.
     Built on the CPU, not on the meta device: a tiny model's default init there costs ~30 ms,
     while ``nn.Embedding``'s ``normal_`` on meta tensors goes through ``torch._refs`` and
     imports ``torch._dynamo`` (1.5 s and more of every rank's start)."""
     return TinyDSV3(cfg)
-
-
-def check_model_dir(model_dir: str) -> TinyDSV3Config:
-    """The model's config, after checking that ``config.json`` parses and ``model.safetensors``
-    is a whole safetensors file holding exactly the tensors the config needs, with their
-    shapes (its header only: cheap). ValueError naming the file otherwise, so a damaged model
-    is bad input before any rank starts, not a rank failure."""
-    from safetensors import safe_open
-
-    cfg_path = os.path.join(model_dir, "config.json")
-    if not os.path.isdir(model_dir):
-        why = "is not a directory" if os.path.exists(model_dir) else "does not exist"
-        raise ValueError(f"model directory {model_dir} {why}")
-    if not os.path.isfile(cfg_path):
-        raise ValueError(f"model directory {model_dir} has no config.json")
-    try:
-        if os.path.getsize(cfg_path) > 1 << 20:
-            raise ValueError("larger than 1 MiB")
-        cfg = read_config(model_dir)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-        why = f"missing key {exc}" if isinstance(exc, KeyError) else " ".join(str(exc).split())
-        raise ValueError(f"{cfg_path}: not a usable model config ({why})") from None
-    weights = os.path.join(model_dir, "model.safetensors")
-    try:
-        with safe_open(weights, framework="pt") as f:
-            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise ValueError(f"{weights}: not a readable safetensors file ({' '.join(str(exc).split())})") from None
-    want = {k: tuple(v.shape) for k, v in _shell(cfg).state_dict().items()}
-    if set(want) != set(shapes):
-        missing, extra = sorted(set(want) - set(shapes)), sorted(set(shapes) - set(want))
-        raise ValueError(f"{weights}: tensors do not match {cfg_path} (missing {missing[:3]}, "
-                         f"unexpected {extra[:3]})")
-    bad = next((k for k in want if want[k] != shapes[k]), None)
-    if bad is not None:
-        raise ValueError(f"{weights}: tensor {bad} has shape {list(shapes[bad])}, the config needs "
-                         f"{list(want[bad])}")
-    return cfg
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

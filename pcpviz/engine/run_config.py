@@ -255,7 +255,7 @@ def _prompt_ids(prompts: Sequence[str | Sequence[int]], model_dir: str | None, *
                 num_speculative_tokens: int) -> tuple[str, list[list[int]]]:
     """(the model directory made absolute, every prompt's token ids), each prompt checked against
     the prompt budget, the model's vocabulary and its context."""
-    from pcpviz.engine.checkpoint import check_model_dir
+    from pcpviz.engine.model_files import check_model_dir
     from pcpviz.engine.model_config import default_model_dir
     from pcpviz.engine.tokenizer import encode
 
