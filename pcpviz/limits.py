@@ -32,7 +32,7 @@ __all__ = [
     "MAX_JSON_INPUT_BYTES", "MAX_LAYOUT_WORLD", "MAX_LAYOUT_TOKENS", "MAX_LAYOUT_ROWS", "MAX_LAYOUT_SLOTS",
     "MAX_SYNTH_TOKENS", "MAX_CPU_RANKS",
     "MAX_ENGINE_BLOCK_SIZE", "MAX_BATCHED_TOKENS", "MAX_NUM_SEQS", "MAX_TIMEOUT_S", "MAX_PROMPTS", "MAX_PROMPT_TOKENS",
-    "MAX_ONSET_STEP",
+    "MAX_ONSET_STEP", "MAX_SAFETENSORS_HEADER_BYTES",
 ]
 
 # --------------------------------------------------------------------------- a trace
@@ -98,3 +98,7 @@ MAX_PROMPT_TOKENS = 1 << 22
 MAX_ONSET_STEP = 1 << 20
 """Latest step a fault may start at (``NAME@STEP``): no run is longer; a larger step would
 never fire, so it is refused rather than accepted silently."""
+
+MAX_SAFETENSORS_HEADER_BYTES = 100 << 20
+"""A model's ``model.safetensors`` header past this is refused before it is read (the format's
+own reader has the same bound): ``pcpviz.engine.model_files``."""

@@ -21,11 +21,9 @@ import os
 import struct
 
 from pcpviz.engine.model_config import TinyDSV3Config, read_config
+from pcpviz.limits import MAX_SAFETENSORS_HEADER_BYTES
 
-__all__ = ["tensor_shapes", "safetensors_shapes", "check_model_dir", "MAX_HEADER_BYTES"]
-
-MAX_HEADER_BYTES = 100 << 20
-"""A safetensors header past this is refused (the format's own reader has the same bound)."""
+__all__ = ["tensor_shapes", "safetensors_shapes", "check_model_dir"]
 
 
 def _block(prefix: str, cfg: TinyDSV3Config) -> dict[str, tuple[int, ...]]:
@@ -74,7 +72,7 @@ def safetensors_shapes(path: str) -> dict[str, tuple[int, ...]]:
         if size < 8:
             raise ValueError("shorter than a safetensors header")
         (n,) = struct.unpack("<Q", f.read(8))
-        if n > min(MAX_HEADER_BYTES, size - 8):
+        if n > min(MAX_SAFETENSORS_HEADER_BYTES, size - 8):
             raise ValueError(f"header of {n} bytes in a file of {size}")
         try:
             header = json.loads(f.read(n).decode("utf-8"))
