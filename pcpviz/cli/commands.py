@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 from pcpviz.cli.guard import (EXIT_BAD_INPUT, EXIT_INCOMPLETE, Incomplete, UsageError, named_stdout, terminal_safe,
                               system_error)
 from pcpviz.cli.bisect_command import add_bisect
+from pcpviz.cli.findings_command import add_findings
 from pcpviz.cli.layout_command import add_layout
 from pcpviz.cli.replay_command import add_replay
 from pcpviz.cli.run_command import add_run
@@ -61,7 +62,7 @@ class _Parser(argparse.ArgumentParser):
 
 # Each subcommand is one module's add_<name>(sub); `pcpviz --help` lists them in this order.
 SUBCOMMANDS: list[Callable] = [add_layout, add_run, add_check, add_diff, add_export, add_explain, add_replay,
-                               add_bisect, add_synth]
+                               add_bisect, add_findings, add_synth]
 
 
 def build_parser() -> argparse.ArgumentParser:

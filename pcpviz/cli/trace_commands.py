@@ -22,7 +22,7 @@ from pcpviz.trace.outputs import check_output, special_kind
 __all__ = ["add_check", "add_diff", "add_export", "add_explain", "EXPORT_FORMATS"]
 
 
-def _open_trace(path: str, cmd: str, *, require_steps: bool = False):
+def open_trace_arg(path: str, cmd: str, *, require_steps: bool = False):
     """``pcpviz.trace.open`` and ``pcpviz.trace.validate``: a bad trace or an invalid run.json is
     one-line exit-2 input; lost data (open's warnings among it) is one ``incomplete:`` line
     each on stderr. Returns ``(trace, status)``."""
@@ -64,7 +64,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from pcpviz.analysis.checks import run_checks
     from pcpviz.analysis.producers import attribute_violation
 
-    trace, status = _open_trace(args.trace, "check", require_steps=True)
+    trace, status = open_trace_arg(args.trace, "check", require_steps=True)
     try:
         report = run_checks(trace, status=status)
     except ValueError as e:  # a payload that fails its checksum while being read
@@ -97,8 +97,8 @@ def _cmd_diff(args: argparse.Namespace) -> int:
     from pcpviz.analysis.diff import diff_traces
     from pcpviz.analysis.producers import attribute_divergence
 
-    a, status_a = _open_trace(args.a, "diff")
-    b, status_b = _open_trace(args.b, "diff")
+    a, status_a = open_trace_arg(args.a, "diff")
+    b, status_b = open_trace_arg(args.b, "diff")
     try:
         report = diff_traces(a, b)
     except ValueError as e:
@@ -156,7 +156,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise UsageError(f"pcpviz export: {e}") from None
     writers = [(fmt, out, _exporter(fmt)) for fmt, out in wanted]
-    trace, status = _open_trace(args.trace, "export")
+    trace, status = open_trace_arg(args.trace, "export")
     if not trace.steps and not status.complete:
         _no_steps(args.trace, "export", status)
     for fmt, out, fn in writers:
@@ -212,8 +212,8 @@ def add_explain(sub) -> None:
     def run(args: argparse.Namespace) -> int:
         from pcpviz.analysis.explain import explain
 
-        bad, status = _open_trace(args.bad, "explain", require_steps=True)
-        good = None if args.good is None else _open_trace(args.good, "explain", require_steps=True)[0]
+        bad, status = open_trace_arg(args.bad, "explain", require_steps=True)
+        good = None if args.good is None else open_trace_arg(args.good, "explain", require_steps=True)[0]
         if good is None and not args.no_rerun:
             _say_rerun(bad)
         try:

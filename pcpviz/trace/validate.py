@@ -183,6 +183,8 @@ META_SCHEMA: Mapping[str, tuple[Callable[[Any], str | None], bool, str]] = {
     "model": (_str, False, "model name or path"), "device": (_str, False, "cpu or cuda"),
     "vllm_version": (_str, False, "vLLM version of the producer"),
     "speculative_method": (_str, False, "mtp, eagle, dspark, ..."),
+    "cudagraph_mode": (_str, False, "vLLM's resolved cudagraph_mode (NONE, PIECEWISE, FULL_AND_PIECEWISE, ...)"),
+    "vllm_fixes": (_str_list, False, "pcpviz's opt-in vLLM patches the run had on (PCPVIZ_FIXES)"),
     "prompt_token_ids": (_token_ids, False, "prompt token ids per request"),
 }
 """The run.json keys pcpviz knows: key -> (check, required, meaning). Other keys are allowed.

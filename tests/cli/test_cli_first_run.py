@@ -29,7 +29,8 @@ def _subparsers():
 
 def test_help_shows_every_default_as_plain_text():
     parser, subs = _subparsers()
-    assert set(subs) == {"layout", "run", "check", "diff", "export", "replay", "explain", "bisect", "synth"}
+    assert set(subs) == {"layout", "run", "check", "diff", "export", "replay", "explain", "bisect", "findings",
+                         "synth"}
     for name, p in [("pcpviz", parser), *subs.items()]:
         text = p.format_help()
         assert "``" not in text and ":func:" not in text, f"{name} --help shows reST markup"

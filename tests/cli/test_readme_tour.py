@@ -118,8 +118,8 @@ def _one(tour, prefix: str):
 
 def test_every_tour_command_exits_as_its_comment_says(tour):
     for cmd, r in tour[0].items():
-        expected = 1 if cmd.startswith(("pcpviz diff", "pcpviz check runs/bad", "pcpviz explain", "pcpviz bisect")) \
-            else 0
+        expected = 1 if cmd.startswith(("pcpviz diff", "pcpviz check runs/bad", "pcpviz explain", "pcpviz bisect",
+                                        "pcpviz findings")) else 0
         assert r.returncode == expected, f"{cmd!r} exited {r.returncode}:\n{r.stderr[-2000:]}"
         assert "Traceback" not in r.stderr and "Failed to import" not in r.stdout + r.stderr, cmd
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import vllm
 
+from pcpviz.vllm import fixes
+
 __all__ = ["environment_meta", "speculator_meta"]
 
 
@@ -51,4 +53,5 @@ def speculator_meta(spec: Any) -> dict[str, Any]:
     tp = getattr(getattr(cfg, "parallel_config", None), "tensor_parallel_size", None)
     if isinstance(tp, int):
         meta["tp"] = tp
+    meta["vllm_fixes"] = list(fixes.active())  # pcpviz's opt-in patches this process runs with
     return meta
