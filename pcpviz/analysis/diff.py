@@ -33,6 +33,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from pcpviz.analysis.view_gap import one_sided_views
 from pcpviz.analysis.acceptance import Acceptance, RequestAcceptance, StepAcceptance, acceptance
 from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
 from pcpviz.analysis.timelines import compare_timelines, same_schedule
@@ -447,6 +448,9 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
     tb, renamed = _align_request_ids(ta, tb)
     if renamed:
         notes.append(f"{renamed} requests of b matched to a's by their prompts (other request ids)")
+    one_sided, gap_notes = one_sided_views(ta, tb, ignore=ignore)
+    notes.extend(gap_notes)
+    ignore = frozenset(ignore) | one_sided
     same_layout, pairs = _rank_pairs(ta, tb, notes)
     ref = (ta.ranks[0] if ta.ranks else None, tb.ranks[0] if tb.ranks else None)
     run = _Diff(ta, tb, pairs=pairs, same_layout=same_layout, notes=notes, ignore=ignore,
