@@ -46,6 +46,7 @@ from typing import Any
 from pcpviz.analysis.acceptance import acceptance
 from pcpviz.analysis.checks import run_checks
 from pcpviz.analysis.diff import diff_traces
+from pcpviz.analysis.exposure import FINDINGS
 from pcpviz.analysis.parity import generated_tokens
 from pcpviz.trace import open as open_trace
 
@@ -227,7 +228,7 @@ def _run_engine(options: dict[str, Any], trace_dir: Path, *, inject: Sequence[st
     return trace_dir
 
 
-def _run_vllm(options: dict[str, Any], trace_dir: Path, *, prompts: Sequence[str]) -> Path:
+def _run_vllm(options: dict[str, Any], trace_dir: Path, *, prompts: Sequence[str], fixes: str | None) -> Path:
     """One rung on real vLLM 0.33.0 (``pcpviz.vllm.run`` in a child process, the plugin recording)."""
     from pcpviz.vllm.launch import run as vllm_run  # pure until it launches: no vLLM import here
 
@@ -236,7 +237,7 @@ def _run_vllm(options: dict[str, Any], trace_dir: Path, *, prompts: Sequence[str
     engine_args.setdefault("max_num_seqs", 16)
     vllm_run(options.get("model") or default_vllm_model(), list(prompts), pcp=options["pcp"],
              num_speculative_tokens=options["k"], trace_dir=trace_dir, max_tokens=options["max_new_tokens"],
-             cudagraph_mode=options["graph_mode"], extra_engine_args=engine_args, progress=False)
+             cudagraph_mode=options["graph_mode"], extra_engine_args=engine_args, progress=False, fixes=fixes)
     return trace_dir
 
 
@@ -288,13 +289,18 @@ def bisect(producer: str = "replay", *, out_dir: str | os.PathLike, base: dict[s
            progress: Callable[[str], None] | None = None) -> BisectReport:
     """Run the base configuration and one rung per knob value into ``out_dir/<rung>``, and report
     the rungs that flip tokens or acceptance (a rate per position moving by more than ``tolerance``).
-    ``inject`` plants engine faults (every rung); ``fixes`` names ``pcpviz.vllm.fixes`` for the replay
-    (the vLLM rungs take ``PCPVIZ_FIXES`` from the environment, as the plugin does).
-    Raises ValueError for a bad producer, knob or option."""
+    ``inject`` plants engine faults (every rung); ``fixes`` names ``pcpviz.vllm.fixes`` for every
+    replay rung, or every vLLM rung (the plugin applies them there: ``PCPVIZ_FIXES``, and records
+    them in run.json's ``vllm_fixes``). Raises ValueError for a bad producer, knob or option."""
     if inject and producer != "engine":
         raise ValueError("inject plants engine faults: it needs --producer engine")
-    if fixes and producer != "replay":
-        raise ValueError("fixes names replay fixes: on real vLLM set PCPVIZ_FIXES in the environment instead")
+    if fixes and producer == "engine":
+        raise ValueError("fixes patch vLLM's code: they need --producer replay or vllm")
+    if fixes:
+        known = {f.name for f in FINDINGS}
+        bad = [f for f in fixes.split(",") if f.strip() and f.strip() not in known | {"all"}]
+        if bad:
+            raise ValueError(f"unknown fix {bad[0].strip()!r}; known: {', '.join(sorted(known))} (or all)")
     rungs, unavailable = ladder(producer, base or {}, knobs)
     if prompts is None:
         prompts = _VLLM_PROMPTS if producer == "vllm" else _ENGINE_PROMPTS
@@ -310,7 +316,7 @@ def bisect(producer: str = "replay", *, out_dir: str | os.PathLike, base: dict[s
         if producer == "replay":
             return _run_replay(rung.options, d, fixes=fixes)
         if producer == "vllm":
-            return _run_vllm(rung.options, d, prompts=prompts)
+            return _run_vllm(rung.options, d, prompts=prompts, fixes=fixes)
         return _run_engine(rung.options, d, inject=inject, prompts=prompts)
 
     base_rung = Rung("base", None, None, opts)

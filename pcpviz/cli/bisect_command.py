@@ -91,7 +91,7 @@ def add_bisect(sub) -> None:
                                                  "decodes,max_num_batched_tokens,prefix_caching")
     p.add_argument("--tolerance", type=float, default=0.1, help="acceptance change per position that counts")
     p.add_argument("--inject", action="append", default=[], help="plant an engine fault in every rung")
-    p.add_argument("--fixes", default=None, help="pcpviz.vllm.fixes for every replay rung")
+    p.add_argument("--fixes", default=None, help="pcpviz.vllm.fixes (PCPVIZ_FIXES) for every replay or vllm rung")
     p.add_argument("--json", action="store_true", help="the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=_cmd_bisect)

@@ -41,13 +41,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm.config import CUDAGraphMode
+
+from pcpviz.vllm.contract import ENV_FIXES
 from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 from vllm.v1.worker.gpu.spec_decode.target_dependent_ar.cudagraph_utils import SpeculatorCudaGraphManager
 
 __all__ = ["ENV", "Fix", "FIXES", "requested", "applied", "apply_from_env", "active"]
 
-ENV = "PCPVIZ_FIXES"
+ENV = ENV_FIXES  # the variable's one definition is pcpviz.vllm.contract
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pcpviz.vllm.contract import ENV_TRACE_DIR, SUPPORTED_VLLM_VERSION  # the one definition
+from pcpviz.vllm.contract import ENV_FIXES, ENV_TRACE_DIR, SUPPORTED_VLLM_VERSION  # the one definition
 
 __all__ = ["run", "build_vllm_launch", "VllmLaunch", "LaunchError", "preflight", "gpus_missing", "CUDAGRAPH_MODES"]
 
@@ -101,6 +101,7 @@ def build_vllm_launch(
     python: str | None = None,
     job_path: str | os.PathLike | None = None,
     base_env: Mapping[str, str] | None = None,
+    fixes: str | None = None,
 ) -> VllmLaunch:
     """The launch ``run`` would make, without making it (pure: no import of vLLM or torch).
 
@@ -142,6 +143,8 @@ def build_vllm_launch(
     llm_kwargs.update(extra)
     sampling = {"temperature": 0.0, "max_tokens": max_tokens}
     env = {ENV_TRACE_DIR: str(trace_path), "VLLM_USE_V2_MODEL_RUNNER": "1"}  # PCP exists only in MRv2
+    if fixes is not None:  # the plugin applies them in the child (pcpviz.vllm.fixes)
+        env[ENV_FIXES] = fixes
     plugins = (base_env if base_env is not None else os.environ).get("VLLM_PLUGINS")
     if plugins is not None and "pcpviz" not in [p.strip() for p in plugins.split(",")]:
         # VLLM_PLUGINS filters the general plugins vLLM loads; keep ours in.
@@ -206,6 +209,7 @@ def run(
     extra_engine_args: Mapping[str, Any] | None = None,
     progress: bool | Callable[[str], None] = True,
     timeout_s: float | None = None,
+    fixes: str | None = None,
 ):
     """Generate with real vLLM 0.33.0 (PCP=``pcp``, TP=``tp``, MTP with
     ``num_speculative_tokens``) in a child process, recording a pcpviz trace into
@@ -219,7 +223,7 @@ def run(
         job_path = Path(tmp) / "job.json"
         launch = build_vllm_launch(model, prompts, pcp=pcp, tp=tp, num_speculative_tokens=num_speculative_tokens,
                                    trace_dir=trace_dir, max_tokens=max_tokens, cudagraph_mode=cudagraph_mode,
-                                   extra_engine_args=extra_engine_args, job_path=job_path)
+                                   extra_engine_args=extra_engine_args, job_path=job_path, fixes=fixes)
         preflight(launch.num_gpus)
         out_path = Path(tmp) / "outputs.json"
         job_path.write_text(json.dumps({**launch.job, "outputs": str(out_path)}))

@@ -51,6 +51,8 @@ def test_the_vllm_ladder_has_prefix_caching_and_a_budget_vllm_accepts():
     (["bisect", "--out", "x", "--producer", "vllm", "--vllm-args", "{oops"], "--vllm-args is not JSON"),
     (["bisect", "--out", "x", "--producer", "vllm", "--vllm-args", "[1]"], "--vllm-args must be a JSON object"),
     (["bisect", "--out", "x", "--producer", "vllm", "--inject", "sample_local_logits"], "inject plants engine faults"),
+    (["bisect", "--out", "x", "--producer", "vllm", "--fixes", "nope"], "unknown fix 'nope'"),
+    (["bisect", "--out", "x", "--producer", "engine", "--fixes", "all"], "fixes patch vLLM's code"),
 ])
 def test_bad_vllm_options_are_one_line_exit_2(argv, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -79,19 +81,21 @@ def test_vllm_rungs_reach_vllm_as_its_own_keywords(tmp_path, monkeypatch):
     from pcpviz.bisect import bisect
     from pcpviz.synthetic import RequestSpec, generate
 
-    seen = {}
+    seen, envs = {}, {}
 
     def fake_run(model, prompts, *, trace_dir, **kw):
         kw.pop("progress")
         built = launch.build_vllm_launch(model, prompts, trace_dir=trace_dir, **kw)
         seen[Path(trace_dir).name] = built.llm_kwargs
+        envs[Path(trace_dir).name] = built.env
         accept = 0.2 if built.llm_kwargs["enable_prefix_caching"] else 0.9  # the planted flip
         generate([RequestSpec("a", 20, 12), RequestSpec("b", 30, 12)], pcp=kw["pcp"],
                  num_speculative_tokens=kw["num_speculative_tokens"], accept_prob=accept, seed=3).write(trace_dir)
         return None, []
 
     monkeypatch.setattr(launch, "run", fake_run)
-    report = bisect("vllm", out_dir=tmp_path, base={"pcp": 1}, knobs=["prefix_caching", "max_num_batched_tokens"])
+    report = bisect("vllm", out_dir=tmp_path, base={"pcp": 1}, knobs=["prefix_caching", "max_num_batched_tokens"],
+                    fixes="piecewise_draft_prefill")
     assert seen["base"]["enable_prefix_caching"] is False and seen["prefix_caching-True"]["enable_prefix_caching"]
     assert seen["base"]["max_num_batched_tokens"] == 2048
     assert seen["max_num_batched_tokens-256"]["max_num_batched_tokens"] == 256
@@ -99,4 +103,5 @@ def test_vllm_rungs_reach_vllm_as_its_own_keywords(tmp_path, monkeypatch):
     assert seen["base"]["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
     assert all(kw["compilation_config"]["cudagraph_mode"] == "FULL_AND_PIECEWISE" for kw in seen.values())
     assert [r.rung.name for r in report.flips()] == ["prefix_caching=True"]
+    assert all(e["PCPVIZ_FIXES"] == "piecewise_draft_prefill" for e in envs.values())  # the plugin applies it
     assert "prefix_caching=True flips" in report.format()
