@@ -14,6 +14,7 @@ for in every record of the run that seems to lack it, stopping at the first.
 
 from __future__ import annotations
 
+from pcpviz.trace.errors import MALFORMED, TraceError
 from pcpviz.trace.reader import Trace
 
 __all__ = ["one_sided_views"]
@@ -21,35 +22,37 @@ __all__ = ["one_sided_views"]
 _SAMPLE_STEPS = 3  # from each end of the run, and the middle one
 
 
-def _names(trace: Trace, steps: list[int]) -> set[str]:
+def _keys(trace: Trace, step: int, rank: int) -> set[str]:
+    """The view names of one (step, rank), every phase; none where a record cannot be read (a damaged
+    file: ``check`` and ``diff`` report it where they read it)."""
     out: set[str] = set()
-    for s in steps:
-        for r in trace.ranks:
-            for ph in trace.phases(s, r):
-                out.update(trace.record(s, r, ph).keys())
+    try:
+        for ph in trace.phases(step, rank):
+            out.update(trace.record(step, rank, ph).keys())
+    except (*MALFORMED, TraceError):
+        pass
     return out
 
 
-def _sample(trace: Trace) -> list[int]:
-    steps = list(trace.steps)
+def _sample(steps: list[int]) -> list[int]:
     if len(steps) <= 2 * _SAMPLE_STEPS + 1:
         return steps
     return steps[:_SAMPLE_STEPS] + [steps[len(steps) // 2]] + steps[-_SAMPLE_STEPS:]
 
 
+def _names(trace: Trace) -> set[str]:
+    return {k for r in trace.ranks for s in _sample(list(trace.rank_steps(r))) for k in _keys(trace, s, r)}
+
+
 def _records_anywhere(trace: Trace, view: str) -> bool:
-    for r in trace.ranks:
-        for s in trace.rank_steps(r):
-            if any(view in trace.record(s, r, ph).keys() for ph in trace.phases(s, r)):
-                return True
-    return False
+    return any(view in _keys(trace, s, r) for r in trace.ranks for s in trace.rank_steps(r))
 
 
 def one_sided_views(a: Trace, b: Trace, *,
                     ignore: frozenset[str] | set[str] = frozenset()) -> tuple[set[str], list[str]]:
     """(the view names one run records and the other never does, one note per name); names in
     ``ignore`` (never compared anyway) are left out."""
-    na, nb = _names(a, _sample(a)) - set(ignore), _names(b, _sample(b)) - set(ignore)
+    na, nb = _names(a) - set(ignore), _names(b) - set(ignore)
     views, notes = set(), []
     for view, has, lacks, side in sorted([(v, "b", a, "a") for v in nb - na] + [(v, "a", b, "b") for v in na - nb]):
         if not _records_anywhere(lacks, view):
