@@ -112,7 +112,7 @@ def drafts_fed_back(c: Ctx) -> None:
     src = np.clip(first[:, None] + 1 + j, 0, ids.shape[0] - 1)
     exp = np.where(use, pd, 0)
     kept = c.get("target", "scheduled_draft_ids")  # engine: the drafts the request state stored
-    if kept is not None and kept.ndim == 2 and kept.shape[0] == ids_rows(qsl) and kept.shape[1] >= width:
+    if kept is not None and kept.ndim == 2 and kept.shape[0] == qsl.shape[0] - 1 and kept.shape[1] >= width:
         got = np.where(use, kept.astype(np.int64)[rows][:, :width], 0)
         differs, idx, _ = first_difference(exp, got)
         if differs:
@@ -129,11 +129,6 @@ def drafts_fed_back(c: Ctx) -> None:
         c.fail("target", "input_ids", f"scheduled draft {jj} of request {rid[rows[i]]!s} is not "
                f"draft_{jj}'s token from step {pv.step}", index=(tok,),
                expected=_fmt(exp[i, jj]), actual=short_repr(ids, (tok,)))
-
-
-def ids_rows(qsl: np.ndarray) -> int:
-    """The requests of a batch with query starts ``qsl`` (``int[R+1]``)."""
-    return int(qsl.shape[0]) - 1
 
 
 def _agreeing_views(phase: str, names) -> list[str]:
