@@ -46,7 +46,7 @@ from typing import Any
 from pcpviz.analysis.acceptance import acceptance
 from pcpviz.analysis.checks import run_checks
 from pcpviz.analysis.diff import diff_traces
-from pcpviz.analysis.exposure import FINDINGS
+from pcpviz.analysis.exposure import parse_fixes
 from pcpviz.analysis.parity import generated_tokens
 from pcpviz.trace import open as open_trace
 
@@ -296,11 +296,7 @@ def bisect(producer: str = "replay", *, out_dir: str | os.PathLike, base: dict[s
         raise ValueError("inject plants engine faults: it needs --producer engine")
     if fixes and producer == "engine":
         raise ValueError("fixes patch vLLM's code: they need --producer replay or vllm")
-    if fixes:
-        known = {f.name for f in FINDINGS}
-        bad = [f for f in fixes.split(",") if f.strip() and f.strip() not in known | {"all"}]
-        if bad:
-            raise ValueError(f"unknown fix {bad[0].strip()!r}; known: {', '.join(sorted(known))} (or all)")
+    parse_fixes(fixes)  # ValueError names an unknown one
     rungs, unavailable = ladder(producer, base or {}, knobs)
     if prompts is None:
         prompts = _VLLM_PROMPTS if producer == "vllm" else _ENGINE_PROMPTS

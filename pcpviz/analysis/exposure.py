@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["VllmSetup", "Finding", "Exposure", "FINDINGS", "ALL_CUDAGRAPH_MODES", "exposures", "vllm_refuses",
-           "EXPOSED", "NOT_EXPOSED", "FIXED", "REFUSED"]
+           "parse_fixes", "EXPOSED", "NOT_EXPOSED", "FIXED", "REFUSED"]
 
 EXPOSED, NOT_EXPOSED, FIXED, REFUSED = "exposed", "not exposed", "fixed", "vLLM refuses the configuration"
 ALL_CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
@@ -154,6 +154,21 @@ FINDINGS: tuple[Finding, ...] = (
             "K/V is overwritten"),
 )
 """pcpviz's findings in vLLM 0.33.0 under PCP, in ``docs/findings/`` order of discovery."""
+
+
+def parse_fixes(text: str | None) -> tuple[str, ...]:
+    """A ``PCPVIZ_FIXES`` value as finding names in ``FINDINGS`` order (``all``: every one).
+    ValueError (one line) names an unknown one.
+
+        >>> parse_fixes("full_draft_prefill_state, piecewise_draft_prefill")
+        ('piecewise_draft_prefill', 'full_draft_prefill_state')
+    """
+    names = {n.strip() for n in (text or "").split(",") if n.strip()}
+    known = [f.name for f in FINDINGS]
+    unknown = sorted(names - set(known) - {"all"})
+    if unknown:
+        raise ValueError(f"unknown fix {unknown[0]!r}; known: {', '.join(known)} (or all)")
+    return tuple(n for n in known if n in names or "all" in names)
 
 
 def exposures(s: VllmSetup) -> list[Exposure]:

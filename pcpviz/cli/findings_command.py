@@ -11,6 +11,7 @@ and which PCPVIZ_FIXES removes each (pcpviz.analysis.exposure).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from pcpviz.cli.guard import EXIT_FAILED, EXIT_OK, UsageError, path
@@ -19,15 +20,12 @@ __all__ = ["add_findings"]
 
 
 def _setup(args: argparse.Namespace):
-    from pcpviz.analysis.exposure import FINDINGS, ALL_CUDAGRAPH_MODES, VllmSetup
+    from pcpviz.analysis.exposure import ALL_CUDAGRAPH_MODES, VllmSetup, parse_fixes
 
-    fixes = tuple(f.strip() for f in (args.fixes or "").split(",") if f.strip())
-    if "all" in fixes:
-        fixes = tuple(f.name for f in FINDINGS)
-    unknown = [f for f in fixes if f not in {x.name for x in FINDINGS}]
-    if unknown:
-        raise UsageError(f"pcpviz findings: --fixes: unknown fix {unknown[0]!r}; known: "
-                         f"{', '.join(f.name for f in FINDINGS)} (or all)")
+    try:
+        fixes = parse_fixes(args.fixes)
+    except ValueError as e:
+        raise UsageError(f"pcpviz findings: --fixes: {e}") from None
     given = [n for n, v in (("TRACE", args.trace), ("--vllm-args", args.vllm_args)) if v]
     if len(given) > 1:
         raise UsageError("pcpviz findings: give a trace or --vllm-args, not both")
@@ -36,7 +34,7 @@ def _setup(args: argparse.Namespace):
 
         trace, _ = open_trace_arg(args.trace, "findings")
         s = VllmSetup.from_meta(trace.meta)
-        return VllmSetup(**{**s.__dict__, "fixes": tuple(dict.fromkeys(s.fixes + fixes))})
+        return dataclasses.replace(s, fixes=tuple(dict.fromkeys(s.fixes + fixes)))
     if args.vllm_args:
         try:
             kw = json.loads(args.vllm_args)
