@@ -37,14 +37,11 @@ import torch
 
 from pcpviz.trace.fingerprints import row_fingerprints
 from pcpviz.trace.packed import host_entry, resolve
+from pcpviz.vllm.recording.copyplan import DTYPES, CopyPlan, PlanCache
 from pcpviz.vllm.recording.ring import DeviceRing
 
 __all__ = ["Deferred", "Fresh", "Strings", "StepPack", "StagedStep", "to_host", "now_us", "block_rows",
            "host_pool", "fingerprint_view", "HOST_FP_MAX_BYTES"]
-
-_DTYPES = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.int8: "|i1", torch.uint8: "|u1",
-           torch.bool: "|b1", torch.float32: "<f4", torch.float16: "<f2", torch.float64: "<f8",
-           torch.bfloat16: "bf16"}
 
 
 class Deferred:
@@ -220,6 +217,7 @@ class StepPack:
         self.fresh: list = []  # [(box, key, slot, tensor)] copied at the step's end
         self.memo: dict[int, tuple[list, list]] = {}  # id(Deferred.args) -> (args, their entries), this step
         self.held: list | None = None  # the device tensors of puts held for one copy (``hold``)
+        self.plans = PlanCache()  # the byte views of the hooks' tensors, kept across steps
 
     def put(self, phase: dict[str, Any], views: dict[str, Any]) -> None:
         """Add one hook call's views to ``phase`` as entries; its device tensors copied now (or
@@ -247,29 +245,29 @@ class StepPack:
             if now:
                 self._copy(now)
 
-    def _copy(self, items: list) -> None:
-        """One ``cat`` of ``items`` (``(box, key, slot, tensor)``, as bytes) into the ring."""
-        flat, places, total = [], [], 0
-        for box, key, slot, t in items:
-            b = t.reshape(-1)
-            if not b.is_contiguous():  # a strided column or an expanded view: reshape kept its strides
-                b = b.contiguous()
-            if b.dtype is not torch.uint8:
-                b = b.view(torch.uint8)  # uint8[numel * itemsize]
-            n = b.shape[0]
-            flat.append(b)
-            places.append((box, key, slot, _DTYPES[t.dtype], tuple(t.shape), n))
-            total += n
+    def _copy(self, items: list, *, planned: bool = True) -> None:
+        """One ``cat`` of ``items`` (``(box, key, slot, tensor)``, as bytes) into the ring.
+        ``planned``: the byte views come from ``self.plans`` when the hook handed the same memory
+        as before (vLLM's persistent buffers: every step's hook call after the first)."""
+        tensors = [it[3] for it in items]
+        sig, plan = self.plans.get(tensors) if planned else (None, None)
+        if plan is None:
+            plan = CopyPlan.of(tensors)
+            flat = plan.flat
+            if planned:
+                self.plans.put(sig, plan)
+        else:
+            flat = plan.flat if not plan.fresh_bytes else plan.bytes_now(tensors)
         ring = self.ring
-        at = ring.reserve(total)
+        at = ring.reserve(plan.total)
         if at is None:
             return  # the ring is full: the step is dropped (DeviceRing.finish counts it)
-        out = ring.buf[at:at + total]
+        out = ring.buf[at:at + plan.total]
         if len(flat) == 1:
             out.copy_(flat[0])
         else:
             torch.cat(flat, out=out)
-        self.layout.append((at - ring.start, places))
+        self.layout.append((at - ring.start, [(box, key, slot, *m) for (box, key, slot, _), m in zip(items, plan.meta)]))
 
     def _entry(self, value: Any, box: Any, key: Any, now: list) -> Any:
         if isinstance(value, torch.Tensor):
@@ -305,15 +303,16 @@ class StepPack:
         if self.device is None:
             self.device = t.device
             self.ring.ensure(t.device)
-        return t.device == self.device and t.dtype in _DTYPES
+        return t.device == self.device and t.dtype in DTYPES
 
     def stage(self, phases: dict[str, dict[str, Any]]) -> StagedStep | None:
         """The step's copies on their way to the host: the fresh tensors copied into the ring
         (one ``cat``), one event on the current stream; no synchronisation. None when
         the ring had no room for the step (dropped: ``ring.overflow_steps`` counts it)."""
         if self.fresh:
-            self._copy(self.fresh)
+            self._copy(self.fresh, planned=False)  # computed by the hooks this step: new memory every step
         layout, self.layout, self.fresh, self.memo = self.layout, [], [], {}
+        self.plans.staged()
         dropped = self.ring.dropped
         span = self.ring.finish()
         if dropped:
