@@ -19,13 +19,18 @@ steps, the sink drained between repeats; the figures are medians per step: the l
 its ratio to ``off`` (what vLLM would see; on a machine with few, shared cores the writer's own CPU
 time competes with the loop's), the step thread's CPU time and its ratio (``time.thread_time``: the
 hooks' own cost, whatever else runs), and ``hook_us``, the wall time inside the hooks on the step
-thread (``RankRecorder.seconds``; a writer thread's hold on the GIL shows here).
+thread (``RankRecorder.seconds``; a writer thread's hold on the GIL shows here). The garbage
+collector's heap is frozen after the warm-up, as vLLM's ``EngineCore`` freezes it after start-up
+(``v1/engine/core.py:243``): without that, the young collections the hooks' allocations trigger
+scan the whole unfrozen heap and cost the hooks more than everything else (1.3-1.8 ms a step here
+against 0.4-0.6 ms frozen, 2026-12-03).
 ``PCPVIZ_WRITER=thread`` measures the writer thread instead of the writer process.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -210,6 +215,8 @@ def bench_case(r: int, pcp: int, *, steps: int, repeats: int, ops: int, ctx: int
         s.mode = "record"
         x = step(rec, st, x, ops, on=True)
     rec.sink.drain()
+    gc.collect()
+    gc.freeze()  # as vLLM's EngineCore does after start-up (v1/engine/core.py:243, utils/gc_utils.py:120-131)
     per_step: dict[str, list[float]] = {m: [] for m in MODES}
     cpu_step: dict[str, list[float]] = {m: [] for m in MODES}
     hook_us: dict[str, list[float]] = {m: [] for m in MODES}
