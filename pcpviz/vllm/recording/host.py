@@ -302,8 +302,10 @@ class StepPack:
     def _packable(self, t: torch.Tensor) -> bool:
         if self.device is None:
             self.device = t.device
+            self._device_index = t.get_device()  # -1 on the CPU: an int compares without a device object
+            self._is_cuda = t.is_cuda
             self.ring.ensure(t.device)
-        return t.device == self.device and t.dtype in DTYPES
+        return t.get_device() == self._device_index and t.is_cuda == self._is_cuda and t.dtype in DTYPES
 
     def stage(self, phases: dict[str, dict[str, Any]]) -> StagedStep | None:
         """The step's copies on their way to the host: the fresh tensors copied into the ring
