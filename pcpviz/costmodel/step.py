@@ -7,8 +7,8 @@ does follows vLLM 0.33.0 (docs/vllm-0.33-pcp-mtp.md):
 * **PCP prefill** (``pcp`` = P ranks): DualChunkSwap gives each rank N/P query tokens and an
   equal share of the causal query-key pairs. Each layer all-gathers the new tokens' latent KV
   rows (every rank keeps the whole cache: DCP = 1, not modelled otherwise) and each rank
-  up-projects all gathered rows to keys and values (``kv_b``; not split by P). The hidden states are all-gathered once before
-  sampling (``restore_hidden_states``).
+  up-projects all gathered rows to keys and values (``kv_b``; not split by P). The hidden
+  states are all-gathered once before sampling (``restore_hidden_states``).
 * **Decode**: requests are sharded, one owner rank each, so a rank computes ceil(B/P) of them
   and reads their whole latent cache (absorbed MLA: one 576-wide row per position and layer).
 * **MTP** (``k`` = K drafts): the target verifies K+1 tokens per request; the draft runs K

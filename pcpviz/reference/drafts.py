@@ -65,7 +65,8 @@ def draft_prefill_inputs(input_ids: np.ndarray, query_start_loc: np.ndarray, *,
 def unwritten_rows(query_start_loc: np.ndarray, last_token_indices: np.ndarray) -> np.ndarray:
     """bool[T]: the rows ``prepare_prefill_inputs`` does not write, those past each request's last
     valid row (its rejected drafts). vLLM's buffer keeps whatever it held there; draft_0 still
-    runs those rows (and writes their K/V), they are only never sampled. With the module example's ``last`` = [1, 7]: rows 2 and 3 (d0's two rejected drafts)::
+    runs those rows (and writes their K/V), they are only never sampled. With the module
+    example's ``last`` = [1, 7]: rows 2 and 3 (d0's two rejected drafts)::
 
         >>> unwritten_rows(np.array([0, 4, 8]), np.array([1, 7])).nonzero()[0].tolist()
         [2, 3]
