@@ -15,12 +15,12 @@ from pcpviz.costmodel.points import Case, MeasuredPoint, Points, RatioPoint, loa
 from pcpviz.costmodel.specs import H200, Hardware, ModelSpec, System, deepseek_v3, model_by_name, tiny_model
 from pcpviz.costmodel.step import (StepCost, causal_pairs, conditional_from_vllm, decode_step,
                                    decode_time_per_token, expected_accepted_tokens, geometric_acceptance,
-                                   mtp_speedup, pcp_prefill_speedup, prefill_step, prefill_time,
-                                   seconds_text)
+                                   moe_pcp_bytes, mtp_speedup, pcp_prefill_speedup, prefill_step,
+                                   prefill_time, seconds_text)
 
 __all__ = ["H200", "Hardware", "ModelSpec", "System", "deepseek_v3", "tiny_model", "model_by_name",
            "StepCost", "causal_pairs", "prefill_step", "prefill_time", "decode_step", "decode_time_per_token",
            "expected_accepted_tokens", "conditional_from_vllm", "geometric_acceptance", "mtp_speedup",
            "pcp_prefill_speedup", "Case", "MeasuredPoint", "RatioPoint", "Points", "load_points", "PRIORS",
            "Fit", "fit", "format_fit", "load_fit", "predict_case", "systems_from", "write_fit", "pcp_breakeven",
-           "pcp_curve", "mtp_grid", "seconds_text"]
+           "pcp_curve", "mtp_grid", "seconds_text", "moe_pcp_bytes"]

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a system of the fit file (vllm-eager, vllm-graphs, engine, engine-v2)")
     p.add_argument("--attn-eff", type=_efficiency, default=None, help="override the system's attention efficiency")
     p.add_argument("--fit", default=None, help=f"fit file (default {DEFAULT_FIT})")
+    p.add_argument("--moe-gather", action="store_true",
+                   help="add the MoE's PCP all-gather and reduce-scatter (vLLM without expert parallelism)")
     return ap
 
 
@@ -115,23 +117,26 @@ def cmd_predict(args) -> int:
           f"in all; {H200.name}, TP={tp}, system {args.system}"
           f"{f' (attention efficiency {sysm.attn_eff:g})' if args.attn_eff is not None else ''} "
           f"from {os.path.relpath(path)}")
+    mg = args.moe_gather
+    if mg:
+        print("  with the MoE's PCP all-gather and reduce-scatter (--moe-gather; not fitted to any MoE point)")
     kw = dict(k=k, tp=tp, chunk=args.chunk)
     one = prefill_time(model, H200, sysm, tokens=n, pcp=1, **kw)
-    many = prefill_time(model, H200, sysm, tokens=n, pcp=args.pcp, **kw)
+    many = prefill_time(model, H200, sysm, tokens=n, pcp=args.pcp, moe_gather=mg, **kw)
     print(f"prefill of {n:,} tokens (K={k}): PCP=1 {_ms(one)}, PCP={args.pcp} {_ms(many)}: {one / many:.2f}x")
     if args.chunk is None:
-        st = prefill_step(model, H200, sysm, tokens=n, pcp=args.pcp, k=k, tp=tp)
+        st = prefill_step(model, H200, sysm, tokens=n, pcp=args.pcp, k=k, tp=tp, moe_gather=mg)
         print(f"  PCP={args.pcp} step: overhead {_ms(st.overhead_s)}, GEMM {_ms(st.gemm_s)}, attention "
               f"{_ms(st.attention_s)}, collectives {_ms(st.comm_s)}, draft {_ms(st.draft_s)}")
     if args.pcp > 1:
         target = min(1.5, args.pcp * 0.75)
-        be = pcp_breakeven(model, H200, sysm, pcp=args.pcp, threshold=target, k=k, tp=tp)
+        be = pcp_breakeven(model, H200, sysm, pcp=args.pcp, threshold=target, k=k, tp=tp, moe_gather=mg)
         print(f"  PCP={args.pcp} beats PCP=1 by {target:g}x from "
               f"{f'{be:,} tokens' if be else 'beyond 16.8M tokens (never here)'} (one step)")
-    d0 = decode_step(model, H200, sysm, batch=args.batch, context=n, k=0, pcp=args.pcp, tp=tp)
+    d0 = decode_step(model, H200, sysm, batch=args.batch, context=n, k=0, pcp=args.pcp, tp=tp, moe_gather=mg)
     line = f"decode, batch {args.batch} at {n:,} positions, PCP={args.pcp}: K=0 {_ms(d0.total_s)} a step"
     if k:
-        dk = decode_step(model, H200, sysm, batch=args.batch, context=n, k=k, pcp=args.pcp, tp=tp)
+        dk = decode_step(model, H200, sysm, batch=args.batch, context=n, k=k, pcp=args.pcp, tp=tp, moe_gather=mg)
         accepted = expected_accepted_tokens(acc)
         line += (f"; K={k} {_ms(dk.total_s)} a step, acceptance {', '.join(f'{a:g}' for a in acc)}: "
                  f"{accepted:.2f} tokens a step: MTP {accepted * d0.total_s / dk.total_s:.2f}x")

@@ -4,7 +4,8 @@ Plain functions over ``step``; the notebook and ``python -m pcpviz.costmodel pre
 them. With the shipped fit (docs/cost-model.md has the table), PCP=2 prefill beats PCP=1 by
 1.5x only from ~130k tokens for the tiny model under vLLM (four times the 32k positions it
 has; until then its per-token PCP host work is as large as the attention PCP halves), but
-from ~3k tokens for DeepSeek-V3 on TP=8, whose attention dwarfs every fixed cost.
+from ~3k tokens for DeepSeek-V3 on TP=8, whose attention dwarfs every fixed cost (from ~37k once
+its MoE's PCP all-gather and reduce-scatter are counted: ``moe_gather=True``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ __all__ = ["pcp_breakeven", "pcp_curve", "mtp_grid"]
 
 
 def pcp_breakeven(model: ModelSpec, hw: Hardware, sysm: System, *, pcp: int = 2, threshold: float = 1.5,
-                  k: int = 0, tp: int = 1, lo: int = 256, hi: int = 1 << 24) -> int | None:
+                  k: int = 0, tp: int = 1, lo: int = 256, hi: int = 1 << 24, moe_gather: bool = False) -> int | None:
     """The shortest prompt (one prefill step) whose PCP=1 time over PCP=``pcp`` time reaches
     ``threshold``; None if not by ``hi`` tokens. Scans powers of 2^(1/8), then bisects, so the
     answer is exact to a token when the speedup grows with length (it does here: the quadratic
@@ -26,7 +27,7 @@ def pcp_breakeven(model: ModelSpec, hw: Hardware, sysm: System, *, pcp: int = 2,
         raise ValueError(f"threshold {threshold} must be below pcp={pcp} (the limit)")
 
     def good(n: int) -> bool:
-        return pcp_prefill_speedup(model, hw, sysm, tokens=n, pcp=pcp, k=k, tp=tp) >= threshold
+        return pcp_prefill_speedup(model, hw, sysm, tokens=n, pcp=pcp, k=k, tp=tp, moe_gather=moe_gather) >= threshold
 
     prev, n = None, lo
     while n <= hi:

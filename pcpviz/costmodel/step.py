@@ -6,14 +6,21 @@ does follows vLLM 0.33.0 (docs/vllm-0.33-pcp-mtp.md):
 
 * **PCP prefill** (``pcp`` = P ranks): DualChunkSwap gives each rank N/P query tokens and an
   equal share of the causal query-key pairs. Each layer all-gathers the new tokens' latent KV
-  rows (every rank keeps the whole cache) and each rank up-projects all gathered rows to keys
-  and values (``kv_b``; not split by P). The hidden states are all-gathered once before
-  sampling (``restore_hidden_states``).
+  rows (every rank keeps the whole cache: DCP = 1, not modelled otherwise) and each rank
+  up-projects all gathered rows to keys and values (``kv_b``; not split by P). The hidden
+  states are all-gathered once before sampling (``restore_hidden_states``).
 * **Decode**: requests are sharded, one owner rank each, so a rank computes ceil(B/P) of them
   and reads their whole latent cache (absorbed MLA: one 576-wide row per position and layer).
 * **MTP** (``k`` = K drafts): the target verifies K+1 tokens per request; the draft runs K
   forwards of the one MTP layer, the first over the verified tokens (local rows, KV gathered
   like the target's), the other K-1 over one token per request, replicated on every rank.
+* **The MoE's PCP traffic** (``moe_gather=True``, off by default): without expert parallelism
+  vLLM 0.33.0's MoE layer all-gathers its hidden states and router logits over the PCP group and
+  reduce-scatters its output (``fused_moe/runner/moe_runner.py`` lines 824-829, 853-861) in every
+  forward, target and draft, the replicated draft steps included (they gather N copies of the
+  same rows). ``moe_pcp_bytes`` counts it; with expert parallelism the tokens travel in the
+  all-to-all instead, which is not modelled. No measured MoE point exists, so nothing is fitted
+  to it.
 
 Worked example (tiny model, the shipped vLLM-eager fit, a 16,384-token prefill with K=2): at
 PCP=1 the step is ~17.6 ms: overhead 4.9 ms, target attention 5.4 ms (0.69 TFLOP at the fitted
@@ -31,7 +38,7 @@ from pcpviz.costmodel.specs import Hardware, ModelSpec, System
 
 __all__ = ["StepCost", "seconds_text", "causal_pairs", "prefill_step", "prefill_time", "decode_step",
            "expected_accepted_tokens", "conditional_from_vllm", "geometric_acceptance",
-           "decode_time_per_token", "mtp_speedup", "pcp_prefill_speedup"]
+           "decode_time_per_token", "mtp_speedup", "pcp_prefill_speedup", "moe_pcp_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +48,7 @@ class StepCost:
     overhead_s: float   # host / launch: step_s, layer_s, token_s, pcp_token_s
     gemm_s: float       # target GEMMs (weights read or FLOPs, whichever binds)
     attention_s: float  # target attention
-    comm_s: float       # PCP all-gathers and TP all-reduces
+    comm_s: float       # PCP all-gathers (KV, hidden states; the MoE's with moe_gather) and TP all-reduces
     draft_s: float      # the K draft forwards, all their terms
 
     @property
@@ -88,6 +95,29 @@ def _collective(nbytes: float, gpus: int, hw: Hardware, *, count: int = 1) -> fl
     if gpus <= 1 or count == 0:
         return 0.0
     return count * hw.link_latency_s + nbytes / hw.link_bytes_per_s(gpus)
+
+
+def moe_pcp_bytes(model: ModelSpec, rows: float, *, mtp: bool = False) -> float:
+    """Bytes one GPU receives in one forward's MoE PCP collectives, ``rows`` being the rows the
+    other PCP ranks hold (``(P-1)/P`` of the gathered rows): per MoE layer an all-gather of the
+    hidden states and of the router logits (counted at ``act_bytes``) and a reduce-scatter of the
+    output. ``mtp``: the MTP module's one layer, if it routes experts. DeepSeek-V3, one row:
+    58 layers x (7168 + 256 + 7168) x 2 B, ~25 times the 576-wide latent row its attention gathers::
+
+        >>> from pcpviz.costmodel.specs import deepseek_v3
+        >>> v3 = deepseek_v3(); moe_pcp_bytes(v3, 1) / v3.moe_layers, v3.latent_dim * v3.kv_bytes
+        (29184.0, 1152.0)
+    """
+    layers = (1 if model.mtp_moe else 0) if mtp else model.moe_layers
+    return rows * layers * (2 * model.hidden + model.routed_experts) * model.act_bytes
+
+
+def _moe_collectives(model: ModelSpec, hw: Hardware, rows: float, gpus: int, *, pcp: int, mtp: bool = False) -> float:
+    """``moe_pcp_bytes`` as time: three collectives a MoE layer (none at PCP = 1 or without MoE)."""
+    if pcp <= 1:
+        return 0.0
+    layers = (1 if model.mtp_moe else 0) if mtp else model.moe_layers
+    return _collective(moe_pcp_bytes(model, rows, mtp=mtp), gpus, hw, count=3 * layers)
 
 
 def _gemm(model: ModelSpec, hw: Hardware, sysm: System, *, tokens: float, kv_b_tokens: float,
@@ -138,11 +168,13 @@ def _check(**kw: float) -> None:
 
 
 def prefill_step(model: ModelSpec, hw: Hardware, sysm: System, *, tokens: int, context: int = 0,
-                 pcp: int = 1, k: int = 0, tp: int = 1, with_step: bool = True) -> StepCost:
+                 pcp: int = 1, k: int = 0, tp: int = 1, with_step: bool = True,
+                 moe_gather: bool = False) -> StepCost:
     """One step prefilling ``tokens`` new tokens of one request after ``context`` cached ones.
 
     ``with_step=False`` leaves out ``step_s`` and the draft: the target forward alone (what
-    the engine's trace times). Example, tiny model, 32,000 tokens, PCP=2: each rank attends
+    the engine's trace times). ``moe_gather=True`` adds the MoE's PCP collectives
+    (``moe_pcp_bytes``). Example, tiny model, 32,000 tokens, PCP=2: each rank attends
     16,000 queries to half the 5.1e8 causal pairs and all-gathers 18.4 MB of latent rows per
     layer; the per-token host terms still see all 32,000 tokens.
     """
@@ -160,6 +192,8 @@ def prefill_step(model: ModelSpec, hw: Hardware, sysm: System, *, tokens: int, c
     comm = _collective(latent * model.layers + hidden, gpus, hw, count=model.layers + 1) if pcp > 1 else 0.0
     comm += _collective(2 * 2 * (tp - 1) / tp * local * model.hidden * model.act_bytes * model.layers,
                         tp, hw, count=2 * model.layers)
+    moe_rows = (pcp - 1) / pcp * tokens
+    comm += _moe_collectives(model, hw, moe_rows, gpus, pcp=pcp) if moe_gather else 0.0
     draft = 0.0
     if with_step and k > 0 and model.mtp_layers:
         draft = _draft_forward(model, hw, sysm, tokens=local, kv_b_tokens=ctx_after, pairs=pairs,
@@ -167,6 +201,9 @@ def prefill_step(model: ModelSpec, hw: Hardware, sysm: System, *, tokens: int, c
         draft += _collective(latent + hidden, gpus, hw, count=2) if pcp > 1 else 0.0
         draft += (k - 1) * _draft_forward(model, hw, sysm, tokens=1, kv_b_tokens=1, pairs=0,
                                           context=ctx_after + 1, tp=tp, decode=True)
+        if moe_gather:  # draft_0 on the local rows, then K-1 replicated steps of the one request
+            draft += _moe_collectives(model, hw, moe_rows, gpus, pcp=pcp, mtp=True)
+            draft += (k - 1) * _moe_collectives(model, hw, pcp - 1, gpus, pcp=pcp, mtp=True)
     return StepCost(overhead, gemm, attn, comm, draft)
 
 
@@ -184,7 +221,7 @@ def _draft_forward(model: ModelSpec, hw: Hardware, sysm: System, *, tokens: floa
 
 
 def prefill_time(model: ModelSpec, hw: Hardware, sysm: System, *, tokens: int, chunk: int | None = None,
-                 pcp: int = 1, k: int = 0, tp: int = 1, with_step: bool = True) -> float:
+                 pcp: int = 1, k: int = 0, tp: int = 1, with_step: bool = True, moe_gather: bool = False) -> float:
     """Seconds to prefill a ``tokens``-token prompt in chunks of at most ``chunk`` tokens
     (the scheduler's token budget; None: one step). 30,000 tokens at a 16,384 budget: two
     steps, the second attending 13,616 queries to 16,384 cached positions as well."""
@@ -194,14 +231,15 @@ def prefill_time(model: ModelSpec, hw: Hardware, sysm: System, *, tokens: int, c
     while done < tokens:
         q = min(chunk, tokens - done)
         total += prefill_step(model, hw, sysm, tokens=q, context=done, pcp=pcp, k=k, tp=tp,
-                              with_step=with_step).total_s
+                              with_step=with_step, moe_gather=moe_gather).total_s
         done += q
     return total
 
 
 def decode_step(model: ModelSpec, hw: Hardware, sysm: System, *, batch: int, context: int, k: int = 0,
-                pcp: int = 1, tp: int = 1) -> StepCost:
-    """One decode step of ``batch`` requests at ``context`` positions, verifying ``k`` drafts each.
+                pcp: int = 1, tp: int = 1, moe_gather: bool = False) -> StepCost:
+    """One decode step of ``batch`` requests at ``context`` positions, verifying ``k`` drafts each
+    (``moe_gather``: as for ``prefill_step``).
 
     Example, DeepSeek-V3 on TP=8, batch 1, 128k positions, K=0: ~37 B fp8 weights / 8 GPUs and
     61 x 131,072 x 576 x 2 B = 9.2 GB of latent cache per GPU (MLA's latent is not split by
@@ -220,6 +258,7 @@ def decode_step(model: ModelSpec, hw: Hardware, sysm: System, *, batch: int, con
                        pcp * tp, hw, count=model.layers + 1) if pcp > 1 else 0.0
     comm += _collective(2 * 2 * (tp - 1) / tp * reqs * q * model.hidden * model.act_bytes * model.layers,
                         tp, hw, count=2 * model.layers)
+    comm += _moe_collectives(model, hw, rows, pcp * tp, pcp=pcp) if moe_gather else 0.0
     draft = 0.0
     if k > 0 and model.mtp_layers:
         draft = _draft_forward(model, hw, sysm, tokens=reqs * q, kv_b_tokens=reqs * q, pairs=0,
@@ -228,6 +267,9 @@ def decode_step(model: ModelSpec, hw: Hardware, sysm: System, *, batch: int, con
                              pcp * tp, hw, count=2) if pcp > 1 else 0.0
         draft += (k - 1) * _draft_forward(model, hw, sysm, tokens=batch, kv_b_tokens=batch, pairs=0,
                                           context=context + q, tp=tp, decode=True, reqs=batch)
+        if moe_gather:  # draft_0 on the owners' rows, then K-1 replicated steps of every request
+            draft += _moe_collectives(model, hw, rows, pcp * tp, pcp=pcp, mtp=True)
+            draft += (k - 1) * _moe_collectives(model, hw, (pcp - 1) * batch, pcp * tp, pcp=pcp, mtp=True)
     return StepCost(overhead, gemm, attn, comm, draft)
 
 
@@ -288,8 +330,9 @@ def mtp_speedup(model: ModelSpec, hw: Hardware, sysm: System, *, batch: int, con
 
 
 def pcp_prefill_speedup(model: ModelSpec, hw: Hardware, sysm: System, *, tokens: int, pcp: int,
-                        chunk: int | None = None, k: int = 0, tp: int = 1) -> float:
+                        chunk: int | None = None, k: int = 0, tp: int = 1, moe_gather: bool = False) -> float:
     """Prefill time at PCP=1 over PCP=``pcp``: tends to ``pcp`` as causal attention (quadratic)
     outgrows every term PCP does not split (linear)."""
     one = prefill_time(model, hw, sysm, tokens=tokens, chunk=chunk, pcp=1, k=k, tp=tp)
-    return one / prefill_time(model, hw, sysm, tokens=tokens, chunk=chunk, pcp=pcp, k=k, tp=tp)
+    return one / prefill_time(model, hw, sysm, tokens=tokens, chunk=chunk, pcp=pcp, k=k, tp=tp,
+                              moe_gather=moe_gather)

@@ -4,9 +4,10 @@ MLA caches one latent vector per token and layer: ``kv_c`` (``kv_lora_rank``)
 concatenated with the roped ``k_pe`` (``qk_rope_head_dim``) — 576 numbers for
 DeepSeek-sized ranks. The cache is a flat ``[num_blocks * block_size, 576]``
 tensor per layer, indexed by KV *slot* (``block_id * block_size + offset``).
-Under PCP every rank holds a full replica: the target and the draft prefill
-all-gather the new latents and write them through the gathered slot mapping
-(PAD = -1 rows are skipped); replicated draft decodes write locally through
+Under PCP with DCP = 1 every rank holds a full replica (with DCP > 1 its DCP share: the
+slots of tokens another DCP rank stores are PAD, vLLM's ``block_table.py:394, 411``). The
+target and the draft prefill all-gather the new latents and write them through the gathered
+slot mapping (PAD = -1 rows are skipped); replicated draft decodes write locally through
 their unexpanded mapping.
 
 Attention of a query at position p of a request reads that request's slots for

@@ -89,7 +89,8 @@ def _set_up(cfg: RunConfig):
     model = load_model(cfg.model_dir, device=device, dtype=getattr(torch, cfg.dtype))
     model.eval()
     if cfg.warmup:
-        # A dummy forward (no cache, no collectives, like vLLM's profile run) so the first
+        # A dummy forward (no cache, no collectives: the model is dense; vLLM's profile run skips
+        # the KV gather too, but an MoE model's still gathers its experts' tokens) so the first
         # timed step does not pay for kernel/library initialisation.
         with torch.no_grad():
             ids = torch.arange(16, device=device) % model.config.vocab_size

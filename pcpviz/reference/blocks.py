@@ -13,8 +13,11 @@ Three slot mappings appear in one PCP+MTP step (PAD = -1 means "write nothing"):
   rank-major row order (``padded_gather_idx``), PAD where ``kv_write_mask`` is
   False, so each slot is written once per KV replica;
 * ``draft``   ``[G, R]``   the replicated draft decodes (steps 1..K-1): one token
-  per request, *unexpanded* — its length R (not N*P) is how the attention layer
-  knows to write locally without an all-gather.
+  per request, *unexpanded*. These are the R real columns: vLLM's mapping is
+  ``[G, num_tokens]``, PAD past R up to the padded draft batch (CUDA graphs, DP).
+  The attention layer writes locally because the mapping is no longer than its
+  own, equally padded rows (vLLM's ``v1/attention/ops/pcp.py:29``), not because
+  its length is R.
 
 PCP=2 example (block_size 4; decode b in request-state slot 0 owns block [5], request a in
 slot 2 owns blocks [7, 3]; vLLM orders the decode first)::

@@ -10,8 +10,10 @@ these functions.
   ``num_rejected`` were rejected drafts, so ``valid = q - num_rejected`` rows; row ``j <
   valid - 1`` takes the target id of row ``j + 1``; the last valid row (``last_token_indices[i]
   = query_start + valid - 1``) takes the token just sampled, or, when nothing was sampled (a
-  partial prefill chunk), the prompt token after the chunk. Rows past the valid ones are never
-  read; here they keep the shifted ids (the last global row keeps its own id).
+  partial prefill chunk), the prompt token after the chunk. Rows past the valid ones are not
+  written but not skipped: draft_0 runs them and writes their K/V at the target's slots (later
+  steps write those positions again); they are only never sampled. Here they keep the shifted ids
+  (the last global row keeps its own id).
 * **draft decodes** (``draft_decode_positions``): draft_1 runs at
   ``positions[last_token_indices] + 1``, every later step one further, seq_len = position + 1
   (vLLM clamps both at ``max_model_len``).
@@ -62,8 +64,9 @@ def draft_prefill_inputs(input_ids: np.ndarray, query_start_loc: np.ndarray, *,
 
 def unwritten_rows(query_start_loc: np.ndarray, last_token_indices: np.ndarray) -> np.ndarray:
     """bool[T]: the rows ``prepare_prefill_inputs`` does not write, those past each request's last
-    valid row (its rejected drafts). vLLM's buffer keeps whatever it held there; they are never
-    read. With the module example's ``last`` = [1, 7]: rows 2 and 3 (d0's two rejected drafts)::
+    valid row (its rejected drafts). vLLM's buffer keeps whatever it held there; draft_0 still
+    runs those rows (and writes their K/V), they are only never sampled. With the module
+    example's ``last`` = [1, 7]: rows 2 and 3 (d0's two rejected drafts)::
 
         >>> unwritten_rows(np.array([0, 4, 8]), np.array([1, 7])).nonzero()[0].tolist()
         [2, 3]

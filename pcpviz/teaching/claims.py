@@ -5,8 +5,9 @@ installed library). Each ``CorrectedClaim`` names the files that state it (``REV
 review map), a phrase each must contain (``says``, whitespace collapsed), phrases none may contain
 any more (``not_says``: the wrong version), and the vLLM lines that show it (``VllmRef``; a test
 reads the installed package). ``tests/teaching/test_claims.py`` holds every claim to the files and
-to vLLM, and runs the computation behind it where one exists. The ten rows are issue 25's
-corrections; row 9, for example::
+to vLLM, and runs the computation behind it where one exists. Rows 1-10 are issue 25's
+corrections, rows 11-26 issue 36's (what a dense model hid: the MoE's PCP collectives, the sparse
+indexer, the CUDA-graph defaults); row 9, for example::
 
     >>> c = load_claims()["row 9"]; c.says[0][0], c.vllm[-1].anchor
     ('notebooks/00_quickstart.ipynb', 'if slot_mapping.shape[0] <= local_num_tokens:')

@@ -58,6 +58,10 @@ COVERAGE: tuple[Coverage, ...] = (
              (("producer", ("vllm-plugin",)), ("pcp", (3, 4, 8))), "the CPU replay and the engine run PCP = 3 and 4"),
     Coverage("real-model", "a full-size model (DeepSeek-V3 / V3.2)", "not run", (), (),
              "only the tiny model (pcpviz-tiny-dsv3) ran on GPUs"),
+    Coverage("moe-sparse-mla", "an MoE model with sparse MLA (GLM-5 / DeepSeek-V3.2 class): the MoE's PCP "
+             "all-gather and reduce-scatter, the indexer's fold, share_mtp_topk_indices off", "not run", (), (),
+             "every model here is dense (dense MLP, dense MLA, no indexer): read from the source only "
+             "(docs/vllm-0.33-pcp-mtp.md); the cost model prices the MoE traffic on request (moe_gather)"),
     Coverage("cpu-vllm", "vLLM's own PCP + MTP / DSpark classes on CPU (layout, gathers, propose, dummy runs, "
              "graph dispatch)", "CPU", (), (), "stand-in models; tests/vllm/"),
 )

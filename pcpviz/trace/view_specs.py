@@ -222,7 +222,8 @@ VIEW_SPECS: tuple[ViewSpec, ...] = tuple(
         ("block_table_draft", "int32", "[G, R, W] or [R, W]", "block-table rows draft step k used (the "
          "global rows)", dict(align=("req", -2), pad="0: unused columns", panel="block_tables")),
         ("slot_mapping_draft", "int64", "[G, R] or [R]", "KV slots draft step k writes, unexpanded (one per "
-         "request)", dict(align=("req", -1), pad="PAD_SLOT (-1) on rows not written", panel="slot_mappings")),
+         "request: the R real columns of vLLM's [G, num_tokens], PAD past R up to the padded draft batch)",
+         dict(align=("req", -1), pad="PAD_SLOT (-1) on rows not written", panel="slot_mappings")),
     ])
     + _specs("forward consumed", (_D0, _DK), [
         ("fwd_source", "str", "[]", "vLLM only: where the fwd_* views were read: 'model_call' (the draft "

@@ -7,6 +7,8 @@
   to P for huge prompts and is below 1 for the tiny model at 16k under vLLM (as measured); the
   MTP speedup stays below the tokens a step (L), tends to L when only the per-step overhead
   counts, is below 1 at zero acceptance and grows with acceptance.
+* The MoE's PCP traffic term (``moe_gather``): zero for a dense model and at PCP = 1, its bytes
+  and collectives as vLLM's MoE layer moves them, PCP paying off later with it.
 * The model shapes match the shipped weights (tiny) and DeepSeek's 671 B / 37 B (DeepSeek-V3).
 * The command line: one-line errors and exit 2 on bad options.
 """
@@ -205,6 +207,44 @@ def test_where_pcp_pays_off(fitted, models):
     assert cm.pcp_prefill_speedup(v3, cm.H200, eager, tokens=131072, pcp=2, tp=8) > 1.9
 
 
+def test_the_moe_pcp_traffic_term(fitted, models):
+    """moe_gather=True adds vLLM's MoE all-gather (hidden states, router logits) and reduce-scatter
+    over PCP (moe_runner.py 824-829, 853-861) to every forward, replicated draft steps included;
+    nothing for a dense model, nothing at PCP = 1."""
+    s, tiny, v3 = fitted.systems["vllm-eager"], models["tiny"], models["deepseek-v3"]
+    hw = cm.H200
+    assert tiny.moe_layers == 0 and cm.moe_pcp_bytes(tiny, 1000) == 0
+    assert cm.prefill_step(tiny, hw, s, tokens=16384, pcp=2, k=2, moe_gather=True) == cm.prefill_step(
+        tiny, hw, s, tokens=16384, pcp=2, k=2)
+    assert cm.prefill_step(v3, hw, s, tokens=8192, tp=8, k=2, moe_gather=True) == cm.prefill_step(
+        v3, hw, s, tokens=8192, tp=8, k=2)
+    # one row: 58 layers x (7168 + 256 + 7168) bf16 values, ~25 latent KV rows (576 wide)
+    assert cm.moe_pcp_bytes(v3, 1) == 58 * (2 * 7168 + 256) * 2
+    assert cm.moe_pcp_bytes(v3, 1, mtp=True) == (2 * 7168 + 256) * 2 and v3.mtp_moe
+    assert cm.moe_pcp_bytes(v3, 1) / v3.moe_layers / (v3.latent_dim * v3.kv_bytes) > 25
+    # the target's term: 8,192 rows from the other rank, 3 collectives a MoE layer, between nodes
+    n, pcp, tp = 16384, 2, 8
+    plain = cm.prefill_step(v3, hw, s, tokens=n, pcp=pcp, tp=tp, k=2)
+    moe = cm.prefill_step(v3, hw, s, tokens=n, pcp=pcp, tp=tp, k=2, moe_gather=True)
+    want = 3 * 58 * hw.link_latency_s + cm.moe_pcp_bytes(v3, n / 2) / hw.internode_bytes_per_s
+    assert moe.comm_s - plain.comm_s == pytest.approx(want)
+    draft = 3 * hw.link_latency_s + cm.moe_pcp_bytes(v3, n / 2, mtp=True) / hw.internode_bytes_per_s
+    draft += 3 * hw.link_latency_s + cm.moe_pcp_bytes(v3, 1, mtp=True) / hw.internode_bytes_per_s  # K-1 = 1
+    assert moe.draft_s - plain.draft_s == pytest.approx(draft)
+    # decode: the replicated draft steps gather every request's row from the other rank
+    d_plain = cm.decode_step(v3, hw, s, batch=4, context=4096, k=3, pcp=2, tp=8)
+    d_moe = cm.decode_step(v3, hw, s, batch=4, context=4096, k=3, pcp=2, tp=8, moe_gather=True)
+    rows = 2 * 4  # (P-1) x ceil(4/2) requests x 4 tokens
+    assert d_moe.comm_s - d_plain.comm_s == pytest.approx(
+        3 * 58 * hw.link_latency_s + cm.moe_pcp_bytes(v3, rows) / hw.internode_bytes_per_s)
+    assert d_moe.draft_s - d_plain.draft_s == pytest.approx(
+        3 * 3 * hw.link_latency_s + cm.moe_pcp_bytes(v3, rows + 2 * 4, mtp=True) / hw.internode_bytes_per_s)
+    # PCP pays off later and less once the MoE's traffic is counted (docs/cost-model.md's numbers)
+    at = cm.pcp_breakeven(v3, hw, s, pcp=2, tp=8, moe_gather=True)
+    assert cm.pcp_breakeven(v3, hw, s, pcp=2, tp=8) < 4000 and 30000 < at < 45000
+    assert 1.75 < cm.pcp_prefill_speedup(v3, hw, s, tokens=131072, pcp=2, tp=8, moe_gather=True) < 1.85
+
+
 def test_expected_accepted_tokens_counts_like_vllm():
     assert cm.expected_accepted_tokens([]) == 1.0
     assert cm.expected_accepted_tokens([1.0, 1.0, 1.0]) == 4.0
@@ -279,6 +319,9 @@ def test_cli_predict_deepseek_v3_at_128k():
     assert "prefill of 131,072 tokens" in r.stdout and "MTP" in r.stdout and "TP=8" in r.stdout
     speedup = float(r.stdout.split("PCP=2 ")[1].split(": ")[1].split("x")[0])
     assert 1.9 < speedup < 2.0
+    r = _cli("predict", "--model", "deepseek-v3", "--context", "131072", "--moe-gather")
+    assert r.returncode == 0, r.stderr
+    assert "--moe-gather" in r.stdout and 1.75 < float(r.stdout.split("PCP=2 ")[1].split(": ")[1].split("x")[0]) < 1.85
 
 
 @pytest.mark.parametrize("args, needle", [

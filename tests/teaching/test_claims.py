@@ -1,8 +1,9 @@
-"""Issue 25's corrections held: every claim of ``pcpviz.teaching.claims`` is stated where it says and
+"""Issue 25's and issue 36's corrections held: every claim of ``pcpviz.teaching.claims`` is stated where it says and
 its wrong version nowhere, every vLLM line it cites holds the cited text in the installed 0.33.0,
 and the computation behind each (where there is one) runs vLLM's own code: the padded draft-decode
 mapping, the gather's row zeroing, the attention CP check, the drafter's PCP sizes, the draft
-prefill's graph modes, the order of reads and writes, the coverage table against data/traces."""
+prefill's graph modes, the order of reads and writes, the coverage table against data/traces, the
+decode-only return of the KV write at DCP > 1."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def test_doctests():
         assert res.attempted > 0 and res.failed == 0, f"{mod.__name__}: {res}"
 
 
-def test_the_ten_rows_are_there():
-    assert sorted(claims.load_claims(), key=lambda k: int(k.split()[1])) == [f"row {i}" for i in range(1, 11)]
+def test_the_rows_are_there():
+    # rows 1-10: issue 25's corrections; rows 11-26: issue 36's (MoE, sparse MLA, CUDA graphs)
+    assert sorted(claims.load_claims(), key=lambda k: int(k.split()[1])) == [f"row {i}" for i in range(1, 27)]
 
 
 @pytest.mark.parametrize("key", sorted(claims.load_claims()))
@@ -106,12 +108,31 @@ def test_padded_draft_decode_mapping_equals_vllms_and_writes_locally():
                                                    num_tokens=padded)
         assert np.asarray(theirs).tolist() == ours.slots.tolist()
         assert (ours.slots[0, 2:] == -1).all() and ours.writes_locally
-        # vLLM's own test takes the local branch: no collective, rows kept as they are
+        # vLLM's own test takes the local branch: no gather, rows kept as they are
         k = torch.arange(padded, dtype=torch.float32)[:, None]
         (kv,), slots = vpcp._gather_prefill_cache_inputs((k,), torch.as_tensor(ours.slots[0]), padded)
         assert kv.shape[0] == padded and slots.tolist() == ours.slots[0].tolist()
     with pytest.raises(ValueError, match="num_tokens_padded"):
         pcp_rules.draft_decode_mapping(table, 4, ex.idx_mapping, positions=ex.draft_positions, num_tokens_padded=1)
+
+
+def test_decode_only_batch_at_dcp_returns_before_gathering(monkeypatch):
+    """Row 17: with replicated decodes (DCP > 1) a batch of decodes only, a dummy one included,
+    keeps its rows and never all-gathers, even with the expanded [N*tokens] mapping; sharded
+    decodes (DCP = 1) all-gather. vLLM's own function, on a stand-in PCP group that counts."""
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.ops import pcp as vpcp
+
+    calls = []
+    group = SimpleNamespace(world_size=2, all_gather=lambda t, dim=0: calls.append(t.shape[0]) or torch.cat([t, t]))
+    monkeypatch.setattr(vpcp, "get_pcp_group", lambda: group)
+    k = torch.arange(3, dtype=torch.float32)[:, None]
+    pad = torch.full((6,), -1, dtype=torch.int64)  # the dummy run's expanded all-PAD mapping
+    (kv,), slots = vpcp._gather_prefill_cache_inputs((k,), pad, 3, shard_decode_requests=False)
+    assert calls == [] and kv.shape[0] == 3 and slots.shape[0] == 3
+    (kv,), slots = vpcp._gather_prefill_cache_inputs((k,), pad, 3, shard_decode_requests=True)
+    assert calls == [3] and kv.shape[0] == 6 and slots.shape[0] == 6
 
 
 def test_gather_rows_equal_vllms_kernel():

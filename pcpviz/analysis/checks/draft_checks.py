@@ -171,8 +171,8 @@ def draft_input_ids(c: Ctx) -> None:
 
 @check("draft_decode_replicated",
         "draft_k (k >= 1) is replicated on the global rows: view 'replicated', slot_mapping_draft "
-        "unexpanded ([G, R]) and equal to the slots of block_table_global's rows at draft_positions, "
-        "none in the null block 0")
+        "unexpanded ([G, R]: the trace keeps the R real columns of vLLM's padded [G, num_tokens]) and equal "
+        "to the slots of block_table_global's rows at draft_positions, none in the null block 0")
 def draft_decode_replicated(c: Ctx) -> None:
     phases = c.draft_phases(1)
     if not phases:

@@ -18,8 +18,10 @@ from pcpviz.reference.layout import PCPLayout, plan_layout
 __all__ = ["STALE", "DraftInputs", "draft_inputs", "DraftExample", "draft_example"]
 
 STALE = -1
-"""Marks a draft input row ``prepare_prefill_inputs`` does not write (a rejected row keeps
-whatever the buffer held; it is never read)."""
+"""Marks a draft input row ``prepare_prefill_inputs`` does not write: a rejected row keeps
+whatever the buffer held. draft_0 still runs it and writes its K/V at the target's slot (the cursor
+advances by ``valid`` only, so a later step writes that position again); it is only never sampled
+(sampling reads ``last_token_indices``)."""
 
 
 @dataclass(frozen=True)

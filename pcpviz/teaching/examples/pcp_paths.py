@@ -91,7 +91,7 @@ def indexer_k_write(*, slot_mapping_rows: int, k_rows: int, pcp: int, num_decode
     elif pcp <= 1:
         path = "no PCP: written as is"
     elif slot_mapping_rows <= kept:
-        path = f"unexpanded: writes k[:{num_decode_tokens}] locally, no collective"
+        path = f"unexpanded: writes k[:{num_decode_tokens}] locally, no gather"
     elif shard_decode_requests:
         path = f"expanded: all-gathers {kept} rows per rank into slots[:{pcp * kept}]"
     elif num_decode_tokens == kept:

@@ -6,7 +6,8 @@
 
 Every step runs on all ranks at once (``run_ranks``); the driver checks that the ranks agree on
 what they sampled and drafted, and that the dummy (profile) run does no block-table gather and
-no collective.
+no collective (its models are dense: an MoE model's profile run would still all-gather and
+reduce-scatter its experts' tokens over PCP, vLLM's ``moe_runner.py:824-829, 853-861``).
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def replay(
     DCP > 1; the replay sets the flag directly with DCP kept at 1, as in Scenario B of
     ``docs/vllm-0.33-pcp-mtp.md``). ``record=False`` builds plain ``PCPManager``s (the recording-off
     baseline). ``dummy`` appends a profile run (``propose(dummy_run=True)``) as the last
-    step, phase ``dummy``; it must do no block-table gather and no collective (asserted).
+    step, phase ``dummy``; it must do no block-table gather and no collective (asserted; the
+    models are dense, so no MoE collective either).
     ``models="tiny"`` (the default, except for the ``dspark`` scenario, whose drafter has no
     weights) runs the shipped tiny DeepSeek-V3 checkpoint behind vLLM's model interfaces with
     greedy rejection sampling, so acceptance is measured (``pcpviz.vllm.replay.tiny``);
@@ -247,7 +249,7 @@ class _Run:
                           f"{[o.local_num_tokens for o in outs]}, drafts {ref.draft_tokens.tolist()}")
 
     def profile_run(self) -> None:
-        """The dummy (profile) run: no block-table gather, no collective, idx_mapping all -1."""
+        """The dummy (profile) run: no block-table gather, no collective (dense models), idx_mapping all -1."""
         self.dummy_out = run_ranks(self.group, lambda rank: dummy_step(self.states[rank], self.group))
         for rank, d in enumerate(self.dummy_out):
             bad = {k: v for k, v in d.items() if k != "draft_tokens" and v not in (0, True)}
