@@ -37,7 +37,7 @@ import torch
 
 from pcpviz.trace.fingerprints import row_fingerprints
 from pcpviz.trace.packed import host_entry, resolve
-from pcpviz.vllm.recording.copyplan import DTYPES, CopyPlan, PlanCache
+from pcpviz.vllm.recording.copyplan import DTYPES, PlanCache, fresh_bytes
 from pcpviz.vllm.recording.ring import DeviceRing
 
 __all__ = ["Deferred", "Fresh", "Strings", "StepPack", "StagedStep", "to_host", "now_us", "block_rows",
@@ -217,7 +217,7 @@ class StepPack:
         self.fresh: list = []  # [(box, key, slot, tensor)] copied at the step's end
         self.memo: dict[int, tuple[list, list]] = {}  # id(Deferred.args) -> (args, their entries), this step
         self.held: list | None = None  # the device tensors of puts held for one copy (``hold``)
-        self.plans = PlanCache()  # the byte views of the hooks' tensors, kept across steps
+        self.plans = PlanCache()  # byte views of the hooks' tensors, kept across steps
 
     def put(self, phase: dict[str, Any], views: dict[str, Any]) -> None:
         """Add one hook call's views to ``phase`` as entries; its device tensors copied now (or
@@ -247,27 +247,25 @@ class StepPack:
 
     def _copy(self, items: list, *, planned: bool = True) -> None:
         """One ``cat`` of ``items`` (``(box, key, slot, tensor)``, as bytes) into the ring.
-        ``planned``: the byte views come from ``self.plans`` when the hook handed the same memory
-        as before (vLLM's persistent buffers: every step's hook call after the first)."""
-        tensors = [it[3] for it in items]
-        sig, plan = self.plans.get(tensors) if planned else (None, None)
-        if plan is None:
-            plan = CopyPlan.of(tensors)
-            flat = plan.flat
-            if planned:
-                self.plans.put(sig, plan)
-        else:
-            flat = plan.flat if not plan.fresh_bytes else plan.bytes_now(tensors)
+        ``planned``: byte views kept from earlier steps where a tensor reads the same memory
+        (``copyplan.PlanCache``: vLLM's persistent buffers, every step after the first)."""
+        flat, places, total = [], [], 0
+        as_bytes = self.plans.bytes_of if planned else fresh_bytes
+        for box, key, slot, t in items:
+            b, meta = as_bytes(t)
+            flat.append(b)
+            places.append((box, key, slot, *meta))
+            total += meta[2]
         ring = self.ring
-        at = ring.reserve(plan.total)
+        at = ring.reserve(total)
         if at is None:
             return  # the ring is full: the step is dropped (DeviceRing.finish counts it)
-        out = ring.buf[at:at + plan.total]
+        out = ring.buf[at:at + total]
         if len(flat) == 1:
             out.copy_(flat[0])
         else:
             torch.cat(flat, out=out)
-        self.layout.append((at - ring.start, [(box, key, slot, *m) for (box, key, slot, _), m in zip(items, plan.meta)]))
+        self.layout.append((at - ring.start, places))
 
     def _entry(self, value: Any, box: Any, key: Any, now: list) -> Any:
         if isinstance(value, torch.Tensor):
