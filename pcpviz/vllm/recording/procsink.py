@@ -50,6 +50,13 @@ logger = logging.getLogger("vllm.pcpviz")
 REPLY_TIMEOUT_S = 120.0  # a dump or the close of a live writer process; a dead one is noticed at once
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 _STOP = object()
+_START = object()
+"""Queued when the sink is made (a recorder's first hook, during vLLM's start-up): the sender
+starts the writer process then rather than at the first step, so that its start-up is not on the
+steps' way. A short run needs that: vLLM's shutdown gives the engine process 5 s after SIGTERM
+before it kills it (and the writer). One H200 run (2026-12-03, 3 prompts of 32 tokens, 0.22 s of
+generation, the writer started at the first step) was killed with no step written; whether the
+writer's start-up was the whole cause was not established on that machine."""
 _signal_sinks: list[ProcessSink] = []
 _signal_lock = threading.Lock()
 
@@ -75,17 +82,22 @@ class ProcessSink:
         self._state: mmap.mmap | None = None
         self._sender: threading.Thread | None = None
         _catch_flight_signal(self)
+        self._start_sender()
+        self._queue.put(_START)  # the writer process starts now, not at the first step (see ``_START``)
 
     # ------------------------------------------------------------------ the step's thread
     def submit(self, step: int, staged: StagedStep) -> None:
         if self.dead or self.closed:
             staged.release()
             return
+        self._start_sender()
+        self._queue.put((step, staged, self.rec.session.mode), held_bytes(staged))
+
+    def _start_sender(self) -> None:
         if self._sender is None:
             self._sender = threading.Thread(target=self._send_loop, name=f"pcpviz-rank{self.rec.rank}-sender",
                                             daemon=True)
             self._sender.start()
-        self._queue.put((step, staged, self.rec.session.mode), held_bytes(staged))
 
     def meta_changed(self) -> None:
         self._meta_dirty = True
@@ -127,6 +139,10 @@ class ProcessSink:
             try:
                 if item is _STOP:
                     return
+                if item is _START:
+                    if self.proc is None and not self.dead and not self.closed:
+                        self._start()
+                    continue
                 if not self.dead and not self.rec.disabled:
                     self._send_step(*item)
                 else:
