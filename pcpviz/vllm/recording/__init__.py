@@ -28,7 +28,7 @@ DSpark inputs          ``dflash.speculator.prepare_dflash_inputs`` (module globa
 =====================  ==========================================================
 
 Every override calls ``super()`` first and records copies: tensors are copied on their
-device when the hook fires (``host.StepPack``: one ``cat`` per dtype per hook call into the
+device when the hook fires (``host.StepPack``: one byte-level ``cat`` per hook call into the
 preallocated device ring, ``recording.ring``) and moved to the host off the step thread (one
 copy of the step's span), so vLLM's persistent
 buffers — which CUDA graphs replay by address — are never re-allocated and the recorded values are those of that moment.
@@ -63,6 +63,7 @@ circle, function-local imports included: ``tests/repo/test_import_graph.py``):
 ``fingerprints``       the hidden-state fingerprint hooks
 ``host``               the hooks' copies (``StepPack``), staged to the host off the step thread
 ``ring``               the preallocated device ring they land in; overflow counted and stated
+``copyplan``           the hooks' byte views, kept across steps (address, dtype, shape)
 ``backlog``            the bounded queue of staged steps a sink drains
 ``meta``               run.json keys learned from the process and the speculator
 ``state``              the shared process state: the running draft, warm-up, the session,

@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["PlanCache", "DTYPES", "MAX_VIEWS", "MAX_HELD_BYTES", "MAX_ENTRY_BYTES", "SWEEP_EVERY", "fresh_bytes"]
+__all__ = ["PlanCache", "BYTE_DTYPES", "MAX_VIEWS", "MAX_HELD_BYTES", "MAX_ENTRY_BYTES", "SWEEP_EVERY", "fresh_bytes"]
 
-DTYPES = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.int8: "|i1", torch.uint8: "|u1",
+BYTE_DTYPES = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.int8: "|i1", torch.uint8: "|u1",
           torch.bool: "|b1", torch.float32: "<f4", torch.float16: "<f2", torch.float64: "<f8",
           torch.bfloat16: "bf16"}
 """The dtypes a hook's tensor can be copied as bytes, and their names in ``pcpviz.trace.packed``."""
@@ -60,7 +60,7 @@ def _bytes(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 def fresh_bytes(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     """``t`` as bytes and its meta, nothing kept (a tensor the hook computed this step)."""
     b = _bytes(t)[0]
-    return b, (DTYPES[t.dtype], tuple(t.shape), b.shape[0])
+    return b, (BYTE_DTYPES[t.dtype], tuple(t.shape), b.shape[0])
 
 
 def _use_count(t: torch.Tensor) -> int | None:
@@ -94,7 +94,7 @@ class PlanCache:
             return kept[0], kept[1]
         self.misses += 1
         b, is_view = _bytes(t)
-        meta = (DTYPES[t.dtype], tuple(t.shape), b.shape[0])
+        meta = (BYTE_DTYPES[t.dtype], tuple(t.shape), b.shape[0])
         if is_view:
             held = t.untyped_storage().nbytes()
             if held <= self.max_entry_bytes:

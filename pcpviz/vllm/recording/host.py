@@ -37,7 +37,7 @@ import torch
 
 from pcpviz.trace.fingerprints import row_fingerprints
 from pcpviz.trace.packed import host_entry, resolve
-from pcpviz.vllm.recording.copyplan import DTYPES, PlanCache, fresh_bytes
+from pcpviz.vllm.recording.copyplan import BYTE_DTYPES, PlanCache, fresh_bytes
 from pcpviz.vllm.recording.ring import DeviceRing
 
 __all__ = ["Deferred", "Fresh", "Strings", "StepPack", "StagedStep", "to_host", "now_us", "block_rows",
@@ -303,7 +303,7 @@ class StepPack:
             self._device_index = t.get_device()  # -1 on the CPU: an int compares without a device object
             self._is_cuda = t.is_cuda
             self.ring.ensure(t.device)
-        return t.get_device() == self._device_index and t.is_cuda == self._is_cuda and t.dtype in DTYPES
+        return t.get_device() == self._device_index and t.is_cuda == self._is_cuda and t.dtype in BYTE_DTYPES
 
     def stage(self, phases: dict[str, dict[str, Any]]) -> StagedStep | None:
         """The step's copies on their way to the host: the fresh tensors copied into the ring
