@@ -14,6 +14,7 @@ from pcpviz.trace.bounds import step_problems
 
 from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
+from .columns import Block, all_per_step, bulk_rule, none, ragged, rank_rows, step_sums
 from .context import Ctx, Skip, check, local_segments, segment_rows, segments_of
 
 
@@ -91,6 +92,22 @@ def restore_gather_identity(c: Ctx) -> None:
                f"{pgi.shape[0]} gathered rows", index=(i,), actual=short_repr(hri, (i,)))
     c.expect("target", "hidden_restore_idx", want=np.arange(t), got=pgi[hri],
              what="padded_gather_idx[hidden_restore_idx] is not the identity")
+
+
+
+@bulk_rule("restore_gather_identity")
+def _restore_gather_identity_bulk(b: Block, rank: int) -> np.ndarray:
+    """hidden_restore_idx holds T rows, each inside padded_gather_idx, which gives back arange(T)."""
+    cols = b.cols(rank, "target", "padded_gather_idx", "hidden_restore_idx", "num_scheduled_tokens")
+    if cols is None:
+        return none(b)
+    pgi, hri, q = cols
+    t = step_sums(q)
+    ok = pgi.present & hri.present & q.present & (hri.lens == t)
+    seg, k = ragged(np.where(ok, t, 0))
+    h, in1 = hri.at(seg, k)
+    v, in2 = pgi.at(seg, h)
+    return ok & all_per_step(in1 & in2 & (v == k), seg, len(b))
 
 
 @check("kv_written_once",
@@ -285,6 +302,23 @@ def local_positions_are_global(c: Ctx) -> None:
              what="local position differs from the global position of its token")
 
 
+
+@bulk_rule("local_positions_are_global")
+def _local_positions_are_global_bulk(b: Block, rank: int) -> np.ndarray:
+    """local_positions holds P rows, the first n the positions of the rank's rows."""
+    rows = rank_rows(b, rank)
+    cols = b.cols(rank, "target", "local_positions", "positions")
+    if rows is None or cols is None:
+        return none(b)
+    (ok, p, n, pgi), (lpos, pos) = rows, cols
+    ok = ok & lpos.present & pos.present & (lpos.lens == p)
+    seg, k = ragged(np.where(ok, n, 0))
+    row, in1 = pgi.at(seg, rank * p[seg] + k)
+    want, in2 = pos.at(seg, row)
+    got, in3 = lpos.at(seg, k)
+    return ok & all_per_step(in1 & in2 & in3 & (want == got), seg, len(b))
+
+
 @check("local_seq_lens",
         "local_seq_lens[i] == local_positions[last row of segment i] + 1 (0 for empty rows)")
 def local_seq_lens(c: Ctx) -> None:
@@ -302,6 +336,25 @@ def local_seq_lens(c: Ctx) -> None:
              what="local seq_len != last local position + 1")
 
 
+
+@bulk_rule("local_seq_lens")
+def _local_seq_lens_bulk(b: Block, rank: int) -> np.ndarray:
+    """Every local row's seq_len is its last local position + 1 (0 for an empty row)."""
+    cols = b.cols(rank, "target", "local_seq_lens", "local_query_start_loc", "local_positions")
+    if cols is None:
+        return none(b)
+    lsl, lqsl, lpos = cols
+    ok = lsl.present & lqsl.present & lpos.present & (lqsl.lens >= lsl.lens + 1)
+    seg, i = ragged(np.where(ok, lsl.lens, 0))
+    end, in1 = lqsl.at(seg, i + 1)
+    start, in2 = lqsl.at(seg, i)
+    last, in3 = lpos.at(seg, np.maximum(end - 1, 0))
+    got, in4 = lsl.at(seg, i)
+    want = np.where(end - start > 0, last + 1, 0)
+    good = in1 & in2 & in3 & in4 & (end <= lpos.lens[seg]) & (want == got)
+    return ok & all_per_step(good, seg, len(b))
+
+
 @check("local_logits_not_sampled",
         "sampling used the global rows: sampled_logits_rows == logits_indices and sampled_from "
         "== 'global' (local logits are never sampled)")
@@ -314,3 +367,17 @@ def local_logits_not_sampled(c: Ctx) -> None:
     if src is not None and view_text(src) != "global":
         c.fail("target", "sampled_from", "sampling must read the restored global hidden states",
                expected="'global'", actual=repr(view_text(src)))
+
+
+@bulk_rule("local_logits_not_sampled")
+def _local_logits_not_sampled_bulk(b: Block, rank: int) -> np.ndarray:
+    """sampled_logits_rows == logits_indices, and sampled_from (where recorded) is 'global'."""
+    cols = b.cols(rank, "target", "sampled_logits_rows", "logits_indices")
+    if cols is None:
+        return none(b)
+    rows, li = cols
+    ok = rows.present & li.present & (rows.lens == li.lens)
+    seg, k = ragged(np.where(ok, li.lens, 0))
+    ok &= all_per_step(rows.at(seg, k)[0] == li.at(seg, k)[0], seg, len(b))
+    src = b.arrays(rank, "target", "sampled_from")
+    return ok & np.fromiter((a is None or view_text(a) == "global" for a in src), dtype=bool, count=len(b))

@@ -22,6 +22,7 @@ from . import handoff_checks
 from . import step_checks
 from . import graph_checks
 from . import consumed_checks, dcp_checks
+from .columns import Block, bulk_mode, decide
 from .context import DEFS, Config, Fail, Skip, Ctx, StepView
 from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
 
@@ -33,6 +34,10 @@ ORDERED_DEFS = tuple(d for m in CHECK_MODULES for d in DEFS if d.fn.__module__ =
 
 CHECKS: Mapping[str, str] = MappingProxyType({d.name: d.description for d in ORDERED_DEFS})
 """Every check name -> its one-line meaning, in the order they run and are reported."""
+
+BLOCK_STEPS = 256
+"""Steps read at once: the bulk rules' columns span them (memory: their records)."""
+
 
 class _Stats:
     __slots__ = ("evaluated", "failed", "skipped", "skip_reason", "first", "where")
@@ -108,8 +113,10 @@ def _step_view(trace: Trace, step: int, prev: StepView | None, rank_steps: Mappi
     return sv
 
 
-def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats]) -> None:
-    """Every check on every rank of one step."""
+def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats],
+                sure: Mapping[str, Mapping[int, bool]] | None = None, verify: bool = False) -> None:
+    """Every check on every rank of one step; ``sure[name][rank]``: the check's bulk rule says it
+    passes there (counted, not run; ``verify``: run anyway, and the rule's word checked)."""
     memos: dict[str, list] = {d.name: [] for d in defs}
     for r in sv.recs:
         malformed = sv.cache[("bounds", r)]
@@ -120,27 +127,49 @@ def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats])
                 if st.skip_reason is None:
                     st.skip_reason = f"step {sv.step} rank {r}: malformed views (views_in_bounds)"
                 continue
+            said = sure is not None and sure.get(d.name, {}).get(r, False)
+            if said and not verify:
+                st.evaluated += 1
+                continue
+            before = (st.evaluated, st.failed, st.skipped)
             _run_one(d, Ctx(cfg, sv, r, d.name), st, memos[d.name])
+            if said and (st.evaluated - before[0], st.failed - before[1], st.skipped - before[2]) != (1, 0, 0):
+                raise AssertionError(f"bulk rule of {d.name} says step {sv.step} rank {r} passes; it does not")
+
+
+def _block_sure(block: list[StepView], defs: list, cfg: Config, ranks: Sequence[int]) -> list[dict]:
+    """Per step of ``block``: check name -> rank -> the bulk rule says it passes
+    (``columns.decide``); empty dicts when the rules are off."""
+    if bulk_mode() == "off":
+        return [{} for _ in block]
+    got = decide(Block(block, cfg), [d.name for d in defs], ranks)
+    return [{name: {r: bool(ok[i]) for r, ok in per_rank.items()} for name, per_rank in got.items()}
+            for i in range(len(block))]
 
 
 def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: list, cfg: Config,
                  probe: Callable[[StepView], Any] | None = None) -> tuple[dict[str, _Stats], Any]:
     """Every check over ``steps`` (consecutive steps of the trace), and ``probe``'s first
     non-None answer over them; ``before``: the step before the first, read as its history (None
-    at the start of the trace). One step of history kept."""
+    at the start of the trace). Read in blocks of ``BLOCK_STEPS`` steps (the bulk rules'
+    columns, ``columns``); the block's last step kept as the next one's history."""
     stats = {d.name: _Stats() for d in defs}
     rank_steps = {r: set(trace.rank_steps(r)) for r in trace.ranks}
     last = {r: max(rank_steps[r], default=None) for r in trace.ranks}
     prev = None if before is None else _step_view(trace, before, None, rank_steps, last)
     found = None
-    for step in steps:
-        sv = _step_view(trace, step, prev, rank_steps, last)
-        _check_step(sv, defs, cfg, stats)
-        if probe is not None and found is None:
-            found = probe(sv)
-        if prev is not None:
-            prev.prev = None  # keep only one step of history
-        prev = sv
+    verify = bulk_mode() == "verify"
+    for lo in range(0, len(steps), BLOCK_STEPS):
+        block = []
+        for step in steps[lo:lo + BLOCK_STEPS]:
+            prev = _step_view(trace, step, prev, rank_steps, last)
+            block.append(prev)
+        for sv, sure in zip(block, _block_sure(block, defs, cfg, trace.ranks)):
+            _check_step(sv, defs, cfg, stats, sure, verify)
+            if probe is not None and found is None:
+                found = probe(sv)
+        for sv in block:
+            sv.prev = None  # keep only the block's last step (the next one's history)
     return stats, found
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 import numpy as np
 
 from pcpviz.analysis.compare import first_difference, fmt_value as _fmt, short_repr
+from pcpviz.trace.reader import Record
 from pcpviz.trace.schema import GLOBAL, causal_phase_key, phase_class, view_spec
 from pcpviz.trace.view_specs import DCP_SHARE_VIEWS
 
 from pcpviz.trace.shapes import slot_groups
 
+from .columns import Block, bulk_rule, none
 from .context import Ctx, Skip, check, token_rows
 
 @check("verify_consistent",
@@ -179,6 +181,53 @@ def ranks_agree(c: Ctx) -> None:
                 c.expect(phase, view, want=ea, got=eb, what=f"differs from rank {ref}")
             else:
                 c.expect(phase, view, want=a[view], got=b[view], what=f"differs from rank {ref}")
+
+
+
+_AGREEING: dict[tuple, tuple[str, ...]] = {}  # (phase, its view names, dcp > 1) -> the views ranks_agree compares
+
+
+def _same_phase(phase: str, a, b, dcp: bool) -> bool:
+    """Two ranks' records of ``phase`` hold the same views, every one ranks_agree compares the
+    very same array (the reader shares a byte-equal payload), a segments table of integers."""
+    names = tuple(a.views)
+    if tuple(b.views) != names and set(b.views) != set(names):
+        return False
+    key = (phase, names, dcp)
+    views = _AGREEING.get(key)
+    if views is None:
+        views = tuple(v for v in _agreeing_views(phase, names) if not (dcp and v in DCP_SHARE_VIEWS))
+        if len(_AGREEING) >= 4096:
+            _AGREEING.clear()
+        _AGREEING[key] = views
+    for v in views:
+        x = a.views[v]
+        if x is not b.views[v]:
+            return False
+        if v == "segments" and x.dtype.names and any(x.dtype[f].kind not in "iu" for f in x.dtype.names):
+            return False
+    return True
+
+
+@bulk_rule("ranks_agree")
+def _ranks_agree_bulk(b: Block, rank: int) -> np.ndarray:
+    """The first rank of a step passes when no rank lacks the step and it is not alone; another
+    rank passes when it recorded the first rank's phases and views, the compared ones shared."""
+    out = none(b)
+    dcp = b.cfg.dcp > 1
+    for i, sv in enumerate(b.svs):
+        mine = sv.recs.get(rank)
+        if mine is None:
+            continue
+        ref = min(sv.recs)
+        if rank == ref:
+            out[i] = not sv.missing and len(sv.recs) > 1
+            continue
+        theirs = sv.recs[ref]
+        if mine.keys() != theirs.keys() or not all(isinstance(rec, Record) for rec in mine.values()):
+            continue
+        out[i] = all(_same_phase(ph, theirs[ph], mine[ph], dcp) for ph in mine)
+    return out
 
 
 @check("positions_consistent",

@@ -1,0 +1,195 @@
+"""Checks over a block of steps at once: a ``Block`` is a run of consecutive steps' records
+(``StepView``) read as columns (a view's values of every step, concatenated, with offsets), and
+a check's *bulk rule* decides from the columns, with NumPy over the whole block, on which
+(step, rank) the check passes for sure. The runner counts those as passed without running the
+check there; every other (step, rank) (a failure, a skip, anything the rule cannot decide) runs
+the check's per-step code as before, so first failures, counts and messages are unchanged.
+
+A rule is declared next to its check, with the check's name::
+
+    @bulk_rule("local_positions_are_global")
+    def _local_positions_bulk(b: Block, rank: int) -> np.ndarray:
+        ...  # bool[len(b)]: True where the check passes on (step, rank) for sure
+
+A rule must be sound (True only where the per-step code passes: no Fail, no Skip, no error) and
+may be conservative (False is always safe). A rule that raises decides nothing (every step of
+the block runs per step). ``$PCPVIZ_BULK`` = ``0`` turns the rules off; ``verify`` runs every
+check per step as well and raises AssertionError where a rule said pass and the check did not.
+
+A column of a PCP=2 block of three steps, ``positions`` on rank 0::
+
+    >>> col = Column.of([np.array([0, 1, 2]), None, np.array([7])])
+    >>> col.values.tolist(), col.offsets.tolist(), col.present.tolist()
+    ([0, 1, 2, 7], [0, 3, 3, 4], [True, False, True])
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+BULK_ENV = "PCPVIZ_BULK"
+"""``0``: no bulk rules (every check per step); ``verify``: rules checked against the checks."""
+
+BULK: dict[str, Callable[["Block", int], np.ndarray]] = {}
+"""Check name -> its bulk rule (``bulk_rule``)."""
+
+
+def bulk_rule(name: str):
+    """Register the decorated ``fn(block, rank) -> bool[len(block)]`` as check ``name``'s bulk
+    rule (see the module doc)."""
+    def deco(fn):
+        BULK[name] = fn
+        return fn
+    return deco
+
+
+def bulk_mode() -> str:
+    """``on``, ``off`` or ``verify`` from ``$PCPVIZ_BULK``."""
+    v = os.environ.get(BULK_ENV, "").strip().lower()
+    return "off" if v in ("0", "off", "no") else "verify" if v == "verify" else "on"
+
+
+class Column:
+    """One view of every step of a block on one rank: ``values`` (1-D, concatenated),
+    ``offsets`` int64[n + 1], ``lens`` int64[n], ``present`` bool[n] (absent: length 0)."""
+
+    __slots__ = ("values", "offsets", "lens", "present")
+
+    def __init__(self, values: np.ndarray, lens: np.ndarray, present: np.ndarray):
+        self.values, self.lens, self.present = values, lens, present
+        self.offsets = np.zeros(lens.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lens, out=self.offsets[1:])
+
+    @classmethod
+    def of(cls, arrays: Sequence[Any]) -> "Column | None":
+        """The column of ``arrays`` (None where a step lacks the view); None unless every
+        present array is a 1-D integer array of one dtype, not uint64 (the checks then read it as
+    is, and int64 holds its values)."""
+        dtype = None
+        for a in arrays:
+            if a is None:
+                continue
+            if type(a) is not np.ndarray or a.ndim != 1 or a.dtype.kind not in "iu" or a.dtype == np.uint64:
+                return None
+            if dtype is None:
+                dtype = a.dtype
+            elif a.dtype != dtype:
+                return None
+        if dtype is None:
+            return None
+        empty = np.zeros(0, dtype=dtype)
+        parts = [empty if a is None else a for a in arrays]
+        lens = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
+        present = np.fromiter((a is not None for a in arrays), dtype=bool, count=len(parts))
+        return cls(np.concatenate(parts).astype(np.int64, copy=False), lens, present)
+
+    def at(self, step_idx: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(values, ok): element ``k`` of step ``step_idx`` (elementwise); ``ok`` False where
+        ``k`` is outside ``0 .. len - 1`` (its value then 0)."""
+        lens = self.lens[step_idx]
+        ok = (k >= 0) & (k < lens)
+        idx = np.where(ok, self.offsets[step_idx] + k, 0)
+        vals = self.values[idx] if self.values.shape[0] else np.zeros(idx.shape[0], np.int64)
+        return np.where(ok, vals, 0), ok
+
+
+def ragged(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(step, k) of every element of steps holding ``counts`` elements each:
+    ``ragged(np.array([2, 0, 1]))`` is ``([0, 0, 2], [0, 1, 0])``."""
+    counts = np.maximum(counts, 0)
+    seg = np.repeat(np.arange(counts.shape[0]), counts)
+    starts = np.cumsum(counts) - counts
+    return seg, np.arange(seg.shape[0]) - starts[seg]
+
+
+def all_per_step(good: np.ndarray, seg: np.ndarray, n: int) -> np.ndarray:
+    """bool[n]: every element of each step is good (a step without elements: True)."""
+    return np.bincount(seg[~good], minlength=n)[:n] == 0
+
+
+class Block:
+    """A run of consecutive steps' records (``StepView``) and their columns, per rank."""
+
+    def __init__(self, svs: Sequence[Any], cfg: Any):
+        self.svs, self.cfg = list(svs), cfg
+        self._cols: dict[tuple, Column | None] = {}
+
+    def __len__(self) -> int:
+        return len(self.svs)
+
+    def has_rank(self, rank: int) -> np.ndarray:
+        """bool[n]: the rank recorded the step."""
+        return np.fromiter((rank in sv.recs for sv in self.svs), dtype=bool, count=len(self.svs))
+
+    def arrays(self, rank: int, phase: str, view: str) -> list:
+        """The view's array of each step (None where not recorded)."""
+        out = []
+        for sv in self.svs:
+            rec = sv.recs.get(rank, {}).get(phase)
+            views = getattr(rec, "views", rec)
+            out.append(None if views is None else views.get(view))
+        return out
+
+    def col(self, rank: int, phase: str, view: str) -> Column | None:
+        """The view's column on ``rank`` (None where ``Column.of`` gives none)."""
+        key = (rank, phase, view)
+        if key not in self._cols:
+            self._cols[key] = Column.of(self.arrays(rank, phase, view))
+        return self._cols[key]
+
+    def cols(self, rank: int, phase: str, *views: str) -> list[Column] | None:
+        """Several columns of one phase, or None when one of them is none."""
+        out = [self.col(rank, phase, v) for v in views]
+        return None if any(c is None for c in out) else out
+
+
+def decide(block: Block, names: Sequence[str], ranks: Sequence[int]) -> dict[str, dict[int, np.ndarray]]:
+    """name -> rank -> bool[len(block)]: where each named check's bulk rule says it passes (a
+    rule that raises decides nothing)."""
+    out: dict[str, dict[int, np.ndarray]] = {}
+    for name in names:
+        fn = BULK.get(name)
+        if fn is None:
+            continue
+        per_rank = {}
+        for r in ranks:
+            try:
+                ok = np.asarray(fn(block, r), dtype=bool)
+            except Exception:  # noqa: BLE001 - undecided: the per-step code judges
+                continue
+            if ok.shape == (len(block),) and ok.any():
+                per_rank[r] = ok & block.has_rank(r)
+        if per_rank:
+            out[name] = per_rank
+    return out
+
+
+def none(block: Block) -> np.ndarray:
+    """bool[n] all False: a rule that decides nothing on this block."""
+    return np.zeros(len(block), dtype=bool)
+
+
+def step_sums(col: Column) -> np.ndarray:
+    """int64[n]: the sum of each step's values (0 where absent)."""
+    cs = np.zeros(col.values.shape[0] + 1, dtype=np.int64)
+    np.cumsum(col.values, out=cs[1:])
+    return cs[col.offsets[1:]] - cs[col.offsets[:-1]]
+
+
+def rank_rows(block: Block, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Column] | None:
+    """``Ctx.padded``, ``Ctx.num_local`` and the column ``Ctx.rank_rows`` slices, per step:
+    (ok bool[n], P int64[n], n int64[n], padded_gather_idx), ``ok`` where they are what the
+    per-step code computes without failing (run.json's pcp set, padded_gather_idx and
+    per_rank_num_tokens recorded, ``0 <= n <= P``); None when the block gives no columns."""
+    world = block.cfg.pcp
+    pgi = block.col(rank, "target", "padded_gather_idx")
+    prn = block.col(rank, "target", "per_rank_num_tokens")
+    if not world or world < 1 or pgi is None or prn is None or not 0 <= rank < world:
+        return None
+    p = pgi.lens // world
+    n, has = prn.at(np.arange(len(block)), np.full(len(block), rank))
+    ok = pgi.present & prn.present & (pgi.lens % world == 0) & has & (n >= 0) & (n <= p)
+    return ok, p, n, pgi
