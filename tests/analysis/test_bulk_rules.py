@@ -20,8 +20,11 @@ VIEWS = [("target", v) for v in (
     "padded_gather_idx", "hidden_restore_idx", "num_scheduled_tokens", "local_positions", "positions",
     "per_rank_num_tokens", "local_seq_lens", "local_query_start_loc", "sampled_logits_rows",
     "logits_indices", "sampled_from", "req_ids", "segments", "is_prefilling", "input_ids",
-    "block_table_global", "slot_mapping_global")] + [("verify", v) for v in (
-        "num_sampled", "sampled_token_ids", "num_rejected")] + [("draft_0", "draft_tokens")]
+    "block_table_global", "slot_mapping_global", "slot_mapping_gathered", "kv_write_mask", "hidden_fp",
+    "hidden_local_fp")] + [("verify", v) for v in (
+        "num_sampled", "sampled_token_ids", "num_rejected")] + [("draft_0", v) for v in (
+            "draft_tokens", "draft_last_token_indices", "hidden_in_fp", "hidden_out_fp", "hidden_last_fp",
+            "mtp_local_fp")] + [("draft_1", "hidden_in_fp")]
 
 
 def _plus_one(a, rng):
@@ -50,6 +53,9 @@ DAMAGE = {
     "int32": lambda a, rng: a.astype(np.int32) if a.dtype.kind in "iu" else a,
     "empty": lambda a, rng: a[:0] if a.ndim else a,
     "text": lambda a, rng: np.array(["local"]) if a.dtype.kind == "U" else a,
+    "bools": lambda a, rng: a.astype(bool) if a.dtype.kind in "iu" else a,
+    "one_more_axis": lambda a, rng: a[None],
+    "no_group_axis": lambda a, rng: a[0] if a.ndim == 2 else a,
 }
 
 
@@ -91,7 +97,7 @@ def test_clean_runs_same_report(tmp_path, monkeypatch, pcp, k):
     assert _facts(on) == _facts(off)
 
 
-@pytest.mark.parametrize("seed", range(36))
+@pytest.mark.parametrize("seed", range(60))
 def test_damaged_runs_same_report(tmp_path, monkeypatch, seed):
     rng = random.Random(seed)
     run = clean_run(pcp=rng.choice([2, 2, 4]), k=rng.choice([1, 2, 3]))

@@ -53,38 +53,52 @@ def bulk_mode() -> str:
 
 
 class Column:
-    """One view of every step of a block on one rank: ``values`` (1-D, concatenated),
-    ``offsets`` int64[n + 1], ``lens`` int64[n], ``present`` bool[n] (absent: length 0)."""
+    """One view of every step of a block on one rank: ``values`` (int64, each step's array
+    flattened, concatenated), ``offsets`` int64[n + 1], ``lens`` int64[n] (elements),
+    ``present`` bool[n] (absent: length 0), ``ndim`` (the same for every step) and ``rows``
+    int64[n] (``shape[0]``; for a 2-D view ``lens // rows`` is its width), ``kind`` (the
+    dtype's: ``i``, ``u`` or ``b``)."""
 
-    __slots__ = ("values", "offsets", "lens", "present")
+    __slots__ = ("values", "offsets", "lens", "present", "ndim", "rows", "kind")
 
-    def __init__(self, values: np.ndarray, lens: np.ndarray, present: np.ndarray):
-        self.values, self.lens, self.present = values, lens, present
+    def __init__(self, values: np.ndarray, lens: np.ndarray, present: np.ndarray, ndim: int = 1,
+                 rows: np.ndarray | None = None, kind: str = "i"):
+        self.values, self.lens, self.present, self.ndim, self.kind = values, lens, present, ndim, kind
+        self.rows = lens if rows is None else rows
         self.offsets = np.zeros(lens.shape[0] + 1, dtype=np.int64)
         np.cumsum(lens, out=self.offsets[1:])
 
     @classmethod
     def of(cls, arrays: Sequence[Any]) -> "Column | None":
         """The column of ``arrays`` (None where a step lacks the view); None unless every
-        present array is a 1-D integer array of one dtype, not uint64 (the checks then read it as
-    is, and int64 holds its values)."""
-        dtype = None
+        present array (none: a column absent on every step) is an integer (or bool) array of one dtype, not uint64, and one number of
+        axes, 1 or 2 (the checks then read it as is, and int64 holds its values)."""
+        dtype = ndim = None
         for a in arrays:
             if a is None:
                 continue
-            if type(a) is not np.ndarray or a.ndim != 1 or a.dtype.kind not in "iu" or a.dtype == np.uint64:
+            if type(a) is not np.ndarray or a.ndim not in (1, 2) or a.dtype.kind not in "iub" \
+                    or a.dtype == np.uint64:
                 return None
             if dtype is None:
-                dtype = a.dtype
-            elif a.dtype != dtype:
+                dtype, ndim = a.dtype, a.ndim
+            elif a.dtype != dtype or a.ndim != ndim:
                 return None
-        if dtype is None:
-            return None
-        empty = np.zeros(0, dtype=dtype)
+        if dtype is None:  # absent on every step
+            zeros = np.zeros(len(arrays), dtype=np.int64)
+            return cls(np.zeros(0, dtype=np.int64), zeros, zeros.astype(bool))
+        empty = np.zeros((0,) * ndim, dtype=dtype)
         parts = [empty if a is None else a for a in arrays]
-        lens = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
+        lens = np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts))
+        rows = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
         present = np.fromiter((a is not None for a in arrays), dtype=bool, count=len(parts))
-        return cls(np.concatenate(parts).astype(np.int64, copy=False), lens, present)
+        values = np.concatenate([p.ravel() for p in parts]).astype(np.int64, copy=False)
+        return cls(values, lens, present, ndim, rows, dtype.kind)
+
+    def one_group(self) -> np.ndarray:
+        """bool[n]: present, and one group as ``shapes.slot_groups`` reads it (1-D, or 2-D of
+        one row): element ``k`` of the step is then the group's ``k``-th value."""
+        return self.present & ((self.rows == 1) if self.ndim == 2 else True)
 
     def at(self, step_idx: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values, ok): element ``k`` of step ``step_idx`` (elementwise); ``ok`` False where
@@ -133,15 +147,21 @@ class Block:
             out.append(None if views is None else views.get(view))
         return out
 
-    def col(self, rank: int, phase: str, view: str) -> Column | None:
-        """The view's column on ``rank`` (None where ``Column.of`` gives none)."""
+    def col(self, rank: int, phase: str, view: str, ndim: int | None = 1, *,
+            bools: bool = False) -> Column | None:
+        """The view's column on ``rank``: None where ``Column.of`` gives none, its arrays have
+        other than ``ndim`` axes (None: 1 or 2), or are bool and ``bools`` is False (a bool array
+        indexes as a mask)."""
         key = (rank, phase, view)
         if key not in self._cols:
             self._cols[key] = Column.of(self.arrays(rank, phase, view))
-        return self._cols[key]
+        col = self._cols[key]
+        if col is None or ndim not in (None, col.ndim) or (col.kind == "b" and not bools):
+            return None
+        return col
 
     def cols(self, rank: int, phase: str, *views: str) -> list[Column] | None:
-        """Several columns of one phase, or None when one of them is none."""
+        """Several 1-D columns of one phase, or None when one of them is none."""
         out = [self.col(rank, phase, v) for v in views]
         return None if any(c is None for c in out) else out
 
@@ -193,3 +213,40 @@ def rank_rows(block: Block, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     n, has = prn.at(np.arange(len(block)), np.full(len(block), rank))
     ok = pgi.present & prn.present & (pgi.lens % world == 0) & has & (n >= 0) & (n <= p)
     return ok, p, n, pgi
+
+
+def starts(col: Column) -> np.ndarray:
+    """int64[len(values)]: each element's exclusive running sum within its step (a
+    ``query_start_loc`` of each step's counts, without its last entry)."""
+    cs = np.zeros(col.values.shape[0] + 1, dtype=np.int64)
+    np.cumsum(col.values, out=cs[1:])
+    seg = np.repeat(np.arange(col.lens.shape[0]), col.lens)
+    return cs[:-1] - cs[col.offsets[:-1]][seg]
+
+
+def gathered(block: Block, phase: str, view: str) -> tuple[np.ndarray, np.ndarray, Callable] | None:
+    """The all-gather of a 1-D view over ranks ``0 .. pcp - 1`` (rank-major, as the checks'
+    ``_gathered``), per step: (ok bool[n], length int64[n], ``at(step, j) -> (values, ok)``),
+    ``ok`` where every rank recorded it with one length; None without run.json's pcp."""
+    world = block.cfg.pcp
+    if not world or world < 1:
+        return None
+    cols = [block.col(r, phase, view) for r in range(world)]
+    if any(c is None for c in cols):
+        return None
+    ok = np.ones(len(block), dtype=bool)
+    for c in cols:
+        ok &= c.present & (c.lens == cols[0].lens)
+    each = cols[0].lens
+
+    def at(step: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        width = np.maximum(each[step], 1)
+        r, k = j // width, j % width
+        vals, good = np.zeros(j.shape[0], dtype=np.int64), (j >= 0) & (j < each[step] * world)
+        for i, c in enumerate(cols):
+            sel = good & (r == i)
+            vals[sel], got = c.at(step[sel], k[sel])
+            good[sel] &= got
+        return vals, good
+
+    return ok, each * world, at

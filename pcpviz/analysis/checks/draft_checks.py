@@ -10,6 +10,7 @@ from pcpviz.reference.drafts import draft_prefill_inputs, partial_chunk_rows
 
 from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
+from .columns import Block, all_per_step, bulk_rule, none, ragged, starts
 from .context import Ctx, Skip, check, token_rows
 
 
@@ -136,6 +137,22 @@ def _draft_global_inputs(c: Ctx, dgi: np.ndarray) -> None:
              what="draft prefill input is not the next target token (or the sampled one)",
              index_map=lambda i: (int(m[i[0]]),))
     _partial_chunk_last_rows(c)
+
+
+
+@bulk_rule("draft_last_token_indices")
+def _draft_last_token_indices_bulk(b: Block, rank: int) -> np.ndarray:
+    """R indices, each request's (with tokens) query_start_loc + q - num_rejected - 1."""
+    lti, rej, q = b.col(rank, "draft_0", "draft_last_token_indices"), b.col(rank, "verify", "num_rejected"), \
+        b.col(rank, "target", "num_scheduled_tokens")
+    if lti is None or rej is None or q is None:
+        return none(b)
+    ok = lti.present & rej.present & q.present & (lti.lens == q.lens) & (rej.lens == q.lens)
+    seg, i = ragged(np.where(ok, q.lens, 0))
+    first = starts(q)[q.offsets[seg] + i] if seg.size else seg
+    qi, got, r = q.at(seg, i)[0], lti.at(seg, i)[0], rej.at(seg, i)[0]
+    good = (qi <= 0) | (got == first + qi - r - 1)
+    return ok & all_per_step(good, seg, len(b))
 
 
 @check("draft_input_ids",

@@ -181,6 +181,26 @@ def gathered_slots_are_global(c: Ctx) -> None:
              what="gathered slot differs from the global slot of its token (PAD where not written)")
 
 
+
+@bulk_rule("gathered_slots_are_global")
+def _gathered_slots_are_global_bulk(b: Block, rank: int) -> np.ndarray:
+    """One KV-cache group: gathered row j holds the global slot of padded_gather_idx[j] where
+    kv_write_mask[j], PAD elsewhere."""
+    glob = b.col(rank, "target", "slot_mapping_global", None)
+    gath = b.col(rank, "target", "slot_mapping_gathered", None)
+    pgi, mask = b.col(rank, "target", "padded_gather_idx"), b.col(rank, "target", "kv_write_mask", bools=True)
+    if glob is None or gath is None or pgi is None or mask is None:
+        return none(b)
+    ok = glob.one_group() & gath.one_group() & pgi.present & mask.present & (glob.lens > 0)
+    ok &= (mask.lens == pgi.lens) & (gath.lens == pgi.lens)
+    seg, j = ragged(np.where(ok, pgi.lens, 0))
+    row, in1 = pgi.at(seg, j)
+    slot, in2 = glob.at(seg, row)
+    written, got = mask.at(seg, j)[0] != 0, gath.at(seg, j)[0]
+    good = in1 & in2 & (got == np.where(written, slot, PAD_SLOT_ID))
+    return ok & all_per_step(good, seg, len(b))
+
+
 @check("global_slots_match_block_table",
         "slot_mapping_global == the slots of block_table_global's rows at the global positions "
         "(block_size from run.json), none in the null block 0")
