@@ -36,12 +36,25 @@ BULK_ENV = "PCPVIZ_BULK"
 BULK: dict[str, Callable[["Block", int], np.ndarray]] = {}
 """Check name -> its bulk rule (``bulk_rule``)."""
 
+BULK_SKIP: dict[str, Callable[["Block", int], list]] = {}
+"""Check name -> its bulk skip rule (``bulk_skip``)."""
+
 
 def bulk_rule(name: str):
     """Register the decorated ``fn(block, rank) -> bool[len(block)]`` as check ``name``'s bulk
     rule (see the module doc)."""
     def deco(fn):
         BULK[name] = fn
+        return fn
+    return deco
+
+
+def bulk_skip(name: str):
+    """Register the decorated ``fn(block, rank) -> [reason or None per step]`` as check
+    ``name``'s skip rule: a reason where the check surely raises ``Skip(reason)`` before reading
+    anything that could fail (counted as that skip, not run)."""
+    def deco(fn):
+        BULK_SKIP[name] = fn
         return fn
     return deco
 
@@ -166,24 +179,29 @@ class Block:
         return None if any(c is None for c in out) else out
 
 
-def decide(block: Block, names: Sequence[str], ranks: Sequence[int]) -> dict[str, dict[int, np.ndarray]]:
-    """name -> rank -> bool[len(block)]: where each named check's bulk rule says it passes (a
-    rule that raises decides nothing)."""
-    out: dict[str, dict[int, np.ndarray]] = {}
+def decide(block: Block, names: Sequence[str], ranks: Sequence[int]) -> list[dict[str, dict[int, Any]]]:
+    """Per step of the block: check name -> rank -> True (the bulk rule says it passes) or a
+    skip reason (the skip rule's); a rule that raises decides nothing."""
+    out: list[dict[str, dict[int, Any]]] = [{} for _ in range(len(block))]
     for name in names:
-        fn = BULK.get(name)
-        if fn is None:
-            continue
-        per_rank = {}
         for r in ranks:
-            try:
-                ok = np.asarray(fn(block, r), dtype=bool)
-            except Exception:  # noqa: BLE001 - undecided: the per-step code judges
-                continue
-            if ok.shape == (len(block),) and ok.any():
-                per_rank[r] = ok & block.has_rank(r)
-        if per_rank:
-            out[name] = per_rank
+            has = block.has_rank(r)
+            if name in BULK_SKIP:
+                try:
+                    reasons = list(BULK_SKIP[name](block, r))
+                except Exception:  # noqa: BLE001 - undecided: the per-step code judges
+                    reasons = []
+                for i, why in enumerate(reasons[:len(block)]):
+                    if why is not None and has[i]:
+                        out[i].setdefault(name, {})[r] = str(why)
+            if name in BULK:
+                try:
+                    ok = np.asarray(BULK[name](block, r), dtype=bool)
+                except Exception:  # noqa: BLE001
+                    continue
+                if ok.shape == (len(block),):
+                    for i in np.flatnonzero(ok & has).tolist():
+                        out[i].setdefault(name, {}).setdefault(r, True)
     return out
 
 

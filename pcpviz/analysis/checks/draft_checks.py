@@ -8,9 +8,10 @@ import numpy as np
 
 from pcpviz.reference.drafts import draft_prefill_inputs, partial_chunk_rows
 
+from pcpviz.trace import draft_index
 from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
-from .columns import Block, all_per_step, bulk_rule, none, ragged, starts
+from .columns import Block, all_per_step, bulk_rule, bulk_skip, none, ragged, starts
 from .context import Ctx, Skip, check, token_rows
 
 
@@ -184,6 +185,17 @@ def draft_input_ids(c: Ctx) -> None:
         prev_tokens = c.get(phase, "draft_tokens")
     if not checked:
         raise Skip("no draft_global_input_ids")
+
+
+def _no_draft_decode(b: Block, rank: int) -> list:
+    """"no draft_1 phase" where the rank recorded no draft_k with k >= 1 (the draft-decode
+    checks' first test)."""
+    return [None if any((draft_index(p) or 0) >= 1 for p in sv.recs.get(rank, ())) else "no draft_1 phase"
+            for sv in b.svs]
+
+
+for _name in ("draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance"):
+    bulk_skip(_name)(_no_draft_decode)
 
 
 @check("draft_decode_replicated",

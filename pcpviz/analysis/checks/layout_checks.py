@@ -33,6 +33,13 @@ def views_in_bounds(c: Ctx) -> None:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         c.fail(phase, view, problems[0].split(": ", 1)[1] + more)
 
+@bulk_rule("views_in_bounds")
+def _views_in_bounds_bulk(b: Block, rank: int) -> np.ndarray:
+    """Passes where the step's bounds problems (the runner's, cached) are none."""
+    return np.fromiter((rank in sv.recs and not sv.cache.get(("bounds", rank), True) for sv in b.svs),
+                       dtype=bool, count=len(b))
+
+
 @check("layout_matches_plan",
         "recorded segments, per_rank_num_tokens, padded_gather_idx, hidden_restore_idx and "
         "kv_write_mask equal plan_layout(num_scheduled_tokens, is_prefilling, pcp, ...) with the "

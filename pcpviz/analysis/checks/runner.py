@@ -114,9 +114,10 @@ def _step_view(trace: Trace, step: int, prev: StepView | None, rank_steps: Mappi
 
 
 def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats],
-                sure: Mapping[str, Mapping[int, bool]] | None = None, verify: bool = False) -> None:
-    """Every check on every rank of one step; ``sure[name][rank]``: the check's bulk rule says it
-    passes there (counted, not run; ``verify``: run anyway, and the rule's word checked)."""
+                sure: Mapping[str, Mapping[int, Any]] | None = None, verify: bool = False) -> None:
+    """Every check on every rank of one step; ``sure[name][rank]``: True where the check's bulk
+    rule says it passes, a reason where its skip rule says it skips (counted, not run;
+    ``verify``: run anyway, and the rule's word checked)."""
     memos: dict[str, list] = {d.name: [] for d in defs}
     for r in sv.recs:
         malformed = sv.cache[("bounds", r)]
@@ -127,24 +128,40 @@ def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats],
                 if st.skip_reason is None:
                     st.skip_reason = f"step {sv.step} rank {r}: malformed views (views_in_bounds)"
                 continue
-            said = sure is not None and sure.get(d.name, {}).get(r, False)
-            if said and not verify:
+            said = None if sure is None else sure.get(d.name, {}).get(r)
+            if verify and said is not None:
+                _verify_rule(d, Ctx(cfg, sv, r, d.name), said)
+            if said is True:
                 st.evaluated += 1
-                continue
-            before = (st.evaluated, st.failed, st.skipped)
-            _run_one(d, Ctx(cfg, sv, r, d.name), st, memos[d.name])
-            if said and (st.evaluated - before[0], st.failed - before[1], st.skipped - before[2]) != (1, 0, 0):
-                raise AssertionError(f"bulk rule of {d.name} says step {sv.step} rank {r} passes; it does not")
+            elif said is not None:
+                st.skipped += 1
+                if st.skip_reason is None:
+                    st.skip_reason = f"step {sv.step} rank {r}: {said}"
+            else:
+                _run_one(d, Ctx(cfg, sv, r, d.name), st, memos[d.name])
+
+
+def _verify_rule(d, ctx: Ctx, said: Any) -> None:
+    """``PCPVIZ_BULK=verify``: AssertionError unless check ``d`` passes (``said`` True) or skips
+    with the reason ``said`` on this (step, rank)."""
+    try:
+        d.fn(ctx)
+        got: Any = True
+    except Skip as s:
+        got = str(s)
+    except Exception as exc:  # noqa: BLE001 - a failure or an error: not what the rule said
+        got = exc
+    if got != said:
+        raise AssertionError(f"bulk rule of {d.name} says {said!r} at step {ctx.step} rank {ctx._rank}; "
+                             f"the check gives {got!r}")
 
 
 def _block_sure(block: list[StepView], defs: list, cfg: Config, ranks: Sequence[int]) -> list[dict]:
-    """Per step of ``block``: check name -> rank -> the bulk rule says it passes
-    (``columns.decide``); empty dicts when the rules are off."""
+    """Per step of ``block``: check name -> rank -> True or a skip reason (``columns.decide``);
+    empty dicts when the rules are off."""
     if bulk_mode() == "off":
         return [{} for _ in block]
-    got = decide(Block(block, cfg), [d.name for d in defs], ranks)
-    return [{name: {r: bool(ok[i]) for r, ok in per_rank.items()} for name, per_rank in got.items()}
-            for i in range(len(block))]
+    return decide(Block(block, cfg), [d.name for d in defs], ranks)
 
 
 def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: list, cfg: Config,
