@@ -19,7 +19,7 @@ import numpy as np
 
 from pcpviz.trace import draft_index
 
-from .columns import Block, all_per_step, bulk_rule, gathered, none, ragged
+from .columns import Block, all_per_step, bulk_rule, gathered, none, ragged, same_values
 from .context import Ctx, Skip, check
 
 
@@ -167,3 +167,25 @@ def target_outputs_agree(c: Ctx) -> None:
                       "weights differ)")
     if not checked:
         raise Skip("no hidden_fp / top1_token")
+
+
+_OUTPUTS = ("hidden_fp", "hidden_hash", "top1_token")
+
+
+@bulk_rule("target_outputs_agree")
+def _target_outputs_agree_bulk(b: Block, rank: int) -> np.ndarray:
+    """The first of two or more ranks passes with one of the outputs recorded; another rank
+    when it and the first recorded one integer output both, each such equal."""
+    out = none(b)
+    for i, sv in enumerate(b.svs):
+        if rank not in sv.recs or len(sv.recs) < 2:
+            continue
+        ref = min(sv.recs)
+        mine, theirs = sv.recs[rank].get("target", {}), sv.recs[ref].get("target", {})
+        if rank == ref:
+            out[i] = any(v in mine for v in _OUTPUTS)
+            continue
+        pairs = [(theirs.get(v), mine.get(v)) for v in _OUTPUTS]
+        pairs = [(x, y) for x, y in pairs if x is not None and y is not None and np.asarray(x).dtype.kind in "iu"]
+        out[i] = bool(pairs) and all((x is y and x.dtype.names is None) or same_values(x, y) for x, y in pairs)
+    return out

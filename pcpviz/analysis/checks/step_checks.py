@@ -12,7 +12,7 @@ from pcpviz.trace.view_specs import DCP_SHARE_VIEWS
 
 from pcpviz.trace.shapes import slot_groups
 
-from .columns import Block, bulk_rule, none
+from .columns import Block, bulk_rule, none, same_values
 from .context import Ctx, Skip, check, token_rows
 
 @check("verify_consistent",
@@ -189,7 +189,7 @@ _AGREEING: dict[tuple, tuple[str, ...]] = {}  # (phase, its view names, dcp > 1)
 
 def _same_phase(phase: str, a, b, dcp: bool) -> bool:
     """Two ranks' records of ``phase`` hold the same views, every one ranks_agree compares the
-    very same array (the reader shares a byte-equal payload) or equal values (``_equal_ints``)."""
+    very same array (the reader shares a byte-equal payload) or equal values (``columns.same_values``)."""
     names = tuple(a.views)
     if tuple(b.views) != names and set(b.views) != set(names):
         return False
@@ -202,23 +202,9 @@ def _same_phase(phase: str, a, b, dcp: bool) -> bool:
         _AGREEING[key] = views
     for v in views:
         x, y = a.views[v], b.views[v]
-        if not (x is y and x.dtype.names is None) and not _equal_ints(x, y):
+        if not (x is y and x.dtype.names is None) and not same_values(x, y):
             return False  # (one table compared field by field: a NaN differs from itself)
     return True
-
-
-def _equal_ints(x: np.ndarray, y: np.ndarray) -> bool:
-    """Two arrays of one shape that ``first_difference`` finds equal, told without it: integers
-    (or bools) of equal values, strings both, or tables of one dtype of integer fields."""
-    if x.shape != y.shape:
-        return False
-    if x.dtype.names is None and y.dtype.names is None:
-        if not ((x.dtype.kind in "iub" and y.dtype.kind in "iub") or x.dtype.kind == y.dtype.kind == "U"):
-            return False
-        return bool(np.array_equal(x, y))
-    if x.dtype != y.dtype or any(x.dtype[f].kind not in "iu" for f in x.dtype.names):
-        return False
-    return all(np.array_equal(x[f], y[f]) for f in x.dtype.names)
 
 
 @bulk_rule("ranks_agree")
