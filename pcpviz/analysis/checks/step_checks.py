@@ -12,7 +12,7 @@ from pcpviz.trace.view_specs import DCP_SHARE_VIEWS
 
 from pcpviz.trace.shapes import slot_groups
 
-from .columns import Block, bulk_rule, none, same_values
+from .columns import Block, all_per_step, bulk_rule, none, ragged, same_values, starts
 from .context import Ctx, Skip, check, token_rows
 
 @check("verify_consistent",
@@ -72,6 +72,71 @@ def verify_consistent(c: Ctx) -> None:
         within = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
         c.expect("target", "logits_indices", want=starts + within, got=li.astype(np.int64),
                  what="logits rows are not each request's last 1 + num_draft_tokens rows")
+
+
+@bulk_rule("verify_consistent")
+def _verify_consistent_bulk(b: Block, rank: int) -> np.ndarray:
+    """Steps recording the verify counts, a 2-D sampled_token_ids, input_ids and
+    num_scheduled_tokens, one row per request, on which every rule of the check holds."""
+    ns, nacc, nrej, nd = (b.col(rank, "verify", v) for v in ("num_sampled", "num_accepted", "num_rejected",
+                                                             "num_draft_tokens"))
+    sampled = b.col(rank, "verify", "sampled_token_ids", 2)
+    ids, q, li = (b.col(rank, "target", v) for v in ("input_ids", "num_scheduled_tokens", "logits_indices"))
+    if None in (ns, nacc, nrej, nd, sampled, ids, q, li):
+        return none(b)
+    r = ns.lens
+    ok = ns.present & nacc.present & nrej.present & sampled.present & ids.present & q.present
+    ok &= (nacc.lens == r) & (nrej.lens == r) & (sampled.rows == r) & (q.lens == r) & (~nd.present | (nd.lens == r))
+    ok &= np.fromiter((_same_req_ids(sv, rank) for sv in b.svs), dtype=bool, count=len(b))
+    seg, i = ragged(np.where(ok, r, 0))
+    n, a, j, qi = ns.at(seg, i)[0], nacc.at(seg, i)[0], nrej.at(seg, i)[0], q.at(seg, i)[0]
+    d = np.where(nd.present[seg], nd.at(seg, i)[0], a + j)
+    end = (starts(q) + q.values)[q.offsets[seg] + i] if seg.size else seg
+    good = (a >= 0) & (j >= 0) & ((n == 0) | (n == a + 1)) & (d - j == a) & (d <= np.maximum(qi - 1, 0))
+    ok &= all_per_step(good, seg, len(b))
+    ok &= (np.bincount(seg[a > 0], minlength=len(b)) == 0) | (ids.lens > 0)
+    ok &= _sampled_entries_ok(b, sampled, ids, ok, seg, i=i, n=n, a=a, first=end - d)
+    return ok & _logits_rows_ok(b, li, ok, seg, qi=qi, cnt=d + 1, end=end)
+
+
+def _same_req_ids(sv, rank: int) -> bool:
+    """verify's req_ids equal the target's where both are recorded."""
+    phases = sv.recs.get(rank, {})
+    vid, tid = phases.get("verify", {}).get("req_ids"), phases.get("target", {}).get("req_ids")
+    return vid is None or tid is None or same_values(tid, vid)
+
+
+def _sampled_entries_ok(b: Block, sampled, ids, ok: np.ndarray, seg: np.ndarray, *, i: np.ndarray,
+                        n: np.ndarray, a: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """bool[n]: per request row ``i`` of step ``seg``, sampled tokens are the first ``n``
+    entries, the first ``a`` of them the target's input ids from row ``first``."""
+    width = np.where(sampled.rows > 0, sampled.lens // np.maximum(sampled.rows, 1), 0)
+    row_w = width[seg]
+    eseg, k = ragged(np.where(ok[seg], row_w, 0))  # eseg: the request row of each entry
+    step = seg[eseg]
+    tok, _ = sampled.at(step, i[eseg] * row_w[eseg] + k)
+    t = ids.lens[step]
+    src = np.clip(first[eseg] + k, 0, np.maximum(t - 1, 0))
+    want, _ = ids.at(step, src)
+    good = ((tok != -1) == (k < n[eseg])) & ((k >= a[eseg]) | (tok == want))
+    return all_per_step(good, step, len(b))
+
+
+def _logits_rows_ok(b: Block, li, ok: np.ndarray, seg: np.ndarray, *, qi: np.ndarray, cnt: np.ndarray,
+                    end: np.ndarray) -> np.ndarray:
+    """bool[n]: where logits_indices is recorded and every request has tokens (``qi``), it is
+    each request's last ``cnt`` rows (``end``: the row after its last)."""
+    compared = li.present & (np.bincount(seg[qi <= 0], minlength=len(b)) == 0)
+    active = ok & compared
+    use = active[seg]
+    total = np.bincount(seg[use], weights=cnt[use], minlength=len(b)).astype(np.int64)
+    active &= li.lens == total
+    use = active[seg]
+    want = np.repeat(end[use] - cnt[use], cnt[use]) + ragged(cnt[use])[1]
+    got = li.values[np.concatenate([np.arange(li.offsets[s], li.offsets[s + 1]) for s in np.flatnonzero(active)]
+                                   or [np.zeros(0, np.int64)])]
+    step = np.repeat(seg[use], cnt[use])
+    return (ok & ~compared) | (active & all_per_step(want == got, step, len(b)))
 
 
 @check("drafts_fed_back",
