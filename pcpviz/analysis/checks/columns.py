@@ -30,6 +30,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .context import Ctx
+
 BULK_ENV = "PCPVIZ_BULK"
 """``0``: no bulk rules (every check per step); ``verify``: rules checked against the checks."""
 
@@ -177,6 +179,37 @@ class Block:
         """Several 1-D columns of one phase, or None when one of them is none."""
         out = [self.col(rank, phase, v) for v in views]
         return None if any(c is None for c in out) else out
+
+
+class _NoStep:
+    """A step no rank recorded (a ``Block.previous`` entry without a previous step)."""
+
+    recs: dict = {}
+    cache: dict = {}
+
+
+def previous(block: Block, rank: int) -> Block:
+    """The block of each step's previous step as a check on ``rank`` sees it (``Ctx.prev``:
+    none after a warm-up step, a malformed step or a step the rank lacks)."""
+    prevs = []
+    for sv in block.svs:
+        pv = Ctx(block.cfg, sv, rank, "")._prev_view() if rank in sv.recs else None
+        prevs.append(_NoStep() if pv is None else pv)
+    return Block(prevs, block.cfg)
+
+
+def matched_rows(block: Block, prev: Block, rank: int) -> list[np.ndarray | None]:
+    """Per step, each request row's row in the previous step by request id (-1: none; the last
+    row of an id recorded twice), as ``positions_consistent`` and ``drafts_fed_back`` match
+    them; None where either step lacks req_ids."""
+    out: list[np.ndarray | None] = []
+    for rid, prid in zip(block.arrays(rank, "target", "req_ids"), prev.arrays(rank, "target", "req_ids")):
+        if rid is None or prid is None:
+            out.append(None)
+            continue
+        prow = {str(x): i for i, x in enumerate(prid.tolist())}
+        out.append(np.array([prow.get(str(x), -1) for x in rid.tolist()], dtype=np.int64))
+    return out
 
 
 def decide(block: Block, names: Sequence[str], ranks: Sequence[int]) -> list[dict[str, dict[int, Any]]]:

@@ -12,7 +12,8 @@ from pcpviz.trace.view_specs import DCP_SHARE_VIEWS
 
 from pcpviz.trace.shapes import slot_groups
 
-from .columns import Block, all_per_step, bulk_rule, none, ragged, same_values, starts
+from .columns import (Block, all_per_step, bulk_rule, matched_rows, none, previous, ragged, same_values, starts,
+                      step_sums)
 from .context import Ctx, Skip, check, token_rows
 
 @check("verify_consistent",
@@ -342,6 +343,58 @@ def positions_consistent(c: Ctx) -> None:
     c.expect("target", "positions", want=expected, got=first[rows],
              what=f"first position != step {pv.step}'s first position + q - num_rejected (GPU cursor)",
              index_map=lambda i: (int(qsl[rows[i[0]]]),))
+
+
+@bulk_rule("positions_consistent")
+def _positions_consistent_bulk(b: Block, rank: int) -> np.ndarray:
+    """Contiguous positions, T of them, seq_lens and num_computed_tokens (where recorded) one per
+    request and consistent; with a previous step recording positions and num_rejected, both
+    steps' req_ids and num_scheduled_tokens recorded and each continuing request's first
+    position the GPU cursor."""
+    pos, q, sl, nc = (b.col(rank, "target", v) for v in ("positions", "num_scheduled_tokens", "seq_lens",
+                                                        "num_computed_tokens"))
+    pb = previous(b, rank)
+    ppos, pq, prej = pb.col(rank, "target", "positions"), pb.col(rank, "target", "num_scheduled_tokens"), \
+        pb.col(rank, "verify", "num_rejected")
+    if None in (pos, q, sl, nc, ppos, pq, prej):
+        return none(b)
+    r = q.lens
+    ok = pos.present & q.present & (pos.lens == step_sums(q)) & (~sl.present | (sl.lens == r)) \
+        & (~nc.present | (nc.lens == r))
+    seg, i = ragged(np.where(ok, r, 0))
+    qi, start = q.at(seg, i)[0], starts(q)[q.offsets[seg] + i] if seg.size else seg
+    first = np.where(qi > 0, pos.at(seg, start)[0], 0)
+    tseg, m = ragged(np.where(ok[seg], qi, 0))  # tseg: the request row of each token
+    good_t = pos.at(seg[tseg], start[tseg] + m)[0] == first[tseg] + m
+    good = (qi >= 0) & ((qi <= 0) | ~sl.present[seg] | (sl.at(seg, i)[0] == pos.at(seg, start + qi - 1)[0] + 1))
+    good &= (qi <= 0) | ~nc.present[seg] | (first <= nc.at(seg, i)[0])
+    ok &= all_per_step(good, seg, len(b)) & all_per_step(good_t, seg[tseg], len(b))
+    cont = ppos.present & prej.present  # the previous step is compared with
+    ok &= ~cont | pq.present
+    pr = _matched(b, pb, rank, ok, cont, rows=np.bincount(seg, minlength=len(b)))
+    base = (pr >= 0) & (qi > 0)
+    pqi, in1 = pq.at(seg, pr)
+    use = base & in1 & (pqi > 0)
+    pstart = np.append(starts(pq), 0)[pq.offsets[seg] + np.where(in1, pr, 0)]
+    want, in2 = ppos.at(seg, np.where(use, pstart, -1))
+    rej, in3 = prej.at(seg, pr)
+    good = (~base | in1) & (~use | (in2 & in3 & (want + pqi - rej == first)))
+    return ok & all_per_step(good, seg, len(b))
+
+
+def _matched(b: Block, pb: Block, rank: int, ok: np.ndarray, cont: np.ndarray, *, rows: np.ndarray) -> np.ndarray:
+    """Each request row's row in the previous step (``matched_rows``) for the ``rows[s]`` rows of
+    every step, -1 where the step is not compared with its previous one; a compared step whose
+    rows cannot be matched (no req_ids, another count) is taken out of ``ok``."""
+    parts = []
+    for s, c in enumerate(matched_rows(b, pb, rank)):
+        if rows[s] and ok[s] and cont[s] and c is not None and c.shape == (rows[s],):
+            parts.append(c)
+            continue
+        if cont[s]:
+            ok[s] = False
+        parts.append(np.full(rows[s], -1, dtype=np.int64))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 @check("verify_greedy",
