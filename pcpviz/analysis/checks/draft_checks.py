@@ -11,7 +11,7 @@ from pcpviz.reference.drafts import draft_prefill_inputs, partial_chunk_rows
 from pcpviz.trace import draft_index
 from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
-from .columns import Block, all_per_step, bulk_rule, bulk_skip, none, ragged, starts
+from .columns import Block, all_per_step, bulk_rule, bulk_skip, none, ragged, same_values, starts
 from .context import Ctx, Skip, check, token_rows
 
 
@@ -86,6 +86,35 @@ def draft_prefill_rank_local(c: Ctx) -> None:
     if not checked:
         raise Skip("no slot_mapping_draft" if c.get("draft_0", "slot_mapping_draft") is None
                    else "no target slot mapping to compare with")
+
+
+_RANK_LOCAL_PAIRS = (("slot_mapping_draft", "slot_mapping_gathered", slot_groups),
+                     ("draft_positions", "local_positions", np.asarray),
+                     ("draft_seq_lens", "local_seq_lens", np.asarray),
+                     ("block_table_draft", "block_table_local", table_groups))
+
+
+@bulk_rule("draft_prefill_rank_local")
+def _draft_prefill_rank_local_bulk(b: Block, rank: int) -> np.ndarray:
+    """PCP > 1 (run.json), not DSpark: draft_0 recorded, its view (where recorded) 'rank_local',
+    and each of its rank-local views recorded with its target twin equal to it, one compared."""
+    out = none(b)
+    if not b.cfg.pcp or b.cfg.pcp <= 1 or b.cfg.speculative_method == "dspark":
+        return out
+    for i, sv in enumerate(b.svs):
+        phases = sv.recs.get(rank, {})
+        draft, target = phases.get("draft_0"), phases.get("target", {})
+        if draft is None:
+            continue
+        view = draft.get("view")
+        checked, good = view is not None, view is None or view_text(view) == "rank_local"
+        for dview, tview, norm in _RANK_LOCAL_PAIRS:
+            d, t = draft.get(dview), target.get(tview)
+            if d is not None and t is not None:
+                checked = True
+                good = good and same_values(norm(t), norm(d))
+        out[i] = checked and good
+    return out
 
 
 def _accepted_rows(c: Ctx) -> np.ndarray | None:
