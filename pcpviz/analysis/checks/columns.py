@@ -86,8 +86,9 @@ class Column:
     @classmethod
     def of(cls, arrays: Sequence[Any]) -> "Column | None":
         """The column of ``arrays`` (None where a step lacks the view); None unless every
-        present array (none: a column absent on every step) is an integer (or bool) array of one dtype, not uint64, and one number of
-        axes, 1 or 2 (the checks then read it as is, and int64 holds its values)."""
+        present array is an integer (or bool) array of one dtype, not uint64, and one number of
+        axes, 1 or 2 (the checks then read it as is, and int64 holds its values); a view absent
+        on every step gives a column present nowhere."""
         dtype = ndim = None
         for a in arrays:
             if a is None:

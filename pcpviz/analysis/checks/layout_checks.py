@@ -14,7 +14,7 @@ from pcpviz.trace.bounds import step_problems
 
 from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
-from .columns import Block, all_per_step, bulk_rule, none, ragged, rank_rows, step_sums
+from .columns import Block, all_per_step, bulk_rule, none, ragged, rank_rows, same_values, step_sums
 from .context import Ctx, Skip, check, local_segments, segment_rows, segments_of
 
 
@@ -82,6 +82,75 @@ def layout_matches_plan(c: Ctx) -> None:
         else:
             c.expect("target", view, want=exp, got=np.asarray(act).astype(exp.dtype, copy=False),
                      what=f"{view} differs from plan_layout")
+
+
+_PLANS: dict[tuple, dict | None] = {}  # plan_layout's inputs -> the views it expects (None: it raised)
+
+
+def _expected_layout(key: tuple, q: np.ndarray, pf: np.ndarray, *, world: int, shard: bool, dcp: int,
+                     p: int) -> dict | None:
+    """The five views ``layout_matches_plan`` compares, as it builds them, for one batch; the
+    plans of batches seen before are remembered (decode steps repeat a batch's counts)."""
+    got = _PLANS.get(key, _PLANS)
+    if got is _PLANS:
+        try:
+            plan = plan_layout(q.astype(np.int64), pf.astype(bool), world, shard_decode_requests=shard,
+                               dcp_world_size=dcp, padded_num_tokens=p)
+            segs = segments_table(plan.segments_by_rank)
+            got = {"segments": np.stack([segs[f] for f in SEGMENT_DTYPE.names], axis=1) if segs.size
+                   else np.zeros((0, len(SEGMENT_DTYPE.names)), dtype=np.int64),
+                   "per_rank_num_tokens": np.asarray(plan.per_rank_num_tokens, dtype=np.int64),
+                   "padded_gather_idx": plan.padded_gather_idx, "hidden_restore_idx": plan.hidden_restore_idx,
+                   "kv_write_mask": plan.kv_write_mask}
+        except Exception:  # noqa: BLE001 - the check fails there: not decided here
+            got = None
+        if len(_PLANS) >= 4096:
+            _PLANS.clear()
+        _PLANS[key] = got
+    return got
+
+
+def _matches_plan(rec, exp: dict) -> bool:
+    """Every one of the five views ``rec`` recorded equals the plan's, as the check compares it."""
+    for view, want in exp.items():
+        act = rec.get(view)
+        if act is None:
+            continue
+        if view == "segments":
+            names = act.dtype.names
+            if not names or not set(SEGMENT_DTYPE.names) <= set(names) or act.ndim != 1 \
+                    or any(act.dtype[f].kind not in "iub" for f in SEGMENT_DTYPE.names):
+                return False
+            act = np.stack([act[f].astype(np.int64) for f in SEGMENT_DTYPE.names], axis=1) if act.size \
+                else np.zeros((0, len(SEGMENT_DTYPE.names)), dtype=np.int64)
+        elif act.dtype.names is not None or act.dtype.kind not in "iub":
+            return False
+        if not same_values(want, act.astype(want.dtype, copy=False)):
+            return False
+    return True
+
+
+@bulk_rule("layout_matches_plan")
+def _layout_matches_plan_bulk(b: Block, rank: int) -> np.ndarray:
+    """Steps recording integer num_scheduled_tokens and padded_gather_idx (N * P rows, N run.json's
+    pcp) and a bool is_prefilling whose recorded layout views equal plan_layout's."""
+    out, world, dcp = none(b), b.cfg.pcp, b.cfg.dcp
+    if not world or world < 1:
+        return out
+    shard = b.cfg.shard if b.cfg.shard is not None else world > 1 and dcp == 1
+    for i, sv in enumerate(b.svs):
+        rec = sv.recs.get(rank, {}).get("target")
+        q, pf, pgi = (None, None, None) if rec is None else (rec.get(v) for v in (
+            "num_scheduled_tokens", "is_prefilling", "padded_gather_idx"))
+        if q is None or pf is None or pgi is None or q.dtype.kind not in "iu" or pf.dtype.kind not in "biu" \
+                or pgi.dtype.kind not in "iub" or q.ndim != 1 or pf.ndim != 1 or pgi.ndim != 1 \
+                or pgi.shape[0] % world:
+            continue
+        p = pgi.shape[0] // world
+        key = (world, shard, dcp, p, q.astype(np.int64).tobytes(), pf.astype(bool).tobytes())
+        exp = _expected_layout(key, q, pf, world=world, shard=shard, dcp=dcp, p=p)
+        out[i] = exp is not None and _matches_plan(rec, exp)
+    return out
 
 
 @check("restore_gather_identity",

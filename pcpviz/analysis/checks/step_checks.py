@@ -7,14 +7,15 @@ import numpy as np
 
 from pcpviz.analysis.compare import first_difference, fmt_value as _fmt, short_repr
 from pcpviz.trace.reader import Record
-from pcpviz.trace.schema import GLOBAL, causal_phase_key, phase_class, view_spec
+from pcpviz.trace.schema import causal_phase_key
 from pcpviz.trace.view_specs import DCP_SHARE_VIEWS
 
 from pcpviz.trace.shapes import slot_groups
 
-from .columns import (Block, all_per_step, bulk_rule, matched_rows, none, previous, ragged, same_values, starts,
+from .columns import (Block, all_per_step, bulk_rule, none, previous, ragged, starts,
                       step_sums)
 from .context import Ctx, Skip, check, token_rows
+from .step_columns import agreeing_views, logits_rows_ok, matched, same_phase, same_req_ids, sampled_entries_ok
 
 @check("verify_consistent",
         "verify is self-consistent and matches the batch: num_sampled == the non -1 prefix of "
@@ -88,7 +89,7 @@ def _verify_consistent_bulk(b: Block, rank: int) -> np.ndarray:
     r = ns.lens
     ok = ns.present & nacc.present & nrej.present & sampled.present & ids.present & q.present
     ok &= (nacc.lens == r) & (nrej.lens == r) & (sampled.rows == r) & (q.lens == r) & (~nd.present | (nd.lens == r))
-    ok &= np.fromiter((_same_req_ids(sv, rank) for sv in b.svs), dtype=bool, count=len(b))
+    ok &= np.fromiter((same_req_ids(sv, rank) for sv in b.svs), dtype=bool, count=len(b))
     seg, i = ragged(np.where(ok, r, 0))
     n, a, j, qi = ns.at(seg, i)[0], nacc.at(seg, i)[0], nrej.at(seg, i)[0], q.at(seg, i)[0]
     d = np.where(nd.present[seg], nd.at(seg, i)[0], a + j)
@@ -96,48 +97,8 @@ def _verify_consistent_bulk(b: Block, rank: int) -> np.ndarray:
     good = (a >= 0) & (j >= 0) & ((n == 0) | (n == a + 1)) & (d - j == a) & (d <= np.maximum(qi - 1, 0))
     ok &= all_per_step(good, seg, len(b))
     ok &= (np.bincount(seg[a > 0], minlength=len(b)) == 0) | (ids.lens > 0)
-    ok &= _sampled_entries_ok(b, sampled, ids, ok, seg, i=i, n=n, a=a, first=end - d)
-    return ok & _logits_rows_ok(b, li, ok, seg, qi=qi, cnt=d + 1, end=end)
-
-
-def _same_req_ids(sv, rank: int) -> bool:
-    """verify's req_ids equal the target's where both are recorded."""
-    phases = sv.recs.get(rank, {})
-    vid, tid = phases.get("verify", {}).get("req_ids"), phases.get("target", {}).get("req_ids")
-    return vid is None or tid is None or same_values(tid, vid)
-
-
-def _sampled_entries_ok(b: Block, sampled, ids, ok: np.ndarray, seg: np.ndarray, *, i: np.ndarray,
-                        n: np.ndarray, a: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """bool[n]: per request row ``i`` of step ``seg``, sampled tokens are the first ``n``
-    entries, the first ``a`` of them the target's input ids from row ``first``."""
-    width = np.where(sampled.rows > 0, sampled.lens // np.maximum(sampled.rows, 1), 0)
-    row_w = width[seg]
-    eseg, k = ragged(np.where(ok[seg], row_w, 0))  # eseg: the request row of each entry
-    step = seg[eseg]
-    tok, _ = sampled.at(step, i[eseg] * row_w[eseg] + k)
-    t = ids.lens[step]
-    src = np.clip(first[eseg] + k, 0, np.maximum(t - 1, 0))
-    want, _ = ids.at(step, src)
-    good = ((tok != -1) == (k < n[eseg])) & ((k >= a[eseg]) | (tok == want))
-    return all_per_step(good, step, len(b))
-
-
-def _logits_rows_ok(b: Block, li, ok: np.ndarray, seg: np.ndarray, *, qi: np.ndarray, cnt: np.ndarray,
-                    end: np.ndarray) -> np.ndarray:
-    """bool[n]: where logits_indices is recorded and every request has tokens (``qi``), it is
-    each request's last ``cnt`` rows (``end``: the row after its last)."""
-    compared = li.present & (np.bincount(seg[qi <= 0], minlength=len(b)) == 0)
-    active = ok & compared
-    use = active[seg]
-    total = np.bincount(seg[use], weights=cnt[use], minlength=len(b)).astype(np.int64)
-    active &= li.lens == total
-    use = active[seg]
-    want = np.repeat(end[use] - cnt[use], cnt[use]) + ragged(cnt[use])[1]
-    got = li.values[np.concatenate([np.arange(li.offsets[s], li.offsets[s + 1]) for s in np.flatnonzero(active)]
-                                   or [np.zeros(0, np.int64)])]
-    step = np.repeat(seg[use], cnt[use])
-    return (ok & ~compared) | (active & all_per_step(want == got, step, len(b)))
+    ok &= sampled_entries_ok(b, sampled, ids, ok, seg, i=i, n=n, a=a, first=end - d)
+    return ok & logits_rows_ok(b, li, ok, seg, qi=qi, cnt=d + 1, end=end)
 
 
 @check("drafts_fed_back",
@@ -199,18 +160,6 @@ def drafts_fed_back(c: Ctx) -> None:
                expected=_fmt(exp[i, jj]), actual=short_repr(ids, (tok,)))
 
 
-def _agreeing_views(phase: str, names) -> list[str]:
-    """The views of ``phase`` every rank must record identically: those the schema declares
-    with scope ``GLOBAL``; in the replicated phases (verify, draft_k) also undeclared ones."""
-    replicated = phase_class(phase) in ("verify", "draft_k")
-    out = []
-    for v in names:
-        spec = view_spec(phase, v)
-        if (spec.scope == GLOBAL) if spec is not None else replicated:
-            out.append(v)
-    return out
-
-
 @check("ranks_agree",
         "every rank of a step records the same global views: the global batch and layout, "
         "draft_tokens of every draft phase, the replicated draft decodes, and the whole verify "
@@ -229,12 +178,12 @@ def ranks_agree(c: Ctx) -> None:
     mine, theirs = c.phases, c.sv.recs[ref]
     for phase in sorted(set(mine) | set(theirs), key=causal_phase_key):
         if phase not in mine or phase not in theirs:
-            if not _agreeing_views(phase, (mine.get(phase) or theirs.get(phase)).keys()):
+            if not agreeing_views(phase, (mine.get(phase) or theirs.get(phase)).keys()):
                 continue
             c.fail(phase, None, f"phase {phase} recorded on rank {ref if phase in theirs else c.rank} "
                    f"but not on rank {c.rank if phase in theirs else ref}")
         a, b = theirs[phase], mine[phase]
-        for view in _agreeing_views(phase, list(a.keys()) + [v for v in b.keys() if v not in a]):
+        for view in agreeing_views(phase, list(a.keys()) + [v for v in b.keys() if v not in a]):
             if c.cfg.dcp > 1 and view in DCP_SHARE_VIEWS:
                 continue  # one DCP rank's share on each rank (dcp_kv_sharding checks them)
             if view not in a or view not in b:
@@ -247,30 +196,6 @@ def ranks_agree(c: Ctx) -> None:
                 c.expect(phase, view, want=ea, got=eb, what=f"differs from rank {ref}")
             else:
                 c.expect(phase, view, want=a[view], got=b[view], what=f"differs from rank {ref}")
-
-
-
-_AGREEING: dict[tuple, tuple[str, ...]] = {}  # (phase, its view names, dcp > 1) -> the views ranks_agree compares
-
-
-def _same_phase(phase: str, a, b, dcp: bool) -> bool:
-    """Two ranks' records of ``phase`` hold the same views, every one ranks_agree compares the
-    very same array (the reader shares a byte-equal payload) or equal values (``columns.same_values``)."""
-    names = tuple(a.views)
-    if tuple(b.views) != names and set(b.views) != set(names):
-        return False
-    key = (phase, names, dcp)
-    views = _AGREEING.get(key)
-    if views is None:
-        views = tuple(v for v in _agreeing_views(phase, names) if not (dcp and v in DCP_SHARE_VIEWS))
-        if len(_AGREEING) >= 4096:
-            _AGREEING.clear()
-        _AGREEING[key] = views
-    for v in views:
-        x, y = a.views[v], b.views[v]
-        if not (x is y and x.dtype.names is None) and not same_values(x, y):
-            return False  # (one table compared field by field: a NaN differs from itself)
-    return True
 
 
 @bulk_rule("ranks_agree")
@@ -290,7 +215,7 @@ def _ranks_agree_bulk(b: Block, rank: int) -> np.ndarray:
         theirs = sv.recs[ref]
         if mine.keys() != theirs.keys() or not all(isinstance(rec, Record) for rec in mine.values()):
             continue
-        out[i] = all(_same_phase(ph, theirs[ph], mine[ph], dcp) for ph in mine)
+        out[i] = all(same_phase(ph, theirs[ph], mine[ph], dcp) for ph in mine)
     return out
 
 
@@ -371,7 +296,7 @@ def _positions_consistent_bulk(b: Block, rank: int) -> np.ndarray:
     ok &= all_per_step(good, seg, len(b)) & all_per_step(good_t, seg[tseg], len(b))
     cont = ppos.present & prej.present  # the previous step is compared with
     ok &= ~cont | pq.present
-    pr = _matched(b, pb, rank, ok, cont, rows=np.bincount(seg, minlength=len(b)))
+    pr = matched(b, pb, rank, ok, cont, rows=np.bincount(seg, minlength=len(b)))
     base = (pr >= 0) & (qi > 0)
     pqi, in1 = pq.at(seg, pr)
     use = base & in1 & (pqi > 0)
@@ -380,21 +305,6 @@ def _positions_consistent_bulk(b: Block, rank: int) -> np.ndarray:
     rej, in3 = prej.at(seg, pr)
     good = (~base | in1) & (~use | (in2 & in3 & (want + pqi - rej == first)))
     return ok & all_per_step(good, seg, len(b))
-
-
-def _matched(b: Block, pb: Block, rank: int, ok: np.ndarray, cont: np.ndarray, *, rows: np.ndarray) -> np.ndarray:
-    """Each request row's row in the previous step (``matched_rows``) for the ``rows[s]`` rows of
-    every step, -1 where the step is not compared with its previous one; a compared step whose
-    rows cannot be matched (no req_ids, another count) is taken out of ``ok``."""
-    parts = []
-    for s, c in enumerate(matched_rows(b, pb, rank)):
-        if rows[s] and ok[s] and cont[s] and c is not None and c.shape == (rows[s],):
-            parts.append(c)
-            continue
-        if cont[s]:
-            ok[s] = False
-        parts.append(np.full(rows[s], -1, dtype=np.int64))
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 @check("verify_greedy",
