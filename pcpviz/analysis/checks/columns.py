@@ -163,7 +163,7 @@ class Block:
             out.append(None if views is None else views.get(view))
         return out
 
-    def col(self, rank: int, phase: str, view: str, ndim: int | None = 1, *,
+    def col(self, rank: int, phase: str, view: str, *, ndim: int | None = 1,
             bools: bool = False) -> Column | None:
         """The view's column on ``rank``: None where ``Column.of`` gives none, its arrays have
         other than ``ndim`` axes (None: 1 or 2), or are bool and ``bools`` is False (a bool array

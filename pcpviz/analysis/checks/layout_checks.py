@@ -262,8 +262,8 @@ def gathered_slots_are_global(c: Ctx) -> None:
 def _gathered_slots_are_global_bulk(b: Block, rank: int) -> np.ndarray:
     """One KV-cache group: gathered row j holds the global slot of padded_gather_idx[j] where
     kv_write_mask[j], PAD elsewhere."""
-    glob = b.col(rank, "target", "slot_mapping_global", None)
-    gath = b.col(rank, "target", "slot_mapping_gathered", None)
+    glob = b.col(rank, "target", "slot_mapping_global", ndim=None)
+    gath = b.col(rank, "target", "slot_mapping_gathered", ndim=None)
     pgi, mask = b.col(rank, "target", "padded_gather_idx"), b.col(rank, "target", "kv_write_mask", bools=True)
     if glob is None or gath is None or pgi is None or mask is None:
         return none(b)

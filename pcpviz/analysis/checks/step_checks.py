@@ -82,7 +82,7 @@ def _verify_consistent_bulk(b: Block, rank: int) -> np.ndarray:
     num_scheduled_tokens, one row per request, on which every rule of the check holds."""
     ns, nacc, nrej, nd = (b.col(rank, "verify", v) for v in ("num_sampled", "num_accepted", "num_rejected",
                                                              "num_draft_tokens"))
-    sampled = b.col(rank, "verify", "sampled_token_ids", 2)
+    sampled = b.col(rank, "verify", "sampled_token_ids", ndim=2)
     ids, q, li = (b.col(rank, "target", v) for v in ("input_ids", "num_scheduled_tokens", "logits_indices"))
     if None in (ns, nacc, nrej, nd, sampled, ids, q, li):
         return none(b)
@@ -97,8 +97,8 @@ def _verify_consistent_bulk(b: Block, rank: int) -> np.ndarray:
     good = (a >= 0) & (j >= 0) & ((n == 0) | (n == a + 1)) & (d - j == a) & (d <= np.maximum(qi - 1, 0))
     ok &= all_per_step(good, seg, len(b))
     ok &= (np.bincount(seg[a > 0], minlength=len(b)) == 0) | (ids.lens > 0)
-    ok &= sampled_entries_ok(b, sampled, ids, ok, seg, i=i, n=n, a=a, first=end - d)
-    return ok & logits_rows_ok(b, li, ok, seg, qi=qi, cnt=d + 1, end=end)
+    ok &= sampled_entries_ok(b, sampled, ids, ok=ok, seg=seg, i=i, n=n, a=a, first=end - d)
+    return ok & logits_rows_ok(b, li, ok=ok, seg=seg, qi=qi, cnt=d + 1, end=end)
 
 
 @check("drafts_fed_back",
@@ -215,7 +215,7 @@ def _ranks_agree_bulk(b: Block, rank: int) -> np.ndarray:
         theirs = sv.recs[ref]
         if mine.keys() != theirs.keys() or not all(isinstance(rec, Record) for rec in mine.values()):
             continue
-        out[i] = all(same_phase(ph, theirs[ph], mine[ph], dcp) for ph in mine)
+        out[i] = all(same_phase(ph, theirs[ph], mine[ph], dcp=dcp) for ph in mine)
     return out
 
 
@@ -296,7 +296,7 @@ def _positions_consistent_bulk(b: Block, rank: int) -> np.ndarray:
     ok &= all_per_step(good, seg, len(b)) & all_per_step(good_t, seg[tseg], len(b))
     cont = ppos.present & prej.present  # the previous step is compared with
     ok &= ~cont | pq.present
-    pr = matched(b, pb, rank, ok, cont, rows=np.bincount(seg, minlength=len(b)))
+    pr = matched(b, pb, rank, ok=ok, cont=cont, rows=np.bincount(seg, minlength=len(b)))
     base = (pr >= 0) & (qi > 0)
     pqi, in1 = pq.at(seg, pr)
     use = base & in1 & (pqi > 0)

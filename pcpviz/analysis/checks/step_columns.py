@@ -31,7 +31,7 @@ def agreeing_views(phase: str, names) -> list[str]:
 _AGREEING: dict[tuple, tuple[str, ...]] = {}  # (phase, its view names, dcp > 1) -> the views ranks_agree compares
 
 
-def same_phase(phase: str, a, b, dcp: bool) -> bool:
+def same_phase(phase: str, a, b, *, dcp: bool) -> bool:
     """Two ranks' records of ``phase`` hold the same views, every one ranks_agree compares the
     very same array (the reader shares a byte-equal payload) or equal values (``columns.same_values``)."""
     names = tuple(a.views)
@@ -58,7 +58,7 @@ def same_req_ids(sv, rank: int) -> bool:
     return vid is None or tid is None or same_values(tid, vid)
 
 
-def sampled_entries_ok(b: Block, sampled, ids, ok: np.ndarray, seg: np.ndarray, *, i: np.ndarray,
+def sampled_entries_ok(b: Block, sampled, ids, *, ok: np.ndarray, seg: np.ndarray, i: np.ndarray,
                         n: np.ndarray, a: np.ndarray, first: np.ndarray) -> np.ndarray:
     """bool[n]: per request row ``i`` of step ``seg``, sampled tokens are the first ``n``
     entries, the first ``a`` of them the target's input ids from row ``first``."""
@@ -74,7 +74,7 @@ def sampled_entries_ok(b: Block, sampled, ids, ok: np.ndarray, seg: np.ndarray, 
     return all_per_step(good, step, len(b))
 
 
-def logits_rows_ok(b: Block, li, ok: np.ndarray, seg: np.ndarray, *, qi: np.ndarray, cnt: np.ndarray,
+def logits_rows_ok(b: Block, li, *, ok: np.ndarray, seg: np.ndarray, qi: np.ndarray, cnt: np.ndarray,
                     end: np.ndarray) -> np.ndarray:
     """bool[n]: where logits_indices is recorded and every request has tokens (``qi``), it is
     each request's last ``cnt`` rows (``end``: the row after its last)."""
@@ -91,7 +91,7 @@ def logits_rows_ok(b: Block, li, ok: np.ndarray, seg: np.ndarray, *, qi: np.ndar
     return (ok & ~compared) | (active & all_per_step(want == got, step, len(b)))
 
 
-def matched(b: Block, pb: Block, rank: int, ok: np.ndarray, cont: np.ndarray, *, rows: np.ndarray) -> np.ndarray:
+def matched(b: Block, pb: Block, rank: int, *, ok: np.ndarray, cont: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """Each request row's row in the previous step (``matched_rows``) for the ``rows[s]`` rows of
     every step, -1 where the step is not compared with its previous one; a compared step whose
     rows cannot be matched (no req_ids, another count) is taken out of ``ok``."""
