@@ -21,6 +21,7 @@ VIEWS = [("target", v) for v in (
     "per_rank_num_tokens", "local_seq_lens", "local_query_start_loc", "sampled_logits_rows",
     "logits_indices", "sampled_from", "req_ids", "segments", "is_prefilling", "input_ids",
     "block_table_global", "slot_mapping_global", "slot_mapping_gathered", "kv_write_mask", "hidden_fp",
+    "local_req_ids", "local_logits_indices", "local_input_ids", "local_is_padding", "block_table_local",
     "hidden_local_fp", "seq_lens", "num_computed_tokens")] + [("verify", v) for v in (
         "num_sampled", "sampled_token_ids", "num_rejected", "num_accepted", "num_draft_tokens",
         "req_ids")] + [("draft_0", v) for v in (

@@ -14,8 +14,9 @@ from pcpviz.trace.bounds import step_problems
 
 from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
-from .columns import Block, all_per_step, bulk_rule, none, ragged, rank_rows, same_values, step_sums
+from .columns import Block, all_per_step, bulk_rule, none, ragged, rank_rows, step_sums
 from .context import Ctx, Skip, check, local_segments, segment_rows, segments_of
+from .layout_columns import expected_layout, local_batch_ok, matches_plan
 
 
 @check("views_in_bounds",
@@ -84,52 +85,6 @@ def layout_matches_plan(c: Ctx) -> None:
                      what=f"{view} differs from plan_layout")
 
 
-_PLANS: dict[tuple, dict | None] = {}  # plan_layout's inputs -> the views it expects (None: it raised)
-
-
-def _expected_layout(key: tuple, q: np.ndarray, pf: np.ndarray, *, world: int, shard: bool, dcp: int,
-                     p: int) -> dict | None:
-    """The five views ``layout_matches_plan`` compares, as it builds them, for one batch; the
-    plans of batches seen before are remembered (decode steps repeat a batch's counts)."""
-    got = _PLANS.get(key, _PLANS)
-    if got is _PLANS:
-        try:
-            plan = plan_layout(q.astype(np.int64), pf.astype(bool), world, shard_decode_requests=shard,
-                               dcp_world_size=dcp, padded_num_tokens=p)
-            segs = segments_table(plan.segments_by_rank)
-            got = {"segments": np.stack([segs[f] for f in SEGMENT_DTYPE.names], axis=1) if segs.size
-                   else np.zeros((0, len(SEGMENT_DTYPE.names)), dtype=np.int64),
-                   "per_rank_num_tokens": np.asarray(plan.per_rank_num_tokens, dtype=np.int64),
-                   "padded_gather_idx": plan.padded_gather_idx, "hidden_restore_idx": plan.hidden_restore_idx,
-                   "kv_write_mask": plan.kv_write_mask}
-        except Exception:  # noqa: BLE001 - the check fails there: not decided here
-            got = None
-        if len(_PLANS) >= 4096:
-            _PLANS.clear()
-        _PLANS[key] = got
-    return got
-
-
-def _matches_plan(rec, exp: dict) -> bool:
-    """Every one of the five views ``rec`` recorded equals the plan's, as the check compares it."""
-    for view, want in exp.items():
-        act = rec.get(view)
-        if act is None:
-            continue
-        if view == "segments":
-            names = act.dtype.names
-            if not names or not set(SEGMENT_DTYPE.names) <= set(names) or act.ndim != 1 \
-                    or any(act.dtype[f].kind not in "iub" for f in SEGMENT_DTYPE.names):
-                return False
-            act = np.stack([act[f].astype(np.int64) for f in SEGMENT_DTYPE.names], axis=1) if act.size \
-                else np.zeros((0, len(SEGMENT_DTYPE.names)), dtype=np.int64)
-        elif act.dtype.names is not None or act.dtype.kind not in "iub":
-            return False
-        if not same_values(want, act.astype(want.dtype, copy=False)):
-            return False
-    return True
-
-
 @bulk_rule("layout_matches_plan")
 def _layout_matches_plan_bulk(b: Block, rank: int) -> np.ndarray:
     """Steps recording integer num_scheduled_tokens and padded_gather_idx (N * P rows, N run.json's
@@ -148,8 +103,8 @@ def _layout_matches_plan_bulk(b: Block, rank: int) -> np.ndarray:
             continue
         p = pgi.shape[0] // world
         key = (world, shard, dcp, p, q.astype(np.int64).tobytes(), pf.astype(bool).tobytes())
-        exp = _expected_layout(key, q, pf, world=world, shard=shard, dcp=dcp, p=p)
-        out[i] = exp is not None and _matches_plan(rec, exp)
+        exp = expected_layout(key, q, pf, world=world, shard=shard, dcp=dcp, p=p)
+        out[i] = exp is not None and matches_plan(rec, exp)
     return out
 
 
@@ -384,6 +339,18 @@ def local_batch_matches_layout(c: Ctx) -> None:
                  what="local block-table row differs from its request's global row")
     if not checked:
         raise Skip("no local_req_ids")
+
+
+@bulk_rule("local_batch_matches_layout")
+def _local_batch_matches_layout_bulk(b: Block, rank: int) -> np.ndarray:
+    """Run.json's pcp set, per_rank_num_tokens and padded_gather_idx recorded: the rank-local
+    views recorded equal what the segments say (``layout_columns.local_batch_ok``)."""
+    world = b.cfg.pcp
+    if not world or world < 1:
+        return none(b)
+    return np.fromiter((sv.recs.get(rank, {}).get("target") is not None
+                        and local_batch_ok(sv.recs[rank]["target"], rank, world) for sv in b.svs),
+                       dtype=bool, count=len(b))
 
 
 @check("local_positions_are_global",

@@ -1,0 +1,129 @@
+"""The helpers of ``layout_checks``' bulk rules (``columns``): plan_layout's expected views
+remembered across steps by the batch's counts, and the rank-local batch as the check builds it.
+
+    >>> key = (2, True, 1, 2, np.array([2, 1]).tobytes(), np.array([True, False]).tobytes())
+    >>> exp = expected_layout(key, np.array([2, 1]), np.array([True, False]), world=2, shard=True, dcp=1, p=2)
+    >>> exp["per_rank_num_tokens"].tolist()
+    [2, 1]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pcpviz.reference.layout import plan_layout
+from pcpviz.trace import SEGMENT_DTYPE, segments_table
+from pcpviz.trace.shapes import table_groups
+
+from .columns import same_values
+
+
+_PLANS: dict[tuple, dict | None] = {}  # plan_layout's inputs -> the views it expects (None: it raised)
+
+
+def expected_layout(key: tuple, q: np.ndarray, pf: np.ndarray, *, world: int, shard: bool, dcp: int,
+                     p: int) -> dict | None:
+    """The five views ``layout_matches_plan`` compares, as it builds them, for one batch; the
+    plans of batches seen before are remembered (decode steps repeat a batch's counts)."""
+    got = _PLANS.get(key, _PLANS)
+    if got is _PLANS:
+        try:
+            plan = plan_layout(q.astype(np.int64), pf.astype(bool), world, shard_decode_requests=shard,
+                               dcp_world_size=dcp, padded_num_tokens=p)
+            segs = segments_table(plan.segments_by_rank)
+            got = {"segments": np.stack([segs[f] for f in SEGMENT_DTYPE.names], axis=1) if segs.size
+                   else np.zeros((0, len(SEGMENT_DTYPE.names)), dtype=np.int64),
+                   "per_rank_num_tokens": np.asarray(plan.per_rank_num_tokens, dtype=np.int64),
+                   "padded_gather_idx": plan.padded_gather_idx, "hidden_restore_idx": plan.hidden_restore_idx,
+                   "kv_write_mask": plan.kv_write_mask}
+        except Exception:  # noqa: BLE001 - the check fails there: not decided here
+            got = None
+        if len(_PLANS) >= 4096:
+            _PLANS.clear()
+        _PLANS[key] = got
+    return got
+
+
+def matches_plan(rec, exp: dict) -> bool:
+    """Every one of the five views ``rec`` recorded equals the plan's, as the check compares it."""
+    for view, want in exp.items():
+        act = rec.get(view)
+        if act is None:
+            continue
+        if view == "segments":
+            names = act.dtype.names
+            if not names or not set(SEGMENT_DTYPE.names) <= set(names) or act.ndim != 1 \
+                    or any(act.dtype[f].kind not in "iub" for f in SEGMENT_DTYPE.names):
+                return False
+            act = np.stack([act[f].astype(np.int64) for f in SEGMENT_DTYPE.names], axis=1) if act.size \
+                else np.zeros((0, len(SEGMENT_DTYPE.names)), dtype=np.int64)
+        elif act.dtype.names is not None or act.dtype.kind not in "iub":
+            return False
+        if not same_values(want, act.astype(want.dtype, copy=False)):
+            return False
+    return True
+
+
+_LOCAL_VIEWS = ("segments", "per_rank_num_tokens", "padded_gather_idx", "local_req_ids", "req_ids",
+                "local_query_start_loc", "local_logits_indices", "local_input_ids", "input_ids",
+                "local_is_padding", "block_table_local", "block_table_global")
+
+
+def local_batch_ok(target, rank: int, world: int) -> bool:
+    """``local_batch_matches_layout`` passes on this rank's target record (``world``: run.json's
+    pcp): the same reads and comparisons, without the checks' context; False where it could fail
+    or skip, or reads a view stored as floats (the checks' reader converts those)."""
+    views = {v: target.get(v) for v in _LOCAL_VIEWS}
+    if any(a is not None and (type(a) is not np.ndarray or a.dtype.kind == "f") for a in views.values()):
+        return False
+    segs, prn, pgi = views["segments"], views["per_rank_num_tokens"], views["padded_gather_idx"]
+    if segs is None or segs.dtype.names is None or not set(SEGMENT_DTYPE.names) <= set(segs.dtype.names) \
+            or prn is None or prn.ndim != 1 or rank >= prn.shape[0] or pgi is None or pgi.shape[0] % world:
+        return False
+    try:
+        return _local_batch_same(views, rank, p=pgi.shape[0] // world, n=int(prn[rank]))
+    except Exception:  # noqa: BLE001 - the check fails there (could not evaluate)
+        return False
+
+
+def _local_batch_same(views: dict, rank: int, *, p: int, n: int) -> bool:
+    segs = views["segments"]
+    mine = segs[segs["rank"] == rank]
+    mine = mine[np.argsort(mine["local_start"], kind="stable")]
+    if mine.shape[0] == 0:
+        seg_req, seg_len = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+    else:
+        seg_req = mine["global_req_idx"].astype(np.int64)
+        seg_len = (mine["local_stop"] - mine["local_start"]).astype(np.int64)
+    checked, same = False, True
+    ids, gids = views["local_req_ids"], views["req_ids"]
+    if ids is not None and gids is not None:
+        checked, same = True, same and same_values(gids[seg_req] if gids.size else seg_req.astype(str), ids)
+    lqsl = views["local_query_start_loc"]
+    if lqsl is not None:
+        exp = np.zeros(seg_len.shape[0] + 1, dtype=np.int64)
+        np.cumsum(seg_len, out=exp[1:])
+        act = lqsl.astype(np.int64)
+        if act.shape[0] > exp.shape[0]:
+            exp = np.concatenate([exp, np.full(act.shape[0] - exp.shape[0], exp[-1])])
+        checked, same = True, same and same_values(exp, act)
+        lli = views["local_logits_indices"]
+        if lli is not None:
+            same = same and same_values((act[1:] - 1)[:lli.shape[0]], lli.astype(np.int64))
+    lin, gin, pgi = views["local_input_ids"], views["input_ids"], views["padded_gather_idx"]
+    if lin is not None and gin is not None:
+        rows = pgi[rank * p:rank * p + n].astype(np.int64)
+        checked, same = True, same and lin.shape == (p,) and same_values(gin[rows].astype(np.int64),
+                                                                         lin[:n].astype(np.int64))
+    pad = views["local_is_padding"]
+    if pad is not None:
+        checked, same = True, same and same_values(np.arange(p) >= n, pad.astype(bool))
+    btl, btg = views["block_table_local"], views["block_table_global"]
+    if btl is not None and btg is not None:
+        btl, btg = table_groups(btl), table_groups(btg)
+        exp = btg[:, seg_req]
+        if btl.shape[1] > exp.shape[1]:
+            exp = np.concatenate([exp, np.zeros((exp.shape[0], btl.shape[1] - exp.shape[1], exp.shape[2]),
+                                                exp.dtype)], axis=1)
+        checked, same = True, same and same_values(exp, btl)
+    return checked and same
