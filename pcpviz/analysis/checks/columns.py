@@ -146,6 +146,7 @@ class Block:
     def __init__(self, svs: Sequence[Any], cfg: Any):
         self.svs, self.cfg = list(svs), cfg
         self._cols: dict[tuple, Column | None] = {}
+        self._maps: dict[tuple, list] = {}  # (rank, phase) -> each step's views (None: not recorded)
 
     def __len__(self) -> int:
         return len(self.svs)
@@ -156,12 +157,11 @@ class Block:
 
     def arrays(self, rank: int, phase: str, view: str) -> list:
         """The view's array of each step (None where not recorded)."""
-        out = []
-        for sv in self.svs:
-            rec = sv.recs.get(rank, {}).get(phase)
-            views = getattr(rec, "views", rec)
-            out.append(None if views is None else views.get(view))
-        return out
+        maps = self._maps.get((rank, phase))
+        if maps is None:
+            maps = self._maps[(rank, phase)] = [getattr(rec, "views", rec) for rec in
+                                                (sv.recs.get(rank, {}).get(phase) for sv in self.svs)]
+        return [None if m is None else m.get(view) for m in maps]
 
     def col(self, rank: int, phase: str, view: str, *, ndim: int | None = 1,
             bools: bool = False) -> Column | None:
