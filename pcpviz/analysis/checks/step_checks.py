@@ -12,10 +12,10 @@ from pcpviz.trace.view_specs import DCP_SHARE_VIEWS
 
 from pcpviz.trace.shapes import slot_groups
 
-from .columns import (Block, all_per_step, bulk_rule, none, previous, ragged, starts,
-                      step_sums)
+from .columns import (Block, bulk_rule, none)
 from .context import Ctx, Skip, check, token_rows
-from .step_columns import agreeing_views, logits_rows_ok, matched, same_phase, same_req_ids, sampled_entries_ok
+from .step_columns import (accepted_ok, agreeing_views, cursor_ok, is_prefilling_ok, must_sample_ok,
+                           positions_consistent_ok, same_phase, verify_consistent_ok)
 
 @check("verify_consistent",
         "verify is self-consistent and matches the batch: num_sampled == the non -1 prefix of "
@@ -78,27 +78,8 @@ def verify_consistent(c: Ctx) -> None:
 
 @bulk_rule("verify_consistent")
 def _verify_consistent_bulk(b: Block, rank: int) -> np.ndarray:
-    """Steps recording the verify counts, a 2-D sampled_token_ids, input_ids and
-    num_scheduled_tokens, one row per request, on which every rule of the check holds."""
-    ns, nacc, nrej, nd = (b.col(rank, "verify", v) for v in ("num_sampled", "num_accepted", "num_rejected",
-                                                             "num_draft_tokens"))
-    sampled = b.col(rank, "verify", "sampled_token_ids", ndim=2)
-    ids, q, li = (b.col(rank, "target", v) for v in ("input_ids", "num_scheduled_tokens", "logits_indices"))
-    if None in (ns, nacc, nrej, nd, sampled, ids, q, li):
-        return none(b)
-    r = ns.lens
-    ok = ns.present & nacc.present & nrej.present & sampled.present & ids.present & q.present
-    ok &= (nacc.lens == r) & (nrej.lens == r) & (sampled.rows == r) & (q.lens == r) & (~nd.present | (nd.lens == r))
-    ok &= np.fromiter((same_req_ids(sv, rank) for sv in b.svs), dtype=bool, count=len(b))
-    seg, i = ragged(np.where(ok, r, 0))
-    n, a, j, qi = ns.at(seg, i)[0], nacc.at(seg, i)[0], nrej.at(seg, i)[0], q.at(seg, i)[0]
-    d = np.where(nd.present[seg], nd.at(seg, i)[0], a + j)
-    end = (starts(q) + q.values)[q.offsets[seg] + i] if seg.size else seg
-    good = (a >= 0) & (j >= 0) & ((n == 0) | (n == a + 1)) & (d - j == a) & (d <= np.maximum(qi - 1, 0))
-    ok &= all_per_step(good, seg, len(b))
-    ok &= (np.bincount(seg[a > 0], minlength=len(b)) == 0) | (ids.lens > 0)
-    ok &= sampled_entries_ok(b, sampled, ids, ok=ok, seg=seg, i=i, n=n, a=a, first=end - d)
-    return ok & logits_rows_ok(b, li, ok=ok, seg=seg, qi=qi, cnt=d + 1, end=end)
+    """``step_columns.verify_consistent_ok``."""
+    return verify_consistent_ok(b, rank)
 
 
 @check("drafts_fed_back",
@@ -272,39 +253,8 @@ def positions_consistent(c: Ctx) -> None:
 
 @bulk_rule("positions_consistent")
 def _positions_consistent_bulk(b: Block, rank: int) -> np.ndarray:
-    """Contiguous positions, T of them, seq_lens and num_computed_tokens (where recorded) one per
-    request and consistent; with a previous step recording positions and num_rejected, both
-    steps' req_ids and num_scheduled_tokens recorded and each continuing request's first
-    position the GPU cursor."""
-    pos, q, sl, nc = (b.col(rank, "target", v) for v in ("positions", "num_scheduled_tokens", "seq_lens",
-                                                        "num_computed_tokens"))
-    pb = previous(b, rank)
-    ppos, pq, prej = pb.col(rank, "target", "positions"), pb.col(rank, "target", "num_scheduled_tokens"), \
-        pb.col(rank, "verify", "num_rejected")
-    if None in (pos, q, sl, nc, ppos, pq, prej):
-        return none(b)
-    r = q.lens
-    ok = pos.present & q.present & (pos.lens == step_sums(q)) & (~sl.present | (sl.lens == r)) \
-        & (~nc.present | (nc.lens == r))
-    seg, i = ragged(np.where(ok, r, 0))
-    qi, start = q.at(seg, i)[0], starts(q)[q.offsets[seg] + i] if seg.size else seg
-    first = np.where(qi > 0, pos.at(seg, start)[0], 0)
-    tseg, m = ragged(np.where(ok[seg], qi, 0))  # tseg: the request row of each token
-    good_t = pos.at(seg[tseg], start[tseg] + m)[0] == first[tseg] + m
-    good = (qi >= 0) & ((qi <= 0) | ~sl.present[seg] | (sl.at(seg, i)[0] == pos.at(seg, start + qi - 1)[0] + 1))
-    good &= (qi <= 0) | ~nc.present[seg] | (first <= nc.at(seg, i)[0])
-    ok &= all_per_step(good, seg, len(b)) & all_per_step(good_t, seg[tseg], len(b))
-    cont = ppos.present & prej.present  # the previous step is compared with
-    ok &= ~cont | pq.present
-    pr = matched(b, pb, rank, ok=ok, cont=cont, rows=np.bincount(seg, minlength=len(b)))
-    base = (pr >= 0) & (qi > 0)
-    pqi, in1 = pq.at(seg, pr)
-    use = base & in1 & (pqi > 0)
-    pstart = np.append(starts(pq), 0)[pq.offsets[seg] + np.where(in1, pr, 0)]
-    want, in2 = ppos.at(seg, np.where(use, pstart, -1))
-    rej, in3 = prej.at(seg, pr)
-    good = (~base | in1) & (~use | (in2 & in3 & (want + pqi - rej == first)))
-    return ok & all_per_step(good, seg, len(b))
+    """``step_columns.positions_consistent_ok``."""
+    return positions_consistent_ok(b, rank)
 
 
 @check("verify_greedy",
@@ -358,6 +308,9 @@ def is_prefilling_rule(c: Ctx) -> None:
              what="is_prefilling != (num_computed_tokens < prefill_len)")
 
 
+
+bulk_rule("is_prefilling_rule")(is_prefilling_ok)  # step_columns.is_prefilling_ok
+
 @check("must_sample_rule",
        "the sampler's must-sample rule, derived: a request samples this step iff its seq_len "
        "(num_computed + scheduled tokens) reaches its prefill_len; a chunk that stops short samples "
@@ -385,6 +338,9 @@ def must_sample_rule(c: Ctx) -> None:
                      what="a partial prefill chunk counts drafts")
 
 
+
+bulk_rule("must_sample_rule")(must_sample_ok)  # step_columns.must_sample_ok
+
 @check("cursor_rolls_back_rejections",
        "the GPU cursor after verify is derived: a request's num_computed_after is its first position "
        "this step (the cursor before it) plus the tokens scheduled, less the drafts rejected (vLLM 0.33.0 "
@@ -410,6 +366,9 @@ def cursor_rolls_back_rejections(c: Ctx) -> None:
     c.expect("verify", "num_computed_after", want=want, got=after,
              what="the cursor after verify != the first position this step + q - num_rejected")
 
+
+
+bulk_rule("cursor_rolls_back_rejections")(cursor_ok)  # step_columns.cursor_ok
 
 @check("num_accepted_from_tokens",
        "num_accepted is derived from the drafts and the target's sampled tokens: where a request "
@@ -442,3 +401,6 @@ def num_accepted_from_tokens(c: Ctx) -> None:
         c.fail("verify", "num_accepted", f"request row {i} rejects draft {int(nacc[i])} (token {int(ids[at[j]])}) "
                f"but samples that same token in its place: the draft was accepted", index=(i,),
                expected=f">= {int(nacc[i]) + 1}", actual=str(int(nacc[i])))
+
+
+bulk_rule("num_accepted_from_tokens")(accepted_ok)  # step_columns.accepted_ok
