@@ -45,7 +45,16 @@ def _minus_one(a, rng):
     return a
 
 
+def _repeat_first(a, rng):
+    if a.ndim == 0 or a.shape[-1] < 2 or a.dtype.names is not None:
+        return a
+    a = a.copy()
+    a[..., 1] = a[..., 0]
+    return a
+
+
 DAMAGE = {
+    "repeat_first": _repeat_first,
     "plus_one": _plus_one,
     "minus_one": _minus_one,
     "roll": lambda a, rng: np.roll(a, 1),

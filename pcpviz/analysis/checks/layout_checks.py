@@ -16,7 +16,7 @@ from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
 from .columns import Block, all_per_step, bulk_rule, none, ragged, rank_rows, step_sums
 from .context import Ctx, Skip, check, local_segments, segment_rows, segments_of
-from .layout_columns import expected_layout, local_batch_ok, matches_plan
+from .layout_columns import expected_layout, kv_written_once_ok, local_batch_ok, matches_plan
 
 
 @check("views_in_bounds",
@@ -193,6 +193,9 @@ def kv_written_once(c: Ctx) -> None:
                    f"{gw.size} global slots but {srt.size} written" if slot is None else
                    f"global slot {slot} (token {int(np.flatnonzero(gl == slot)[0])}) is never written",
                    expected=f"{gw.size} slots", actual=f"{srt.size} slots")
+
+
+bulk_rule("kv_written_once")(kv_written_once_ok)  # layout_columns.kv_written_once_ok
 
 
 @check("gathered_slots_are_global",

@@ -15,7 +15,7 @@ from pcpviz.reference.layout import plan_layout
 from pcpviz.trace import SEGMENT_DTYPE, segments_table
 from pcpviz.trace.shapes import table_groups
 
-from .columns import same_values
+from .columns import Block, all_per_step, none, ragged, same_values, step_sums
 
 
 _PLANS: dict[tuple, dict | None] = {}  # plan_layout's inputs -> the views it expects (None: it raised)
@@ -127,3 +127,46 @@ def _local_batch_same(views: dict, rank: int, *, p: int, n: int) -> bool:
                                                 exp.dtype)], axis=1)
         checked, same = True, same and same_values(exp, btl)
     return checked and same
+
+
+def _sorted_by_step(step: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    order = np.lexsort((vals, step))
+    return step[order], vals[order]
+
+
+def kv_written_once_ok(b: Block, rank: int) -> np.ndarray:
+    """``kv_written_once`` with one KV-cache group: the write mask N * P long, only real rows,
+    T of them; the gathered slots (where recorded) unique, the same set as the global ones
+    (where recorded)."""
+    world = b.cfg.pcp
+    mask, pgi, prn = b.col(rank, "target", "kv_write_mask", bools=True), b.col(rank, "target", "padded_gather_idx"), \
+        b.col(rank, "target", "per_rank_num_tokens")
+    q = b.col(rank, "target", "num_scheduled_tokens")
+    glob, gath = (b.col(rank, "target", v, ndim=None) for v in ("slot_mapping_global", "slot_mapping_gathered"))
+    if not world or world < 1 or None in (mask, pgi, prn, q, glob, gath):
+        return none(b)
+    p = pgi.lens // world
+    ok = mask.present & pgi.present & prn.present & q.present & (pgi.lens % world == 0) & (mask.lens == world * p)
+    seg, j = ragged(np.where(ok, mask.lens, 0))
+    marked = mask.at(seg, j)[0] != 0
+    pp = np.maximum(p[seg], 1)
+    limit, has = prn.at(seg, j // pp)
+    real = has & (j % pp < limit)
+    compared = ((prn.lens == world) | (p == 0))[seg]
+    ok &= all_per_step(~compared | ~marked | real, seg, len(b))
+    ok &= np.bincount(seg, weights=marked, minlength=len(b)).astype(np.int64) == step_sums(q)
+    ok &= ~gath.present | (gath.one_group() & (~glob.present | glob.one_group()))
+    gseg, k = ragged(np.where(ok & gath.present, gath.lens, 0))
+    slot = gath.at(gseg, k)[0]
+    ws, wv = _sorted_by_step(gseg[slot != -1], slot[slot != -1])
+    ok &= all_per_step((ws[1:] != ws[:-1]) | (wv[1:] != wv[:-1]), ws[1:], len(b))
+    hseg, k = ragged(np.where(ok & gath.present & glob.present, glob.lens, 0))
+    gl = glob.at(hseg, k)[0]
+    hs, hv = _sorted_by_step(hseg[gl != -1], gl[gl != -1])
+    both = gath.present & glob.present
+    keep = (ok & both)[ws]
+    ws, wv = ws[keep], wv[keep]
+    ok &= ~both | (np.bincount(ws, minlength=len(b)) == np.bincount(hs, minlength=len(b)))
+    keep, keep_h = ok[ws], ok[hs]  # the steps still ok hold as many of each
+    ws, wv, hs, hv = ws[keep], wv[keep], hs[keep_h], hv[keep_h]
+    return ok & all_per_step((ws == hs) & (wv == hv), ws, len(b))
