@@ -71,15 +71,16 @@ class Column:
     """One view of every step of a block on one rank: ``values`` (int64, each step's array
     flattened, concatenated), ``offsets`` int64[n + 1], ``lens`` int64[n] (elements),
     ``present`` bool[n] (absent: length 0), ``ndim`` (the same for every step) and ``rows``
-    int64[n] (``shape[0]``; for a 2-D view ``lens // rows`` is its width), ``kind`` (the
-    dtype's: ``i``, ``u`` or ``b``)."""
+    int64[n] (``shape[0]``), ``dims`` int64[n, ndim] (each step's shape, zeros where absent),
+    ``kind`` (the dtype's: ``i``, ``u`` or ``b``)."""
 
-    __slots__ = ("values", "offsets", "lens", "present", "ndim", "rows", "kind")
+    __slots__ = ("values", "offsets", "lens", "present", "ndim", "rows", "kind", "dims")
 
     def __init__(self, values: np.ndarray, lens: np.ndarray, present: np.ndarray, ndim: int = 1,
-                 rows: np.ndarray | None = None, kind: str = "i"):
+                 dims: np.ndarray | None = None, kind: str = "i"):
         self.values, self.lens, self.present, self.ndim, self.kind = values, lens, present, ndim, kind
-        self.rows = lens if rows is None else rows
+        self.dims = lens[:, None] if dims is None else dims
+        self.rows = self.dims[:, 0]
         self.offsets = np.zeros(lens.shape[0] + 1, dtype=np.int64)
         np.cumsum(lens, out=self.offsets[1:])
 
@@ -87,13 +88,13 @@ class Column:
     def of(cls, arrays: Sequence[Any]) -> "Column | None":
         """The column of ``arrays`` (None where a step lacks the view); None unless every
         present array is an integer (or bool) array of one dtype, not uint64, and one number of
-        axes, 1 or 2 (the checks then read it as is, and int64 holds its values); a view absent
+        axes, 1 to 3 (the checks then read it as is, and int64 holds its values); a view absent
         on every step gives a column present nowhere."""
         dtype = ndim = None
         for a in arrays:
             if a is None:
                 continue
-            if type(a) is not np.ndarray or a.ndim not in (1, 2) or a.dtype.kind not in "iub" \
+            if type(a) is not np.ndarray or a.ndim not in (1, 2, 3) or a.dtype.kind not in "iub" \
                     or a.dtype == np.uint64:
                 return None
             if dtype is None:
@@ -106,15 +107,15 @@ class Column:
         empty = np.zeros((0,) * ndim, dtype=dtype)
         parts = [empty if a is None else a for a in arrays]
         lens = np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts))
-        rows = np.fromiter((p.shape[0] for p in parts), dtype=np.int64, count=len(parts))
+        dims = np.array([p.shape for p in parts], dtype=np.int64).reshape(len(parts), ndim)
         present = np.fromiter((a is not None for a in arrays), dtype=bool, count=len(parts))
         values = np.concatenate([p.ravel() for p in parts]).astype(np.int64, copy=False)
-        return cls(values, lens, present, ndim, rows, dtype.kind)
+        return cls(values, lens, present, ndim, dims, dtype.kind)
 
     def one_group(self) -> np.ndarray:
         """bool[n]: present, and one group as ``shapes.slot_groups`` reads it (1-D, or 2-D of
         one row): element ``k`` of the step is then the group's ``k``-th value."""
-        return self.present & ((self.rows == 1) if self.ndim == 2 else True)
+        return self.present & ((self.rows == 1) if self.ndim == 2 else self.ndim == 1)
 
     def at(self, step_idx: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(values, ok): element ``k`` of step ``step_idx`` (elementwise); ``ok`` False where
@@ -166,7 +167,7 @@ class Block:
     def col(self, rank: int, phase: str, view: str, *, ndim: int | None = 1,
             bools: bool = False) -> Column | None:
         """The view's column on ``rank``: None where ``Column.of`` gives none, its arrays have
-        other than ``ndim`` axes (None: 1 or 2), or are bool and ``bools`` is False (a bool array
+        other than ``ndim`` axes (None: any of 1 to 3), or are bool and ``bools`` is False (a bool array
         indexes as a mask)."""
         key = (rank, phase, view)
         if key not in self._cols:

@@ -16,7 +16,7 @@ from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
 from .columns import Block, all_per_step, bulk_rule, none, ragged, rank_rows, step_sums
 from .context import Ctx, Skip, check, local_segments, segment_rows, segments_of
-from .layout_columns import expected_layout, kv_written_once_ok, local_batch_ok, matches_plan
+from .layout_columns import expected_layout, global_slots_ok, kv_written_once_ok, local_batch_ok, matches_plan
 
 
 @check("views_in_bounds",
@@ -249,6 +249,9 @@ def global_slots_match_block_table(c: Ctx) -> None:
     c.expect("target", "slot_mapping_global", want=expected, got=glob,
              what="slot differs from block_table_global[row, position // block_size]")
     c.no_null_block("target", "slot_mapping_global", want=expected, got=glob, positions=pos)
+
+
+bulk_rule("global_slots_match_block_table")(global_slots_ok)  # layout_columns.global_slots_ok
 
 
 @check("kv_write_mask_canonical",

@@ -15,7 +15,7 @@ from pcpviz.reference.layout import plan_layout
 from pcpviz.trace import SEGMENT_DTYPE, segments_table
 from pcpviz.trace.shapes import table_groups
 
-from .columns import Block, all_per_step, none, ragged, same_values, step_sums
+from .columns import Block, all_per_step, none, ragged, same_values, starts, step_sums
 
 
 _PLANS: dict[tuple, dict | None] = {}  # plan_layout's inputs -> the views it expects (None: it raised)
@@ -170,3 +170,35 @@ def kv_written_once_ok(b: Block, rank: int) -> np.ndarray:
     keep, keep_h = ok[ws], ok[hs]  # the steps still ok hold as many of each
     ws, wv, hs, hv = ws[keep], wv[keep], hs[keep_h], hv[keep_h]
     return ok & all_per_step((ws == hs) & (wv == hv), ws, len(b))
+
+
+def global_slots_ok(b: Block, rank: int) -> np.ndarray:
+    """``global_slots_match_block_table`` without DCP, with one KV-cache group and one block
+    size: block_table_global one row per request; each token's slot (T of them) is its row's
+    block at position // block_size (not past the table's width: that reads the null block),
+    times block_size, plus position % block_size, and outside the null block 0."""
+    sizes = b.cfg.block_sizes
+    glob, table = b.col(rank, "target", "slot_mapping_global", ndim=None), b.col(rank, "target",
+                                                                                "block_table_global", ndim=None)
+    pos, q = b.col(rank, "target", "positions"), b.col(rank, "target", "num_scheduled_tokens")
+    if b.cfg.dcp != 1 or sizes is None or len(sizes) != 1 or sizes[0] < 1 or None in (glob, table, pos, q) \
+            or table.ndim == 1:
+        return none(b)
+    bs, t = int(sizes[0]), step_sums(q)
+    one = table.present & ((table.rows == 1) if table.ndim == 3 else True)
+    width = table.dims[:, -1]
+    ok = one & glob.one_group() & pos.present & q.present & (glob.lens == t) & (pos.lens == t)
+    ok &= table.dims[:, -2] == q.lens
+    seg, i = ragged(np.where(ok, q.lens, 0))
+    qi = q.at(seg, i)[0]
+    first = np.append(starts(q), 0)[q.offsets[seg] + i]
+    ok &= all_per_step(qi >= 0, seg, len(b))
+    tr, m = ragged(np.where(ok[seg], qi, 0))  # tr: the request row of each token
+    step, row, tok = seg[tr], i[tr], first[tr] + m
+    p = pos.at(step, tok)[0]
+    blk = p // bs
+    past = blk >= width[step]
+    entry, inside = table.at(step, np.where(past, -1, row * width[step] + blk))
+    want = np.where(past, p % bs, entry * bs + p % bs)
+    good = (p >= 0) & (past | inside) & (glob.at(step, tok)[0] == want) & ((want < 0) | (want >= bs))
+    return ok & all_per_step(good, step, len(b))
