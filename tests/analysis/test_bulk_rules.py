@@ -112,6 +112,8 @@ def test_clean_runs_same_report(tmp_path, monkeypatch, pcp, k):
 def test_damaged_runs_same_report(tmp_path, monkeypatch, seed):
     if seed % 2:  # blocks of 3 steps: a previous step read from the block before
         monkeypatch.setattr(runner, "BLOCK_STEPS", 3)
+    if seed % 3 == 0:  # blocks of one step (their views past BLOCK_BYTES)
+        monkeypatch.setattr(runner, "BLOCK_BYTES", 1)
     rng = random.Random(seed)
     run = clean_run(pcp=rng.choice([2, 2, 4]), k=rng.choice([1, 2, 3]))
     steps = [s for s, _ in run.steps]

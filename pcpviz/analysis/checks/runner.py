@@ -36,7 +36,17 @@ CHECKS: Mapping[str, str] = MappingProxyType({d.name: d.description for d in ORD
 """Every check name -> its one-line meaning, in the order they run and are reported."""
 
 BLOCK_STEPS = 256
-"""Steps read at once: the bulk rules' columns span them (memory: their records)."""
+"""Steps read at once, at most: the bulk rules' columns span them (memory: their records)."""
+
+BLOCK_BYTES = 16 << 20
+"""Bytes of views a block holds, at most (past them the block ends after its step): a block of
+large steps (a long prompt, PCP=64) is a few steps, or one."""
+
+
+def _view_bytes(sv: StepView) -> int:
+    """Bytes of the views of one step, every rank."""
+    return sum(a.nbytes for phases in sv.recs.values() for rec in phases.values()
+               for a in getattr(rec, "views", rec).values())
 
 
 class _Stats:
@@ -168,19 +178,23 @@ def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: l
                  probe: Callable[[StepView], Any] | None = None) -> tuple[dict[str, _Stats], Any]:
     """Every check over ``steps`` (consecutive steps of the trace), and ``probe``'s first
     non-None answer over them; ``before``: the step before the first, read as its history (None
-    at the start of the trace). Read in blocks of ``BLOCK_STEPS`` steps (the bulk rules'
-    columns, ``columns``); the block's last step kept as the next one's history."""
+    at the start of the trace). Read in blocks of ``BLOCK_STEPS`` steps or ``BLOCK_BYTES`` of
+    views (the bulk rules' columns, ``columns``); the block's last step kept as the next one's
+    history."""
     stats = {d.name: _Stats() for d in defs}
     rank_steps = {r: set(trace.rank_steps(r)) for r in trace.ranks}
     last = {r: max(rank_steps[r], default=None) for r in trace.ranks}
     prev = None if before is None else _step_view(trace, before, None, rank_steps, last)
     found = None
     verify = bulk_mode() == "verify"
-    for lo in range(0, len(steps), BLOCK_STEPS):
-        block = []
-        for step in steps[lo:lo + BLOCK_STEPS]:
-            prev = _step_view(trace, step, prev, rank_steps, last)
+    i = 0
+    while i < len(steps):
+        block, held = [], 0
+        while i < len(steps) and len(block) < BLOCK_STEPS and held < BLOCK_BYTES:
+            prev = _step_view(trace, steps[i], prev, rank_steps, last)
             block.append(prev)
+            held += _view_bytes(prev)
+            i += 1
         for sv, sure in zip(block, _block_sure(block, defs, cfg, trace.ranks)):
             _check_step(sv, defs, cfg, stats, sure, verify)
             if probe is not None and found is None:
