@@ -15,6 +15,8 @@ A rule must be sound (True only where the per-step code passes: no Fail, no Skip
 may be conservative (False is always safe). A rule that raises decides nothing (every step of
 the block runs per step). ``$PCPVIZ_BULK`` = ``0`` turns the rules off; ``verify`` runs every
 check per step as well and raises AssertionError where a rule said pass and the check did not.
+The rules run on blocks of many small steps (``runner.BULK_MIN_STEPS``, ``BULK_RANK_STEP_BYTES``),
+on every block with ``always`` or ``verify``.
 
 A column of a PCP=2 block of three steps, ``positions`` on rank 0::
 
@@ -33,20 +35,28 @@ import numpy as np
 from .context import Ctx
 
 BULK_ENV = "PCPVIZ_BULK"
-"""``0``: no bulk rules (every check per step); ``verify``: rules checked against the checks."""
+"""``0``: no bulk rules (every check per step); ``always``: rules on every block (not only on
+blocks of many small steps, ``runner.BULK_MIN_STEPS``); ``verify``: ``always``, and every rule
+checked against its check."""
 
 BULK: dict[str, Callable[["Block", int], np.ndarray]] = {}
 """Check name -> its bulk rule (``bulk_rule``)."""
+
+SHARED: set[str] = set()
+"""Checks whose bulk rule reads nothing but the rank's own views, through ``Block.col`` and
+``Block.arrays`` (``bulk_rule(name, shared=True)``): its answer depends on those arrays alone."""
 
 BULK_SKIP: dict[str, Callable[["Block", int], list]] = {}
 """Check name -> its bulk skip rule (``bulk_skip``)."""
 
 
-def bulk_rule(name: str):
+def bulk_rule(name: str, *, shared: bool = False):
     """Register the decorated ``fn(block, rank) -> bool[len(block)]`` as check ``name``'s bulk
-    rule (see the module doc)."""
+    rule (see the module doc); ``shared``: see ``SHARED``."""
     def deco(fn):
         BULK[name] = fn
+        if shared:
+            SHARED.add(name)
         return fn
     return deco
 
@@ -62,9 +72,9 @@ def bulk_skip(name: str):
 
 
 def bulk_mode() -> str:
-    """``on``, ``off`` or ``verify`` from ``$PCPVIZ_BULK``."""
+    """``on``, ``off``, ``always`` or ``verify`` from ``$PCPVIZ_BULK``."""
     v = os.environ.get(BULK_ENV, "").strip().lower()
-    return "off" if v in ("0", "off", "no") else "verify" if v == "verify" else "on"
+    return "off" if v in ("0", "off", "no") else v if v in ("verify", "always") else "on"
 
 
 class Column:
@@ -148,6 +158,8 @@ class Block:
         self.svs, self.cfg = list(svs), cfg
         self._cols: dict[tuple, Column | None] = {}
         self._maps: dict[tuple, list] = {}  # (rank, phase) -> each step's views (None: not recorded)
+        self.reads: set | None = None  # (rank, phase, view) read while a shared rule runs
+        self.memo: dict = {}  # rank-independent results of the rules' helpers (``gathered``)
 
     def __len__(self) -> int:
         return len(self.svs)
@@ -158,11 +170,24 @@ class Block:
 
     def arrays(self, rank: int, phase: str, view: str) -> list:
         """The view's array of each step (None where not recorded)."""
+        if self.reads is not None:
+            self.reads.add((rank, phase, view))
         maps = self._maps.get((rank, phase))
         if maps is None:
             maps = self._maps[(rank, phase)] = [getattr(rec, "views", rec) for rec in
                                                 (sv.recs.get(rank, {}).get(phase) for sv in self.svs)]
         return [None if m is None else m.get(view) for m in maps]
+
+    def same_reads(self, reads: set, rank: int, other: int) -> bool:
+        """Every view ``rank`` read (``reads``) is, on every step, the very array ``other``
+        records (or missing on both), and ``rank`` read no other rank's."""
+        for r, phase, view in reads:
+            if r != rank:
+                return False
+            mine, theirs = self.arrays(rank, phase, view), self.arrays(other, phase, view)
+            if any(a is not b for a, b in zip(mine, theirs)):
+                return False
+        return True
 
     def col(self, rank: int, phase: str, view: str, *, ndim: int | None = 1,
             bools: bool = False) -> Column | None:
@@ -170,6 +195,8 @@ class Block:
         other than ``ndim`` axes (None: any of 1 to 3), or are bool and ``bools`` is False (a bool array
         indexes as a mask)."""
         key = (rank, phase, view)
+        if self.reads is not None:
+            self.reads.add(key)
         if key not in self._cols:
             self._cols[key] = Column.of(self.arrays(rank, phase, view))
         col = self._cols[key]
@@ -216,28 +243,42 @@ def matched_rows(block: Block, prev: Block, rank: int) -> list[np.ndarray | None
 
 def decide(block: Block, names: Sequence[str], ranks: Sequence[int]) -> list[dict[str, dict[int, Any]]]:
     """Per step of the block: check name -> rank -> True (the bulk rule says it passes) or a
-    skip reason (the skip rule's); a rule that raises decides nothing."""
+    skip reason (the skip rule's); a rule that raises decides nothing. A ``shared`` rule's answer
+    on a rank whose reads give the very arrays another rank's did is that rank's (the reader
+    shares a byte-equal payload: a global view is judged once, not once a rank)."""
     out: list[dict[str, dict[int, Any]]] = [{} for _ in range(len(block))]
     for name in names:
+        done: list[tuple[int, set, np.ndarray]] = []  # a shared rule's (rank, reads, answer)
         for r in ranks:
             has = block.has_rank(r)
             if name in BULK_SKIP:
-                try:
-                    reasons = list(BULK_SKIP[name](block, r))
-                except Exception:  # noqa: BLE001 - undecided: the per-step code judges
-                    reasons = []
-                for i, why in enumerate(reasons[:len(block)]):
-                    if why is not None and has[i]:
-                        out[i].setdefault(name, {})[r] = str(why)
-            if name in BULK:
+                _skips(block, name, r, has, out)
+            if name not in BULK:
+                continue
+            ok = next((res for r0, reads, res in done if block.same_reads(reads, r0, r)), None)
+            if ok is None:
+                block.reads = set()
                 try:
                     ok = np.asarray(BULK[name](block, r), dtype=bool)
-                except Exception:  # noqa: BLE001
-                    continue
-                if ok.shape == (len(block),):
-                    for i in np.flatnonzero(ok & has).tolist():
-                        out[i].setdefault(name, {}).setdefault(r, True)
+                except Exception:  # noqa: BLE001 - undecided: the per-step code judges
+                    ok = None
+                if ok is not None and name in SHARED and len(done) < 4:
+                    done.append((r, block.reads, ok))
+                block.reads = None
+            if ok is not None and ok.shape == (len(block),):
+                for i in np.flatnonzero(ok & has).tolist():
+                    out[i].setdefault(name, {}).setdefault(r, True)
     return out
+
+
+def _skips(block: Block, name: str, rank: int, has: np.ndarray, out: list) -> None:
+    try:
+        reasons = list(BULK_SKIP[name](block, rank))
+    except Exception:  # noqa: BLE001 - undecided: the per-step code judges
+        return
+    for i, why in enumerate(reasons[:len(block)]):
+        if why is not None and has[i]:
+            out[i].setdefault(name, {})[rank] = str(why)
 
 
 def same_values(x: np.ndarray, y: np.ndarray) -> bool:
@@ -295,6 +336,13 @@ def gathered(block: Block, phase: str, view: str) -> tuple[np.ndarray, np.ndarra
     """The all-gather of a 1-D view over ranks ``0 .. pcp - 1`` (rank-major, as the checks'
     ``_gathered``), per step: (ok bool[n], length int64[n], ``at(step, j) -> (values, ok)``),
     ``ok`` where every rank recorded it with one length; None without run.json's pcp."""
+    key = ("gathered", phase, view)
+    if key not in block.memo:
+        block.memo[key] = _gathered(block, phase, view)
+    return block.memo[key]
+
+
+def _gathered(block: Block, phase: str, view: str) -> tuple[np.ndarray, np.ndarray, Callable] | None:
     world = block.cfg.pcp
     if not world or world < 1:
         return None

@@ -170,7 +170,7 @@ def _draft_global_inputs(c: Ctx, dgi: np.ndarray) -> None:
 
 
 
-@bulk_rule("draft_last_token_indices")
+@bulk_rule("draft_last_token_indices", shared=True)
 def _draft_last_token_indices_bulk(b: Block, rank: int) -> np.ndarray:
     """R indices, each request's (with tokens) query_start_loc + q - num_rejected - 1."""
     lti, rej, q = b.col(rank, "draft_0", "draft_last_token_indices"), b.col(rank, "verify", "num_rejected"), \

@@ -85,7 +85,7 @@ def layout_matches_plan(c: Ctx) -> None:
                      what=f"{view} differs from plan_layout")
 
 
-@bulk_rule("layout_matches_plan")
+@bulk_rule("layout_matches_plan", shared=True)
 def _layout_matches_plan_bulk(b: Block, rank: int) -> np.ndarray:
     """Steps recording integer num_scheduled_tokens and padded_gather_idx (N * P rows, N run.json's
     pcp) and a bool is_prefilling whose recorded layout views equal plan_layout's."""
@@ -93,10 +93,10 @@ def _layout_matches_plan_bulk(b: Block, rank: int) -> np.ndarray:
     if not world or world < 1:
         return out
     shard = b.cfg.shard if b.cfg.shard is not None else world > 1 and dcp == 1
-    for i, sv in enumerate(b.svs):
-        rec = sv.recs.get(rank, {}).get("target")
-        q, pf, pgi = (None, None, None) if rec is None else (rec.get(v) for v in (
-            "num_scheduled_tokens", "is_prefilling", "padded_gather_idx"))
+    cols = {v: b.arrays(rank, "target", v) for v in _PLAN_READS}
+    for i in range(len(b)):
+        rec = {v: a[i] for v, a in cols.items() if a[i] is not None}
+        q, pf, pgi = rec.get("num_scheduled_tokens"), rec.get("is_prefilling"), rec.get("padded_gather_idx")
         if q is None or pf is None or pgi is None or q.dtype.kind not in "iu" or pf.dtype.kind not in "biu" \
                 or pgi.dtype.kind not in "iub" or q.ndim != 1 or pf.ndim != 1 or pgi.ndim != 1 \
                 or pgi.shape[0] % world:
@@ -106,6 +106,10 @@ def _layout_matches_plan_bulk(b: Block, rank: int) -> np.ndarray:
         exp = expected_layout(key, q, pf, world=world, shard=shard, dcp=dcp, p=p)
         out[i] = exp is not None and matches_plan(rec, exp)
     return out
+
+
+_PLAN_READS = ("num_scheduled_tokens", "is_prefilling", "padded_gather_idx", "segments", "per_rank_num_tokens",
+               "hidden_restore_idx", "kv_write_mask")
 
 
 @check("restore_gather_identity",
@@ -126,7 +130,7 @@ def restore_gather_identity(c: Ctx) -> None:
 
 
 
-@bulk_rule("restore_gather_identity")
+@bulk_rule("restore_gather_identity", shared=True)
 def _restore_gather_identity_bulk(b: Block, rank: int) -> np.ndarray:
     """hidden_restore_idx holds T rows, each inside padded_gather_idx, which gives back arange(T)."""
     cols = b.cols(rank, "target", "padded_gather_idx", "hidden_restore_idx", "num_scheduled_tokens")
@@ -195,7 +199,7 @@ def kv_written_once(c: Ctx) -> None:
                    expected=f"{gw.size} slots", actual=f"{srt.size} slots")
 
 
-bulk_rule("kv_written_once")(kv_written_once_ok)  # layout_columns.kv_written_once_ok
+bulk_rule("kv_written_once", shared=True)(kv_written_once_ok)  # layout_columns.kv_written_once_ok
 
 
 @check("gathered_slots_are_global",
@@ -216,7 +220,7 @@ def gathered_slots_are_global(c: Ctx) -> None:
 
 
 
-@bulk_rule("gathered_slots_are_global")
+@bulk_rule("gathered_slots_are_global", shared=True)
 def _gathered_slots_are_global_bulk(b: Block, rank: int) -> np.ndarray:
     """One KV-cache group: gathered row j holds the global slot of padded_gather_idx[j] where
     kv_write_mask[j], PAD elsewhere."""
@@ -251,7 +255,7 @@ def global_slots_match_block_table(c: Ctx) -> None:
     c.no_null_block("target", "slot_mapping_global", want=expected, got=glob, positions=pos)
 
 
-bulk_rule("global_slots_match_block_table")(global_slots_ok)  # layout_columns.global_slots_ok
+bulk_rule("global_slots_match_block_table", shared=True)(global_slots_ok)  # layout_columns.global_slots_ok
 
 
 @check("kv_write_mask_canonical",
@@ -406,7 +410,7 @@ def local_seq_lens(c: Ctx) -> None:
 
 
 
-@bulk_rule("local_seq_lens")
+@bulk_rule("local_seq_lens", shared=True)
 def _local_seq_lens_bulk(b: Block, rank: int) -> np.ndarray:
     """Every local row's seq_len is its last local position + 1 (0 for an empty row)."""
     cols = b.cols(rank, "target", "local_seq_lens", "local_query_start_loc", "local_positions")
@@ -438,7 +442,7 @@ def local_logits_not_sampled(c: Ctx) -> None:
                expected="'global'", actual=repr(view_text(src)))
 
 
-@bulk_rule("local_logits_not_sampled")
+@bulk_rule("local_logits_not_sampled", shared=True)
 def _local_logits_not_sampled_bulk(b: Block, rank: int) -> np.ndarray:
     """sampled_logits_rows == logits_indices, and sampled_from (where recorded) is 'global'."""
     cols = b.cols(rank, "target", "sampled_logits_rows", "logits_indices")

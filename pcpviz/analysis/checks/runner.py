@@ -43,6 +43,16 @@ BLOCK_BYTES = 16 << 20
 large steps (a long prompt, PCP=64) is a few steps, or one."""
 
 
+BULK_MIN_STEPS = 64
+"""Blocks of fewer steps are checked per step: the rules' fixed cost (per rule, rank and block)
+pays over many steps (a PCP=64 trace of 40 steps is checked as fast per step)."""
+
+BULK_RANK_STEP_BYTES = 1 << 20
+"""Bytes of views per (step, rank) past which a block is checked per step (no bulk rules): the
+rules pay on many small steps, while a step of a million tokens is checked as fast per step,
+where a rank-independent check is judged once a step."""
+
+
 def _view_bytes(sv: StepView) -> int:
     """Bytes of the views of one step, every rank."""
     return sum(a.nbytes for phases in sv.recs.values() for rec in phases.values()
@@ -168,7 +178,7 @@ def _verify_rule(d, ctx: Ctx, said: Any) -> None:
 
 def _block_sure(block: list[StepView], defs: list, cfg: Config, ranks: Sequence[int]) -> list[dict]:
     """Per step of ``block``: check name -> rank -> True or a skip reason (``columns.decide``);
-    empty dicts when the rules are off."""
+    empty dicts when the rules are off or no ranks are given."""
     if bulk_mode() == "off":
         return [{} for _ in block]
     return decide(Block(block, cfg), [d.name for d in defs], ranks)
@@ -186,7 +196,8 @@ def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: l
     last = {r: max(rank_steps[r], default=None) for r in trace.ranks}
     prev = None if before is None else _step_view(trace, before, None, rank_steps, last)
     found = None
-    verify = bulk_mode() == "verify"
+    mode = bulk_mode()
+    verify = mode == "verify"
     i = 0
     while i < len(steps):
         block, held = [], 0
@@ -195,7 +206,9 @@ def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: l
             block.append(prev)
             held += _view_bytes(prev)
             i += 1
-        for sv, sure in zip(block, _block_sure(block, defs, cfg, trace.ranks)):
+        big = mode == "on" and (held > BULK_RANK_STEP_BYTES * len(block) * max(1, len(trace.ranks))
+                                or len(block) < BULK_MIN_STEPS)
+        for sv, sure in zip(block, _block_sure(block, defs, cfg, [] if big else trace.ranks)):
             _check_step(sv, defs, cfg, stats, sure, verify)
             if probe is not None and found is None:
                 found = probe(sv)

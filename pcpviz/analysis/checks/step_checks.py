@@ -76,7 +76,7 @@ def verify_consistent(c: Ctx) -> None:
                  what="logits rows are not each request's last 1 + num_draft_tokens rows")
 
 
-@bulk_rule("verify_consistent")
+@bulk_rule("verify_consistent", shared=True)
 def _verify_consistent_bulk(b: Block, rank: int) -> np.ndarray:
     """``step_columns.verify_consistent_ok``."""
     return verify_consistent_ok(b, rank)
@@ -309,7 +309,7 @@ def is_prefilling_rule(c: Ctx) -> None:
 
 
 
-bulk_rule("is_prefilling_rule")(is_prefilling_ok)  # step_columns.is_prefilling_ok
+bulk_rule("is_prefilling_rule", shared=True)(is_prefilling_ok)  # step_columns.is_prefilling_ok
 
 @check("must_sample_rule",
        "the sampler's must-sample rule, derived: a request samples this step iff its seq_len "
@@ -339,7 +339,7 @@ def must_sample_rule(c: Ctx) -> None:
 
 
 
-bulk_rule("must_sample_rule")(must_sample_ok)  # step_columns.must_sample_ok
+bulk_rule("must_sample_rule", shared=True)(must_sample_ok)  # step_columns.must_sample_ok
 
 @check("cursor_rolls_back_rejections",
        "the GPU cursor after verify is derived: a request's num_computed_after is its first position "
@@ -368,7 +368,7 @@ def cursor_rolls_back_rejections(c: Ctx) -> None:
 
 
 
-bulk_rule("cursor_rolls_back_rejections")(cursor_ok)  # step_columns.cursor_ok
+bulk_rule("cursor_rolls_back_rejections", shared=True)(cursor_ok)  # step_columns.cursor_ok
 
 @check("num_accepted_from_tokens",
        "num_accepted is derived from the drafts and the target's sampled tokens: where a request "
@@ -403,4 +403,4 @@ def num_accepted_from_tokens(c: Ctx) -> None:
                expected=f">= {int(nacc[i]) + 1}", actual=str(int(nacc[i])))
 
 
-bulk_rule("num_accepted_from_tokens")(accepted_ok)  # step_columns.accepted_ok
+bulk_rule("num_accepted_from_tokens", shared=True)(accepted_ok)  # step_columns.accepted_ok

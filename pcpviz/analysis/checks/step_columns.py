@@ -51,11 +51,11 @@ def same_phase(phase: str, a, b, *, dcp: bool) -> bool:
     return True
 
 
-def same_req_ids(sv, rank: int) -> bool:
-    """verify's req_ids equal the target's where both are recorded."""
-    phases = sv.recs.get(rank, {})
-    vid, tid = phases.get("verify", {}).get("req_ids"), phases.get("target", {}).get("req_ids")
-    return vid is None or tid is None or same_values(tid, vid)
+def same_req_ids(b: Block, rank: int) -> np.ndarray:
+    """bool[n]: verify's req_ids equal the target's where both are recorded."""
+    pairs = zip(b.arrays(rank, "verify", "req_ids"), b.arrays(rank, "target", "req_ids"))
+    return np.fromiter((vid is None or tid is None or same_values(tid, vid) for vid, tid in pairs), dtype=bool,
+                       count=len(b))
 
 
 def sampled_entries_ok(b: Block, sampled, ids, *, ok: np.ndarray, seg: np.ndarray, i: np.ndarray,
@@ -118,7 +118,7 @@ def verify_consistent_ok(b: Block, rank: int) -> np.ndarray:
     r = ns.lens
     ok = ns.present & nacc.present & nrej.present & sampled.present & ids.present & q.present
     ok &= (nacc.lens == r) & (nrej.lens == r) & (sampled.rows == r) & (q.lens == r) & (~nd.present | (nd.lens == r))
-    ok &= np.fromiter((same_req_ids(sv, rank) for sv in b.svs), dtype=bool, count=len(b))
+    ok &= same_req_ids(b, rank)
     seg, i = ragged(np.where(ok, r, 0))
     n, a, j, qi = ns.at(seg, i)[0], nacc.at(seg, i)[0], nrej.at(seg, i)[0], q.at(seg, i)[0]
     d = np.where(nd.present[seg], nd.at(seg, i)[0], a + j)
