@@ -129,3 +129,35 @@ def test_damaged_runs_same_report(tmp_path, monkeypatch, seed):
     path = run.write(tmp_path / "damaged")
     off, on = _both(path, monkeypatch)
     assert _facts(on) == _facts(off)
+
+
+def test_default_mode_rules_decide_long_runs(tmp_path, monkeypatch):
+    """By default the rules run on blocks of BULK_MIN_STEPS steps and more (here 150 repeated
+    tiny steps), decide most (step, rank) there, and change no report; a short trace is checked
+    per step."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_scale", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_scale.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    path = bench.tiny_steps(tmp_path / "steps", 150)
+    decided = []
+    real = runner.decide
+
+    def counting(block, names, ranks):
+        out = real(block, names, ranks)
+        decided.append(sum(len(per_rank) for step in out for per_rank in step.values()))
+        return out
+
+    monkeypatch.setattr(runner, "decide", counting)
+    monkeypatch.setenv(BULK_ENV, "0")
+    off = run_checks(path, workers=1)
+    monkeypatch.delenv(BULK_ENV)
+    on = run_checks(path, workers=1)
+    assert _facts(on) == _facts(off) and not on.ok
+    assert sum(decided) > 0.5 * 150 * 2 * len(on.results)  # most (step, rank, check) decided in bulk
+    decided.clear()
+    run_checks(clean_run(pcp=2, k=2).write(tmp_path / "short"), workers=1)
+    assert decided == [] or sum(decided) == 0
