@@ -33,7 +33,9 @@ hidden-state hand-offs (fingerprints) and target outputs across ranks; ``step_ch
 the next step, ranks, positions; ``graph_checks``: the CUDA-graph replay ledger; ``dcp_checks``: the KV
 sharded over DCP ranks) and ``runner`` (``run_checks``; ``CHECK_MODULES`` fixes the
 order). The comparison helpers are ``pcpviz.analysis.compare`` (shared with ``pcpviz.analysis.diff``). Adding a
-check: a function decorated ``@check(name, description)`` in the module of its group.
+check: a function decorated ``@check(name, description)`` in the module of its group; beside it,
+optionally, its bulk rule (``@bulk_rule(name)``: on which (step, rank) of a block of steps it
+surely passes, from the views as columns) or skip rule (``@bulk_skip``), ``columns``.
 """
 
 from pcpviz.analysis.compare import first_difference, short_repr

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from pcpviz.trace import draft_index
+
+from .columns import Block, bulk_skip
 from .context import Ctx, Skip, check
 
 PAIRS = (("fwd_positions", "draft_positions", "positions"), ("fwd_input_ids", "draft_input_ids", "token ids"),
@@ -34,6 +37,9 @@ def _prefix(consumed: np.ndarray, prepared: np.ndarray) -> tuple[np.ndarray, np.
     return c[..., : p.shape[-1]].astype(np.int64), p.astype(np.int64)
 
 
+_NO_SOURCE = "no fwd_source (no consumed inputs recorded: a trace of another producer or an older plugin)"
+
+
 @check("forward_consumed_prepared",
        "each draft forward consumed what the speculator and the PCP manager prepared for it: its fwd_positions, "
        "fwd_input_ids, fwd_slot_mapping and fwd_hidden_fp equal draft_positions, draft_input_ids, "
@@ -41,7 +47,7 @@ def _prefix(consumed: np.ndarray, prepared: np.ndarray) -> tuple[np.ndarray, np.
 def forward_consumed_prepared(c: Ctx) -> None:
     phases = [p for _, p in c.draft_phases() if c.get(p, "fwd_source") is not None]
     if not phases:
-        raise Skip("no fwd_source (no consumed inputs recorded: a trace of another producer or an older plugin)")
+        raise Skip(_NO_SOURCE)
     for phase in phases:
         source = str(c.get(phase, "fwd_source"))
         for consumed_view, prepared_view, what in PAIRS:
@@ -56,3 +62,10 @@ def forward_consumed_prepared(c: Ctx) -> None:
             c.expect(phase, consumed_view, want=want, got=got,
                      what=f"the forward consumed other {what} than were prepared in {prepared_view} "
                           f"(consumed read from {source})")
+
+
+@bulk_skip("forward_consumed_prepared")
+def _no_fwd_source(b: Block, rank: int) -> list:
+    """The check's first test: no draft phase of the rank recorded fwd_source."""
+    return [None if any(draft_index(p) is not None and "fwd_source" in rec for p, rec in sv.recs.get(rank, {}).items())
+            else _NO_SOURCE for sv in b.svs]

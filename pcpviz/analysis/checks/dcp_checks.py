@@ -23,13 +23,17 @@ import numpy as np
 
 from pcpviz.trace.shapes import slot_groups
 
+from .columns import Block, bulk_skip
 from .context import Ctx, Skip, check
+
+
+_NOT_SHARDED = "dcp = 1: the KV cache is not sharded"
 
 
 def _geometry(c: Ctx) -> tuple[int, int, int, int]:
     """(D, I, M, this rank's DCP rank); Skip without DCP."""
     if c.cfg.dcp <= 1:
-        raise Skip("dcp = 1: the KV cache is not sharded")
+        raise Skip(_NOT_SHARDED)
     return c.cfg.dcp, c.cfg.dcp_interleave, c.block_sizes(1)[0], c.dcp_rank()
 
 
@@ -145,3 +149,12 @@ def dcp_partial_combined(c: Ctx) -> None:
                    expected=str(d), actual=str(int(got)))
     if not seen:
         raise Skip("no dcp_ranks_combined")
+
+
+def _dcp_off(b: Block, rank: int) -> list:
+    """The DCP checks' first test (``_geometry``): without DCP every step skips."""
+    return [_NOT_SHARDED if b.cfg.dcp <= 1 else None] * len(b)
+
+
+for _name in ("dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combined"):
+    bulk_skip(_name)(_dcp_off)

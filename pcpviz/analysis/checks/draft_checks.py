@@ -8,8 +8,10 @@ import numpy as np
 
 from pcpviz.reference.drafts import draft_prefill_inputs, partial_chunk_rows
 
+from pcpviz.trace import draft_index
 from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
+from .columns import Block, all_per_step, bulk_rule, bulk_skip, none, ragged, same_values, starts
 from .context import Ctx, Skip, check, token_rows
 
 
@@ -86,6 +88,35 @@ def draft_prefill_rank_local(c: Ctx) -> None:
                    else "no target slot mapping to compare with")
 
 
+_RANK_LOCAL_PAIRS = (("slot_mapping_draft", "slot_mapping_gathered", slot_groups),
+                     ("draft_positions", "local_positions", np.asarray),
+                     ("draft_seq_lens", "local_seq_lens", np.asarray),
+                     ("block_table_draft", "block_table_local", table_groups))
+
+
+@bulk_rule("draft_prefill_rank_local")
+def _draft_prefill_rank_local_bulk(b: Block, rank: int) -> np.ndarray:
+    """PCP > 1 (run.json), not DSpark: draft_0 recorded, its view (where recorded) 'rank_local',
+    and each of its rank-local views recorded with its target twin equal to it, one compared."""
+    out = none(b)
+    if not b.cfg.pcp or b.cfg.pcp <= 1 or b.cfg.speculative_method == "dspark":
+        return out
+    for i, sv in enumerate(b.svs):
+        phases = sv.recs.get(rank, {})
+        draft, target = phases.get("draft_0"), phases.get("target", {})
+        if draft is None:
+            continue
+        view = draft.get("view")
+        checked, good = view is not None, view is None or view_text(view) == "rank_local"
+        for dview, tview, norm in _RANK_LOCAL_PAIRS:
+            d, t = draft.get(dview), target.get(tview)
+            if d is not None and t is not None:
+                checked = True
+                good = good and same_values(norm(t), norm(d))
+        out[i] = checked and good
+    return out
+
+
 def _accepted_rows(c: Ctx) -> np.ndarray | None:
     """bool[T]: global rows below each request's q - num_rejected (what the draft prefill's
     ``prepare_prefill_inputs`` writes); None without the verify outcome."""
@@ -138,6 +169,22 @@ def _draft_global_inputs(c: Ctx, dgi: np.ndarray) -> None:
     _partial_chunk_last_rows(c)
 
 
+
+@bulk_rule("draft_last_token_indices", shared=True)
+def _draft_last_token_indices_bulk(b: Block, rank: int) -> np.ndarray:
+    """R indices, each request's (with tokens) query_start_loc + q - num_rejected - 1."""
+    lti, rej, q = b.col(rank, "draft_0", "draft_last_token_indices"), b.col(rank, "verify", "num_rejected"), \
+        b.col(rank, "target", "num_scheduled_tokens")
+    if lti is None or rej is None or q is None:
+        return none(b)
+    ok = lti.present & rej.present & q.present & (lti.lens == q.lens) & (rej.lens == q.lens)
+    seg, i = ragged(np.where(ok, q.lens, 0))
+    first = starts(q)[q.offsets[seg] + i] if seg.size else seg
+    qi, got, r = q.at(seg, i)[0], lti.at(seg, i)[0], rej.at(seg, i)[0]
+    good = (qi <= 0) | (got == first + qi - r - 1)
+    return ok & all_per_step(good, seg, len(b))
+
+
 @check("draft_input_ids",
         "draft_0's draft_global_input_ids are the target ids shifted left by one within the "
         "accepted rows, the last accepted row holding the sampled token; its local "
@@ -167,6 +214,17 @@ def draft_input_ids(c: Ctx) -> None:
         prev_tokens = c.get(phase, "draft_tokens")
     if not checked:
         raise Skip("no draft_global_input_ids")
+
+
+def _no_draft_decode(b: Block, rank: int) -> list:
+    """"no draft_1 phase" where the rank recorded no draft_k with k >= 1 (the draft-decode
+    checks' first test)."""
+    return [None if any((draft_index(p) or 0) >= 1 for p in sv.recs.get(rank, ())) else "no draft_1 phase"
+            for sv in b.svs]
+
+
+for _name in ("draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance"):
+    bulk_skip(_name)(_no_draft_decode)
 
 
 @check("draft_decode_replicated",

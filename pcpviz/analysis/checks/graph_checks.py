@@ -14,7 +14,12 @@ from __future__ import annotations
 
 from pcpviz.trace.schema import causal_phase_key
 
+from .columns import Block, bulk_skip
 from .context import Ctx, Skip, check
+
+
+_NO_REPLAYS = ("no graph_replays (no CUDA-graph replay observed: an eager run, or a trace recorded "
+               "without the graph-replay ledger)")
 
 
 @check("graph_inputs_are_captured",
@@ -24,10 +29,16 @@ from .context import Ctx, Skip, check
 def graph_inputs_are_captured(c: Ctx) -> None:
     phases = sorted((p for p, rec in c.phases.items() if "graph_replays" in rec), key=causal_phase_key)
     if not phases:
-        raise Skip("no graph_replays (no CUDA-graph replay observed: an eager run, or a trace recorded "
-                   "without the graph-replay ledger)")
+        raise Skip(_NO_REPLAYS)
     for phase in phases:
         moved = c.get(phase, "graph_inputs_moved")
         if moved is not None and moved.size:
             more = f" (and {moved.size - 1} more)" if moved.size > 1 else ""
             c.fail(phase, "graph_inputs_moved", f"{moved.flat[0]}{more}", index=(0,))
+
+
+@bulk_skip("graph_inputs_are_captured")
+def _no_graph_replays(b: Block, rank: int) -> list:
+    """The check's first test: no phase of the rank recorded graph_replays."""
+    return [None if any("graph_replays" in rec for rec in sv.recs.get(rank, {}).values()) else _NO_REPLAYS
+            for sv in b.svs]

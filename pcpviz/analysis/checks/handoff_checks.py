@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from pcpviz.trace import draft_index
+
+from .columns import Block, all_per_step, bulk_rule, gathered, none, ragged, same_values
 from .context import Ctx, Skip, check
 
 
@@ -65,6 +68,34 @@ def hidden_restored(c: Ctx) -> None:
              "accepted row", index_map=lambda i: (int(has[i[0]]),))
 
 
+@bulk_rule("hidden_restored")
+def _hidden_restored_bulk(b: Block, rank: int) -> np.ndarray:
+    """hidden_fp == the gathered hidden_local_fp at hidden_restore_idx (all inside it), and, where
+    draft_0 records hidden_last_fp and draft_last_token_indices, one per request, each request's
+    (with tokens) the gathered mtp_local_fp at the restored row of its last token."""
+    hfp, hri = b.col(rank, "target", "hidden_fp"), b.col(rank, "target", "hidden_restore_idx")
+    g = gathered(b, "target", "hidden_local_fp")
+    last, lti = b.col(rank, "draft_0", "hidden_last_fp"), b.col(rank, "draft_0", "draft_last_token_indices")
+    q, m = b.col(rank, "target", "num_scheduled_tokens"), gathered(b, "draft_0", "mtp_local_fp")
+    if None in (hfp, hri, g, last, lti, q, m):
+        return none(b)
+    (g_ok, _, g_at), (m_ok, _, m_at) = g, m
+    ok = hfp.present & hri.present & g_ok & (hfp.lens == hri.lens)
+    seg, i = ragged(np.where(ok, hri.lens, 0))
+    row, in1 = hri.at(seg, i)
+    want, in2 = g_at(seg, row)
+    ok &= all_per_step(in1 & in2 & (want == hfp.at(seg, i)[0]), seg, len(b))
+    drafts = last.present & lti.present
+    ok &= ~(last.present ^ lti.present) & (~drafts | (q.present & m_ok & (lti.lens == q.lens) & (last.lens == q.lens)))
+    seg, i = ragged(np.where(ok & drafts, q.lens, 0))
+    has = q.at(seg, i)[0] > 0
+    tok, in1 = lti.at(seg, i)
+    row, in2 = hri.at(seg, tok)
+    want, in3 = m_at(seg, row)
+    good = ~has | (in1 & in2 & in3 & (want == last.at(seg, i)[0]))
+    return ok & all_per_step(good, seg, len(b))
+
+
 @check("hidden_handoffs",
        "each draft phase reads the hidden state its producer handed it: draft_0's hidden_in_fp == "
        "the target's hidden_local_fp (this rank's rows), draft_k's hidden_in_fp == draft_{k-1}'s "
@@ -84,6 +115,31 @@ def hidden_handoffs(c: Ctx) -> None:
         src, src_name = c.get(phase, "hidden_out_fp"), f"draft_{k}'s hidden_out_fp"
     if not checked:
         raise Skip("no hidden_in_fp")
+
+
+@bulk_rule("hidden_handoffs")
+def _hidden_handoffs_bulk(b: Block, rank: int) -> np.ndarray:
+    """Steps whose draft phases are draft_0 .. draft_{m-1} (m >= 1), with at least one
+    hidden_in_fp compared, each equal to its source (the target's hidden_local_fp, then
+    draft_{k-1}'s hidden_out_fp) where both are recorded."""
+    m = np.zeros(len(b), dtype=np.int64)
+    for s, sv in enumerate(b.svs):
+        drafts = [p for p in sv.recs.get(rank, {}) if draft_index(p) is not None]
+        if all(f"draft_{k}" in sv.recs[rank] for k in range(len(drafts))):
+            m[s] = len(drafts)
+    ok, checked = m > 0, np.zeros(len(b), dtype=bool)
+    src = b.col(rank, "target", "hidden_local_fp")
+    for k in range(int(m.max(initial=0))):
+        hin = b.col(rank, f"draft_{k}", "hidden_in_fp")
+        if src is None or hin is None:
+            return none(b)
+        link = (m > k) & hin.present & src.present
+        checked |= link
+        ok &= ~link | (hin.lens == src.lens)
+        seg, j = ragged(np.where(ok & link, hin.lens, 0))
+        ok &= all_per_step(hin.at(seg, j)[0] == src.at(seg, j)[0], seg, len(b))
+        src = b.col(rank, f"draft_{k}", "hidden_out_fp")
+    return ok & checked
 
 
 @check("target_outputs_agree",
@@ -111,3 +167,25 @@ def target_outputs_agree(c: Ctx) -> None:
                       "weights differ)")
     if not checked:
         raise Skip("no hidden_fp / top1_token")
+
+
+_OUTPUTS = ("hidden_fp", "hidden_hash", "top1_token")
+
+
+@bulk_rule("target_outputs_agree")
+def _target_outputs_agree_bulk(b: Block, rank: int) -> np.ndarray:
+    """The first of two or more ranks passes with one of the outputs recorded; another rank
+    when it and the first recorded one integer output both, each such equal."""
+    out = none(b)
+    for i, sv in enumerate(b.svs):
+        if rank not in sv.recs or len(sv.recs) < 2:
+            continue
+        ref = min(sv.recs)
+        mine, theirs = sv.recs[rank].get("target", {}), sv.recs[ref].get("target", {})
+        if rank == ref:
+            out[i] = any(v in mine for v in _OUTPUTS)
+            continue
+        pairs = [(theirs.get(v), mine.get(v)) for v in _OUTPUTS]
+        pairs = [(x, y) for x, y in pairs if x is not None and y is not None and np.asarray(x).dtype.kind in "iu"]
+        out[i] = bool(pairs) and all((x is y and x.dtype.names is None) or same_values(x, y) for x, y in pairs)
+    return out

@@ -14,7 +14,9 @@ from pcpviz.trace.bounds import step_problems
 
 from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
+from .columns import Block, all_per_step, bulk_rule, none, ragged, rank_rows, step_sums
 from .context import Ctx, Skip, check, local_segments, segment_rows, segments_of
+from .layout_columns import expected_layout, global_slots_ok, kv_written_once_ok, local_batch_ok, matches_plan
 
 
 @check("views_in_bounds",
@@ -31,6 +33,13 @@ def views_in_bounds(c: Ctx) -> None:
         view = rest.split(":", 1)[0].split("[", 1)[0]
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         c.fail(phase, view, problems[0].split(": ", 1)[1] + more)
+
+@bulk_rule("views_in_bounds")
+def _views_in_bounds_bulk(b: Block, rank: int) -> np.ndarray:
+    """Passes where the step's bounds problems (the runner's, cached) are none."""
+    return np.fromiter((rank in sv.recs and not sv.cache.get(("bounds", rank), True) for sv in b.svs),
+                       dtype=bool, count=len(b))
+
 
 @check("layout_matches_plan",
         "recorded segments, per_rank_num_tokens, padded_gather_idx, hidden_restore_idx and "
@@ -76,6 +85,33 @@ def layout_matches_plan(c: Ctx) -> None:
                      what=f"{view} differs from plan_layout")
 
 
+@bulk_rule("layout_matches_plan", shared=True)
+def _layout_matches_plan_bulk(b: Block, rank: int) -> np.ndarray:
+    """Steps recording integer num_scheduled_tokens and padded_gather_idx (N * P rows, N run.json's
+    pcp) and a bool is_prefilling whose recorded layout views equal plan_layout's."""
+    out, world, dcp = none(b), b.cfg.pcp, b.cfg.dcp
+    if not world or world < 1:
+        return out
+    shard = b.cfg.shard if b.cfg.shard is not None else world > 1 and dcp == 1
+    cols = {v: b.arrays(rank, "target", v) for v in _PLAN_READS}
+    for i in range(len(b)):
+        rec = {v: a[i] for v, a in cols.items() if a[i] is not None}
+        q, pf, pgi = rec.get("num_scheduled_tokens"), rec.get("is_prefilling"), rec.get("padded_gather_idx")
+        if q is None or pf is None or pgi is None or q.dtype.kind not in "iu" or pf.dtype.kind not in "biu" \
+                or pgi.dtype.kind not in "iub" or q.ndim != 1 or pf.ndim != 1 or pgi.ndim != 1 \
+                or pgi.shape[0] % world:
+            continue
+        p = pgi.shape[0] // world
+        key = (world, shard, dcp, p, q.astype(np.int64).tobytes(), pf.astype(bool).tobytes())
+        exp = expected_layout(key, q, pf, world=world, shard=shard, dcp=dcp, p=p)
+        out[i] = exp is not None and matches_plan(rec, exp)
+    return out
+
+
+_PLAN_READS = ("num_scheduled_tokens", "is_prefilling", "padded_gather_idx", "segments", "per_rank_num_tokens",
+               "hidden_restore_idx", "kv_write_mask")
+
+
 @check("restore_gather_identity",
         "padded_gather_idx[hidden_restore_idx] == arange(T): restoring the all-gathered rows "
         "gives back the global token order")
@@ -91,6 +127,22 @@ def restore_gather_identity(c: Ctx) -> None:
                f"{pgi.shape[0]} gathered rows", index=(i,), actual=short_repr(hri, (i,)))
     c.expect("target", "hidden_restore_idx", want=np.arange(t), got=pgi[hri],
              what="padded_gather_idx[hidden_restore_idx] is not the identity")
+
+
+
+@bulk_rule("restore_gather_identity", shared=True)
+def _restore_gather_identity_bulk(b: Block, rank: int) -> np.ndarray:
+    """hidden_restore_idx holds T rows, each inside padded_gather_idx, which gives back arange(T)."""
+    cols = b.cols(rank, "target", "padded_gather_idx", "hidden_restore_idx", "num_scheduled_tokens")
+    if cols is None:
+        return none(b)
+    pgi, hri, q = cols
+    t = step_sums(q)
+    ok = pgi.present & hri.present & q.present & (hri.lens == t)
+    seg, k = ragged(np.where(ok, t, 0))
+    h, in1 = hri.at(seg, k)
+    v, in2 = pgi.at(seg, h)
+    return ok & all_per_step(in1 & in2 & (v == k), seg, len(b))
 
 
 @check("kv_written_once",
@@ -147,6 +199,9 @@ def kv_written_once(c: Ctx) -> None:
                    expected=f"{gw.size} slots", actual=f"{srt.size} slots")
 
 
+bulk_rule("kv_written_once", shared=True)(kv_written_once_ok)  # layout_columns.kv_written_once_ok
+
+
 @check("gathered_slots_are_global",
         "slot_mapping_gathered[:, j] == slot_mapping_global[:, padded_gather_idx[j]] where "
         "kv_write_mask[j], PAD elsewhere")
@@ -164,6 +219,26 @@ def gathered_slots_are_global(c: Ctx) -> None:
              what="gathered slot differs from the global slot of its token (PAD where not written)")
 
 
+
+@bulk_rule("gathered_slots_are_global", shared=True)
+def _gathered_slots_are_global_bulk(b: Block, rank: int) -> np.ndarray:
+    """One KV-cache group: gathered row j holds the global slot of padded_gather_idx[j] where
+    kv_write_mask[j], PAD elsewhere."""
+    glob = b.col(rank, "target", "slot_mapping_global", ndim=None)
+    gath = b.col(rank, "target", "slot_mapping_gathered", ndim=None)
+    pgi, mask = b.col(rank, "target", "padded_gather_idx"), b.col(rank, "target", "kv_write_mask", bools=True)
+    if glob is None or gath is None or pgi is None or mask is None:
+        return none(b)
+    ok = glob.one_group() & gath.one_group() & pgi.present & mask.present & (glob.lens > 0)
+    ok &= (mask.lens == pgi.lens) & (gath.lens == pgi.lens)
+    seg, j = ragged(np.where(ok, pgi.lens, 0))
+    row, in1 = pgi.at(seg, j)
+    slot, in2 = glob.at(seg, row)
+    written, got = mask.at(seg, j)[0] != 0, gath.at(seg, j)[0]
+    good = in1 & in2 & (got == np.where(written, slot, PAD_SLOT_ID))
+    return ok & all_per_step(good, seg, len(b))
+
+
 @check("global_slots_match_block_table",
         "slot_mapping_global == the slots of block_table_global's rows at the global positions "
         "(block_size from run.json), none in the null block 0")
@@ -178,6 +253,9 @@ def global_slots_match_block_table(c: Ctx) -> None:
     c.expect("target", "slot_mapping_global", want=expected, got=glob,
              what="slot differs from block_table_global[row, position // block_size]")
     c.no_null_block("target", "slot_mapping_global", want=expected, got=glob, positions=pos)
+
+
+bulk_rule("global_slots_match_block_table", shared=True)(global_slots_ok)  # layout_columns.global_slots_ok
 
 
 @check("kv_write_mask_canonical",
@@ -273,6 +351,18 @@ def local_batch_matches_layout(c: Ctx) -> None:
         raise Skip("no local_req_ids")
 
 
+@bulk_rule("local_batch_matches_layout")
+def _local_batch_matches_layout_bulk(b: Block, rank: int) -> np.ndarray:
+    """Run.json's pcp set, per_rank_num_tokens and padded_gather_idx recorded: the rank-local
+    views recorded equal what the segments say (``layout_columns.local_batch_ok``)."""
+    world = b.cfg.pcp
+    if not world or world < 1:
+        return none(b)
+    return np.fromiter((sv.recs.get(rank, {}).get("target") is not None
+                        and local_batch_ok(sv.recs[rank]["target"], rank, world) for sv in b.svs),
+                       dtype=bool, count=len(b))
+
+
 @check("local_positions_are_global",
         "local_positions[real rows] == positions[padded_gather_idx[rank rows]]: positions come "
         "from the global batch (the GPU cursor), not the CPU cursor")
@@ -283,6 +373,23 @@ def local_positions_are_global(c: Ctx) -> None:
         c.fail("target", "local_positions", f"length {lpos.shape}, expected P={p}")
     c.expect("target", "local_positions", want=pos[c.rank_rows()].astype(np.int64), got=lpos[:n].astype(np.int64),
              what="local position differs from the global position of its token")
+
+
+
+@bulk_rule("local_positions_are_global")
+def _local_positions_are_global_bulk(b: Block, rank: int) -> np.ndarray:
+    """local_positions holds P rows, the first n the positions of the rank's rows."""
+    rows = rank_rows(b, rank)
+    cols = b.cols(rank, "target", "local_positions", "positions")
+    if rows is None or cols is None:
+        return none(b)
+    (ok, p, n, pgi), (lpos, pos) = rows, cols
+    ok = ok & lpos.present & pos.present & (lpos.lens == p)
+    seg, k = ragged(np.where(ok, n, 0))
+    row, in1 = pgi.at(seg, rank * p[seg] + k)
+    want, in2 = pos.at(seg, row)
+    got, in3 = lpos.at(seg, k)
+    return ok & all_per_step(in1 & in2 & in3 & (want == got), seg, len(b))
 
 
 @check("local_seq_lens",
@@ -302,6 +409,25 @@ def local_seq_lens(c: Ctx) -> None:
              what="local seq_len != last local position + 1")
 
 
+
+@bulk_rule("local_seq_lens", shared=True)
+def _local_seq_lens_bulk(b: Block, rank: int) -> np.ndarray:
+    """Every local row's seq_len is its last local position + 1 (0 for an empty row)."""
+    cols = b.cols(rank, "target", "local_seq_lens", "local_query_start_loc", "local_positions")
+    if cols is None:
+        return none(b)
+    lsl, lqsl, lpos = cols
+    ok = lsl.present & lqsl.present & lpos.present & (lqsl.lens >= lsl.lens + 1)
+    seg, i = ragged(np.where(ok, lsl.lens, 0))
+    end, in1 = lqsl.at(seg, i + 1)
+    start, in2 = lqsl.at(seg, i)
+    last, in3 = lpos.at(seg, np.maximum(end - 1, 0))
+    got, in4 = lsl.at(seg, i)
+    want = np.where(end - start > 0, last + 1, 0)
+    good = in1 & in2 & in3 & in4 & (end <= lpos.lens[seg]) & (want == got)
+    return ok & all_per_step(good, seg, len(b))
+
+
 @check("local_logits_not_sampled",
         "sampling used the global rows: sampled_logits_rows == logits_indices and sampled_from "
         "== 'global' (local logits are never sampled)")
@@ -314,3 +440,17 @@ def local_logits_not_sampled(c: Ctx) -> None:
     if src is not None and view_text(src) != "global":
         c.fail("target", "sampled_from", "sampling must read the restored global hidden states",
                expected="'global'", actual=repr(view_text(src)))
+
+
+@bulk_rule("local_logits_not_sampled", shared=True)
+def _local_logits_not_sampled_bulk(b: Block, rank: int) -> np.ndarray:
+    """sampled_logits_rows == logits_indices, and sampled_from (where recorded) is 'global'."""
+    cols = b.cols(rank, "target", "sampled_logits_rows", "logits_indices")
+    if cols is None:
+        return none(b)
+    rows, li = cols
+    ok = rows.present & li.present & (rows.lens == li.lens)
+    seg, k = ragged(np.where(ok, li.lens, 0))
+    ok &= all_per_step(rows.at(seg, k)[0] == li.at(seg, k)[0], seg, len(b))
+    src = b.arrays(rank, "target", "sampled_from")
+    return ok & np.fromiter((a is None or view_text(a) == "global" for a in src), dtype=bool, count=len(b))

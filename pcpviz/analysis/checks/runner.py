@@ -22,6 +22,7 @@ from . import handoff_checks
 from . import step_checks
 from . import graph_checks
 from . import consumed_checks, dcp_checks
+from .columns import Block, bulk_mode, decide
 from .context import DEFS, Config, Fail, Skip, Ctx, StepView
 from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
 
@@ -33,6 +34,30 @@ ORDERED_DEFS = tuple(d for m in CHECK_MODULES for d in DEFS if d.fn.__module__ =
 
 CHECKS: Mapping[str, str] = MappingProxyType({d.name: d.description for d in ORDERED_DEFS})
 """Every check name -> its one-line meaning, in the order they run and are reported."""
+
+BLOCK_STEPS = 256
+"""Steps read at once, at most: the bulk rules' columns span them (memory: their records)."""
+
+BLOCK_BYTES = 16 << 20
+"""Bytes of views a block holds, at most (past them the block ends after its step): a block of
+large steps (a long prompt, PCP=64) is a few steps, or one."""
+
+
+BULK_MIN_STEPS = 64
+"""Blocks of fewer steps are checked per step: the rules' fixed cost (per rule, rank and block)
+pays over many steps (a PCP=64 trace of 40 steps is checked as fast per step)."""
+
+BULK_RANK_STEP_BYTES = 1 << 20
+"""Bytes of views per (step, rank) past which a block is checked per step (no bulk rules): the
+rules pay on many small steps, while a step of a million tokens is checked as fast per step,
+where a rank-independent check is judged once a step."""
+
+
+def _view_bytes(sv: StepView) -> int:
+    """Bytes of the views of one step, every rank."""
+    return sum(a.nbytes for phases in sv.recs.values() for rec in phases.values()
+               for a in getattr(rec, "views", rec).values())
+
 
 class _Stats:
     __slots__ = ("evaluated", "failed", "skipped", "skip_reason", "first", "where")
@@ -108,8 +133,11 @@ def _step_view(trace: Trace, step: int, prev: StepView | None, rank_steps: Mappi
     return sv
 
 
-def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats]) -> None:
-    """Every check on every rank of one step."""
+def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats],
+                sure: Mapping[str, Mapping[int, Any]] | None = None, verify: bool = False) -> None:
+    """Every check on every rank of one step; ``sure[name][rank]``: True where the check's bulk
+    rule says it passes, a reason where its skip rule says it skips (counted, not run;
+    ``verify``: run anyway, and the rule's word checked)."""
     memos: dict[str, list] = {d.name: [] for d in defs}
     for r in sv.recs:
         malformed = sv.cache[("bounds", r)]
@@ -120,27 +148,72 @@ def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats])
                 if st.skip_reason is None:
                     st.skip_reason = f"step {sv.step} rank {r}: malformed views (views_in_bounds)"
                 continue
-            _run_one(d, Ctx(cfg, sv, r, d.name), st, memos[d.name])
+            said = None if sure is None else sure.get(d.name, {}).get(r)
+            if verify and said is not None:
+                _verify_rule(d, Ctx(cfg, sv, r, d.name), said)
+            if said is True:
+                st.evaluated += 1
+            elif said is not None:
+                st.skipped += 1
+                if st.skip_reason is None:
+                    st.skip_reason = f"step {sv.step} rank {r}: {said}"
+            else:
+                _run_one(d, Ctx(cfg, sv, r, d.name), st, memos[d.name])
+
+
+def _verify_rule(d, ctx: Ctx, said: Any) -> None:
+    """``PCPVIZ_BULK=verify``: AssertionError unless check ``d`` passes (``said`` True) or skips
+    with the reason ``said`` on this (step, rank)."""
+    try:
+        d.fn(ctx)
+        got: Any = True
+    except Skip as s:
+        got = str(s)
+    except Exception as exc:  # noqa: BLE001 - a failure or an error: not what the rule said
+        got = exc
+    if got != said:
+        raise AssertionError(f"bulk rule of {d.name} says {said!r} at step {ctx.step} rank {ctx._rank}; "
+                             f"the check gives {got!r}")
+
+
+def _block_sure(block: list[StepView], defs: list, cfg: Config, ranks: Sequence[int]) -> list[dict]:
+    """Per step of ``block``: check name -> rank -> True or a skip reason (``columns.decide``);
+    empty dicts when the rules are off or no ranks are given."""
+    if bulk_mode() == "off":
+        return [{} for _ in block]
+    return decide(Block(block, cfg), [d.name for d in defs], ranks)
 
 
 def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: list, cfg: Config,
                  probe: Callable[[StepView], Any] | None = None) -> tuple[dict[str, _Stats], Any]:
     """Every check over ``steps`` (consecutive steps of the trace), and ``probe``'s first
     non-None answer over them; ``before``: the step before the first, read as its history (None
-    at the start of the trace). One step of history kept."""
+    at the start of the trace). Read in blocks of ``BLOCK_STEPS`` steps or ``BLOCK_BYTES`` of
+    views (the bulk rules' columns, ``columns``); the block's last step kept as the next one's
+    history."""
     stats = {d.name: _Stats() for d in defs}
     rank_steps = {r: set(trace.rank_steps(r)) for r in trace.ranks}
     last = {r: max(rank_steps[r], default=None) for r in trace.ranks}
     prev = None if before is None else _step_view(trace, before, None, rank_steps, last)
     found = None
-    for step in steps:
-        sv = _step_view(trace, step, prev, rank_steps, last)
-        _check_step(sv, defs, cfg, stats)
-        if probe is not None and found is None:
-            found = probe(sv)
-        if prev is not None:
-            prev.prev = None  # keep only one step of history
-        prev = sv
+    mode = bulk_mode()
+    verify = mode == "verify"
+    i = 0
+    while i < len(steps):
+        block, held = [], 0
+        while i < len(steps) and len(block) < BLOCK_STEPS and held < BLOCK_BYTES:
+            prev = _step_view(trace, steps[i], prev, rank_steps, last)
+            block.append(prev)
+            held += _view_bytes(prev)
+            i += 1
+        big = mode == "on" and (held > BULK_RANK_STEP_BYTES * len(block) * max(1, len(trace.ranks))
+                                or len(block) < BULK_MIN_STEPS)
+        for sv, sure in zip(block, _block_sure(block, defs, cfg, [] if big else trace.ranks)):
+            _check_step(sv, defs, cfg, stats, sure, verify)
+            if probe is not None and found is None:
+                found = probe(sv)
+        for sv in block:
+            sv.prev = None  # keep only the block's last step (the next one's history)
     return stats, found
 
 

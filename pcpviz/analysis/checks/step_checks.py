@@ -6,12 +6,16 @@ from __future__ import annotations
 import numpy as np
 
 from pcpviz.analysis.compare import first_difference, fmt_value as _fmt, short_repr
-from pcpviz.trace.schema import GLOBAL, causal_phase_key, phase_class, view_spec
+from pcpviz.trace.reader import Record
+from pcpviz.trace.schema import causal_phase_key
 from pcpviz.trace.view_specs import DCP_SHARE_VIEWS
 
 from pcpviz.trace.shapes import slot_groups
 
+from .columns import (Block, bulk_rule, none)
 from .context import Ctx, Skip, check, token_rows
+from .step_columns import (accepted_ok, agreeing_views, cursor_ok, is_prefilling_ok, must_sample_ok,
+                           positions_consistent_ok, same_phase, verify_consistent_ok)
 
 @check("verify_consistent",
         "verify is self-consistent and matches the batch: num_sampled == the non -1 prefix of "
@@ -70,6 +74,12 @@ def verify_consistent(c: Ctx) -> None:
         within = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
         c.expect("target", "logits_indices", want=starts + within, got=li.astype(np.int64),
                  what="logits rows are not each request's last 1 + num_draft_tokens rows")
+
+
+@bulk_rule("verify_consistent", shared=True)
+def _verify_consistent_bulk(b: Block, rank: int) -> np.ndarray:
+    """``step_columns.verify_consistent_ok``."""
+    return verify_consistent_ok(b, rank)
 
 
 @check("drafts_fed_back",
@@ -131,18 +141,6 @@ def drafts_fed_back(c: Ctx) -> None:
                expected=_fmt(exp[i, jj]), actual=short_repr(ids, (tok,)))
 
 
-def _agreeing_views(phase: str, names) -> list[str]:
-    """The views of ``phase`` every rank must record identically: those the schema declares
-    with scope ``GLOBAL``; in the replicated phases (verify, draft_k) also undeclared ones."""
-    replicated = phase_class(phase) in ("verify", "draft_k")
-    out = []
-    for v in names:
-        spec = view_spec(phase, v)
-        if (spec.scope == GLOBAL) if spec is not None else replicated:
-            out.append(v)
-    return out
-
-
 @check("ranks_agree",
         "every rank of a step records the same global views: the global batch and layout, "
         "draft_tokens of every draft phase, the replicated draft decodes, and the whole verify "
@@ -161,12 +159,12 @@ def ranks_agree(c: Ctx) -> None:
     mine, theirs = c.phases, c.sv.recs[ref]
     for phase in sorted(set(mine) | set(theirs), key=causal_phase_key):
         if phase not in mine or phase not in theirs:
-            if not _agreeing_views(phase, (mine.get(phase) or theirs.get(phase)).keys()):
+            if not agreeing_views(phase, (mine.get(phase) or theirs.get(phase)).keys()):
                 continue
             c.fail(phase, None, f"phase {phase} recorded on rank {ref if phase in theirs else c.rank} "
                    f"but not on rank {c.rank if phase in theirs else ref}")
         a, b = theirs[phase], mine[phase]
-        for view in _agreeing_views(phase, list(a.keys()) + [v for v in b.keys() if v not in a]):
+        for view in agreeing_views(phase, list(a.keys()) + [v for v in b.keys() if v not in a]):
             if c.cfg.dcp > 1 and view in DCP_SHARE_VIEWS:
                 continue  # one DCP rank's share on each rank (dcp_kv_sharding checks them)
             if view not in a or view not in b:
@@ -179,6 +177,27 @@ def ranks_agree(c: Ctx) -> None:
                 c.expect(phase, view, want=ea, got=eb, what=f"differs from rank {ref}")
             else:
                 c.expect(phase, view, want=a[view], got=b[view], what=f"differs from rank {ref}")
+
+
+@bulk_rule("ranks_agree")
+def _ranks_agree_bulk(b: Block, rank: int) -> np.ndarray:
+    """The first rank of a step passes when no rank lacks the step and it is not alone; another
+    rank passes when it recorded the first rank's phases and views, the compared ones shared."""
+    out = none(b)
+    dcp = b.cfg.dcp > 1
+    for i, sv in enumerate(b.svs):
+        mine = sv.recs.get(rank)
+        if mine is None:
+            continue
+        ref = min(sv.recs)
+        if rank == ref:
+            out[i] = not sv.missing and len(sv.recs) > 1
+            continue
+        theirs = sv.recs[ref]
+        if mine.keys() != theirs.keys() or not all(isinstance(rec, Record) for rec in mine.values()):
+            continue
+        out[i] = all(same_phase(ph, theirs[ph], mine[ph], dcp=dcp) for ph in mine)
+    return out
 
 
 @check("positions_consistent",
@@ -232,6 +251,12 @@ def positions_consistent(c: Ctx) -> None:
              index_map=lambda i: (int(qsl[rows[i[0]]]),))
 
 
+@bulk_rule("positions_consistent")
+def _positions_consistent_bulk(b: Block, rank: int) -> np.ndarray:
+    """``step_columns.positions_consistent_ok``."""
+    return positions_consistent_ok(b, rank)
+
+
 @check("verify_greedy",
        "greedy verification from the target's own argmax (top1_token, engine only): each request "
        "accepts the longest prefix of its drafts equal to the argmax of the rows before them, and "
@@ -283,6 +308,9 @@ def is_prefilling_rule(c: Ctx) -> None:
              what="is_prefilling != (num_computed_tokens < prefill_len)")
 
 
+
+bulk_rule("is_prefilling_rule", shared=True)(is_prefilling_ok)  # step_columns.is_prefilling_ok
+
 @check("must_sample_rule",
        "the sampler's must-sample rule, derived: a request samples this step iff its seq_len "
        "(num_computed + scheduled tokens) reaches its prefill_len; a chunk that stops short samples "
@@ -310,6 +338,9 @@ def must_sample_rule(c: Ctx) -> None:
                      what="a partial prefill chunk counts drafts")
 
 
+
+bulk_rule("must_sample_rule", shared=True)(must_sample_ok)  # step_columns.must_sample_ok
+
 @check("cursor_rolls_back_rejections",
        "the GPU cursor after verify is derived: a request's num_computed_after is its first position "
        "this step (the cursor before it) plus the tokens scheduled, less the drafts rejected (vLLM 0.33.0 "
@@ -335,6 +366,9 @@ def cursor_rolls_back_rejections(c: Ctx) -> None:
     c.expect("verify", "num_computed_after", want=want, got=after,
              what="the cursor after verify != the first position this step + q - num_rejected")
 
+
+
+bulk_rule("cursor_rolls_back_rejections", shared=True)(cursor_ok)  # step_columns.cursor_ok
 
 @check("num_accepted_from_tokens",
        "num_accepted is derived from the drafts and the target's sampled tokens: where a request "
@@ -367,3 +401,6 @@ def num_accepted_from_tokens(c: Ctx) -> None:
         c.fail("verify", "num_accepted", f"request row {i} rejects draft {int(nacc[i])} (token {int(ids[at[j]])}) "
                f"but samples that same token in its place: the draft was accepted", index=(i,),
                expected=f">= {int(nacc[i]) + 1}", actual=str(int(nacc[i])))
+
+
+bulk_rule("num_accepted_from_tokens", shared=True)(accepted_ok)  # step_columns.accepted_ok

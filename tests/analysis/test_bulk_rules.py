@@ -1,0 +1,163 @@
+"""The checks' bulk rules (``pcpviz.analysis.checks.columns``) change no report: on clean and
+damaged traces the report with the rules on equals the report with every check run per step
+(``PCPVIZ_BULK=0``: verdicts, counts, first violations, every failing (step, rank), skip
+reasons), and ``PCPVIZ_BULK=verify`` (every check run as well, each rule's "passes" checked
+against the check) raises nothing: a rule never says pass where its check fails or skips."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from pcpviz.analysis.checks import run_checks, runner
+from pcpviz.analysis.checks.columns import BULK, BULK_ENV, Column, ragged
+from tracegen import clean_run, corrupt
+
+# the views the bulk rules read, and others ranks_agree compares
+VIEWS = [("target", v) for v in (
+    "padded_gather_idx", "hidden_restore_idx", "num_scheduled_tokens", "local_positions", "positions",
+    "per_rank_num_tokens", "local_seq_lens", "local_query_start_loc", "sampled_logits_rows",
+    "logits_indices", "sampled_from", "req_ids", "segments", "is_prefilling", "input_ids",
+    "block_table_global", "slot_mapping_global", "slot_mapping_gathered", "kv_write_mask", "hidden_fp",
+    "local_req_ids", "local_logits_indices", "local_input_ids", "local_is_padding", "block_table_local",
+    "hidden_local_fp", "seq_lens", "num_computed_tokens", "prefill_len")] + [("verify", v) for v in (
+        "num_sampled", "sampled_token_ids", "num_rejected", "num_accepted", "num_draft_tokens",
+        "req_ids", "num_computed_after", "idx_mapping")] + [("draft_0", v) for v in (
+            "draft_tokens", "draft_last_token_indices", "hidden_in_fp", "hidden_out_fp", "hidden_last_fp",
+            "mtp_local_fp")] + [("draft_1", "hidden_in_fp")]
+
+
+def _plus_one(a, rng):
+    if a.size == 0 or a.dtype.kind not in "iu":
+        return a
+    a = a.copy()
+    a.reshape(-1)[rng.randrange(a.size)] += 1
+    return a
+
+
+def _minus_one(a, rng):
+    if a.size == 0 or a.dtype.kind not in "iu":
+        return a
+    a = a.astype(np.int64)
+    a.reshape(-1)[rng.randrange(a.size)] = -1
+    return a
+
+
+def _repeat_first(a, rng):
+    if a.ndim == 0 or a.shape[-1] < 2 or a.dtype.names is not None:
+        return a
+    a = a.copy()
+    a[..., 1] = a[..., 0]
+    return a
+
+
+DAMAGE = {
+    "repeat_first": _repeat_first,
+    "plus_one": _plus_one,
+    "minus_one": _minus_one,
+    "roll": lambda a, rng: np.roll(a, 1),
+    "shorter": lambda a, rng: a[:-1] if a.ndim and a.shape[0] else a,
+    "longer": lambda a, rng: np.concatenate([a, a[-1:]]) if a.ndim == 1 and a.shape[0] else a,
+    "floats": lambda a, rng: a.astype(np.float64) if a.dtype.kind in "iu" else a,
+    "int32": lambda a, rng: a.astype(np.int32) if a.dtype.kind in "iu" else a,
+    "empty": lambda a, rng: a[:0] if a.ndim else a,
+    "text": lambda a, rng: np.array(["local"]) if a.dtype.kind == "U" else a,
+    "bools": lambda a, rng: a.astype(bool) if a.dtype.kind in "iu" else a,
+    "one_more_axis": lambda a, rng: a[None],
+    "no_group_axis": lambda a, rng: a[0] if a.ndim == 2 else a,
+}
+
+
+def _facts(report):
+    return {n: (r.verdict, r.evaluated, r.failed, r.skipped, r.skip_reason, r.first_violation, r.failures)
+            for n, r in report.results.items()}
+
+
+def _both(path, monkeypatch):
+    monkeypatch.setenv(BULK_ENV, "0")
+    off = run_checks(path, workers=1)
+    monkeypatch.setenv(BULK_ENV, "verify")
+    run_checks(path, workers=1)  # raises AssertionError where a rule is unsound
+    monkeypatch.setenv(BULK_ENV, "always")  # the small traces here: rules on every block
+    on = run_checks(path, workers=1)
+    return off, on
+
+
+def test_rules_registered_next_to_their_checks():
+    from pcpviz.analysis.checks import CHECKS
+    assert {"ranks_agree", "local_positions_are_global", "restore_gather_identity"} <= set(BULK)
+    assert set(BULK) <= set(CHECKS)
+
+
+def test_column_and_ragged():
+    col = Column.of([np.array([0, 1, 2]), None, np.array([7])])
+    assert col.values.tolist() == [0, 1, 2, 7] and col.offsets.tolist() == [0, 3, 3, 4]
+    vals, ok = col.at(np.array([0, 1, 2, 2]), np.array([2, 0, 0, 1]))
+    assert vals.tolist() == [2, 0, 7, 0] and ok.tolist() == [True, False, True, False]
+    assert Column.of([np.array([1.0])]) is None and Column.of([np.array([1], np.int32), np.array([1])]) is None
+    seg, k = ragged(np.array([2, 0, 1]))
+    assert seg.tolist() == [0, 0, 2] and k.tolist() == [0, 1, 0]
+
+
+@pytest.mark.parametrize("pcp,k", [(2, 2), (2, 1), (4, 3)])
+def test_clean_runs_same_report(tmp_path, monkeypatch, pcp, k):
+    path = clean_run(pcp=pcp, k=k).write(tmp_path / "clean")
+    off, on = _both(path, monkeypatch)
+    assert _facts(on) == _facts(off)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_damaged_runs_same_report(tmp_path, monkeypatch, seed):
+    if seed % 2:  # blocks of 3 steps: a previous step read from the block before
+        monkeypatch.setattr(runner, "BLOCK_STEPS", 3)
+    if seed % 3 == 0:  # blocks of one step (their views past BLOCK_BYTES)
+        monkeypatch.setattr(runner, "BLOCK_BYTES", 1)
+    rng = random.Random(seed)
+    run = clean_run(pcp=rng.choice([2, 2, 4]), k=rng.choice([1, 2, 3]))
+    steps = [s for s, _ in run.steps]
+    for _ in range(rng.choice([1, 2, 3])):
+        phase, view = rng.choice(VIEWS)
+        step = rng.choice(steps)
+        per_rank = dict(run.steps)[step]
+        if phase not in per_rank[0] or view not in per_rank[0][phase]:
+            continue
+        damage = DAMAGE[rng.choice(sorted(DAMAGE))]
+        ranks = rng.choice([None, [0], [1]])
+        corrupt(run, step, phase, view, lambda a: damage(a, rng), ranks=ranks)
+    path = run.write(tmp_path / "damaged")
+    off, on = _both(path, monkeypatch)
+    assert _facts(on) == _facts(off)
+
+
+def test_default_mode_rules_decide_long_runs(tmp_path, monkeypatch):
+    """By default the rules run on blocks of BULK_MIN_STEPS steps and more (here 150 repeated
+    tiny steps), decide most (step, rank) there, and change no report; a short trace is checked
+    per step."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_scale", Path(__file__).resolve().parents[2] / "benchmarks" / "bench_scale.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    path = bench.tiny_steps(tmp_path / "steps", 150)
+    decided = []
+    real = runner.decide
+
+    def counting(block, names, ranks):
+        out = real(block, names, ranks)
+        decided.append(sum(len(per_rank) for step in out for per_rank in step.values()))
+        return out
+
+    monkeypatch.setattr(runner, "decide", counting)
+    monkeypatch.setenv(BULK_ENV, "0")
+    off = run_checks(path, workers=1)
+    monkeypatch.delenv(BULK_ENV)
+    on = run_checks(path, workers=1)
+    assert _facts(on) == _facts(off) and not on.ok
+    assert sum(decided) > 0.5 * 150 * 2 * len(on.results)  # most (step, rank, check) decided in bulk
+    decided.clear()
+    run_checks(clean_run(pcp=2, k=2).write(tmp_path / "short"), workers=1)
+    assert decided == [] or sum(decided) == 0
