@@ -185,6 +185,8 @@ META_SCHEMA: Mapping[str, tuple[Callable[[Any], str | None], bool, str]] = {
     "speculative_method": (_str, False, "mtp, eagle, dspark, ..."),
     "cudagraph_mode": (_str, False, "vLLM's resolved cudagraph_mode (NONE, PIECEWISE, FULL_AND_PIECEWISE, ...)"),
     "vllm_fixes": (_str_list, False, "pcpviz's opt-in vLLM patches the run had on (PCPVIZ_FIXES)"),
+    "model_moe": (_bool, False, "the model has routed experts (vLLM: its MoE layers gather and "
+                  "reduce-scatter over PCP)"),
     "prompt_token_ids": (_token_ids, False, "prompt token ids per request"),
 }
 """The run.json keys pcpviz knows: key -> (check, required, meaning). Other keys are allowed.

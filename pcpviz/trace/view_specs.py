@@ -304,6 +304,11 @@ VIEW_SPECS: tuple[ViewSpec, ...] = tuple(
         ("dcp_ranks_combined", "int64", "[]", "DCP > 1: ranks whose partial attention the LSE combine "
          "summed (fewest over the layers)"),
     ], scope=RANK, panel="dcp_shards")
+    + _specs("collectives", _ALL, [
+        ("collectives", "str", "[M]", "replay only: every collective this rank's PCP group ran in the phase, in "
+         "order: kind, group, the dtype and shape it sent, the dimension (pcpviz.vllm.recording.collectives); "
+         "absent where not recorded"),
+    ], scope=RANK)
     + _specs("timing", _ALL, [
         ("t_start_us", "int64", "[]", "wall clock when the phase started (µs since the epoch)"),
         ("t_end_us", "int64", "[]", "wall clock when the phase ended (µs since the epoch)"),

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["FakePCPGroup", "run_ranks", "current_fake_group"]
+__all__ = ["FakePCPGroup", "run_ranks", "current_fake_group", "describe"]
 
 # The thread's bound (group, rank), read by the patched get_pcp_group().
 _tls = threading.local()
@@ -42,6 +42,8 @@ class FakePCPGroup:
         self._local = threading.local()
         # all_gather calls per rank (a collective must be called equally often).
         self.all_gather_calls = [0] * world_size
+        # every collective a rank called, in order: "all_gather pcp float32[4, 64] dim=0" (``describe``)
+        self.ledger: list[list[str]] = [[] for _ in range(world_size)]
 
     @property
     def rank_in_group(self) -> int:
@@ -78,6 +80,7 @@ class FakePCPGroup:
 
         rank = self.rank_in_group
         self.all_gather_calls[rank] += 1
+        self.ledger[rank].append(describe("all_gather", "pcp", input_, dim=dim))
         self._slots[rank] = input_
         self._barrier.wait()  # every rank has deposited its tensor
         shapes = [tuple(t.shape) for t in self._slots]
@@ -88,6 +91,19 @@ class FakePCPGroup:
         finally:
             self._barrier.wait()  # everyone has read the slots before any rank reuses them
         return out
+
+
+def describe(kind: str, group: str, tensor: Any, *, dim: int = 0) -> str:
+    """One collective as the trace's ``collectives`` view holds it: kind, group, the input's
+    dtype and shape (what this rank sends), the dimension gathered along.
+
+    >>> import torch
+    >>> describe("all_gather", "pcp", torch.zeros(4, 64))
+    'all_gather pcp float32[4, 64] dim=0'
+    """
+    dtype = str(getattr(tensor, "dtype", "?")).replace("torch.", "")
+    shape = ", ".join(str(int(n)) for n in getattr(tensor, "shape", ()))
+    return f"{kind} {group} {dtype}[{shape}] dim={dim}"
 
 
 def current_fake_group() -> FakePCPGroup | None:

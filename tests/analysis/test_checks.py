@@ -34,7 +34,7 @@ EXPECTED_NAMES = [
     "draft_prefill_rank_local", "draft_last_token_indices", "draft_input_ids",
     "draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance",
     "hidden_restored", "hidden_handoffs", "target_outputs_agree", "forward_consumed_prepared",
-    "graph_inputs_are_captured", "dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combined",
+    "graph_inputs_are_captured", "collectives_match_vllm", "dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combined",
     "verify_consistent", "drafts_fed_back", "ranks_agree", "positions_consistent", "verify_greedy",
     "is_prefilling_rule", "must_sample_rule", "cursor_rolls_back_rejections", "num_accepted_from_tokens",
 ]
@@ -76,8 +76,8 @@ def test_clean_traces_pass_every_check(tmp_path, kw):
     report = check(run, tmp_path)
     assert report.ok, report.format()
     k, pcp = kw["k"], kw["pcp"]
-    # the synthetic producer models eager runs (no graph ledger) and records no fwd_* views
-    never = {"graph_inputs_are_captured", "forward_consumed_prepared"}
+    # the synthetic producer models eager runs (no graph ledger) and records no fwd_* views nor collectives
+    never = {"graph_inputs_are_captured", "forward_consumed_prepared", "collectives_match_vllm"}
     # DCP = 1: no DCP checks; the synthetic producer runs no attention (no dcp_ranks_combined)
     never |= DCP_CHECKS if kw.get("dcp", 1) == 1 else {"dcp_partial_combined"}
     if k < 2:
@@ -416,6 +416,22 @@ def case_graph_input_moved(_):
     return run, {"graph_inputs_are_captured"}, (s, 1, "target", "graph_inputs_moved")
 
 
+def case_collective_only_one_rank_ran(_):
+    """Rank 1 ran one all-gather fewer in a draft_0 than rank 0 (the CPU replay records the
+    ``collectives`` view from vLLM's own calls; tests/vllm/test_collectives_recorded.py makes it for
+    real). The check compares the ranks at rank 0."""
+    run = clean_run(2)
+    lines = {"target": ["all_gather pcp float32[8, 512] dim=0", "all_gather pcp float32[8, 256] dim=0"],
+             "draft_0": ["all_gather pcp float32[8, 512] dim=0", "all_gather pcp float32[8, 256] dim=0"]}
+    for step in run.step_ids:
+        for rank in range(2):
+            for phase, views in run.phases(step, rank).items():
+                views["collectives"] = np.array(lines.get(phase, []), dtype=str)
+    s = run.step_ids[2]
+    run.views(s, 1, "draft_0")["collectives"] = np.array(lines["draft_0"][:1], dtype=str)
+    return run, {"collectives_match_vllm"}, (s, 0, "draft_0", "collectives")
+
+
 def case_is_prefilling(_):
     run = clean_run(2)
     s = first_step(run, lambda ph: ph["target"]["is_prefilling"].any())
@@ -582,6 +598,7 @@ CASES = {
     "dcp_kv_sharding": [case_dcp_foreign_token],
     "dcp_local_lens": [case_dcp_draft_local_len],
     "dcp_partial_combined": [case_dcp_not_combined],
+    "collectives_match_vllm": [case_collective_only_one_rank_ran],
 }
 
 
@@ -631,7 +648,7 @@ def test_missing_view_is_skipped_and_said_so(tmp_path):
     assert res.skipped == 2 * len(run.step_ids)
     assert res.skip_reason == "step 0 rank 0: no sampled_logits_rows"
     text = report.format()
-    assert "SKIP  local_logits_not_sampled" in text and "ran on 0 of" in text and "6 skipped" in text  # + DCP_CHECKS
+    assert "SKIP  local_logits_not_sampled" in text and "ran on 0 of" in text and "7 skipped" in text  # + DCP_CHECKS
     assert report.to_dict()["checks"]["local_logits_not_sampled"]["verdict"] == "skipped"
 
 
@@ -646,7 +663,8 @@ def test_phase_missing_on_some_steps_is_a_partial_skip(tmp_path):
     assert "skipped 2 (step 0 rank 0: no verify phase)" in report.format()
     # the summary's counts agree with the per-check lines: a skipped (step, rank) is not a skipped check
     last = report.format().splitlines()[-1]
-    assert " 5 skipped;" in last  # graph_inputs_are_captured (no CUDA graphs), forward_consumed_prepared, DCP_CHECKS
+    assert " 6 skipped;" in last  # graph_inputs_are_captured (no CUDA graphs), forward_consumed_prepared,
+    # collectives_match_vllm (no collectives view), DCP_CHECKS
     partial = [r for r in report.results.values() if r.verdict == PASS and r.skipped]
     plural = "s" * (len(partial) > 1)
     pairs = sum(r.skipped for r in partial)
@@ -735,7 +753,7 @@ def test_cli_check_truncated_rank_file_checks_what_is_complete(tmp_path):
     assert "rank1.arrow" in lines[0] and "last complete step" in lines[0]
     assert any("rank 1 lacks steps" in ln for ln in lines)
     # all but the graph ledger's, forward_consumed_prepared (no fwd_* views) and the DCP checks (DCP = 1)
-    n_skip = 2 + len(DCP_CHECKS)
+    n_skip = 3 + len(DCP_CHECKS)  # graphs, fwd_* and collectives: views the synthetic producer does not record
     assert f"result: INCOMPLETE: {len(CHECKS)} checks: {len(CHECKS) - n_skip} passed, {n_skip} skipped" in r.stdout
 
 

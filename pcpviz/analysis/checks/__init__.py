@@ -44,11 +44,12 @@ from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
 from .runner import CHECK_MODULES, CHECKS, run_checks
 
 ENGINE_VIEW_CHECKS = frozenset({"hidden_restored", "hidden_handoffs", "target_outputs_agree", "verify_greedy",
-                                "forward_consumed_prepared", "cursor_rolls_back_rejections"})
+                                "forward_consumed_prepared", "cursor_rolls_back_rejections",
+                                "collectives_match_vllm"})
 """Checks of views only some producers record (fingerprints: the engine and the vLLM plugin, not
 older traces; top1_token: the engine alone; fwd_*: the vLLM plugin and the CPU replay;
-verify.num_computed_after: traces recorded since it was added): skipped where a view is missing,
-naming it."""
+verify.num_computed_after: traces recorded since it was added; collectives: the CPU replay): skipped
+where a view is missing, naming it."""
 
 DCP_CHECKS = frozenset({"dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combined"})
 """Checks of a DCP > 1 run (``dcp_checks``): skipped, saying so, where run.json's ``dcp`` is 1."""

@@ -41,6 +41,7 @@ class Config:
     speculative_method: str = "mtp"
     acceptance_rule: bool = True  # standard rejection sampling (num_accepted_from_tokens applies)
     dcp_group: str = ""  # "pcp": the DCP rank of rank file r is r (run.json dcp_group)
+    moe: bool | None = None  # the model has routed experts (run.json model_moe; None: not recorded)
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> "Config":
@@ -66,7 +67,8 @@ class Config:
                    k=as_int("num_speculative_tokens"), block_sizes=block_sizes,
                    speculative_method=str(meta.get("speculative_method") or "mtp"),
                    acceptance_rule=_standard_rejection(meta),
-                   dcp_group=str(meta.get("dcp_group") or ""))
+                   dcp_group=str(meta.get("dcp_group") or ""),
+                   moe=meta["model_moe"] if isinstance(meta.get("model_moe"), bool) else None)
 
 
 def _standard_rejection(meta: Mapping[str, Any]) -> bool:

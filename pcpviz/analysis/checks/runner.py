@@ -21,12 +21,13 @@ from . import draft_checks
 from . import handoff_checks
 from . import step_checks
 from . import graph_checks
-from . import consumed_checks, dcp_checks
+from . import collective_checks, consumed_checks, dcp_checks
 from .columns import Block, bulk_mode, decide
 from .context import DEFS, Config, Fail, Skip, Ctx, StepView
 from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
 
-CHECK_MODULES = (layout_checks, draft_checks, handoff_checks, consumed_checks, graph_checks, dcp_checks, step_checks)
+CHECK_MODULES = (layout_checks, draft_checks, handoff_checks, consumed_checks, graph_checks, collective_checks,
+                 dcp_checks, step_checks)
 """Where the checks are defined, in report order."""
 
 ORDERED_DEFS = tuple(d for m in CHECK_MODULES for d in DEFS if d.fn.__module__ == m.__name__)

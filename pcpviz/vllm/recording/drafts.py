@@ -107,6 +107,7 @@ class DraftContext:
         # tensor current_draft_step, which would synchronize).
         k = len(self.phases)
         name = self.phase_name(k)
+        rec.ledger.switch(rec, name)  # the collectives since the last forward were the phase before's
         r = self.num_reqs
         manager = spec.pcp_manager
         local = getattr(manager, "draft_prefill_batch", None)

@@ -39,7 +39,8 @@ def environment_meta() -> dict[str, Any]:
 def speculator_meta(spec: Any) -> dict[str, Any]:
     """The speculator's settings (run.json keys): ``num_speculative_tokens``,
     ``speculative_method``, ``speculator`` (its class), ``vllm_version`` and, where its
-    ``vllm_config`` has them, ``model``, ``cudagraph_mode`` and ``tp``."""
+    ``vllm_config`` has them, ``model``, ``model_moe`` (the model has routed experts: its
+    ``hf_config``'s ``n_routed_experts`` or ``num_experts``), ``cudagraph_mode`` and ``tp``."""
     meta: dict[str, Any] = {"num_speculative_tokens": int(spec.num_speculative_steps),
                             "speculative_method": str(getattr(spec, "method", "")),
                             "speculator": type(spec).__name__, "vllm_version": vllm.__version__}
@@ -50,6 +51,10 @@ def speculator_meta(spec: Any) -> dict[str, Any]:
     mode = getattr(getattr(cfg, "compilation_config", None), "cudagraph_mode", None)
     if mode is not None:
         meta["cudagraph_mode"] = getattr(mode, "name", str(mode))
+    hf = getattr(getattr(cfg, "model_config", None), "hf_config", None)
+    if hf is not None:
+        experts = getattr(hf, "n_routed_experts", None) or getattr(hf, "num_experts", None)
+        meta["model_moe"] = bool(experts)  # routed experts: MoE layers gather and reduce-scatter over PCP
     tp = getattr(getattr(cfg, "parallel_config", None), "tensor_parallel_size", None)
     if isinstance(tp, int):
         meta["tp"] = tp

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from pcpviz.trace import TraceWriter
+from pcpviz.vllm.recording.collectives import Ledger
 from pcpviz.vllm.recording.drafts import DraftContext
 from pcpviz.vllm.recording.graphs import ledger_views
 from pcpviz.trace.packed import host_entry
@@ -89,6 +90,7 @@ class RankRecorder:
         self._lock = threading.Lock()
         self._meta_lock = threading.Lock()
         self._spec_meta: tuple[int, dict[str, Any]] | None = None  # (id(speculator), its run.json keys)
+        self.ledger = Ledger()  # the collectives of the running phase (``recording.collectives``)
 
     # -- error policy
     def guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -117,6 +119,7 @@ class RankRecorder:
             self.flush()
         self.phases = {}
         self.graph_notes = {}
+        self.ledger.switch(self, "target")
 
     def phase(self, name: str) -> dict[str, Any]:
         if self.phases is None:
@@ -130,6 +133,8 @@ class RankRecorder:
 
     def flush(self) -> None:
         """Hand the pending step (if any) to the sink: staged now, written off the step's path."""
+        if self.phases is not None:
+            self.ledger.switch(self, None)  # the last phase's collectives
         with self._lock:
             phases, self.phases = self.phases, None
             notes, self.graph_notes = self.graph_notes, {}
@@ -323,6 +328,7 @@ class RankRecorder:
         ``cursor``: ``req_states.num_computed_tokens.gpu`` ``int32[max_num_reqs]`` once ``post_update``
         rolled back the rejected drafts; ``num_computed_after`` is its rows for the batch (a copy of
         the whole table, taken with the other views; the rows are taken on the host)."""
+        self.ledger.switch(self, "verify")
         g = self.global_batch
         r = num_sampled.shape[0]
         views: dict[str, Any] = {}
@@ -349,6 +355,7 @@ class RankRecorder:
         if dummy:
             # A dummy/profile run is its own step (no partition_batch precedes it).
             self.begin_step()
+        self.ledger.switch(self, "dummy" if dummy else "draft_0")
         install_instance_wrappers(spec)
         if self._spec_meta is None or self._spec_meta[0] != id(spec):
             self._spec_meta = (id(spec), speculator_meta(spec))  # the speculator's settings do not change

@@ -1,0 +1,68 @@
+"""Which collectives each phase of a step ran: the ``collectives`` view (``str[M]``, one line a
+call, in call order: kind, group, the input this rank sent, the dimension gathered along).
+
+The source is a ledger of the calls vLLM's own code made on the PCP group, read by position:
+``Ledger.switch(phase)`` gives the calls since the last switch to the phase that was running and
+starts counting for the next one. The recorder switches where its hooks see a phase begin:
+``begin_step`` (target), ``postprocess_sampled`` (verify), ``propose`` (draft_0, or dummy),
+each later draft forward (draft_k), and the step's end.
+
+Where the ledger comes from: the CPU replay's ``FakePCPGroup`` (vLLM's real classes call it
+for every PCP collective; ``fake_group.describe`` writes the line). On a GPU vLLM's
+``GroupCoordinator`` is not wrapped yet, and phases carry no ``collectives`` view (absent, not
+empty: absent means not recorded).
+
+PCP=2, K=2, one prefill of 5 tokens and one decode (the tiny dense model, two target layers and
+one MTP layer), rank 0's step::
+
+    target   all_gather pcp bfloat16[4, 576] dim=0      (each layer's latent KV, 2 layers)
+             all_gather pcp bfloat16[4, 576] dim=0
+             all_gather pcp float32[4, 256] dim=0       (restore_for_sampling's hidden rows)
+    verify   (none)
+    draft_0  ...                                        (the MTP layer's KV, the hidden rows)
+    draft_1  (none: a dense replicated draft decode gathers nothing)
+
+(The shapes above illustrate the form; ``tests/vllm/test_collectives_recorded.py`` holds the
+real lines of a replayed step.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pcpviz.vllm.fake_group import current_fake_group
+
+__all__ = ["Ledger"]
+
+
+def _calls() -> list[str] | None:
+    """The calling thread's rank's ledger (None where no ledger is kept)."""
+    group = current_fake_group()
+    if group is None:
+        return None
+    return group.ledger[group.rank_in_group]
+
+
+class Ledger:
+    """One recorder's position in the ledger and the phase it is counting for."""
+
+    def __init__(self) -> None:
+        self.phase: str | None = None
+        self.mark = 0
+
+    def switch(self, rec: Any, phase: str | None) -> None:
+        """Put the calls since the last switch into the running phase (``rec.put``) and start
+        counting for ``phase`` (None: the step ended)."""
+        if phase == self.phase:
+            return
+        calls = _calls()
+        if calls is None:
+            self.phase = phase
+            return
+        if self.phase is not None:
+            since = calls[self.mark:]
+            if since or (rec.phases is not None and self.phase in rec.phases):
+                rec.put(self.phase, collectives=np.array(since, dtype=str) if since else np.zeros(0, dtype="<U1"))
+        self.phase, self.mark = phase, len(calls)

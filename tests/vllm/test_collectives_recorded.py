@@ -1,0 +1,86 @@
+"""Issue 36: the collectives each phase ran, recorded from vLLM 0.33.0's own calls on the PCP group
+(the CPU replay: real vLLM classes, ranks as threads) and held by ``collectives_match_vllm``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pcpviz.vllm import cpu_patches
+
+cpu_patches.apply_cpu_patches()
+
+import pcpviz.trace as pt  # noqa: E402
+from pcpviz.analysis.checks import run_checks  # noqa: E402
+from pcpviz.vllm.replay import replay  # noqa: E402
+from tests.helpers.hostile import rewrite  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    out = tmp_path_factory.mktemp("coll") / "pcp2"
+    replay(pcp=2, mtp=2, trace_dir=out)
+    return out
+
+
+def _lines(t, step, rank, phase):
+    rec = t.record(step, rank, phase)
+    return None if "collectives" not in rec.keys() else [str(x) for x in np.asarray(rec["collectives"])]
+
+
+def _result(trace_dir, name="collectives_match_vllm"):
+    report = run_checks(pt.open(trace_dir))
+    return report.results[name]
+
+
+def test_each_phase_holds_the_pcp_collectives_vllm_ran(replayed):
+    t = pt.open(replayed)
+    assert t.meta.get("model_moe") is False  # the tiny checkpoint is dense
+    seen = 0
+    for step in t.steps:
+        if "target" not in t.phases(step, 0):
+            continue
+        target = [_lines(t, step, r, "target") for r in t.ranks]
+        assert target[0] == target[1] and target[0], (step, target)  # every rank the same calls
+        assert all(line.startswith("all_gather pcp ") for line in target[0])
+        # the last target gather is restore_hidden_states' (pcp_manager.py:836): the hidden rows
+        assert target[0][-1].endswith("dim=0") and target[0].count(target[0][-1]) >= 1
+        assert _lines(t, step, 0, "verify") == []
+        assert _lines(t, step, 0, "draft_1") == []  # a dense replicated draft decode gathers nothing
+        assert _lines(t, step, 0, "draft_0")  # the MTP layer's KV and the restored hidden rows
+        seen += 1
+    assert seen >= 3
+    res = _result(replayed)
+    assert res.verdict == "pass", res
+
+
+def test_a_rank_running_another_collective_fails_at_its_phase(replayed, tmp_path):
+    def edit(step, rank, phases):
+        if step == 1 and rank == 1 and "draft_0" in phases:
+            lines = list(phases["draft_0"]["collectives"])
+            phases["draft_0"]["collectives"] = np.array(lines[:-1], dtype=str)  # rank 1 skips one gather
+    bad = rewrite(replayed, tmp_path / "bad", edit)
+    res = _result(bad)
+    assert res.verdict == "fail" and res.first_violation.step == 1 and res.first_violation.phase == "draft_0"
+    assert "rank 1 ran 'nothing'" in res.first_violation.message
+
+
+def test_a_gather_in_a_dense_draft_decode_fails(replayed, tmp_path):
+    def edit(step, rank, phases):
+        if step == 2 and "draft_1" in phases:
+            phases["draft_1"]["collectives"] = np.array(["all_gather pcp float32[3, 256] dim=0"])
+    bad = rewrite(replayed, tmp_path / "bad", edit)
+    res = _result(bad)
+    assert res.verdict == "fail" and res.first_violation.step == 2 and res.first_violation.phase == "draft_1"
+    assert "replicated draft decode of a dense model" in res.first_violation.message
+    # with routed experts the MoE layers gather in every forward: the same line is not a failure there
+    moe = rewrite(replayed, tmp_path / "moe", edit, meta_edit=lambda m: m.update(model_moe=True))
+    assert _result(moe).verdict == "pass"
+
+
+def test_traces_without_the_view_skip(tmp_path):
+    from pcpviz.synthetic import RequestSpec, generate
+
+    t = generate([RequestSpec("a", 6, 4)], pcp=2, num_speculative_tokens=1, block_size=4, seed=0)
+    res = _result(t.write(tmp_path / "syn"))
+    assert res.verdict == "skipped" and "CPU replay only" in res.skip_reason
