@@ -84,3 +84,18 @@ def test_traces_without_the_view_skip(tmp_path):
     t = generate([RequestSpec("a", 6, 4)], pcp=2, num_speculative_tokens=1, block_size=4, seed=0)
     res = _result(t.write(tmp_path / "syn"))
     assert res.verdict == "skipped" and "CPU replay only" in res.skip_reason
+
+
+def test_the_chrome_export_shows_each_phase_collectives(replayed):
+    from pcpviz.views.export.chrome import chrome_trace
+
+    t = pt.open(replayed)
+    events = [e for e in chrome_trace(replayed)["traceEvents"] if e.get("ph") == "X" and "phase" in e.get("args", {})]
+    by = {(e["args"]["step"], e["args"]["rank"], e["args"]["phase"]): e["args"] for e in events}
+    step = next(s for s in t.steps if "draft_1" in t.phases(s, 0))
+    for rank in t.ranks:
+        for phase in ("target", "draft_0", "draft_1", "verify"):
+            args = by[(step, rank, phase)]
+            assert args["collective_calls"] == _lines(t, step, rank, phase)  # the drawn data is the recorded one
+            assert args["collectives"] == len(args["collective_calls"])
+    assert by[(step, 0, "target")]["collectives"] > 0 and by[(step, 0, "draft_1")]["collectives"] == 0

@@ -112,6 +112,9 @@ def _args(step: int, rank: int, phase: str, rec, target) -> dict[str, Any]:
             args["num_accepted_tokens"] = int(np.asarray(rec["num_accepted"], dtype=np.int64).sum())
         if "num_sampled" in rec:
             args["num_sampled_tokens"] = int(np.asarray(rec["num_sampled"], dtype=np.int64).sum())
+    if "collectives" in rec:  # the CPU replay's record of vLLM's calls on the PCP group, in order
+        calls = [str(x) for x in np.asarray(rec["collectives"]).reshape(-1)]
+        args["collectives"], args["collective_calls"] = len(calls), calls
     return args
 
 
