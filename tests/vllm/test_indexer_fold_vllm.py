@@ -1,0 +1,295 @@
+"""``pcpviz.reference.indexer_fold`` held to vLLM 0.33.0 on CPU, and the exhaustive search of the fold.
+
+What runs as vLLM's own code here:
+
+* the fold and the key write's gather: vLLM's ``sparse_attn_indexer`` function itself
+  (``model_executor/layers/sparse_attn_indexer.py`` lines 438-577), called with a stand-in forward
+  context and with ``ops.indexer_k_quant_and_cache`` (a CUDA kernel) replaced by a recorder that
+  stops the call there, so lines 548-568 (the fold, ``maybe_gather_indexer_k``,
+  ``_gather_prefill_cache_inputs`` of ``v1/attention/ops/pcp.py``) run unchanged on every PCP rank
+  thread (``pcpviz.vllm.fake_group``);
+* the shapes the call sites hand it: ``PCPManager._build_batch_layout`` (P and the ``[N*P]``
+  gathered mapping), ``PCPManager.get_dummy_slot_mappings`` and ``BlockTables.get_dummy_slot_mappings``
+  (dummy and capture mappings), vLLM's default capture sizes (``VllmConfig._set_cudagraph_sizes``)
+  and the graph managers' ``dispatch`` (``SpeculatorCudaGraphManager``, whose candidates are the
+  target's: the same class of ``_init_candidates`` with decode query length K+1).
+
+What cannot run on CPU and is read, not run: the model forwards (DeepSeek-V3.2's attention and
+MTP layer need CUDA kernels), so ``k.shape[0]`` equal to the forward's padded token rows is read
+from ``models/deepseek_v32/attention.py`` lines 309-311, 347, 493, not observed; the top-k after
+the write; and the captured FULL graphs (``draft_prefill_full_replay`` is the capture's shapes).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pcpviz.vllm import cpu_patches
+
+cpu_patches.apply_cpu_patches()
+
+from pcpviz.reference.indexer_fold import (  # noqa: E402
+    CALL_KINDS,
+    indexer_call,
+    search,
+    target_padded_tokens,
+)
+from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks  # noqa: E402
+
+with cpu_patches.cpu_environment():
+    import torch  # noqa: E402
+
+    import vllm.distributed.parallel_state as parallel_state  # noqa: E402
+    import vllm.model_executor.layers.sparse_attn_indexer as sai  # noqa: E402
+    from vllm.config import CUDAGraphMode  # noqa: E402
+    from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerMetadata  # noqa: E402
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager  # noqa: E402
+
+    from pcpviz.vllm.oracle import _block_tables, vllm_build_batch_layout  # noqa: E402
+    from pcpviz.vllm.replay.graph_dispatch import capture_sizes, draft_prefill_manager  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+HEAD_DIM = 4
+PREFIX = "model.layers.0.self_attn.indexer.k_cache"
+
+
+class _Written(Exception):
+    """Raised by the stand-in cache write: carries what vLLM handed the kernel."""
+
+    def __init__(self, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        super().__init__("written")
+        self.k, self.slot_mapping = k.clone(), slot_mapping.clone()
+
+
+def _record_write(k, kv_cache, slot_mapping, quant_block_size, scale_fmt):  # noqa: ARG001
+    raise _Written(k, slot_mapping)
+
+
+_lock = threading.Lock()
+
+
+def _vllm_write(n: int, slot_rows: int, k_rows: int, num_decode_tokens: int, shard: bool) -> list[tuple[int, int, str]]:
+    """Run vLLM's ``sparse_attn_indexer`` on every rank of a PCP group of ``n`` up to its cache
+    write; per rank: (k rows written, slot-mapping entries written, 'ok' or the error)."""
+    slot_mapping = torch.arange(slot_rows, dtype=torch.int64)
+    meta = DeepseekV32IndexerMetadata(
+        seq_lens=torch.ones(1, dtype=torch.int32), max_seq_len=1, slot_mapping=slot_mapping,
+        num_decodes=1 if num_decode_tokens else 0, num_decode_tokens=num_decode_tokens,
+        num_prefills=0, num_prefill_tokens=0)
+    ctx = SimpleNamespace(attn_metadata={PREFIX: meta}, cudagraph_runtime_mode=CUDAGraphMode.NONE)
+    group = FakePCPGroup(n) if n > 1 else None
+    fn = getattr(sai.sparse_attn_indexer, "__wrapped__", sai.sparse_attn_indexer)
+
+    def rank_fn(rank: int) -> tuple[int, int, str]:
+        k = torch.full((k_rows, HEAD_DIM), float(rank))
+        try:
+            fn(torch.zeros(k_rows, 8), PREFIX, torch.zeros(1), torch.zeros(k_rows, 1, HEAD_DIM), None, k,
+               torch.zeros(k_rows, 1), 128, "ue8m0", 4, HEAD_DIM, 64, 64, torch.zeros(k_rows, 4, dtype=torch.int32),
+               False, n > 1, shard, "")
+        except _Written as w:
+            return int(w.k.shape[0]), int(w.slot_mapping.shape[0]), "ok"
+        except AssertionError as e:  # vLLM's own asserts (e.g. num_decode_tokens > local rows)
+            return -1, -1, f"AssertionError: {e}"
+        return -1, -1, "no write"
+
+    saved = (sai.get_forward_context, sai.ops.indexer_k_quant_and_cache, sai.get_pcp_group)
+    with _lock:
+        sai.get_forward_context = lambda: ctx
+        sai.ops.indexer_k_quant_and_cache = _record_write
+        sai.get_pcp_group = parallel_state.get_pcp_group  # the patched one: the thread's fake group
+        try:
+            return run_ranks(group, rank_fn) if group is not None else [rank_fn(0)]
+        finally:
+            sai.get_forward_context, sai.ops.indexer_k_quant_and_cache, sai.get_pcp_group = saved
+
+
+def _expected_write(call, num_decode_tokens: int, shard: bool) -> tuple[int, int]:
+    """Where the reference's fold sends the keys (``v1/attention/ops/pcp.py`` lines 24-65)."""
+    kept, n = call.kept_rows, call.pcp_world_size
+    if n == 1:
+        return call.k_rows, call.slot_mapping_rows  # use_pcp False: written as handed
+    if call.slot_mapping_rows <= kept:
+        return num_decode_tokens, num_decode_tokens  # unexpanded: local rows only
+    if shard:
+        return n * kept, n * kept
+    if num_decode_tokens == kept:
+        return kept, kept
+    return num_decode_tokens + n * (kept - num_decode_tokens), num_decode_tokens + n * (kept - num_decode_tokens)
+
+
+def _cases():
+    rng = np.random.default_rng(36)
+    for kind, n in itertools.product(CALL_KINDS, (1, 2, 3, 4, 8)):
+        for _ in range(3):
+            t = int(rng.integers(1, 40))
+            call = indexer_call(kind, n, t)
+            ndt = int(rng.integers(0, call.kept_rows + 1))
+            yield call, ndt, bool(rng.integers(0, 2))
+
+
+def test_vllm_fold_and_write_agree_with_the_reference_on_every_kind():
+    """vLLM's own fold + gather, on every rank, writes what the reference's fold says it writes."""
+    seen = 0
+    for call, ndt, shard in _cases():
+        got = _vllm_write(call.pcp_world_size, call.slot_mapping_rows, call.k_rows, ndt, shard)
+        want = (*_expected_write(call, ndt, shard), "ok")
+        assert all(g == want for g in got), (call.describe(), ndt, shard, got, want)
+        seen += 1
+    assert seen == len(CALL_KINDS) * 5 * 3
+
+
+def test_folding_a_draft_decode_trips_vllms_assert():
+    """Why the shape test exists: a replicated draft decode of 3 rows under PCP=2, folded anyway
+    (the review's ``if use_pcp:``), would keep 1 row and trip ``ops/pcp.py`` line 26. With the
+    shape test (vLLM's code) it writes its 3 rows locally."""
+    assert _vllm_write(2, 3, 3, 3, True) == [(3, 3, "ok")] * 2
+    # k padded past N*P: the expanded mapping would take the local branch (never reached in 0.33.0).
+    assert _vllm_write(2, 6, 6, 0, True) == [(0, 0, "ok")] * 2
+
+
+def test_call_site_shapes_are_vllms():
+    """P and the gathered mapping's length (N*P) from vLLM's ``_build_batch_layout``; the dummy /
+    capture mappings from vLLM's ``get_dummy_slot_mappings`` (PCP manager: N*T; block tables: T)."""
+    rng = np.random.default_rng(7)
+    for _ in range(60):
+        n = int(rng.integers(2, 9))
+        r = int(rng.integers(1, 6))
+        q = rng.integers(1, 40, size=r)
+        pre = rng.random(r) < 0.5
+        q[~pre] = rng.integers(1, 5, size=int((~pre).sum()))
+        shard = bool(rng.integers(0, 2))
+        lay = vllm_build_batch_layout(q, pre, n, shard_decode_requests=shard, dcp_world_size=1 if shard else 2)
+        p = max(lay["per_rank_num_tokens"])
+        graph = None if rng.random() < 0.5 else p + int(rng.integers(0, 9))
+        if graph is not None:
+            lay = vllm_build_batch_layout(q, pre, n, shard_decode_requests=shard, dcp_world_size=1 if shard else 2,
+                                          padded_num_tokens=graph)
+        p_ref = target_padded_tokens(q, pre, n, graph_num_tokens=graph, shard_decode_requests=shard,
+                                     dcp_world_size=1 if shard else 2)
+        assert len(lay["padded_gather_idx"]) == n * p_ref == indexer_call("target", n, p_ref).slot_mapping_rows
+    tables = _block_tables([[1, 2]], 4, max_num_tokens=64)
+    for n, t in [(2, 1), (2, 16), (4, 8), (8, 7)]:
+        mgr = PCPManager(n, 0, torch.device("cpu"), True, max_num_reqs=8, max_num_tokens=64, block_tables=tables)
+        assert mgr.get_dummy_slot_mappings(t).shape[1] == indexer_call("target_dummy", n, t).slot_mapping_rows
+        assert tables.get_dummy_slot_mappings(t).shape[1] == indexer_call("draft_decode_capture", n, t).slot_mapping_rows
+
+
+MODES = (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
+MAX_NUM_SEQS = (1, 2, 3, 5, 8, 10, 16, 32, 64, 100, 128, 256)
+BUDGETS = (256, 2048, 8192)  # max_num_batched_tokens: chunked prefill budgets
+
+
+def _managers(mode, k, max_num_seqs, budget):
+    if mode == CUDAGraphMode.NONE:
+        return [], None, None
+    sizes = capture_sizes(max_num_seqs=max_num_seqs, k=k, max_num_batched_tokens=budget, mode=mode)
+    pre = draft_prefill_manager(mode, sizes=sizes, max_num_seqs=max_num_seqs, k=k)
+    dec = draft_prefill_manager(mode, sizes=sizes, max_num_seqs=max_num_seqs, k=k, decode=True)
+    return sizes, pre, dec
+
+
+def _dispatch(mgr, num_reqs, num_tokens, uniform, max_query_len=None):
+    if mgr is None:
+        return CUDAGraphMode.NONE, num_tokens
+    d = mgr.dispatch(num_reqs, num_tokens, uniform, 0, max_query_len=max_query_len)
+    return d.cg_mode, d.num_tokens
+
+
+def _batches(n, k, max_num_seqs, budget):
+    """Global batches of a step: R decodes of K+1 tokens (uniform) or of 1..K+1 (ragged), with or
+    without one prefill chunk filling the budget or a short one. Yields (query lens, is_prefilling)."""
+    q = k + 1
+    for r in sorted({1, 2, 3, n - 1, n, n + 1, 2 * n + 1, max_num_seqs // 2, max_num_seqs}):
+        if not 1 <= r <= max_num_seqs:
+            continue
+        yield np.full(r, q), np.zeros(r, bool)
+        if k > 1:
+            yield 1 + np.arange(r) % q, np.zeros(r, bool)
+        dec = r - 1
+        for chunk in sorted({1, 2 * n - 1, 2 * n + 3, 100, budget - dec * q}):
+            if 1 <= chunk <= budget - dec * q:
+                yield np.append(np.full(dec, q), chunk), np.append(np.zeros(dec, bool), True)
+
+
+def _reachable_calls(stats):
+    """Every indexer call vLLM 0.33.0 makes for the configurations of the module docstring."""
+    for mode, k, mns, budget in itertools.product(MODES, (1, 2, 3, 4), MAX_NUM_SEQS, BUDGETS):
+        if budget < mns * (k + 1):
+            continue
+        sizes, pre, dec = _managers(mode, k, mns, budget)
+        for n in range(1, 9):
+            # captures and dummy runs: every capture size T (and eager dummy sizes)
+            for t in sorted(set(sizes) | {1, k + 1, budget}):
+                yield indexer_call("target_capture" if t in sizes else "target_dummy", n, t)
+                yield indexer_call("draft_prefill_capture", n, t)
+                yield indexer_call("draft_decode_capture", n, t)
+            for shard in (True, False):
+                for lens, prefilling in _batches(n, k, mns, budget):
+                    yield from _step(stats, n, k, lens, prefilling, shard, pre, dec, sizes)
+
+
+def _step(stats, n, k, lens, prefilling, shard, pre, dec, sizes):
+    """One step's calls on every rank, with DP = 1 and with DP > 1 (any padding another DP rank
+    can bring, and either agreed uniform count)."""
+    r = len(lens)
+    key = PCPManager(n, 0, torch.device("cpu"), shard, dcp_world_size=1 if shard else 2).get_num_tokens_for_dispatch(
+        lens.astype(np.int32), prefilling)  # vLLM's own (model_runner.py lines 1812-1816)
+    has_prefill = bool(prefilling.any())
+    # model_runner.py lines 1357, 1384-1386 (decode_graph_eligible is `not has_prefill` under PCP)
+    uniform = None if has_prefill or len(set(lens.tolist())) != 1 else int(lens[0])
+    max_query_len = None if has_prefill else int(lens.max())  # model_runner.py lines 1802-1810
+    per_rank = _per_rank_tokens(n, lens, prefilling, shard)
+    # DP = 1: the target dispatches on the global uniform count, each rank's draft prefill on its
+    # own unpadded local count (target_dependent_ar/speculator.py lines 250-266).
+    mode, p = _dispatch(pre, r, key, uniform, max_query_len)
+    p = key if mode == CUDAGraphMode.NONE else p  # pcp_manager.py lines 483-484, 545-547
+    yield indexer_call("target", n, p)
+    for local in per_rank:
+        local_uniform = uniform if (uniform and local == r * uniform) else None
+        yield _draft_prefill(stats, n, r, p, pre, local_uniform)
+    # DP > 1, graphs: both dispatch on the agreed count (dp_utils.py lines 180-200, 283-289), P
+    # from the largest rank's tokens; eager DP does not pad (lines 159-175), which is the DP = 1 P.
+    if sizes:
+        for synced_uniform in {uniform, None}:
+            for dp_key in sorted({key} | {s for s in sizes if s > key}):
+                mode, p = _dispatch(pre, r, dp_key, synced_uniform)
+                if mode == CUDAGraphMode.NONE:
+                    continue
+                yield indexer_call("target", n, p)
+                yield _draft_prefill(stats, n, r, p, pre, synced_uniform)
+    if k >= 2:
+        _, t_d = _dispatch(dec, r, r, 1)
+        for _ in range(1, k):
+            yield indexer_call("draft_decode", n, t_d)
+
+
+def _draft_prefill(stats, n, r, p, pre, uniform):
+    dmode, t_prime = _dispatch(pre, r, p, uniform)
+    if dmode == CUDAGraphMode.FULL:
+        stats["full_draft_prefill"] += 1
+        return indexer_call("draft_prefill_full_replay", n, t_prime)
+    return indexer_call("draft_prefill", n, p, draft_num_tokens=t_prime)
+
+
+def _per_rank_tokens(n, lens, prefilling, shard):
+    return [sum(c for _, _, c in PCPManager(n, 0, torch.device("cpu"), shard,
+                                            dcp_world_size=1 if shard else 2)._iter_rank_chunks(
+        rank, lens.astype(np.int32), prefilling)) for rank in range(n)]
+
+
+def test_exhaustive_search_finds_no_wrong_fold():
+    """No reachable call of vLLM 0.33.0's default-capture-size configurations folds wrongly, and
+    every draft prefill that is not a FULL replay runs on the target's P rows (T' = P)."""
+    stats = {"full_draft_prefill": 0}
+    result = search(_reachable_calls(stats))
+    assert result.wrong == ()
+    assert result.unreached == ()
+    assert set(result.kinds) == set(CALL_KINDS)
+    assert result.num_calls > 100_000
+    assert stats["full_draft_prefill"] > 0
