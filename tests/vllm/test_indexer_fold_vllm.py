@@ -22,6 +22,7 @@ the write; and the captured FULL graphs (``draft_prefill_full_replay`` is the ca
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from types import SimpleNamespace
@@ -181,24 +182,32 @@ def test_call_site_shapes_are_vllms():
 
 
 MODES = (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
-MAX_NUM_SEQS = (1, 2, 3, 5, 8, 10, 16, 32, 64, 100, 128, 256)
-BUDGETS = (256, 2048, 8192)  # max_num_batched_tokens: chunked prefill budgets
+MAX_NUM_SEQS = (1, 2, 3, 5, 8, 10, 16, 64, 100, 256)
+BUDGETS = (256, 8192)  # max_num_batched_tokens: chunked prefill budgets
 
 
+@functools.lru_cache(maxsize=None)  # kept alive: _dispatch memoises by the manager's id
 def _managers(mode, k, max_num_seqs, budget):
     if mode == CUDAGraphMode.NONE:
-        return [], None, None
+        return (), None, None
     sizes = capture_sizes(max_num_seqs=max_num_seqs, k=k, max_num_batched_tokens=budget, mode=mode)
     pre = draft_prefill_manager(mode, sizes=sizes, max_num_seqs=max_num_seqs, k=k)
     dec = draft_prefill_manager(mode, sizes=sizes, max_num_seqs=max_num_seqs, k=k, decode=True)
-    return sizes, pre, dec
+    return tuple(sizes), pre, dec
+
+
+_DISPATCHED: dict = {}
 
 
 def _dispatch(mgr, num_reqs, num_tokens, uniform, max_query_len=None):
+    """vLLM's ``CudaGraphManager.dispatch`` (memoised per manager and arguments)."""
     if mgr is None:
         return CUDAGraphMode.NONE, num_tokens
-    d = mgr.dispatch(num_reqs, num_tokens, uniform, 0, max_query_len=max_query_len)
-    return d.cg_mode, d.num_tokens
+    args = (id(mgr), num_reqs, num_tokens, uniform, max_query_len)
+    if args not in _DISPATCHED:
+        d = mgr.dispatch(num_reqs, num_tokens, uniform, 0, max_query_len=max_query_len)
+        _DISPATCHED[args] = (d.cg_mode, d.num_tokens)
+    return _DISPATCHED[args]
 
 
 def _batches(n, k, max_num_seqs, budget):
@@ -217,79 +226,98 @@ def _batches(n, k, max_num_seqs, budget):
                 yield np.append(np.full(dec, q), chunk), np.append(np.zeros(dec, bool), True)
 
 
-def _reachable_calls(stats):
-    """Every indexer call vLLM 0.33.0 makes for the configurations of the module docstring."""
-    for mode, k, mns, budget in itertools.product(MODES, (1, 2, 3, 4), MAX_NUM_SEQS, BUDGETS):
+def _reachable_shapes(stats):
+    """The distinct ``(kind, N, rows, draft rows)`` of every indexer call vLLM 0.33.0 makes for the
+    configurations of ``MODES`` x K 1..4 x ``MAX_NUM_SEQS`` x ``BUDGETS`` x N 1..8 x sharded /
+    replicated decodes x ``_batches`` x DP = 1 / DP > 1 (the verdict depends on nothing else)."""
+    shapes = set()
+    for config in itertools.product(MODES, (1, 2, 3, 4), MAX_NUM_SEQS, BUDGETS):
+        mode, k, mns, budget = config
         if budget < mns * (k + 1):
             continue
-        sizes, pre, dec = _managers(mode, k, mns, budget)
+        sizes, pre, dec = _managers(*config)
         for n in range(1, 9):
-            # captures and dummy runs: every capture size T (and eager dummy sizes)
+            # captures and dummy runs: every capture size T, and eager dummy sizes
             for t in sorted(set(sizes) | {1, k + 1, budget}):
-                yield indexer_call("target_capture" if t in sizes else "target_dummy", n, t)
-                yield indexer_call("draft_prefill_capture", n, t)
-                yield indexer_call("draft_decode_capture", n, t)
+                shapes.add(("target_capture" if t in sizes else "target_dummy", n, t, None))
+                shapes.add(("draft_prefill_capture", n, t, None))
+                shapes.add(("draft_decode_capture", n, t, None))
             for shard in (True, False):
                 for lens, prefilling in _batches(n, k, mns, budget):
-                    yield from _step(stats, n, k, lens, prefilling, shard, pre, dec, sizes)
+                    stats["steps"] += 1
+                    shapes.update((kind, n, t, d) for kind, t, d in _step(config, n, lens, prefilling, shard))
+    return shapes
 
 
-def _step(stats, n, k, lens, prefilling, shard, pre, dec, sizes):
-    """One step's calls on every rank, with DP = 1 and with DP > 1 (any padding another DP rank
-    can bring, and either agreed uniform count)."""
+def _step(config, n, lens, prefilling, shard):
+    """One step's calls on every rank (kind, rows, draft rows), with DP = 1 and with DP > 1."""
+    _, k, _, _ = config
+    _, pre, dec = _managers(*config)
     r = len(lens)
-    key = PCPManager(n, 0, torch.device("cpu"), shard, dcp_world_size=1 if shard else 2).get_num_tokens_for_dispatch(
-        lens.astype(np.int32), prefilling)  # vLLM's own (model_runner.py lines 1812-1816)
+    key, per_rank = _rank_tokens(n, tuple(lens.tolist()), tuple(prefilling.tolist()), shard)
     has_prefill = bool(prefilling.any())
     # model_runner.py lines 1357, 1384-1386 (decode_graph_eligible is `not has_prefill` under PCP)
     uniform = None if has_prefill or len(set(lens.tolist())) != 1 else int(lens[0])
     max_query_len = None if has_prefill else int(lens.max())  # model_runner.py lines 1802-1810
-    per_rank = _per_rank_tokens(n, lens, prefilling, shard)
+    out = set()
     # DP = 1: the target dispatches on the global uniform count, each rank's draft prefill on its
     # own unpadded local count (target_dependent_ar/speculator.py lines 250-266).
     mode, p = _dispatch(pre, r, key, uniform, max_query_len)
     p = key if mode == CUDAGraphMode.NONE else p  # pcp_manager.py lines 483-484, 545-547
-    yield indexer_call("target", n, p)
+    out.add(("target", p, None))
     for local in per_rank:
         local_uniform = uniform if (uniform and local == r * uniform) else None
-        yield _draft_prefill(stats, n, r, p, pre, local_uniform)
-    # DP > 1, graphs: both dispatch on the agreed count (dp_utils.py lines 180-200, 283-289), P
-    # from the largest rank's tokens; eager DP does not pad (lines 159-175), which is the DP = 1 P.
-    if sizes:
-        for synced_uniform in {uniform, None}:
-            for dp_key in sorted({key} | {s for s in sizes if s > key}):
-                mode, p = _dispatch(pre, r, dp_key, synced_uniform)
-                if mode == CUDAGraphMode.NONE:
-                    continue
-                yield indexer_call("target", n, p)
-                yield _draft_prefill(stats, n, r, p, pre, synced_uniform)
-    if k >= 2:
-        _, t_d = _dispatch(dec, r, r, 1)
-        for _ in range(1, k):
-            yield indexer_call("draft_decode", n, t_d)
+        out.add(_draft_prefill(pre, r, p, local_uniform))
+    out |= _dp_shapes(config, r, key, uniform)
+    if k >= 2:  # K - 1 draft decodes, all of the same shape
+        out.add(("draft_decode", _dispatch(dec, r, r, 1)[1], None))
+    return out
 
 
-def _draft_prefill(stats, n, r, p, pre, uniform):
+@functools.lru_cache(maxsize=None)
+def _dp_shapes(config, r, key, uniform):
+    """DP > 1 with graphs: target and draft prefill dispatch on the agreed count (dp_utils.py lines
+    180-200, 283-289), P from the largest DP rank's tokens (any capture size above this rank's);
+    eager DP does not pad (lines 159-175), which is the DP = 1 P."""
+    sizes, pre, _ = _managers(*config)
+    out = set()
+    for synced_uniform in {uniform, None}:
+        for dp_key in [key] + [s for s in sizes if s > key]:
+            mode, p = _dispatch(pre, r, dp_key, synced_uniform)
+            if mode != CUDAGraphMode.NONE:
+                out.add(("target", p, None))
+                out.add(_draft_prefill(pre, r, p, synced_uniform))
+    return frozenset(out)
+
+
+def _draft_prefill(pre, r, p, uniform):
+    """The draft prefill's call: a FULL replay of its capture, or the target's mapping on T' rows."""
     dmode, t_prime = _dispatch(pre, r, p, uniform)
     if dmode == CUDAGraphMode.FULL:
-        stats["full_draft_prefill"] += 1
-        return indexer_call("draft_prefill_full_replay", n, t_prime)
-    return indexer_call("draft_prefill", n, p, draft_num_tokens=t_prime)
+        return ("draft_prefill_full_replay", t_prime, None)
+    return ("draft_prefill", p, t_prime)
 
 
-def _per_rank_tokens(n, lens, prefilling, shard):
-    return [sum(c for _, _, c in PCPManager(n, 0, torch.device("cpu"), shard,
-                                            dcp_world_size=1 if shard else 2)._iter_rank_chunks(
-        rank, lens.astype(np.int32), prefilling)) for rank in range(n)]
+@functools.lru_cache(maxsize=None)
+def _rank_tokens(n, lens, prefilling, shard):
+    """(the dispatch key, each rank's real tokens) from vLLM's own chunking (``_iter_rank_chunks``,
+    which ``get_num_tokens_for_dispatch`` sums; model_runner.py lines 1812-1816)."""
+    mgr = PCPManager(n, 0, torch.device("cpu"), shard, dcp_world_size=1 if shard else 2)
+    q, pre = np.asarray(lens, dtype=np.int32), np.asarray(prefilling, dtype=bool)
+    per_rank = [sum(c for _, _, c in mgr._iter_rank_chunks(rank, q, pre)) for rank in range(n)]
+    assert max(per_rank) == mgr.get_num_tokens_for_dispatch(q, pre)
+    return max(per_rank), tuple(per_rank)
 
 
 def test_exhaustive_search_finds_no_wrong_fold():
-    """No reachable call of vLLM 0.33.0's default-capture-size configurations folds wrongly, and
-    every draft prefill that is not a FULL replay runs on the target's P rows (T' = P)."""
-    stats = {"full_draft_prefill": 0}
-    result = search(_reachable_calls(stats))
+    """No reachable call of the configurations searched folds wrongly, and every draft prefill that
+    is not a FULL replay runs on the target's P rows (T' = P: none is cut short by a shape error)."""
+    stats = {"steps": 0}
+    shapes = _reachable_shapes(stats)
+    result = search(indexer_call(kind, n, t, draft_num_tokens=d) for kind, n, t, d in sorted(
+        shapes, key=lambda s: (s[0], s[1], s[2], s[3] or 0)))
     assert result.wrong == ()
     assert result.unreached == ()
     assert set(result.kinds) == set(CALL_KINDS)
-    assert result.num_calls > 100_000
-    assert stats["full_draft_prefill"] > 0
+    assert stats["steps"] > 100_000 and result.num_calls > 5_000
+    assert result.kinds["draft_prefill_full_replay"] > 0
