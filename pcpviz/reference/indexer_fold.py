@@ -32,7 +32,7 @@ What each call is handed (``slot_mapping_rows`` = line 554's ``num_tokens``, ``k
   (``model_runner.py`` lines 1617-1631, ``pcp_manager.py`` lines 800-803; capture:
   ``v1/worker/gpu/cudagraph_utils.py`` lines 849-851 with the PCP manager). A profile run that
   skips attention builds no metadata, and the indexer returns before the fold when the metadata
-  is not a dict (``sparse_attn_indexer.py`` lines 480-532).
+  is not a dict (``sparse_attn_indexer.py`` lines 482-535).
 * ``draft_prefill`` (MTP step 0): the target's mapping and the rank-local batch
   (``v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py`` lines 238-245, 285-289),
   run on ``T' = prefill_batch_desc.num_tokens`` rows (lines 258-266, 287, 416-418). ``T' >= P``;
@@ -156,7 +156,8 @@ class IndexerCall:
                 f"({kind}: {'right' if self.right else 'WRONG'})")
 
 
-def indexer_call(kind: str, pcp_world_size: int, num_tokens: int, *, draft_num_tokens: int | None = None) -> IndexerCall:
+def indexer_call(kind: str, pcp_world_size: int, num_tokens: int, *,
+                 draft_num_tokens: int | None = None) -> IndexerCall:
     """The call of ``kind`` on a forward of ``num_tokens`` padded rows.
 
     ``num_tokens`` is P for ``target`` and ``draft_prefill``, the dummy or captured T for the

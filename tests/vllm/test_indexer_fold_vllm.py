@@ -3,9 +3,9 @@
 What runs as vLLM's own code here:
 
 * the fold and the key write's gather: vLLM's ``sparse_attn_indexer`` function itself
-  (``model_executor/layers/sparse_attn_indexer.py`` lines 438-577), called with a stand-in forward
+  (``model_executor/layers/sparse_attn_indexer.py`` lines 438-573), called with a stand-in forward
   context and with ``ops.indexer_k_quant_and_cache`` (a CUDA kernel) replaced by a recorder that
-  stops the call there, so lines 548-568 (the fold, ``maybe_gather_indexer_k``,
+  stops the call there (line 573), so lines 548-572 (the fold, ``maybe_gather_indexer_k``,
   ``_gather_prefill_cache_inputs`` of ``v1/attention/ops/pcp.py``) run unchanged on every PCP rank
   thread (``pcpviz.vllm.fake_group``);
 * the shapes the call sites hand it: ``PCPManager._build_batch_layout`` (P and the ``[N*P]``
@@ -178,7 +178,8 @@ def test_call_site_shapes_are_vllms():
     for n, t in [(2, 1), (2, 16), (4, 8), (8, 7)]:
         mgr = PCPManager(n, 0, torch.device("cpu"), True, max_num_reqs=8, max_num_tokens=64, block_tables=tables)
         assert mgr.get_dummy_slot_mappings(t).shape[1] == indexer_call("target_dummy", n, t).slot_mapping_rows
-        assert tables.get_dummy_slot_mappings(t).shape[1] == indexer_call("draft_decode_capture", n, t).slot_mapping_rows
+        unexpanded = indexer_call("draft_decode_capture", n, t)
+        assert tables.get_dummy_slot_mappings(t).shape[1] == unexpanded.slot_mapping_rows
 
 
 MODES = (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
