@@ -51,7 +51,10 @@ What each call is handed (``slot_mapping_rows`` = line 554's ``num_tokens``, ``k
   567-590, 615-630, 647-652; ``block_table.py`` line 260); capture: ``(T_d, T_d)`` from
   ``get_dummy_slot_mappings``.
 
-Dual batch overlap, which slices the slot mapping per microbatch (``v1/worker/gpu/ubatch_utils.py``
+A PIECEWISE graph runs the indexer outside its pieces, at replay, on the graph's rows (a splitting
+op, ``config/compilation.py`` line 784; an eager break in DeepSeek-V3.2,
+``models/deepseek_v32/attention.py`` line 466); a FULL graph decided at capture, on the capture's
+shapes. Dual batch overlap, which slices the slot mapping per microbatch (``v1/worker/gpu/ubatch_utils.py``
 line 367), is refused under context parallelism (``config/vllm.py`` lines 3245-3249).
 
 **The inequality.** Expanded calls hand ``(N*P, P)`` with ``P >= 1``: ``N*P > P`` whenever
@@ -59,7 +62,8 @@ N >= 2, so they fold, to ``P``. Unexpanded calls hand ``(T, T)``: ``T > T`` neve
 do not fold. With N = 1 ``use_pcp`` is false and nothing folds. The heuristic is therefore right
 on every call that reaches it, for any P, T, K, batch and graph size, as long as the two
 identities (k rows = P on an expanded call, k rows = mapping length on an unexpanded one) hold;
-``search`` enumerates the shapes and asserts it.
+``search`` tallies calls and keeps the wrong ones (``tests/vllm/test_indexer_fold_vllm.py`` feeds it
+every call of a configuration space, its shapes from vLLM's own dispatch).
 
 PCP=2, a target step of a 13-token prefill and decodes of 1 and 4 tokens (per-rank 6 and 12
 tokens, eager: P = 12), then K = 3 drafts of the 3 requests (eager: T_d = 3)::
