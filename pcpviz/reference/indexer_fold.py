@@ -35,10 +35,14 @@ What each call is handed (``slot_mapping_rows`` = line 554's ``num_tokens``, ``k
   is not a dict (``sparse_attn_indexer.py`` lines 482-535).
 * ``draft_prefill`` (MTP step 0): the target's mapping and the rank-local batch
   (``v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py`` lines 238-245, 285-289),
-  run on ``T' = prefill_batch_desc.num_tokens`` rows (lines 258-266, 287, 416-418). ``T' >= P``;
-  with ``T' > P`` the model gets ``input_ids`` of P rows (a view of the local batch's P rows) and
-  ``hidden_states`` of T' rows, and the MTP layer's ``torch.cat`` fails before any indexer
-  (``model_executor/models/deepseek_mtp.py`` lines 127-128): such a call is not *reached*.
+  run on ``T' = prefill_batch_desc.num_tokens`` rows (lines 258-266, 287, 416-418). ``T' >= P``,
+  and ``T' > P`` needs a graph (an eager dispatch keeps P): the drafter dispatches P again, with
+  the uniform count of its own rank's tokens. Eagerly, ``T' > P`` would hand the MTP layer
+  ``input_ids`` of P rows (a view of the local batch) and ``hidden_states`` of T' rows, which its
+  ``torch.cat`` refuses (``model_executor/models/deepseek_mtp.py`` lines 127-128); a PIECEWISE
+  replay reads the buffers it was captured with (``docs/findings/piecewise-draft-prefill.md``),
+  so it may reach the indexer with T' rows. Whether it does is not determined here (not run):
+  such a call is ``reached=None``, judged as if it reached.
 * ``draft_prefill_full_replay``: a FULL draft-prefill graph replays what it was captured on: the
   speculator's capture passes no PCP manager, so its mapping was the unexpanded
   ``BlockTables.get_dummy_slot_mappings(T')`` (``target_dependent_ar/cudagraph_utils.py`` lines
@@ -61,7 +65,10 @@ line 367), is refused under context parallelism (``config/vllm.py`` lines 3245-3
 N >= 2, so they fold, to ``P``. Unexpanded calls hand ``(T, T)``: ``T > T`` never holds, so they
 do not fold. With N = 1 ``use_pcp`` is false and nothing folds. The heuristic is therefore right
 on every call that reaches it, for any P, T, K, batch and graph size, as long as the two
-identities (k rows = P on an expanded call, k rows = mapping length on an unexpanded one) hold;
+identities (k rows = P on an expanded call, k rows = mapping length on an unexpanded one) hold.
+The first can fail in one place: a draft prefill whose own graph pads past P (T' > P). vLLM's
+default capture sizes never do that (``tests/vllm/test_indexer_fold_vllm.py``); explicit ones can,
+and with ``T' >= N*P`` the fold would miss an expanded mapping, were that forward to reach it;
 ``search`` tallies calls and keeps the wrong ones (``tests/vllm/test_indexer_fold_vllm.py`` feeds it
 every call of a configuration space, its shapes from vLLM's own dispatch).
 
@@ -130,7 +137,7 @@ class IndexerCall:
     pcp_world_size: int  # N
     slot_mapping_rows: int  # slot_mapping.shape[0] at sparse_attn_indexer.py line 554
     k_rows: int  # k.shape[0]: the forward's padded token rows
-    reached: bool = True  # False: the forward fails before the indexer (draft prefill with T' > P)
+    reached: bool | None = True  # None: not determined whether the forward gets here (T' > P)
 
     @property
     def expanded(self) -> bool:
@@ -147,17 +154,15 @@ class IndexerCall:
 
     @property
     def right(self) -> bool:
-        """The fold agrees with the mapping's kind (vacuously True for a call never reached)."""
-        return not self.reached or self.folds == self.expanded
+        """The fold agrees with the mapping's kind (for ``reached=None``: were it reached)."""
+        return self.folds == self.expanded
 
     def describe(self) -> str:
-        if not self.reached:
-            return (f"{self.kind}: not reached (the forward fails first: k would have "
-                    f"{self.k_rows} rows, the local batch {self.slot_mapping_rows // self.pcp_world_size})")
         verdict = f"folds to {self.kept_rows}" if self.folds else "no fold"
         kind = "expanded" if self.expanded else "unexpanded"
-        return (f"{self.kind}: mapping {self.slot_mapping_rows} rows, k {self.k_rows} rows -> {verdict} "
+        text = (f"{self.kind}: mapping {self.slot_mapping_rows} rows, k {self.k_rows} rows -> {verdict} "
                 f"({kind}: {'right' if self.right else 'WRONG'})")
+        return text if self.reached else text + " if the forward gets here"
 
 
 def indexer_call(kind: str, pcp_world_size: int, num_tokens: int, *,
@@ -168,8 +173,8 @@ def indexer_call(kind: str, pcp_world_size: int, num_tokens: int, *,
     ``*_dummy`` / ``*_capture`` kinds and T_d for ``draft_decode``. ``draft_num_tokens`` is the
     draft prefill's own graph size T' (``prefill_batch_desc.num_tokens``, default P).
 
-        >>> indexer_call("draft_prefill", 2, 3, draft_num_tokens=4).describe()
-        'draft_prefill: not reached (the forward fails first: k would have 4 rows, the local batch 3)'
+        >>> indexer_call("draft_prefill", 2, 2, draft_num_tokens=8).describe()
+        'draft_prefill: mapping 4 rows, k 8 rows -> no fold (expanded: WRONG) if the forward gets here'
         >>> indexer_call("draft_decode", 4, 16).folds
         False
     """
@@ -182,7 +187,7 @@ def indexer_call(kind: str, pcp_world_size: int, num_tokens: int, *,
         t_prime = num_tokens if draft_num_tokens is None else draft_num_tokens
         if t_prime < num_tokens:
             raise ValueError(f"a graph never pads below its batch: T'={t_prime} < P={num_tokens}")
-        return IndexerCall(kind, n, n * num_tokens, t_prime, reached=t_prime == num_tokens)
+        return IndexerCall(kind, n, n * num_tokens, t_prime, reached=True if t_prime == num_tokens else None)
     if kind in EXPANDED_KINDS:
         return IndexerCall(kind, n, n * num_tokens, num_tokens)
     return IndexerCall(kind, n, num_tokens, num_tokens)
@@ -238,7 +243,8 @@ class FoldSearch:
     num_calls: int
     kinds: dict[str, int]  # calls per kind
     wrong: tuple[IndexerCall, ...]  # reached calls where the fold disagrees with the mapping's kind
-    unreached: tuple[IndexerCall, ...]  # draft prefills whose forward would fail first (T' > P)
+    undetermined: tuple[IndexerCall, ...]  # draft prefills on T' > P rows (``reached=None``)
+    wrong_if_reached: tuple[IndexerCall, ...]  # those of them whose fold would be wrong
 
 
 def search(calls: Iterable[IndexerCall]) -> FoldSearch:
@@ -249,13 +255,13 @@ def search(calls: Iterable[IndexerCall]) -> FoldSearch:
         (4096, ())
     """
     kinds: dict[str, int] = {}
-    wrong, unreached = [], []
+    wrong, undetermined = [], []
     n = 0
     for call in calls:
         n += 1
         kinds[call.kind] = kinds.get(call.kind, 0) + 1
-        if not call.reached:
-            unreached.append(call)
+        if call.reached is None:
+            undetermined.append(call)
         elif not call.right:
             wrong.append(call)
-    return FoldSearch(n, kinds, tuple(wrong), tuple(unreached))
+    return FoldSearch(n, kinds, tuple(wrong), tuple(undetermined), tuple(c for c in undetermined if not c.right))

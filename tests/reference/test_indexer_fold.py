@@ -54,9 +54,15 @@ def test_k1_and_skipped_drafts_have_no_draft_decode():
     assert len(step_calls(2, [3, 3], [False, False], k=3, num_speculative_tokens=1)) == 2
 
 
-def test_a_draft_prefill_on_more_rows_than_p_is_not_reached():
-    call = indexer_call("draft_prefill", 2, 3, draft_num_tokens=4)
-    assert not call.reached and call.right
+def test_a_draft_prefill_on_more_rows_than_p_is_undetermined():
+    """T' > P: whether the forward reaches the indexer is not determined; it is judged as if it did:
+    right while N*P > T' (the fold still keeps P rows), wrong from T' >= N*P on."""
+    short = indexer_call("draft_prefill", 2, 3, draft_num_tokens=4)
+    assert short.reached is None and short.right and short.kept_rows == 3
+    long = indexer_call("draft_prefill", 2, 2, draft_num_tokens=8)
+    assert long.reached is None and not long.folds and not long.right
+    result = search([short, long, indexer_call("target", 2, 2)])
+    assert result.wrong == () and result.undetermined == (short, long) and result.wrong_if_reached == (long,)
     with pytest.raises(ValueError, match="never pads below"):
         indexer_call("draft_prefill", 2, 4, draft_num_tokens=3)
     with pytest.raises(ValueError, match="unknown indexer call kind"):
@@ -69,7 +75,7 @@ def test_the_inequality_over_every_shape():
     result = search(indexer_call(kind, n, t) for kind, n, t in
                     itertools.product(CALL_KINDS, range(1, 9), range(1, 8193)))
     assert result.num_calls == len(CALL_KINDS) * 8 * 8192
-    assert result.wrong == () and result.unreached == ()
+    assert result.wrong == () and result.undetermined == ()
 
 
 def test_the_search_would_catch_a_broken_identity():

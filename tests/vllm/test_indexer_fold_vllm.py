@@ -318,7 +318,37 @@ def test_exhaustive_search_finds_no_wrong_fold():
     result = search(indexer_call(kind, n, t, draft_num_tokens=d) for kind, n, t, d in sorted(
         shapes, key=lambda s: (s[0], s[1], s[2], s[3] or 0)))
     assert result.wrong == ()
-    assert result.unreached == ()
+    assert result.undetermined == ()
     assert set(result.kinds) == set(CALL_KINDS)
     assert stats["steps"] > 100_000 and result.num_calls > 5_000
     assert result.kinds["draft_prefill_full_replay"] > 0
+
+
+def test_explicit_capture_sizes_can_pad_a_draft_prefill_past_n_times_p():
+    """The conditional counterexample. ``cudagraph_capture_sizes=[1, 8]`` (the V2 runner takes
+    explicit sizes as given: ``config/vllm.py`` lines 2560-2571; only V1 rounds them to multiples of
+    K+1, ``config/compilation.py`` lines 1503-1508), K = 1, ``FULL_AND_PIECEWISE``, PCP = 2, DCP = 1,
+    a step of one decode (2 tokens): the target replays a FULL graph of 2 tokens (P = 2, from size 1
+    rounded up to K+1); rank 0 owns the decode and replays the FULL draft prefill, rank 1 holds no
+    token, so its draft prefill is not uniform and dispatches PIECEWISE for 8 rows. Its indexer would
+    get the expanded 4-row mapping against 8 key rows: no fold, were that forward to reach it (not
+    determined: the PIECEWISE replay reads its captured buffers)."""
+    mode, k = CUDAGraphMode.FULL_AND_PIECEWISE, 1
+    pre = draft_prefill_manager(mode, sizes=[1, 8], max_num_seqs=8, k=k)
+    key, per_rank = _rank_tokens(2, (2,), (False,), True)
+    assert (key, per_rank) == (2, (2, 0))
+    def run(num_tokens, uniform, max_query_len=None):
+        d = pre.dispatch(1, num_tokens, uniform, 0, max_query_len=max_query_len)
+        return d.cg_mode, d.num_tokens
+
+    assert run(key, 2, 2) == (CUDAGraphMode.FULL, 2)  # the target: P = 2
+    assert run(2, 2) == (CUDAGraphMode.FULL, 2)  # rank 0's draft prefill: FULL replay
+    assert run(2, None) == (CUDAGraphMode.PIECEWISE, 8)  # rank 1's: T' = 8 >= N*P = 4
+    call = indexer_call("draft_prefill", 2, 2, draft_num_tokens=8)
+    assert call.reached is None and not call.folds and not call.right
+    # vLLM's own fold on those shapes (rank 1 has no decode token): no fold, no gather, nothing written
+    assert _vllm_write(2, 4, 8, 0, True) == [(0, 0, "ok")] * 2
+    # with vLLM's default sizes for the same configuration the drafter pads to P
+    default = draft_prefill_manager(mode, sizes=capture_sizes(max_num_seqs=8, k=k, max_num_batched_tokens=8192,
+                                                              mode=mode), max_num_seqs=8, k=k)
+    assert default.dispatch(1, 2, None, 0).num_tokens == 2
