@@ -26,7 +26,7 @@ What each call is handed (``slot_mapping_rows`` = line 554's ``num_tokens``, ``k
   771-798, 805-831; ``N*P`` at line 380). P >= 1: a step with no token never runs the model
   (``v1/worker/gpu/model_runner.py`` lines 1792-1797). DP padding only enlarges
   ``batch_desc.num_tokens`` (``v1/worker/gpu/dp_utils.py`` lines 180-200), which is P.
-* ``target_dummy`` (profile, warm-up, DP idle rank) and ``target_capture``: a dummy batch of
+* ``target_dummy`` (profiling, an idle DP rank) and ``target_capture`` (with its warm-up passes): a dummy batch of
   ``T = batch_desc.num_tokens`` rows, identical on every rank (``model_runner.py`` lines
   1887-1893, 1900-1903), and ``get_dummy_slot_mappings(T)``: ``T*N`` PAD entries
   (``model_runner.py`` lines 1617-1631, ``pcp_manager.py`` lines 800-803; capture:
