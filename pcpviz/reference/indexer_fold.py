@@ -26,13 +26,13 @@ What each call is handed (``slot_mapping_rows`` = line 554's ``num_tokens``, ``k
   771-798, 805-831; ``N*P`` at line 380). P >= 1: a step with no token never runs the model
   (``v1/worker/gpu/model_runner.py`` lines 1792-1797). DP padding only enlarges
   ``batch_desc.num_tokens`` (``v1/worker/gpu/dp_utils.py`` lines 180-200), which is P.
-* ``target_dummy`` (profiling, an idle DP rank) and ``target_capture`` (with its warm-up passes): a dummy batch of
-  ``T = batch_desc.num_tokens`` rows, identical on every rank (``model_runner.py`` lines
-  1887-1893, 1900-1903), and ``get_dummy_slot_mappings(T)``: ``T*N`` PAD entries
+* ``target_dummy`` (profiling, an idle DP rank) and ``target_capture`` (with its warm-up passes): a
+  dummy batch of ``T = batch_desc.num_tokens`` rows, identical on every rank (``model_runner.py``
+  lines 1887-1893, 1900-1903), and ``get_dummy_slot_mappings(T)``: ``T*N`` PAD entries
   (``model_runner.py`` lines 1617-1631, ``pcp_manager.py`` lines 800-803; capture:
-  ``v1/worker/gpu/cudagraph_utils.py`` lines 849-851 with the PCP manager). A profile run that
-  skips attention builds no metadata, and the indexer returns before the fold when the metadata
-  is not a dict (``sparse_attn_indexer.py`` lines 482-535).
+  ``v1/worker/gpu/cudagraph_utils.py`` lines 849-851 with the PCP manager). A profile run that skips
+  attention builds no metadata, and the indexer returns before the fold when the metadata is not a
+  dict (``sparse_attn_indexer.py`` lines 482-535).
 * ``draft_prefill`` (MTP step 0): the target's mapping and the rank-local batch
   (``v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py`` lines 238-245, 285-289),
   run on ``T' = prefill_batch_desc.num_tokens`` rows (lines 258-266, 287, 416-418). ``T' >= P``,
@@ -58,8 +58,9 @@ What each call is handed (``slot_mapping_rows`` = line 554's ``num_tokens``, ``k
 A PIECEWISE graph runs the indexer outside its pieces, at replay, on the graph's rows (a splitting
 op, ``config/compilation.py`` line 784; an eager break in DeepSeek-V3.2,
 ``models/deepseek_v32/attention.py`` line 466); a FULL graph decided at capture, on the capture's
-shapes. Dual batch overlap, which slices the slot mapping per microbatch (``v1/worker/gpu/ubatch_utils.py``
-line 367), is refused under context parallelism (``config/vllm.py`` lines 3245-3249).
+shapes. Dual batch overlap, which slices the slot mapping per microbatch
+(``v1/worker/gpu/ubatch_utils.py`` line 367), is refused under context parallelism
+(``config/vllm.py`` lines 3245-3249).
 
 **The inequality.** Expanded calls hand ``(N*P, P)`` with ``P >= 1``: ``N*P > P`` whenever
 N >= 2, so they fold, to ``P``. Unexpanded calls hand ``(T, T)``: ``T > T`` never holds, so they
@@ -69,8 +70,8 @@ identities (k rows = P on an expanded call, k rows = mapping length on an unexpa
 The first can fail in one place: a draft prefill whose own graph pads past P (T' > P). vLLM's
 default capture sizes never do that (``tests/vllm/test_indexer_fold_vllm.py``); explicit ones can,
 and with ``T' >= N*P`` the fold would miss an expanded mapping, were that forward to reach it;
-``search`` tallies calls and keeps the wrong ones (``tests/vllm/test_indexer_fold_vllm.py`` feeds it
-every call of a configuration space, its shapes from vLLM's own dispatch).
+``search`` tallies calls and keeps the wrong ones (``tests/vllm/test_indexer_fold_vllm.py`` feeds
+it every call of a configuration space, its shapes from vLLM's own dispatch).
 
 PCP=2, a target step of a 13-token prefill and decodes of 1 and 4 tokens (per-rank 6 and 12
 tokens, eager: P = 12), then K = 3 drafts of the 3 requests (eager: T_d = 3)::
