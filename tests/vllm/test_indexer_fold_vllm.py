@@ -188,10 +188,14 @@ BUDGETS = (256, 8192)  # max_num_batched_tokens: chunked prefill budgets
 
 
 @functools.lru_cache(maxsize=None)  # kept alive: _dispatch memoises by the manager's id
-def _managers(mode, k, max_num_seqs, budget):
+def _managers(mode, k, max_num_seqs, budget, explicit_sizes=None):
+    """vLLM's default capture sizes (or ``explicit_sizes``, taken as given like the V2 runner does)
+    and the draft prefill's and draft decodes' graph managers; the target's candidates are the
+    draft prefill's (the same ``_init_candidates`` with decode query length K+1)."""
     if mode == CUDAGraphMode.NONE:
         return (), None, None
-    sizes = capture_sizes(max_num_seqs=max_num_seqs, k=k, max_num_batched_tokens=budget, mode=mode)
+    sizes = list(explicit_sizes) if explicit_sizes else capture_sizes(
+        max_num_seqs=max_num_seqs, k=k, max_num_batched_tokens=budget, mode=mode)
     pre = draft_prefill_manager(mode, sizes=sizes, max_num_seqs=max_num_seqs, k=k)
     dec = draft_prefill_manager(mode, sizes=sizes, max_num_seqs=max_num_seqs, k=k, decode=True)
     return tuple(sizes), pre, dec
@@ -252,7 +256,7 @@ def _reachable_shapes(stats):
 
 def _step(config, n, lens, prefilling, shard):
     """One step's calls on every rank (kind, rows, draft rows), with DP = 1 and with DP > 1."""
-    _, k, _, _ = config
+    k = config[1]
     _, pre, dec = _managers(*config)
     r = len(lens)
     key, per_rank = _rank_tokens(n, tuple(lens.tolist()), tuple(prefilling.tolist()), shard)
@@ -352,3 +356,33 @@ def test_explicit_capture_sizes_can_pad_a_draft_prefill_past_n_times_p():
     default = draft_prefill_manager(mode, sizes=capture_sizes(max_num_seqs=8, k=k, max_num_batched_tokens=8192,
                                                               mode=mode), max_num_seqs=8, k=k)
     assert default.dispatch(1, 2, None, 0).num_tokens == 2
+
+
+EXPLICIT_SIZES = ((1, 8), (1, 16, 32), (1, 2, 4, 8, 16, 32, 64), (2, 8), (4, 8), (8, 16))
+
+
+def test_explicit_capture_sizes_search():
+    """The same search with a few explicit capture-size lists instead of the defaults (DP = 1 and
+    DP > 1, every mode with graphs, K 1-4, N 1-8): the only calls whose fold disagrees with the
+    mapping are draft prefills padded past N*P (``reached=None``), all under ``FULL_AND_PIECEWISE``;
+    no call known to reach the fold is wrong."""
+    stats, shapes = {"steps": 0}, set()
+    modes = (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL_AND_PIECEWISE)
+    misses = set()
+    for sizes, mode, k, mns in itertools.product(EXPLICIT_SIZES, modes, (1, 2, 3, 4), (1, 2, 4, 8)):
+        config = (mode, k, mns, 8192, sizes)
+        for n in range(2, 9):
+            for shard in (True, False):
+                for lens, prefilling in _batches(n, k, mns, 8192):
+                    stats["steps"] += 1
+                    for kind, t, d in _step(config, n, lens, prefilling, shard):
+                        shapes.add((kind, n, t, d))
+                        call = indexer_call(kind, n, t, draft_num_tokens=d)
+                        if not call.right:
+                            misses.add((sizes, mode, k, n, shard, len(lens), t, d))
+    result = search(indexer_call(kind, n, t, draft_num_tokens=d) for kind, n, t, d in shapes)
+    assert result.wrong == ()
+    assert result.wrong_if_reached and all(c.kind == "draft_prefill" for c in result.wrong_if_reached)
+    assert {m[1] for m in misses} == {CUDAGraphMode.FULL_AND_PIECEWISE}
+    assert ((1, 8), CUDAGraphMode.FULL_AND_PIECEWISE, 1, 2, True, 1, 2, 8) in misses
+    assert not any(m[0] == (1, 2, 4, 8, 16, 32, 64) for m in misses)  # powers of two pad by < 2x
