@@ -127,7 +127,7 @@ def _expected_write(call, num_decode_tokens: int, shard: bool) -> tuple[int, int
 def _cases():
     rng = np.random.default_rng(36)
     for kind, n in itertools.product(CALL_KINDS, (1, 2, 3, 4, 8)):
-        for _ in range(3):
+        for _ in range(8):
             t = int(rng.integers(1, 40))
             call = indexer_call(kind, n, t)
             ndt = int(rng.integers(0, call.kept_rows + 1))
@@ -142,7 +142,7 @@ def test_vllm_fold_and_write_agree_with_the_reference_on_every_kind():
         want = (*_expected_write(call, ndt, shard), "ok")
         assert all(g == want for g in got), (call.describe(), ndt, shard, got, want)
         seen += 1
-    assert seen == len(CALL_KINDS) * 5 * 3
+    assert seen == len(CALL_KINDS) * 5 * 8
 
 
 def test_folding_a_draft_decode_trips_vllms_assert():
@@ -384,5 +384,6 @@ def test_explicit_capture_sizes_search():
     assert result.wrong == ()
     assert result.wrong_if_reached and all(c.kind == "draft_prefill" for c in result.wrong_if_reached)
     assert {m[1] for m in misses} == {CUDAGraphMode.FULL_AND_PIECEWISE}
+    assert all(m[4] and m[5] == 1 and m[7] >= m[3] * m[6] for m in misses)  # sharded, one decode, T' >= N*P
     assert ((1, 8), CUDAGraphMode.FULL_AND_PIECEWISE, 1, 2, True, 1, 2, 8) in misses
     assert not any(m[0] == (1, 2, 4, 8, 16, 32, 64) for m in misses)  # powers of two pad by < 2x
