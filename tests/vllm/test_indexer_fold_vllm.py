@@ -18,6 +18,11 @@ What cannot run on CPU and is read, not run: the model forwards (DeepSeek-V3.2's
 MTP layer need CUDA kernels), so ``k.shape[0]`` equal to the forward's padded token rows is read
 from ``models/deepseek_v32/attention.py`` lines 309-311, 347, 493, not observed; the top-k after
 the write; and the captured FULL graphs (``draft_prefill_full_replay`` is the capture's shapes).
+Whether a PIECEWISE draft prefill padded past P (only with explicit capture sizes) reaches the
+indexer is therefore not determined: those calls are ``reached=None``.
+
+The searches: vLLM's default capture sizes (no wrong fold, T' = P everywhere), and six explicit
+lists (wrong folds only on draft prefills padded to T' >= N*P, if reached).
 """
 
 from __future__ import annotations
