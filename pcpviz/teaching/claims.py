@@ -6,7 +6,7 @@ review map), a phrase each must contain (``says``, whitespace collapsed), phrase
 any more (``not_says``: the wrong version), and the vLLM lines that show it (``VllmRef``; a test
 reads the installed package). ``tests/teaching/test_claims.py`` holds every claim to the files and
 to vLLM, and runs the computation behind it where one exists. Rows 1-10 are issue 25's
-corrections, rows 11-26 issue 36's (what a dense model hid: the MoE's PCP collectives, the sparse
+corrections, rows 11-27 issue 36's (what a dense model hid: the MoE's PCP collectives, the sparse
 indexer, the CUDA-graph defaults); row 9, for example::
 
     >>> c = load_claims()["row 9"]; c.says[0][0], c.vllm[-1].anchor

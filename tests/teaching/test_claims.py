@@ -35,8 +35,8 @@ def test_doctests():
 
 
 def test_the_rows_are_there():
-    # rows 1-10: issue 25's corrections; rows 11-26: issue 36's (MoE, sparse MLA, CUDA graphs)
-    assert sorted(claims.load_claims(), key=lambda k: int(k.split()[1])) == [f"row {i}" for i in range(1, 27)]
+    # rows 1-10: issue 25's corrections; rows 11-27: issue 36's (MoE, sparse MLA, CUDA graphs)
+    assert sorted(claims.load_claims(), key=lambda k: int(k.split()[1])) == [f"row {i}" for i in range(1, 28)]
 
 
 @pytest.mark.parametrize("key", sorted(claims.load_claims()))
@@ -213,3 +213,15 @@ def test_the_claims_live_in_docs_and_a_damaged_file_is_one_line(tmp_path):
     bad.write_text('{"claims": {"row 1": {"claim": "x", "says": [["a"]], "not_says": [], "vllm": []}}}')
     with pytest.raises(ValueError, match=r"^\S+claims.json: claims.row 1.says: expected a list of \[file, phrase"):
         claims.load_claims(bad)
+
+
+# --------------------------------------------------------------------------- row 27: the indexer fold
+def test_row_27_the_fold_folds_exactly_the_expanded_calls():
+    """Every call kind, N 1-8, sizes 1-256: expanded calls (N*P vs P) fold, unexpanded ones (T vs T)
+    do not; a FULL draft prefill's captured shape is unexpanded (vLLM's own shapes and fold:
+    tests/vllm/test_indexer_fold_vllm.py)."""
+    from pcpviz.reference.indexer_fold import CALL_KINDS, indexer_call, search
+
+    result = search(indexer_call(kind, n, t) for kind in CALL_KINDS for n in range(1, 9) for t in range(1, 257))
+    assert result.wrong == () and result.num_calls == len(CALL_KINDS) * 8 * 256
+    assert indexer_call("draft_prefill", 2, 6).folds and not indexer_call("draft_prefill_full_replay", 2, 6).folds
