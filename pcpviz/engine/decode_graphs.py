@@ -45,7 +45,7 @@ import torch
 
 from pcpviz.engine.inputs import aligned
 
-__all__ = ["DecodeShape", "decode_shape", "capture_sizes", "StaticInputs", "GraphRunner"]
+__all__ = ["DecodeShape", "decode_shape", "capture_sizes", "StaticInputs", "GraphRunner", "eagerly"]
 
 MIN_SEQ_BUCKET = 256
 
@@ -126,6 +126,12 @@ class StaticInputs:
         if self.cuda:
             self._event = torch.cuda.Event()
             self._event.record()
+
+
+def eagerly(graphs: GraphRunner | None, key) -> bool:
+    """``Worker.run_forward(key, fn)`` runs ``fn``'s Python: no graph replay (whose collectives,
+    for one, no Python sees)."""
+    return graphs is None or key[1] is None or graphs.mode == "eager" or key in graphs.failed
 
 
 class GraphRunner:

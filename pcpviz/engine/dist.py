@@ -15,6 +15,8 @@ import os
 import torch
 import torch.distributed as tdist
 
+from pcpviz.trace.collectives import describe
+
 __all__ = ["PCPGroup", "SingleRank", "ProcessGroupPCP", "init_process_group"]
 
 
@@ -23,6 +25,14 @@ class PCPGroup:
     world_size: int = 1
     num_collectives: int = 0
     timer = None  # a pcpviz.engine.phase_timer.PhaseTimer: all-gathers are timed as "gather"
+    ledger: list[str] | None = None  # the step's collectives, in order (``trace.collectives.describe``)
+
+    def start_step(self) -> list[str]:
+        """A recorded step begins: the ledger (kept from now on, emptied)."""
+        if self.ledger is None:
+            self.ledger = []
+        self.ledger.clear()
+        return self.ledger
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [M, ...] -> [N*M, ...]
         raise NotImplementedError
@@ -60,6 +70,8 @@ class ProcessGroupPCP(PCPGroup):
 
     def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self.num_collectives += 1
+        if self.ledger is not None:  # kept once a recorded step began (``start_step``)
+            self.ledger.append(describe("all_gather", "pcp", x))
         x = x.contiguous()
         out = torch.empty((self.world_size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype,
                           device=x.device)

@@ -70,16 +70,21 @@ def fingerprint(t: torch.Tensor) -> Pending:
 
 
 class StepRecord:
-    def __init__(self, step: int, rank: int) -> None:
+    def __init__(self, step: int, rank: int, *, calls: list[str] | None = None) -> None:
         self.step = step
         self.rank = rank
         self.phases: dict[str, dict] = {}
+        self.calls = calls  # the PCP group's ledger of this step's collectives (``dist.PCPGroup.start_step``)
+        self._target_calls: int | None = None  # the ledger's length when the target phase ended (None: a replay)
 
     def target(self, *, batch, logits_indices, layout, local, local_positions, local_seq_lens, bt_local,
                table, slots_global, slots_gathered, sampled_rows, sampled_from, top1, hidden_global,
-               t0, t1, hidden_local=None) -> None:
+               t0, t1, hidden_local=None, eager=True) -> None:
         """``hidden_global``: the restored hidden states [T, H] (a device tensor, hashed on the
-        recorder's thread); ``top1``: the sampled token per sampled row (host or device)."""
+        recorder's thread); ``top1``: the sampled token per sampled row (host or device);
+        ``eager``: the forward ran without a CUDA-graph replay (its collectives were seen)."""
+        if self.calls is not None and eager:
+            self._target_calls = len(self.calls)
         nr = local.num_reqs
         rows = table[batch.idx_mapping]
         used = np.flatnonzero(rows.any(axis=0)) if rows.size else np.zeros(0, np.int64)
@@ -155,6 +160,9 @@ class StepRecord:
             "t_start_us": np.array(t0, dtype=np.int64),
             "t_end_us": np.array(t1, dtype=np.int64),
         }
+        if self._target_calls is not None:
+            self.collectives("target", self.calls[:self._target_calls])
+            self.collectives("verify", self.calls[self._target_calls:])
 
     def draft_prefill(self, *, local_ids, local_positions, local_seq_lens, bt_local, slots_gathered,
                       last_idx, tokens, global_ids, t0, t1) -> None:
@@ -185,6 +193,11 @@ class StepRecord:
             "t_start_us": np.array(t0, dtype=np.int64),
             "t_end_us": np.array(t1, dtype=np.int64),
         }
+
+    def collectives(self, phase: str, calls: list[str]) -> None:
+        """The collectives the phase ran on this rank, in order (``trace.collectives.describe`` lines)."""
+        if phase in self.phases:
+            self.phases[phase]["collectives"] = np.array(calls, dtype=str) if calls else np.zeros(0, dtype="<U1")
 
     def dcp(self, phase: str, *, local_lens, ranks_combined: int, owner=None) -> None:
         """DCP > 1: this rank's local length of each row the phase attends (``dcp_local_seq_lens``:

@@ -40,7 +40,7 @@ from pcpviz.engine.attention import PagedAttention
 from pcpviz.engine.dcp_attention import DCPRows, dcp_rows_of
 from pcpviz.reference.dcp import draft_local_lens
 from pcpviz import faults as F
-from pcpviz.engine.decode_graphs import pad
+from pcpviz.engine.decode_graphs import eagerly, pad
 
 __all__ = ["propose", "draft_prefill_inputs"]
 
@@ -74,6 +74,8 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     decode, block_rows = host.decode, host.block_rows
 
     # -- draft step 0: rank-local rows, gathered slot mapping -------------------------------
+    calls = worker.group.ledger
+    mark = len(calls) if calls is not None else 0
     t0 = _now_us()
     with timer.phase("draft_0"):
         tok0, h_last, mtp_local, hidden_in = worker.run_forward(
@@ -89,6 +91,8 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
                 rec.dcp("draft_0", local_lens=h.dcp_local_seq_lens, ranks_combined=worker.dcp_ranks_combined["draft_0"])
             p = local.num_tokens_padded
             rec.fingerprints("draft_0", hidden_in=hidden_in[:p], mtp_local=mtp_local[:p], hidden_last=h_last[:r])
+            if calls is not None and eagerly(worker.graphs, ("draft_0", shape)):
+                rec.collectives("draft_0", calls[mark:])
     if k <= 1:
         return tok0[:r, None]
 
@@ -97,11 +101,13 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
     bounds = [(1, shape.max_seq_len) if shape is not None else (1, int(s.max()) if s.size else 0)
               for s in decode["seq_lens"]]
     marks: list[int] = []
+    call_marks: list[int] = []  # the ledger's length at each mark
     t0 = _now_us()
     with timer.phase("draft_k"):
         drafts, handed = worker.run_forward(
             ("draft_k", shape), lambda: _draft_decodes(worker, dt, tok0=tok0, h_last=h_last, k=k, bounds=bounds,
-                                                       fold=fold, marks=marks, keep=rec is not None))
+                                                       fold=fold, marks=marks, keep=rec is not None,
+                                                       call_marks=call_marks))
     t1 = _now_us()
     if len(marks) != k:  # replayed from a graph: one window for every draft step
         marks = [t0] + [t1] * (k - 1)
@@ -109,6 +115,9 @@ def propose(worker, *, h, dev, hidden_local, verify, sched, rec) -> torch.Tensor
         with timer.phase("record"):
             _record_decodes(rec, decode, drafts, handed, block_rows=block_rows, marks=marks + [t1], r=r,
                             fold_n=n if fold else 1, ranks=worker.dcp_ranks_combined)
+            if calls is not None and eagerly(worker.graphs, ("draft_k", shape)) and len(call_marks) == k:
+                for j in range(1, k):
+                    rec.collectives(f"draft_{j}", calls[call_marks[j - 1]:call_marks[j]])
     return drafts[:r]
 
 
@@ -269,13 +278,16 @@ def _stale_arrays(decode: dict, rows: int) -> dict[str, tuple[np.ndarray, torch.
             "stale_positions": (pad(decode["stale_positions"], rows), torch.int64)}
 
 
-def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=False):
+def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=False, call_marks=None):
     """Draft steps 1..K-1, each feeding the next on the device -> (int64[R', K], the hidden
     states when ``keep``, else None): ``handed[0]`` what draft_0 hands to draft_1, then per step
     j what it read (``handed[2j - 1]``) and handed on (``handed[2j]``); a step must read
     exactly what the one before handed on."""
     model = worker.model
+    calls = worker.group.ledger
     marks.append(_now_us())
+    if call_marks is not None and calls is not None:
+        call_marks.append(len(calls))
     with torch.no_grad():
         hidden = model.mtp_recycle_hidden(h_last)
         # what each step hands on, computed from its own output (not from what the next step is fed)
@@ -299,6 +311,8 @@ def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=Fal
             cols.append(ids)
             worker.dcp_ranks_combined[f"draft_{j}"] = min(attn.dcp_ranks, default=1)
             marks.append(_now_us())
+            if call_marks is not None and calls is not None:
+                call_marks.append(len(calls))
         return torch.stack(cols, dim=1), handed
 
 

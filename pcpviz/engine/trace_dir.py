@@ -48,6 +48,7 @@ def trace_meta(cfg: RunConfig) -> dict:
         "max_num_batched_tokens": cfg.max_num_batched_tokens, "seed": cfg.seed,
         "num_requests": len(cfg.prompt_token_ids), "max_new_tokens": cfg.max_new_tokens,
         "prompt_token_ids": [list(p) for p in cfg.prompt_token_ids], "dtype": cfg.dtype,
+        "model_moe": False,  # the engine's model (TinyDSV3) has a dense MLP: no MoE collectives
         **_dcp_meta(cfg),
     }
 

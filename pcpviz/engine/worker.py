@@ -49,7 +49,7 @@ from pcpviz.engine.attention import PagedAttention
 from pcpviz.engine.dcp_attention import dcp_rows_of, dcp_step_inputs
 from pcpviz.reference.dcp import dcp_owner
 from pcpviz.engine.dist import PCPGroup
-from pcpviz.engine.decode_graphs import DecodeShape, GraphRunner, decode_shape, pad
+from pcpviz.engine.decode_graphs import DecodeShape, GraphRunner, decode_shape, eagerly, pad
 from pcpviz.engine.inputs import Uploader
 from pcpviz.engine.kv_cache import LatentKVCache
 from pcpviz.engine.phase_timer import PhaseTimer
@@ -353,7 +353,7 @@ class Worker:
     def step(self, sched: SchedulerOutput) -> StepResult:
         cfg, timer = self.cfg, self.timer
         k = cfg.num_speculative_tokens
-        rec = StepRecord(sched.step, self.rank) if self.record else None
+        rec = StepRecord(sched.step, self.rank, calls=self.group.start_step()) if self.record else None
         if self._fault_specs:
             from pcpviz.faults import active_faults
 
@@ -389,7 +389,7 @@ class Worker:
                            table=h.table, slots_global=h.slots_global, slots_gathered=h.slots_gathered,
                            sampled_rows=h.sample_rows, sampled_from="local" if local_logits else "global",
                            top1=targets, hidden_global=hidden_global[: layout.num_tokens], t0=t0, t1=t1,
-                           hidden_local=hidden_local[: h.positions.shape[0]])
+                           hidden_local=hidden_local[:len(h.positions)], eager=eagerly(self.graphs, ("target", shape)))
                 kept = kept_drafts([self.states[r].drafts for r in h.batch.req_ids], k)
                 rec.phases["target"]["scheduled_draft_ids"] = kept
                 if h.dcp_local_seq_lens is not None:

@@ -305,9 +305,9 @@ VIEW_SPECS: tuple[ViewSpec, ...] = tuple(
          "summed (fewest over the layers)"),
     ], scope=RANK, panel="dcp_shards")
     + _specs("collectives", _ALL, [
-        ("collectives", "str", "[M]", "replay only: every collective this rank's PCP group ran in the phase, in "
-         "order: kind, group, the dtype and shape it sent, the dimension (pcpviz.vllm.recording.collectives); "
-         "absent where not recorded"),
+        ("collectives", "str", "[M]", "CPU replay and engine: every collective this rank's PCP group ran in the "
+         "phase, in order: kind, group, the dtype and shape it sent, the dimension "
+         "(pcpviz.trace.collectives.describe); absent where not recorded"),
     ], scope=RANK)
     + _specs("timing", _ALL, [
         ("t_start_us", "int64", "[]", "wall clock when the phase started (µs since the epoch)"),

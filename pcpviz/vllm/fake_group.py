@@ -18,7 +18,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["FakePCPGroup", "run_ranks", "current_fake_group", "describe"]
+from pcpviz.trace.collectives import describe
+
+__all__ = ["FakePCPGroup", "run_ranks", "current_fake_group"]
 
 # The thread's bound (group, rank), read by the patched get_pcp_group().
 _tls = threading.local()
@@ -91,19 +93,6 @@ class FakePCPGroup:
         finally:
             self._barrier.wait()  # everyone has read the slots before any rank reuses them
         return out
-
-
-def describe(kind: str, group: str, tensor: Any, *, dim: int = 0) -> str:
-    """One collective as the trace's ``collectives`` view holds it: kind, group, the input's
-    dtype and shape (what this rank sends), the dimension gathered along.
-
-    >>> import torch
-    >>> describe("all_gather", "pcp", torch.zeros(4, 64))
-    'all_gather pcp float32[4, 64] dim=0'
-    """
-    dtype = str(getattr(tensor, "dtype", "?")).replace("torch.", "")
-    shape = ", ".join(str(int(n)) for n in getattr(tensor, "shape", ()))
-    return f"{kind} {group} {dtype}[{shape}] dim={dim}"
 
 
 def current_fake_group() -> FakePCPGroup | None:

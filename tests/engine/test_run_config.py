@@ -64,7 +64,7 @@ def test_run_json_keeps_the_shipped_keys():
     # a shipped engine trace's run.json: the same keys, the same types
     shipped = json.loads((ROOT / "data" / "traces" / "cpu-pcp2-mtp2" / "run.json").read_text())
     meta = trace_meta(_cfg())
-    assert set(meta) - set(shipped) == {"dtype"}  # added after this trace was recorded
+    assert set(meta) - set(shipped) == {"dtype", "model_moe"}  # added after this trace was recorded
     assert set(shipped) - set(meta) == {"pcpviz_trace_schema"}  # the writer's
     assert {k: type(v) for k, v in meta.items() if k in shipped} == {k: type(shipped[k]) for k in meta if k in shipped}
 

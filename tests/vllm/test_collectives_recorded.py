@@ -83,7 +83,7 @@ def test_traces_without_the_view_skip(tmp_path):
 
     t = generate([RequestSpec("a", 6, 4)], pcp=2, num_speculative_tokens=1, block_size=4, seed=0)
     res = _result(t.write(tmp_path / "syn"))
-    assert res.verdict == "skipped" and "CPU replay only" in res.skip_reason
+    assert res.verdict == "skipped" and "recorded by the CPU replay and the engine" in res.skip_reason
 
 
 def test_the_chrome_export_shows_each_phase_collectives(replayed):

@@ -48,7 +48,7 @@ ENGINE_VIEW_CHECKS = frozenset({"hidden_restored", "hidden_handoffs", "target_ou
                                 "collectives_match_vllm"})
 """Checks of views only some producers record (fingerprints: the engine and the vLLM plugin, not
 older traces; top1_token: the engine alone; fwd_*: the vLLM plugin and the CPU replay;
-verify.num_computed_after: traces recorded since it was added; collectives: the CPU replay): skipped
+verify.num_computed_after: traces recorded since it was added; collectives: the CPU replay and the engine): skipped
 where a view is missing, naming it."""
 
 DCP_CHECKS = frozenset({"dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combined"})

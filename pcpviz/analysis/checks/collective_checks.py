@@ -2,7 +2,11 @@
 order), held to what vLLM 0.33.0 runs there.
 
 Recorded by the CPU replay, where every line is a call vLLM's own code made on the PCP group
-(``pcpviz.vllm.recording.collectives``); absent elsewhere, and the check skips. The rules:
+(``pcpviz.vllm.recording.collectives``), and by the engine (its ``ProcessGroupPCP``, in phases that
+ran eagerly: a CUDA-graph replay runs no Python to see); absent elsewhere, and the check skips.
+The engine issues fewer calls than vLLM for the same work (one gather of a layer's 576-wide
+latent-and-rope row where vLLM gathers ``kv_c`` and ``k_pe`` apart; one hidden restore in draft_0
+where vLLM makes two), so the rules are the ones both obey:
 
 * **every rank runs the same collectives in a phase, with the same shapes.** A collective one
   rank calls and another does not leaves the first waiting (or pairs it with the next call of the
@@ -40,12 +44,12 @@ def _lines(a: np.ndarray | None) -> list[str]:
 
 
 @check("collectives_match_vllm",
-       "the collectives each phase ran (replay only): the same on every rank, none in verify, none in a "
+       "the collectives each phase ran (CPU replay, engine): the same on every rank, none in verify, none in a "
        "dense model's replicated draft decodes at DCP = 1 (vLLM 0.33.0 ops/pcp.py:28-33)")
 def collectives_match_vllm(c: Ctx) -> None:
     phases = [p for p, rec in c.phases.items() if "collectives" in rec]
     if not phases:
-        raise Skip("no collectives view (recorded by the CPU replay only)")
+        raise Skip("no collectives view (recorded by the CPU replay and the engine, not yet on a GPU by the plugin)")
     for phase in phases:
         mine = _lines(c.get(phase, "collectives"))
         if phase == "verify" and mine:

@@ -10,7 +10,8 @@ each later draft forward (draft_k), and the step's end.
 Where the ledger comes from: the CPU replay's ``FakePCPGroup`` (vLLM's real classes call it
 for every PCP collective; ``fake_group.describe`` writes the line). On a GPU vLLM's
 ``GroupCoordinator`` is not wrapped yet, and phases carry no ``collectives`` view (absent, not
-empty: absent means not recorded).
+empty: absent means not recorded). The engine records the same lines from its own group
+(``pcpviz.engine.dist``); ``pcpviz.trace.collectives.describe`` writes them for both.
 
 PCP=2, K=2, one prefill of 5 tokens and one decode (the tiny dense model, two target layers and
 one MTP layer), rank 0's step::
