@@ -1,0 +1,69 @@
+"""``check`` and ``explain --no-rerun`` on one trace, this checkout against another, interleaved.
+
+    python benchmarks/bench_scale.py --scenario steps --steps 10000 --keep /tmp/scale --only check
+    python benchmarks/bench_check_repeats.py /tmp/scale/steps --baseline <checkout> --repeats 5 \\
+        --out data/bench/scale_cpu_bulk_rules_10k_x5.json
+
+Each run is ``PYTHONPATH=<tree>:<tree>/kernels python -m pcpviz.cli check --json TRACE`` (or
+``explain --no-rerun --json TRACE``) in its own process; old and new alternate, the order swapped
+every repeat. Wall seconds and CPU seconds (user + system of the command and its workers) per run,
+and their median and min-max. A benchmark, not a test: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = {"check": ["check", "--json"], "explain --no-rerun": ["explain", "--no-rerun", "--json"]}
+
+
+def _run(root: Path, args: list[str]) -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{root}:{root / 'kernels'}")
+    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    p = subprocess.run([sys.executable, "-m", "pcpviz.cli", *args], env=env, cwd=root, capture_output=True)
+    r1, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    return {"wall": round(wall, 2), "cpu": round(cpu, 2), "exit": p.returncode}
+
+
+def _spread(runs: list[dict]) -> dict:
+    w, c = [r["wall"] for r in runs], [r["cpu"] for r in runs]
+    return {"wall_median": statistics.median(w), "wall_min_max": [min(w), max(w)],
+            "cpu_median": statistics.median(c), "cpu_min_max": [min(c), max(c)],
+            "exits": sorted({r["exit"] for r in runs})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--baseline", type=Path, required=True, help="the other checkout")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    trees = [("base", a.baseline.resolve()), ("new", ROOT)]
+    runs: dict[str, list[dict]] = {}
+    for rep in range(a.repeats):
+        for name, args in COMMANDS.items():
+            for which, root in (trees if rep % 2 == 0 else trees[::-1]):
+                r = runs.setdefault(f"{name} | {which}", [])
+                r.append(_run(root, [*args, str(a.trace.resolve())]))
+                print(rep, name, which, r[-1], flush=True)
+    out = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "trace": str(a.trace),
+           "runs": runs, "summary": {k: _spread(v) for k, v in runs.items()}}
+    print(json.dumps(out["summary"], indent=1))
+    if a.out:
+        a.out.write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
