@@ -99,3 +99,24 @@ def test_the_chrome_export_shows_each_phase_collectives(replayed):
             assert args["collective_calls"] == _lines(t, step, rank, phase)  # the drawn data is the recorded one
             assert args["collectives"] == len(args["collective_calls"])
     assert by[(step, 0, "target")]["collectives"] > 0 and by[(step, 0, "draft_1")]["collectives"] == 0
+
+
+def test_the_draft_timeline_draws_each_phase_collectives(replayed):
+    from pcpviz.views.figures.timeline import draft_timeline_spec
+
+    t = pt.open(replayed)
+    step = next(s for s in t.steps if "draft_1" in t.phases(s, 0))
+    phases = {ph: t.record(step, 0, ph) for ph in t.phases(step, 0)}
+    spec = draft_timeline_spec(phases, step=step, rank=0)
+    heat = spec["data"][0]
+    xaxis = next(v for k, v in spec["layout"].items() if k.startswith("xaxis") and "ticktext" in v)
+    ticks = dict(zip([str(x) for x in xaxis["ticktext"]], range(len(xaxis["ticktext"]))))
+    col = {ph: next(i for tick, i in ticks.items() if f"<b>{ph}" in tick or tick.startswith(ph)) for ph in
+           ("target", "draft_0", "draft_1", "verify")}
+    for ph, c in col.items():
+        n = len(_lines(t, step, 0, ph))
+        tick = str(xaxis["ticktext"][c])
+        assert (f"{n} collective" in tick) if n else ("no collective" in tick), (ph, tick)
+        hover = [str(row[c]) for row in heat["hovertext"]]
+        first = _lines(t, step, 0, ph)[0] if n else "no collective on this rank"
+        assert all(first in h for h in hover), (ph, hover[0])

@@ -146,6 +146,26 @@ def _slots_shape(d: Record) -> str:
     return f"[{sm.shape[0]}, {sm.shape[1]}]" if sm is not None else "?"
 
 
+def _collectives(g: _Grid, c: int, rec: Record | None) -> str:
+    """The phase's recorded collectives (the ``collectives`` view: the CPU replay and the engine):
+    the tick's last line counts them, every cell's hover names them, identical calls counted once
+    ("2x all_gather pcp float32[14, 512] dim=0"); "" where the phase did not record them."""
+    calls = view_array(rec, "collectives")
+    if calls is None:
+        return ""
+    lines = [str(x) for x in np.asarray(calls).reshape(-1)]
+    kinds = list(dict.fromkeys(lines))  # distinct calls, in the order first made
+    listed = "<br>".join(f"{lines.count(k)}x {k}" for k in kinds[:4])
+    if len(kinds) > 4:
+        listed += f"<br>... {len(kinds) - 4} more kinds"
+    said = f"collectives on this rank:<br>{listed}" if lines else "no collective on this rank"
+    for i in range(g.hover.shape[0]):
+        g.hover[i, c] = f"{g.hover[i, c]}<br>{said}" if g.hover[i, c] else said
+    if not lines:
+        return "<br><i>no collective</i>"
+    return f"<br><i>{len(lines)} collective{'s' if len(lines) != 1 else ''}</i>"
+
+
 def _marks(fig: Canvas, cols: list[str], *, rows: int, selected_phase: str | None, highlight_row: int | None) -> None:
     """The layout-view switch before ``gather``, the selected phase's column, the highlighted row."""
     if "gather" in cols:
@@ -211,6 +231,7 @@ def draft_timeline_spec(phases: Mapping[str, Record], *, step: int | None = None
     g = _Grid(req_ids, np.full(shape, "absent", dtype=object), np.full(shape, "", dtype=object),
               np.full(shape, "", dtype=object))
     ticks = _fill(g, cols, phases, rank=rank, group=group)
+    ticks = [t + _collectives(g, c, phases.get(ph)) for c, (t, ph) in enumerate(zip(ticks, cols))]
     level_of = {k: i for i, k in enumerate(_KIND_COLORS)}
     colors = list(_KIND_COLORS.values()) + [DIM_COLOR]
     z = np.vectorize(lambda k: level_of[k])(g.kinds).astype(float) if g.kinds.size else np.zeros((1, 1))
