@@ -197,7 +197,7 @@ class StepRecord:
     def collectives(self, phase: str, calls: list[str]) -> None:
         """The collectives the phase ran on this rank, in order (``trace.collectives.describe`` lines)."""
         if phase in self.phases:
-            self.phases[phase]["collectives"] = np.array(calls, dtype=str) if calls else np.zeros(0, dtype="<U1")
+            self.phases[phase]["collectives"] = np.array(calls, dtype=str)  # str[0] when none
 
     def dcp(self, phase: str, *, local_lens, ranks_combined: int, owner=None) -> None:
         """DCP > 1: this rank's local length of each row the phase attends (``dcp_local_seq_lens``:

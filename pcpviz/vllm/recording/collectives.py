@@ -8,23 +8,21 @@ starts counting for the next one. The recorder switches where its hooks see a ph
 each later draft forward (draft_k), and the step's end.
 
 Where the ledger comes from: the CPU replay's ``FakePCPGroup`` (vLLM's real classes call it
-for every PCP collective; ``fake_group.describe`` writes the line). On a GPU vLLM's
+for every PCP collective). On a GPU vLLM's
 ``GroupCoordinator`` is not wrapped yet, and phases carry no ``collectives`` view (absent, not
 empty: absent means not recorded). The engine records the same lines from its own group
 (``pcpviz.engine.dist``); ``pcpviz.trace.collectives.describe`` writes them for both.
 
-PCP=2, K=2, one prefill of 5 tokens and one decode (the tiny dense model, two target layers and
-one MTP layer), rank 0's step::
+The CPU replay at PCP=2, K=2 with the tiny dense model, rank 0, a step of 14 padded rows a rank
+(``tests/vllm/test_collectives_recorded.py`` holds these lines)::
 
-    target   all_gather pcp bfloat16[4, 576] dim=0      (each layer's latent KV, 2 layers)
-             all_gather pcp bfloat16[4, 576] dim=0
-             all_gather pcp float32[4, 256] dim=0       (restore_for_sampling's hidden rows)
+    target   all_gather pcp float32[14, 512] dim=0      (a layer's kv_c, ops/pcp.py:40)
+             all_gather pcp float32[14, 64] dim=0       (its k_pe; the same for every layer)
+             ...
+             all_gather pcp float32[14, 256] dim=0      (restore_hidden_states, pcp_manager.py:836)
     verify   (none)
-    draft_0  ...                                        (the MTP layer's KV, the hidden rows)
+    draft_0  the MTP layer's KV gathers, then two hidden-state restores
     draft_1  (none: a dense replicated draft decode gathers nothing)
-
-(The shapes above illustrate the form; ``tests/vllm/test_collectives_recorded.py`` holds the
-real lines of a replayed step.)
 """
 
 from __future__ import annotations
@@ -65,5 +63,5 @@ class Ledger:
         if self.phase is not None:
             since = calls[self.mark:]
             if since or (rec.phases is not None and self.phase in rec.phases):
-                rec.put(self.phase, collectives=np.array(since, dtype=str) if since else np.zeros(0, dtype="<U1"))
+                rec.put(self.phase, collectives=np.array(since, dtype=str))  # str[0] when none
         self.phase, self.mark = phase, len(calls)

@@ -46,21 +46,22 @@ MAX_ENTRY_BYTES = 4 << 20
 SWEEP_EVERY = 32
 
 
-def _bytes(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``t`` as ``uint8[numel * itemsize]`` and whether that is a view of ``t``'s memory (not a copy)."""
+def _bytes(t: torch.Tensor) -> tuple[torch.Tensor, tuple, bool]:
+    """``t`` as ``uint8[numel * itemsize]``, its meta ``(dtype name, shape, nbytes)`` and whether
+    the bytes are a view of ``t``'s memory (not a copy)."""
     b = t.reshape(-1)
     view = b.is_contiguous()
     if not view:  # a strided column or an expanded view: reshape kept its strides
         b = b.contiguous()
     if b.dtype is not torch.uint8:
         b = b.view(torch.uint8)
-    return b, view and b.data_ptr() == t.data_ptr() if t.numel() else view
+    meta = (BYTE_DTYPES[t.dtype], tuple(t.shape), b.shape[0])
+    return b, meta, view and b.data_ptr() == t.data_ptr() if t.numel() else view
 
 
 def fresh_bytes(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     """``t`` as bytes and its meta, nothing kept (a tensor the hook computed this step)."""
-    b = _bytes(t)[0]
-    return b, (BYTE_DTYPES[t.dtype], tuple(t.shape), b.shape[0])
+    return _bytes(t)[:2]
 
 
 def _use_count(t: torch.Tensor) -> int | None:
@@ -93,8 +94,7 @@ class PlanCache:
             self.views.move_to_end(sig)
             return kept[0], kept[1]
         self.misses += 1
-        b, is_view = _bytes(t)
-        meta = (BYTE_DTYPES[t.dtype], tuple(t.shape), b.shape[0])
+        b, meta, is_view = _bytes(t)
         if is_view:
             held = t.untyped_storage().nbytes()
             if held <= self.max_entry_bytes:

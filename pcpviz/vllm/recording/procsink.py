@@ -51,12 +51,13 @@ REPLY_TIMEOUT_S = 120.0  # a dump or the close of a live writer process; a dead 
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 _STOP = object()
 _START = object()
-"""Queued when the sink is made (a recorder's first hook, during vLLM's start-up): the sender
+"""Queued first, when the sink is made (a recorder's first hook, during vLLM's start-up): the sender
 starts the writer process then rather than at the first step, so that its start-up is not on the
-steps' way. A short run needs that: vLLM's shutdown gives the engine process 5 s after SIGTERM
-before it kills it (and the writer). One H200 run (2026-12-03, 3 prompts of 32 tokens, 0.22 s of
-generation, the writer started at the first step) was killed with no step written; whether the
-writer's start-up was the whole cause was not established on that machine."""
+steps' way, and a request (``drain`` first) waits for it like for a step. A short run needs that:
+vLLM's shutdown gives the engine process 5 s after SIGTERM, then kills it and the writer. One H200
+run (2026-12-03, 3 prompts of 32 tokens, 0.22 s of generation, the writer started at the first
+step) was killed with no step written; whether the writer's start-up was the whole cause was not
+established on that machine."""
 _signal_sinks: list[ProcessSink] = []
 _signal_lock = threading.Lock()
 
@@ -80,9 +81,9 @@ class ProcessSink:
         self._meta_dirty = True
         self._flight_sent: Any = None
         self._state: mmap.mmap | None = None
-        self._sender: threading.Thread | None = None
         _catch_flight_signal(self)
-        self._start_sender()
+        self._sender = threading.Thread(target=self._send_loop, name=f"pcpviz-rank{rec.rank}-sender", daemon=True)
+        self._sender.start()
         self._queue.put(_START)  # the writer process starts now, not at the first step (see ``_START``)
 
     # ------------------------------------------------------------------ the step's thread
@@ -90,14 +91,7 @@ class ProcessSink:
         if self.dead or self.closed:
             staged.release()
             return
-        self._start_sender()
         self._queue.put((step, staged, self.rec.session.mode), held_bytes(staged))
-
-    def _start_sender(self) -> None:
-        if self._sender is None:
-            self._sender = threading.Thread(target=self._send_loop, name=f"pcpviz-rank{self.rec.rank}-sender",
-                                            daemon=True)
-            self._sender.start()
 
     def meta_changed(self) -> None:
         self._meta_dirty = True
@@ -139,9 +133,8 @@ class ProcessSink:
             try:
                 if item is _STOP:
                     return
-                if item is _START:
-                    if self.proc is None and not self.dead and not self.closed:
-                        self._start()
+                if item is _START:  # the first item: every step finds the writer started (or dead)
+                    self._start()
                     continue
                 if not self.dead and not self.rec.disabled:
                     self._send_step(*item)
@@ -154,8 +147,6 @@ class ProcessSink:
 
     def _send_step(self, step: int, staged: StagedStep, mode: str) -> None:
         buf = staged.wait()
-        if self.proc is None:
-            self._start()
         if self._meta_dirty:
             self._meta_dirty = False
             self._send(("meta", self.rec.run_meta()))
@@ -233,8 +224,7 @@ class ProcessSink:
 
     def drain(self) -> None:
         """Wait until every submitted step was handed to the writer process."""
-        if self._sender is not None:
-            self._queue.join()
+        self._queue.join()
 
     def dump(self, trigger: str) -> None:
         """Flight recorder: dump the ring now (after the steps in flight)."""
@@ -250,9 +240,8 @@ class ProcessSink:
         dead writer's rank file is ended ``partial`` from here."""
         if self.closed:
             return
-        if self._sender is not None:
-            self._queue.put(_STOP)
-            self._sender.join()
+        self._queue.put(_STOP)
+        self._sender.join()
         self.closed = True
         if self.proc is not None and not self.dead:
             if self._meta_dirty:
