@@ -65,7 +65,9 @@ class _V32Block:
         att = self.self_attn
         qr = att.q_a_layernorm(att.q_a_proj(xn))  # [T, q_lora_rank]
         q_nope, q_pe, kv_c, k_pe = att.project(xn, (cos, sin), qr=qr)
-        iq, ik, iw = att.indexer.project(xn, qr, (cos, sin))
+        # the indexer's inputs are detached: only its own loss trains it (DeepSeek-V3.2 sec. 2.1.1,
+        # tools/train/objective_v32.py); the values, and so inference, are unchanged
+        iq, ik, iw = att.indexer.project(xn.detach(), qr.detach(), (cos, sin))
         return q_nope, q_pe, kv_c, k_pe, iq, ik, iw
 
     def attn_outputs(self, x: torch.Tensor, out: torch.Tensor):
