@@ -49,8 +49,8 @@ def _batched_index_scores(index: IndexerQK, B: int, L: int) -> torch.Tensor:
     """float32[B, L, L]: ``sum_h w[b, t, h] * relu(q[b, t, h] . k[b, s])``."""
     q = index.q.reshape(B, L, index.q.shape[-2], index.q.shape[-1])  # [B, L, Hi, Di]
     k = index.k.reshape(B, L, -1)  # [B, L, Di]
-    s = torch.einsum("blhd,bsd->blhs", q, k).relu()  # [B, L, Hi, L]
-    return torch.einsum("blhs,blh->bls", s.float(), index.weights.reshape(B, L, -1).float())
+    s = torch.einsum("blhd,bsd->blhs", q, k).relu()  # [B, L, Hi, L] (bf16 under autocast: no float copy)
+    return torch.einsum("blhs,blh->bls", s, index.weights.reshape(B, L, -1).to(s.dtype)).float()
 
 
 def _kl(target: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
