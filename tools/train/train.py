@@ -46,6 +46,12 @@ PIECEWISE finding's exact drafts are tied to its weights. Use the long model for
 ~2k tokens (``pcpviz.run(..., model_dir=...)``, ``benchmarks/bench_long_acceptance.py``).
 ``--eval-only --init-from DIR`` evaluates a model as it is (``OUT/eval.json``).
 
+The second model, MoE + DSA (``data/models/pcpviz-tiny-moe-dsa``, ``pcpviz.engine.model_v32``),
+trains with ``--config data/models/pcpviz-tiny-moe-dsa/config.json`` (the architecture flags are
+then ignored); its objective adds the indexer's KL and the experts' bias update
+(``tools.train.objective_v32``: ``--dsa-dense-frac``, ``--bias-update-speed``), and
+``GPU_TRAIN.md`` in the repository root holds its one-H200 command.
+
 ``--time-budget-s S`` (instead of ``--steps``) measures the step time first and picks the largest
 step count that fits in ``S`` seconds; the chosen count is written to ``training.json`` so the run
 can be repeated with ``--steps``.
