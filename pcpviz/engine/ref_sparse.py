@@ -35,9 +35,9 @@ def sparse_mla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, allowed: to
     return torch.einsum("hts,shd->thd", p, v.float()).to(v.dtype)
 
 
-def expand_kv(model, layer_idx: int, kv_c: torch.Tensor, k_pe: torch.Tensor):
+def expand_kv(model, layer_idx: int, latent: tuple[torch.Tensor, torch.Tensor]):
     """Per-head keys [T, H, Dqk] and values [T, H, Dv] from the latent rows (``kv_b_proj``)."""
-    cfg = model.config
+    cfg, (kv_c, k_pe) = model.config, latent
     T, H = kv_c.shape[0], cfg.num_heads
     w = model.kv_b_weight(layer_idx)
     kv = F.linear(kv_c.to(w.dtype), w).view(T, H, cfg.qk_nope_head_dim + cfg.v_head_dim)
@@ -61,7 +61,7 @@ def sparse_causal_attention(model, query_start_loc: Optional[Sequence[int] | tor
         bounds = qsl if qsl is not None else [0, T]
         if bounds[-1] != T:
             raise ValueError(f"query_start_loc ends at {bounds[-1]} but there are {T} tokens")
-        k, v = expand_kv(model, layer_idx, kv_c, k_pe)
+        k, v = expand_kv(model, layer_idx, (kv_c, k_pe))
         q = torch.cat([q_nope, q_pe], dim=-1)
         outs, sels = [], []
         for a, b in zip(bounds[:-1], bounds[1:]):

@@ -106,3 +106,11 @@ def test_pcp1_moe_runs_no_collective(runs):
     t = runs[1][1]
     assert all(_lines(t, s, 0, ph) == [] for s in t.steps for ph in t.phases(s, 0))
 
+
+
+@pytest.mark.parametrize("options, why", [({"dcp": 2}, "dense MLA only"), ({"cuda_graphs": True}, "eager only")])
+def test_the_engine_refuses_what_its_dsa_path_does_not_do(model_dir, options, why):
+    from pcpviz.engine.run_config import build_config
+
+    with pytest.raises(ValueError, match=why):
+        build_config(PROMPTS, pcp=2, num_speculative_tokens=2, model_dir=model_dir, **options)

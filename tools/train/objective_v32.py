@@ -75,7 +75,7 @@ class DSATrainAttention:
     def __call__(self, layer_idx: int, q_nope, q_pe, kv_c, k_pe, *, index: IndexerQK):
         B, L, cfg = self.B, self.L, self.model.config
         H = cfg.num_heads
-        k, v = expand_kv(self.model, layer_idx, kv_c, k_pe)  # [T, H, Dqk], [T, H, Dv]
+        k, v = expand_kv(self.model, layer_idx, (kv_c, k_pe))  # [T, H, Dqk], [T, H, Dv]
         q = torch.cat([q_nope, q_pe], dim=-1).reshape(B, L, H, -1)
         causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # bool[L, L]
         iscores = _batched_index_scores(index, B, L)  # float32[B, L, L]
