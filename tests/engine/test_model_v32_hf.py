@@ -96,3 +96,22 @@ def test_greedy_decode_matches_transformers_with_its_caches(pair):
         out = hf.generate(prompt[None], attention_mask=torch.ones(1, 60, dtype=torch.long), max_new_tokens=n_new,
                           do_sample=False, min_new_tokens=n_new, eos_token_id=None, pad_token_id=258)
     assert out[0, 60:].tolist() == seq[60:].tolist()
+
+
+@pytest.mark.slow
+def test_the_shipped_weights_match_transformers():
+    """Once ``data/models/pcpviz-tiny-moe-dsa/model.safetensors`` is trained (GPU_TRAIN.md)."""
+    import os
+
+    from pcpviz.engine.model_v32_config import moe_model_dir
+
+    d = moe_model_dir()
+    if not os.path.exists(os.path.join(d, "model.safetensors")):
+        pytest.skip("the MoE + DSA weights are not in the repository yet")
+    ours = load_model(d)
+    hf = transformers.DeepseekV32ForCausalLM.from_pretrained(d, dtype=torch.float32, attn_implementation="eager")
+    ids = torch.tensor([256] + list(b"import os\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser(" * 3))
+    with torch.no_grad():
+        a, b = ours(ids), hf.eval()(ids[None]).logits[0]
+    assert len(ids) > ours.config.index_topk
+    assert (a - b).abs().max() < 1e-3 * max(1.0, float(a.abs().max()))
