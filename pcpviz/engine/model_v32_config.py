@@ -27,6 +27,10 @@ Keys and who reads them (vLLM 0.33.0 reads ``deepseek_v32`` with its own ``Deeps
 * ``first_k_dense_replace`` = 1, ``moe_layer_freq`` = 1: layer 0 dense, the rest MoE; the MTP
   block, index ``num_hidden_layers``, is MoE too (``deepseek_v2.py:1293-1296``), and transformers
   builds its ``mlp_layer_types`` from ``first_k_dense_replace``.
+* left out on purpose: ``index_topk_freq`` / ``index_topk_pattern`` (every layer has its own indexer,
+  ``deepseek_v2.py:1144-1156``) and ``index_share_for_mtp_iteration`` (each MTP draft step selects its
+  own top-k instead of reusing step 0's, ``v1/worker/gpu/spec_decode/mtp/speculator.py:27-32``), as
+  the engine does.
 """
 
 from __future__ import annotations

@@ -114,3 +114,37 @@ def test_the_engine_refuses_what_its_dsa_path_does_not_do(model_dir, options, wh
 
     with pytest.raises(ValueError, match=why):
         build_config(PROMPTS, pcp=2, num_speculative_tokens=2, model_dir=model_dir, **options)
+
+
+def test_paged_sparse_attention_selects_over_a_scattered_cache_like_the_reference(model_dir):
+    """Two chunks of one sequence through ``PagedAttention`` over blocks scattered in the cache:
+    the second chunk's logits and every layer's top-k rows equal the reference's (whole sequence,
+    no cache)."""
+    from pcpviz.engine.attention import PagedAttention
+    from pcpviz.engine.dist import SingleRank
+    from pcpviz.engine.kv_cache import LatentKVCache
+
+    model = load_model(model_dir)
+    cfg, bs = model.config, 8
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(5))
+    blocks = torch.tensor([5, 2, 7, 0, 3], dtype=torch.int32)
+    n_layers = cfg.num_layers + 1
+    cache = LatentKVCache(n_layers, 8, bs, cfg.kv_lora_rank, cfg.qk_rope_head_dim, torch.float32, "cpu")
+    index_cache = LatentKVCache(n_layers, 8, bs, cfg.index_head_dim, 0, torch.float32, "cpu")
+    got: list = []
+    with torch.no_grad():
+        for lo, hi in ((0, 25), (25, 40)):
+            pos = torch.arange(lo, hi)
+            attn = PagedAttention(model, cache, SingleRank(), expanded=True,
+                                  slots=blocks[pos // bs].long() * bs + pos % bs, block_rows=blocks[None],
+                                  query_start_loc=torch.tensor([0, hi - lo]), positions=pos,
+                                  seq_lens=torch.tensor([hi]), index_cache=index_cache, selections=got)
+            logits = model.logits(model.forward_hidden(ids[lo:hi], pos, attn))
+        ref_sel: dict = {}
+        ref = model(ids, attn=sparse_causal_attention(model, record=ref_sel))
+    assert torch.allclose(logits, ref[25:], atol=1e-4)
+    second = got[cfg.num_layers:]  # the second chunk's selections, one per layer
+    for layer in range(cfg.num_layers):
+        mine, theirs = second[layer], ref_sel[layer][25:]
+        assert [set(r.tolist()) for r in mine] == [set(r.tolist()) for r in theirs]
+        assert (mine >= 0).sum(1).tolist() == [16] * 15
