@@ -148,3 +148,30 @@ def test_paged_sparse_attention_selects_over_a_scattered_cache_like_the_referenc
         mine, theirs = second[layer], ref_sel[layer][25:]
         assert [set(r.tolist()) for r in mine] == [set(r.tolist()) for r in theirs]
         assert (mine >= 0).sum(1).tolist() == [16] * 15
+
+
+def test_the_moe_rule_reads_the_lines():
+    from pcpviz.analysis.checks.collective_checks import moe_collectives_problem
+
+    ok = ["all_gather pcp float32[6, 576] dim=0", "all_gather pcp bfloat16[12, 256] dim=0",
+          "all_gather pcp float32[12, 8] dim=0", "reduce_scatter pcp bfloat16[24, 256] dim=0"]
+    assert moe_collectives_problem(ok, 2) is None
+    assert moe_collectives_problem(ok[:3], 2)[0] == 0  # no reduce-scatter at all
+    assert moe_collectives_problem(ok[:1] + ok[2:], 2)[0] == 2  # the rows' gather is missing
+    wrong = ok[:3] + ["reduce_scatter pcp bfloat16[12, 256] dim=0"]  # scattered the local rows only
+    assert "[24, 256]" in moe_collectives_problem(wrong, 2)[1]
+
+
+@pytest.mark.slow
+def test_a_moe_trace_without_the_moe_collectives_fails(tmp_path):
+    """The dense model's PCP = 2 trace relabelled as a MoE model's: its forwards ran no MoE collective."""
+    import json
+
+    trace = tmp_path / "t"
+    pcpviz.run(PROMPTS[:1], pcp=2, num_speculative_tokens=2, trace_dir=str(trace), max_new_tokens=4, progress=False)
+    meta = json.loads((trace / "run.json").read_text())
+    meta["model_moe"] = True
+    (trace / "run.json").write_text(json.dumps(meta))
+    result = run_checks(pt.open(trace)).results["collectives_match_vllm"]
+    assert result.verdict == "fail"
+    assert "no MoE reduce-scatter" in str(result.first_violation)
