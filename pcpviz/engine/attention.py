@@ -14,10 +14,14 @@ regardless of the mapping's shape. vLLM's pre-fix fold was in the sparse indexer
 write and truncated only ``k``; the dense model has no indexer.
 
 The MoE + DSA model (``pcpviz.engine.model_v32``) calls with ``index=`` (its indexer's q, k and
-weights): the indexer keys are all-gathered (expanded mode) and written by the same slot mapping
-into ``index_cache`` first -- vLLM's MLA runs the indexer, whose op writes its k cache, before the
-attention writes the latent (``model_executor/layers/mla.py:233``) -- then the attention runs over
-the indexer's top-k of each row's context (``pcpviz.engine.sparse_attention``; torch only).
+weights): the indexer keys are all-gathered (expanded mode; vLLM ``maybe_gather_indexer_k``,
+``v1/attention/ops/pcp.py:91-103``, called from ``model_executor/layers/sparse_attn_indexer.py:
+561-567``; a replicated draft decode's unexpanded mapping writes them ungathered, lines 553-559)
+and written by the same slot mapping into ``index_cache`` first -- vLLM's MLA runs the indexer,
+whose op writes its k cache, before the attention writes the latent
+(``model_executor/layers/mla.py:233``) -- then the attention runs over the indexer's top-k of each
+row's context (``pcpviz.engine.sparse_attention``; torch only). There the fault folds the indexer
+keys too: where vLLM's pre-fix fold was.
 
 On CUDA the KV write and the attention run Triton kernels (``pcpviz_kernels``,
 see ``kv_cache.kernels_for``): decode-sized rows the absorbed paged kernel, prefill rows
