@@ -83,3 +83,22 @@ def test_cpu_smoke_run_writes_a_loadable_moe_model(tmp_path):
     with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
         assert json.load(f)["model_type"] == "deepseek_v32"
     assert len(rec["expert_loads_last_step"]) == 2  # layer 1 and the MTP block
+    assert 0 <= rec["heldout"]["indexer_recall"]["indexer_topk_mass"] <= 1
+
+
+def test_topk_mass_of_a_perfect_and_of_a_recency_indexer():
+    from tools.train.objective_v32 import _topk_mass
+
+    L, k = 12, 3
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    g = torch.Generator().manual_seed(0)
+    target = torch.rand(1, L, L, generator=g).masked_fill(~causal, 0)
+    target = target / target.sum(-1, keepdim=True)
+    best = target.topk(k, dim=-1).values.sum(-1)[:, k:].mean()
+    perfect, recent = _topk_mass(target, target.clone(), causal, k)  # the indexer scores = the attention
+    assert abs(perfect - float(best)) < 1e-6
+    t = torch.arange(L)
+    assert abs(recent - float((target * (causal & (t[None] > t[:, None] - k))).sum(-1)[:, k:].mean())) < 1e-6
+    recency_scores = t[None, None, :].float().expand(1, L, L)  # scores rising with position: the last k
+    assert abs(_topk_mass(target, recency_scores, causal, k)[0] - recent) < 1e-6
+    assert perfect >= recent

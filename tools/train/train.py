@@ -99,7 +99,7 @@ from pcpviz.engine.model_v32 import TinyDSV32, build_model
 from tools.train import corpus as corpus_mod
 from tools.train.heldout import evaluate, evaluate_long
 from tools.train.objective import window_losses
-from tools.train.objective_v32 import expert_loads, update_expert_bias
+from tools.train.objective_v32 import expert_loads, indexer_recall, update_expert_bias
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -376,6 +376,9 @@ def main(argv=None) -> dict:
     hist, ema, train_time = trainer.run(steps)
 
     ev, ev_long = _heldout_figures(model, held_stream, args, device, lambda: _autocast(device))
+    if isinstance(model, TinyDSV32):
+        ev["indexer_recall"] = indexer_recall(model, held_stream, args.seq_len, windows=4, device=device,
+                                              autocast=lambda: _autocast(device))
     print("held-out:", json.dumps(ev), flush=True)
     print("held-out by position:", json.dumps(ev_long), flush=True)
     record = {
