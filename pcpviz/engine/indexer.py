@@ -86,7 +86,7 @@ class Indexer(nn.Module):
                          self.k_norm.bias.float(), self.k_norm.eps).to(x.dtype)  # [T, Di]
         q = torch.cat([apply_rope_neox(q[..., :R], cos, sin), q[..., R:]], dim=-1)
         k = torch.cat([apply_rope_neox(k[:, :R], cos, sin), k[:, R:]], dim=-1)
-        # deepseek_v2.py:850: weights * q_scale * softmax_scale * n_head**-0.5 (q_scale: fp8, 1 here)
+        # deepseek_v2.py:852: weights * q_scale * softmax_scale * n_head**-0.5 (q_scale: fp8, 1 here)
         w = self.weights_proj(x).float() * (c.index_head_dim ** -0.5) * (c.index_n_heads ** -0.5)  # [T, Hi]
         return q, k, w
 

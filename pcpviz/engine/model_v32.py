@@ -22,7 +22,7 @@ The attention callback (``AttnFn``) gains one keyword, ``index``::
 ``index.q`` float[T, Hi, Di] and ``index.weights`` float32[T, Hi] are the new tokens' indexer
 queries and head weights, ``index.k`` float[T, Di] their indexer keys (rope applied to every one).
 The callback owns the caches: it stores ``index.k`` beside the latent entries ``kv_c``/``k_pe``
-(vLLM: the indexer's own ``k_cache``, ``deepseek_v2.py:729-734``), then selects with
+(vLLM: the indexer's own ``k_cache``, ``deepseek_v2.py:726-734``), then selects with
 ``pcpviz.engine.indexer.indexer_topk(index, k_ctx, q_pos=..., k_pos=...)`` over the sequence's whole
 context -> int64[T, topk] rows of that context (-1: none), and attends over the selected rows only
 (vLLM: ``SparseAttnIndexer`` fills ``topk_indices_buffer``, the sparse MLA backend reads it).
@@ -60,7 +60,7 @@ class _V32Block:
     def attn_inputs(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """(q_nope, q_pe, kv_c, k_pe, index q, index k, index weights) of the rows ``x``: the MLA
         projections (q through the q LoRA) and the indexer's, which reads the q LoRA's normed
-        latent ``qr`` and the normed rows (``deepseek_v2.py:763-848``)."""
+        latent ``qr`` and the normed rows (``deepseek_v2.py:763-854``)."""
         xn = self.input_layernorm(x)
         att = self.self_attn
         qr = att.q_a_layernorm(att.q_a_proj(xn))  # [T, q_lora_rank]

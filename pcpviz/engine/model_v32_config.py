@@ -20,7 +20,7 @@ Keys and who reads them (vLLM 0.33.0 reads ``deepseek_v32`` with its own ``Deeps
   (``deepseek_v2.py:697-700``); it needs ``q_lora_rank`` (``deepseek_v2.py:1169``: the indexer's
   query is ``wq_b`` of the q LoRA's normed latent).
 * ``topk_method: "noaux_tc"`` gives the gate its ``e_score_correction_bias`` (``deepseek_v2.py:327-332``);
-  ``scoring_func: "sigmoid"`` (vLLM's default is softmax, ``deepseek_v2.py:394``); ``n_group`` =
+  ``scoring_func: "sigmoid"`` (vLLM's default is softmax, ``deepseek_v2.py:387``); ``n_group`` =
   ``topk_group`` = 1 (grouped top-k over one group selects among all experts).
 * ``moe_router_dtype: "float32"``: vLLM's gate then computes the router logits in float32
   (``deepseek_v2.py:135-145``), as transformers always does (``DeepseekV32TopkRouter``).

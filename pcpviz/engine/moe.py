@@ -54,12 +54,12 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, *, renormalize: 
     ([[3, 2]], [1.136, 1.364])
     """
     scores = logits.float().sigmoid()  # float32[T, E]
-    # grouped_topk_router.py:121-126: the bias enters the choice only; with n_group = 1 the
-    # group mask keeps every expert (lines 127-145 reduce to nothing)
+    # grouped_topk_router.py:121-125, 148-151: the bias enters the choice only; with n_group = 1 the
+    # group mask keeps every expert (lines 126-146 reduce to nothing)
     ids = torch.topk(scores + bias.float(), k=top_k, dim=-1).indices  # int64[T, k]
     w = scores.gather(1, ids)  # float32[T, k]
     if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)  # grouped_topk_router.py:153-154
+        w = w / w.sum(dim=-1, keepdim=True)  # grouped_topk_router.py:157-158
     return Routing(w * scaling, ids)
 
 

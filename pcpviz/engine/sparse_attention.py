@@ -2,7 +2,7 @@
 
 Per layer the engine keeps two paged caches with the same slots: the latent ``[kv_c, k_pe]`` rows
 (``LatentKVCache``) and the indexer's keys ``[index_head_dim]`` (a second ``LatentKVCache`` with no
-rope part; vLLM: the indexer's own ``k_cache``, ``model_executor/models/deepseek_v2.py:729-734``).
+rope part; vLLM: the indexer's own ``k_cache``, ``model_executor/models/deepseek_v2.py:726-734``).
 For each batch row (a request's queries at ``positions``, context ``seq_len``)::
 
     slots  = context_slots(block_row, seq_len)            # int64[n]: positions 0..n-1
@@ -10,7 +10,7 @@ For each batch row (a request's queries at ``positions``, context ``seq_len``)::
     out    = MLA over latent[slots] where selected and causal
 
 vLLM turns the request-relative top-k rows into cache slots the same way
-(``convert_req_index_to_global_index`` in the sparse MLA backends) and its sparse kernel reads only
+(``triton_convert_req_index_to_global_index``, e.g. ``v1/attention/backends/mla/flashinfer_mla_sparse_sm120.py:171``) and its sparse kernel reads only
 those. This is the torch reference (host loop over rows, no CUDA graph): absorbed MLA like
 ``kv_cache.paged_mla_attention``'s torch path, masked to the selection.
 

@@ -6,11 +6,11 @@ Where transformers 5.20.2 and vLLM 0.33.0 differ, pcpviz follows vLLM; none of t
 logit here beyond float rounding:
 
 * the indexer's softmax scale: transformers scales ``q . k`` inside the relu, vLLM folds it
-  into the head weights (``deepseek_v2.py:850``): equal, the scale being positive;
+  into the head weights (``deepseek_v2.py:852``): equal, the scale being positive;
 * ``k_norm``: transformers' ``nn.LayerNorm`` in the model dtype, vLLM's in float32
   (``deepseek_v2.py:720``); pcpviz computes it in float32;
 * the top-k weights' renormalisation: transformers adds 1e-20 to the sum, vLLM does not
-  (``grouped_topk_router.py:153-154``);
+  (``grouped_topk_router.py:157-158``);
 * fewer visible keys than ``index_topk``: transformers' top-k picks masked (future) keys too and
   the causal mask removes them again; vLLM and pcpviz mark the missing slots -1;
 * vLLM scores the indexer in fp8 (q and k quantized per 128 with ue8m0 scales), transformers and
