@@ -10,8 +10,9 @@ For each batch row (a request's queries at ``positions``, context ``seq_len``)::
     out    = MLA over latent[slots] where selected and causal
 
 vLLM turns the request-relative top-k rows into cache slots the same way
-(``triton_convert_req_index_to_global_index``, e.g. ``v1/attention/backends/mla/flashinfer_mla_sparse_sm120.py:171``) and its sparse kernel reads only
-those. This is the torch reference (host loop over rows, no CUDA graph): absorbed MLA like
+(``triton_convert_req_index_to_global_index``, e.g.
+``v1/attention/backends/mla/flashinfer_mla_sparse_sm120.py:171``) and its sparse kernel reads
+only those. This is the torch reference (host loop over rows, no CUDA graph): absorbed MLA like
 ``kv_cache.paged_mla_attention``'s torch path, masked to the selection.
 
 Example: index_topk 64, a request at position 99 decoding one token (seq_len 100): its query
