@@ -18,7 +18,9 @@ from pcpviz.engine.model import TinyDSV3
 from pcpviz.engine.model_v32 import build_model
 from pcpviz.engine.model_config import TinyDSV3Config, default_model_dir, read_config
 
-__all__ = ["load_model", "save_model"]
+__all__ = ["load_model", "save_model", "FP32_TENSORS"]
+
+FP32_TENSORS = ("e_score_correction_bias",)  # stored and kept in float32 whatever the model's dtype
 
 
 def _shell(cfg: TinyDSV3Config) -> TinyDSV3:
@@ -96,5 +98,7 @@ def load_model(model_dir: Optional[str] = None, device: str | torch.device = "cp
     missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
         raise ValueError(f"checkpoint mismatch: missing={sorted(missing)} unexpected={sorted(unexpected)}")
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    # the routers' correction bias stays float32, as vLLM keeps it (deepseek_v2.py:327-330)
+    model.load_state_dict({k: v.to(torch.float32 if k.endswith(FP32_TENSORS) else dtype)
+                           for k, v in state.items()}, assign=True)
     return model.to(device=device).eval()

@@ -118,6 +118,15 @@ class TinyDSV32(TinyDSV3):
         attn = attn or sparse_causal_attention(self, positions=positions)
         return self.logits(self.forward_hidden(input_ids, positions, attn))
 
+    def hf_state_dict(self, dtype: Optional[torch.dtype] = None) -> dict:
+        """``TinyDSV3.hf_state_dict``, the routers' ``e_score_correction_bias`` kept in float32 (as
+        DeepSeek's checkpoints store it; transformers keeps it so, ``_keep_in_fp32_modules_strict``)."""
+        out = super().hf_state_dict(dtype)
+        for name in out:
+            if name.endswith("e_score_correction_bias"):
+                out[name] = self.state_dict()[name].detach().float().contiguous().clone().cpu()
+        return out
+
     def moe_layers(self) -> list[MoE]:
         """The MoE MLPs, in layer order (main layers, then the MTP block)."""
         return [m.mlp for m in self.model.layers if isinstance(m.mlp, MoE)]

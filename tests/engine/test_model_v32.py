@@ -120,3 +120,21 @@ def test_the_mtp_block_runs_sparse_with_moe():
         assert m.mtp_logits(mh).shape == (39, 264)
     with pytest.raises(TypeError):  # the sparse model's callback must take the indexer's tensors
         m.forward_hidden(ids, torch.arange(40), causal_attention(m))
+
+
+def test_the_router_bias_is_stored_and_kept_in_float32(tmp_path):
+    from safetensors.torch import load_file
+
+    from pcpviz.engine.checkpoint import load_model, save_model
+
+    m = _model()
+    with torch.no_grad():
+        m.moe_layers()[0].gate.e_score_correction_bias.fill_(0.1234567)
+    save_model(m, str(tmp_path), dtype=torch.bfloat16)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    bias = state["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert bias.dtype == torch.float32 and float(bias[0]) == pytest.approx(0.1234567, abs=1e-7)
+    assert state["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    loaded = load_model(str(tmp_path), dtype=torch.bfloat16)
+    assert loaded.moe_layers()[0].gate.e_score_correction_bias.dtype == torch.float32
+    assert loaded.model.layers[1].mlp.gate.weight.dtype == torch.bfloat16
