@@ -79,10 +79,11 @@ class StepRecord:
 
     def target(self, *, batch, logits_indices, layout, local, local_positions, local_seq_lens, bt_local,
                table, slots_global, slots_gathered, sampled_rows, sampled_from, top1, hidden_global,
-               t0, t1, hidden_local=None, eager=True) -> None:
+               t0, t1, hidden_local=None, eager=True, moe_gathers=False) -> None:
         """``hidden_global``: the restored hidden states [T, H] (a device tensor, hashed on the
         recorder's thread); ``top1``: the sampled token per sampled row (host or device);
-        ``eager``: the forward ran without a CUDA-graph replay (its collectives were seen)."""
+        ``eager``: the forward ran without a CUDA-graph replay (its collectives were seen);
+        ``moe_gathers``: the model's MoE layers gather every rank's rows (``moe_is_padding``)."""
         if self.calls is not None and eager:
             self._target_calls = len(self.calls)
         nr = local.num_reqs
@@ -118,6 +119,7 @@ class StepRecord:
             "local_seq_lens": np.asarray(local_seq_lens[:nr], dtype=np.int64).copy(),
             "local_logits_indices": local.logits_indices[:nr].copy(),
             "local_is_padding": local.is_padding.copy(),
+            **({"moe_is_padding": ~layout.is_real_row()} if moe_gathers else {}),  # rank-major [N*P]
             "local_is_prefilling": local.is_prefilling[:nr].copy(),
             "local_num_computed_tokens": local.num_computed_tokens.astype(np.int64),
             # block tables and slot mappings (one KV-cache group: G = 1)

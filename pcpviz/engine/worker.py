@@ -387,7 +387,8 @@ class Worker:
                            table=h.table, slots_global=h.slots_global, slots_gathered=h.slots_gathered,
                            sampled_rows=h.sample_rows, sampled_from="local" if local_logits else "global",
                            top1=targets, hidden_global=hidden_global[: layout.num_tokens], t0=t0, t1=t1,
-                           hidden_local=hidden_local[:len(h.positions)], eager=eagerly(self.graphs, ("target", shape)))
+                           hidden_local=hidden_local[:len(h.positions)], eager=eagerly(self.graphs, ("target", shape)),
+                           moe_gathers=self.model.config.is_moe and self.group.world_size > 1)
                 kept = kept_drafts([self.states[r].drafts for r in h.batch.req_ids], k)
                 rec.phases["target"]["scheduled_draft_ids"] = kept
                 if h.dcp_local_seq_lens is not None:

@@ -96,6 +96,10 @@ def test_moe_layers_gather_and_reduce_scatter_in_every_forward(runs):
             assert len(found) == 1, (step, phase, mine)
             rows, scattered = (int(x) for x in found[0])
             assert scattered == 2 * rows
+    for step in t.steps:  # the gathered MoE rows' padding, rank-major: every rank's own block of it
+        gathered = np.asarray(t.record(step, 0, "target")["moe_is_padding"])
+        blocks = [np.asarray(t.record(step, r, "target")["local_is_padding"]) for r in (0, 1)]
+        assert gathered.tolist() == np.concatenate(blocks).tolist()
     report = run_checks(t)
     assert report.results["collectives_match_vllm"].verdict == "pass"
     assert not [n for n, r in report.results.items() if r.verdict == "fail"]
