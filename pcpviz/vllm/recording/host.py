@@ -310,8 +310,8 @@ class StepPack:
         flat = plan.sources
         if plan.dynamic_at:
             flat = list(flat)
-            for i, t in zip(plan.dynamic_at, dynamic):
-                b, meta = fresh_bytes(t)
+            for i, j in plan.dynamic_at:
+                b, meta = fresh_bytes(dynamic[j])
                 if meta != plan.metas[i]:
                     return False
                 flat[i] = b
@@ -405,8 +405,9 @@ def _plan(phase: dict[str, Any], before: dict[str, Any], copied: tuple[list, lis
     entries = template_entries({k: v for k, v in phase.items() if before.get(k) is not v}, where)
     if entries is None:
         return None
-    dynamic_at = [i for i, t in enumerate(tensors) if id(t) in dynamic_ids]
-    sources = [None if i in dynamic_at else b for i, b in enumerate(flat)]
+    dynamic_at = [(i, dynamic_ids.index(id(t))) for i, t in enumerate(tensors) if id(t) in dynamic_ids]
+    fill = {i for i, _ in dynamic_at}
+    sources = [None if i in fill else b for i, b in enumerate(flat)]
     return ReplayPlan(sources, [p[3:] for p in places], dynamic_at, entries)
 
 

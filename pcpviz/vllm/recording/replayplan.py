@@ -39,13 +39,14 @@ MAX_PLANS = 256  # shapes kept per recorder (vLLM captures a few dozen graph siz
 
 
 class ReplayPlan:
-    """One replayed phase's copy: ``sources`` (kept uint8 views; None where ``dynamic`` fills in),
-    ``metas`` (dtype name, shape, nbytes) per source, ``total`` bytes, ``entries`` (view -> entry,
-    device entries ``("p", offset in the copy, dtype, shape)``)."""
+    """One replayed phase's copy: ``sources`` (kept uint8 views; None where a dynamic tensor fills
+    in), ``metas`` (dtype name, shape, nbytes) per source, ``dynamic_at`` (position in the copy,
+    index in the dynamic tensors handed to each replay), ``total`` bytes, ``entries`` (view ->
+    entry, device entries ``("p", offset in the copy, dtype, shape)``)."""
 
     __slots__ = ("sources", "metas", "dynamic_at", "total", "entries")
 
-    def __init__(self, sources: list, metas: list, dynamic_at: list[int], entries: dict[str, Any]) -> None:
+    def __init__(self, sources: list, metas: list, dynamic_at: list[tuple[int, int]], entries: dict[str, Any]) -> None:
         self.sources, self.metas, self.dynamic_at, self.entries = sources, metas, dynamic_at, entries
         self.total = sum(m[2] for m in metas)
 
