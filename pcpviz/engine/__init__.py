@@ -1,4 +1,5 @@
-"""pcpviz.engine: the tiny DeepSeek-V3 (MLA + MTP) model and the PCP + MTP engine around it.
+"""pcpviz.engine: the tiny DeepSeek-V3 (MLA + MTP) model, its MoE + DSA sibling
+(``model_v32``: DeepSeek-V3.2 / GLM-5 shaped) and the PCP + MTP engine around them.
 
 Kept light on purpose: importing the package imports nothing heavy; submodules
 (``pcpviz.engine.model``, ``.model_config``, ``.checkpoint``, ``.tokenizer``, ``.corpus``,
@@ -7,6 +8,8 @@ Kept light on purpose: importing the package imports nothing heavy; submodules
 
 _LAZY = {
     "TinyDSV3": "model",
+    "TinyDSV32": "model_v32",
+    "build_model": "model_v32",
     "TinyDSV3Config": "model_config",
     "load_model": "checkpoint",
     "causal_attention": "model",

@@ -11,7 +11,17 @@
 The fault ``fold_slot_mapping_without_shape_check`` lives here. It is an illustration
 (``Fault.faithful`` is False): it folds the latent KV *and* the mapping by the world size
 regardless of the mapping's shape. vLLM's pre-fix fold was in the sparse indexer's key-cache
-write and truncated only ``k``; this model has no indexer.
+write and truncated only ``k``; the dense model has no indexer.
+
+The MoE + DSA model (``pcpviz.engine.model_v32``) calls with ``index=`` (its indexer's q, k and
+weights): the indexer keys are all-gathered (expanded mode; vLLM ``maybe_gather_indexer_k``,
+``v1/attention/ops/pcp.py:91-103``, called from ``model_executor/layers/sparse_attn_indexer.py:
+561-567``; a replicated draft decode's unexpanded mapping writes them ungathered, lines 553-559)
+and written by the same slot mapping into ``index_cache`` first -- vLLM's MLA runs the indexer,
+whose op writes its k cache, before the attention writes the latent
+(``model_executor/layers/mla.py:233``) -- then the attention runs over the indexer's top-k of each
+row's context (``pcpviz.engine.sparse_attention``; torch only). There the fault folds the indexer
+keys too: where vLLM's pre-fix fold was.
 
 On CUDA the KV write and the attention run Triton kernels (``pcpviz_kernels``,
 see ``kv_cache.kernels_for``): decode-sized rows the absorbed paged kernel, prefill rows
@@ -30,6 +40,7 @@ import numpy as np
 
 from pcpviz.engine.dcp_attention import DCPRows, dcp_combine, dcp_partial_mla
 from pcpviz.engine.kv_cache import LatentKVCache, kernels_for, paged_mla_attention
+from pcpviz.engine.sparse_attention import sparse_paged_mla
 
 __all__ = ["PagedAttention"]
 
@@ -56,18 +67,32 @@ class PagedAttention:
     # DCP > 1 (pcpviz.engine.dcp_attention): the KV is sharded, attention is partial + combined
     dcp: DCPRows | None = None
     dcp_ranks: list[int] = field(default_factory=list)  # per layer: partial results combined
+    index_cache: LatentKVCache | None = None  # the DSA model's indexer keys (rope_dim 0), same slots
+    selections: list | None = None  # DSA: each batch row's top-k rows, appended per layer (tests)
 
-    def __call__(self, layer_idx, q_nope, q_pe, kv_c, k_pe):
-        latent = torch.cat([kv_c, k_pe], dim=-1)
+    def _write(self, cache: LatentKVCache, layer_idx: int, rows: torch.Tensor) -> None:
+        """Gather (expanded) and write one layer's new rows into ``cache`` by the slot mapping."""
         slots = self.slots
         if self.expanded:
-            latent = self.group.all_gather(latent)
+            rows = self.group.all_gather(rows)
         elif self.fold_without_shape_check and self.group.world_size > 1:
             # The bug: "num_tokens //= world_size" applied to an unexpanded mapping.
             keep = slots.shape[0] // self.group.world_size
-            slots, latent = slots[:keep], latent[:keep]
-        self.cache.write(layer_idx, slots, latent, checked=self.slots_checked)
+            slots, rows = slots[:keep], rows[:keep]
+        cache.write(layer_idx, slots, rows, checked=self.slots_checked)
+
+    def __call__(self, layer_idx, q_nope, q_pe, kv_c, k_pe, *, index=None):
+        if index is not None:  # DSA: the indexer's k cache first (mla.py:233)
+            self._write(self.index_cache, layer_idx, index.k)
+        self._write(self.cache, layer_idx, torch.cat([kv_c, k_pe], dim=-1))
         w_uk, w_uv = self.model.mla_up_weights(layer_idx)
+        if index is not None:
+            out = sparse_paged_mla(
+                q_nope, q_pe, index, cache=self.cache.layers[layer_idx], index_cache=self.index_cache.layers[layer_idx],
+                block_rows=self.block_rows, query_start_loc=self.query_start_loc, positions=self.positions,
+                seq_lens=self.seq_lens, w_uk=w_uk, w_uv=w_uv, block_size=self.cache.block_size,
+                scale=self.model.config.softmax_scale, record=self.selections)
+            return out.to(q_nope.dtype)
         if self.dcp is not None:
             return self._dcp_attention(layer_idx, q_nope, q_pe, w_uk, w_uv)
         kw = {}

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from pcpviz.engine.model import TinyDSV3
+from pcpviz.engine.model_v32 import build_model
 from pcpviz.engine.model_config import TinyDSV3Config, default_model_dir, read_config
 
 __all__ = ["load_model", "save_model"]
@@ -25,7 +26,7 @@ def _shell(cfg: TinyDSV3Config) -> TinyDSV3:
     Built on the CPU, not on the meta device: a tiny model's default init there costs ~30 ms,
     while ``nn.Embedding``'s ``normal_`` on meta tensors goes through ``torch._refs`` and
     imports ``torch._dynamo`` (1.5 s and more of every rank's start)."""
-    return TinyDSV3(cfg)
+    return build_model(cfg)  # TinyDSV32 for a deepseek_v32 config
 
 
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}

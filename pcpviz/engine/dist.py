@@ -1,4 +1,5 @@
-"""The PCP process group: the only collective PCP needs is an all-gather along dim 0.
+"""The PCP process group: an all-gather along dim 0 (KV, hidden states) and, for the MoE model,
+a reduce-scatter along dim 0 (its experts' partial sums, ``pcpviz.engine.moe``).
 
 ``ProcessGroupPCP`` wraps ``torch.distributed`` (gloo on CPU, NCCL on CUDA,
 ``env://`` rendezvous so torchrun works across hosts); ``SingleRank`` is PCP=1.
@@ -37,6 +38,9 @@ class PCPGroup:
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:  # [M, ...] -> [N*M, ...]
         raise NotImplementedError
 
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:  # [N*M, ...] -> [M, ...]: the sum, rank's rows
+        raise NotImplementedError
+
     def broadcast_json(self, doc, src: int = 0):
         """Plain JSON data from rank ``src`` (a single rank keeps its own)."""
         return doc
@@ -44,6 +48,10 @@ class PCPGroup:
 
 class SingleRank(PCPGroup):
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        self.num_collectives += 1
+        return x
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         self.num_collectives += 1
         return x
 
@@ -83,6 +91,30 @@ class ProcessGroupPCP(PCPGroup):
         else:
             tdist.all_gather_into_tensor(out, x)
         return out
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """vLLM's ``reduce_scatter(x, dim=0)`` (``moe_runner.py:853-861``): the element-wise sum over
+        the ranks of ``x`` [N*M, ...], of which this rank keeps rows ``[rank*M, (rank+1)*M)``. On
+        gloo, which has no reduce-scatter, an all-reduce then the rank's slice (the same result)."""
+        if self.timer:
+            with self.timer.phase("gather"):
+                return self._reduce_scatter(x)
+        return self._reduce_scatter(x)
+
+    def _reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        self.num_collectives += 1
+        if self.ledger is not None:
+            self.ledger.append(describe("reduce_scatter", "pcp", x))
+        m = x.shape[0] // self.world_size
+        if x.shape[0] != m * self.world_size:
+            raise ValueError(f"reduce_scatter of {x.shape[0]} rows over {self.world_size} ranks")
+        if tdist.get_backend() == "nccl":
+            out = torch.empty((m,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+            tdist.reduce_scatter_tensor(out, x.contiguous())
+            return out
+        wide = x.float().contiguous()  # gloo: float32 (sums of bf16 rows in float32, then rounded)
+        tdist.all_reduce(wide)
+        return wide[self.rank * m:(self.rank + 1) * m].to(x.dtype)
 
     def broadcast_json(self, doc, src: int = 0):
         """``doc`` (plain JSON data) from rank ``src`` on every rank, as UTF-8 JSON text in uint8

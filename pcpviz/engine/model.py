@@ -51,9 +51,7 @@ from pcpviz.engine.model_config import TinyDSV3Config
 __all__ = ["TinyDSV3", "AttnFn", "causal_attention", "apply_rope", "rope_cos_sin", "rope_inv_freq"]
 
 # attn(layer_idx, q_nope [T,H,Dn], q_pe [T,H,Dr], kv_c [T,R], k_pe [T,Dr]) -> [T, H, Dv]
-AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
+AttnFn = Callable[..., torch.Tensor]  # TinyDSV32 adds the keyword ``index`` (pcpviz.engine.model_v32)
 
 # --------------------------------------------------------------------------------------------
 # building blocks
@@ -123,15 +121,16 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(H * cfg.v_head_dim, d, bias=False)
 
-    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        """(q_nope, q_pe, kv_c, k_pe) of the rows ``x``, rope ``(cos, sin)`` applied."""
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], qr: Optional[torch.Tensor] = None):
+        """(q_nope, q_pe, kv_c, k_pe) of the rows ``x``, rope ``(cos, sin)`` applied (``qr``: the
+        q LoRA's normed latent of ``x``, when the caller has it)."""
         cos, sin = rope
         cfg = self.cfg
         T = x.shape[0]
         if cfg.q_lora_rank is None:
             q = self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)) if qr is None else qr)
         q = q.view(T, cfg.num_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         ckv = self.kv_a_proj_with_mqa(x)
@@ -207,11 +206,11 @@ class MTPLayer(DecoderLayer):
 
 
 class _Backbone(nn.Module):
-    def __init__(self, cfg: TinyDSV3Config):
+    def __init__(self, cfg: TinyDSV3Config, layer_cls=DecoderLayer, mtp_cls=MTPLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        layers: list[nn.Module] = [DecoderLayer(cfg, i) for i in range(cfg.num_layers)]
-        layers += [MTPLayer(cfg, cfg.num_layers + k) for k in range(cfg.num_mtp_layers)]
+        layers: list[nn.Module] = [layer_cls(cfg, i) for i in range(cfg.num_layers)]
+        layers += [mtp_cls(cfg, cfg.num_layers + k) for k in range(cfg.num_mtp_layers)]
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -224,10 +223,12 @@ class _Backbone(nn.Module):
 class TinyDSV3(nn.Module):
     """DeepSeek-V3 (MLA, dense MLP) main model + MTP module(s); flat token batches [T]."""
 
+    layer_cls, mtp_cls = DecoderLayer, MTPLayer  # TinyDSV32 (model_v32) builds its own blocks
+
     def __init__(self, config: TinyDSV3Config):
         super().__init__()
         self.config = config
-        self.model = _Backbone(config)
+        self.model = _Backbone(config, self.layer_cls, self.mtp_cls)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._inv_freq: dict[str, torch.Tensor] = {}  # device -> rope_inv_freq (kept, not recomputed)
         self._compile_backend: str | None = None  # compile_regions's backend; None: eager only

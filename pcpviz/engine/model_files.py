@@ -40,11 +40,28 @@ def _block(prefix: str, cfg: TinyDSV3Config) -> dict[str, tuple[int, ...]]:
         a + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
         a + "kv_b_proj.weight": (h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
         a + "o_proj.weight": (d, h * cfg.v_head_dim),
-        f"{prefix}.mlp.gate_proj.weight": (cfg.intermediate_size, d),
-        f"{prefix}.mlp.up_proj.weight": (cfg.intermediate_size, d),
-        f"{prefix}.mlp.down_proj.weight": (d, cfg.intermediate_size),
     })
+    if cfg.is_sparse:  # the DSA indexer (pcpviz.engine.indexer)
+        i, di = a + "indexer.", cfg.index_head_dim
+        out.update({i + "wq_b.weight": (cfg.index_n_heads * di, cfg.q_lora_rank), i + "wk.weight": (di, d),
+                    i + "k_norm.weight": (di,), i + "k_norm.bias": (di,),
+                    i + "weights_proj.weight": (cfg.index_n_heads, d)})
+    layer_idx = int(prefix.rsplit(".", 1)[1])
+    if cfg.moe_layer(layer_idx):  # pcpviz.engine.moe
+        m, inter, e = f"{prefix}.mlp.", cfg.moe_intermediate_size, cfg.n_routed_experts
+        out.update({m + "gate.weight": (e, d), m + "gate.e_score_correction_bias": (e,)})
+        experts = [f"experts.{j}." for j in range(e)] + (["shared_experts."] if cfg.n_shared_experts else [])
+        for x in experts:
+            w = inter * (cfg.n_shared_experts if x == "shared_experts." else 1)
+            out.update(_swiglu(m + x, d, w))
+    else:
+        out.update(_swiglu(f"{prefix}.mlp.", d, cfg.intermediate_size))
     return out
+
+
+def _swiglu(prefix: str, d: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (inter, d), prefix + "up_proj.weight": (inter, d),
+            prefix + "down_proj.weight": (d, inter)}
 
 
 def tensor_shapes(cfg: TinyDSV3Config) -> dict[str, tuple[int, ...]]:

@@ -88,10 +88,12 @@ def _set_up(cfg: RunConfig):
     torch.manual_seed(cfg.seed)
     model = load_model(cfg.model_dir, device=device, dtype=getattr(torch, cfg.dtype))
     model.eval()
+    if model.config.is_moe:  # its MoE layers gather and reduce-scatter over PCP (pcpviz.engine.moe)
+        model.moe_comm = group
     if cfg.warmup:
-        # A dummy forward (no cache, no collectives: the model is dense; vLLM's profile run skips
-        # the KV gather too, but an MoE model's still gathers its experts' tokens) so the first
-        # timed step does not pay for kernel/library initialisation.
+        # A dummy forward (no cache, no KV gather: vLLM's profile run skips it too; the MoE
+        # model's MoE layers still gather their rows and reduce-scatter, on every rank, as vLLM's
+        # do in dummy runs) so the first timed step does not pay for kernel/library initialisation.
         with torch.no_grad():
             ids = torch.arange(16, device=device) % model.config.vocab_size
             model.forward(ids, attn=None)

@@ -177,6 +177,7 @@ def build_config(prompts: Sequence[str | Sequence[int]], *, pcp: int = 1, num_sp
     faults = sorted(validate_faults(inject))
     model_dir, ids = _prompt_ids(prompts, model_dir, max_new_tokens=max_new_tokens,
                                  num_speculative_tokens=num_speculative_tokens)
+    _check_moe_dsa_model(model_dir, pcp=pcp, dcp=dcp, cuda_graphs=cuda_graphs)
     if max_num_batched_tokens < 1 + num_speculative_tokens:
         raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} cannot fit one decode of 1+K="
                          f"{1 + num_speculative_tokens} tokens")
@@ -281,6 +282,21 @@ def _prompt_ids(prompts: Sequence[str | Sequence[int]], model_dir: str | None, *
             )
         ids.append(toks)
     return model_dir, ids
+
+
+def _check_moe_dsa_model(model_dir: str, *, pcp: int, dcp: int, cuda_graphs) -> None:
+    """What the engine runs the MoE + DSA model (``pcpviz-tiny-moe-dsa``) with: its sparse attention
+    is eager and DCP-free (``pcpviz.engine.sparse_attention``), its experts' intermediate width
+    splits over the PCP ranks (``pcpviz.engine.moe``)."""
+    from pcpviz.engine.model_config import read_config
+
+    m = read_config(model_dir)
+    if m.is_sparse and dcp > 1:
+        raise ValueError("dcp > 1 with a DSA (index_topk) model: the engine's DCP attention is dense MLA only")
+    if m.is_sparse and cuda_graphs:
+        raise ValueError("cuda_graphs with a DSA (index_topk) model: its sparse attention runs eager only")
+    if m.is_moe and m.moe_intermediate_size % pcp:
+        raise ValueError(f"moe_intermediate_size {m.moe_intermediate_size} does not split over pcp={pcp} ranks")
 
 
 def _positive(name: str, value, minimum: int = 1) -> int:

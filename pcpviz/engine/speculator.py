@@ -258,7 +258,7 @@ def _draft_prefill(worker, d, dt, *, hidden_local, bounds, hidden_rank_local, ho
     attn = PagedAttention(model, worker.cache, worker.group, expanded=True, slots=d["slots"],
                           block_rows=d["block_rows"], query_start_loc=d["qsl"], positions=d["positions"],
                           seq_lens=d["seq_lens"], bounds=bounds, slots_checked=True, host_lens=host_lens,
-                          dcp=dcp_rows_of(d))
+                          dcp=dcp_rows_of(d), index_cache=worker.index_cache)
     with torch.no_grad():
         hidden_in = hidden_local  # [P, H]: the target's rank-local rows, what the MTP layer reads
         mtp_local = model.mtp_forward(dt["ids"], dt["positions"], hidden_in, attn=attn)
@@ -298,7 +298,7 @@ def _draft_decodes(worker, dt, *, tok0, h_last, k, bounds, fold, marks, keep=Fal
                                   block_rows=dt["block_rows"], query_start_loc=dt["qsl"],
                                   positions=dt["dpos"][j - 1], seq_lens=dt["dseq"][j - 1],
                                   fold_without_shape_check=fold, bounds=bounds[j - 1], slots_checked=True,
-                                  dcp=_decode_dcp_rows(dt, j))
+                                  dcp=_decode_dcp_rows(dt, j), index_cache=worker.index_cache)
             if keep:
                 handed.append(hidden)  # what step j reads (== handed[j - 1] unless a hand-off broke)
             # the fault draft_decodes_read_prefill_batch: every step fed the draft prefill's first rows

@@ -48,9 +48,19 @@ def trace_meta(cfg: RunConfig) -> dict:
         "max_num_batched_tokens": cfg.max_num_batched_tokens, "seed": cfg.seed,
         "num_requests": len(cfg.prompt_token_ids), "max_new_tokens": cfg.max_new_tokens,
         "prompt_token_ids": [list(p) for p in cfg.prompt_token_ids], "dtype": cfg.dtype,
-        "model_moe": False,  # the engine's model (TinyDSV3) has a dense MLP: no MoE collectives
+        "model_moe": _model_moe(cfg),  # routed experts: the MoE layers gather and reduce-scatter over PCP
         **_dcp_meta(cfg),
     }
+
+
+def _model_moe(cfg: RunConfig) -> bool:
+    """The run's model has routed experts (``pcpviz-tiny-moe-dsa``); the dense model has none."""
+    from pcpviz.engine.model_config import read_config
+
+    try:
+        return read_config(cfg.model_dir).is_moe
+    except (OSError, ValueError, KeyError):
+        return False
 
 
 def _dcp_meta(cfg: RunConfig) -> dict:

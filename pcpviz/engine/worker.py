@@ -39,12 +39,7 @@ import torch
 
 from pcpviz import faults as F
 from pcpviz.reference.batch import GlobalBatch, LocalBatch
-from pcpviz.reference.blocks import (
-    BlockTable,
-    compute_slot_mappings,
-    gather_block_table_rows,
-    gathered_slot_mapping,
-)
+from pcpviz.reference.blocks import BlockTable, compute_slot_mappings, gather_block_table_rows, gathered_slot_mapping
 from pcpviz.engine.attention import PagedAttention
 from pcpviz.engine.dcp_attention import dcp_rows_of, dcp_step_inputs
 from pcpviz.reference.dcp import dcp_owner
@@ -172,13 +167,16 @@ class Worker:
         num_cache_layers = mc.num_layers + (1 if cfg.num_speculative_tokens > 0 else 0)
         self.cache = LatentKVCache(num_cache_layers, cfg.num_blocks, cfg.block_size, mc.kv_lora_rank,
                                    mc.qk_rope_head_dim, cfg.dtype, device)
+        self.index_cache = LatentKVCache(num_cache_layers, cfg.num_blocks, cfg.block_size, mc.index_head_dim, 0,
+                                         cfg.dtype, device) if mc.is_sparse else None  # DSA: indexer keys
         self.states: dict[str, RequestState] = {}
         self._fault_specs = cfg.faults  # NAME or NAME@STEP (pcpviz.faults.parse_fault)
         self.faults: frozenset[str] = frozenset()  # the names active at the current step
         # draft_cursor_drift_after_rejection: how far each request's drafter cursor runs ahead
         self.draft_drift: dict[str, int] = {}
         self.uploader = Uploader(device)
-        graphs = cfg.cuda_graphs if cfg.cuda_graphs is not None else graphs_by_default(device, cfg.pcp)
+        graphs = (cfg.cuda_graphs if cfg.cuda_graphs is not None else graphs_by_default(device, cfg.pcp)) \
+            and not mc.is_sparse  # the sparse attention (sparse_attention.py) loops on the host: eager only
         self.graphs = GraphRunner("capture" if device.type == "cuda" else "eager", device) if graphs else None
         if self.graphs is not None:
             self.graphs.timer = self.timer if self.timer else None
@@ -422,7 +420,7 @@ class Worker:
         attn = PagedAttention(self.model, self.cache, self.group, expanded=True, slots=d["slots"],
                               block_rows=d["block_rows"], query_start_loc=d["qsl"], positions=d["positions"],
                               seq_lens=d["seq_lens"], bounds=bounds, slots_checked=True, host_lens=host_lens,
-                              dcp=dcp_rows_of(d))
+                              dcp=dcp_rows_of(d), index_cache=self.index_cache)
         with torch.no_grad():
             hidden_local = self.model.forward_hidden(d["ids"], d["positions"], attn)  # [P, H]
             hidden_global = self.group.all_gather(hidden_local)[d["restore"]]  # [T, H]

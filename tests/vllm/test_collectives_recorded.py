@@ -74,8 +74,21 @@ def test_a_gather_in_a_dense_draft_decode_fails(replayed, tmp_path):
     assert res.verdict == "fail" and res.first_violation.step == 2 and res.first_violation.phase == "draft_1"
     assert "replicated draft decode of a dense model" in res.first_violation.message
     # with routed experts the MoE layers gather in every forward: the same line is not a failure there
-    moe = rewrite(replayed, tmp_path / "moe", edit, meta_edit=lambda m: m.update(model_moe=True))
+    # (each forward then also holds its MoE layer's gathers and reduce-scatter, as the MoE rule asks)
+    triple = ["all_gather pcp float32[3, 256] dim=0", "all_gather pcp float32[3, 8] dim=0",
+              "reduce_scatter pcp float32[6, 256] dim=0"]
+
+    def edit_moe(step, rank, phases):
+        edit(step, rank, phases)
+        for name, rec in phases.items():
+            if name != "verify" and "collectives" in rec:
+                rec["collectives"] = np.array([str(x) for x in np.asarray(rec["collectives"])] + triple, dtype=str)
+
+    moe = rewrite(replayed, tmp_path / "moe", edit_moe, meta_edit=lambda m: m.update(model_moe=True))
     assert _result(moe).verdict == "pass"
+    # ... and a MoE model's forward without them fails (the dense replay relabelled)
+    bare = _result(rewrite(replayed, tmp_path / "bare", edit, meta_edit=lambda m: m.update(model_moe=True)))
+    assert bare.verdict == "fail" and "no MoE reduce-scatter" in bare.first_violation.message
 
 
 def test_traces_without_the_view_skip(tmp_path):

@@ -46,6 +46,12 @@ PIECEWISE finding's exact drafts are tied to its weights. Use the long model for
 ~2k tokens (``pcpviz.run(..., model_dir=...)``, ``benchmarks/bench_long_acceptance.py``).
 ``--eval-only --init-from DIR`` evaluates a model as it is (``OUT/eval.json``).
 
+The second model, MoE + DSA (``data/models/pcpviz-tiny-moe-dsa``, ``pcpviz.engine.model_v32``),
+trains with ``--config data/models/pcpviz-tiny-moe-dsa/config.json`` (the architecture flags are
+then ignored); its objective adds the indexer's KL and the experts' bias update
+(``tools.train.objective_v32``: ``--dsa-dense-frac``, ``--bias-update-speed``), and
+``GPU_TRAIN.md`` in the repository root holds its one-H200 command.
+
 ``--time-budget-s S`` (instead of ``--steps``) measures the step time first and picks the largest
 step count that fits in ``S`` seconds; the chosen count is written to ``training.json`` so the run
 can be repeated with ``--steps``.
@@ -89,9 +95,11 @@ from pcpviz.engine import tokenizer as tok
 from pcpviz.engine.checkpoint import load_model, save_model
 from pcpviz.engine.model import TinyDSV3
 from pcpviz.engine.model_config import TinyDSV3Config
+from pcpviz.engine.model_v32 import TinyDSV32, build_model
 from tools.train import corpus as corpus_mod
 from tools.train.heldout import evaluate, evaluate_long
 from tools.train.objective import window_losses
+from tools.train.objective_v32 import expert_loads, indexer_recall, update_expert_bias
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -127,6 +135,13 @@ def _parse(argv=None) -> argparse.Namespace:
                    help="how many such held-out sequences to average")
     p.add_argument("--eval-only", action="store_true",
                    help="with --init-from: evaluate that model (no training) and write eval.json in --out")
+    p.add_argument("--config", default=None,
+                   help="config.json giving the architecture (e.g. data/models/pcpviz-tiny-moe-dsa/config.json: "
+                        "the MoE + DSA model); the architecture flags below are then ignored")
+    p.add_argument("--dsa-dense-frac", type=float, default=0.2,
+                   help="DSA model: fraction of the steps in the dense warm-up stage (tools.train.objective_v32)")
+    p.add_argument("--bias-update-speed", type=float, default=1e-3,
+                   help="MoE model: gamma of the experts' e_score_correction_bias update after each step")
     # architecture (defaults = the shipped model)
     d = TinyDSV3Config()
     p.add_argument("--hidden-size", type=int, default=d.hidden_size)
@@ -219,6 +234,9 @@ def _build_model(args) -> tuple[TinyDSV3, TinyDSV3Config, dict | None]:
                          num_layers=args.num_layers, num_heads=args.num_heads, vocab_size=tok.VOCAB_SIZE,
                          bos_token_id=tok.BOS_ID, eos_token_id=tok.EOS_ID, pad_token_id=tok.PAD_ID,
                          torch_dtype=args.save_dtype)
+    if args.config:
+        with open(args.config, encoding="utf-8") as f:
+            cfg = dataclasses.replace(TinyDSV3Config.from_hf_dict(json.load(f)), torch_dtype=args.save_dtype)
     previous = None
     if args.init_from:
         model = load_model(args.init_from, device="cpu", dtype=torch.float32)
@@ -229,7 +247,7 @@ def _build_model(args) -> tuple[TinyDSV3, TinyDSV3Config, dict | None]:
             with open(prev_path, encoding="utf-8") as f:
                 previous = json.load(f)
     else:
-        model = TinyDSV3(cfg)
+        model = build_model(cfg)  # TinyDSV32 for a deepseek_v32 config
         model.init_weights(torch.Generator().manual_seed(args.seed))
     model.tie_mtp_to_main()
     return model, cfg, previous
@@ -253,6 +271,7 @@ class _Trainer:
         self.data_gen = torch.Generator().manual_seed(args.seed + 1)
         self.window = args.seq_len + 2
         self.max_start = train_stream.numel() - self.window
+        self.stats: dict = {}  # the last step's extra figures (the DSA model's indexer_kl)
 
     def batch(self):
         a = self.args
@@ -265,12 +284,17 @@ class _Trainer:
         for g in self.opt.param_groups:
             g["lr"] = _lr_at(step, total, self.args)
         w, pos = self.batch()
+        self.stats.clear()
+        sparse = step >= int(self.args.dsa_dense_frac * total)  # the DSA model's stage (objective_v32)
         with _autocast(self.device):
-            loss, main, mtp, _, _ = window_losses(self.model, w, mtp_weight=self.args.mtp_weight, positions=pos)
+            loss, main, mtp, _, _ = window_losses(self.model, w, mtp_weight=self.args.mtp_weight, positions=pos,
+                                                  dsa_sparse=sparse, stats=self.stats)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.grad_clip)
         self.opt.step()
+        if isinstance(self.model, TinyDSV32):
+            update_expert_bias(self.model, self.args.bias_update_speed)
         return loss, main, mtp, gn
 
     def sync(self) -> None:
@@ -305,10 +329,11 @@ class _Trainer:
             _, main, mtp, gn = self.step(step, steps)
             if step % a.log_every == 0 or step == steps - 1:
                 m, t, lr = main.item(), mtp.item(), _lr_at(step, steps, a)
+                extra = {k: round(float(v), 4) for k, v in self.stats.items()}
                 hist.append({"step": step, "main": round(m, 4), "mtp": round(t, 4), "grad_norm": round(gn.item(), 3),
-                             "lr": lr, "t": round(time.time() - t_train, 1)})
+                             "lr": lr, "t": round(time.time() - t_train, 1), **extra})
                 print(f"step {step:6d}/{steps} main {m:.4f} mtp {t:.4f} gn {gn.item():.2f} "
-                      f"lr {lr:.2e} {time.time() - t_train:.0f}s", flush=True)
+                      f"lr {lr:.2e} {time.time() - t_train:.0f}s {extra or ''}", flush=True)
             cur = (main.detach(), mtp.detach())
             ema = cur if ema is None else (0.95 * ema[0] + 0.05 * cur[0], 0.95 * ema[1] + 0.05 * cur[1])
         return hist, ema, time.time() - t_train
@@ -351,6 +376,9 @@ def main(argv=None) -> dict:
     hist, ema, train_time = trainer.run(steps)
 
     ev, ev_long = _heldout_figures(model, held_stream, args, device, lambda: _autocast(device))
+    if isinstance(model, TinyDSV32):
+        ev["indexer_recall"] = indexer_recall(model, held_stream, args.seq_len, windows=4, device=device,
+                                              autocast=lambda: _autocast(device))
     print("held-out:", json.dumps(ev), flush=True)
     print("held-out by position:", json.dumps(ev_long), flush=True)
     record = {
@@ -368,6 +396,7 @@ def main(argv=None) -> dict:
         "final_train_loss": {"main": round(float(ema[0]), 4), "mtp": round(float(ema[1]), 4),
                              "note": "EMA(0.95) of per-step losses over the last steps"},
         "heldout": ev, "heldout_by_position": ev_long, "corpus": summary, "loss_history": hist,
+        "expert_loads_last_step": expert_loads(model) if isinstance(model, TinyDSV32) else None,
         "env": {"python": platform.python_version(), "torch": torch.__version__,
                 "platform": platform.platform()},
     }

@@ -19,7 +19,12 @@ where vLLM makes two), so the rules are the ones both obey:
   and its hidden states are already global (nothing to restore). With routed experts (run.json
   ``model_moe``) the MoE layers all-gather and reduce-scatter over PCP in every forward
   (``model_executor/layers/fused_moe/runner/moe_runner.py:824-829, 853-861``), and at DCP > 1 the
-  attention combines over DCP: the rule is then skipped.
+  attention combines over DCP: the rule is then skipped;
+* **a MoE model's forwards run the MoE's collectives** (run.json ``model_moe``, PCP > 1): every
+  phase but verify has at least one, and each reduce-scatter follows the all-gathers of its input
+  rows ``[n, H]`` and their router logits ``[n, E]``, and scatters ``[pcp * n, H]``: the MoE layer
+  gathers every rank's rows, computes its share of the experts over all of them and sums back
+  (``moe_runner.py:824-829, 853-861``; the engine's ``pcpviz.engine.moe``).
 
 PCP=2, K=2, the tiny dense model, one step of the CPU replay (rank 0; rank 1 the same)::
 
@@ -34,6 +39,8 @@ PCP=2, K=2, the tiny dense model, one step of the CPU replay (rank 0; rank 1 the
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from .context import Ctx, Skip, check
@@ -43,9 +50,44 @@ def _lines(a: np.ndarray | None) -> list[str]:
     return [] if a is None else [str(x) for x in np.asarray(a).reshape(-1)]
 
 
+_CALL = re.compile(r"^(\w+) (\w+) (\w+)\[([\d, ]*)\] dim=0$")
+
+
+def _shape(line: str) -> tuple[str, tuple[int, ...]] | None:
+    """(kind, shape) of a ``describe`` line of the PCP group along dim 0, else None."""
+    m = _CALL.match(line)
+    if m is None or m.group(2) != "pcp":
+        return None
+    return m.group(1), tuple(int(x) for x in m.group(4).split(",") if x.strip())
+
+
+def moe_collectives_problem(lines: list[str], pcp: int) -> tuple[int, str] | None:
+    """(index, why) of the first line that breaks the MoE rule of one phase, or None.
+
+    >>> ok = ["all_gather pcp float32[12, 256] dim=0", "all_gather pcp float32[12, 8] dim=0",
+    ...       "reduce_scatter pcp float32[24, 256] dim=0"]
+    >>> moe_collectives_problem(ok, 2) is None, moe_collectives_problem(ok[:2], 2)[1][:24]
+    (True, 'no MoE reduce-scatter in')
+    """
+    calls = [_shape(x) for x in lines]
+    scatters = [i for i, c in enumerate(calls) if c is not None and c[0] == "reduce_scatter"]
+    if not scatters:
+        return 0, "no MoE reduce-scatter in a forward of a MoE model"
+    for i in scatters:
+        rows, logits = (calls[i - 2], calls[i - 1]) if i >= 2 else (None, None)
+        if rows is None or logits is None or rows[0] != "all_gather" or logits[0] != "all_gather":
+            return i, "a reduce-scatter not preceded by the all-gathers of its rows and router logits"
+        (_, (n, h)), (_, ln), (_, rs) = rows, logits, calls[i]
+        if len(ln) != 2 or ln[0] != n or rs != (pcp * n, h):
+            return i, f"rows [{n}, {h}], router logits {list(ln)}, then a reduce-scatter of {list(rs)}: " \
+                      f"vLLM scatters [pcp * rows, hidden] = [{pcp * n}, {h}]"
+    return None
+
+
 @check("collectives_match_vllm",
        "the collectives each phase ran (CPU replay, engine): the same on every rank, none in verify, none in a "
-       "dense model's replicated draft decodes at DCP = 1 (vLLM 0.33.0 ops/pcp.py:28-33)")
+       "dense model's replicated draft decodes at DCP = 1 (vLLM 0.33.0 ops/pcp.py:28-33), a MoE model's "
+       "all-gathers and reduce-scatter in every forward (moe_runner.py:824-861)")
 def collectives_match_vllm(c: Ctx) -> None:
     phases = [p for p, rec in c.phases.items() if "collectives" in rec]
     if not phases:
@@ -59,6 +101,11 @@ def collectives_match_vllm(c: Ctx) -> None:
             c.fail(phase, "collectives", f"a replicated draft decode of a dense model ran {len(mine)} collective(s), "
                    f"the first {mine[0]!r}; vLLM's KV write returns before gathering an unexpanded slot mapping "
                    "(ops/pcp.py:28-33)", index=(0,))
+        if c.cfg.moe and (c.cfg.pcp or 1) > 1 and phase != "verify":
+            bad = moe_collectives_problem(mine, c.cfg.pcp)
+            if bad is not None:
+                c.fail(phase, "collectives", f"collective {bad[0]}: {bad[1]} (moe_runner.py:824-829, 853-861)",
+                       index=(bad[0],))
         if c.rank != 0:
             continue
         for r in sorted(c.sv.recs):
