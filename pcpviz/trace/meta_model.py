@@ -206,6 +206,10 @@ class RunMeta:
         out.update((k, self.recorded_value(k)) for k in META_SCHEMA if k in self.recorded)
         return {**out, **thawed_json(self.extra)}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as its document (read-only mappings do not pickle): decoded again on loading."""
+        return _from_json, (self.to_json(),)
+
 
 _KEY_FIELDS = tuple(f for f in dataclasses.fields(RunMeta) if "check" in f.metadata)
 _DEFAULTS = {f.name: f.default for f in _KEY_FIELDS}
@@ -246,3 +250,7 @@ def decode_meta(doc: Mapping[str, Any], *, version: int | None = None) -> tuple[
     meta = RunMeta(**values, pcpviz_trace_schema=version if type(version) is int else 1,
                    recorded=frozenset(recorded), extra=frozen_json(extra))
     return meta, tuple(malformed)
+
+
+def _from_json(doc: dict[str, Any]) -> RunMeta:
+    return decode_meta(doc)[0]

@@ -24,8 +24,10 @@ index)::
         step 15; 4096 trailing bytes not read
     incomplete: runs/x/rank1.arrow: rank 1 lacks steps 16-20 that rank 0 recorded
 
-Keys not in ``META_SCHEMA`` are allowed (producers add their own: gpu names, versions, the
-command line); the known ones are checked wherever a producer wrote them.
+Keys not in ``META_SCHEMA`` are allowed (producers add their own: versions, the command line;
+``RunMeta.extra`` keeps them); the known ones are checked wherever a producer wrote them. The
+structure checks are ``RunMeta``'s decoding (``meta_model.decode_meta``, once, on open); this
+module reports what it found malformed and checks the well-formed values against the data.
 """
 
 from __future__ import annotations
