@@ -10,7 +10,7 @@ everything downstream (checks, diff, widgets, export) reads it with ``open``::
 
     t = pt.open(run_dir)
     t.steps, t.ranks, t.phases(0, rank), t.record(0, rank, "target")["positions"]
-    t.run_meta.pcp, t.run_meta.kv_block_sizes, t.run_meta.extra["hostname"]  # run.json, decoded once
+    t.run_meta.pcp, t.run_meta.kv_block_sizes, t.run_meta.extra  # run.json decoded once; extra: unknown keys
 
 See ``schema`` for the on-disk layout and the names (phases, views), ``reader`` for the error
 policy on damaged traces, ``meta_model`` for run.json as one typed value (``RunMeta``),

@@ -14,8 +14,10 @@ own keys, a newer pcpviz's keys); ``recorded`` names the known keys the file hol
 
 The shipped PCP=2, K=2 CPU trace decodes to ``RunMeta(producer='pcpviz-engine', pcp=2, ...,
 num_speculative_tokens=2, block_size=16, ...)``; ``meta.dcp`` is 1 although that run.json does
-not record ``dcp`` (``"dcp" in meta.recorded`` is False, ``meta.recorded_value("dcp")`` None), and
-``meta.extra["hostname"]`` is the producer's own key.
+not record ``dcp`` (``"dcp" in meta.recorded`` is False, ``meta.recorded_value("dcp")`` None).
+Every key pcpviz's producers write is a field (tests/trace/test_meta_model.py and
+tests/vllm/test_run_meta_producers.py hold them to it), so ``extra`` is empty for their traces; a
+key of one's own, ``"rack": "r7"``, is ``meta.extra["rack"]`` (and ``meta.recorded_value("rack")``).
 """
 
 from __future__ import annotations
@@ -135,6 +137,27 @@ class RunMeta:
     replay_models: str | None = _key(C.is_str, "the CPU replay's models: tiny or scripted")
     backend: str | None = _key(C.is_str, "the collectives' backend (gloo, nccl)")
     vllm_spec_decode_metrics: Mapping[str, Any] | None = _key(C.json_object, "vLLM's spec-decode counters")
+    output_token_ids: tuple[tuple[int, ...], ...] | Mapping[str, tuple[int, ...]] | None = _key(
+        C.token_ids, "the tokens generated per request (the vLLM plugin's launch)")
+    speculator: str | None = _key(C.is_str, "the speculator's class (MTPSpeculator, DSparkSpeculator)")
+    torch_version: str | None = _key(C.is_str, "torch version of the producer")
+    cuda_version: str | None = _key(C.is_str, "CUDA version torch was built with")
+    python_version: str | None = _key(C.is_str, "Python version of the producer")
+    hostname: str | None = _key(C.is_str, "the machine that recorded the trace")
+    command: str | None = _key(C.is_str, "the recording process's command line")
+    device_ring_overflow: Mapping[str, Any] | None = _key(C.json_object, "steps the vLLM plugin's device ring "
+                                                          "dropped: steps, ring_bytes, before_step")
+    flight_recorder: Mapping[str, Any] | None = _key(C.json_object, "a flight-recorder dump: what it kept and "
+                                                     "what triggered it")
+    vllm_configuration: str | None = _key(C.is_str, "why the run is no configuration vLLM 0.33.0 allows, if so")
+    scenario: str | None = _key(C.is_str, "the CPU replay's scenario")
+    scenario_description: str | None = _key(C.is_str, "what the replay's scenario exercises")
+    models: str | None = _key(C.is_str, "the replay's models: what is real, what stands in")
+    chunked_prefill: bool | None = _key(C.is_bool, "the replay's scenario chunks a prefill")
+    dspark_status: str | None = _key(C.is_str, "what of DSpark the replay runs for real")
+    serve: Mapping[str, Any] | None = _key(C.json_object, "the vllm serve run (tools/gpu/jobs.py): its command, "
+                                           "requests")
+    job: Mapping[str, Any] | None = _key(C.json_object, "the GPU job that recorded the trace (tools/gpu/jobs.py)")
     pcpviz_trace_schema: int = 1  # the schema version (checked by runmeta.check_version on reading)
     recorded: frozenset[str] = frozenset()  # the known keys run.json holds, well-formed and not null
     extra: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # the keys pcpviz does not know

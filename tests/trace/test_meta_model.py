@@ -24,7 +24,8 @@ def test_every_shipped_run_json_decodes_whole_and_encodes_back(run_dir):
     doc = json.loads((run_dir / "run.json").read_text())
     t = pt.open(run_dir)
     assert t.meta_malformed == ()
-    assert t.run_meta.to_json() == doc  # every key kept: known ones typed, the rest in extra
+    assert t.run_meta.to_json() == doc  # every key kept
+    assert dict(t.run_meta.extra) == {}  # every key pcpviz's producers (and tools/gpu) wrote is a field
     assert t.run_meta.recorded == {k for k in doc if k in META_SCHEMA}
     assert t.run_meta.pcp == doc["pcp"] and t.run_meta.kv_block_sizes == tuple(doc.get("block_sizes")
                                                                                 or [doc["block_size"]])
@@ -58,15 +59,15 @@ def test_a_wrong_but_well_formed_value_decodes_and_fails_its_check(tmp_path):
 
 
 def test_unknown_keys_stay_readable_and_nothing_can_be_changed():
-    meta, bad = decode_meta({"producer": "x", "pcp": 2, "block_size": 16, "hostname": "vm",
-                             "serve": {"port": 8000, "args": ["--pcp", "2"]}})
-    assert bad == () and meta.extra["hostname"] == "vm" and meta.extra["serve"]["args"] == ("--pcp", "2")
-    assert meta.recorded_value("serve") == {"port": 8000, "args": ["--pcp", "2"]}
+    meta, bad = decode_meta({"producer": "x", "pcp": 2, "block_size": 16, "rack": "r7",
+                             "my_tool": {"port": 8000, "args": ["--pcp", "2"]}})
+    assert bad == () and meta.extra["rack"] == "r7" and meta.extra["my_tool"]["args"] == ("--pcp", "2")
+    assert meta.recorded_value("my_tool") == {"port": 8000, "args": ["--pcp", "2"]}
     assert meta.recorded_value("dcp") is None and meta.dcp == 1  # not recorded: its meaning, not a value
     with pytest.raises(dataclasses.FrozenInstanceError):
         meta.pcp = 4  # type: ignore[misc]
     with pytest.raises(TypeError):
-        meta.extra["hostname"] = "other"  # type: ignore[index]
+        meta.extra["rack"] = "other"  # type: ignore[index]
 
 
 def test_derived_facts():
@@ -85,3 +86,28 @@ def test_without_forgets_keys_and_pickles_as_its_document():
     assert less.num_speculative_tokens is None and "num_speculative_tokens" not in less.recorded
     assert less.pcp == meta.pcp and less.extra == meta.extra
     assert pickle.loads(pickle.dumps(meta)) == meta
+
+
+def _held_to_the_type(doc: dict) -> None:
+    """Every key ``doc`` (a producer's run.json, less the writer's schema version) holds is a
+    RunMeta field, well-formed, and encodes back unchanged."""
+    meta, bad = decode_meta(doc)
+    assert bad == () and dict(meta.extra) == {}, (bad, sorted(meta.extra))
+    assert {k: v for k, v in meta.to_json().items() if k != "pcpviz_trace_schema"} == {
+        k: v for k, v in doc.items() if v is not None}
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_the_engine_writes_run_meta_fields_only(dcp):
+    from pcpviz.engine.run_config import build_config
+    from pcpviz.engine.trace_dir import trace_meta
+
+    cfg = build_config(["def add(a, b):", [256, 100, 101]], pcp=2, num_speculative_tokens=2, dcp=dcp)
+    _held_to_the_type(trace_meta(cfg))
+
+
+def test_the_synthetic_producer_writes_run_meta_fields_only():
+    from pcpviz.synthetic import RequestSpec, generate
+
+    run = generate([RequestSpec("a", 9, 4, 0), RequestSpec("b", 5, 3, 1)], pcp=2, num_speculative_tokens=2)
+    _held_to_the_type(run.meta)
