@@ -32,7 +32,7 @@ def _row(path: Path) -> dict[str, Any]:
         return {**row, "status": " ".join(str(exc).split())}
     meta = trace.run_meta
     acc = acceptance(trace)
-    metric = vllm_acceptance_metric(trace.meta)  # wherever in the document a recording stored it
+    metric = vllm_acceptance_metric(meta.to_json())  # wherever in the document a recording stored it
     drafts = (meta.vllm_spec_decode_metrics or {}).get("num_drafts")
     row.update(producer=meta.recorded_value("producer"), gpus=len(meta.gpus) or meta.device or "cpu",
                pcp=meta.pcp, k=meta.num_speculative_tokens,

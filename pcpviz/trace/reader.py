@@ -152,13 +152,14 @@ class Trace:
 
     ``run_meta`` is run.json decoded once (``meta_model.RunMeta``: ``t.run_meta.pcp``,
     ``t.run_meta.kv_block_sizes``); ``meta_malformed`` the ``(key, why)`` of each known key it could
-    not decode (``validate`` reports them); ``meta`` the document as read, for a tool of one's own."""
+    not decode (``validate`` reports them); ``meta`` the document as read (read-only), for a tool
+    of one's own."""
 
     def __init__(self, path: Path, meta: dict[str, Any], files: dict[int, RankFile],
                  index: dict[int, RankIndex], warnings_: list[str], cache_size: int,
                  unreadable: Mapping[int, str] | None = None):
         self.path = path
-        self.meta = meta
+        self.meta: Mapping[str, Any] = MappingProxyType(meta)  # read-only: run_meta was decoded from it
         self.run_meta, self.meta_malformed = decode_meta(meta, version=check_version(
             path / S.RUN_META_FILE, meta[S.META_SCHEMA_KEY]))
         # the schema version that wrote the trace: records are read by its rules (schema.upgrade_views)
