@@ -65,18 +65,18 @@ class LaunchMeta:
     llm_kwargs: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     sampling: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
     env: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
-    extra: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+    extra: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)  # seconds, ...
+    keys: tuple[str, ...] = ()  # the object's keys as recorded, in order (to_json gives them back)
 
     @classmethod
     def decode(cls, doc: Mapping[str, Any]) -> "LaunchMeta":
         known = ("llm_kwargs", "sampling", "env")
         return cls(**{k: frozen_json(doc[k]) for k in known if k in doc},
-                   extra=frozen_json({k: v for k, v in doc.items() if k not in known}))
+                   extra=frozen_json({k: v for k, v in doc.items() if k not in known}), keys=tuple(doc))
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object back, in the order llm_kwargs, sampling, env, the rest."""
-        out = {k: thawed_json(getattr(self, k)) for k in ("llm_kwargs", "sampling", "env") if getattr(self, k)}
-        return {**out, **thawed_json(self.extra)}
+        """The JSON object back, as recorded."""
+        return {k: thawed_json(self.extra[k] if k in self.extra else getattr(self, k)) for k in self.keys}
 
 
 def _key(check: C.Check, meaning: str, *, default: Any = None, required: bool = False,
