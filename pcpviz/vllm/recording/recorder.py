@@ -296,8 +296,8 @@ class RankRecorder:
         key = ("global_batch", g.num_reqs, g.num_tokens,
                *_where(g.query_start_loc, g.positions, g.input_ids, g.seq_lens))
         self.planned_put("target", key, [g.idx_mapping[: g.num_reqs], g.logits_indices],
-                         lambda idx, logits: {**_batch_device_views(g), "idx_mapping": idx, "logits_indices": logits,
-                                              "sampled_logits_rows": logits})
+                         views=lambda idx, logits: {**_batch_device_views(g), "idx_mapping": idx,
+                                                    "logits_indices": logits, "sampled_logits_rows": logits})
         views: dict[str, Any] = dict(**_batch_host_views(g), sampled_from=np.array("global"),
                                      t_start_us=np.array(t0, dtype=np.int64))
         if warming_up():
@@ -316,7 +316,7 @@ class RankRecorder:
             return {"block_table_global": rows, "block_table_global_stale_tail": stale,
                     "slot_mapping_global": slot_mappings[:, :t]}
 
-        self.planned_put("target", key, [batch.idx_mapping[:r]], views)
+        self.planned_put("target", key, [batch.idx_mapping[:r]], views=views)
         meta = (id(bt), getattr(runner, "dcp_rank", 0), getattr(runner, "cp_interleave", 1))
         if meta != self._attn_meta:  # the block sizes and DCP settings are the runner's for the run
             self._attn_meta = meta
@@ -324,7 +324,7 @@ class RankRecorder:
                              dcp_rank=int(getattr(runner, "dcp_rank", 0) or 0),
                              dcp_interleave=int(getattr(runner, "cp_interleave", 1) or 1))
 
-    def planned_put(self, phase: str, key: tuple, dynamic: list, views: Callable[..., dict[str, Any]]) -> None:
+    def planned_put(self, phase: str, key: tuple, dynamic: list, *, views: Callable[..., dict[str, Any]]) -> None:
         """Put ``views(*dynamic)`` into ``phase`` through a plan (``recording.replayplan``): the
         first time ``key`` is seen the views are built and planned, every later time they are one
         copy of the same buffers and of ``dynamic`` (tensors vLLM makes anew each step). ``key``
