@@ -62,9 +62,9 @@ def _ns(**kw) -> types.SimpleNamespace:
 class Stage:
     """vLLM's persistent buffers for a decode batch of ``r`` requests (contexts of ``ctx`` tokens)."""
 
-    def __init__(self, r: int, ctx: int, pcp: int) -> None:
+    def __init__(self, r: int, ctx: int, pcp: int, *, full_drafts: bool = True) -> None:
         t = r * (1 + K)
-        self.r, self.t, self.pcp = r, t, pcp
+        self.r, self.t, self.pcp, self.full_drafts = r, t, pcp, full_drafts
         nb = -(-ctx // BLOCK)
         self.idx = torch.arange(MAX_REQS, dtype=torch.int32)
         self.num_blocks = torch.zeros(1, MAX_REQS, dtype=torch.int32)
@@ -97,6 +97,20 @@ class Stage:
                         hidden_states=self.hidden, draft_attn_layer_names=set())
         if pcp > 1:
             self._pcp_manager()
+        self.draft_graphs = _ns(name="speculator decode graphs")  # a SpeculatorCudaGraphManager stand-in
+        self._capture_draft_graphs()
+
+    def _capture_draft_graphs(self) -> None:
+        """What vLLM's capture hands the drafter's model (noted by the recorder, ``consumed.note_capture``):
+        views of the speculator's persistent buffers at each replayed size."""
+        try:
+            from pcpviz.vllm.recording.consumed import capturing, note_capture
+        except ImportError:  # an older recorder (--against): the replays read the speculator's buffers
+            return
+        for n in {self.local.num_tokens if self.pcp > 1 else self.t, self.r}:
+            with capturing(self.draft_graphs):
+                note_capture((), {"input_ids": self.input_ids[:n], "positions": self.positions[:n],
+                                  "hidden_states": self.hidden[:n]}, {"layer.0": self.slots[0, :n]})
 
     def _batch(self, r: int, t: int, req_ids: list[str]) -> types.SimpleNamespace:
         return _ns(num_reqs=r, num_tokens=t, req_ids=req_ids, idx_mapping=self.idx,
@@ -183,17 +197,27 @@ def step(rec, st: Stage, x: torch.Tensor, ops: int, *, on: bool) -> torch.Tensor
         if st.pcp > 1:
             ctx.global_draft_ids = st.input_ids[: st.t].detach().clone()  # prepare_draft_prefill
         n0 = st.local.num_tokens if st.pcp > 1 else st.t
-        if hasattr(ctx, "on_run_model"):  # _run_model's entry, as recording.wrappers calls it
-            rec.guard(ctx.on_run_model, n0, {"layer.0": st.slots[0, :n0]}, "PIECEWISE")
-        else:  # an older recorder (--against)
-            rec.guard(ctx.on_forward, n0, {"layer.0": st.slots[0, :n0]}, "PIECEWISE")
-            rec.guard(fingerprints.before_forward, ctx, n0)
-        x = vllm_work(x, part)
-        rec.guard(fingerprints.after_forward, ctx, (st.hidden[:n0], st.hidden[:n0]))
-        if st.pcp > 1:
-            rec.guard(rec.put, ctx.phases[-1], draft_prefill_restored=np.array(True))
-            rec.guard(fingerprints.on_restored_draft, ctx, st.hidden, st.hidden)
-        rec.guard(LEDGER.on_full_replay, rec, "draft_1")
+        if st.full_drafts:  # FULL_AND_PIECEWISE on a decode batch: both draft forwards replay FULL graphs
+            rec.guard(LEDGER.on_full_replay, rec, "draft_0")
+            rec.guard(ctx.on_full_replay, st.draft_graphs, _ns(num_tokens=n0))
+            x = vllm_work(x, part)
+            if st.pcp > 1:  # restore_draft_prefill runs in Python after the replay
+                rec.guard(rec.put, ctx.phases[-1], draft_prefill_restored=np.array(True))
+                rec.guard(fingerprints.on_restored_draft, ctx, st.hidden, st.hidden)
+            rec.guard(LEDGER.on_full_replay, rec, "draft_1")
+            rec.guard(ctx.on_full_replay, st.draft_graphs, _ns(num_tokens=st.r))
+        else:
+            if hasattr(ctx, "on_run_model"):  # _run_model's entry, as recording.wrappers calls it
+                rec.guard(ctx.on_run_model, n0, {"layer.0": st.slots[0, :n0]}, "PIECEWISE")
+            else:  # an older recorder (--against)
+                rec.guard(ctx.on_forward, n0, {"layer.0": st.slots[0, :n0]}, "PIECEWISE")
+                rec.guard(fingerprints.before_forward, ctx, n0)
+            x = vllm_work(x, part)
+            rec.guard(fingerprints.after_forward, ctx, (st.hidden[:n0], st.hidden[:n0]))
+            if st.pcp > 1:
+                rec.guard(rec.put, ctx.phases[-1], draft_prefill_restored=np.array(True))
+                rec.guard(fingerprints.on_restored_draft, ctx, st.hidden, st.hidden)
+            rec.guard(LEDGER.on_full_replay, rec, "draft_1")
         x = vllm_work(x, part)
     finally:
         threads._tls.ctx = None
@@ -201,12 +225,12 @@ def step(rec, st: Stage, x: torch.Tensor, ops: int, *, on: bool) -> torch.Tensor
     return x
 
 
-def bench_case(r: int, pcp: int, *, steps: int, repeats: int, ops: int, ctx: int) -> dict:
+def bench_case(r: int, pcp: int, *, steps: int, repeats: int, ops: int, ctx: int, full_drafts: bool = True) -> dict:
     from pcpviz.trace.flight import FlightConfig
     from pcpviz.vllm import recording
 
     work = Path(tempfile.mkdtemp(prefix="pcpviz-rechost-"))
-    st = Stage(r, ctx, pcp)
+    st = Stage(r, ctx, pcp, full_drafts=full_drafts)
     flight = FlightConfig(steps=64, signal=None)
     s = recording.TraceSession(work / "trace", producer="bench", meta={"pcp": pcp}, strict=False)
     rec = s.recorder_for_rank(0, pcp)
@@ -259,6 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", type=Path, help="another checkout (the old recorder): run this benchmark in "
                     "subprocesses, old and new alternating, --pairs times, and report both")
     ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--draft-mode", choices=("full", "piecewise"), default="full",
+                    help="full (vLLM's default FULL_AND_PIECEWISE on decode batches: both draft forwards replay "
+                         "FULL graphs, read by on_full_replay) or piecewise (draft_0 through _run_model)")
     a = ap.parse_args(argv)
     if a.against is not None:
         return compare(a, sys.argv[1:] if argv is None else argv)
@@ -271,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
            "cases": []}
     for case in a.cases.split(","):
         r, pcp = (int(v) for v in case.split("x"))
-        entry = bench_case(r, pcp, steps=a.steps, repeats=a.repeats, ops=a.ops, ctx=a.context)
+        entry = bench_case(r, pcp, steps=a.steps, repeats=a.repeats, ops=a.ops, ctx=a.context,
+                           full_drafts=a.draft_mode == "full")
         res["cases"].append(entry)
         print(json.dumps(entry), flush=True)
     if a.out:

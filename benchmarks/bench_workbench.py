@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         t_max = max(int(trace.record(s, r0, "target")["num_scheduled_tokens"].sum()) for s in steps)
         np_max = max(trace.record(s, r0, "target")["padded_gather_idx"].shape[0] for s in steps)
         w_max = max(trace.record(s, r0, "target")["block_table_global"].shape[-1] for s in steps)
-        k = trace.meta.get("num_speculative_tokens")
+        k = trace.run_meta.num_speculative_tokens
         print(f"trace: {path}")
         print(f"  PCP={len(trace.ranks)}, K={k}, {len(steps)} steps, {len(wb.req_ids)} requests, max T per step "
               f"{t_max}, max N*P {np_max}, block-table width {w_max}, {size / 2**20:.1f} MiB on disk"

@@ -165,8 +165,7 @@ def acceptance(trace: Any, *, rank: int | None = None) -> Acceptance:
         trace = open_trace(trace)
     if rank is None:
         rank = trace.ranks[0] if trace.ranks else None
-    k_meta = trace.meta.get("num_speculative_tokens")
-    k = int(k_meta) if isinstance(k_meta, (int, float)) and not isinstance(k_meta, bool) else None
+    k = trace.run_meta.num_speculative_tokens
     steps = [] if rank is None else trace.rank_steps(rank)
     records = ((s, trace.record(s, rank, "verify")) for s in steps if trace.has(s, rank, "verify"))
     try:

@@ -30,13 +30,13 @@ def _row(path: Path) -> dict[str, Any]:
         trace = open_trace(path)
     except (OSError, ValueError) as exc:
         return {**row, "status": " ".join(str(exc).split())}
-    meta = trace.meta
+    meta = trace.run_meta
     acc = acceptance(trace)
-    metric = vllm_acceptance_metric(meta)
-    drafts = (meta.get("vllm_spec_decode_metrics") or {}).get("num_drafts")
-    row.update(producer=meta.get("producer"), gpus=len(meta.get("gpus") or []) or meta.get("device", "cpu"),
-               pcp=meta.get("pcp"), k=meta.get("num_speculative_tokens"),
-               cudagraph_mode=meta.get("cudagraph_mode", "-"), steps=len(trace.steps),
+    metric = vllm_acceptance_metric(meta.to_json())  # wherever in the document a recording stored it
+    drafts = (meta.vllm_spec_decode_metrics or {}).get("num_drafts")
+    row.update(producer=meta.recorded_value("producer"), gpus=len(meta.gpus) or meta.device or "cpu",
+               pcp=meta.pcp, k=meta.num_speculative_tokens,
+               cudagraph_mode=meta.cudagraph_mode or "-", steps=len(trace.steps),
                acceptance=[round(x, 2) for x in acc.rate_per_position],
                vllm_acceptance=[round(a / drafts, 2) for a in metric] if metric and drafts else None,
                status="ok")

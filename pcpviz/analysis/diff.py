@@ -201,12 +201,10 @@ def prompts_note(ta: Trace, tb: Trace) -> str | None:
     else the requests' ``request_keys``), so a reader knows up front that divergences follow
     from the input: ``"the runs served different prompts: 2 of b's 3 are not among a's 3"``."""
     def prompts(t: Trace) -> list[tuple] | None:
-        p = t.meta.get("prompt_token_ids") if isinstance(t.meta, dict) else None
-        if isinstance(p, dict):
-            p = list(p.values())
-        if isinstance(p, list) and all(isinstance(x, list) for x in p):
-            return sorted(tuple(x) for x in p)
-        return None
+        p = t.run_meta.prompt_token_ids
+        if p is None:
+            return None
+        return sorted(p.values() if isinstance(p, Mapping) else p)
 
     pa_, pb_ = prompts(ta), prompts(tb)
     if pa_ is None or pb_ is None:  # no prompts in run.json: (length, last token) per request
@@ -398,11 +396,11 @@ def _rank_pairs(ta: Trace, tb: Trace, notes: list[str]) -> tuple[bool, list[tupl
     rank of one run against the lowest rank of the other."""
     for key in ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "shard_decode_requests",
                 "model"):
-        va, vb = ta.meta.get(key), tb.meta.get(key)
+        va, vb = ta.run_meta.recorded_value(key), tb.run_meta.recorded_value(key)
         if va != vb:
             notes.append(f"run.json {key}: a={va!r}, b={vb!r}")
-    same_layout = (ta.meta.get("pcp") == tb.meta.get("pcp") and ta.ranks == tb.ranks
-                   and ta.meta.get("dcp", 1) == tb.meta.get("dcp", 1))
+    same_layout = (ta.run_meta.pcp == tb.run_meta.pcp and ta.ranks == tb.ranks
+                   and ta.run_meta.dcp == tb.run_meta.dcp)
     if not same_layout:
         notes.append("PCP sizes or ranks differ: only global views, draft tokens and verify compared")
         ref_a, ref_b = (ta.ranks[0] if ta.ranks else None), (tb.ranks[0] if tb.ranks else None)

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pcpviz.trace.meta_model import RunMeta
+
 __all__ = ["VllmSetup", "Finding", "Exposure", "FINDINGS", "ALL_CUDAGRAPH_MODES", "exposures", "vllm_refuses",
            "parse_fixes", "EXPOSED", "NOT_EXPOSED", "FIXED", "REFUSED"]
 
@@ -69,13 +71,11 @@ class VllmSetup:
                    enforce_eager=bool(kw.get("enforce_eager", False)), fixes=fixes)
 
     @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> VllmSetup:
-        """From a trace's run.json: the mode vLLM resolved, the fixes the plugin applied."""
-        fixes = meta.get("vllm_fixes") or ()
-        return cls(pcp=int(meta.get("pcp", 1)), method=str(meta.get("speculative_method") or "mtp"),
-                   k=int(meta.get("num_speculative_tokens", 0)),
-                   cudagraph_mode=str(meta.get("cudagraph_mode") or "NONE").upper(),
-                   fixes=tuple(str(f) for f in fixes) if isinstance(fixes, (list, tuple)) else ())
+    def from_meta(cls, meta: RunMeta) -> VllmSetup:
+        """From a trace's run.json (``Trace.run_meta``): the mode vLLM resolved, the fixes the
+        plugin applied; a key not recorded means PCP 1, MTP, K 0, NONE, no fix."""
+        return cls(pcp=meta.pcp or 1, method=meta.method, k=meta.num_speculative_tokens or 0,
+                   cudagraph_mode=(meta.cudagraph_mode or "NONE").upper(), fixes=meta.vllm_fixes)
 
 
 def vllm_refuses(s: VllmSetup) -> str | None:

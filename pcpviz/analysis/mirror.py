@@ -113,14 +113,15 @@ def mirror(trace, *, stop_at_first: bool = False) -> MirrorReport:
 
     Raises ValueError on the engine's own DCP (run.json ``dcp_group`` "pcp"): its KV is sharded by
     ``pcpviz.reference.dcp``, a data path the mirror does not model (the DCP checks hold it)."""
-    if trace.meta.get("dcp_group"):
-        raise ValueError(f"mirror: {trace.path}: DCP {trace.meta.get('dcp')} sharded over the "
-                         f"{trace.meta['dcp_group']} group is not modelled here; pcpviz check's dcp_* checks "
+    meta = trace.run_meta
+    if meta.dcp_group:
+        raise ValueError(f"mirror: {trace.path}: DCP {meta.recorded_value('dcp')} sharded over the "
+                         f"{meta.dcp_group} group is not modelled here; pcpviz check's dcp_* checks "
                          "hold its slots and lengths")
-    n = int(trace.meta["pcp"])
-    sizes = trace.meta.get("block_sizes") or [trace.meta["block_size"]]
-    shard = bool(trace.meta.get("shard_decode_requests", n > 1))
-    dcp = int(trace.meta.get("dcp", 1) or 1)
+    n = int(meta.pcp)
+    sizes = list(meta.block_sizes or [meta.block_size])
+    shard = meta.shard_decode_requests if meta.shard_decode_requests is not None else n > 1
+    dcp = meta.dcp
     mismatches: list[Mismatch] = []
     compared = views = 0
     for step in trace.steps:

@@ -87,8 +87,7 @@ def _first_divergence(a: list[int], b: list[int], limit: int | None) -> tuple[in
 
 
 def _max_tokens(trace: Any) -> int | None:
-    meta = trace.meta
-    n = meta.get("max_new_tokens") or (meta.get("launch") or {}).get("sampling", {}).get("max_tokens")
+    n = trace.run_meta.max_tokens
     return int(n) if isinstance(n, int) else None
 
 

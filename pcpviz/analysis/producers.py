@@ -11,7 +11,7 @@ k >= 1, ``draft_1`` the first only) and the recorded views its inputs are (``inp
 (run.json ``producer``): ``vllm-plugin`` and ``vllm-replay`` -> ``VLLM``, ``pcpviz-engine`` ->
 ``ENGINE_PRODUCERS``; the synthetic producer has none.
 
-``attribute(meta, step, phase, view, wrong)`` walks from the first wrong value up: PCP=2, draft_1
+``attribute(producer, phase, view, ...)`` walks from the first wrong value up: PCP=2, draft_1
 ``draft_seq_lens`` wrong, ``target.seq_lens`` and ``verify.num_rejected`` right -> "written by
 `prepare_decode_inputs` (vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py:862) from
 `target.seq_lens`, `verify.num_rejected`, all right: the fault is inside it".
@@ -23,7 +23,7 @@ import ast
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 _ROOT = Path(__file__).resolve().parents[2]  # the directory holding the pcpviz package
 
@@ -220,8 +220,9 @@ def find_def(tree: ast.AST, qualname: str):
     return scope
 
 
-def producer_map(meta: Mapping[str, Any]) -> tuple[Producer, ...] | None:
-    return MAPS.get(str(meta.get("producer")))
+def producer_map(producer: str | None) -> tuple[Producer, ...] | None:
+    """The map of run.json's ``producer`` (``"vllm-plugin"``: ``VLLM``), None where pcpviz has none."""
+    return MAPS.get(str(producer))
 
 
 def _matches(key: str, phase: str, view: str) -> bool:
@@ -291,18 +292,18 @@ def _resolve(key: str, phase: str) -> str:
     return f"{p}.{v}"
 
 
-def attribute(meta: Mapping[str, Any], phase: str, view: str, *, recorded: Callable[[str], bool],
+def attribute(producer: str | None, phase: str, view: str, *, recorded: Callable[[str], bool],
               wrong: Callable[[str], bool], compared: bool) -> Attribution:
     """Name the producer of ``phase``'s ``view`` (the first wrong value) and walk up while its inputs
-    are wrong. ``recorded(key)``: the step records ``key`` (``phase.view``; ``prev_verify.x`` the
-    previous step's); ``wrong(key)``: a check or the diff found it wrong there; ``compared``: an
-    input not found wrong was compared with a reference (diff: sure) rather than only checked
-    (checks hold what they hold: likely)."""
-    producers = producer_map(meta)
+    are wrong. ``producer``: run.json's (None: not recorded). ``recorded(key)``: the step records
+    ``key`` (``phase.view``; ``prev_verify.x`` the previous step's); ``wrong(key)``: a check or the
+    diff found it wrong there; ``compared``: an input not found wrong was compared with a reference
+    (diff: sure) rather than only checked (checks hold what they hold: likely)."""
+    producers = producer_map(producer)
     key = f"{phase}.{view}"
     if producers is None:
         return Attribution(key, None, None, (), (), (), (), (), UNKNOWN,
-                           f"no producer map for producer {meta.get('producer')!r}")
+                           f"no producer map for producer {producer!r}")
     chain: list[str] = []
     seen: set[str] = set()
     while True:
@@ -359,8 +360,9 @@ def attribute_violation(trace, report) -> Attribution | None:
     flagged = {(r.first_violation.step, r.first_violation.phase, r.first_violation.view)
                for r in report.results.values() if r.first_violation is not None}
     rank = v.rank if v.rank is not None else (trace.ranks[0] if trace.ranks else 0)
-    return attribute(trace.meta, v.phase, v.view, recorded=_recorded(trace, v.step, rank),
-                     wrong=_marked_wrong(trace, v.step, flagged), compared=False)
+    return attribute(trace.run_meta.recorded_value("producer"), v.phase, v.view,
+                     recorded=_recorded(trace, v.step, rank), wrong=_marked_wrong(trace, v.step, flagged),
+                     compared=False)
 
 
 def attribute_divergence(trace_b, diff) -> Attribution | None:
@@ -373,8 +375,9 @@ def attribute_divergence(trace_b, diff) -> Attribution | None:
     # all there when the list goes past it or is not full
     complete = any(x.step > d.step for x in diff.divergences) or len(diff.divergences) < 200
     rank = d.rank_b if d.rank_b is not None else (trace_b.ranks[0] if trace_b.ranks else 0)
-    return attribute(trace_b.meta, d.phase, d.view, recorded=_recorded(trace_b, d.step, rank),
-                     wrong=_marked_wrong(trace_b, d.step, seen), compared=complete)
+    return attribute(trace_b.run_meta.recorded_value("producer"), d.phase, d.view,
+                     recorded=_recorded(trace_b, d.step, rank), wrong=_marked_wrong(trace_b, d.step, seen),
+                     compared=complete)
 
 
 def _marked_wrong(trace, step: int, marked: set[tuple[int, str, str]]):

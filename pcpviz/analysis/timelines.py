@@ -247,8 +247,8 @@ def compare_timelines(ta: Any, tb: Any, *, rank_a: int, rank_b: int, rename_b: C
     differs but was rejected in both runs (``_rejected_in_both``: not a divergence)."""
     la = request_timelines(ta, rank_a, ignore=ignore)
     lb = request_timelines(tb, rank_b, rename=rename_b, ignore=ignore)
-    bs = ta.meta.get("block_size") if ta.meta.get("block_size") == tb.meta.get("block_size") else None
-    blocks = BlockMap(bs if isinstance(bs, int) and bs > 0 else None)
+    bs = ta.run_meta.block_size
+    blocks = BlockMap(bs if bs == tb.run_meta.block_size else None)
     for rid in list(la) + [r for r in lb if r not in la]:
         ea, eb = la.get(rid, []), lb.get(rid, [])
         acc = [max(_accepted(x), _accepted(y)) for x, y in zip(ea, eb)] + [0]

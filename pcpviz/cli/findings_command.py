@@ -33,7 +33,7 @@ def _setup(args: argparse.Namespace):
         from pcpviz.cli.trace_commands import open_trace_arg
 
         trace, _ = open_trace_arg(args.trace, "findings")
-        s = VllmSetup.from_meta(trace.meta)
+        s = VllmSetup.from_meta(trace.run_meta)
         return dataclasses.replace(s, fixes=tuple(dict.fromkeys(s.fixes + fixes)))
     if args.vllm_args:
         try:

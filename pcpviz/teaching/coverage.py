@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pcpviz.trace.meta_model import RunMeta, decode_meta
+
 __all__ = ["Coverage", "COVERAGE", "coverage_markdown", "meta_matches", "vllm_trace_metas"]
 
 _MTP_GPU = (("producer", ("vllm-plugin",)), ("pcp", (2,)), ("speculative_method", ("mtp",)))
@@ -67,19 +69,22 @@ COVERAGE: tuple[Coverage, ...] = (
 )
 
 
-def meta_matches(meta: dict[str, Any], spec: tuple[tuple[str, tuple[Any, ...]], ...]) -> bool:
-    """Every ``(key, allowed)`` of ``spec`` holds in ``meta`` (``meta[key] in allowed``)."""
-    return all(meta.get(k) in allowed for k, allowed in spec)
+def meta_matches(meta: RunMeta, spec: tuple[tuple[str, tuple[Any, ...]], ...]) -> bool:
+    """Every ``(key, allowed)`` of ``spec`` holds in ``meta`` (what run.json records for ``key``
+    is one of ``allowed``; None where it records nothing)."""
+    return all(meta.recorded_value(k) in allowed for k, allowed in spec)
 
 
-def vllm_trace_metas(root: str | Path) -> dict[str, dict[str, Any]]:
-    """``{trace name: run.json}`` of every trace directory under ``root``."""
+def vllm_trace_metas(root: str | Path) -> dict[str, RunMeta]:
+    """``{trace name: its run.json, decoded}`` of every trace directory under ``root``."""
     out = {}
     for d in sorted(Path(root).iterdir()) if Path(root).is_dir() else []:
         try:
-            out[d.name] = json.loads((d / "run.json").read_text())
+            doc = json.loads((d / "run.json").read_text())
         except (OSError, ValueError):
             continue
+        if isinstance(doc, dict):
+            out[d.name] = decode_meta(doc)[0]
     return out
 
 

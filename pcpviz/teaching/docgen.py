@@ -1,8 +1,8 @@
 """The reference pages of ``docs/`` that are generated from the code, never written by hand.
 
 * ``docs/trace-format.md`` (``trace_format_markdown``): the run directory and schema version
-  (``pcpviz.trace.schema``), the run.json keys (``pcpviz.trace.validate.META_SCHEMA``), the phases
-  (``schema.PHASES``) and one row per declared view (``schema.VIEW_SPECS``);
+  (``pcpviz.trace.schema``), the run.json keys (``pcpviz.trace.meta_model.META_SCHEMA``: the fields
+  of ``RunMeta``), the phases (``schema.PHASES``) and one row per declared view (``schema.VIEW_SPECS``);
 * ``docs/checks-and-faults.md`` (``checks_and_faults_markdown``): every check in run order
   (``pcpviz.analysis.checks.CHECKS``) with the faults it catches, and the fault registry
   (``pcpviz.faults.FAULTS``) with its producers.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from pcpviz.trace import schema as S
 from pcpviz.trace.completion import ENTRY_FIELDS, STATUSES
-from pcpviz.trace.validate import META_SCHEMA
+from pcpviz.trace.meta_model import META_SCHEMA
 
 __all__ = ["PAGES", "trace_format_markdown", "checks_and_faults_markdown", "write_pages"]
 

@@ -10,10 +10,12 @@ everything downstream (checks, diff, widgets, export) reads it with ``open``::
 
     t = pt.open(run_dir)
     t.steps, t.ranks, t.phases(0, rank), t.record(0, rank, "target")["positions"]
+    t.run_meta.pcp, t.run_meta.kv_block_sizes, t.run_meta.extra  # run.json decoded once; extra: unknown keys
 
 See ``schema`` for the on-disk layout and the names (phases, views), ``reader`` for the error
-policy on damaged traces, ``validate`` for run.json's schema and what a complete trace is, and
-``owner`` for how one writer at a time owns a run directory.
+policy on damaged traces, ``meta_model`` for run.json as one typed value (``RunMeta``),
+``validate`` for run.json's schema and what a complete trace is, and ``owner`` for how one
+writer at a time owns a run directory.
 """
 
 from .errors import TraceError, TraceWarning
@@ -39,12 +41,13 @@ from .schema import (
     segments_table,
 )
 from .owner import claim
+from .meta_model import LaunchMeta, RunMeta
 from .validate import INCOMPLETE, INVALID, Problem, TraceStatus, validate, validate_meta
 from .summary import run_summary
 from .writer import TraceWriter, write_run_meta
 
 __all__ = [
-    "run_summary",
+    "run_summary", "RunMeta", "LaunchMeta",
     "TraceError", "TraceWarning", "Trace", "Record", "RankFile", "open", "TraceWriter",
     "write_run_meta", "SCHEMA_VERSION", "PHASES", "PHASE_TARGET", "PHASE_VERIFY", "PHASE_DUMMY",
     "VIEWS", "VIEW_GROUPS", "KNOWN_VIEWS", "SEGMENT_DTYPE", "PAD_SLOT", "DRAFT_VIEW_RANK_LOCAL",

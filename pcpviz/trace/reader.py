@@ -53,6 +53,7 @@ from . import schema as S
 from .errors import TraceError, TraceWarning
 from .index import MapBudget, RankIndex, scan_rank_file
 from .owner import rank_file_busy, writer_busy
+from .meta_model import decode_meta
 from .runmeta import check_version, file_kind, read_meta
 from pcpviz.limits import MAX_WORLD_SIZE
 
@@ -147,15 +148,22 @@ def steps_summary(steps: list[int] | tuple[int, ...]) -> str:
 # --------------------------------------------------------------------------- the trace
 
 class Trace:
-    """A run opened lazily: ``meta``, ``steps``, ``ranks``, ``phases()``, ``record()``."""
+    """A run opened lazily: ``run_meta``, ``steps``, ``ranks``, ``phases()``, ``record()``.
+
+    ``run_meta`` is run.json decoded once (``meta_model.RunMeta``: ``t.run_meta.pcp``,
+    ``t.run_meta.kv_block_sizes``); ``meta_malformed`` the ``(key, why)`` of each known key it could
+    not decode (``validate`` reports them); ``meta`` the document as read (read-only), for a tool
+    of one's own."""
 
     def __init__(self, path: Path, meta: dict[str, Any], files: dict[int, RankFile],
                  index: dict[int, RankIndex], warnings_: list[str], cache_size: int,
                  unreadable: Mapping[int, str] | None = None):
         self.path = path
-        self.meta = meta
+        self.meta: Mapping[str, Any] = MappingProxyType(meta)  # read-only: run_meta was decoded from it
+        self.run_meta, self.meta_malformed = decode_meta(meta, version=check_version(
+            path / S.RUN_META_FILE, meta[S.META_SCHEMA_KEY]))
         # the schema version that wrote the trace: records are read by its rules (schema.upgrade_views)
-        self.version: int = check_version(path / S.RUN_META_FILE, meta[S.META_SCHEMA_KEY])
+        self.version: int = self.run_meta.pcpviz_trace_schema
         self.files: Mapping[int, RankFile] = MappingProxyType(files)
         # rank -> one line: rank files that exist but cannot be read (a directory, a device, ...)
         self.unreadable: Mapping[int, str] = MappingProxyType(dict(unreadable or {}))
@@ -171,8 +179,7 @@ class Trace:
         self._lock = threading.Lock()
         self._shared: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # this step's big rows, verified
         self._shared_step: int | None = None
-        pcp = meta.get("pcp")
-        self._pcp = pcp if isinstance(pcp, int) and not isinstance(pcp, bool) else None
+        self._pcp = self.run_meta.pcp
 
     @property
     def steps(self) -> list[int]:

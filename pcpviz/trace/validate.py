@@ -24,8 +24,10 @@ index)::
         step 15; 4096 trailing bytes not read
     incomplete: runs/x/rank1.arrow: rank 1 lacks steps 16-20 that rank 0 recorded
 
-Keys not in ``META_SCHEMA`` are allowed (producers add their own: gpu names, versions, the
-command line); the known ones are checked wherever a producer wrote them.
+Keys not in ``META_SCHEMA`` are allowed (producers add their own: versions, the command line;
+``RunMeta.extra`` keeps them); the known ones are checked wherever a producer wrote them. The
+structure checks are ``RunMeta``'s decoding (``meta_model.decode_meta``, once, on open); this
+module reports what it found malformed and checks the well-formed values against the data.
 """
 
 from __future__ import annotations
@@ -39,15 +41,13 @@ import numpy as np
 from . import schema as S
 from .completion import judge
 from .errors import TraceError
-from pcpviz.limits import MAX_BLOCK_SIZE, MAX_COUNT, MAX_SPECULATIVE_TOKENS, MAX_WORLD_SIZE
+from .meta_model import META_SCHEMA, RunMeta, decode_meta
 from .values import report_malformed
 
-__all__ = ["INVALID", "INCOMPLETE", "Problem", "TraceStatus", "META_SCHEMA", "validate_meta",
+__all__ = ["INVALID", "INCOMPLETE", "Problem", "TraceStatus", "META_SCHEMA", "validate_meta", "meta_problems",
            "validate", "trusted_meta", "undeclared_views"]
 
 INVALID, INCOMPLETE = "invalid", "incomplete"
-
-_INT64 = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -106,135 +106,42 @@ class TraceStatus:
 
 # --------------------------------------------------------------------------- run.json schema
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _int(lo: int, hi: int) -> Callable[[Any], str | None]:
-    def check(v: Any) -> str | None:
-        if isinstance(v, bool) or not isinstance(v, int):
-            return f"expected an int in {lo}..{hi}, got {type(v).__name__} {_short(v)}"
-        if not lo <= v <= hi:
-            return f"expected an int in {lo}..{hi}, got {_short(v)}"
-        return None
-    check.__doc__ = f"int in {lo}..{hi}"
-    return check
-
-
-def _str(v: Any) -> str | None:
-    return None if isinstance(v, str) else f"expected a string, got {type(v).__name__} {_short(v)}"
-
-
-def _bool(v: Any) -> str | None:
-    return None if isinstance(v, bool) else f"expected true or false, got {_short(v)}"
-
-
-def _str_list(v: Any) -> str | None:
-    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
-        return f"expected a list of strings, got {_short(v)}"
-    return None
-
-
-def _block_sizes(v: Any) -> str | None:
-    if not isinstance(v, list) or not 1 <= len(v) <= 64:
-        return f"expected a list of 1..64 block sizes, got {_short(v)}"
-    for x in v:
-        bad = _int(1, MAX_BLOCK_SIZE)(x)
-        if bad:
-            return f"entry {_short(x)}: {bad}"
-    return None
-
-
-def _token_ids(v: Any) -> str | None:
-    """A list of prompts (or a dict request id -> prompt); a prompt is a list of ints >= 0."""
-    prompts = v.values() if isinstance(v, dict) else v
-    if not isinstance(v, (list, dict)):
-        return f"expected a list of token-id lists, got {type(v).__name__}"
-    for i, p in enumerate(prompts):
-        if not isinstance(p, list) or not all(type(t) is int and 0 <= t < _INT64 for t in p):
-            return f"prompt {i}: expected a list of token ids (ints >= 0)"
-    return None
-
-
-META_SCHEMA: Mapping[str, tuple[Callable[[Any], str | None], bool, str]] = {
-    # key: (check, required, meaning)
-    "producer": (_str, True, "what wrote the trace (pcpviz-engine, pcpviz-synthetic, vllm-replay, vllm-plugin)"),
-    "pcp": (_int(1, MAX_WORLD_SIZE), True, "PCP world size: one rank file per PCP rank"),
-    "dcp": (_int(1, MAX_WORLD_SIZE), False, "DCP world size"),
-    "dcp_rank": (_int(0, MAX_WORLD_SIZE - 1), False, "DCP rank of the recorded ranks"),
-    "dcp_interleave": (_int(1, MAX_BLOCK_SIZE), False, "DCP KV interleave size"),
-    "dcp_group": (_str, False, "'pcp': the DCP group is the PCP group (DCP rank = PCP rank)"),
-    "tp": (_int(1, MAX_WORLD_SIZE), False, "tensor-parallel size"),
-    "num_speculative_tokens": (_int(0, MAX_SPECULATIVE_TOKENS), False,
-                               "K: draft phases draft_0..draft_{K-1} per step"),
-    "block_size": (_int(1, MAX_BLOCK_SIZE), False, "KV block size (of the first KV-cache group)"),
-    "block_sizes": (_block_sizes, False, "KV block size per KV-cache group"),
-    "shard_decode_requests": (_bool, False, "decodes sharded over the PCP ranks"),
-    "num_steps": (_int(0, _INT64 - 1), False, "steps every rank recorded"),
-    "num_requests": (_int(0, MAX_COUNT), False, "requests of the run"),
-    "max_new_tokens": (_int(1, MAX_COUNT), False, "tokens generated per request"),
-    "max_num_batched_tokens": (_int(1, MAX_COUNT), False, "per-step token budget"),
-    "max_num_seqs": (_int(1, MAX_COUNT), False, "request slots"),
-    "max_model_len": (_int(1, MAX_COUNT), False, "context length"),
-    "vocab_size": (_int(1, MAX_COUNT), False, "vocabulary size"),
-    "seed": (_int(-_INT64, _INT64 - 1), False, "random seed"),
-    "inject": (_str_list, False, "injected faults (pcpviz.faults)"),
-    "model": (_str, False, "model name or path"), "device": (_str, False, "cpu or cuda"),
-    "vllm_version": (_str, False, "vLLM version of the producer"),
-    "speculative_method": (_str, False, "mtp, eagle, dspark, ..."),
-    "cudagraph_mode": (_str, False, "vLLM's resolved cudagraph_mode (NONE, PIECEWISE, FULL_AND_PIECEWISE, ...)"),
-    "vllm_fixes": (_str_list, False, "pcpviz's opt-in vLLM patches the run had on (PCPVIZ_FIXES)"),
-    "model_moe": (_bool, False, "the model has routed experts (vLLM: its MoE layers gather and "
-                  "reduce-scatter over PCP)"),
-    "prompt_token_ids": (_token_ids, False, "prompt token ids per request"),
-}
-"""The run.json keys pcpviz knows: key -> (check, required, meaning). Other keys are allowed.
-One of ``block_size`` / ``block_sizes`` is required too."""
-
-
 def validate_meta(meta: Any, path: str | Path) -> list[Problem]:
     """The schema problems of a run.json document (``path`` names it in the messages)."""
     path = str(path)
     if not isinstance(meta, dict):
         return [Problem(INVALID, path, None, f"{path}: top level is a {type(meta).__name__}, not an object")]
-    out: list[Problem] = []
+    return meta_problems(*decode_meta(meta), path)
+
+
+def meta_problems(meta: RunMeta, malformed: tuple[tuple[str, str], ...], path: str | Path) -> list[Problem]:
+    """The schema problems of a decoded run.json (``decode_meta``'s pair): each malformed key, and
+    what the keys say together (one of ``block_size`` / ``block_sizes``, which agree; ``dcp_rank``
+    a rank of ``dcp``)."""
+    path = str(path)
+    out = [Problem(INVALID, path, key, f"{path}: {key}: {why}") for key, why in malformed]
 
     def bad(key: str, what: str) -> None:
         out.append(Problem(INVALID, path, key, f"{path}: {key}: {what}"))
 
-    for key, (check, required, _) in META_SCHEMA.items():
-        if key not in meta:
-            if required:
-                bad(key, "required key is missing")
-            continue
-        if meta[key] is None and not required:
-            continue
-        try:
-            why = check(meta[key])
-        except RecursionError:
-            why = "nested too deeply"
-        if why:
-            bad(key, why)
-    if meta.get("block_size") is None and meta.get("block_sizes") is None:
+    if not {"block_size", "block_sizes"} & (meta.recorded | {k for k, _ in malformed}):
         bad("block_size", "required key is missing (nor is there block_sizes)")
-    bs, sizes = meta.get("block_size"), meta.get("block_sizes")
-    if (isinstance(sizes, list) and sizes and isinstance(bs, int) and not _block_sizes(sizes)
-            and not _int(1, MAX_BLOCK_SIZE)(bs) and sizes[0] != bs):
-        bad("block_size", f"{bs} differs from block_sizes[0] = {sizes[0]}")
-    dcp, dcp_rank = meta.get("dcp"), meta.get("dcp_rank")
-    if (isinstance(dcp, int) and isinstance(dcp_rank, int) and not isinstance(dcp_rank, bool)
-            and not _int(1, MAX_WORLD_SIZE)(dcp) and not 0 <= dcp_rank < dcp):
-        bad("dcp_rank", f"{dcp_rank} is not a rank of dcp={dcp}")
+    if meta.block_sizes and meta.block_size is not None and meta.block_sizes[0] != meta.block_size:
+        bad("block_size", f"{meta.block_size} differs from block_sizes[0] = {meta.block_sizes[0]}")
+    if "dcp" in meta.recorded and "dcp_rank" in meta.recorded and not 0 <= meta.dcp_rank < meta.dcp:
+        bad("dcp_rank", f"{meta.dcp_rank} is not a rank of dcp={meta.dcp}")
     return out
 
 
-def _good(meta: Mapping[str, Any], key: str) -> Any:
-    """meta[key] if present and passing its schema check, else None."""
-    if key not in meta or key not in META_SCHEMA:
-        return None
-    value = meta[key]
-    return value if value is not None and META_SCHEMA[key][0](value) is None else None
+def _decoded(trace: Any, path: Path) -> tuple[RunMeta, list[Problem]]:
+    """The trace's decoded run.json (``Trace.run_meta``, decoded once on open) and its schema
+    problems; a trace-like object without one has its ``meta`` decoded here."""
+    if hasattr(trace, "run_meta"):
+        return trace.run_meta, meta_problems(trace.run_meta, trace.meta_malformed, path)
+    if not isinstance(trace.meta, dict):
+        return RunMeta(), validate_meta(trace.meta, path)
+    meta, malformed = decode_meta(trace.meta)
+    return meta, meta_problems(meta, malformed, path)
 
 
 # --------------------------------------------------------------------------- the data
@@ -251,8 +158,7 @@ def validate(trace: Any) -> TraceStatus:
     for the block-size check; a payload failing its crc32 there raises ``TraceError``."""
     meta_path = Path(trace.path) / S.RUN_META_FILE
     mp = str(meta_path)
-    problems = validate_meta(trace.meta, meta_path)
-    meta = trace.meta if isinstance(trace.meta, dict) else {}
+    meta, problems = _decoded(trace, meta_path)
     files = dict(trace.files)
     unreadable = dict(getattr(trace, "unreadable", {}) or {})
     present = set(files) | set(unreadable)
@@ -264,7 +170,7 @@ def validate(trace: Any) -> TraceStatus:
         problems.append(Problem(INCOMPLETE, str(file), key, message))
 
     # pcp vs the rank files
-    pcp = _good(meta, "pcp")
+    pcp = meta.pcp
     if pcp is not None:
         extra = sorted(r for r in present if r >= pcp)
         if extra:
@@ -290,7 +196,7 @@ def validate(trace: Any) -> TraceStatus:
             holder = min(q for q in files if set(lacking) & set(files[q].steps))
             incomplete(info.path, f"rank {r}", f"{info.path}: rank {r} lacks steps "
                        f"{_steps_text(lacking)} that rank {holder} recorded")
-    num_steps = _good(meta, "num_steps")
+    num_steps = meta.num_steps
     if num_steps is not None and files and len(all_steps) != num_steps:
         if len(all_steps) < num_steps:
             incomplete(meta_path, "num_steps", f"{mp}: num_steps: {num_steps}, but the rank files "
@@ -300,7 +206,7 @@ def validate(trace: Any) -> TraceStatus:
     report_malformed(trace, incomplete)  # inf, NaN or 2.5 in an integer view: damaged data
     ending, ended = judge(trace, pcp)  # how the run ended (pcpviz.trace.completion)
     problems += [Problem(INCOMPLETE, file, key, message) for file, key, message in ended]
-    _check_drafts(trace, meta, invalid)
+    _check_drafts(trace, meta, {p.key for p in problems if p.key}, invalid)
     _check_block_size(trace, meta, invalid)
     _check_prompts(trace, meta, invalid)
     return TraceStatus(tuple(problems), ending)
@@ -309,11 +215,11 @@ def validate(trace: Any) -> TraceStatus:
 _SEQUENTIAL_DRAFTERS = frozenset({"mtp", "deepseek_mtp", "eagle", "eagle3"})
 
 
-def _check_drafts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, str], None]) -> None:
+def _check_drafts(trace: Any, meta: RunMeta, malformed: set[str], invalid: Callable[[str, str], None]) -> None:
     """num_speculative_tokens K against the data: the verify outcome is K+1 wide
     (``sampled_token_ids`` [R, K+1]); a sequential drafter (MTP, EAGLE) records draft_0 ..
     draft_{K-1}, a parallel one (dspark) fewer, never more."""
-    k = _good(meta, "num_speculative_tokens")
+    k = meta.num_speculative_tokens
     highest, where = -1, None
     for r in trace.ranks:
         for step in trace.rank_steps(r):
@@ -321,13 +227,13 @@ def _check_drafts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, s
                 i = S.draft_index(ph)
                 if i is not None and i > highest:
                     highest, where = i, (step, r)
-    if highest >= 0 and "num_speculative_tokens" not in meta:
+    if highest >= 0 and "num_speculative_tokens" not in meta.recorded | malformed:
         invalid("num_speculative_tokens", f"missing, but step {where[0]} rank {where[1]} records "
                 f"draft_{highest}")
         return
     if k is None:
         return
-    method = _good(meta, "speculative_method") or "mtp"
+    method = meta.method
     if highest >= k or (highest >= 0 and method in _SEQUENTIAL_DRAFTERS and highest + 1 != k):
         invalid("num_speculative_tokens", f"{k}, but the trace records draft phases up to "
                 f"draft_{highest} (step {where[0]} rank {where[1]}), i.e. K={highest + 1}")
@@ -345,16 +251,16 @@ def _check_drafts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, s
                     return
 
 
-def _check_prompts(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, str], None]) -> None:
+def _check_prompts(trace: Any, meta: RunMeta, invalid: Callable[[str, str], None]) -> None:
     """prompt_token_ids against the data: a prompt token the target forward is fed (rank 0's
     global ``input_ids`` at a position inside the prompt) is that prompt's token there. Requests
     are matched by id: a dict's keys, or for the i-th prompt of a list ``req<i>`` (the engine) or
     ``<i>-<suffix>`` (vLLM's ``LLM.generate``)."""
-    prompts = _good(meta, "prompt_token_ids")
+    prompts = meta.prompt_token_ids
     if not prompts:
         return
-    by_id = prompts if isinstance(prompts, dict) else {f"req{i}": p for i, p in enumerate(prompts)}
-    by_index = {} if isinstance(prompts, dict) else dict(enumerate(prompts))
+    by_id = prompts if isinstance(prompts, Mapping) else {f"req{i}": p for i, p in enumerate(prompts)}
+    by_index = {} if isinstance(prompts, Mapping) else dict(enumerate(prompts))
     for r in trace.ranks[:1]:
         for step in trace.rank_steps(r):
             if not trace.has(step, r, S.PHASE_TARGET):
@@ -405,7 +311,7 @@ def _slots_fit(slots: np.ndarray, pos: np.ndarray, row: np.ndarray, table: np.nd
     return bool(np.array_equal(table[row, col].astype(np.int64) * size + pos % size, slots))
 
 
-def _check_block_size(trace: Any, meta: Mapping[str, Any], invalid: Callable[[str, str], None]) -> None:
+def _check_block_size(trace: Any, meta: RunMeta, invalid: Callable[[str, str], None]) -> None:
     """block_size(s) against the first step with global slot mappings and block tables: a
     token at position p of request row i sits in slot ``table[i, p // bs] * bs + p % bs``. If
     run.json's size does not fit but another one fits every token, run.json is wrong; if none
@@ -414,11 +320,10 @@ def _check_block_size(trace: Any, meta: Mapping[str, Any], invalid: Callable[[st
     PCP=2 with run.json block_size 8 and blocks of 16: token at position 9 of a request whose
     first block is 1 has slot 25 = 1*16 + 9, while block_size 8 expects table[i, 1]*8 + 1.
     """
-    sizes = _good(meta, "block_sizes")
-    bs = _good(meta, "block_size")
+    sizes, bs = meta.block_sizes, meta.block_size
     if sizes is None and bs is None:
         return
-    if (_good(meta, "dcp") or 1) != 1:
+    if meta.dcp != 1:
         return
     key = "block_sizes" if sizes is not None else "block_size"
     sizes = list(sizes) if sizes is not None else [bs]
@@ -460,13 +365,13 @@ def _check_block_size(trace: Any, meta: Mapping[str, Any], invalid: Callable[[st
             return
 
 
-def trusted_meta(meta: Mapping[str, Any], status: TraceStatus) -> dict[str, Any]:
+def trusted_meta(meta: RunMeta, status: TraceStatus) -> RunMeta:
     """``meta`` without the keys ``status`` found invalid (``block_size`` and ``block_sizes``
     go together), so nothing downstream computes with a value run.json got wrong."""
     bad = {p.key.split("[")[0] for p in status.problems if p.kind == INVALID and p.key}
     if bad & {"block_size", "block_sizes"}:
         bad |= {"block_size", "block_sizes"}
-    return {k: v for k, v in meta.items() if k not in bad} if isinstance(meta, Mapping) else {}
+    return meta.without(bad)
 
 
 def check_or_raise(trace: Any) -> TraceStatus:

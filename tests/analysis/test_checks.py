@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pcpviz import faults as F
-from pcpviz.analysis.checks.context import Config
+from pcpviz.trace.meta_model import decode_meta
 from pcpviz.analysis.checks import (CHECKS, DCP_CHECKS, ENGINE_VIEW_CHECKS, FAIL, PASS, SKIPPED, first_difference,
                                     run_checks, short_repr)
 from tracegen import (
@@ -796,4 +796,4 @@ def test_an_integer_view_stored_as_non_integers_is_reported_not_cast(tmp_path, v
     ({"stand_ins": {"rejection_sampler": "scripted per scenario"}}, False),  # the CPU replay's scripted acceptance
 ])
 def test_num_accepted_from_tokens_applies_to_vllms_standard_rejection_only(meta, applies):
-    assert Config.from_meta(meta).acceptance_rule is applies
+    assert decode_meta(meta)[0].standard_rejection is applies

@@ -96,7 +96,7 @@ def test_from_llm_kwargs_reads_vllms_own_keywords():
     ("vllm-h200x1-pcp1-mtp2-full", set()),  # PCP=1
 ])
 def test_shipped_traces_are_judged_by_what_vllm_ran(name, exposed, capsys):
-    meta = open_trace(ROOT / "data" / "traces" / name).meta
+    meta = open_trace(ROOT / "data" / "traces" / name).run_meta
     assert {e.finding for e in exposures(VllmSetup.from_meta(meta)) if e.verdict == EXPOSED} == exposed
     code = main(["findings", str(ROOT / "data" / "traces" / name), "--json"])
     doc = json.loads(capsys.readouterr().out)

@@ -86,19 +86,19 @@ def test_engine_producers_exist_and_read_their_inputs(p):
 
 
 def test_the_first_wrong_value_is_walked_up_to_the_producer_whose_inputs_were_right():
-    meta = {"producer": "vllm-plugin"}
-    a = attribute(meta, "draft_1", "draft_seq_lens", recorded=lambda k: True, wrong=lambda k: False, compared=True)
+    producer = "vllm-plugin"
+    a = attribute(producer, "draft_1", "draft_seq_lens", recorded=lambda k: True, wrong=lambda k: False, compared=True)
     assert (a.producer, a.verdict) == ("prepare_decode_inputs", INSIDE)
     assert a.cite == "vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py:862"
     assert "target.seq_lens" in a.inputs_right and "verify.num_rejected" in a.inputs_right and "sure" in a.sure
-    b = attribute(meta, "draft_1", "slot_mapping_draft", recorded=lambda k: True,
+    b = attribute(producer, "draft_1", "slot_mapping_draft", recorded=lambda k: True,
                   wrong=lambda k: k == "draft_1.draft_positions", compared=False)
     assert b.chain == ("BlockTables.compute_slot_mappings", "prepare_decode_inputs")
     assert b.view == "draft_1.draft_positions"
-    none = attribute({"producer": "pcpviz-synthetic"}, "target", "positions", recorded=lambda k: True,
+    none = attribute("pcpviz-synthetic", "target", "positions", recorded=lambda k: True,
                      wrong=lambda k: False, compared=False)
     assert none.producer is None and "no producer map" in none.sure
-    missing = attribute(meta, "target", "seq_lens", recorded=lambda k: k != "target.query_start_loc",
+    missing = attribute(producer, "target", "seq_lens", recorded=lambda k: k != "target.query_start_loc",
                         wrong=lambda k: False, compared=True)
     assert "target.query_start_loc" in missing.inputs_missing and missing.sure.startswith("likely")
 

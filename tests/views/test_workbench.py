@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import pcpviz.trace as pt
+from pcpviz.trace.meta_model import decode_meta
 from pcpviz.views import figures as fg
 from pcpviz.views.figures.token_order import _lane_rows
 from pcpviz.views.widgets import Workbench
@@ -407,8 +408,9 @@ def test_header_shows_the_model_by_name_and_what_is_known_of_the_device():
     wb = Workbench(REPO / "data" / "traces" / "vllm-h200x2-pcp2-mtp2", checks=False)
     assert "data/models" not in wb.header.value and "<b>model</b> pcpviz-tiny-dsv3" in wb.header.value
     assert "<b>device</b> 2 x NVIDIA H200" in wb.header.value
-    assert pt.run_summary({"model": "/a/b/m/", "gpus": ["H200", "H200"]}) == {"model": "m", "device": "2 x H200"}
-    assert "device" not in pt.run_summary({"producer": "x"})
+    decoded = decode_meta({"model": "/a/b/m/", "gpus": ["H200", "H200"]})[0]
+    assert pt.run_summary(decoded) == {"model": "m", "device": "2 x H200"}
+    assert "device" not in pt.run_summary(decode_meta({"producer": "x"})[0])
 
 
 def test_acceptance_title_says_the_rate_is_a_mean_over_positions(trace):

@@ -67,9 +67,9 @@ def store(part: Path) -> dict:
     if not mf.is_file():
         _die(f"{part}: no manifest.json (is this a part made by tools/gpu/stage.py?)")
     manifest = json.loads(mf.read_text())
-    chunks = HOME / "chunks"
+    chunks = _root(manifest) / "chunks"
     chunks.mkdir(parents=True, exist_ok=True)
-    (HOME / "manifest.json").write_text(json.dumps(manifest))
+    (_root(manifest) / "manifest.json").write_text(json.dumps(manifest))
     for name, entry in manifest["files"].items():
         for c in entry["chunks"]:
             src = part / c["name"]
@@ -81,16 +81,21 @@ def store(part: Path) -> dict:
     return manifest
 
 
+def _root(manifest: dict) -> Path:
+    """Where a manifest's chunks are kept: the extras (``stage.py --extras``) apart from the main parts."""
+    return HOME / "extras" if manifest.get("extras") else HOME
+
+
 def missing_parts(manifest: dict) -> list[int]:
-    have = {p.name for p in (HOME / "chunks").iterdir()}
+    have = {p.name for p in (_root(manifest) / "chunks").iterdir()}
     return sorted({c["part"] for e in manifest["files"].values() for c in e["chunks"] if c["name"] not in have})
 
 
-def _assemble(name: str, entry: dict, dest: Path) -> Path:
+def _assemble(name: str, entry: dict, dest: Path, root: Path = HOME) -> Path:
     out = dest / name
     with out.open("wb") as fo:
         for c in entry["chunks"]:
-            with (HOME / "chunks" / c["name"]).open("rb") as fi:
+            with (root / "chunks" / c["name"]).open("rb") as fi:
                 shutil.copyfileobj(fi, fo, 1 << 22)
     if sha256(out) != entry["sha256"]:
         _die(f"{name}: reassembled file's sha256 differs from the manifest")
@@ -152,6 +157,24 @@ def install(manifest: dict) -> None:
     print(f"installed vLLM {check.stdout.strip()} into {site}; now: source {HOME / 'env.sh'}")
 
 
+def install_extras(manifest: dict) -> None:
+    """The extra libraries (``stage.py --extras``) into an existing install, each at its place in vLLM's tree."""
+    site = HOME / "site"
+    if not site.is_dir():
+        _die("the extras go into an existing install: install the main parts first")
+    build = HOME / "extras" / "build"
+    build.mkdir(exist_ok=True)
+    for name, entry in manifest["files"].items():
+        path = _assemble(name, entry, build, HOME / "extras")
+        target = site / manifest["targets"][name]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with lzma.open(path) as fi, target.open("wb") as fo:
+            shutil.copyfileobj(fi, fo, 1 << 22)
+        target.chmod(0o755)
+    shutil.rmtree(build)
+    print("installed the extras: " + ", ".join(manifest["targets"].values()))
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         _die("usage: python3 tools/gpu/install.py .gpu/partN")
@@ -160,10 +183,14 @@ def main(argv: list[str]) -> int:
         _die(f"{part}: not a directory")
     manifest = store(part)
     missing = missing_parts(manifest)
+    name = "extra" if manifest.get("extras") else "part"
     if missing:
-        print(f"{part} stored in {HOME}; still missing: " + ", ".join(f"part{i}" for i in missing))
+        print(f"{part} stored in {_root(manifest)}; still missing: " + ", ".join(f"{name}{i}" for i in missing))
         return 0
-    install(manifest)
+    if manifest.get("extras"):
+        install_extras(manifest)
+    else:
+        install(manifest)
     return 0
 
 

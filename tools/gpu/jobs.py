@@ -73,14 +73,14 @@ def _check(trace_dir: Path) -> dict:
 
 def _vllm_trace(name: str, *, job_name: str, k: int, prompts: list, mode: str = "NONE",
                 max_tokens: int = MAX_TOKENS, extra: dict | None = None, timeout_s: float = 420,
-                pcp: int = 2) -> dict:
+                pcp: int = 2, model: str = MODEL) -> dict:
     from pcpviz.vllm.launch import run
 
     trace_dir = RESULTS / "traces" / name
     lines: list[str] = []
     t0 = time.time()
     try:
-        trace, outputs = run(MODEL, prompts, pcp=pcp, num_speculative_tokens=k, trace_dir=trace_dir,
+        trace, outputs = run(model, prompts, pcp=pcp, num_speculative_tokens=k, trace_dir=trace_dir,
                              max_tokens=max_tokens, cudagraph_mode=mode,
                              extra_engine_args={**ENGINE_ARGS, **(extra or {})}, progress=lines.append,
                              timeout_s=timeout_s)
@@ -279,6 +279,20 @@ def _full_phases(trace_dir: Path) -> dict:
                 counts[key] = counts.get(key, 0) + 1
     size = sum(f.stat().st_size for f in trace_dir.rglob("*") if f.is_file())
     return {"draft_phases": counts, "trace_bytes": size}
+
+
+MOE_MODEL = os.environ.get("PCPVIZ_MOE_MODEL", str(REPO / "data" / "models" / "pcpviz-tiny-moe-dsa"))
+
+
+@job("trace-moe-pcp1")
+def _trace_moe_pcp1(_: dict) -> dict:
+    """The MoE + DSA model (``pcpviz-tiny-moe-dsa``; ``PCPVIZ_MOE_MODEL`` names another copy) through
+    vLLM 0.33.0's own kernels: PCP=1, K=2, eager, three prompts; the byte tokenizer through
+    ``tokenizer_mode="hf"`` (vLLM picks "deepseek_v32" for this architecture, ``config/model.py:756``).
+    Needs the extras (``stage.py --extras``: the fused MoE's ops, DeepGEMM for the indexer)."""
+    return _vllm_trace("vllm-h200x1-pcp1-mtp2-moe-dsa", job_name="trace-moe-pcp1", k=2, prompts=TRACE_PROMPTS[:3],
+                       mode="NONE", pcp=1, max_tokens=32, timeout_s=480, model=MOE_MODEL,
+                       extra={"tokenizer_mode": "hf"})
 
 
 @job("engine")

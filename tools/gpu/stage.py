@@ -48,6 +48,10 @@ VLLM_VERSION = "0.33.0"
 SEPARATE = {"vllm/_C_stable_libtorch.abi3.so": 9, "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so": 6}
 LEFT_OUT = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so",
             "vllm/third_party/deep_gemm/_C_extension.abi3.so", "vllm/vllm-rs", "vllm/_flashkda_C.abi3.so")
+# ``--extras``: the compiled libraries the MoE + DSA model needs beyond the dense model's (the fused MoE's
+# custom ops; DeepGEMM, which vLLM's sparse-attention indexer requires on CUDA,
+# ``sparse_attn_indexer.py:1060-1064``), sent as parts of their own after the main ones.
+EXTRAS = {"vllm/_moe_C_stable_libtorch.abi3.so": 6, "vllm/third_party/deep_gemm/_C_extension.abi3.so": 6}
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "any")
 
@@ -158,12 +162,15 @@ def plan_parts(files: list[Path], part_bytes: int) -> list[list[tuple[Path, int,
     return parts
 
 
-def write_parts(parts: list[list[tuple[Path, int, int]]], out: Path) -> dict:
-    if out.exists():
-        shutil.rmtree(out)
-    manifest: dict = {"vllm_version": VLLM_VERSION, "parts": len(parts), "files": {}}
+def write_parts(parts: list[list[tuple[Path, int, int]]], out: Path, *, prefix: str = "part",
+                extras: bool = False) -> dict:
+    for old in out.glob(f"{prefix}*") if out.exists() else []:
+        shutil.rmtree(old)
+    manifest: dict = {"vllm_version": VLLM_VERSION, "parts": len(parts), "files": {}, "extras": extras}
+    if extras:
+        manifest["targets"] = {Path(n).name + ".xz": n for n in EXTRAS}
     for i, chunks in enumerate(parts, 1):
-        d = out / f"part{i}"
+        d = out / f"{prefix}{i}"
         d.mkdir(parents=True)
         for f, off, n in chunks:
             entry = manifest["files"].setdefault(f.name, {"sha256": sha256(f), "size": f.stat().st_size,
@@ -174,7 +181,7 @@ def write_parts(parts: list[list[tuple[Path, int, int]]], out: Path) -> dict:
                 fo.write(fi.read(n))
             entry["chunks"].append({"part": i, "name": chunk.name, "sha256": sha256(chunk)})
     for i in range(1, len(parts) + 1):
-        (out / f"part{i}" / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        (out / f"{prefix}{i}" / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
 
@@ -185,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=REPO / ".gpu-work", help="download and build cache")
     ap.add_argument("--vllm-wheel", type=Path, default=None, help="a vllm-0.33.0 wheel already on disk")
     ap.add_argument("--part-mb", type=float, default=44.0, help="size of a part in MB (10^6 bytes)")
+    ap.add_argument("--extras", action="store_true", help="only the MoE + DSA model's extra libraries, as "
+                    "parts extra1, extra2, ... (install.py adds them to an existing install)")
     a = ap.parse_args(argv)
     if a.part_mb < 1:
         ap.error("--part-mb must be at least 1")
@@ -193,14 +202,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stage.py: note: the repository's files take {repo_bytes() / 1e6:.1f} MB of the "
               f"{TRANSFER_BYTES / 2**20:.0f} MiB a device command carries; a part of {a.part_mb:g} MB does not "
               f"fit beside them: use --part-mb {int(room / 1e6)}", file=sys.stderr)
-    files = build_files(a.work, a.vllm_wheel)
-    parts = plan_parts(files, int(a.part_mb * 1e6))
-    manifest = write_parts(parts, a.out)
+    if a.extras:
+        files = build_extras(a.work, a.vllm_wheel)
+        parts = plan_parts(files, int(a.part_mb * 1e6))
+        manifest = write_parts(parts, a.out, prefix="extra", extras=True)
+    else:
+        files = build_files(a.work, a.vllm_wheel)
+        parts = plan_parts(files, int(a.part_mb * 1e6))
+        manifest = write_parts(parts, a.out)
+    name = "extra" if a.extras else "part"
     for i in range(1, manifest["parts"] + 1):
-        size = sum(p.stat().st_size for p in (a.out / f"part{i}").iterdir())
-        print(f"{a.out / f'part{i}'}: {size / 1e6:.1f} MB")
-    print("on the GPU machine, one command per part, back to back: python3 tools/gpu/install.py .gpu/partN")
+        size = sum(p.stat().st_size for p in (a.out / f"{name}{i}").iterdir())
+        print(f"{a.out / f'{name}{i}'}: {size / 1e6:.1f} MB")
+    print(f"on the GPU machine, one command per part, back to back: python3 tools/gpu/install.py .gpu/{name}N")
     return 0
+
+
+def build_extras(work: Path, vllm_wheel: Path | None) -> list[Path]:
+    """``EXTRAS`` out of the wheel, each xz-compressed (in ``work/extras``)."""
+    wheel = vllm_wheel or sorted((work / "wheel").glob(f"vllm-{VLLM_VERSION}-*.whl"))[0]
+    files = work / "extras"
+    files.mkdir(parents=True, exist_ok=True)
+    out = []
+    with zipfile.ZipFile(wheel) as zf:
+        for name, preset in EXTRAS.items():
+            dst = files / (Path(name).name + ".xz")
+            if not dst.exists():
+                print(f"stage.py: xz -{preset} {name}", flush=True)
+                with zf.open(name) as fi, lzma.open(dst.with_suffix(".tmp"), "wb", preset=preset) as fo:
+                    shutil.copyfileobj(fi, fo, 1 << 22)
+                dst.with_suffix(".tmp").rename(dst)
+            out.append(dst)
+    return out
 
 
 if __name__ == "__main__":

@@ -154,8 +154,8 @@ def all_per_step(good: np.ndarray, seg: np.ndarray, n: int) -> np.ndarray:
 class Block:
     """A run of consecutive steps' records (``StepView``) and their columns, per rank."""
 
-    def __init__(self, svs: Sequence[Any], cfg: Any):
-        self.svs, self.cfg = list(svs), cfg
+    def __init__(self, svs: Sequence[Any], run_meta: Any):
+        self.svs, self.run_meta = list(svs), run_meta
         self._cols: dict[tuple, Column | None] = {}
         self._maps: dict[tuple, list] = {}  # (rank, phase) -> each step's views (None: not recorded)
         self.reads: set | None = None  # (rank, phase, view) read while a shared rule runs
@@ -222,9 +222,9 @@ def previous(block: Block, rank: int) -> Block:
     none after a warm-up step, a malformed step or a step the rank lacks)."""
     prevs = []
     for sv in block.svs:
-        pv = Ctx(block.cfg, sv, rank, "")._prev_view() if rank in sv.recs else None
+        pv = Ctx(block.run_meta, sv, rank, "")._prev_view() if rank in sv.recs else None
         prevs.append(_NoStep() if pv is None else pv)
-    return Block(prevs, block.cfg)
+    return Block(prevs, block.run_meta)
 
 
 def matched_rows(block: Block, prev: Block, rank: int) -> list[np.ndarray | None]:
@@ -312,7 +312,7 @@ def rank_rows(block: Block, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarr
     (ok bool[n], P int64[n], n int64[n], padded_gather_idx), ``ok`` where they are what the
     per-step code computes without failing (run.json's pcp set, padded_gather_idx and
     per_rank_num_tokens recorded, ``0 <= n <= P``); None when the block gives no columns."""
-    world = block.cfg.pcp
+    world = block.run_meta.pcp
     pgi = block.col(rank, "target", "padded_gather_idx")
     prn = block.col(rank, "target", "per_rank_num_tokens")
     if not world or world < 1 or pgi is None or prn is None or not 0 <= rank < world:
@@ -343,7 +343,7 @@ def gathered(block: Block, phase: str, view: str) -> tuple[np.ndarray, np.ndarra
 
 
 def _gathered(block: Block, phase: str, view: str) -> tuple[np.ndarray, np.ndarray, Callable] | None:
-    world = block.cfg.pcp
+    world = block.run_meta.pcp
     if not world or world < 1:
         return None
     cols = [block.col(r, phase, view) for r in range(world)]

@@ -1,6 +1,7 @@
 """What a check sees: the per-(step, rank) context ``Ctx`` (views, derived quantities such as
-P, the rank's rows and slots, and the verdicts ``fail``/``expect``), the run.json settings the
-checks use (``Config``), and the registry the ``@check`` decorator fills (in definition order).
+P, the rank's rows and slots, and the verdicts ``fail``/``expect``; ``run_meta``: run.json as
+``pcpviz.trace.meta_model.RunMeta``, less the keys ``validate`` found wrong), and the registry
+the ``@check`` decorator fills (in definition order).
 A check raises ``Skip`` when an input view was not recorded."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pcpviz.reference.batch import query_start_loc
 from pcpviz.reference.blocks import compute_slot_mappings
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.trace import SEGMENT_DTYPE, draft_index
+from pcpviz.trace.meta_model import RunMeta
 from pcpviz.trace.schema import int_view, view_spec
 
 from .declared import validate_check
@@ -27,67 +29,6 @@ class Fail(Exception):
     def __init__(self, violation_kwargs: dict[str, Any]):
         super().__init__(violation_kwargs.get("message", ""))
         self.kw = violation_kwargs
-
-
-@dataclass(frozen=True)
-class Config:
-    pcp: int | None
-    dcp: int
-    dcp_rank: int
-    dcp_interleave: int
-    shard: bool | None
-    k: int | None
-    block_sizes: tuple[int, ...] | None
-    speculative_method: str = "mtp"
-    acceptance_rule: bool = True  # standard rejection sampling (num_accepted_from_tokens applies)
-    dcp_group: str = ""  # "pcp": the DCP rank of rank file r is r (run.json dcp_group)
-    moe: bool | None = None  # the model has routed experts (run.json model_moe; None: not recorded)
-
-    @classmethod
-    def from_meta(cls, meta: Mapping[str, Any]) -> "Config":
-        def as_int(key, default=None):
-            v = meta.get(key, default)
-            try:
-                return None if v is None else int(v)
-            except (TypeError, ValueError):
-                return default
-        pcp = as_int("pcp")
-        dcp = as_int("dcp", 1) or 1
-        shard = meta.get("shard_decode_requests")
-        sizes = meta.get("block_sizes")
-        if isinstance(sizes, (list, tuple)) and sizes:
-            block_sizes = tuple(int(b) for b in sizes)
-        elif meta.get("block_size") is not None:
-            block_sizes = (as_int("block_size"),)
-        else:
-            block_sizes = None
-        return cls(pcp=pcp, dcp=dcp, dcp_rank=as_int("dcp_rank", 0) or 0,
-                   dcp_interleave=as_int("dcp_interleave", 1) or 1,
-                   shard=None if shard is None else bool(shard),
-                   k=as_int("num_speculative_tokens"), block_sizes=block_sizes,
-                   speculative_method=str(meta.get("speculative_method") or "mtp"),
-                   acceptance_rule=_standard_rejection(meta),
-                   dcp_group=str(meta.get("dcp_group") or ""),
-                   moe=meta["model_moe"] if isinstance(meta.get("model_moe"), bool) else None)
-
-
-def _standard_rejection(meta: Mapping[str, Any]) -> bool:
-    """False where run.json's speculative config (top level or the launch's ``llm_kwargs``) asks
-    vLLM for another rejection method than ``"standard"`` (vLLM 0.33.0 config/speculative.py:83,
-    562: ``synthetic``, ``block``, ``fly``) or for synthetic acceptance, or where it declares the
-    rejection sampler a scripted stand-in (the CPU replay's ``models="scripted"``: ``stand_ins``)."""
-    stand_ins = meta.get("stand_ins")
-    if isinstance(stand_ins, Mapping) and stand_ins.get("rejection_sampler") and meta.get("replay_models") != "tiny":
-        return False  # the replay's scripted acceptance (the tiny model's is greedy: the standard rule)
-    launch = meta.get("launch")
-    kwargs = launch.get("llm_kwargs") if isinstance(launch, Mapping) else None
-    for spec in (meta.get("speculative_config"), kwargs.get("speculative_config") if isinstance(kwargs, Mapping)
-                 else None):
-        if isinstance(spec, Mapping) and (spec.get("rejection_sample_method", "standard") not in (None, "standard")
-                                          or spec.get("synthetic_acceptance_rates") is not None
-                                          or spec.get("synthetic_acceptance_length") is not None):
-            return False
-    return True
 
 
 def _is_warmup(phases: Mapping[str, Mapping[str, np.ndarray]]) -> bool:
@@ -119,9 +60,9 @@ class Ctx:
     one array for a payload they recorded byte-equal, so the runner checks a global view once
     a step, not once a rank."""
 
-    def __init__(self, cfg: Config, sv: StepView, rank: int, check: str, *, log: list | None = None,
+    def __init__(self, run_meta: RunMeta, sv: StepView, rank: int, check: str, *, log: list | None = None,
                  offset: int = 0, root: "Ctx | None" = None):
-        self.cfg, self._sv, self._rank, self.check = cfg, sv, rank, check
+        self.run_meta, self._sv, self._rank, self.check = run_meta, sv, rank, check
         self._phases = sv.recs[rank]
         self._log: list = [] if log is None else log  # what was read: see ``replays``
         self._offset = offset  # 0: this step, 1: the previous one
@@ -230,7 +171,7 @@ class Ctx:
         self._log.append(("prev", pv is not None))
         if pv is None:
             return None
-        return Ctx(self.cfg, pv, self._rank, self.check, log=self._log, offset=1, root=self._root)
+        return Ctx(self.run_meta, pv, self._rank, self.check, log=self._log, offset=1, root=self._root)
 
     def replays(self, log: list) -> bool:
         """True if every read in ``log`` (another rank's, this check, this step) gives this rank
@@ -260,17 +201,17 @@ class Ctx:
 
     # -- derived quantities (cached per step where they are rank-independent)
     def pcp(self) -> int:
-        if self.cfg.pcp:
-            return self.cfg.pcp
+        if self.run_meta.pcp:
+            return self.run_meta.pcp
         prn = self.get("target", "per_rank_num_tokens")
         if prn is not None:
             return int(prn.shape[0])
         return max(self._sv.recs) + 1
 
     def shard(self) -> bool:
-        if self.cfg.shard is not None:
-            return self.cfg.shard
-        return self.pcp() > 1 and self.cfg.dcp == 1
+        if self.run_meta.shard_decode_requests is not None:
+            return self.run_meta.shard_decode_requests
+        return self.pcp() > 1 and self.run_meta.dcp == 1
 
     def num_reqs(self) -> int:
         for view in ("num_scheduled_tokens", "req_ids", "seq_lens", "is_prefilling"):
@@ -329,10 +270,10 @@ class Ctx:
     def dcp_rank(self) -> int:
         """This rank's DCP rank: its PCP rank when the DCP group is the PCP group (run.json
         ``dcp_group`` 'pcp'), else run.json's ``dcp_rank``."""
-        return self.rank % self.cfg.dcp if self.cfg.dcp_group == "pcp" else self.cfg.dcp_rank
+        return self.rank % self.run_meta.dcp if self.run_meta.dcp_group == "pcp" else self.run_meta.dcp_rank
 
     def block_sizes(self, groups: int) -> list[int]:
-        bs = self.cfg.block_sizes
+        bs = self.run_meta.kv_block_sizes
         if bs is None:
             raise Skip("no block_size in run.json")
         if len(bs) == 1:
@@ -347,14 +288,14 @@ class Ctx:
         as a zero-padded vLLM table would; ``no_null_block`` then reports them."""
         sizes = self.block_sizes(table.shape[0])
         kw = {}
-        if self.cfg.dcp > 1:
-            kw = dict(cp_size=self.cfg.dcp, cp_rank=self.dcp_rank(),
-                      cp_interleave=self.cfg.dcp_interleave)
+        if self.run_meta.dcp > 1:
+            kw = dict(cp_size=self.run_meta.dcp, cp_rank=self.dcp_rank(),
+                      cp_interleave=self.run_meta.dcp_interleave)
         rows = np.arange(table.shape[1], dtype=np.int64)
         out = []
         null_table = np.zeros((table.shape[1], 1), table.dtype)
         for g in range(table.shape[0]):
-            span = sizes[g] * self.cfg.dcp
+            span = sizes[g] * self.run_meta.dcp
             # a block past the table's width reads the null block 0: such a token gets the slot
             # a one-column zero table gives for its offset (no table padded to the position)
             past = positions // span >= table.shape[2]

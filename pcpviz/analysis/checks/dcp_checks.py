@@ -32,9 +32,9 @@ _NOT_SHARDED = "dcp = 1: the KV cache is not sharded"
 
 def _geometry(c: Ctx) -> tuple[int, int, int, int]:
     """(D, I, M, this rank's DCP rank); Skip without DCP."""
-    if c.cfg.dcp <= 1:
+    if c.run_meta.dcp <= 1:
         raise Skip(_NOT_SHARDED)
-    return c.cfg.dcp, c.cfg.dcp_interleave, c.block_sizes(1)[0], c.dcp_rank()
+    return c.run_meta.dcp, c.run_meta.dcp_interleave, c.block_sizes(1)[0], c.dcp_rank()
 
 
 def _owner(pos: np.ndarray, d: int, il: int, m: int) -> np.ndarray:
@@ -78,7 +78,7 @@ def dcp_kv_sharding(c: Ctx) -> None:
         dp, sd = c.get(phase, "draft_positions"), c.get(phase, "slot_mapping_draft")
         if dp is not None and sd is not None:
             _writes(c, phase, "slot_mapping_draft", slot_groups(sd)[0], dp.astype(np.int64), geo)
-    if c.cfg.dcp_group == "pcp" and c.rank == 0 and len(c.sv.recs) >= geo[0]:
+    if c.run_meta.dcp_group == "pcp" and c.rank == 0 and len(c.sv.recs) >= geo[0]:
         writers = np.zeros(pos.shape[0], dtype=np.int64)
         for r in range(geo[0]):
             rec = c.sv.recs[r].get("target")
@@ -153,7 +153,7 @@ def dcp_partial_combined(c: Ctx) -> None:
 
 def _dcp_off(b: Block, rank: int) -> list:
     """The DCP checks' first test (``_geometry``): without DCP every step skips."""
-    return [_NOT_SHARDED if b.cfg.dcp <= 1 else None] * len(b)
+    return [_NOT_SHARDED if b.run_meta.dcp <= 1 else None] * len(b)
 
 
 for _name in ("dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combined"):

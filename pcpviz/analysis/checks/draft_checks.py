@@ -48,7 +48,7 @@ def _partial_chunk_last_rows(c: Ctx) -> None:
 def draft_prefill_rank_local(c: Ctx) -> None:
     if not c.has("draft_0"):
         raise Skip("no draft_0 phase")
-    if c.cfg.speculative_method == "dspark":
+    if c.run_meta.method == "dspark":
         # DSpark drafts replicated from its first step (its drafter is built with PCP=1).
         raise Skip("DSpark has no rank-local draft prefill")
     view = c.get("draft_0", "view")
@@ -99,7 +99,7 @@ def _draft_prefill_rank_local_bulk(b: Block, rank: int) -> np.ndarray:
     """PCP > 1 (run.json), not DSpark: draft_0 recorded, its view (where recorded) 'rank_local',
     and each of its rank-local views recorded with its target twin equal to it, one compared."""
     out = none(b)
-    if not b.cfg.pcp or b.cfg.pcp <= 1 or b.cfg.speculative_method == "dspark":
+    if not b.run_meta.pcp or b.run_meta.pcp <= 1 or b.run_meta.method == "dspark":
         return out
     for i, sv in enumerate(b.svs):
         phases = sv.recs.get(rank, {})
@@ -254,7 +254,7 @@ def draft_decode_replicated(c: Ctx) -> None:
                    "slot mappings are unexpanded (the attention layer writes locally)",
                    expected=f"[G, {r}]", actual=str(list(smd.shape)))
         pos, table = c.get(phase, "draft_positions"), c.get("target", "block_table_global")
-        if pos is None or table is None or c.cfg.block_sizes is None:
+        if pos is None or table is None or c.run_meta.kv_block_sizes is None:
             continue
         pos = pos.astype(np.int64)
         exp = c.slots(table_groups(table), np.arange(r + 1, dtype=np.int64), pos)

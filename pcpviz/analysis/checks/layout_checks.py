@@ -54,7 +54,7 @@ def layout_matches_plan(c: Ctx) -> None:
     if plan is None:
         try:
             plan = plan_layout(q.astype(np.int64), pf.astype(bool), c.pcp(),
-                               shard_decode_requests=c.shard(), dcp_world_size=c.cfg.dcp,
+                               shard_decode_requests=c.shard(), dcp_world_size=c.run_meta.dcp,
                                padded_num_tokens=p)
         except ValueError as exc:
             plan = exc
@@ -89,10 +89,10 @@ def layout_matches_plan(c: Ctx) -> None:
 def _layout_matches_plan_bulk(b: Block, rank: int) -> np.ndarray:
     """Steps recording integer num_scheduled_tokens and padded_gather_idx (N * P rows, N run.json's
     pcp) and a bool is_prefilling whose recorded layout views equal plan_layout's."""
-    out, world, dcp = none(b), b.cfg.pcp, b.cfg.dcp
+    out, world, dcp = none(b), b.run_meta.pcp, b.run_meta.dcp
     if not world or world < 1:
         return out
-    shard = b.cfg.shard if b.cfg.shard is not None else world > 1 and dcp == 1
+    shard = b.run_meta.shard_decode_requests if b.run_meta.shard_decode_requests is not None else world > 1 and dcp == 1
     cols = {v: b.arrays(rank, "target", v) for v in _PLAN_READS}
     for i in range(len(b)):
         rec = {v: a[i] for v, a in cols.items() if a[i] is not None}
@@ -274,7 +274,7 @@ def kv_write_mask_canonical(c: Ctx) -> None:
         c.fail("target", "segments", "segments reach outside the gathered rows")
     req = segs["global_req_idx"][seg_of].astype(np.int64)
     rank = segs["rank"][seg_of].astype(np.int64)
-    replicated = replicated_requests(q, pf, n, dcp_world_size=c.cfg.dcp)
+    replicated = replicated_requests(q, pf, n, dcp_world_size=c.run_meta.dcp)
     shard = c.shard()
     sharded_decode = shard & ~pf
     canonical_only = replicated[req] & ~sharded_decode[req]
@@ -355,7 +355,7 @@ def local_batch_matches_layout(c: Ctx) -> None:
 def _local_batch_matches_layout_bulk(b: Block, rank: int) -> np.ndarray:
     """Run.json's pcp set, per_rank_num_tokens and padded_gather_idx recorded: the rank-local
     views recorded equal what the segments say (``layout_columns.local_batch_ok``)."""
-    world = b.cfg.pcp
+    world = b.run_meta.pcp
     if not world or world < 1:
         return none(b)
     return np.fromiter((sv.recs.get(rank, {}).get("target") is not None

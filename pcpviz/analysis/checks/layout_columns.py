@@ -138,7 +138,7 @@ def kv_written_once_ok(b: Block, rank: int) -> np.ndarray:
     """``kv_written_once`` with one KV-cache group: the write mask N * P long, only real rows,
     T of them; the gathered slots (where recorded) unique, the same set as the global ones
     (where recorded)."""
-    world = b.cfg.pcp
+    world = b.run_meta.pcp
     mask, pgi, prn = b.col(rank, "target", "kv_write_mask", bools=True), b.col(rank, "target", "padded_gather_idx"), \
         b.col(rank, "target", "per_rank_num_tokens")
     q = b.col(rank, "target", "num_scheduled_tokens")
@@ -177,11 +177,11 @@ def global_slots_ok(b: Block, rank: int) -> np.ndarray:
     size: block_table_global one row per request; each token's slot (T of them) is its row's
     block at position // block_size (not past the table's width: that reads the null block),
     times block_size, plus position % block_size, and outside the null block 0."""
-    sizes = b.cfg.block_sizes
+    sizes = b.run_meta.kv_block_sizes
     glob, table = b.col(rank, "target", "slot_mapping_global", ndim=None), b.col(rank, "target",
                                                                                 "block_table_global", ndim=None)
     pos, q = b.col(rank, "target", "positions"), b.col(rank, "target", "num_scheduled_tokens")
-    if b.cfg.dcp != 1 or sizes is None or len(sizes) != 1 or sizes[0] < 1 or None in (glob, table, pos, q) \
+    if b.run_meta.dcp != 1 or sizes is None or len(sizes) != 1 or sizes[0] < 1 or None in (glob, table, pos, q) \
             or table.ndim == 1:
         return none(b)
     bs, t = int(sizes[0]), step_sums(q)

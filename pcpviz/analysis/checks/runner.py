@@ -13,6 +13,7 @@ from pcpviz.analysis.parallel import chunk_bounds, default_workers, forked_imap
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.trace.bounds import step_problems
+from pcpviz.trace.meta_model import RunMeta
 from pcpviz.trace.validate import trusted_meta
 from pcpviz.trace.validate import validate as validate_trace
 
@@ -23,7 +24,7 @@ from . import step_checks
 from . import graph_checks
 from . import collective_checks, consumed_checks, dcp_checks
 from .columns import Block, bulk_mode, decide
-from .context import DEFS, Config, Fail, Skip, Ctx, StepView
+from .context import DEFS, Fail, Skip, Ctx, StepView
 from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
 
 CHECK_MODULES = (layout_checks, draft_checks, handoff_checks, consumed_checks, graph_checks, collective_checks,
@@ -70,10 +71,10 @@ class _Stats:
         self.where: list[tuple[int, int]] = []  # failing (step, rank)
 
 
-def _meta_summary(meta: Mapping[str, Any]) -> dict[str, Any]:
+def _meta_summary(meta: RunMeta) -> dict[str, Any]:
     keys = ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size", "shard_decode_requests",
             "model", "vllm_version")
-    return {k: meta.get(k) for k in keys if k in meta}
+    return {k: meta.recorded_value(k) for k in keys if k in meta.recorded}
 
 
 def _run_one(d, ctx: Ctx, st: _Stats, memo: list) -> None:
@@ -134,7 +135,7 @@ def _step_view(trace: Trace, step: int, prev: StepView | None, rank_steps: Mappi
     return sv
 
 
-def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats],
+def _check_step(sv: StepView, defs: list, run_meta: RunMeta, stats: dict[str, _Stats],
                 sure: Mapping[str, Mapping[int, Any]] | None = None, verify: bool = False) -> None:
     """Every check on every rank of one step; ``sure[name][rank]``: True where the check's bulk
     rule says it passes, a reason where its skip rule says it skips (counted, not run;
@@ -151,7 +152,7 @@ def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats],
                 continue
             said = None if sure is None else sure.get(d.name, {}).get(r)
             if verify and said is not None:
-                _verify_rule(d, Ctx(cfg, sv, r, d.name), said)
+                _verify_rule(d, Ctx(run_meta, sv, r, d.name), said)
             if said is True:
                 st.evaluated += 1
             elif said is not None:
@@ -159,7 +160,7 @@ def _check_step(sv: StepView, defs: list, cfg: Config, stats: dict[str, _Stats],
                 if st.skip_reason is None:
                     st.skip_reason = f"step {sv.step} rank {r}: {said}"
             else:
-                _run_one(d, Ctx(cfg, sv, r, d.name), st, memos[d.name])
+                _run_one(d, Ctx(run_meta, sv, r, d.name), st, memos[d.name])
 
 
 def _verify_rule(d, ctx: Ctx, said: Any) -> None:
@@ -177,15 +178,15 @@ def _verify_rule(d, ctx: Ctx, said: Any) -> None:
                              f"the check gives {got!r}")
 
 
-def _block_sure(block: list[StepView], defs: list, cfg: Config, ranks: Sequence[int]) -> list[dict]:
+def _block_sure(block: list[StepView], defs: list, run_meta: RunMeta, ranks: Sequence[int]) -> list[dict]:
     """Per step of ``block``: check name -> rank -> True or a skip reason (``columns.decide``);
     empty dicts when the rules are off or no ranks are given."""
     if bulk_mode() == "off":
         return [{} for _ in block]
-    return decide(Block(block, cfg), [d.name for d in defs], ranks)
+    return decide(Block(block, run_meta), [d.name for d in defs], ranks)
 
 
-def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: list, cfg: Config,
+def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: list, run_meta: RunMeta,
                  probe: Callable[[StepView], Any] | None = None) -> tuple[dict[str, _Stats], Any]:
     """Every check over ``steps`` (consecutive steps of the trace), and ``probe``'s first
     non-None answer over them; ``before``: the step before the first, read as its history (None
@@ -209,8 +210,8 @@ def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: l
             i += 1
         big = mode == "on" and (held > BULK_RANK_STEP_BYTES * len(block) * max(1, len(trace.ranks))
                                 or len(block) < BULK_MIN_STEPS)
-        for sv, sure in zip(block, _block_sure(block, defs, cfg, [] if big else trace.ranks)):
-            _check_step(sv, defs, cfg, stats, sure, verify)
+        for sv, sure in zip(block, _block_sure(block, defs, run_meta, [] if big else trace.ranks)):
+            _check_step(sv, defs, run_meta, stats, sure, verify)
             if probe is not None and found is None:
                 found = probe(sv)
         for sv in block:
@@ -236,7 +237,7 @@ def _merge(parts: Sequence[tuple[dict[str, _Stats], Any]], defs: list) -> tuple[
     return out, found
 
 
-def _check_in_processes(trace: Trace, defs: list, cfg: Config, workers: int,
+def _check_in_processes(trace: Trace, defs: list, run_meta: RunMeta, workers: int,
                         probe: Callable[[StepView], Any] | None) -> tuple[dict[str, _Stats], Any]:
     """The steps cut into ``2 * workers`` consecutive chunks, checked (and probed) in
     ``workers`` forked processes (``pcpviz.analysis.parallel``)."""
@@ -246,7 +247,7 @@ def _check_in_processes(trace: Trace, defs: list, cfg: Config, workers: int,
 
     def chunk(i: int) -> tuple[dict[str, _Stats], Any]:
         lo, hi = bounds[i], bounds[i + 1]
-        return _check_steps(trace, steps[lo:hi], steps[lo - 1] if lo else None, defs, cfg, probe)
+        return _check_steps(trace, steps[lo:hi], steps[lo - 1] if lo else None, defs, run_meta, probe)
 
     return _merge(list(forked_imap(chunk, n, workers=workers)), defs)
 
@@ -284,12 +285,12 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
         defs = [d for d in ORDERED_DEFS if d.name in set(checks)]
     if status is None:
         status = validate_trace(trace)  # run.json schema, run.json vs the data, completeness
-    cfg = Config.from_meta(trusted_meta(trace.meta, status))
+    run_meta = trusted_meta(trace.run_meta, status)
     workers = default_workers(len(trace.steps), workers)
     if workers > 1 and len(trace.steps) > 1:
-        stats, probed = _check_in_processes(trace, defs, cfg, workers, probe)
+        stats, probed = _check_in_processes(trace, defs, run_meta, workers, probe)
     else:
-        stats, probed = _check_steps(trace, trace.steps, None, defs, cfg, probe)
+        stats, probed = _check_steps(trace, trace.steps, None, defs, run_meta, probe)
     return replace(_report(trace, defs, stats, status, time.perf_counter() - t0), probe=probed)
 
 
@@ -306,5 +307,5 @@ def _report(trace: Trace, defs: list, stats: dict[str, _Stats], status: Any, sec
         reason = st.skip_reason if st.skip_reason is not None or trace.steps else "the trace has no steps"
         results[d.name] = CheckResult(d.name, d.description, verdict, st.evaluated, st.failed,
                                       st.skipped, reason, st.first, tuple(st.where))
-    return CheckReport(str(trace.path), MappingProxyType(_meta_summary(trace.meta)), len(trace.steps),
+    return CheckReport(str(trace.path), MappingProxyType(_meta_summary(trace.run_meta)), len(trace.steps),
                        tuple(trace.ranks), MappingProxyType(results), seconds, status)

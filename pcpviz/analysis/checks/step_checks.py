@@ -165,7 +165,7 @@ def ranks_agree(c: Ctx) -> None:
                    f"but not on rank {c.rank if phase in theirs else ref}")
         a, b = theirs[phase], mine[phase]
         for view in agreeing_views(phase, list(a.keys()) + [v for v in b.keys() if v not in a]):
-            if c.cfg.dcp > 1 and view in DCP_SHARE_VIEWS:
+            if c.run_meta.dcp > 1 and view in DCP_SHARE_VIEWS:
                 continue  # one DCP rank's share on each rank (dcp_kv_sharding checks them)
             if view not in a or view not in b:
                 c.fail(phase, view, f"recorded on rank {ref if view in a else c.rank} only")
@@ -184,7 +184,7 @@ def _ranks_agree_bulk(b: Block, rank: int) -> np.ndarray:
     """The first rank of a step passes when no rank lacks the step and it is not alone; another
     rank passes when it recorded the first rank's phases and views, the compared ones shared."""
     out = none(b)
-    dcp = b.cfg.dcp > 1
+    dcp = b.run_meta.dcp > 1
     for i, sv in enumerate(b.svs):
         mine = sv.recs.get(rank)
         if mine is None:
@@ -377,7 +377,7 @@ bulk_rule("cursor_rolls_back_rejections", shared=True)(cursor_ok)  # step_column
        "0.33.0 v1/worker/gpu/spec_decode/rejection_sampler_utils.py:600-617, 726-733 and 937-962). "
        "Skipped under another rejection method (synthetic, block, fly) or a stand-in rejection sampler")
 def num_accepted_from_tokens(c: Ctx) -> None:
-    if not c.cfg.acceptance_rule:
+    if not c.run_meta.standard_rejection:
         raise Skip("run.json declares another rejection method than vLLM's standard one, or a stand-in "
                    "rejection sampler")
     nacc = c.need("verify", "num_accepted").astype(np.int64)

@@ -223,7 +223,7 @@ def accepted_ok(b: Block, rank: int) -> np.ndarray:
     nacc, ns, nd = (b.col(rank, "verify", v) for v in ("num_accepted", "num_sampled", "num_draft_tokens"))
     sampled, ids = b.col(rank, "verify", "sampled_token_ids", ndim=2), b.col(rank, "target", "input_ids")
     q = b.col(rank, "target", "num_scheduled_tokens")
-    if not b.cfg.acceptance_rule or None in (nacc, ns, nd, sampled, ids, q):
+    if not b.run_meta.standard_rejection or None in (nacc, ns, nd, sampled, ids, q):
         return none(b)
     r = q.lens
     ok = nacc.present & ns.present & nd.present & sampled.present & ids.present & q.present

@@ -191,20 +191,19 @@ def rerun_plan(trace: Trace) -> tuple[dict | None, str]:
     """What ``explain`` would re-run for ``trace`` (``pcpviz.run`` arguments), or None and why
     not: run.json records no prompts, or asks for more than the caps above, or its ``pcp``
     disagrees with the rank files. Read from run.json's schema-valid keys only."""
+    from pcpviz.trace.meta_model import thawed_json
     from pcpviz.trace.validate import trusted_meta, validate
 
-    m = trusted_meta(trace.meta, validate(trace))
-    launch = m.get("launch") if isinstance(m.get("launch"), dict) else {}
-    prompts = m.get("prompt_token_ids") or m.get("prompts")
+    m = trusted_meta(trace.run_meta, validate(trace))
+    prompts = thawed_json(m.prompt_token_ids or m.prompts)
     if not prompts:
         return None, "no re-run: run.json records no prompts (prompt_token_ids / prompts)"
     if isinstance(prompts, dict):  # request id -> prompt
         prompts = list(prompts.values())
-    sampling = launch.get("sampling") if isinstance(launch.get("sampling"), dict) else {}
-    max_new = m.get("max_new_tokens") or sampling.get("max_tokens") or 32
-    kwargs = launch.get("llm_kwargs") if isinstance(launch.get("llm_kwargs"), dict) else {}
-    budget = m.get("max_num_batched_tokens") or kwargs.get("max_num_batched_tokens")
-    pcp = m.get("pcp") or 1
+    max_new = m.max_tokens or 32
+    kwargs = m.launch.llm_kwargs if m.launch is not None else {}
+    budget = m.max_num_batched_tokens or kwargs.get("max_num_batched_tokens")
+    pcp = m.pcp or 1
     ok_prompts = isinstance(prompts, list) and all(
         isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p)) for p in prompts)
     tokens = sum(len(p) for p in prompts) if ok_prompts else 0
@@ -222,24 +221,23 @@ def rerun_plan(trace: Trace) -> tuple[dict | None, str]:
     if why:
         return None, f"no re-run: run.json asks for {why}; give GOOD (a good run) or pass --no-rerun"
     opts = {"max_num_batched_tokens": budget} if budget else {}
-    if m.get("dtype") in ("float32", "bfloat16"):
-        opts["dtype"] = m["dtype"]
-    if m.get("dcp_group") == "pcp" and type(m.get("dcp")) is int and m["dcp"] > 1:  # the engine's own DCP
-        opts.update(dcp=m["dcp"], dcp_interleave=m.get("dcp_interleave") or 1)
-    return dict(prompts=prompts, pcp=pcp, num_speculative_tokens=m.get("num_speculative_tokens") or 0,
-                block_size=m.get("block_size") or 16, max_new_tokens=max_new, **opts), ""
+    if m.dtype in ("float32", "bfloat16"):
+        opts["dtype"] = m.dtype
+    if m.dcp_group == "pcp" and m.dcp > 1:  # the engine's own DCP
+        opts.update(dcp=m.dcp, dcp_interleave=m.dcp_interleave)
+    return dict(prompts=prompts, pcp=pcp, num_speculative_tokens=m.num_speculative_tokens or 0,
+                block_size=m.block_size or 16, max_new_tokens=max_new, **opts), ""
 
 
 def other_producer(trace: Trace) -> str | None:
     """Why an engine re-run on this CPU is another producer than the one that wrote ``trace``
     (real vLLM, a GPU, another dtype), else None. Such a re-run schedules, rounds and samples on
     its own terms: only what must agree across producers (the checks, the prompts) is compared."""
-    m = trace.meta if isinstance(trace.meta, dict) else {}
-    producer = m.get("producer")
-    if producer != "pcpviz-engine":
-        return f"the trace comes from {producer or 'an unnamed producer'}, the re-run from pcpviz's engine"
-    if m.get("device", "cpu") != "cpu":
-        return f"the trace ran on {m.get('device')}, the re-run on CPU"
+    m = trace.run_meta
+    if m.producer != "pcpviz-engine":
+        return f"the trace comes from {m.producer or 'an unnamed producer'}, the re-run from pcpviz's engine"
+    if (m.device or "cpu") != "cpu":
+        return f"the trace ran on {m.device}, the re-run on CPU"
     return None
 
 

@@ -76,8 +76,7 @@ class Findings:
 
     @cached_property
     def block_size(self) -> int | None:
-        bs = self.trace.meta.get("block_size")
-        return int(bs) if isinstance(bs, int) and bs > 0 else None
+        return self.trace.run_meta.block_size
 
     def block_table_rows(self) -> tuple[set[int], set[int], set[int]]:
         """(rows of block_table_draft that ever differ from block_table_global, rows that always
@@ -317,8 +316,8 @@ class Findings:
     def pad_rows_past_fold(self) -> str | None:
         """A description when every draft decode's PAD slots are exactly its rows >= R // N (a
         fold by the PCP size), else None."""
-        pcp = self.trace.meta.get("pcp")
-        if not (isinstance(pcp, int) and pcp > 1):
+        pcp = self.trace.run_meta.pcp or 1
+        if not pcp > 1:
             return None
         steps = 0
         for step, ph, tgt, rec in self._draft_decodes():

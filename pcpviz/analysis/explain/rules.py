@@ -158,8 +158,7 @@ def _sample_local(f: Findings) -> Signature:
 
 
 def _hidden_local(f: Findings) -> Signature:
-    pcp = f.trace.meta.get("pcp")
-    if not (isinstance(pcp, int) and pcp > 1):
+    if not (f.trace.run_meta.pcp or 1) > 1:
         return _no("PCP = 1: the local tensor is the global one")
     clamped, other = f.last_token_clamp()
     if other:
@@ -225,21 +224,20 @@ def _captured_buffers(f: Findings) -> Signature:
 def _captured_buffers_unseen(f: Findings, sym) -> Signature:
     """The recording cannot show this fault when the recorder logs the ids the drafter was handed
     (vLLM's plugin): then the symptoms alone say whether it fits (never more than consistent)."""
-    meta = f.trace.meta
-    pcp = meta.get("pcp")
-    if meta.get("producer") == "pcpviz-engine" or not (isinstance(pcp, int) and pcp > 1):
+    meta = f.trace.run_meta
+    if meta.producer == "pcpviz-engine" or not (meta.pcp or 1) > 1:
         return NOTHING
     if not (sym.acceptance_dropped and 0 in sym.dropped_positions and sym.outputs_same
             and sym.only_layout_before_drafts):
         return NOTHING
     d = sym.drafts_first_differ
     return Signature(confirms=(
-        f"the recorder ({meta.get('producer')}) logs the ids the drafter was handed, not what a "
+        f"the recorder ({meta.recorded_value('producer')}) logs the ids the drafter was handed, not what a "
         "replayed graph read: draft_input_ids cannot see this fault here",
         "acceptance collapses from position 0 with the same outputs",
         f"drafts first differ at step {d['step']} ({d['phase']}) after differences only in the "
-        f"padded rank-local layout" + (f" (cudagraph_mode {meta['cudagraph_mode']})"
-                                       if meta.get("cudagraph_mode") else "")))
+        f"padded rank-local layout" + (f" (cudagraph_mode {meta.cudagraph_mode})"
+                                       if meta.cudagraph_mode else "")))
 
 
 def _decodes_read_prefill_batch(f: Findings) -> Signature:

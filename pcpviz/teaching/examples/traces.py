@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from pcpviz.trace.meta_model import RunMeta, decode_meta
+
 __all__ = ["describe_acceptance_change", "TracePick", "pick_trace", "trace_pairs", "vllm_acceptance_metric",
            "METRIC_PER_POS"]
 
@@ -58,12 +60,10 @@ def pick_trace(root: str | Path) -> TracePick:
     root = Path(root)
     found = []
     for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
-        try:
-            meta = json.loads((d / "run.json").read_text())
-            producer = str(meta.get("producer", ""))
-            k = meta.get("num_speculative_tokens")
-        except (OSError, ValueError, AttributeError):
+        meta = _run_meta(d)
+        if meta is None:
             continue
+        producer, k = meta.producer, meta.num_speculative_tokens
         shows_switch = isinstance(k, int) and k >= 2  # K <= 1: propose returns before the gather
         found.append((_PRODUCER_RANK.get(producer, 3), not shows_switch, d.name, d, producer))
     if not found:
@@ -72,12 +72,22 @@ def pick_trace(root: str | Path) -> TracePick:
     return TracePick(path, producer, producer == "vllm-plugin")
 
 
-def _prompts_key(meta: dict) -> str | None:
+def _run_meta(run_dir: Path) -> RunMeta | None:
+    """``run_dir``'s run.json decoded, None where it has none that parses to a JSON object."""
+    try:
+        doc = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return decode_meta(doc)[0] if isinstance(doc, dict) else None
+
+
+def _prompts_key(meta: RunMeta) -> str | None:
     """Runs worth diffing: the same prompts under the same PCP size and K."""
-    prompts = meta.get("prompt_token_ids", meta.get("prompts"))
+    key = "prompt_token_ids" if "prompt_token_ids" in meta.recorded else "prompts"
+    prompts = meta.recorded_value(key)
     if prompts is None:
         return None
-    return json.dumps([prompts, meta.get("pcp"), meta.get("num_speculative_tokens")])
+    return json.dumps([prompts, meta.pcp, meta.num_speculative_tokens])
 
 
 def trace_pairs(root: str | Path) -> list[tuple[TracePick, TracePick]]:
@@ -88,14 +98,11 @@ def trace_pairs(root: str | Path) -> list[tuple[TracePick, TracePick]]:
     root = Path(root)
     groups: dict[str, list[tuple[int, str, TracePick]]] = {}
     for d in sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []:
-        try:
-            meta = json.loads((d / "run.json").read_text())
-        except (OSError, ValueError):
-            continue
-        key = _prompts_key(meta) if isinstance(meta, dict) else None
+        meta = _run_meta(d)
+        key = _prompts_key(meta) if meta is not None else None
         if key is None:
             continue
-        producer = str(meta.get("producer", ""))
+        producer = meta.producer
         groups.setdefault(key, []).append((_PRODUCER_RANK.get(producer, 3), d.name,
                                            TracePick(d, producer, producer == "vllm-plugin")))
     pairs = []

@@ -290,23 +290,22 @@ def _metadata_events(ranks: list[int], tid: dict[str, int]) -> list[dict[str, An
 def _head(trace: Trace, plan: _Plan, *, synthetic: bool, only: int | None) -> dict[str, Any]:
     """The document without its events (``traceEvents`` is last: HTA reads the metadata, with
     ``distributedInfo``, only up to it)."""
-    world = trace.meta.get("pcp")
-    world = int(world) if isinstance(world, int) and not isinstance(world, bool) else len(trace.ranks)
+    meta = trace.run_meta
+    world = meta.pcp if meta.pcp is not None else len(trace.ranks)
     ranks = trace.ranks if only is None else [only]
-    meta = trace.meta
     doc: dict[str, Any] = {"schemaVersion": 1}
     if only is not None:
         info: dict[str, Any] = {"rank": int(only), "world_size": world}
-        if isinstance(meta.get("backend"), str):
-            info["backend"] = meta["backend"]
+        if meta.backend is not None:
+            info["backend"] = meta.backend
         doc["distributedInfo"] = info
     doc.update({
         "displayTimeUnit": "ms",
         "otherData": {"pcpviz": {
             "source": str(trace.path),
-            "producer": meta.get("producer"),
-            "pcp": meta.get("pcp"),
-            "num_speculative_tokens": meta.get("num_speculative_tokens"),
+            "producer": meta.recorded_value("producer"),
+            "pcp": meta.pcp,
+            "num_speculative_tokens": meta.num_speculative_tokens,
             "ranks": list(ranks),
             "timestamps": "synthetic" if synthetic else "recorded",
             "timestamps_note": (f"synthetic: the trace has no t_start_us/t_end_us on every phase; "

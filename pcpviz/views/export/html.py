@@ -337,7 +337,7 @@ def _page(trace: Trace, *, title: str, data: str, ranks: Sequence[int], shown: S
 <script type="text/javascript">{get_plotlyjs()}</script>
 </head><body>
 <h1>{html.escape(title)}</h1>
-<div class="meta">{st.header_html(trace, trace.meta, req_ids)}{note}</div>
+<div class="meta">{st.header_html(trace, trace.run_meta, req_ids)}{note}</div>
 <div class="controls">
  <label>step <input type="range" id="step" min="0" max="{len(shown) - 1}" value="0" step="1"></label>
  <span id="step-label"></span>

@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 import ipywidgets as W
 
 from pcpviz.trace import is_valid_phase, phase_sort_key, run_summary
+from pcpviz.trace.meta_model import RunMeta
 from pcpviz.views import figures as fg
 from pcpviz.trace.shapes import view_text
 
@@ -25,8 +26,8 @@ HEADER_KEYS = ("producer", "pcp", "dcp", "num_speculative_tokens", "block_size",
 """The run.json keys the header shows (when set)."""
 
 
-def header_html(trace: Any, meta: Mapping[str, Any], req_ids: Sequence[str]) -> str:
-    """The trace's path, steps, ranks, request ids and ``HEADER_KEYS``."""
+def header_html(trace: Any, meta: RunMeta, req_ids: Sequence[str]) -> str:
+    """The trace's path, steps, ranks, request ids and ``HEADER_KEYS`` of ``meta`` (``Trace.run_meta``)."""
     m = run_summary(meta, HEADER_KEYS)
     items = " · ".join(f"<b>{k}</b> {html.escape(str(v))}" for k, v in m.items() if v not in (None, []))
     return (f"<div style='font-size:13px'><b>trace</b> <code>{html.escape(str(trace.path))}</code> — "

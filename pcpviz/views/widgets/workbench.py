@@ -109,7 +109,7 @@ class Workbench(W.VBox):
         t = self.trace
         if not t.steps:
             raise ValueError(f"trace {t.path} has no complete step")
-        self.meta = dict(t.meta)
+        self.meta = t.run_meta
         self.req_ids = fg.trace_req_ids(t)
         self.colors = fg.request_color_index(self.req_ids)
         self.render_counts: Counter[str] = Counter()

@@ -64,6 +64,7 @@ circle, function-local imports included: ``tests/repo/test_import_graph.py``):
 ``host``               the hooks' copies (``StepPack``), staged to the host off the step thread
 ``ring``               the preallocated device ring they land in; overflow counted and stated
 ``copyplan``           the hooks' byte views, kept across steps (address, dtype, shape)
+``replayplan``         a FULL-replayed draft phase planned once, then one copy a replay
 ``backlog``            the bounded queue of staged steps a sink drains
 ``meta``               run.json keys learned from the process and the speculator
 ``state``              the shared process state: the running draft, warm-up, the session,

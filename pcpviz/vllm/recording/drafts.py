@@ -73,6 +73,11 @@ def first_layer_slots(slot_mappings: Any, spec: Any, limit: int | None = None) -
     return Deferred("stack", [r[:n] for r in rows])
 
 
+def _ptr(t: Any) -> int | None:
+    """A tensor's address (None for anything else)."""
+    return t.data_ptr() if isinstance(t, torch.Tensor) else None
+
+
 class DraftContext:
     """What one ``propose`` call on one rank recorded: a phase per draft forward."""
 
@@ -98,8 +103,15 @@ class DraftContext:
     def on_forward(self, num_tokens: int, slot_mappings: Any, graph_mode: str = "NONE") -> None:
         """Snapshot what the speculator and the PCP manager prepared for the draft forward that is
         about to run (``graph_mode``: the CUDA-graph mode it runs in, NONE, PIECEWISE or FULL)."""
-        spec, rec = self.spec, self.rec
-        now = now_us()
+        name, k, now = self._open_phase()
+        if self.dummy:
+            self.rec.put(name, draft_forwards=np.array(len(self.phases), dtype=np.int64))
+            return
+        self._prepared_views(name, k, now, num_tokens, slot_mappings, graph_mode)
+
+    def _open_phase(self) -> tuple[str, int, int]:
+        """A draft forward begins: the phase before it ends now; its name, draft step and start."""
+        rec, now = self.rec, now_us()
         if self.phases and not self.dummy:
             rec.phase(self.phases[-1])["t_end_us"] = host_entry(np.array(now, dtype=np.int64))
         # propose runs one forward per draft step, in order: _prefill (step 0) then one
@@ -108,16 +120,20 @@ class DraftContext:
         k = len(self.phases)
         name = self.phase_name(k)
         rec.ledger.switch(rec, name)  # the collectives since the last forward were the phase before's
+        self.phases.append(name)
+        return name, k, now
+
+    def _prepared_views(self, name: str, k: int, now: int, num_tokens: int, slot_mappings: Any, graph_mode: str, *,
+                        idx: torch.Tensor | None = None) -> None:
+        """The views of draft forward ``k`` as prepared (``idx``: the batch's ``idx_mapping[:R]``,
+        made by the caller when it plans the phase)."""
+        spec, rec = self.spec, self.rec
+        views: dict[str, Any] = {"t_start_us": np.array(now, dtype=np.int64), "graph_mode": np.array(graph_mode)}
         r = self.num_reqs
         manager = spec.pcp_manager
         local = getattr(manager, "draft_prefill_batch", None)
-        views: dict[str, Any] = {"t_start_us": np.array(now, dtype=np.int64), "graph_mode": np.array(graph_mode)}
-        if self.dummy:
-            self.phases.append(name)
-            views = {"draft_forwards": np.array(len(self.phases), dtype=np.int64)}
-            rec.put(name, **views)
-            return
-        self.phases.append(name)
+        if idx is None and local is None:
+            idx = self.input_batch.idx_mapping[:r]
         if local is not None:
             # draft_0 under PCP: the target's rank-local rows, attention metadata and gathered
             # slot mapping (pcp_manager.get_draft_input_buffers returns this batch).
@@ -134,16 +150,14 @@ class DraftContext:
             # PCP = 1: the draft prefill runs on the global batch with the target's attention
             # metadata, block tables and slot mapping (its ids are the global shifted ids).
             buf, g = spec.input_buffers, self.input_batch
-            rows, stale = block_rows(spec.block_tables, [t[:r] for t in spec.block_tables.input_block_tables],
-                                     g.idx_mapping[:r])
+            rows, stale = block_rows(spec.block_tables, [t[:r] for t in spec.block_tables.input_block_tables], idx)
             views.update(view=np.array("replicated"), draft_input_ids=buf.input_ids[:num_tokens],
                          draft_positions=buf.positions[:num_tokens], draft_seq_lens=g.seq_lens[:r],
                          draft_global_input_ids=buf.input_ids[: g.num_tokens],
                          block_table_draft=rows, block_table_draft_stale_tail=stale)
         else:
             buf = spec.input_buffers
-            rows, stale = block_rows(spec.block_tables, [t[:r] for t in spec.block_tables.input_block_tables],
-                                     self.input_batch.idx_mapping[:r])
+            rows, stale = block_rows(spec.block_tables, [t[:r] for t in spec.block_tables.input_block_tables], idx)
             views.update(view=np.array("replicated"), draft_input_ids=buf.input_ids[:num_tokens][:r],
                          draft_positions=buf.positions[:num_tokens][:r], draft_seq_lens=buf.seq_lens[:r],
                          block_table_draft=rows, block_table_draft_stale_tail=stale)
@@ -181,14 +195,54 @@ class DraftContext:
         """A draft forward replayed as a FULL CUDA graph (no Python runs inside it): its phase
         from the buffers the graph reads, right before the replay; ``fwd_source`` says whether
         they are the tensors noted at capture (``graph_capture``) or the speculator's buffers
-        (``graph_buffers``)."""
-        with self.rec.pack.hold():  # the phase's views in one copy
-            self._full_replay_views(manager, int(desc.num_tokens))
+        (``graph_buffers``). A shape replayed before is one copy (``recording.replayplan``)."""
+        n = int(desc.num_tokens)
+        key = self._plan_key(manager, n)
+        pack = self.rec.pack
+        if key is None:
+            with pack.hold():  # the phase's views in one copy
+                self._full_replay_views(manager, n, self._open_phase())
+            return
+        opened = self._open_phase()
+        phase = self.rec.phase(opened[0])
+        dynamic = [self.input_batch.idx_mapping[: self.num_reqs]]
+        plan = pack.book.get(key)
+        if plan is not None and pack.replay(plan, phase, dynamic):
+            phase["t_start_us"] = host_entry(np.array(opened[2], dtype=np.int64))
+            return
+        with pack.planning(phase, dynamic) as made:
+            self._full_replay_views(manager, n, opened, idx=dynamic[0])
+        if made[0] is not None:
+            pack.book.add(key, made[0])
 
-    def _full_replay_views(self, manager: Any, n: int) -> None:
-        self.on_forward(n, None, "FULL")
+    def _plan_key(self, manager: Any, n: int) -> tuple | None:
+        """What a FULL-replayed phase's views depend on besides the bytes of vLLM's buffers: the
+        graph's manager and size, the draft step, the request count and the address of every
+        buffer the views read (a buffer vLLM rotates, e.g. ``num_blocks``' UVA pool of
+        ``buffer_utils.py:64-110``, gets a plan per address). None: not planned (PCP's rank-local
+        draft_0, whose batch is a new object every step)."""
+        spec = self.spec
+        if self.dummy or getattr(spec.pcp_manager, "draft_prefill_batch", None) is not None:
+            return None
+        k, g, buf, bt = len(self.phases), self.input_batch, spec.input_buffers, spec.block_tables
+        slots = self.last_slots if k > 0 and self.last_slots is not None else None
+        ptrs = [_ptr(buf.input_ids), _ptr(buf.positions), _ptr(buf.seq_lens), _ptr(bt.num_blocks.gpu),
+                _ptr(spec.hidden_states), *(_ptr(t) for t in bt.input_block_tables)]
+        if k == 0:
+            ptrs += [_ptr(spec.last_token_indices), _ptr(g.seq_lens), g.num_tokens, self.target_rows]
+        if slots is not None:
+            ptrs += [_ptr(slots), slots.shape, slots.stride()]
+        return (id(manager), n, k, self.num_reqs, id(captured_inputs(manager, n)), id(spec), spec.pcp_manager is None,
+                *ptrs)
+
+    def _full_replay_views(self, manager: Any, n: int, opened: tuple[str, int, int], *,
+                           idx: torch.Tensor | None = None) -> None:
+        name, k, now = opened
+        if self.dummy:
+            self.rec.put(name, draft_forwards=np.array(len(self.phases), dtype=np.int64))
+        else:
+            self._prepared_views(name, k, now, n, None, "FULL", idx=idx)
         fingerprints.before_forward(self, n)
-        k = len(self.phases) - 1
         rows = self.num_reqs if k > 0 else n
         cap = captured_inputs(manager, n)
         if cap is not None:
@@ -198,7 +252,7 @@ class DraftContext:
             buf = self.spec.input_buffers
             ids, pos, hidden = buf.input_ids, buf.positions, self.spec.hidden_states
             slots, source = None, "graph_buffers"
-        self.rec.put(self.phases[-1], **model_call_views(ids, pos, hidden, slots=slots, source=source, rows=rows))
+        self.rec.put(name, **model_call_views(ids, pos, hidden, slots=slots, source=source, rows=rows))
 
     def _replayed_phases(self, k: int) -> None:
         """Draft forwards that ran inside another FULL replay (a fused multi-step decode graph)
@@ -219,8 +273,11 @@ class DraftContext:
         self.phases = sorted(set(self.phases) | set(missing), key=lambda n: int(n.split("_")[1]))
 
     def on_compute_slot_mappings(self, out: torch.Tensor) -> None:
+        """A draft decode step's slot mapping (``[G, n]``): the next draft forward reads it, and
+        its views copy it before anything writes it again. vLLM returns a view of its persistent
+        ``slot_mappings`` (or of ``out``; ``block_table.py:229-262``), the same memory every step."""
         self.compute_slot_calls += 1
-        self.last_slots = out.detach().clone()  # a decode step's own: the next draft forward reads it
+        self.last_slots = out.detach()
 
     def on_gather_block_tables(self) -> None:
         self.block_table_gathers += 1

@@ -38,6 +38,7 @@ import torch
 from pcpviz.trace.fingerprints import row_fingerprints
 from pcpviz.trace.packed import host_entry, resolve
 from pcpviz.vllm.recording.copyplan import BYTE_DTYPES, PlanCache, fresh_bytes
+from pcpviz.vllm.recording.replayplan import PlanBook, ReplayPlan, rebase, template_entries
 from pcpviz.vllm.recording.ring import DeviceRing
 
 __all__ = ["Deferred", "Fresh", "Strings", "StepPack", "StagedStep", "to_host", "now_us", "block_rows",
@@ -134,8 +135,10 @@ class StagedStep:
     buffer (pinned, on a side stream, where there is CUDA) and gives the span back to the ring."""
 
     def __init__(self, phases: dict[str, dict[str, Any]], ring: DeviceRing | None = None,
-                 span: tuple[int, int] | None = None, event: Any = None, *, layout: list | None = None) -> None:
+                 span: tuple[int, int] | None = None, event: Any = None, *, layout: list | None = None,
+                 replays: list | None = None) -> None:
         self.phases, self.ring, self.span, self.event, self.layout = phases, ring, span, event, layout
+        self.replays = replays  # [(phase, plan entries, offset in the step)] (``replayplan``)
         self.nbytes = 0 if span is None else span[1] - span[0]
         self.host: torch.Tensor | None = None
 
@@ -160,6 +163,10 @@ class StagedStep:
         if self.layout is not None:
             _fill(self.layout)
             self.layout = None
+        if self.replays:
+            for phase, entries, base in self.replays:
+                rebase(phase, entries, base)
+            self.replays = None
         return None if self.host is None else self.host[: self.nbytes].numpy()
 
     def release(self) -> None:
@@ -218,6 +225,8 @@ class StepPack:
         self.memo: dict[int, tuple[list, list]] = {}  # id(Deferred.args) -> (args, their entries), this step
         self.held: list | None = None  # the device tensors of puts held for one copy (``hold``)
         self.plans = PlanCache()  # byte views of the hooks' tensors, kept across steps
+        self.book = PlanBook()  # FULL-replay phases planned once (``replayplan``)
+        self.replays: list = []  # this step's plan hits: (phase, entries, offset in the step)
 
     def put(self, phase: dict[str, Any], views: dict[str, Any]) -> None:
         """Add one hook call's views to ``phase`` as entries; its device tensors copied now (or
@@ -245,10 +254,12 @@ class StepPack:
             if now:
                 self._copy(now)
 
-    def _copy(self, items: list, *, planned: bool = True) -> None:
-        """One ``cat`` of ``items`` (``(box, key, slot, tensor)``, as bytes) into the ring.
-        ``planned``: byte views kept from earlier steps where a tensor reads the same memory
-        (``copyplan.PlanCache``: vLLM's persistent buffers, every step after the first)."""
+    def _copy(self, items: list, *, planned: bool = True) -> tuple[list, list] | None:
+        """One ``cat`` of ``items`` (``(box, key, slot, tensor)``, as bytes) into the ring; the byte
+        views and their places (None when the ring is full: the step is dropped, and
+        ``DeviceRing.finish`` counts it). ``planned``: byte views kept from earlier steps where a
+        tensor reads the same memory (``copyplan.PlanCache``: vLLM's persistent buffers, every step
+        after the first)."""
         flat, places, total = [], [], 0
         as_bytes = self.plans.bytes_of if planned else fresh_bytes
         for box, key, slot, t in items:
@@ -259,13 +270,63 @@ class StepPack:
         ring = self.ring
         at = ring.reserve(total)
         if at is None:
-            return  # the ring is full: the step is dropped (DeviceRing.finish counts it)
+            return None
         out = ring.buf[at:at + total]
         if len(flat) == 1:
             out.copy_(flat[0])
         else:
             torch.cat(flat, out=out)
         self.layout.append((at - ring.start, places))
+        return flat, places
+
+    @contextmanager
+    def planning(self, phase: dict[str, Any], dynamic: list[torch.Tensor]) -> Iterator[list]:
+        """Record a FULL-replayed phase as usual (its puts share one copy, as in ``hold``) and plan
+        it (``replayplan``): ``made[0]`` is the plan after the block, None where the phase cannot be
+        planned (a tensor the hooks computed, a dropped step). ``dynamic``: tensors vLLM allocates
+        anew each step, handed again to every ``replay``."""
+        made: list = [None]
+        if self.held is not None:  # inside another hold: its copy is not this phase's alone
+            yield made
+            return
+        before, nfresh = dict(phase), len(self.fresh)
+        self.held = []
+        try:
+            yield made
+        except BaseException:
+            self.held = None
+            raise
+        now, self.held = self.held, None
+        copied = self._copy(now) if now else ([], [])
+        if copied is None or len(self.fresh) != nfresh:
+            self.book.unplannable += 1
+            return
+        made[0] = _plan(phase, before, copied, [id(t) for t in dynamic], [item[3] for item in now])
+
+    def replay(self, plan: ReplayPlan, phase: dict[str, Any], dynamic: list[torch.Tensor]) -> bool:
+        """A planned phase again: one ``cat`` of the plan's byte views and ``dynamic`` into the
+        ring and the plan's entries into ``phase``. False (nothing done) when a dynamic tensor's
+        dtype or shape is not the planned one."""
+        flat = plan.sources
+        if plan.dynamic_at:
+            flat = list(flat)
+            for i, j in plan.dynamic_at:
+                b, meta = fresh_bytes(dynamic[j])
+                if meta != plan.metas[i]:
+                    return False
+                flat[i] = b
+        ring = self.ring
+        at = ring.reserve(plan.total)
+        if at is None:
+            return True  # the ring is full: the step is dropped (its entries are never read)
+        out = ring.buf[at:at + plan.total]
+        if len(flat) == 1:
+            out.copy_(flat[0])
+        else:
+            torch.cat(flat, out=out)
+        phase.update(plan.entries)
+        self.replays.append((phase, plan.entries, at - ring.start))
+        return True
 
     def _entry(self, value: Any, box: Any, key: Any, now: list) -> Any:
         if isinstance(value, torch.Tensor):
@@ -312,6 +373,7 @@ class StepPack:
         if self.fresh:
             self._copy(self.fresh, planned=False)  # computed by the hooks this step: new memory every step
         layout, self.layout, self.fresh, self.memo = self.layout, [], [], {}
+        replays, self.replays = self.replays, []
         self.plans.staged()
         dropped = self.ring.dropped
         span = self.ring.finish()
@@ -323,12 +385,30 @@ class StepPack:
         if self.device is not None and self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        return StagedStep(phases, self.ring, span, event, layout=layout)
+        return StagedStep(phases, self.ring, span, event, layout=layout, replays=replays)
 
     def discard(self) -> None:
         """Forget the step being recorded (it is not written)."""
-        self.layout, self.fresh, self.memo, self.held = [], [], {}, None
+        self.layout, self.fresh, self.memo, self.held, self.replays = [], [], {}, None, []
         self.ring.discard()
+
+
+def _plan(phase: dict[str, Any], before: dict[str, Any], copied: tuple[list, list], dynamic_ids: list[int],
+          tensors: list) -> ReplayPlan | None:
+    """The plan of the views put into ``phase`` since ``before`` (its entries then), copied as
+    ``copied`` (byte views, places) from ``tensors``; the ones in ``dynamic_ids`` are handed anew."""
+    flat, places = copied
+    where, off = {}, 0
+    for _, _, slot, dtype, shape, nbytes in places:
+        where[id(slot)] = (off, dtype, shape)
+        off += nbytes
+    entries = template_entries({k: v for k, v in phase.items() if before.get(k) is not v}, where)
+    if entries is None:
+        return None
+    dynamic_at = [(i, dynamic_ids.index(id(t))) for i, t in enumerate(tensors) if id(t) in dynamic_ids]
+    fill = {i for i, _ in dynamic_at}
+    sources = [None if i in fill else b for i, b in enumerate(flat)]
+    return ReplayPlan(sources, [p[3:] for p in places], dynamic_at, entries)
 
 
 HOST_FP_MAX_BYTES = 1 << 16

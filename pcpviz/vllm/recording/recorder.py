@@ -48,22 +48,34 @@ logger = logging.getLogger("vllm.pcpviz")
 
 def global_batch_views(g: Any) -> dict[str, Any]:
     """The global batch of a step (``InputBatch``: PCP manager's argument, or PCP=1's batch)."""
+    return {**_batch_device_views(g), **_batch_host_views(g)}
+
+
+def _batch_device_views(g: Any) -> dict[str, Any]:
+    """The global batch's device tensors: slices of vLLM's persistent input buffers, and
+    ``idx_mapping`` / ``logits_indices`` (made anew each step)."""
     r, t = g.num_reqs, g.num_tokens
+    return dict(idx_mapping=g.idx_mapping[:r], query_start_loc=g.query_start_loc[: r + 1], positions=g.positions[:t],
+                input_ids=g.input_ids[:t], seq_lens=g.seq_lens[:r], logits_indices=g.logits_indices)
+
+
+def _batch_host_views(g: Any) -> dict[str, Any]:
+    """The global batch's host values (the scheduler's NumPy arrays and request ids)."""
+    r = g.num_reqs
     return dict(
         req_ids=Strings(g.req_ids),
-        idx_mapping=g.idx_mapping[:r],
         num_scheduled_tokens=np.asarray(g.num_scheduled_tokens[:r], dtype=np.int64),
         num_computed_tokens=np.asarray(g.num_computed_tokens_np[:r], dtype=np.int64),
-        query_start_loc=g.query_start_loc[: r + 1],
-        positions=g.positions[:t],
-        input_ids=g.input_ids[:t],
-        seq_lens=g.seq_lens[:r],
         is_prefilling=np.asarray(g.is_prefilling_np[:r], dtype=bool),
         prefill_len=np.asarray(g.prefill_len_np[:r], dtype=np.int64),
-        logits_indices=g.logits_indices,
         num_draft_tokens=(np.zeros(r, dtype=np.int64) if g.num_draft_tokens_per_req is None
                           else np.asarray(g.num_draft_tokens_per_req[:r], dtype=np.int64)),
     )
+
+
+def _where(*tensors: Any) -> tuple:
+    """Address, shape and strides of each tensor (a plan key's part: the same memory read the same way)."""
+    return tuple((t.data_ptr(), t.shape, t.stride()) if isinstance(t, torch.Tensor) else t for t in tensors)
 
 
 class RankRecorder:
@@ -91,6 +103,7 @@ class RankRecorder:
         self._meta_lock = threading.Lock()
         self._spec_meta: tuple[int, dict[str, Any]] | None = None  # (id(speculator), its run.json keys)
         self.ledger = Ledger()  # the collectives of the running phase (``recording.collectives``)
+        self._attn_meta: tuple | None = None  # the runner whose block sizes run.json has (on_runner_attn)
 
     # -- error policy
     def guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -276,25 +289,54 @@ class RankRecorder:
 
     def on_global_batch(self, runner: Any, batch: Any, t0: int) -> None:
         """PCP=1 (no PCP manager): the batch ``GPUModelRunner.prepare_inputs`` returns is the
-        global batch, and the sampler reads its ``logits_indices`` rows."""
+        global batch, and the sampler reads its ``logits_indices`` rows. Planned (``replayplan``):
+        a batch of the same size over the same buffers is one copy."""
         self.global_batch = batch
-        views: dict[str, Any] = dict(**global_batch_views(batch), sampled_logits_rows=batch.logits_indices,
-                                     sampled_from=np.array("global"), t_start_us=np.array(t0, dtype=np.int64))
+        g = batch
+        key = ("global_batch", g.num_reqs, g.num_tokens,
+               *_where(g.query_start_loc, g.positions, g.input_ids, g.seq_lens))
+        self.planned_put("target", key, [g.idx_mapping[: g.num_reqs], g.logits_indices],
+                         views=lambda idx, logits: {**_batch_device_views(g), "idx_mapping": idx,
+                                                    "logits_indices": logits, "sampled_logits_rows": logits})
+        views: dict[str, Any] = dict(**_batch_host_views(g), sampled_from=np.array("global"),
+                                     t_start_us=np.array(t0, dtype=np.int64))
         if warming_up():
             views["warmup"] = np.array(True)
         self.put("target", **views)
         self.update_meta(pcp=1, dcp=int(getattr(runner, "dcp_size", 1) or 1))
 
     def on_runner_attn(self, runner: Any, batch: Any, *, block_tables: Any, slot_mappings: torch.Tensor) -> None:
-        """PCP=1: ``GPUModelRunner.prepare_attn``'s block-table rows (batch order) and slots."""
+        """PCP=1: ``GPUModelRunner.prepare_attn``'s block-table rows (batch order) and slots (planned)."""
         bt = runner.block_tables
-        r = batch.num_reqs
-        rows, stale = block_rows(bt, [t[:r] for t in block_tables], batch.idx_mapping[:r])
-        self.put("target", block_table_global=rows, block_table_global_stale_tail=stale,
-                 slot_mapping_global=slot_mappings[:, : batch.num_tokens])
-        self.update_meta(block_size=int(bt.block_sizes[0]), block_sizes=[int(b) for b in bt.block_sizes],
-                         dcp_rank=int(getattr(runner, "dcp_rank", 0) or 0),
-                         dcp_interleave=int(getattr(runner, "cp_interleave", 1) or 1))
+        r, t = batch.num_reqs, batch.num_tokens
+        key = ("runner_attn", r, t, *_where(bt.num_blocks.gpu, slot_mappings, *block_tables))
+
+        def views(idx: torch.Tensor) -> dict[str, Any]:
+            rows, stale = block_rows(bt, [b[:r] for b in block_tables], idx)
+            return {"block_table_global": rows, "block_table_global_stale_tail": stale,
+                    "slot_mapping_global": slot_mappings[:, :t]}
+
+        self.planned_put("target", key, [batch.idx_mapping[:r]], views=views)
+        meta = (id(bt), getattr(runner, "dcp_rank", 0), getattr(runner, "cp_interleave", 1))
+        if meta != self._attn_meta:  # the block sizes and DCP settings are the runner's for the run
+            self._attn_meta = meta
+            self.update_meta(block_size=int(bt.block_sizes[0]), block_sizes=[int(b) for b in bt.block_sizes],
+                             dcp_rank=int(getattr(runner, "dcp_rank", 0) or 0),
+                             dcp_interleave=int(getattr(runner, "cp_interleave", 1) or 1))
+
+    def planned_put(self, phase: str, key: tuple, dynamic: list, *, views: Callable[..., dict[str, Any]]) -> None:
+        """Put ``views(*dynamic)`` into ``phase`` through a plan (``recording.replayplan``): the
+        first time ``key`` is seen the views are built and planned, every later time they are one
+        copy of the same buffers and of ``dynamic`` (tensors vLLM makes anew each step). ``key``
+        names everything the views depend on besides the buffers' bytes."""
+        pack, box = self.pack, self.phase(phase)
+        plan = pack.book.get(key)
+        if plan is not None and pack.replay(plan, box, dynamic):
+            return
+        with pack.planning(box, dynamic) as made:
+            pack.put(box, views(*dynamic))
+        if made[0] is not None:
+            pack.book.add(key, made[0])
 
     def on_prepare_attn(self, manager: Any, local: Any, block_tables: Any) -> None:
         bt = manager._block_tables
