@@ -102,8 +102,8 @@ def collectives_match_vllm(c: Ctx) -> None:
             c.fail(phase, "collectives", f"a replicated draft decode of a dense model ran {len(mine)} collective(s), "
                    f"the first {mine[0]!r}; vLLM's KV write returns before gathering an unexpanded slot mapping "
                    "(ops/pcp.py:28-33)", index=(0,))
-        if c.cfg.moe and (c.cfg.pcp or 1) > 1 and phase != "verify":
-            bad = moe_collectives_problem(mine, c.cfg.pcp)
+        if c.run_meta.model_moe and (c.run_meta.pcp or 1) > 1 and phase != "verify":
+            bad = moe_collectives_problem(mine, c.run_meta.pcp)
             if bad is not None:
                 c.fail(phase, "collectives", f"collective {bad[0]}: {bad[1]} (moe_runner.py:824-829, 853-861)",
                        index=(bad[0],))
