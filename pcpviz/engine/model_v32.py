@@ -122,9 +122,10 @@ class TinyDSV32(TinyDSV3):
         """``TinyDSV3.hf_state_dict``, the routers' ``e_score_correction_bias`` kept in float32 (as
         DeepSeek's checkpoints store it; transformers keeps it so, ``_keep_in_fp32_modules_strict``)."""
         out = super().hf_state_dict(dtype)
-        for name in out:
-            if name.endswith("e_score_correction_bias"):
-                out[name] = self.state_dict()[name].detach().float().contiguous().clone().cpu()
+        for moe_name, moe in self.named_modules():
+            if isinstance(moe, MoE):
+                bias = moe.gate.e_score_correction_bias
+                out[f"{moe_name}.gate.e_score_correction_bias"] = bias.detach().float().contiguous().clone().cpu()
         return out
 
     def moe_layers(self) -> list[MoE]:
