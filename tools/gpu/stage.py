@@ -1,7 +1,8 @@
 """Prepare what a bare GPU machine lacks for real vLLM 0.33.0, in parts small enough to send.
 
     python tools/gpu/stage.py                  # -> .gpu/part1 .gpu/part2 .gpu/part3 (+ manifest)
-    python tools/gpu/stage.py --part-mb 40     # smaller parts (more of them)
+    python tools/gpu/stage.py --part-mb 17     # smaller parts (more of them): the repository is 48 MB
+    python tools/gpu/stage.py --extras         # the MoE + DSA model's libraries (.gpu/extraN)
 
 Run here (CPU, any Python); then, on the GPU machine, in the repository root, one part per
 command, back to back (a bare machine keeps /root only while it stays warm):
