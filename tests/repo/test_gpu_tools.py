@@ -94,3 +94,44 @@ def test_full_graphs_job_runs_vllm_unrecorded_in_the_asked_mode():
     assert llm["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY"} and not llm["enforce_eager"]
     assert llm["prefill_context_parallel_size"] == 2 and llm["speculative_config"]["num_speculative_tokens"] == 2
     assert jobs.unrecorded_job(["a"], "NONE")["llm"]["enforce_eager"] and "full-graphs" in jobs.JOBS
+
+
+def test_extras_go_into_an_existing_install_and_keep_the_main_manifest(tmp_path, monkeypatch):
+    """``stage.py --extras`` parts (their own manifest, ``extraN``) are decompressed into their places in
+    the installed tree; the main parts' manifest is left alone; without an install, one line, exit 2."""
+    import lzma
+
+    stage = _load("stage", monkeypatch, tmp_path / "home")
+    lib = tmp_path / "src" / "_moe_C_stable_libtorch.abi3.so.xz"
+    lib.parent.mkdir()
+    payload = __import__("random").Random(3).randbytes(500_000)  # incompressible: more than one part
+    lib.write_bytes(lzma.compress(payload))
+    monkeypatch.setattr(stage, "EXTRAS", {"vllm/_moe_C_stable_libtorch.abi3.so": 6})
+    manifest = stage.write_parts(stage.plan_parts([lib], 200_000), tmp_path / "out", prefix="extra", extras=True)
+    assert manifest["extras"] and manifest["parts"] >= 2
+    env = {"PCPVIZ_GPU_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
+    run = [sys.executable, str(TOOLS / "install.py")]
+    refused = subprocess.run(run + [str(tmp_path / "out" / "extra1")], env=env, capture_output=True, text=True)
+    for i in range(2, manifest["parts"] + 1):
+        subprocess.run(run + [str(tmp_path / "out" / f"extra{i}")], env=env, capture_output=True, text=True)
+    assert refused.returncode == 0  # the first part is only stored
+    (tmp_path / "home" / "site").mkdir(parents=True)
+    (tmp_path / "home" / "manifest.json").write_text('{"main": true}')
+    done = subprocess.run(run + [str(tmp_path / "out" / "extra1")], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "home" / "site" / "vllm" / "_moe_C_stable_libtorch.abi3.so").read_bytes() == payload
+    assert (tmp_path / "home" / "manifest.json").read_text() == '{"main": true}'
+
+
+def test_extras_without_an_install_are_one_line(tmp_path, monkeypatch):
+    import lzma
+
+    stage = _load("stage", monkeypatch, tmp_path / "home")
+    lib = tmp_path / "x.so.xz"
+    lib.write_bytes(lzma.compress(b"x" * 1000))
+    monkeypatch.setattr(stage, "EXTRAS", {"vllm/x.so": 6})
+    stage.write_parts(stage.plan_parts([lib], 10_000), tmp_path / "out", prefix="extra", extras=True)
+    res = subprocess.run([sys.executable, str(TOOLS / "install.py"), str(tmp_path / "out" / "extra1")],
+                         env={"PCPVIZ_GPU_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "install the main parts first" in res.stderr
