@@ -6,8 +6,11 @@
 
 Every step runs on all ranks at once (``run_ranks``); the driver checks that the ranks agree on
 what they sampled and drafted, and that the dummy (profile) run does no block-table gather and
-no collective (its models are dense: an MoE model's profile run would still all-gather and
-reduce-scatter its experts' tokens over PCP, vLLM's ``moe_runner.py:824-829, 853-861``).
+no collective but a MoE layer's (the MoE + DSA checkpoint's profile run all-gathers and
+reduce-scatters its experts' rows over PCP, vLLM's ``moe_runner.py:824-829, 853-861``).
+
+``replay(model_dir="data/models/pcpviz-tiny-moe-dsa")`` runs the MoE + DSA checkpoint
+(``pcpviz.vllm.replay.tiny_moe``); run.json then says ``model_moe: true``.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pcpviz.vllm.replay.scheduler import ScriptedScheduler
 from pcpviz.vllm.replay.stand_ins import DSPARK_MODEL_DECLARATION, DSPARK_STATUS, MODELS_DECLARATION, STAND_INS
 from pcpviz.vllm.replay.step import StepOut, dummy_step, rank_step
 from pcpviz.vllm.replay.tiny import TINY_MODELS_DECLARATION, TINY_STAND_INS, tiny_model
+from pcpviz.vllm.replay.tiny_moe import MOE_MODELS_DECLARATION, MOE_STAND_INS
 
 __all__ = ["PRODUCER", "ReplayResult", "replay"]
 
@@ -126,6 +130,7 @@ def replay(
     graph_mode: str = "NONE",
     fixes: str | None = None,
     chunked_prefill: bool = True,
+    model_dir: str | os.PathLike | None = None,
 ) -> ReplayResult:
     """Run ``scenario`` through vLLM 0.33.0's real PCP + MTP code on CPU, ``pcp`` ranks as
     threads, ``mtp`` speculative tokens; record a trace into ``trace_dir`` (when given and
@@ -146,6 +151,9 @@ def replay(
     managers and lets vLLM's dispatch pick each draft forward's mode (``pcpviz.vllm.replay.graph_dispatch``:
     stand-in graphs that read the buffers they were captured with).
     ``chunked_prefill=False`` schedules every prompt whole (the scenario's chunks dropped).
+    ``model_dir`` (``models="tiny"``): the checkpoint, by default ``data/models/pcpviz-tiny-dsv3``;
+    ``data/models/pcpviz-tiny-moe-dsa`` runs the MoE + DSA model, whose MoE layers all-gather and
+    reduce-scatter over PCP in every forward, the dummy run's included (``pcpviz.vllm.replay.tiny_moe``).
     ``fixes`` names ``pcpviz.vllm.fixes`` to patch into vLLM for this run (comma-separated; default
     ``$PCPVIZ_FIXES``); run.json lists them under ``vllm_fixes``.
     Raises ValueError for bad arguments.
@@ -160,10 +168,14 @@ def replay(
     if graph_mode != "NONE" and sc.drafter != "mtp":
         raise ValueError(f"graph_mode={graph_mode} replays the MTP speculator's graph managers; scenario "
                          f"{scenario!r} runs {sc.drafter}")
-    vocab, hidden = (97, 8) if models == "scripted" else (tiny_model().config.vocab_size,
-                                                           tiny_model().config.hidden_size)
+    if model_dir is not None and models != "tiny":
+        raise ValueError(f"model_dir is the weights of models='tiny'; models={models!r} has none")
+    model_dir = None if model_dir is None else os.fspath(model_dir)
+    mc = None if models == "scripted" else tiny_model(model_dir).config
+    vocab, hidden = (97, 8) if mc is None else (mc.vocab_size, mc.hidden_size)
     c = ReplayConfig(pcp=pcp, k=mtp, shard=pcp > 1 and decodes == "sharded", block_size=block_size, max_num_reqs=8,
-                     max_num_tokens=96, max_model_len=128, vocab=vocab, hidden=hidden, models=models)
+                     max_num_tokens=96, max_model_len=128, vocab=vocab, hidden=hidden, models=models,
+                     model_dir=model_dir, moe_experts=0 if mc is None else mc.n_routed_experts)
     recording.install_wrappers()
     sched = ScriptedScheduler(sc, c)
     vllm_config = stand_in_vllm_config(c, sc.drafter)
@@ -249,10 +261,12 @@ class _Run:
                           f"{[o.local_num_tokens for o in outs]}, drafts {ref.draft_tokens.tolist()}")
 
     def profile_run(self) -> None:
-        """The dummy (profile) run: no block-table gather, no collective (dense models), idx_mapping all -1."""
+        """The dummy (profile) run: no block-table gather, no collective but the MoE layers', idx_mapping
+        all -1."""
         self.dummy_out = run_ranks(self.group, lambda rank: dummy_step(self.states[rank], self.group))
         for rank, d in enumerate(self.dummy_out):
-            bad = {k: v for k, v in d.items() if k != "draft_tokens" and v not in (0, True)}
+            facts = {k: v for k, v in d.items() if k not in ("draft_tokens", "moe_reduce_scatters")}
+            bad = {k: v for k, v in facts.items() if v not in (0, True)}
             if bad:
                 raise RuntimeError(f"dummy run on rank {rank}: {bad} (expected no block-table gather, "
                                    "no all_gather, idx_mapping all -1)")
@@ -299,6 +313,12 @@ def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler, graph_mode: s
     if c.models == "tiny":
         meta["models"], meta["model"] = TINY_MODELS_DECLARATION, "pcpviz-tiny-dsv3 (data/models, float32)"
         meta["stand_ins"] = {**STAND_INS, **TINY_STAND_INS}
+        if c.model_dir is not None:
+            meta["model"] = f"{Path(c.model_dir).name} ({c.model_dir}, float32)"
+        if c.moe_experts:
+            meta["models"] = MOE_MODELS_DECLARATION
+            meta["stand_ins"] = {**STAND_INS, **TINY_STAND_INS, **MOE_STAND_INS}
+    meta["model_moe"] = bool(c.moe_experts)  # routed experts: the MoE layers gather and reduce-scatter over PCP
     if sc.drafter == "dspark":
         meta["dspark_status"] = DSPARK_STATUS
         meta["models"] = MODELS_DECLARATION + "; " + DSPARK_MODEL_DECLARATION
