@@ -45,6 +45,7 @@ from vllm.v1.attention.ops.pcp import maybe_gather_indexer_k
 
 from pcpviz.engine.indexer import IndexerQK
 from pcpviz.engine.sparse_attention import sparse_paged_mla
+from pcpviz.vllm.fake_group import current_fake_group
 
 __all__ = ["MOE_MODELS_DECLARATION", "MOE_STAND_INS", "PCPGroupForMoE", "IndexerKeys", "sparse_attention"]
 
@@ -73,7 +74,8 @@ class PCPGroupForMoE:
     """What ``pcpviz.engine.moe.MoE.forward`` calls as ``comm``, answered by vLLM's
     ``get_pcp_group()`` on the calling rank thread: ``world_size``, ``rank``, ``all_gather`` and
     ``reduce_scatter`` along dim 0 (the calls of ``moe_runner.py:824-829, 853-861``). One object
-    serves every rank: the rank threads share the model, the group is looked up per call.
+    serves every rank: the rank threads share the model, the group is looked up per call. Outside a
+    rank thread (the shared model called directly, e.g. as a reference) it is one rank: no collective.
 
         >>> from pcpviz.vllm.fake_group import FakePCPGroup, run_ranks
         >>> g, comm = FakePCPGroup(2), PCPGroupForMoE()
@@ -83,7 +85,7 @@ class PCPGroupForMoE:
 
     @property
     def world_size(self) -> int:
-        return get_pcp_group().world_size
+        return 1 if current_fake_group() is None else get_pcp_group().world_size
 
     @property
     def rank(self) -> int:
