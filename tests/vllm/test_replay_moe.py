@@ -136,3 +136,36 @@ def test_a_skipped_router_logits_gather_fails_at_its_phase(runs, tmp_path):
     res = run_checks(pt.open(rewrite(src, tmp_path / "bad", edit))).results["collectives_match_vllm"]
     assert res.verdict == "fail" and res.first_violation.step == 1 and res.first_violation.phase == "target"
     assert "router logits" in res.first_violation.message
+
+
+def test_the_indexer_fold_on_the_replays_own_writes(runs):
+    """``pcpviz.reference.indexer_fold`` on the indexer-key writes the replay made (vLLM's fold of
+    sparse_attn_indexer.py:553-559, then its ``maybe_gather_indexer_k``), their mappings the ones the
+    trace recorded: the target's and draft step 0's are expanded ([N*P]) and fold to P, the replicated
+    draft decodes' are unexpanded ([R]) and do not; every call is right."""
+    from pcpviz.reference.indexer_fold import indexer_call, search
+
+    res, n = runs[2], 2
+    t = pt.open(res.trace_path)
+    calls = []
+    for rank in t.ranks:
+        writes = res.indexer_writes[rank]
+        assert {w.forward for w in writes["target"]} == set(range(len(res.steps)))
+        assert {w.forward for w in writes["mtp"]} == set(range(2 * len(res.steps)))  # K = 2 forwards a step
+        for model, w in [("target", w) for w in writes["target"]] + [("mtp", w) for w in writes["mtp"]]:
+            step, draft = (w.forward, None) if model == "target" else divmod(w.forward, 2)
+            phase, view = ("target", "slot_mapping_gathered") if draft is None else (f"draft_{draft}",
+                                                                                    "slot_mapping_draft")
+            recorded = np.asarray(t.record(step, rank, phase)[view])
+            assert w.slot_mapping_rows == recorded.shape[-1], (step, rank, phase)
+            kind = {None: "target", 0: "draft_prefill", 1: "draft_decode"}[draft]
+            call = indexer_call(kind, n, w.k_rows)
+            assert (call.slot_mapping_rows, call.kept_rows) == (w.slot_mapping_rows, w.kept_rows), (kind, w)
+            assert call.folds == (kind != "draft_decode") and call.right
+            # sharded decodes: an expanded mapping gathers every rank's P rows, an unexpanded one writes its own
+            assert w.written_rows == (n * w.kept_rows if call.folds else w.kept_rows)
+            calls.append(call)
+    found = search(calls)
+    assert found.wrong == () and set(found.kinds) == {"target", "draft_prefill", "draft_decode"}
+    single = [w for ws in runs[1].indexer_writes[0].values() for w in ws]
+    assert single and all(w.kept_rows == w.k_rows == w.slot_mapping_rows for w in single)  # PCP = 1: no fold

@@ -46,8 +46,8 @@ metadata's block table (``pcpviz.vllm.replay.tiny``), with greedy rejection samp
 is measured and a bug in vLLM's code moves it. ``model_dir="data/models/pcpviz-tiny-moe-dsa"`` runs the
 MoE + DSA checkpoint the same way: its MoE layers all-gather rows and router logits and reduce-scatter
 their output on vLLM's ``get_pcp_group()`` in every forward, its attention reads the indexer's top-k
-(``pcpviz.vllm.replay.tiny_moe``), and run.json says ``model_moe: true``. ``models="scripted"`` (and the ``dspark`` scenario)
-keeps the weightless stand-ins: deterministic functions of token and position, the target
+(``pcpviz.vllm.replay.tiny_moe``), and run.json says ``model_moe: true``. ``models="scripted"`` (and
+the ``dspark`` scenario) keeps the weightless stand-ins: deterministic functions of token and position, the target
 predicting ``(5*token + 3*position + 7) % vocab``, the rejections scripted per scenario.
 Stand-ins either way: the attention backend (a metadata builder that only calls
 ``split_decodes_and_prefills``), the scheduler (scripted: async scheduling, so the CPU cursor runs

@@ -68,6 +68,8 @@ class ReplayResult:
     recording_seconds: float
     meta: dict[str, Any]
     manager_class: type = PCPManager  # the PCPManager (sub)class every rank was built with
+    # per rank, the DSA model's indexer-key writes: {"target": [IndexerWrite], "mtp": [...]}; {} for a dense model
+    indexer_writes: list[dict[str, list]] = dataclasses.field(default_factory=list)
 
     @property
     def trace(self):
@@ -194,7 +196,18 @@ def replay(
         kv_target=[s.kv_target.numpy().copy() for s in states], kv_draft=[s.kv_draft.numpy().copy() for s in states],
         all_gathers=list(run.group.all_gather_calls), seconds=time.perf_counter() - t_start,
         step_seconds=run.step_seconds, recording_seconds=rec_seconds, meta=meta,
-        manager_class=PCPManager if states[0].manager is None else type(states[0].manager))
+        manager_class=PCPManager if states[0].manager is None else type(states[0].manager),
+        indexer_writes=[_indexer_writes(s) for s in states])
+
+
+def _indexer_writes(st: RankState) -> dict[str, list]:
+    """The rank's indexer-key writes per model (none for a dense or scripted model)."""
+    out = {}
+    for name, model in (("target", st.target), ("mtp", st.spec.model)):
+        keys = getattr(model, "index_keys", None)
+        if keys is not None:
+            out[name] = list(keys.writes)
+    return out
 
 
 def _manager_class(record: bool, trace_dir: str | os.PathLike | None) -> type[PCPManager]:

@@ -36,7 +36,7 @@ with sharded decodes the gather ignores the split.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -47,7 +47,8 @@ from pcpviz.engine.indexer import IndexerQK
 from pcpviz.engine.sparse_attention import sparse_paged_mla
 from pcpviz.vllm.fake_group import current_fake_group
 
-__all__ = ["MOE_MODELS_DECLARATION", "MOE_STAND_INS", "PCPGroupForMoE", "IndexerKeys", "sparse_attention"]
+__all__ = ["MOE_MODELS_DECLARATION", "MOE_STAND_INS", "PCPGroupForMoE", "IndexerWrite", "IndexerKeys",
+           "sparse_attention"]
 
 MOE_MODELS_DECLARATION = (
     "real weights: target = the tiny MoE + DSA checkpoint (data/models/pcpviz-tiny-moe-dsa, "
@@ -98,13 +99,31 @@ class PCPGroupForMoE:
         return get_pcp_group().reduce_scatter(t.contiguous(), dim=0)
 
 
+class IndexerWrite(NamedTuple):
+    """One indexer-key write as it happened: the shapes the fold compared and what was written.
+    A PCP=2 target forward of P = 6 rows a rank: ``IndexerWrite(0, 0, 12, 6, 6, 12)`` (the
+    expanded mapping folds to 6, the gather writes 2 x 6); a replicated draft decode of 3 requests:
+    ``IndexerWrite(f, 1, 3, 3, 3, 3)`` (no fold, written locally)."""
+
+    forward: int  # the forward's number on this model (counted from 0 at its first layer's write)
+    layer: int
+    slot_mapping_rows: int  # slot_mapping.shape[0] (sparse_attn_indexer.py:554)
+    k_rows: int  # k.shape[0]: the forward's rows
+    kept_rows: int  # after the fold (k[:num_tokens])
+    written_rows: int  # the slots maybe_gather_indexer_k returned (PAD included)
+
+
 class IndexerKeys:
     """One rank's paged indexer-key caches: float32[slots, index_head_dim] per layer (vLLM: the
     indexer's ``k_cache``, ``deepseek_v2.py:726-734``, fp8 there), written at the same slots as
-    the latents."""
+    the latents. ``writes`` logs every write (``IndexerWrite``), for the fold demonstration
+    (``tests/vllm/test_replay_moe.py``, ``pcpviz.reference.indexer_fold``)."""
 
     def __init__(self, layer_ids: list[int], num_slots: int, head_dim: int) -> None:
         self.layers = {i: torch.zeros(num_slots, head_dim) for i in layer_ids}
+        self.first_layer = min(layer_ids)
+        self.writes: list[IndexerWrite] = []
+        self._forwards = 0
 
     def write(self, layer_idx: int, k: torch.Tensor, md: Any, slot_mapping: torch.Tensor, *, use_pcp: bool,
               shard_decodes: bool) -> None:
@@ -116,6 +135,10 @@ class IndexerKeys:
             n //= get_pcp_group().world_size
         keys, slots = maybe_gather_indexer_k(k[:n].float(), slot_mapping, md.num_decode_tokens, use_pcp,
                                              pcp_shard_decode_requests=shard_decodes)
+        if layer_idx == self.first_layer:
+            self._forwards += 1
+        self.writes.append(IndexerWrite(self._forwards - 1, layer_idx, int(slot_mapping.shape[0]), int(k.shape[0]),
+                                        min(n, int(k.shape[0])), int(slots.shape[0])))
         keep = slots >= 0
         self.layers[layer_idx][slots[keep]] = keys[keep]
 
