@@ -151,7 +151,7 @@ class _TinyLayerStack(torch.nn.Module):
             if md is None or slot_mapping is None:
                 return torch.zeros(q_nope.shape[0], q_nope.shape[1], cfg.v_head_dim, dtype=q_nope.dtype)
             if index is not None:  # DSA: the indexer's key write first (mla.py:233)
-                self.index_keys.write(layer_idx, index.k, md, slot_mapping, use_pcp=self.use_pcp,
+                self.index_keys.write(layer_idx, index.k, md, slot_mapping=slot_mapping, use_pcp=self.use_pcp,
                                       shard_decodes=self.shard_decodes)
             g_c, g_pe, slots = self._gather(md, slot_mapping, kv_c, k_pe)
             latent = torch.cat([g_c, g_pe.reshape(g_c.shape[0], -1)], dim=-1)  # float32[N*P, R + Dr]
@@ -159,7 +159,7 @@ class _TinyLayerStack(torch.nn.Module):
             keep = slots >= 0
             cache[slots[keep]] = latent[keep]
             if index is not None:
-                return sparse_attention(self.tiny, layer_idx, (q_nope, q_pe), index, latent=cache,
+                return sparse_attention(self.tiny, layer_idx, (q_nope, q_pe), index=index, latent=cache,
                                         keys=self.index_keys.layers[layer_idx], md=md, positions=positions,
                                         block_size=self.block_size).to(q_nope.dtype)
             w_uk, w_uv = self.tiny.mla_up_weights(layer_idx)

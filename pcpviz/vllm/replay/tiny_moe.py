@@ -125,7 +125,7 @@ class IndexerKeys:
         self.writes: list[IndexerWrite] = []
         self._forwards = 0
 
-    def write(self, layer_idx: int, k: torch.Tensor, md: Any, slot_mapping: torch.Tensor, *, use_pcp: bool,
+    def write(self, layer_idx: int, k: torch.Tensor, md: Any, *, slot_mapping: torch.Tensor, use_pcp: bool,
               shard_decodes: bool) -> None:
         """The key write of sparse_attn_indexer.py:553-567: cut ``k`` [T, Di] to the mapping
         (unexpanded: its R rows; expanded: unchanged), gather through vLLM's
@@ -143,7 +143,7 @@ class IndexerKeys:
         self.layers[layer_idx][slots[keep]] = keys[keep]
 
 
-def sparse_attention(model: Any, layer_idx: int, q: tuple[torch.Tensor, torch.Tensor], index: IndexerQK, *,
+def sparse_attention(model: Any, layer_idx: int, q: tuple[torch.Tensor, torch.Tensor], *, index: IndexerQK,
                      latent: torch.Tensor, keys: torch.Tensor, md: Any, positions: torch.Tensor,
                      block_size: int) -> torch.Tensor:
     """float32[Q, H, Dv]: the rank's query rows ``q = (q_nope, q_pe)`` over the indexer's top-k of
