@@ -169,3 +169,25 @@ def test_the_indexer_fold_on_the_replays_own_writes(runs):
     assert found.wrong == () and set(found.kinds) == {"target", "draft_prefill", "draft_decode"}
     single = [w for ws in runs[1].indexer_writes[0].values() for w in ws]
     assert single and all(w.kept_rows == w.k_rows == w.slot_mapping_rows for w in single)  # PCP = 1: no fold
+
+
+def test_a_run_that_recomputes_the_router_logits_instead_of_gathering_them_fails_at_target(runs, tmp_path,
+                                                                                            monkeypatch):
+    """A fault planted in the run, not the trace: every rank skips the router-logits all-gather and
+    recomputes the logits from the gathered rows. Same logits, same tokens (so a token comparison
+    passes), but not vLLM's collectives (moe_runner.py:824-829): check fails at the first target phase."""
+    from pcpviz.engine.moe import MoE
+
+    def forward(self, x, comm=None):
+        shared = self.shared_experts(x)
+        xs = comm.all_gather(x)
+        inter, n, r = self.cfg.moe_intermediate_size, comm.world_size, comm.rank
+        part = self.routed(xs, self.gate(xs), shard=(r * inter // n, (r + 1) * inter // n))
+        return shared + comm.reduce_scatter(part)
+
+    monkeypatch.setattr(MoE, "forward", forward)
+    bad = replay(pcp=2, mtp=2, trace_dir=tmp_path / "bad", scenario="long_context", model_dir=MOE, dummy=False)
+    assert _tokens(bad) == _tokens(runs[2])
+    res = run_checks(pt.open(bad.trace_path)).results["collectives_match_vllm"]
+    assert res.verdict == "fail" and res.first_violation.step == 0 and res.first_violation.phase == "target"
+    assert "router logits" in res.first_violation.message
