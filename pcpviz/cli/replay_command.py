@@ -20,6 +20,15 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     checkpoint, the MoE + DSA one included)."""
     if args.mtp > 4:  # the cheap checks before importing vLLM (seconds)
         raise UsageError(f"pcpviz replay: mtp (num_speculative_tokens) must be an int in 1..4, got {args.mtp}")
+    if args.model is not None:
+        if args.models == "scripted":
+            raise UsageError("pcpviz replay: --model is the weights of --models tiny; the scripted models have none")
+        from pcpviz.engine.model_files import check_model_dir
+
+        try:
+            check_model_dir(args.model)
+        except ValueError as e:
+            raise UsageError(f"pcpviz replay: --model {' '.join(str(e).split())}") from None
     from pcpviz.trace import claim
     from pcpviz.trace.flight import FlightConfig
     from pcpviz.trace.owner import check_target

@@ -191,3 +191,10 @@ def test_a_run_that_recomputes_the_router_logits_instead_of_gathering_them_fails
     res = run_checks(pt.open(bad.trace_path)).results["collectives_match_vllm"]
     assert res.verdict == "fail" and res.first_violation.step == 0 and res.first_violation.phase == "target"
     assert "router logits" in res.first_violation.message
+
+
+def test_a_bad_model_dir_is_refused_before_any_rank_starts(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        replay(pcp=2, mtp=2, record=False, model_dir=tmp_path)
+    with pytest.raises(ValueError, match="models='scripted' has none"):
+        replay(pcp=2, mtp=2, record=False, model_dir=MOE, models="scripted")

@@ -30,6 +30,7 @@ from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
+from pcpviz.engine.model_files import check_model_dir
 from pcpviz.vllm import fixes as vllm_fixes
 from pcpviz.trace.flight import FlightConfig
 from pcpviz.vllm import recording
@@ -173,6 +174,8 @@ def replay(
     if model_dir is not None and models != "tiny":
         raise ValueError(f"model_dir is the weights of models='tiny'; models={models!r} has none")
     model_dir = None if model_dir is None else os.fspath(model_dir)
+    if model_dir is not None:
+        check_model_dir(model_dir)  # ValueError naming the file: bad input, before any rank starts
     mc = None if models == "scripted" else tiny_model(model_dir).config
     vocab, hidden = (97, 8) if mc is None else (mc.vocab_size, mc.hidden_size)
     c = ReplayConfig(pcp=pcp, k=mtp, shard=pcp > 1 and decodes == "sharded", block_size=block_size, max_num_reqs=8,
