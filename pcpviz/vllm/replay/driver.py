@@ -71,6 +71,8 @@ class ReplayResult:
     manager_class: type = PCPManager  # the PCPManager (sub)class every rank was built with
     # per rank, the DSA model's indexer-key writes: {"target": [IndexerWrite], "mtp": [...]}; {} for a dense model
     indexer_writes: list[dict[str, list]] = dataclasses.field(default_factory=list)
+    # per rank, each attention call's top-k per batch row (int64[q, topk]), the same keys
+    indexer_selections: list[dict[str, list]] = dataclasses.field(default_factory=list)
 
     @property
     def trace(self):
@@ -200,16 +202,17 @@ def replay(
         all_gathers=list(run.group.all_gather_calls), seconds=time.perf_counter() - t_start,
         step_seconds=run.step_seconds, recording_seconds=rec_seconds, meta=meta,
         manager_class=PCPManager if states[0].manager is None else type(states[0].manager),
-        indexer_writes=[_indexer_writes(s) for s in states])
+        indexer_writes=[_indexer_log(s, "writes") for s in states],
+        indexer_selections=[_indexer_log(s, "selections") for s in states])
 
 
-def _indexer_writes(st: RankState) -> dict[str, list]:
-    """The rank's indexer-key writes per model (none for a dense or scripted model)."""
+def _indexer_log(st: RankState, log: str) -> dict[str, list]:
+    """The rank's indexer ``writes`` or ``selections`` per model (none for a dense or scripted model)."""
     out = {}
     for name, model in (("target", st.target), ("mtp", st.spec.model)):
         keys = getattr(model, "index_keys", None)
         if keys is not None:
-            out[name] = list(keys.writes)
+            out[name] = list(getattr(keys, log))
     return out
 
 

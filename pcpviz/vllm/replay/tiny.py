@@ -161,7 +161,8 @@ class _TinyLayerStack(torch.nn.Module):
             if index is not None:
                 return sparse_attention(self.tiny, layer_idx, (q_nope, q_pe), index=index, latent=cache,
                                         keys=self.index_keys.layers[layer_idx], md=md, positions=positions,
-                                        block_size=self.block_size).to(q_nope.dtype)
+                                        block_size=self.block_size,
+                                        record=self.index_keys.selections).to(q_nope.dtype)
             w_uk, w_uv = self.tiny.mla_up_weights(layer_idx)
             out = paged_mla_attention(  # rows past query_start_loc[-1] (graph padding) stay zero
                 q_nope, q_pe, cache, block_rows=md.block_table, query_start_loc=md.query_start_loc,

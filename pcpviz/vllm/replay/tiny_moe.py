@@ -117,12 +117,15 @@ class IndexerKeys:
     """One rank's paged indexer-key caches: float32[slots, index_head_dim] per layer (vLLM: the
     indexer's ``k_cache``, ``deepseek_v2.py:726-734``, fp8 there), written at the same slots as
     the latents. ``writes`` logs every write (``IndexerWrite``), for the fold demonstration
-    (``tests/vllm/test_replay_moe.py``, ``pcpviz.reference.indexer_fold``)."""
+    (``tests/vllm/test_replay_moe.py``, ``pcpviz.reference.indexer_fold``); ``selections`` gets each
+    batch row's int64[q, index_topk] top-k (rows of its context, -1: none) per attention call: a row
+    holding 70 once the context passed 64 tokens selected 64 of at least 71."""
 
     def __init__(self, layer_ids: list[int], num_slots: int, head_dim: int) -> None:
         self.layers = {i: torch.zeros(num_slots, head_dim) for i in layer_ids}
         self.first_layer = min(layer_ids)
         self.writes: list[IndexerWrite] = []
+        self.selections: list[torch.Tensor] = []
         self._forwards = 0
 
     def write(self, layer_idx: int, k: torch.Tensor, md: Any, *, slot_mapping: torch.Tensor, use_pcp: bool,
@@ -145,13 +148,15 @@ class IndexerKeys:
 
 def sparse_attention(model: Any, layer_idx: int, q: tuple[torch.Tensor, torch.Tensor], *, index: IndexerQK,
                      latent: torch.Tensor, keys: torch.Tensor, md: Any, positions: torch.Tensor,
-                     block_size: int) -> torch.Tensor:
+                     block_size: int, record: list | None = None) -> torch.Tensor:
     """float32[Q, H, Dv]: the rank's query rows ``q = (q_nope, q_pe)`` over the indexer's top-k of
     their requests' contexts, read through the metadata's block table, ``query_start_loc`` and
     ``seq_lens`` from this layer's ``latent`` [slots, R + Dr] and indexer ``keys`` [slots, Di]
     (both already written this forward). A row at position 99 with seq_len 100 attends to 64 of
-    its 100 tokens (index_topk 64); rows past ``query_start_loc[-1]`` (padding) stay zero."""
+    its 100 tokens (index_topk 64); rows past ``query_start_loc[-1]`` (padding) stay zero.
+    ``record``: gets each batch row's int64[q, topk] selection appended."""
     w_uk, w_uv = model.mla_up_weights(layer_idx)
     return sparse_paged_mla(q[0], q[1], index, cache=latent, index_cache=keys, block_rows=md.block_table,
                             query_start_loc=md.query_start_loc, positions=positions, seq_lens=md.seq_lens,
-                            w_uk=w_uk, w_uv=w_uv, block_size=block_size, scale=model.config.softmax_scale)
+                            w_uk=w_uk, w_uv=w_uv, block_size=block_size, scale=model.config.softmax_scale,
+                            record=record)
