@@ -146,8 +146,8 @@ def replay(
     DCP > 1; the replay sets the flag directly with DCP kept at 1, as in Scenario B of
     ``docs/vllm-0.33-pcp-mtp.md``). ``record=False`` builds plain ``PCPManager``s (the recording-off
     baseline). ``dummy`` appends a profile run (``propose(dummy_run=True)``) as the last
-    step, phase ``dummy``; it must do no block-table gather and no collective (asserted; the
-    models are dense, so no MoE collective either).
+    step, phase ``dummy``; it must do no block-table gather and no collective but a MoE layer's
+    (asserted: a dense model's runs none, the MoE + DSA model's MoE layers gather and reduce-scatter).
     ``models="tiny"`` (the default, except for the ``dspark`` scenario, whose drafter has no
     weights) runs the shipped tiny DeepSeek-V3 checkpoint behind vLLM's model interfaces with
     greedy rejection sampling, so acceptance is measured (``pcpviz.vllm.replay.tiny``);
