@@ -85,6 +85,7 @@ def test_the_moe_collectives_are_in_every_forward_and_check_passes(runs):
     for pcp, res in runs.items():
         t = pt.open(res.trace_path)
         assert t.meta["model_moe"] is True and "pcpviz-tiny-moe-dsa" in t.meta["models"]
+        assert t.meta["model"] == MOE
         report = run_checks(t)
         assert report.ok, report.format()
         assert report.results["collectives_match_vllm"].verdict == "pass"

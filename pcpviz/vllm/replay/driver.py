@@ -332,8 +332,6 @@ def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler, graph_mode: s
     if c.models == "tiny":
         meta["models"], meta["model"] = TINY_MODELS_DECLARATION, "pcpviz-tiny-dsv3 (data/models, float32)"
         meta["stand_ins"] = {**STAND_INS, **TINY_STAND_INS}
-        if c.model_dir is not None:
-            meta["model"] = f"{Path(c.model_dir).name} ({c.model_dir}, float32)"
         if c.moe_experts:
             meta["models"] = MOE_MODELS_DECLARATION
             meta["stand_ins"] = {**STAND_INS, **TINY_STAND_INS, **MOE_STAND_INS}

@@ -65,7 +65,7 @@ def stand_in_vllm_config(c: ReplayConfig, drafter: str = "mtp") -> SimpleNamespa
     hf_config = SimpleNamespace(architectures=["PcpvizStandInTarget"], model_type="deepseek_v3",
                                 n_routed_experts=c.moe_experts or None)  # read for run.json's model_moe
     model_config = SimpleNamespace(
-        model="pcpviz-stand-in", use_mla=True, is_encoder_decoder=False, hf_text_config=hf_config,
+        model=c.model_dir or "pcpviz-stand-in", use_mla=True, is_encoder_decoder=False, hf_text_config=hf_config,
         hf_config=hf_config, max_model_len=c.max_model_len, dtype=torch.float32, use_fp64_gumbel=False,
         rswa_window=None, convert_type="none", runner_type="generate", trust_remote_code=False,
         model_impl="vllm", registry=SimpleNamespace(resolve_model_cls=lambda archs, model_config: (StandInTarget,
