@@ -30,7 +30,7 @@ rank gathers the same shape), then gathered by ``maybe_gather_indexer_k`` and wr
 returned slots. vLLM's MLA runs the indexer, and so its key write, before the latent write
 (``model_executor/layers/mla.py:233``); so does ``sparse_attention`` here. One difference: the
 replay's stand-in attention group gives the indexer the MLA's decode/prefill split (vLLM builds the
-indexer's own metadata, which may class a short extend differently: sparse_attn_indexer.py:579);
+indexer's own metadata, which may class a short extend differently: sparse_attn_indexer.py:580);
 with sharded decodes the gather ignores the split.
 """
 
