@@ -203,3 +203,5 @@ def test_a_bad_model_dir_is_refused_before_any_rank_starts(tmp_path):
         replay(pcp=2, mtp=2, record=False, model_dir=tmp_path)
     with pytest.raises(ValueError, match="models='scripted' has none"):
         replay(pcp=2, mtp=2, record=False, model_dir=MOE, models="scripted")
+    with pytest.raises(ValueError, match="pcp=3: the MoE layers split each expert's 128"):
+        replay(pcp=3, mtp=2, record=False, model_dir=MOE)

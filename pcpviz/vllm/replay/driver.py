@@ -180,6 +180,9 @@ def replay(
         check_model_dir(model_dir)  # ValueError naming the file: bad input, before any rank starts
     mc = None if models == "scripted" else tiny_model(model_dir).config
     vocab, hidden = (97, 8) if mc is None else (mc.vocab_size, mc.hidden_size)
+    if mc is not None and mc.is_moe and mc.moe_intermediate_size % pcp:
+        raise ValueError(f"pcp={pcp}: the MoE layers split each expert's {mc.moe_intermediate_size} intermediate "
+                         "columns over the PCP ranks (vLLM: the MoE's TP group is PCP x TP); use a divisor")
     c = ReplayConfig(pcp=pcp, k=mtp, shard=pcp > 1 and decodes == "sharded", block_size=block_size, max_num_reqs=8,
                      max_num_tokens=96, max_model_len=128, vocab=vocab, hidden=hidden, models=models,
                      model_dir=model_dir, moe_experts=0 if mc is None else mc.n_routed_experts)
