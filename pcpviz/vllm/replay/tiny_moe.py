@@ -17,7 +17,8 @@ The MoE collectives, re-derived from ``model_executor/layers/fused_moe/runner/mo
 ``pcp_size > 1`` and no all2all kernels, ``_maybe_dispatch`` all-gathers the rows and then the
 router logits over PCP along dim 0 (lines 824-829), and ``_maybe_combine`` reduce-scatters the
 experts' output along dim 0 (lines 853-861). ``PCPGroupForMoE`` hands ``MoE.forward`` exactly
-those calls on ``get_pcp_group()``. PCP=2, 7 rows a rank, hidden 256, 8 experts; each rank ledgers::
+those calls on ``get_pcp_group()``. (The runner's late all-reduce, lines 509-515, goes to the TP
+group, of one rank at TP = 1: no PCP call.) PCP=2, 7 rows a rank, hidden 256, 8 experts; each rank ledgers::
 
     all_gather pcp float32[7, 256] dim=0       (the rows)
     all_gather pcp float32[7, 8] dim=0         (the router logits)
