@@ -14,7 +14,7 @@ logit here beyond float rounding:
 * fewer visible keys than ``index_topk``: transformers' top-k picks masked (future) keys too and
   the causal mask removes them again; vLLM and pcpviz mark the missing slots -1;
 * vLLM scores the indexer in fp8 (q and k quantized per 128 with ue8m0 scales), transformers and
-  pcpviz in bf16/float32: near-tie selections can differ on a GPU (``GPU_TRAIN.md``);
+  pcpviz in bf16/float32: near-tie selections can differ on a GPU (``docs/moe-dsa-model.md``);
 * transformers has no MTP block (it ignores ``model.layers.2.*``); vLLM loads it as
   ``DeepseekV32MTP``.
 
@@ -100,7 +100,7 @@ def test_greedy_decode_matches_transformers_with_its_caches(pair):
 
 @pytest.mark.slow
 def test_the_shipped_weights_match_transformers():
-    """Once ``data/models/pcpviz-tiny-moe-dsa/model.safetensors`` is trained (GPU_TRAIN.md)."""
+    """Once ``data/models/pcpviz-tiny-moe-dsa/model.safetensors`` is trained (docs/moe-dsa-model.md)."""
     import os
 
     from pcpviz.engine.model_v32_config import moe_model_dir

@@ -50,7 +50,7 @@ The second model, MoE + DSA (``data/models/pcpviz-tiny-moe-dsa``, ``pcpviz.engin
 trains with ``--config data/models/pcpviz-tiny-moe-dsa/config.json`` (the architecture flags are
 then ignored); its objective adds the indexer's KL and the experts' bias update
 (``tools.train.objective_v32``: ``--dsa-dense-frac``, ``--bias-update-speed``), and
-``GPU_TRAIN.md`` in the repository root holds its one-H200 command.
+``docs/moe-dsa-model.md`` holds its one-H200 command and what it measured.
 
 ``--time-budget-s S`` (instead of ``--steps``) measures the step time first and picks the largest
 step count that fits in ``S`` seconds; the chosen count is written to ``training.json`` so the run

@@ -65,6 +65,7 @@ circle, function-local imports included: ``tests/repo/test_import_graph.py``):
 ``ring``               the preallocated device ring they land in; overflow counted and stated
 ``copyplan``           the hooks' byte views, kept across steps (address, dtype, shape)
 ``replayplan``         a FULL-replayed draft phase planned once, then one copy a replay
+``group_calls``        vLLM's PCP / DCP collectives on GPUs, a ledger per process (eager runs)
 ``backlog``            the bounded queue of staged steps a sink drains
 ``meta``               run.json keys learned from the process and the speculator
 ``state``              the shared process state: the running draft, warm-up, the session,

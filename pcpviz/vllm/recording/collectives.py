@@ -8,9 +8,10 @@ starts counting for the next one. The recorder switches where its hooks see a ph
 each later draft forward (draft_k), and the step's end.
 
 Where the ledger comes from: the CPU replay's ``FakePCPGroup`` (vLLM's real classes call it
-for every PCP collective). On a GPU vLLM's
-``GroupCoordinator`` is not wrapped yet, and phases carry no ``collectives`` view (absent, not
-empty: absent means not recorded). The engine records the same lines from its own group
+for every PCP collective); on GPUs, vLLM's ``GroupCoordinator`` methods on the PCP and DCP groups
+(``recording.group_calls``), only when vLLM runs eagerly: with torch.compile or CUDA graphs the
+phases carry no ``collectives`` view (absent, not empty: absent means not recorded). The engine
+records the same lines from its own group
 (``pcpviz.engine.dist``); ``pcpviz.trace.collectives.describe`` writes them for both.
 
 The CPU replay at PCP=2, K=2 with the tiny dense model, rank 0, a step of 14 padded rows a rank
@@ -32,16 +33,18 @@ from typing import Any
 import numpy as np
 
 from pcpviz.vllm.fake_group import current_fake_group
+from pcpviz.vllm.recording import group_calls
 
 __all__ = ["Ledger"]
 
 
-def _calls() -> list[str] | None:
-    """The calling thread's rank's ledger (None where no ledger is kept)."""
+def _calls() -> tuple[list[str] | None, bool]:
+    """The calling thread's rank's ledger (None where no ledger is kept) and whether its reader
+    empties it (this process's GPU ledger, ``group_calls``; the replay's is kept whole)."""
     group = current_fake_group()
     if group is None:
-        return None
-    return group.ledger[group.rank_in_group]
+        return group_calls.calls(), True
+    return group.ledger[group.rank_in_group], False
 
 
 class Ledger:
@@ -56,7 +59,7 @@ class Ledger:
         counting for ``phase`` (None: the step ended)."""
         if phase == self.phase:
             return
-        calls = _calls()
+        calls, trim = _calls()
         if calls is None:
             self.phase = phase
             return
@@ -64,4 +67,6 @@ class Ledger:
             since = calls[self.mark:]
             if since or (rec.phases is not None and self.phase in rec.phases):
                 rec.put(self.phase, collectives=np.array(since, dtype=str))  # str[0] when none
-        self.phase, self.mark = phase, len(calls)
+        if trim:
+            del calls[:]
+        self.phase, self.mark = phase, 0 if trim else len(calls)

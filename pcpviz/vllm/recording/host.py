@@ -310,8 +310,8 @@ class StepPack:
         flat = plan.sources
         if plan.dynamic_at:
             flat = list(flat)
-            for i, j in plan.dynamic_at:
-                b, meta = fresh_bytes(dynamic[j])
+            for i, j in plan.dynamic_at:  # a step's idx_mapping is handed to several hooks: one view of it
+                b, meta = self.plans.bytes_of(dynamic[j])
                 if meta != plan.metas[i]:
                     return False
                 flat[i] = b

@@ -378,19 +378,26 @@ class RankRecorder:
             views["req_ids"] = Strings(g.req_ids)
             views["num_draft_tokens"] = (np.zeros(r, dtype=np.int64) if g.num_draft_tokens_per_req is None
                                          else np.asarray(g.num_draft_tokens_per_req[:r], dtype=np.int64))
-        # vLLM writes sampled_tokens[i, :num_sampled[i]] only: on a GPU the rest of the row is
-        # whatever the buffer held (a rejected draft, an older step). Recorded as -1, on the host
-        # (pcpviz.trace.packed.verify_views) from copies of the three tensors taken now.
-        verify = Deferred("verify", [sampled, num_sampled, num_rejected])
-        views["idx_mapping"] = idx_mapping
-        if isinstance(cursor, torch.Tensor) and cursor.ndim == 1:
-            views["num_computed_after"] = Deferred("take_rows", [cursor, idx_mapping])
+        with_cursor = isinstance(cursor, torch.Tensor) and cursor.ndim == 1
         target = (self.phases or {}).get("target")
         if target is not None and "t_end_us" not in target:
             target["t_end_us"] = host_entry(np.array(t0, dtype=np.int64))  # PCP=1: no restore_for_sampling
-        self.put("verify", **views, sampled_token_ids=verify, num_sampled=verify.output(1),
-                 num_rejected=verify.output(2), num_accepted=verify.output(3),
-                 t_start_us=np.array(t0, dtype=np.int64), t_end_us=np.array(now_us(), dtype=np.int64))
+
+        def device_views(idx: torch.Tensor, sampled: torch.Tensor, ns: torch.Tensor, nr: torch.Tensor) -> dict:
+            # vLLM writes sampled_tokens[i, :num_sampled[i]] only: on a GPU the rest of the row is
+            # whatever the buffer held (a rejected draft, an older step). Recorded as -1, on the host
+            # (pcpviz.trace.packed.verify_views) from copies of the three tensors taken now.
+            verify = Deferred("verify", [sampled, ns, nr])
+            out = {"idx_mapping": idx, "sampled_token_ids": verify, "num_sampled": verify.output(1),
+                   "num_rejected": verify.output(2), "num_accepted": verify.output(3)}
+            if with_cursor:
+                out["num_computed_after"] = Deferred("take_rows", [cursor, idx])
+            return out
+
+        key = ("verify", r, _where(cursor) if with_cursor else None)
+        self.planned_put("verify", key, [idx_mapping, sampled, num_sampled, num_rejected], views=device_views)
+        self.put("verify", **views, t_start_us=np.array(t0, dtype=np.int64),
+                 t_end_us=np.array(now_us(), dtype=np.int64))
 
     # -- drafts
     def begin_propose(self, spec: Any, input_batch: Any, dummy: bool) -> DraftContext:

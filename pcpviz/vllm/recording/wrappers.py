@@ -38,7 +38,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from pcpviz.vllm.recording import fingerprints
+from pcpviz.vllm.recording import fingerprints, group_calls
 from pcpviz.vllm.recording.consumed import in_full_replay
 from pcpviz.vllm.recording.graphs import graph_targets, install_graph_wrappers
 from pcpviz.vllm.recording.host import now_us
@@ -59,6 +59,8 @@ def _wrap_runner_init(original: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         ensure_warm_up_wrapper()
+        group_calls.watch(eager=active_session() is not None  # a recording process: its ledger is read
+                          and group_calls.runs_eagerly(getattr(self, "vllm_config", None)))
         if getattr(self, "pcp_manager", None) is None:
             s = active_session()
             if s is not None:
@@ -279,6 +281,7 @@ def install_wrappers() -> None:
                 continue
             setattr(owner, name, _WRAPPERS[name](current))
         install_graph_wrappers()
+        group_calls.install_group_wrappers()
         _installed = True
 
 
@@ -293,6 +296,8 @@ def uninstall_wrappers() -> None:
             if is_wrapped(current):
                 setattr(owner, name, current._pcpviz_original)
         uninstall_model_wrappers()
+        group_calls.uninstall_group_wrappers()
+        group_calls.watch(eager=False)
         _installed = False
 
 
