@@ -16,9 +16,19 @@ __all__ = ["add_replay"]
 def _cmd_replay(args: argparse.Namespace) -> int:
     """Drive vLLM 0.33.0's real PCP + MTP classes on CPU through a scripted scenario and record
     the trace (see pcpviz.vllm.replay). vLLM's model runner, PCP manager, block tables and MTP
-    proposer run as they are; the target and MTP compute with the tiny checkpoint's weights."""
+    proposer run as they are; the target and MTP compute with the tiny checkpoint's weights (--model: which
+    checkpoint, the MoE + DSA one included)."""
     if args.mtp > 4:  # the cheap checks before importing vLLM (seconds)
         raise UsageError(f"pcpviz replay: mtp (num_speculative_tokens) must be an int in 1..4, got {args.mtp}")
+    if args.model is not None:
+        if args.models == "scripted":
+            raise UsageError("pcpviz replay: --model is the weights of --models tiny; the scripted models have none")
+        from pcpviz.engine.model_files import check_model_dir
+
+        try:
+            check_model_dir(args.model)
+        except ValueError as e:
+            raise UsageError(f"pcpviz replay: --model {' '.join(str(e).split())}") from None
     from pcpviz.trace import claim
     from pcpviz.trace.flight import FlightConfig
     from pcpviz.trace.owner import check_target
@@ -41,7 +51,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             res = replay_module.replay(pcp=args.pcp, mtp=args.mtp, trace_dir=args.trace, scenario=args.scenario,
                                        decodes=args.decodes, block_size=args.block_size,
                                        overwrite=args.overwrite, progress=say, models=args.models,
-                                       graph_mode=args.graph_mode, fixes=args.fixes)
+                                       graph_mode=args.graph_mode, fixes=args.fixes, model_dir=args.model)
     except ValueError as e:
         raise UsageError(f"pcpviz replay: {' '.join(str(e).split())}") from None
     decodes = "no PCP" if res.pcp == 1 else ("sharded" if res.shard_decode_requests else "replicated") + " decodes"
@@ -62,13 +72,16 @@ def add_replay(sub) -> None:
     p.add_argument("--pcp", type=positive_int, default=2, help="PCP ranks (threads); 1: the PCP=1 baseline")
     p.add_argument("--mtp", type=positive_int, default=2, help="num_speculative_tokens K (1..4)")
     p.add_argument("--trace", type=path, required=True, help="write the trace to this directory")
-    p.add_argument("--scenario", choices=["mixed", "decode_only", "dspark"], default="mixed",
+    p.add_argument("--scenario", choices=["mixed", "decode_only", "dspark", "long_context"], default="mixed",
                    help="scripted steps")
     p.add_argument("--decodes", choices=["sharded", "replicated"], default="sharded",
                    help="decode placement (vLLM's default with DCP = 1 is sharded)")
     p.add_argument("--block-size", type=bounded_int(1, 1024), default=4, help="KV block size")
     p.add_argument("--models", choices=["tiny", "scripted"], default=None,
                    help="tiny: the shipped checkpoint's weights, real acceptance (default; dspark: scripted)")
+    p.add_argument("--model", type=path, default=None,
+                   help="--models tiny: the checkpoint (default data/models/pcpviz-tiny-dsv3; "
+                        "data/models/pcpviz-tiny-moe-dsa: the MoE + DSA model)")
     p.add_argument("--graph-mode", choices=["NONE", "PIECEWISE", "FULL_AND_PIECEWISE", "FULL_DECODE_ONLY"],
                    default="NONE", help="the speculator's CUDA-graph mode (vLLM's dispatch, stand-in graphs)")
     p.add_argument("--fixes", default=None, help="pcpviz.vllm.fixes to patch in, comma-separated "

@@ -73,6 +73,12 @@ and with ``T' >= N*P`` the fold would miss an expanded mapping, were that forwar
 ``search`` tallies calls and keeps the wrong ones (``tests/vllm/test_indexer_fold_vllm.py`` feeds
 it every call of a configuration space, its shapes from vLLM's own dispatch).
 
+The CPU replay runs the fold on real writes: with the MoE + DSA checkpoint
+(``pcpviz.vllm.replay.tiny_moe``) every indexer-key write goes through vLLM's fold and
+``maybe_gather_indexer_k``, logged as ``IndexerWrite``; ``tests/vllm/test_replay_moe.py`` judges
+each with ``indexer_call`` against the slot mappings the trace recorded (the target's and draft
+step 0's expanded, folding to P; the replicated draft decodes' unexpanded, not folding).
+
 PCP=2, a target step of a 13-token prefill and decodes of 1 and 4 tokens (per-rank 6 and 12
 tokens, eager: P = 12), then K = 3 drafts of the 3 requests (eager: T_d = 3)::
 

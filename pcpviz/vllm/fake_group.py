@@ -30,8 +30,9 @@ class FakePCPGroup:
     """A PCP "process group" whose ranks are threads of this process.
 
     Stands in for ``vllm.distributed.parallel_state.GroupCoordinator`` in the
-    two calls PCP makes on it: ``rank_in_group`` / ``world_size`` and
-    ``all_gather(t, dim)``. Each rank thread binds itself with ``bind(rank)``
+    calls PCP makes on it: ``rank_in_group`` / ``world_size``, ``all_gather(t, dim)``
+    and, from a MoE layer under PCP, ``reduce_scatter(t, dim)``
+    (``fused_moe/runner/moe_runner.py:853-861``). Each rank thread binds itself with ``bind(rank)``
     (or use ``run_ranks``); ``rank_in_group`` is then the calling thread's rank.
     """
 
@@ -44,6 +45,7 @@ class FakePCPGroup:
         self._local = threading.local()
         # all_gather calls per rank (a collective must be called equally often).
         self.all_gather_calls = [0] * world_size
+        self.reduce_scatter_calls = [0] * world_size
         # every collective a rank called, in order: "all_gather pcp float32[4, 64] dim=0" (``describe``)
         self.ledger: list[list[str]] = [[] for _ in range(world_size)]
 
@@ -92,6 +94,30 @@ class FakePCPGroup:
             out = torch.cat(list(self._slots), dim=dim)
         finally:
             self._barrier.wait()  # everyone has read the slots before any rank reuses them
+        return out
+
+
+    def reduce_scatter(self, input_: Any, dim: int = 0) -> Any:
+        """Sum every rank's tensor, then return this rank's ``1/world_size`` of it along ``dim``.
+
+        PCP=2, rank 0 sends [[1], [2]] and rank 1 [[10], [20]]: the sum is [[11], [22]], rank 0
+        gets [[11]] and rank 1 [[22]] (rank-major, like ``torch.distributed.reduce_scatter_tensor``).
+        """
+        import torch
+
+        rank = self.rank_in_group
+        self.reduce_scatter_calls[rank] += 1
+        self.ledger[rank].append(describe("reduce_scatter", "pcp", input_, dim=dim))
+        self._slots[rank] = input_
+        self._barrier.wait()
+        shapes = [tuple(t.shape) for t in self._slots]
+        try:
+            assert all(s == shapes[0] for s in shapes), f"reduce_scatter with unequal shapes across PCP ranks: {shapes}"
+            assert shapes[0][dim] % self.world_size == 0, f"reduce_scatter of {shapes[0]} over {self.world_size} ranks"
+            total = torch.stack(list(self._slots)).sum(dim=0)
+            out = total.chunk(self.world_size, dim=dim)[rank].contiguous()
+        finally:
+            self._barrier.wait()
         return out
 
 

@@ -103,6 +103,11 @@ TABLE = [
     (["replay", "--trace", "{file}"], "exists and is not a directory", False),
     (["replay", "--trace", "{tmp}/r", "--block-size", "1000000000"], "--block-size: expected an integer", False),
     (["replay", "--trace", "{tmp}/r", "--pcp", "0"], "expected a positive integer", False),
+    (["replay", "--trace", "{tmp}/r", "--model", "{dir}"], "has no config.json", False),
+    (["replay", "--trace", "{tmp}/r", "--model", "{tmp}/nowhere"], "model directory {tmp}/nowhere does not exist",
+     False),
+    (["replay", "--trace", "{tmp}/r", "--models", "scripted", "--model", "{dir}"], "the scripted models have none",
+     False),
     (["nosuchcommand"], "invalid choice", False),
     # an empty path is refused, not taken as "not given" (--json "") or as "." (--trace "")
     (["run", "--prompt", "x", "--json", ""], "argument --json: expected a path, got ''", True),

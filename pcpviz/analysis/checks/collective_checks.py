@@ -35,6 +35,16 @@ PCP=2, K=2, the tiny dense model, one step of the CPU replay (rank 0; rank 1 the
     verify   -
     draft_0  ... the MTP layer's KV, the hidden rows restored twice
     draft_1  -
+
+The MoE + DSA model in the CPU replay (``replay(model_dir=...pcpviz-tiny-moe-dsa)``), rank 0 of a
+step of 17 padded rows a rank and 4 requests: every layer also gathers its indexer keys
+(``float32[17, 128]``), the MoE layer adds its triple, and draft_1 holds the MTP block's::
+
+    target   ... all_gather pcp float32[17, 256] dim=0    (the MoE layer's rows)
+                 all_gather pcp float32[17, 8] dim=0      (its router logits, 8 experts)
+                 reduce_scatter pcp float32[34, 256] dim=0
+    draft_1  all_gather pcp float32[4, 256] dim=0, all_gather pcp float32[4, 8] dim=0,
+             reduce_scatter pcp float32[8, 256] dim=0
 """
 
 from __future__ import annotations

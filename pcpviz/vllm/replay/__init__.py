@@ -43,8 +43,11 @@ default (``models="tiny"``) the shipped tiny DeepSeek-V3 checkpoint's target and
 vLLM's model interfaces, each MLA layer writing its latents through the real
 ``maybe_gather_mla_latent_cache_inputs`` and attending over the context read back through the
 metadata's block table (``pcpviz.vllm.replay.tiny``), with greedy rejection sampling, so acceptance
-is measured and a bug in vLLM's code moves it. ``models="scripted"`` (and the ``dspark`` scenario)
-keeps the weightless stand-ins: deterministic functions of token and position, the target
+is measured and a bug in vLLM's code moves it. ``model_dir="data/models/pcpviz-tiny-moe-dsa"`` runs the
+MoE + DSA checkpoint the same way: its MoE layers all-gather rows and router logits and reduce-scatter
+their output on vLLM's ``get_pcp_group()`` in every forward, its attention reads the indexer's top-k
+(``pcpviz.vllm.replay.tiny_moe``), and run.json says ``model_moe: true``. ``models="scripted"`` (and
+the ``dspark`` scenario) keeps the weightless stand-ins: deterministic functions of token and position, the target
 predicting ``(5*token + 3*position + 7) % vocab``, the rejections scripted per scenario.
 Stand-ins either way: the attention backend (a metadata builder that only calls
 ``split_decodes_and_prefills``), the scheduler (scripted: async scheduling, so the CPU cursor runs
@@ -59,6 +62,7 @@ The package, one concern per module:
 ``scenarios``     ``Scenario``, ``ScenarioRequest``, ``SCENARIOS`` (plain data)
 ``stand_ins``     the stand-in models and attention group; what run.json declares
 ``tiny``          the tiny checkpoint behind vLLM's target and MTP interfaces; the prompts
+``tiny_moe``      the MoE + DSA checkpoint's MoE collectives, indexer-key cache, sparse attention
 ``ranks``         ``RankState``: one rank's vLLM objects; the stand-in ``VllmConfig``
 ``scheduler``     ``ScriptedScheduler``: ``SchedulerOutput`` per step
 ``step``          one step on one rank (``rank_step``), the profile run (``dummy_step``)

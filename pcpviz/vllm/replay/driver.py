@@ -6,8 +6,11 @@
 
 Every step runs on all ranks at once (``run_ranks``); the driver checks that the ranks agree on
 what they sampled and drafted, and that the dummy (profile) run does no block-table gather and
-no collective (its models are dense: an MoE model's profile run would still all-gather and
-reduce-scatter its experts' tokens over PCP, vLLM's ``moe_runner.py:824-829, 853-861``).
+no collective but a MoE layer's (the MoE + DSA checkpoint's profile run all-gathers and
+reduce-scatters its experts' rows over PCP, vLLM's ``moe_runner.py:824-829, 853-861``).
+
+``replay(model_dir="data/models/pcpviz-tiny-moe-dsa")`` runs the MoE + DSA checkpoint
+(``pcpviz.vllm.replay.tiny_moe``); run.json then says ``model_moe: true``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
+from pcpviz.engine.model_files import check_model_dir
 from pcpviz.vllm import fixes as vllm_fixes
 from pcpviz.trace.flight import FlightConfig
 from pcpviz.vllm import recording
@@ -39,6 +43,7 @@ from pcpviz.vllm.replay.scheduler import ScriptedScheduler
 from pcpviz.vllm.replay.stand_ins import DSPARK_MODEL_DECLARATION, DSPARK_STATUS, MODELS_DECLARATION, STAND_INS
 from pcpviz.vllm.replay.step import StepOut, dummy_step, rank_step
 from pcpviz.vllm.replay.tiny import TINY_MODELS_DECLARATION, TINY_STAND_INS, tiny_model
+from pcpviz.vllm.replay.tiny_moe import MOE_MODELS_DECLARATION, MOE_STAND_INS
 
 __all__ = ["PRODUCER", "ReplayResult", "replay"]
 
@@ -64,6 +69,10 @@ class ReplayResult:
     recording_seconds: float
     meta: dict[str, Any]
     manager_class: type = PCPManager  # the PCPManager (sub)class every rank was built with
+    # per rank, the DSA model's indexer-key writes: {"target": [IndexerWrite], "mtp": [...]}; {} for a dense model
+    indexer_writes: list[dict[str, list]] = dataclasses.field(default_factory=list)
+    # per rank, each attention call's top-k per batch row (int64[q, topk]), the same keys
+    indexer_selections: list[dict[str, list]] = dataclasses.field(default_factory=list)
 
     @property
     def trace(self):
@@ -126,6 +135,7 @@ def replay(
     graph_mode: str = "NONE",
     fixes: str | None = None,
     chunked_prefill: bool = True,
+    model_dir: str | os.PathLike | None = None,
 ) -> ReplayResult:
     """Run ``scenario`` through vLLM 0.33.0's real PCP + MTP code on CPU, ``pcp`` ranks as
     threads, ``mtp`` speculative tokens; record a trace into ``trace_dir`` (when given and
@@ -136,8 +146,8 @@ def replay(
     DCP > 1; the replay sets the flag directly with DCP kept at 1, as in Scenario B of
     ``docs/vllm-0.33-pcp-mtp.md``). ``record=False`` builds plain ``PCPManager``s (the recording-off
     baseline). ``dummy`` appends a profile run (``propose(dummy_run=True)``) as the last
-    step, phase ``dummy``; it must do no block-table gather and no collective (asserted; the
-    models are dense, so no MoE collective either).
+    step, phase ``dummy``; it must do no block-table gather and no collective but a MoE layer's
+    (asserted: a dense model's runs none, the MoE + DSA model's MoE layers gather and reduce-scatter).
     ``models="tiny"`` (the default, except for the ``dspark`` scenario, whose drafter has no
     weights) runs the shipped tiny DeepSeek-V3 checkpoint behind vLLM's model interfaces with
     greedy rejection sampling, so acceptance is measured (``pcpviz.vllm.replay.tiny``);
@@ -146,6 +156,9 @@ def replay(
     managers and lets vLLM's dispatch pick each draft forward's mode (``pcpviz.vllm.replay.graph_dispatch``:
     stand-in graphs that read the buffers they were captured with).
     ``chunked_prefill=False`` schedules every prompt whole (the scenario's chunks dropped).
+    ``model_dir`` (``models="tiny"``): the checkpoint, by default ``data/models/pcpviz-tiny-dsv3``;
+    ``data/models/pcpviz-tiny-moe-dsa`` runs the MoE + DSA model, whose MoE layers all-gather and
+    reduce-scatter over PCP in every forward, the dummy run's included (``pcpviz.vllm.replay.tiny_moe``).
     ``fixes`` names ``pcpviz.vllm.fixes`` to patch into vLLM for this run (comma-separated; default
     ``$PCPVIZ_FIXES``); run.json lists them under ``vllm_fixes``.
     Raises ValueError for bad arguments.
@@ -160,10 +173,19 @@ def replay(
     if graph_mode != "NONE" and sc.drafter != "mtp":
         raise ValueError(f"graph_mode={graph_mode} replays the MTP speculator's graph managers; scenario "
                          f"{scenario!r} runs {sc.drafter}")
-    vocab, hidden = (97, 8) if models == "scripted" else (tiny_model().config.vocab_size,
-                                                           tiny_model().config.hidden_size)
+    if model_dir is not None and models != "tiny":
+        raise ValueError(f"model_dir is the weights of models='tiny'; models={models!r} has none")
+    model_dir = None if model_dir is None else os.fspath(model_dir)
+    if model_dir is not None:
+        check_model_dir(model_dir)  # ValueError naming the file: bad input, before any rank starts
+    mc = None if models == "scripted" else tiny_model(model_dir).config
+    vocab, hidden = (97, 8) if mc is None else (mc.vocab_size, mc.hidden_size)
+    if mc is not None and mc.is_moe and mc.moe_intermediate_size % pcp:
+        raise ValueError(f"pcp={pcp}: the MoE layers split each expert's {mc.moe_intermediate_size} intermediate "
+                         "columns over the PCP ranks (vLLM: the MoE's TP group is PCP x TP); use a divisor")
     c = ReplayConfig(pcp=pcp, k=mtp, shard=pcp > 1 and decodes == "sharded", block_size=block_size, max_num_reqs=8,
-                     max_num_tokens=96, max_model_len=128, vocab=vocab, hidden=hidden, models=models)
+                     max_num_tokens=96, max_model_len=128, vocab=vocab, hidden=hidden, models=models,
+                     model_dir=model_dir, moe_experts=0 if mc is None else mc.n_routed_experts)
     recording.install_wrappers()
     sched = ScriptedScheduler(sc, c)
     vllm_config = stand_in_vllm_config(c, sc.drafter)
@@ -182,7 +204,19 @@ def replay(
         kv_target=[s.kv_target.numpy().copy() for s in states], kv_draft=[s.kv_draft.numpy().copy() for s in states],
         all_gathers=list(run.group.all_gather_calls), seconds=time.perf_counter() - t_start,
         step_seconds=run.step_seconds, recording_seconds=rec_seconds, meta=meta,
-        manager_class=PCPManager if states[0].manager is None else type(states[0].manager))
+        manager_class=PCPManager if states[0].manager is None else type(states[0].manager),
+        indexer_writes=[_indexer_log(s, "writes") for s in states],
+        indexer_selections=[_indexer_log(s, "selections") for s in states])
+
+
+def _indexer_log(st: RankState, log: str) -> dict[str, list]:
+    """The rank's indexer ``writes`` or ``selections`` per model (none for a dense or scripted model)."""
+    out = {}
+    for name, model in (("target", st.target), ("mtp", st.spec.model)):
+        keys = getattr(model, "index_keys", None)
+        if keys is not None:
+            out[name] = list(getattr(keys, log))
+    return out
 
 
 def _manager_class(record: bool, trace_dir: str | os.PathLike | None) -> type[PCPManager]:
@@ -249,10 +283,12 @@ class _Run:
                           f"{[o.local_num_tokens for o in outs]}, drafts {ref.draft_tokens.tolist()}")
 
     def profile_run(self) -> None:
-        """The dummy (profile) run: no block-table gather, no collective (dense models), idx_mapping all -1."""
+        """The dummy (profile) run: no block-table gather, no collective but the MoE layers', idx_mapping
+        all -1."""
         self.dummy_out = run_ranks(self.group, lambda rank: dummy_step(self.states[rank], self.group))
         for rank, d in enumerate(self.dummy_out):
-            bad = {k: v for k, v in d.items() if k != "draft_tokens" and v not in (0, True)}
+            facts = {k: v for k, v in d.items() if k not in ("draft_tokens", "moe_reduce_scatters")}
+            bad = {k: v for k, v in facts.items() if v not in (0, True)}
             if bad:
                 raise RuntimeError(f"dummy run on rank {rank}: {bad} (expected no block-table gather, "
                                    "no all_gather, idx_mapping all -1)")
@@ -299,6 +335,10 @@ def _meta(sc: Scenario, c: ReplayConfig, sched: ScriptedScheduler, graph_mode: s
     if c.models == "tiny":
         meta["models"], meta["model"] = TINY_MODELS_DECLARATION, "pcpviz-tiny-dsv3 (data/models, float32)"
         meta["stand_ins"] = {**STAND_INS, **TINY_STAND_INS}
+        if c.moe_experts:
+            meta["models"] = MOE_MODELS_DECLARATION
+            meta["stand_ins"] = {**STAND_INS, **TINY_STAND_INS, **MOE_STAND_INS}
+    meta["model_moe"] = bool(c.moe_experts)  # routed experts: the MoE layers gather and reduce-scatter over PCP
     if sc.drafter == "dspark":
         meta["dspark_status"] = DSPARK_STATUS
         meta["models"] = MODELS_DECLARATION + "; " + DSPARK_MODEL_DECLARATION

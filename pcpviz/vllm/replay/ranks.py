@@ -49,6 +49,8 @@ class ReplayConfig:
     vocab: int
     hidden: int
     models: str = "scripted"  # "tiny": the checkpoint's weights (pcpviz.vllm.replay.tiny); "scripted": stand_ins
+    model_dir: str | None = None  # models="tiny": the checkpoint (None: data/models/pcpviz-tiny-dsv3)
+    moe_experts: int = 0  # the checkpoint's routed experts (0: dense), hf_config.n_routed_experts
 
     @property
     def max_blocks(self) -> int:
@@ -60,9 +62,10 @@ def stand_in_vllm_config(c: ReplayConfig, drafter: str = "mtp") -> SimpleNamespa
     on disk). The model registry is a stand-in that resolves to ``StandInTarget``. For the
     DSpark drafter the parallel config is a real ``ParallelConfig`` (DFlashSpeculator
     ``replace``s it with PCP=1)."""
-    hf_config = SimpleNamespace(architectures=["PcpvizStandInTarget"], model_type="deepseek_v3")
+    hf_config = SimpleNamespace(architectures=["PcpvizStandInTarget"], model_type="deepseek_v3",
+                                n_routed_experts=c.moe_experts or None)  # read for run.json's model_moe
     model_config = SimpleNamespace(
-        model="pcpviz-stand-in", use_mla=True, is_encoder_decoder=False, hf_text_config=hf_config,
+        model=c.model_dir or "pcpviz-stand-in", use_mla=True, is_encoder_decoder=False, hf_text_config=hf_config,
         hf_config=hf_config, max_model_len=c.max_model_len, dtype=torch.float32, use_fp64_gumbel=False,
         rswa_window=None, convert_type="none", runner_type="generate", trust_remote_code=False,
         model_impl="vllm", registry=SimpleNamespace(resolve_model_cls=lambda archs, model_config: (StandInTarget,
@@ -85,7 +88,8 @@ def stand_in_vllm_config(c: ReplayConfig, drafter: str = "mtp") -> SimpleNamespa
         parallel_config = SimpleNamespace(
             prefill_context_parallel_size=c.pcp, decode_context_parallel_size=1, dcp_comm_backend="ag_rs",
             pcp_shard_decode_requests=c.shard, cp_kv_cache_interleave_size=1, enable_expert_parallel=False,
-            data_parallel_size=1, data_parallel_rank=0, use_sequence_parallel_moe=False, is_moe_model=False,
+            data_parallel_size=1, data_parallel_rank=0, use_sequence_parallel_moe=False,
+            is_moe_model=bool(c.moe_experts),
             tensor_parallel_size=1, pipeline_parallel_size=1)
     return SimpleNamespace(
         parallel_config=parallel_config,
@@ -112,7 +116,7 @@ def _noop(*_: Any, **__: Any) -> None:
 def _target(c: ReplayConfig, num_slots: int, kv: torch.Tensor) -> torch.nn.Module:
     """The target model: the tiny checkpoint (``c.models == "tiny"``) or the weightless stand-in."""
     if c.models == "tiny":
-        tiny = tiny_model()
+        tiny = tiny_model(c.model_dir)
         return TinyTarget(TARGET_LAYER, tiny, num_slots=num_slots, block_size=c.block_size, bookkeeping=kv,
                           shard_decodes=c.shard, use_pcp=c.pcp > 1, layer_ids=list(range(tiny.config.num_layers)))
     return StandInTarget(TARGET_LAYER, c.vocab, c.hidden, kv, c.shard, 0, use_pcp=c.pcp > 1)
@@ -121,7 +125,7 @@ def _target(c: ReplayConfig, num_slots: int, kv: torch.Tensor) -> torch.nn.Modul
 def _mtp(c: ReplayConfig, num_slots: int, kv: torch.Tensor) -> torch.nn.Module:
     """The MTP module: the checkpoint's MTP layer (layer ``num_hidden_layers``) or the stand-in."""
     if c.models == "tiny":
-        tiny = tiny_model()
+        tiny = tiny_model(c.model_dir)
         return TinyMTP(MTP_LAYER, tiny, num_slots=num_slots, block_size=c.block_size, bookkeeping=kv,
                        shard_decodes=c.shard, use_pcp=c.pcp > 1, layer_ids=[tiny.config.num_layers])
     return StandInMTP(MTP_LAYER, c.vocab, c.hidden, kv, c.shard, 1, use_pcp=c.pcp > 1)

@@ -78,6 +78,15 @@ SCENARIOS: dict[str, Scenario] = {
         num_steps=4,
         rejections={(1, "f0"): 1, (1, "f3"): 9, (2, "f1"): 1, (3, "f2"): 9},
     ),
+    "long_context": Scenario(
+        "long_context",
+        "chunked prompts of 72 and 67 tokens next to a short one, then decodes past position 64: the MoE + "
+        "DSA checkpoint's indexer (index_topk 64) then selects a part of each context, not all of it",
+        (ScenarioRequest("s0", 72, chunk=32), ScenarioRequest("s1", 67, arrive=1, chunk=40),
+         ScenarioRequest("d2", 9, arrive=1)),
+        num_steps=6,
+        rejections={(2, "d2"): 1, (3, "s0"): 9, (4, "d2"): 0, (5, "s1"): 1},
+    ),
     "one_decode": Scenario(
         "one_decode",
         "one prompt, then one decode with K drafts: with sharded decodes only its owner rank sees a "

@@ -165,12 +165,16 @@ def dflash_inputs_without_gather(st: RankState, batch: InputBatch, *, num_sample
 def dummy_step(st: RankState, group: FakePCPGroup) -> dict[str, Any]:
     """A profile run as ``GPUModelRunner._dummy_run(is_profile=True, skip_attn=True)`` does
     it: a dummy InputBatch staged in the PCP buffers, the target forward without attention,
-    then ``propose(dummy_run=True)``. Returns what it did (all measured, not assumed)."""
+    then ``propose(dummy_run=True)``. Returns what it did (all measured, not assumed).
+    ``all_gathers`` counts the gathers other than a MoE layer's (each MoE forward under PCP makes
+    two, its rows and router logits, per reduce-scatter: ``moe_runner.py:824-829, 853-861``), and
+    ``moe_reduce_scatters`` the MoE layers' reduce-scatters (0 for a dense model)."""
     c, spec = st.c, st.spec
     num_reqs = min(c.max_num_reqs, 4)
     num_tokens = num_reqs * (1 + c.k)
     tables_before = [t.clone() for t in st.block_tables.input_block_tables]
     all_gathers_before = group.all_gather_calls[st.rank]
+    scatters_before = group.reduce_scatter_calls[st.rank]
     with torch.inference_mode():
         batch = InputBatch.make_dummy(num_reqs, num_tokens, st.input_buffers)
         if st.manager is not None:
@@ -185,8 +189,10 @@ def dummy_step(st: RankState, group: FakePCPGroup) -> dict[str, Any]:
             last_sampled=st.req_states.last_sampled_tokens, next_prefill_tokens=st.req_states.next_prefill_tokens,
             temperature=st.temperature, seeds=st.seeds, dummy_run=True, skip_attn_for_dummy_run=True,
             is_profile=True)
+    scatters = group.reduce_scatter_calls[st.rank] - scatters_before
     out = {
-        "all_gathers": group.all_gather_calls[st.rank] - all_gathers_before,
+        "all_gathers": group.all_gather_calls[st.rank] - all_gathers_before - 2 * scatters,
+        "moe_reduce_scatters": scatters,
         "input_block_tables_unchanged": all(torch.equal(a, b) for a, b in zip(tables_before,
                                                                                st.block_tables.input_block_tables)),
         "draft_prefill_batch_none": st.manager is None or st.manager.draft_prefill_batch is None,

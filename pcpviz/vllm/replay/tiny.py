@@ -14,6 +14,13 @@ context, then attends over the request's context read back through the block tab
 So a wrong slot, block table, position or input id in vLLM's code changes the logits, and
 with them what is drafted and accepted, as on a GPU.
 
+``tiny_model(model_dir)`` builds whichever checkpoint it is given through ``build_model``
+(``pcpviz.engine.checkpoint.load_model``): the MoE + DSA one (``data/models/pcpviz-tiny-moe-dsa``)
+gets ``PCPGroupForMoE`` as its ``moe_comm``, so its MoE layers make vLLM's PCP MoE collectives,
+and its layers call the attention with the indexer's q, k and weights (``index=``): the keys go
+into a paged indexer-key cache through vLLM's ``maybe_gather_indexer_k``, and the attention reads
+the indexer's top-k only (``pcpviz.vllm.replay.tiny_moe``, which says what is a stand-in there).
+
 PCP=2, prompt of 13 tokens: rank 0 computes rows {0,1,2,3,10,11,12} (DualChunkSwap), rank 1 the
 other six; both all-gather their 7 + 6 latents and write all 13 slots; the row at position 12 on
 rank 0 attends to positions 0..12 of its own replica.
@@ -37,6 +44,7 @@ from pcpviz.engine.checkpoint import default_model_dir, load_model
 from pcpviz.engine.kv_cache import paged_mla_attention
 from pcpviz.engine.model import TinyDSV3
 from pcpviz.engine.tokenizer import encode
+from pcpviz.vllm.replay.tiny_moe import IndexerKeys, PCPGroupForMoE, sparse_attention
 
 __all__ = ["TINY_MODELS_DECLARATION", "TINY_STAND_INS", "tiny_model", "tiny_prompts", "TinyTarget", "TinyMTP"]
 
@@ -71,11 +79,15 @@ _models: dict[str, TinyDSV3] = {}
 
 
 def tiny_model(model_dir: str | None = None) -> TinyDSV3:
-    """The checkpoint in float32 on CPU, loaded once per process (shared, read-only, by all rank threads)."""
+    """The checkpoint in float32 on CPU, loaded once per process (shared, read-only, by all rank threads);
+    a MoE checkpoint's MoE layers call vLLM's ``get_pcp_group()`` (``PCPGroupForMoE``)."""
     key = model_dir or default_model_dir()
     with _lock:
         if key not in _models:
-            _models[key] = load_model(key, device="cpu", dtype=torch.float32)
+            model = load_model(key, device="cpu", dtype=torch.float32)
+            if model.config.is_moe:
+                model.moe_comm = PCPGroupForMoE()
+            _models[key] = model
         return _models[key]
 
 
@@ -105,6 +117,8 @@ class _TinyLayerStack(torch.nn.Module):
         self.shard_decodes, self.use_pcp = shard_decodes, use_pcp
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         self.latent = {i: torch.zeros(num_slots, width) for i in layer_ids}  # float32[slots, R + Dr] per layer
+        # the DSA model's indexer keys, float32[slots, Di] per layer (None: a dense model)
+        self.index_keys = IndexerKeys(layer_ids, num_slots, cfg.index_head_dim) if cfg.is_sparse else None
         self.aux_hidden_states = False
 
     def _context(self) -> tuple[Any, Any]:
@@ -133,14 +147,22 @@ class _TinyLayerStack(torch.nn.Module):
         md, slot_mapping = self._context()
         cfg = self.tiny.config
 
-        def attn(layer_idx: int, q_nope, q_pe, kv_c, k_pe):
+        def attn(layer_idx: int, q_nope, q_pe, kv_c, k_pe, *, index=None):
             if md is None or slot_mapping is None:
                 return torch.zeros(q_nope.shape[0], q_nope.shape[1], cfg.v_head_dim, dtype=q_nope.dtype)
+            if index is not None:  # DSA: the indexer's key write first (mla.py:233)
+                self.index_keys.write(layer_idx, index.k, md, slot_mapping=slot_mapping, use_pcp=self.use_pcp,
+                                      shard_decodes=self.shard_decodes)
             g_c, g_pe, slots = self._gather(md, slot_mapping, kv_c, k_pe)
             latent = torch.cat([g_c, g_pe.reshape(g_c.shape[0], -1)], dim=-1)  # float32[N*P, R + Dr]
             cache = self.latent[layer_idx]
             keep = slots >= 0
             cache[slots[keep]] = latent[keep]
+            if index is not None:
+                return sparse_attention(self.tiny, layer_idx, (q_nope, q_pe), index=index, latent=cache,
+                                        keys=self.index_keys.layers[layer_idx], md=md, positions=positions,
+                                        block_size=self.block_size,
+                                        record=self.index_keys.selections).to(q_nope.dtype)
             w_uk, w_uv = self.tiny.mla_up_weights(layer_idx)
             out = paged_mla_attention(  # rows past query_start_loc[-1] (graph padding) stay zero
                 q_nope, q_pe, cache, block_rows=md.block_table, query_start_loc=md.query_start_loc,
