@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from types import MappingProxyType
 import torch
 
 from pcpviz.reference import batch as batch_mod
@@ -247,6 +248,7 @@ def test_vllm_acceptance_metric():
     assert teach.vllm_acceptance_metric({"producer": "x"}) is None
     meta = {"vllm_metrics": [{"name": "a"}, {teach.METRIC_PER_POS: [5, 2]}]}
     assert teach.vllm_acceptance_metric(meta) == [5, 2]
+    assert teach.vllm_acceptance_metric(MappingProxyType(meta)) == [5, 2]  # Trace.meta is read-only
 
 
 @pytest.mark.parametrize("name", sorted(teach.EXERCISES))

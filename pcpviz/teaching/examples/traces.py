@@ -10,6 +10,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 from pcpviz.trace.meta_model import RunMeta, decode_meta
@@ -120,7 +121,7 @@ METRIC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 def vllm_acceptance_metric(meta: Any) -> list[int] | None:
     """vLLM's own per-position accepted-token counter (``vllm:spec_decode_num_accepted_tokens_per_pos``,
     from ``LLM.get_metrics()``) if a recording stored it anywhere in its ``run.json``, else None."""
-    if isinstance(meta, dict):
+    if isinstance(meta, Mapping):  # run.json as read (Trace.meta is a read-only mapping), or a part of it
         for key, value in meta.items():
             if key in (METRIC_PER_POS, "num_accepted_tokens_per_pos") and isinstance(value, list):
                 return [int(v) for v in value]
