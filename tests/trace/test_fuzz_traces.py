@@ -246,9 +246,11 @@ def hostile_meta(rng: random.Random, d: Path, base: Path) -> str:
     if how == "top-level list":
         path.write_text(json.dumps([meta]))
         return "list"
-    if how == "extra keys":  # allowed: producers add their own keys; the data is unchanged
-        meta.update({"gpu_names": ["H200", "H200"], "torch_version": "2.9.0",
-                     "command": "vllm serve ...", f"x{rng.randrange(100)}": {"any": [1, "two"]}})
+    if how == "extra keys":  # allowed: producers add keys of their own (RunMeta.extra); the data is unchanged
+        extra = {"gpu_names": ["H200", "H200"], "rack": "r7", "launcher": "vllm serve ...",
+                 f"x{rng.randrange(100)}": {"any": [1, "two"]}}
+        assert not set(extra) & set(META_SCHEMA)  # keys pcpviz knows are typed: changing one is changing data
+        meta.update(extra)
         path.write_text(json.dumps(meta))
         return "extra keys"
     if how == "schema version":
