@@ -288,6 +288,7 @@ class Loaded:
     values: pa.Buffer  # the payload bytes (a slice of the map)
     u8: np.ndarray  # uint8[len(values)], read-only, the same bytes
     step_crc: int
+    mv: memoryview  # the same bytes again (a slice of it is the cheapest thing zlib reads)
 
     def shape(self, j: int) -> tuple[int, ...]:
         return self.shapes[j]
@@ -295,17 +296,25 @@ class Loaded:
     def row_ok(self, layout: Layout, j: int) -> bool:
         """Row ``j``'s stored bytes match its crc32 (``schema.row_crc32``, continued from the
         step's head crc)."""
-        shape = self.shapes[j]
-        text = _SHAPE_TEXT.get(shape)
-        if text is None:
-            if len(_SHAPE_TEXT) >= _CACHE_MAX:
-                _SHAPE_TEXT.clear()
-            text = _SHAPE_TEXT[shape] = ",".join(map(str, shape)).encode("ascii") + b"\0"
-        stored = self.u8[self.offsets[j]:self.offsets[j + 1]]
-        return zlib.crc32(stored, zlib.crc32(text, zlib.crc32(layout.prefixes[j], self.step_crc))) == self.crcs[j]
+        stored = self.mv[self.offsets[j]:self.offsets[j + 1]]
+        return zlib.crc32(stored, zlib.crc32(row_head(layout.prefixes[j], self.shapes[j]), self.step_crc)) \
+            == self.crcs[j]
 
 
-_SHAPE_TEXT: dict[tuple[int, ...], bytes] = {}  # a shape -> its text in a row's crc32 head
+_HEADS: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
+
+
+def row_head(prefix: bytes, shape: tuple[int, ...]) -> bytes:
+    """A row's crc32 head after its step: ``b"target\\0positions\\0<i8\\03\\0"`` for ``prefix``
+    ``b"target\\0positions\\0<i8\\0"`` and shape ``(3,)`` (``schema.row_crc32``), remembered: steps
+    repeat their rows' names and most of their shapes."""
+    key = (prefix, shape)
+    head = _HEADS.get(key)
+    if head is None:
+        if len(_HEADS) >= _CACHE_MAX:
+            _HEADS.clear()
+        head = _HEADS[key] = prefix + ",".join(map(str, shape)).encode("ascii") + b"\0"
+    return head
 
 
 def load(batch: pa.RecordBatch, step: int) -> Loaded:
@@ -318,4 +327,4 @@ def load(batch: pa.RecordBatch, step: int) -> Loaded:
     u8.flags.writeable = False
     return Loaded([tuple(items[so[j]:so[j + 1]]) for j in range(n)],
                   _array(bufs[_CRC], np.uint32, n).tolist(), _array(bufs[_DATA_OFF], np.int64, n + 1).tolist(),
-                  values, u8, zlib.crc32(f"{step}\0".encode("utf-8")))
+                  values, u8, zlib.crc32(f"{step}\0".encode("utf-8")), memoryview(u8))

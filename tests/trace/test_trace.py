@@ -232,8 +232,8 @@ def test_open_is_lazy_and_cache_is_bounded(tmp_path, monkeypatch):
                  "verify": {"num_accepted": np.array([s])}} for s in range(200)}
     _write(tmp_path, steps)
     calls = []
-    real = reader_mod._decode_row  # every payload decoded goes through it
-    monkeypatch.setattr(reader_mod, "_decode_row", lambda *a: calls.append(a[0]) or real(*a))
+    real = reader_mod.row_head  # every payload decoded is crc-checked under its head: goes through it
+    monkeypatch.setattr(reader_mod, "row_head", lambda *a: calls.append(a[0]) or real(*a))
     t = pt.open(tmp_path, cache_size=2)
     assert len(t.steps) == 200 and calls == []  # open decodes no payload
     t.record(150, 0, "target")
