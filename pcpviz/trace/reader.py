@@ -290,8 +290,8 @@ class Trace:
         return out
 
     def _decode(self, ix: RankIndex, i: int, phase: str | None, *, share: bool) -> dict:
-        """The views of one phase (``phase`` None: every row's array by its row), every payload checked against its crc32. ``share``: a payload
-        byte-equal to one another rank recorded in the same step, under the same row identity
+        """The views of one phase (``phase`` None: every row's array by its row), every payload
+        checked against its crc32. ``share``: a payload byte-equal to one another rank recorded in the same step, under the same row identity
         and crc32, is that rank's (verified) array: equal bytes under an equal row head give the
         same crc32, so comparing the bytes checks them (a memcmp, not a crc32), and a
         rank-independent computation on the array can be done once (``pcpviz.analysis.checks``).
@@ -309,8 +309,7 @@ class Trace:
         shared = self._shared if share else None
         out: dict = {}
         u8, mv, offsets, crcs, shapes = loaded.u8, loaded.mv, loaded.offsets, loaded.crcs, loaded.shapes
-        views, tags, dtypes, prefixes, step_crc = layout.views, layout.tags, layout.dtypes, layout.prefixes, \
-            loaded.step_crc
+        views, dtypes, prefixes, step_crc = layout.views, layout.dtypes, layout.prefixes, loaded.step_crc
         for j in (range(len(views)) if phase is None else layout.phases[phase]):
             view, shape, crc = views[j], shapes[j], crcs[j]
             start, stop = offsets[j], offsets[j + 1]
