@@ -292,9 +292,10 @@ class Trace:
     def _decode(self, ix: RankIndex, i: int, phase: str | None, *, share: bool) -> dict:
         """The views of one phase (``phase`` None: every row's array by its row), every payload
         checked against its crc32. ``share``: a payload byte-equal to one another rank recorded
-        in the same step, under the same row identity and crc32, is that rank's (verified) array: equal bytes under an equal row head give the
-        same crc32, so comparing the bytes checks them (a memcmp, not a crc32), and a
-        rank-independent computation on the array can be done once (``pcpviz.analysis.checks``).
+        in the same step, under the same row identity and crc32, is that rank's (verified) array:
+        equal bytes under an equal row head give the same crc32, so comparing the bytes checks
+        them (a memcmp, not a crc32), and a rank-independent computation on the array can be
+        done once (``pcpviz.analysis.checks``).
 
         Per row the work is a few C calls (this loop is the reader's hot path: 7 million rows
         in a 100,000-step PCP=2 trace): the row's crc32 head (its phase, view, dtype and shape
