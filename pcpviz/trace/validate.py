@@ -242,8 +242,11 @@ def _check_drafts(trace: Any, meta: RunMeta, malformed: set[str], invalid: Calla
     # step of prefills only is 1 wide); the engine pads to K + 1. Either way never wider.
     for r in trace.ranks[:1]:
         for step in trace.rank_steps(r):
-            if trace.has(step, r, S.PHASE_VERIFY) and "sampled_token_ids" in trace.record(step, r, S.PHASE_VERIFY):
-                width = np.asarray(trace.record(step, r, S.PHASE_VERIFY)["sampled_token_ids"]).shape
+            # lazy_record: every row's crc32 checked as record() checks it, one array made
+            read = getattr(trace, "lazy_record", trace.record)
+            rec = read(step, r, S.PHASE_VERIFY) if trace.has(step, r, S.PHASE_VERIFY) else None
+            if rec is not None and "sampled_token_ids" in rec:
+                width = np.asarray(rec["sampled_token_ids"]).shape
                 if len(width) == 2 and width[0] > 0 and width[1] > k + 1:
                     invalid("num_speculative_tokens", f"{k}, but step {step} rank {r} samples "
                             f"{width[1]} tokens per request (verify sampled_token_ids "
