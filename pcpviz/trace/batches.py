@@ -317,14 +317,25 @@ def row_head(prefix: bytes, shape: tuple[int, ...]) -> bytes:
     return head
 
 
+_SHAPES: dict[tuple[bytes, bytes], tuple] = {}
+
+
 def load(batch: pa.RecordBatch, step: int) -> Loaded:
-    """What decoding reads of a batch (validated by Arrow): shapes, crc32s, payload offsets."""
+    """What decoding reads of a batch (validated by Arrow): shapes, crc32s, payload offsets.
+    The shapes are parsed once per distinct shape column (by its buffers' bytes, ``_SHAPES``):
+    steps of one batch size repeat them, and a tuple per row is most of a batch's load."""
     bufs, n = batch.to_struct_array().buffers(), batch.num_rows
-    so = _array(bufs[_SHAPE_OFF], np.int32, n + 1).tolist()
-    items = _array(bufs[_SHAPE_ITEMS], np.int64).tolist()
+    key = (_bytes(bufs[_SHAPE_OFF])[:4 * (n + 1)], _bytes(bufs[_SHAPE_ITEMS]))
+    shapes = _SHAPES.get(key)
+    if shapes is None:
+        so = _array(bufs[_SHAPE_OFF], np.int32, n + 1).tolist()
+        items = _array(bufs[_SHAPE_ITEMS], np.int64).tolist()
+        shapes = tuple(tuple(items[so[j]:so[j + 1]]) for j in range(n))
+        if len(_SHAPES) >= _CACHE_MAX:
+            _SHAPES.clear()
+        _SHAPES[key] = shapes
     values = bufs[_DATA] if bufs[_DATA] is not None else _EMPTY
     u8 = np.frombuffer(values, dtype=np.uint8)
     u8.flags.writeable = False
-    return Loaded([tuple(items[so[j]:so[j + 1]]) for j in range(n)],
-                  _array(bufs[_CRC], np.uint32, n).tolist(), _array(bufs[_DATA_OFF], np.int64, n + 1).tolist(),
+    return Loaded(shapes, _array(bufs[_CRC], np.uint32, n).tolist(), _array(bufs[_DATA_OFF], np.int64, n + 1).tolist(),
                   values, u8, zlib.crc32(f"{step}\0".encode("utf-8")), memoryview(u8))

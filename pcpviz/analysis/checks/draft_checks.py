@@ -13,6 +13,7 @@ from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
 from .columns import Block, all_per_step, bulk_rule, bulk_skip, none, ragged, same_values, starts
 from .context import Ctx, Skip, check, token_rows
+from .draft_columns import draft_input_ids_ok
 
 
 def _partial_chunk_last_rows(c: Ctx) -> None:
@@ -183,6 +184,9 @@ def _draft_last_token_indices_bulk(b: Block, rank: int) -> np.ndarray:
     qi, got, r = q.at(seg, i)[0], lti.at(seg, i)[0], rej.at(seg, i)[0]
     good = (qi <= 0) | (got == first + qi - r - 1)
     return ok & all_per_step(good, seg, len(b))
+
+
+bulk_rule("draft_input_ids")(draft_input_ids_ok)  # draft_columns.draft_input_ids_ok
 
 
 @check("draft_input_ids",
