@@ -166,7 +166,10 @@ class Block:
 
     def has_rank(self, rank: int) -> np.ndarray:
         """bool[n]: the rank recorded the step."""
-        return np.fromiter((rank in sv.recs for sv in self.svs), dtype=bool, count=len(self.svs))
+        key = ("has_rank", rank)
+        if key not in self.memo:
+            self.memo[key] = np.fromiter((rank in sv.recs for sv in self.svs), dtype=bool, count=len(self.svs))
+        return self.memo[key]
 
     def arrays(self, rank: int, phase: str, view: str) -> list:
         """The view's array of each step (None where not recorded)."""
@@ -219,7 +222,15 @@ class _NoStep:
 
 def previous(block: Block, rank: int) -> Block:
     """The block of each step's previous step as a check on ``rank`` sees it (``Ctx.prev``:
-    none after a warm-up step, a malformed step or a step the rank lacks)."""
+    none after a warm-up step, a malformed step or a step the rank lacks); made once per block
+    and rank (the rules that look back share it, and its columns)."""
+    key = ("previous", rank)
+    if key not in block.memo:
+        block.memo[key] = _previous(block, rank)
+    return block.memo[key]
+
+
+def _previous(block: Block, rank: int) -> Block:
     prevs = []
     for sv in block.svs:
         pv = Ctx(block.run_meta, sv, rank, "")._prev_view() if rank in sv.recs else None

@@ -201,7 +201,10 @@ def draft_input_ids(c: Ctx) -> None:
     dgi = c.get("draft_0", "draft_global_input_ids")
     if dgi is not None:
         checked = True
-        c.once("draft_global_input_ids", lambda: _draft_global_inputs(c, dgi))
+        # dgi read again inside: ``once`` replays another rank's result only where every read
+        # it logged gives this rank the same array (a dgi captured from outside went unlogged)
+        c.once("draft_global_input_ids",
+               lambda: _draft_global_inputs(c, c.get("draft_0", "draft_global_input_ids")))
         dii = c.get("draft_0", "draft_input_ids")
         if dii is not None and c.get("target", "padded_gather_idx") is not None:
             n = c.num_local()

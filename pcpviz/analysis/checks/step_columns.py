@@ -236,3 +236,51 @@ def accepted_ok(b: Block, rank: int) -> np.ndarray:
     tok, inside = ids.at(seg, at)
     good = ~rejects | (inside & (sampled.at(seg, i * width + a)[0] != tok))
     return ok & all_per_step(good, seg, len(b))
+
+
+def verify_greedy_ok(b: Block, rank: int) -> np.ndarray:
+    """bool[n]: ``verify_greedy`` passes on (step, ``rank``) for sure: top1_token covers
+    1 + num_draft_tokens rows per request, and each request that sampled accepts the longest
+    prefix of its drafts (the last ``d`` input ids of its rows) equal to the argmax rows before
+    them, and samples those argmaxes. Undecided wherever the per-step code could index outside
+    an array (a negative count, drafts past the request's first row, too narrow a
+    sampled_token_ids). A request of q=3 tokens [5, 7, 8] with drafts [7, 8], top1 [7, 9, 4]:
+    one draft accepted, sampled [7, 9]."""
+    top1, ids, q = b.col(rank, "target", "top1_token"), b.col(rank, "target", "input_ids"), \
+        b.col(rank, "target", "num_scheduled_tokens")
+    nd, nacc, ns = (b.col(rank, "verify", v) for v in ("num_draft_tokens", "num_accepted", "num_sampled"))
+    samp = b.col(rank, "verify", "sampled_token_ids", ndim=2)
+    if any(c is None for c in (top1, ids, q, nd, nacc, ns, samp)):
+        return none(b)
+    n, r = len(b), q.lens
+    ok = top1.present & ids.present & q.present & nd.present & nacc.present & ns.present & samp.present
+    ok &= (nd.lens == r) & (nacc.lens == r) & (ns.lens == r) & (samp.rows == r) & (step_sums(q) == ids.lens)
+    ok &= step_sums(nd) + r == top1.lens
+    width = samp.dims[:, 1]
+    seg, i = ragged(np.where(ok, r, 0))
+    d, qi, si = nd.at(seg, i)[0], q.at(seg, i)[0], ns.at(seg, i)[0]
+    end = starts(q)[q.offsets[seg] + i] + qi if seg.size else seg  # qsl[i + 1]
+    sane = (d >= 0) & (qi >= 0) & ((si == 0) | ((end - d >= 0) & (width[seg] >= d + 1)))
+    ok &= all_per_step(sane, seg, n)
+    seg, i = ragged(np.where(ok, r, 0))  # the requests of the steps still judged
+    d, qi, si, na = nd.at(seg, i)[0], q.at(seg, i)[0], ns.at(seg, i)[0], nacc.at(seg, i)[0]
+    end = starts(q)[q.offsets[seg] + i] + qi if seg.size else seg
+    tstart = starts(nd)[nd.offsets[seg] + i] + i if seg.size else seg  # the request's first top1 row
+    live = si != 0  # the per-step code skips only a request that sampled nothing
+    dseg, j = ragged(np.where(live, d, 0))  # every draft of every request that sampled
+    req = np.repeat(np.arange(d.shape[0]), np.where(live, d, 0))
+    step_of = seg[req] if req.size else req
+    drafts = ids.values[ids.offsets[step_of] + end[req] - d[req] + j] if req.size else req
+    argmax = top1.values[top1.offsets[step_of] + tstart[req] + j] if req.size else req
+    acc = np.where(live, d, 0)
+    miss = drafts != argmax
+    np.minimum.at(acc, req[miss], j[miss])
+    good = ~live | (na == acc)
+    sseg, k = ragged(np.where(live, acc + 1, 0))  # the sampled tokens compared
+    sreq = np.repeat(np.arange(d.shape[0]), np.where(live, acc + 1, 0))
+    sstep = seg[sreq] if sreq.size else sreq
+    got = samp.values[samp.offsets[sstep] + i[sreq] * width[sstep] + k] if sreq.size else sreq
+    want = top1.values[top1.offsets[sstep] + tstart[sreq] + k] if sreq.size else sreq
+    same = np.ones(d.shape[0], dtype=bool)
+    np.logical_and.at(same, sreq, got == want)
+    return ok & all_per_step(good & same, seg, n)
