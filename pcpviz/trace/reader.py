@@ -95,6 +95,12 @@ class Record(Mapping[str, np.ndarray]):
     def __contains__(self, name: object) -> bool:
         return name in self.views
 
+    def get(self, name: str, default: Any = None) -> Any:
+        """``rec.get("positions")``: the view, or ``default`` (Mapping's own ``get`` goes through
+        ``[]``, whose miss builds a message, then drops it: the checks ask for many views a
+        record lacks)."""
+        return self.views.get(name, default)
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Mapping):
             return NotImplemented
