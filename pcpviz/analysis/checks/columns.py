@@ -117,9 +117,10 @@ class Column:
         empty = np.zeros((0,) * ndim, dtype=dtype)
         parts = [empty if a is None else a for a in arrays]
         lens = np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts))
-        dims = np.array([p.shape for p in parts], dtype=np.int64).reshape(len(parts), ndim)
+        dims = lens[:, None] if ndim == 1 else \
+            np.array([p.shape for p in parts], dtype=np.int64).reshape(len(parts), ndim)
         present = np.fromiter((a is not None for a in arrays), dtype=bool, count=len(parts))
-        values = np.concatenate([p.ravel() for p in parts]).astype(np.int64, copy=False)
+        values = np.concatenate(parts if ndim == 1 else [p.ravel() for p in parts]).astype(np.int64, copy=False)
         return cls(values, lens, present, ndim, dims, dtype.kind)
 
     def one_group(self) -> np.ndarray:
