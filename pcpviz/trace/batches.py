@@ -193,7 +193,9 @@ def _index_crc(step: int, fmt: bytes, sizes: np.ndarray, crcs: np.ndarray) -> in
     """``schema.step_crc32`` of a batch: one crc32 over its rows' index strings, formatted at once
     (``_Parsers.crc_format``)."""
     head = f"{step}\0{sizes.shape[0]}\0".encode("utf-8")
-    values = np.stack([sizes, crcs.astype(np.int64)], axis=1).ravel().tolist()
+    values = np.empty(2 * sizes.shape[0], dtype=np.int64)  # size, crc32, size, crc32, ...
+    values[0::2], values[1::2] = sizes, crcs
+    values = values.tolist()
     return zlib.crc32(fmt % tuple(values), zlib.crc32(head)) & 0xFFFFFFFF
 
 
