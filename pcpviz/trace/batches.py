@@ -128,6 +128,7 @@ class BatchParsers:
         self.names: dict[tuple, _Names] = {}
         self.shapes: dict[tuple, _Shapes] = {}
         self.formats: dict[tuple[int, int], bytes] = {}  # by (id(names), id(shapes)), both kept above
+        self.sizes: dict[tuple[int, int], tuple] = {}  # by (id(names), id(shapes)), as formats
 
     def crc_format(self, names: _Names, shapes: _Shapes, *, memo: bool) -> bytes:
         """The rows' index strings with their sizes and crc32s left as ``%d`` (``memo``: both
@@ -141,6 +142,22 @@ class BatchParsers:
                 self.formats[key] = fmt
         return fmt
 
+    def sizes_of(self, names: _Names, shapes: _Shapes, *, memo: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(numeric rows, their stored sizes) of a good parse, ``_check_rows``' fast test: a
+        numeric row holds ``padded_size(count * itemsize)`` bytes (a row whose count does not
+        fit int64 no size: its want is a size no row has)."""
+        key = (id(names), id(shapes))
+        got = self.sizes.get(key) if memo else None
+        if got is None:
+            layout = names.layout
+            rows = np.flatnonzero(layout.itemsizes > 0)
+            want = -(-(shapes.counts * layout.itemsizes) // S.ALIGN) * S.ALIGN  # int64[n]
+            want = np.where(shapes.counts < 0, np.iinfo(np.int64).min, want)[rows]
+            got = (rows, want)
+            if memo:
+                self.sizes[key] = got
+        return got
+
     def names_of(self, batch: pa.RecordBatch, bufs: list | None) -> _Names:
         key = None if bufs is None else (batch.num_rows, *(_bytes(bufs[k]) for k in _NAMES))
         got = None if key is None else self.names.get(key)
@@ -150,6 +167,7 @@ class BatchParsers:
                 if len(self.names) >= _CACHE_MAX:
                     self.names.clear()
                     self.formats.clear()
+                    self.sizes.clear()
                 self.names[key] = got
         return got
 
@@ -162,6 +180,7 @@ class BatchParsers:
                 if len(self.shapes) >= _CACHE_MAX:
                     self.shapes.clear()
                     self.formats.clear()
+                    self.sizes.clear()
                 self.shapes[key] = got
         return got
 
@@ -239,6 +258,10 @@ def check_batch(path: Path, batch: pa.RecordBatch, *, steps_so_far: list[int],
         if at < len(steps_so_far) and steps_so_far[at] == step:
             raise TraceError(f"{path}: step {step}: duplicate step (also record batch #{at})")
         raise TraceError(f"{path}: step {step}: comes after step {prev}; steps must increase")
+    if names.layout is not None and shapes.error is None:
+        rows, want = parsers.sizes_of(names, shapes, memo=memo)
+        if np.array_equal(sizes[rows], want):
+            return step, names.layout
     _check_rows(f"{path}: step {step}", batch, names, shapes, sizes)
     return step, names.layout
 
