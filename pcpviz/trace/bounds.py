@@ -138,7 +138,7 @@ def step_problems(phases: Mapping[str, Mapping[str, Any]], *, memo: dict | None 
     told first by ``_clean``, one pass over its views (the common case, and the one that costs)."""
     if _clean(phases, memo):
         target = phases.get(S.PHASE_TARGET)
-        why = None if target is None else _token_count_problem(target)
+        why = None if target is None else _token_count_memo(target, memo)
         return [why] if why else []
     out = []
     pending: list[tuple[str, str, Any, Any]] = []  # (phase, name, value, memo key) not in the memo
@@ -207,14 +207,11 @@ def _clean(phases: Mapping[str, Mapping[str, Any]], memo: dict | None) -> bool:
     fresh = []
     for phase, views in phases.items():
         for name, a in getattr(views, "views", views).items():
-            if memo is not None:
-                key = (phase, name, id(a))
-                seen = memo.get(key)
-                if seen is not None and seen[0] is a:
-                    if seen[1]:
-                        return False
+            if memo is not None:  # by id alone (an int: no key tuple per view), the rest checked
+                seen = memo.get(id(a))
+                if seen is not None and seen[0] is a and seen[1] == phase and seen[2] == name:
                     continue
-                fresh.append((key, a))
+                fresh.append((phase, name, a))
             if type(a) is not np.ndarray or (a.ndim == 1 and a.shape[0] > MAX_TOKENS):
                 return False
             kind = _kind(phase, name, a)
@@ -231,9 +228,24 @@ def _clean(phases: Mapping[str, Mapping[str, Any]], memo: dict | None) -> bool:
         if flat.max() > MAX_INDEX or flat.min() < -1:
             return False
     if memo is not None:
-        for key, a in fresh:
-            memo[key] = (a, None)
+        for phase, name, a in fresh:
+            memo[id(a)] = (a, phase, name)  # clean (only clean views are kept under an id)
     return True
+
+
+def _token_count_memo(target: Mapping[str, Any], memo: dict | None) -> str | None:
+    """``_token_count_problem``, once per step for the ranks whose four views it reads are the
+    very arrays another rank's were (the global batch: the reader shares them)."""
+    views = getattr(target, "views", target)
+    objs = tuple(views.get(v) for v in ("positions", "input_ids", "num_scheduled_tokens", "query_start_loc"))
+    key = ("tokens", *map(id, objs))
+    seen = None if memo is None else memo.get(key)
+    if seen is not None and all(a is b for a, b in zip(seen[0], objs)):
+        return seen[1]
+    why = _token_count_problem(target)
+    if memo is not None:
+        memo[key] = (objs, why)
+    return why
 
 
 def _memo_or_judge(memo: dict | None, phase: str, name: str, value: Any) -> str | None:
