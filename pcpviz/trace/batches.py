@@ -342,6 +342,27 @@ def row_head(prefix: bytes, shape: tuple[int, ...]) -> bytes:
     return head
 
 
+_PLANS: dict[tuple[int, int], tuple] = {}
+
+
+def row_plan(layout: Layout, shapes: tuple) -> tuple[list[bytes], list[int]]:
+    """(crc32 head, stored size a numeric row must have; -1 for a string row) of every row of
+    a batch of ``layout`` with ``shapes``, made once per (layout, shape column): both objects
+    are shared by the steps that repeat them (``load``), so decoding a row looks its head and
+    size up instead of formatting and computing them. Two int64 rows of shapes (3,) and (2, 2)
+    under ``target``: heads ``b"target\\0positions\\0<i8\\03\\0"``, ..., sizes [24, 32]."""
+    key = (id(layout), id(shapes))
+    got = _PLANS.get(key)
+    if got is None or got[0] is not layout or got[1] is not shapes:
+        heads = [row_head(p, s) for p, s in zip(layout.prefixes, shapes)]
+        sizes = [-1 if dt is None else S.padded_size(math.prod(s) * dt.itemsize)
+                 for dt, s in zip(layout.dtypes, shapes)]
+        if len(_PLANS) >= _CACHE_MAX:
+            _PLANS.clear()
+        got = _PLANS[key] = (layout, shapes, heads, sizes)
+    return got[2], got[3]
+
+
 _SHAPES: dict[tuple[bytes, bytes], tuple] = {}
 
 

@@ -52,7 +52,7 @@ import numpy as np
 
 from . import schema as S
 from .errors import TraceError, TraceWarning
-from .batches import row_head
+from .batches import row_plan
 from .index import MapBudget, RankIndex, scan_rank_file
 from .owner import rank_file_busy, writer_busy
 from .meta_model import decode_meta
@@ -305,7 +305,7 @@ class Trace:
 
         Per row the work is a few C calls (this loop is the reader's hot path: 7 million rows
         in a 100,000-step PCP=2 trace): the row's crc32 head (its phase, view, dtype and shape
-        text) is one cached ``bytes`` (``batches.row_head``), its payload a ``memoryview`` slice
+        text) is one cached ``bytes`` (``batches.row_plan``), its payload a ``memoryview`` slice
         (zlib reads it without a copy), and a numeric array one ``np.ndarray`` over the
         read-only payload bytes (no slice, view and reshape). NumPy, not pyarrow.compute: a
         row is a few dozen bytes, where a pyarrow call's fixed cost is the whole budget."""
@@ -317,6 +317,7 @@ class Trace:
         out: dict = {}
         u8, mv, offsets, crcs, shapes = loaded.u8, loaded.mv, loaded.offsets, loaded.crcs, loaded.shapes
         views, dtypes, prefixes, step_crc = layout.views, layout.dtypes, layout.prefixes, loaded.step_crc
+        heads, wants = row_plan(layout, shapes)  # per row: its crc32 head, a numeric row's size
         for j in (range(len(views)) if phase is None else layout.phases[phase]):
             view, shape, crc = views[j], shapes[j], crcs[j]
             start, stop = offsets[j], offsets[j + 1]
@@ -329,12 +330,11 @@ class Trace:
                 if seen is not None and _same_bytes(seen[0], stored):
                     out[at] = seen[1]
                     continue
-            if zlib.crc32(stored, zlib.crc32(row_head(prefixes[j], shape), step_crc)) != crc:
+            if zlib.crc32(stored, zlib.crc32(heads[j], step_crc)) != crc:
                 raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {layout.phase_of[j]!r}): "
                                  "corrupt data (crc32 mismatch)")
-            dt = dtypes[j]
-            if dt is not None and stop - start == S.padded_size(math.prod(shape) * dt.itemsize):
-                value = np.ndarray(shape, dt, u8, start)  # read-only: u8 is
+            if stop - start == wants[j]:  # a numeric row that fits its dtype and shape
+                value = np.ndarray(shape, dtypes[j], u8, start)  # read-only: u8 is
             else:
                 value = _decode_row(ix, step, layout.phase_of[j], view, layout, j, shape, u8[start:stop])
             out[at] = value
