@@ -173,6 +173,9 @@ an integer index view (bounds by group), a tuple of field names a table's intege
 (bounds by group), ``None`` only ``step_problems``' full path can say."""
 
 
+_UNSEEN = object()
+
+
 def _kind(phase: Any, name: Any, a: np.ndarray) -> Any:
     key = (phase, name, a.dtype, a.ndim)
     try:
@@ -205,6 +208,7 @@ def _clean(phases: Mapping[str, Mapping[str, Any]], memo: dict | None) -> bool:
     here go into ``memo`` as clean."""
     groups: dict[np.dtype, list[np.ndarray]] = {}
     fresh = []
+    kinds = _KIND
     for phase, views in phases.items():
         for name, a in getattr(views, "views", views).items():
             if memo is not None:  # by id alone (an int: no key tuple per view), the rest checked
@@ -212,13 +216,21 @@ def _clean(phases: Mapping[str, Mapping[str, Any]], memo: dict | None) -> bool:
                 if seen is not None and seen[0] is a and seen[1] == phase and seen[2] == name:
                     continue
                 fresh.append((phase, name, a))
-            if type(a) is not np.ndarray or (a.ndim == 1 and a.shape[0] > MAX_TOKENS):
+            if type(a) is not np.ndarray:
                 return False
-            kind = _kind(phase, name, a)
+            ndim = a.ndim
+            if ndim == 1 and a.shape[0] > MAX_TOKENS:
+                return False
+            kind = kinds.get((phase, name, a.dtype, ndim), _UNSEEN)  # _kind's memo, read inline
+            if kind is _UNSEEN:
+                kind = _kind(phase, name, a)
             if kind is None:
                 return False
             if kind == "i" and a.size:
-                groups.setdefault(a.dtype, []).append(a.ravel())
+                group = groups.get(a.dtype)
+                if group is None:
+                    group = groups[a.dtype] = []
+                group.append(a if ndim == 1 else a.ravel())
             elif kind and a.size:
                 for field in kind:
                     f = a[field]
