@@ -128,6 +128,7 @@ class BatchParsers:
         self.names: dict[tuple, _Names] = {}
         self.shapes: dict[tuple, _Shapes] = {}
         self.formats: dict[tuple[int, int], bytes] = {}  # by (id(names), id(shapes)), both kept above
+        self.sizes: dict[tuple[int, int], tuple] = {}  # by (id(names), id(shapes)), as formats
 
     def crc_format(self, names: _Names, shapes: _Shapes, *, memo: bool) -> bytes:
         """The rows' index strings with their sizes and crc32s left as ``%d`` (``memo``: both
@@ -141,6 +142,22 @@ class BatchParsers:
                 self.formats[key] = fmt
         return fmt
 
+    def sizes_of(self, names: _Names, shapes: _Shapes, *, memo: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(numeric rows, their stored sizes) of a good parse, ``_check_rows``' fast test: a
+        numeric row holds ``padded_size(count * itemsize)`` bytes (a row whose count does not
+        fit int64 no size: its want is a size no row has)."""
+        key = (id(names), id(shapes))
+        got = self.sizes.get(key) if memo else None
+        if got is None:
+            layout = names.layout
+            rows = np.flatnonzero(layout.itemsizes > 0)
+            want = -(-(shapes.counts * layout.itemsizes) // S.ALIGN) * S.ALIGN  # int64[n]
+            want = np.where(shapes.counts < 0, np.iinfo(np.int64).min, want)[rows]
+            got = (rows, want)
+            if memo:
+                self.sizes[key] = got
+        return got
+
     def names_of(self, batch: pa.RecordBatch, bufs: list | None) -> _Names:
         key = None if bufs is None else (batch.num_rows, *(_bytes(bufs[k]) for k in _NAMES))
         got = None if key is None else self.names.get(key)
@@ -150,6 +167,7 @@ class BatchParsers:
                 if len(self.names) >= _CACHE_MAX:
                     self.names.clear()
                     self.formats.clear()
+                    self.sizes.clear()
                 self.names[key] = got
         return got
 
@@ -162,6 +180,7 @@ class BatchParsers:
                 if len(self.shapes) >= _CACHE_MAX:
                     self.shapes.clear()
                     self.formats.clear()
+                    self.sizes.clear()
                 self.shapes[key] = got
         return got
 
@@ -193,7 +212,9 @@ def _index_crc(step: int, fmt: bytes, sizes: np.ndarray, crcs: np.ndarray) -> in
     """``schema.step_crc32`` of a batch: one crc32 over its rows' index strings, formatted at once
     (``_Parsers.crc_format``)."""
     head = f"{step}\0{sizes.shape[0]}\0".encode("utf-8")
-    values = np.stack([sizes, crcs.astype(np.int64)], axis=1).ravel().tolist()
+    values = np.empty(2 * sizes.shape[0], dtype=np.int64)  # size, crc32, size, crc32, ...
+    values[0::2], values[1::2] = sizes, crcs
+    values = values.tolist()
     return zlib.crc32(fmt % tuple(values), zlib.crc32(head)) & 0xFFFFFFFF
 
 
@@ -237,6 +258,10 @@ def check_batch(path: Path, batch: pa.RecordBatch, *, steps_so_far: list[int],
         if at < len(steps_so_far) and steps_so_far[at] == step:
             raise TraceError(f"{path}: step {step}: duplicate step (also record batch #{at})")
         raise TraceError(f"{path}: step {step}: comes after step {prev}; steps must increase")
+    if names.layout is not None and shapes.error is None:
+        rows, want = parsers.sizes_of(names, shapes, memo=memo)
+        if np.array_equal(sizes[rows], want):
+            return step, names.layout
     _check_rows(f"{path}: step {step}", batch, names, shapes, sizes)
     return step, names.layout
 
@@ -288,6 +313,7 @@ class Loaded:
     values: pa.Buffer  # the payload bytes (a slice of the map)
     u8: np.ndarray  # uint8[len(values)], read-only, the same bytes
     step_crc: int
+    mv: memoryview  # the same bytes again (a slice of it is the cheapest thing zlib reads)
 
     def shape(self, j: int) -> tuple[int, ...]:
         return self.shapes[j]
@@ -295,27 +321,67 @@ class Loaded:
     def row_ok(self, layout: Layout, j: int) -> bool:
         """Row ``j``'s stored bytes match its crc32 (``schema.row_crc32``, continued from the
         step's head crc)."""
-        shape = self.shapes[j]
-        text = _SHAPE_TEXT.get(shape)
-        if text is None:
-            if len(_SHAPE_TEXT) >= _CACHE_MAX:
-                _SHAPE_TEXT.clear()
-            text = _SHAPE_TEXT[shape] = ",".join(map(str, shape)).encode("ascii") + b"\0"
-        stored = self.u8[self.offsets[j]:self.offsets[j + 1]]
-        return zlib.crc32(stored, zlib.crc32(text, zlib.crc32(layout.prefixes[j], self.step_crc))) == self.crcs[j]
+        stored = self.mv[self.offsets[j]:self.offsets[j + 1]]
+        return zlib.crc32(stored, zlib.crc32(row_head(layout.prefixes[j], self.shapes[j]), self.step_crc)) \
+            == self.crcs[j]
 
 
-_SHAPE_TEXT: dict[tuple[int, ...], bytes] = {}  # a shape -> its text in a row's crc32 head
+_HEADS: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
+
+
+def row_head(prefix: bytes, shape: tuple[int, ...]) -> bytes:
+    """A row's crc32 head after its step: ``b"target\\0positions\\0<i8\\03\\0"`` for ``prefix``
+    ``b"target\\0positions\\0<i8\\0"`` and shape ``(3,)`` (``schema.row_crc32``), remembered: steps
+    repeat their rows' names and most of their shapes."""
+    key = (prefix, shape)
+    head = _HEADS.get(key)
+    if head is None:
+        if len(_HEADS) >= _CACHE_MAX:
+            _HEADS.clear()
+        head = _HEADS[key] = prefix + ",".join(map(str, shape)).encode("ascii") + b"\0"
+    return head
+
+
+_PLANS: dict[tuple[int, int], tuple] = {}
+
+
+def row_plan(layout: Layout, shapes: tuple) -> tuple[list[bytes], list[int]]:
+    """(crc32 head, stored size a numeric row must have; -1 for a string row) of every row of
+    a batch of ``layout`` with ``shapes``, made once per (layout, shape column): both objects
+    are shared by the steps that repeat them (``load``), so decoding a row looks its head and
+    size up instead of formatting and computing them. Two int64 rows of shapes (3,) and (2, 2)
+    under ``target``: heads ``b"target\\0positions\\0<i8\\03\\0"``, ..., sizes [24, 32]."""
+    key = (id(layout), id(shapes))
+    got = _PLANS.get(key)
+    if got is None or got[0] is not layout or got[1] is not shapes:
+        heads = [row_head(p, s) for p, s in zip(layout.prefixes, shapes)]
+        sizes = [-1 if dt is None else S.padded_size(math.prod(s) * dt.itemsize)
+                 for dt, s in zip(layout.dtypes, shapes)]
+        if len(_PLANS) >= _CACHE_MAX:
+            _PLANS.clear()
+        got = _PLANS[key] = (layout, shapes, heads, sizes)
+    return got[2], got[3]
+
+
+_SHAPES: dict[tuple[bytes, bytes], tuple] = {}
 
 
 def load(batch: pa.RecordBatch, step: int) -> Loaded:
-    """What decoding reads of a batch (validated by Arrow): shapes, crc32s, payload offsets."""
+    """What decoding reads of a batch (validated by Arrow): shapes, crc32s, payload offsets.
+    The shapes are parsed once per distinct shape column (by its buffers' bytes, ``_SHAPES``):
+    steps of one batch size repeat them, and a tuple per row is most of a batch's load."""
     bufs, n = batch.to_struct_array().buffers(), batch.num_rows
-    so = _array(bufs[_SHAPE_OFF], np.int32, n + 1).tolist()
-    items = _array(bufs[_SHAPE_ITEMS], np.int64).tolist()
+    key = (_bytes(bufs[_SHAPE_OFF])[:4 * (n + 1)], _bytes(bufs[_SHAPE_ITEMS]))
+    shapes = _SHAPES.get(key)
+    if shapes is None:
+        so = _array(bufs[_SHAPE_OFF], np.int32, n + 1).tolist()
+        items = _array(bufs[_SHAPE_ITEMS], np.int64).tolist()
+        shapes = tuple(tuple(items[so[j]:so[j + 1]]) for j in range(n))
+        if len(_SHAPES) >= _CACHE_MAX:
+            _SHAPES.clear()
+        _SHAPES[key] = shapes
     values = bufs[_DATA] if bufs[_DATA] is not None else _EMPTY
     u8 = np.frombuffer(values, dtype=np.uint8)
     u8.flags.writeable = False
-    return Loaded([tuple(items[so[j]:so[j + 1]]) for j in range(n)],
-                  _array(bufs[_CRC], np.uint32, n).tolist(), _array(bufs[_DATA_OFF], np.int64, n + 1).tolist(),
-                  values, u8, zlib.crc32(f"{step}\0".encode("utf-8")))
+    return Loaded(shapes, _array(bufs[_CRC], np.uint32, n).tolist(), _array(bufs[_DATA_OFF], np.int64, n + 1).tolist(),
+                  values, u8, zlib.crc32(f"{step}\0".encode("utf-8")), memoryview(u8))

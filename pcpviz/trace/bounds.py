@@ -134,7 +134,12 @@ def step_problems(phases: Mapping[str, Mapping[str, Any]], *, memo: dict | None 
     The work is done in bulk (``_bulk_problems``): the shape and dtype rules once per (view,
     dtype, axes), the index bounds as one min and max over all of the step's integer index
     views of a dtype; only when a bound breaks is each view judged alone (``_view_problem``),
-    which names it. Both give the same lines, in the same order."""
+    which names it. Both give the same lines, in the same order. A step that breaks no bound is
+    told first by ``_clean``, one pass over its views (the common case, and the one that costs)."""
+    if _clean(phases, memo):
+        target = phases.get(S.PHASE_TARGET)
+        why = None if target is None else _token_count_memo(target, memo)
+        return [why] if why else []
     out = []
     pending: list[tuple[str, str, Any, Any]] = []  # (phase, name, value, memo key) not in the memo
     for phase, views in phases.items():
@@ -160,6 +165,99 @@ def step_problems(phases: Mapping[str, Mapping[str, Any]], *, memo: dict | None 
         if why:
             out.append(why)
     return out
+
+
+_KIND: dict[tuple, Any] = {}
+"""(phase, name, dtype, axes) -> how ``_clean`` reads such a view: ``""`` nothing more, ``"i"``
+an integer index view (bounds by group), a tuple of field names a table's integer fields
+(bounds by group), ``None`` only ``step_problems``' full path can say."""
+
+
+_UNSEEN = object()
+
+
+def _kind(phase: Any, name: Any, a: np.ndarray) -> Any:
+    key = (phase, name, a.dtype, a.ndim)
+    try:
+        return _KIND[key]
+    except (KeyError, TypeError):
+        pass
+    probe = np.zeros((0,) * a.ndim, dtype=a.dtype)  # the dtype and axes only: never a long axis
+    kind: str | None = ""
+    if _static_problem(phase, name, probe) is not None:
+        kind = None
+    elif a.dtype.names is not None:
+        kinds = {f: a.dtype[f].kind for f in a.dtype.names}
+        kind = None if "f" in kinds.values() else tuple(f for f, k in kinds.items() if k in "iu")
+    elif a.dtype.kind == "U":
+        kind = None if a.dtype.itemsize // 4 > MAX_STRING_CHARS else ""
+    elif name in _INDEX_VIEWS:
+        kind = "i" if a.dtype.kind in "iu" else None if a.dtype.kind == "f" else ""
+    if len(_KIND) >= _STATIC_MAX:
+        _KIND.clear()
+    _KIND[key] = kind
+    return kind
+
+
+def _clean(phases: Mapping[str, Mapping[str, Any]], memo: dict | None) -> bool:
+    """True only if ``step_problems`` finds no view of the step breaking a bound (its token-count
+    line aside), told in one pass: each view's dtype and axes classed once (``_kind``), the
+    integer index views' bounds one min and max per dtype (NumPy: a step's views are a few dozen
+    small arrays, where pyarrow.compute's or polars' fixed cost per call is more than the work).
+    False sends the step to the full path (which names what breaks, in order). The views judged
+    here go into ``memo`` as clean."""
+    groups: dict[np.dtype, list[np.ndarray]] = {}
+    fresh = []
+    kinds = _KIND
+    for phase, views in phases.items():
+        for name, a in getattr(views, "views", views).items():
+            if memo is not None:  # by id alone (an int: no key tuple per view), the rest checked
+                seen = memo.get(id(a))
+                if seen is not None and seen[0] is a and seen[1] == phase and seen[2] == name:
+                    continue
+                fresh.append((phase, name, a))
+            if type(a) is not np.ndarray:
+                return False
+            ndim = a.ndim
+            if ndim == 1 and a.shape[0] > MAX_TOKENS:
+                return False
+            kind = kinds.get((phase, name, a.dtype, ndim), _UNSEEN)  # _kind's memo, read inline
+            if kind is _UNSEEN:
+                kind = _kind(phase, name, a)
+            if kind is None:
+                return False
+            if kind == "i" and a.size:
+                group = groups.get(a.dtype)
+                if group is None:
+                    group = groups[a.dtype] = []
+                group.append(a if ndim == 1 else a.ravel())
+            elif kind and a.size:
+                for field in kind:
+                    f = a[field]
+                    groups.setdefault(f.dtype, []).append(f.ravel())
+    for arrays in groups.values():
+        flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        if flat.max() > MAX_INDEX or flat.min() < -1:
+            return False
+    if memo is not None:
+        for phase, name, a in fresh:
+            memo[id(a)] = (a, phase, name)  # clean (only clean views are kept under an id)
+    return True
+
+
+def _token_count_memo(target: Mapping[str, Any], memo: dict | None) -> str | None:
+    """``_token_count_problem``, once per step for the ranks whose four views it reads are the
+    very arrays another rank's were (the global batch: the reader shares them)."""
+    views = getattr(target, "views", target)
+    objs = tuple(views.get(v) for v in ("positions", "input_ids", "num_scheduled_tokens", "query_start_loc"))
+    key = ("tokens", *map(id, objs))
+    seen = None if memo is None else memo.get(key)
+    if seen is not None and all(a is b for a, b in zip(seen[0], objs)):
+        return seen[1]
+    why = _token_count_problem(target)
+    if memo is not None:
+        memo[key] = (objs, why)
+    return why
 
 
 def _memo_or_judge(memo: dict | None, phase: str, name: str, value: Any) -> str | None:

@@ -41,6 +41,7 @@ import math
 import os
 import threading
 import warnings
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,7 @@ import numpy as np
 
 from . import schema as S
 from .errors import TraceError, TraceWarning
+from .batches import row_plan
 from .index import MapBudget, RankIndex, scan_rank_file
 from .owner import rank_file_busy, writer_busy
 from .meta_model import decode_meta
@@ -92,6 +94,12 @@ class Record(Mapping[str, np.ndarray]):
 
     def __contains__(self, name: object) -> bool:
         return name in self.views
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """``rec.get("positions")``: the view, or ``default`` (Mapping's own ``get`` goes through
+        ``[]``, whose miss builds a message, then drops it: the checks ask for many views a
+        record lacks)."""
+        return self.views.get(name, default)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Mapping):
@@ -269,57 +277,111 @@ class Trace:
                            f"(rank {rank} has steps {steps_summary(info.steps)})")
         return ix, i
 
-    def _decode(self, ix: RankIndex, i: int, phase: str, *, share: bool) -> dict[str, np.ndarray]:
-        """The views of one phase, every payload checked against its crc32. ``share``: a payload
-        byte-equal to one another rank recorded in the same step, under the same row identity
-        and crc32, is that rank's (verified) array: equal bytes under an equal row head give the
-        same crc32, so comparing the bytes checks them (a memcmp, not a crc32), and a
-        rank-independent computation on the array can be done once (``pcpviz.analysis.checks``)."""
+    def step_records(self, step: int, rank: int) -> dict[str, Record]:
+        """Every phase ``record()`` gives for ``step`` on ``rank``, in execution order, decoded in
+        one pass over the step's batch (one index look-up, every row's crc32 checked as
+        ``record()`` checks it, arrays shared between ranks as it shares them); not cached: the
+        checks' runner holds a step's records while it needs them.
+
+        ``t.step_records(3, 0)`` is ``{"target": Record(...), "draft_0": ..., "verify": ...}``."""
+        ix, i = self._entry(step, rank)
+        layout = ix.layouts[i]
+        decoded = self._decode(ix, i, None, share=True)
+        out = {}
+        for phase, rows in layout.phases.items():
+            views = {layout.views[j]: decoded[j] for j in rows}
+            if self.version < 2:
+                views = dict(S.upgrade_views(self.version, phase, views))
+            out[phase] = Record(int(step), int(rank), phase, MappingProxyType(views), pcp=self._pcp)
+        return out
+
+    def _decode(self, ix: RankIndex, i: int, phase: str | None, *, share: bool) -> dict:
+        """The views of one phase (``phase`` None: every row's array by its row), every payload
+        checked against its crc32. ``share``: a payload byte-equal to one another rank recorded
+        in the same step, under the same row identity and crc32, is that rank's (verified) array:
+        equal bytes under an equal row head give the same crc32, so comparing the bytes checks
+        them (a memcmp, not a crc32), and a rank-independent computation on the array can be
+        done once (``pcpviz.analysis.checks``).
+
+        Per row the work is a few C calls (this loop is the reader's hot path: 7 million rows
+        in a 100,000-step PCP=2 trace): the row's crc32 head (its phase, view, dtype and shape
+        text) is one cached ``bytes`` (``batches.row_plan``), its payload a ``memoryview`` slice
+        (zlib reads it without a copy), and a numeric array one ``np.ndarray`` over the
+        read-only payload bytes (no slice, view and reshape). NumPy, not pyarrow.compute: a
+        row is a few dozen bytes, where a pyarrow call's fixed cost is the whole budget."""
         loaded = ix.batch(i)
         layout, step = ix.layouts[i], int(ix.steps[i])
         if share and step != self._shared_step:
             self._shared, self._shared_step = {}, step
-        out: dict[str, np.ndarray] = {}
-        u8, offsets, crcs = loaded.u8, loaded.offsets, loaded.crcs
-        for j in layout.phases[phase]:
-            view, shape, crc = layout.views[j], loaded.shapes[j], crcs[j]
+        shared = self._shared if share else None
+        out: dict = {}
+        u8, mv, offsets, crcs, shapes = loaded.u8, loaded.mv, loaded.offsets, loaded.crcs, loaded.shapes
+        views, dtypes, prefixes, step_crc = layout.views, layout.dtypes, layout.prefixes, loaded.step_crc
+        heads, wants = row_plan(layout, shapes)  # per row: its crc32 head, a numeric row's size
+        for j in (range(len(views)) if phase is None else layout.phases[phase]):
+            view, shape, crc = views[j], shapes[j], crcs[j]
             start, stop = offsets[j], offsets[j + 1]
-            stored = u8[start:stop]  # uint8[stop - start], read-only view of the map
-            key = (phase, view, layout.tags[j], shape, crc) if share else None
-            seen = self._shared.get(key) if share else None
-            if seen is not None and _same_bytes(seen[0], stored):
-                out[view] = seen[1]
-                continue
-            if not loaded.row_ok(layout, j):  # schema.row_crc32
-                raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): corrupt data "
-                                 "(crc32 mismatch)")
-            out[view] = value = _decode_row(ix, step, phase, view, layout, j, shape, stored)
+            stored = mv[start:stop]  # the row's bytes, read-only, no copy
+            at = view if phase is not None else j
+            key = None
+            if shared is not None:
+                key = (prefixes[j], shape, crc)  # the prefix names the row's phase, view and dtype
+                seen = shared.get(key)
+                if seen is not None and _same_bytes(seen[0], stored):
+                    out[at] = seen[1]
+                    continue
+            if zlib.crc32(stored, zlib.crc32(heads[j], step_crc)) != crc:
+                raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {layout.phase_of[j]!r}): "
+                                 "corrupt data (crc32 mismatch)")
+            if stop - start == wants[j]:  # a numeric row that fits its dtype and shape
+                value = np.ndarray(shape, dtypes[j], u8, start)  # read-only: u8 is
+            else:
+                value = _decode_row(ix, step, layout.phase_of[j], view, layout, j, shape, u8[start:stop])
+            out[at] = value
             if key is not None:
-                self._shared[key] = (stored, value)
+                shared[key] = (stored, value)
         return out
 
 
-def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
-    """Two uint8 payloads hold the same bytes (small ones compared as bytes: no NumPy call)."""
-    if a.shape[0] != b.shape[0]:
+def _same_bytes(a: memoryview, b: memoryview) -> bool:
+    """Two payloads hold the same bytes (small ones compared as ``bytes``: a memoryview's own
+    ``==`` compares element by element, in Python)."""
+    if a.nbytes != b.nbytes:
         return False
-    return a.tobytes() == b.tobytes() if a.shape[0] <= 4096 else bool(np.array_equal(a, b))
+    if a.nbytes <= 4096:
+        return a.tobytes() == b.tobytes()
+    return bool(np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)))
+
+
+_STRINGS: OrderedDict[tuple, np.ndarray] = OrderedDict()
+_STRINGS_MAX = 4096
+"""Decoded string rows by (tag, shape, bytes): request ids repeat step after step, and parsing
+their JSON is the costliest part of a small row; a verified payload's bytes give one array."""
 
 
 def _decode_row(ix: RankIndex, step: int, phase: str, view: str, layout, j: int, shape: tuple[int, ...],
                 stored: np.ndarray) -> np.ndarray:
     """Row ``j``'s array: a numeric row whose bytes fit its dtype and shape is ``stored`` viewed
     as them (zero-copy, read-only); a string row, or one that does not fit, goes through
-    ``schema.decode_payload`` (which says what is wrong)."""
+    ``schema.decode_payload`` (which says what is wrong; a string row's array is remembered by
+    its bytes, ``_STRINGS``)."""
     dt = layout.dtypes[j]
     if dt is not None:
         nbytes = math.prod(shape) * dt.itemsize
         if stored.shape[0] == S.padded_size(nbytes):
             return stored[:nbytes].view(dt).reshape(shape)
+    key = (layout.tags[j], shape, stored.tobytes()) if dt is None and stored.shape[0] <= 4096 else None
+    if key is not None and key in _STRINGS:
+        return _STRINGS[key]
     try:
-        return S.decode_payload(layout.tags[j], shape, stored)
+        value = S.decode_payload(layout.tags[j], shape, stored)
     except ValueError as exc:
         raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): {exc}") from None
+    if key is not None:
+        _STRINGS[key] = value
+        if len(_STRINGS) > _STRINGS_MAX:
+            _STRINGS.popitem(last=False)
+    return value
 
 
 class _LazyViews(Mapping[str, np.ndarray]):

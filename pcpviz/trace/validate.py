@@ -220,13 +220,7 @@ def _check_drafts(trace: Any, meta: RunMeta, malformed: set[str], invalid: Calla
     (``sampled_token_ids`` [R, K+1]); a sequential drafter (MTP, EAGLE) records draft_0 ..
     draft_{K-1}, a parallel one (dspark) fewer, never more."""
     k = meta.num_speculative_tokens
-    highest, where = -1, None
-    for r in trace.ranks:
-        for step in trace.rank_steps(r):
-            for ph in trace.phases(step, r):
-                i = S.draft_index(ph)
-                if i is not None and i > highest:
-                    highest, where = i, (step, r)
+    highest, where = _highest_draft(trace)
     if highest >= 0 and "num_speculative_tokens" not in meta.recorded | malformed:
         invalid("num_speculative_tokens", f"missing, but step {where[0]} rank {where[1]} records "
                 f"draft_{highest}")
@@ -242,13 +236,43 @@ def _check_drafts(trace: Any, meta: RunMeta, malformed: set[str], invalid: Calla
     # step of prefills only is 1 wide); the engine pads to K + 1. Either way never wider.
     for r in trace.ranks[:1]:
         for step in trace.rank_steps(r):
-            if trace.has(step, r, S.PHASE_VERIFY) and "sampled_token_ids" in trace.record(step, r, S.PHASE_VERIFY):
-                width = np.asarray(trace.record(step, r, S.PHASE_VERIFY)["sampled_token_ids"]).shape
+            # lazy_record: every row's crc32 checked as record() checks it, one array made
+            read = getattr(trace, "lazy_record", trace.record)
+            rec = read(step, r, S.PHASE_VERIFY) if trace.has(step, r, S.PHASE_VERIFY) else None
+            if rec is not None and "sampled_token_ids" in rec:
+                width = np.asarray(rec["sampled_token_ids"]).shape
                 if len(width) == 2 and width[0] > 0 and width[1] > k + 1:
                     invalid("num_speculative_tokens", f"{k}, but step {step} rank {r} samples "
                             f"{width[1]} tokens per request (verify sampled_token_ids "
                             f"{list(width)}), i.e. K={width[1] - 1}")
                     return
+
+
+def _highest_draft(trace: Any) -> tuple[int, tuple[int, int] | None]:
+    """(highest draft_k recorded, its first (step, rank)) over every rank and step, in that
+    order; -1 and None without draft phases. An opened trace is read by its index, each
+    distinct step layout once (a 100,000-step trace has a handful)."""
+    highest, where = -1, None
+    index = getattr(trace, "_index", None)
+    if index is None:
+        for r in trace.ranks:
+            for step in trace.rank_steps(r):
+                for ph in trace.phases(step, r):
+                    i = S.draft_index(ph)
+                    if i is not None and i > highest:
+                        highest, where = i, (step, r)
+        return highest, where
+    tops: dict[int, int] = {}  # id(layout) -> its highest draft index (-1: none)
+    for r in trace.ranks:
+        ix = index[r]
+        for i, layout in enumerate(ix.layouts):
+            top = tops.get(id(layout))
+            if top is None:
+                top = tops[id(layout)] = max((S.draft_index(ph) for ph in layout.phases
+                                              if S.draft_index(ph) is not None), default=-1)
+            if top > highest:
+                highest, where = top, (int(ix.steps[i]), r)
+    return highest, where
 
 
 def _check_prompts(trace: Any, meta: RunMeta, invalid: Callable[[str, str], None]) -> None:

@@ -22,11 +22,12 @@ VIEWS = [("target", v) for v in (
     "logits_indices", "sampled_from", "req_ids", "segments", "is_prefilling", "input_ids",
     "block_table_global", "slot_mapping_global", "slot_mapping_gathered", "kv_write_mask", "hidden_fp",
     "local_req_ids", "local_logits_indices", "local_input_ids", "local_is_padding", "block_table_local",
-    "hidden_local_fp", "seq_lens", "num_computed_tokens", "prefill_len")] + [("verify", v) for v in (
+    "hidden_local_fp", "seq_lens", "num_computed_tokens", "prefill_len", "top1_token")] + [("verify", v) for v in (
         "num_sampled", "sampled_token_ids", "num_rejected", "num_accepted", "num_draft_tokens",
         "req_ids", "num_computed_after", "idx_mapping")] + [("draft_0", v) for v in (
             "draft_tokens", "draft_last_token_indices", "hidden_in_fp", "hidden_out_fp", "hidden_last_fp",
-            "mtp_local_fp")] + [("draft_1", "hidden_in_fp")]
+            "mtp_local_fp", "draft_global_input_ids", "draft_input_ids")] + [("draft_1", "hidden_in_fp"),
+                                                                ("draft_1", "draft_input_ids")]
 
 
 def _plus_one(a, rng):

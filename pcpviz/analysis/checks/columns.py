@@ -117,9 +117,10 @@ class Column:
         empty = np.zeros((0,) * ndim, dtype=dtype)
         parts = [empty if a is None else a for a in arrays]
         lens = np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts))
-        dims = np.array([p.shape for p in parts], dtype=np.int64).reshape(len(parts), ndim)
+        dims = lens[:, None] if ndim == 1 else \
+            np.array([p.shape for p in parts], dtype=np.int64).reshape(len(parts), ndim)
         present = np.fromiter((a is not None for a in arrays), dtype=bool, count=len(parts))
-        values = np.concatenate([p.ravel() for p in parts]).astype(np.int64, copy=False)
+        values = np.concatenate(parts if ndim == 1 else [p.ravel() for p in parts]).astype(np.int64, copy=False)
         return cls(values, lens, present, ndim, dims, dtype.kind)
 
     def one_group(self) -> np.ndarray:
@@ -166,7 +167,10 @@ class Block:
 
     def has_rank(self, rank: int) -> np.ndarray:
         """bool[n]: the rank recorded the step."""
-        return np.fromiter((rank in sv.recs for sv in self.svs), dtype=bool, count=len(self.svs))
+        key = ("has_rank", rank)
+        if key not in self.memo:
+            self.memo[key] = np.fromiter((rank in sv.recs for sv in self.svs), dtype=bool, count=len(self.svs))
+        return self.memo[key]
 
     def arrays(self, rank: int, phase: str, view: str) -> list:
         """The view's array of each step (None where not recorded)."""
@@ -219,7 +223,15 @@ class _NoStep:
 
 def previous(block: Block, rank: int) -> Block:
     """The block of each step's previous step as a check on ``rank`` sees it (``Ctx.prev``:
-    none after a warm-up step, a malformed step or a step the rank lacks)."""
+    none after a warm-up step, a malformed step or a step the rank lacks); made once per block
+    and rank (the rules that look back share it, and its columns)."""
+    key = ("previous", rank)
+    if key not in block.memo:
+        block.memo[key] = _previous(block, rank)
+    return block.memo[key]
+
+
+def _previous(block: Block, rank: int) -> Block:
     prevs = []
     for sv in block.svs:
         pv = Ctx(block.run_meta, sv, rank, "")._prev_view() if rank in sv.recs else None
@@ -289,10 +301,12 @@ def same_values(x: np.ndarray, y: np.ndarray) -> bool:
     if x.dtype.names is None and y.dtype.names is None:
         if not ((x.dtype.kind in "iub" and y.dtype.kind in "iub") or x.dtype.kind == y.dtype.kind == "U"):
             return False
+        if x.dtype == y.dtype and x.dtype.kind in "iuU":  # one dtype: equal bytes are equal values
+            return x.tobytes() == y.tobytes()  # (else False: always safe; a tenth of np.array_equal's cost)
         return bool(np.array_equal(x, y))
     if x.dtype != y.dtype or any(x.dtype[f].kind not in "iu" for f in x.dtype.names):
         return False
-    return all(np.array_equal(x[f], y[f]) for f in x.dtype.names)
+    return x.tobytes() == y.tobytes() or all(np.array_equal(x[f], y[f]) for f in x.dtype.names)
 
 
 def none(block: Block) -> np.ndarray:

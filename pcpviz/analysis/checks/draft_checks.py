@@ -13,6 +13,7 @@ from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
 from .columns import Block, all_per_step, bulk_rule, bulk_skip, none, ragged, same_values, starts
 from .context import Ctx, Skip, check, token_rows
+from .draft_columns import draft_input_ids_ok
 
 
 def _partial_chunk_last_rows(c: Ctx) -> None:
@@ -185,6 +186,9 @@ def _draft_last_token_indices_bulk(b: Block, rank: int) -> np.ndarray:
     return ok & all_per_step(good, seg, len(b))
 
 
+bulk_rule("draft_input_ids")(draft_input_ids_ok)  # draft_columns.draft_input_ids_ok
+
+
 @check("draft_input_ids",
         "draft_0's draft_global_input_ids are the target ids shifted left by one within the "
         "accepted rows, the last accepted row holding the sampled token; its local "
@@ -197,7 +201,10 @@ def draft_input_ids(c: Ctx) -> None:
     dgi = c.get("draft_0", "draft_global_input_ids")
     if dgi is not None:
         checked = True
-        c.once("draft_global_input_ids", lambda: _draft_global_inputs(c, dgi))
+        # dgi read again inside: ``once`` replays another rank's result only where every read
+        # it logged gives this rank the same array (a dgi captured from outside went unlogged)
+        c.once("draft_global_input_ids",
+               lambda: _draft_global_inputs(c, c.get("draft_0", "draft_global_input_ids")))
         dii = c.get("draft_0", "draft_input_ids")
         if dii is not None and c.get("target", "padded_gather_idx") is not None:
             n = c.num_local()

@@ -126,7 +126,7 @@ def _step_view(trace: Trace, step: int, prev: StepView | None, rank_steps: Mappi
     recs = {}
     for r in trace.ranks:
         if step in rank_steps[r]:
-            recs[r] = {ph: trace.record(step, r, ph) for ph in trace.phases(step, r)}
+            recs[r] = trace.step_records(step, r)  # every phase, one pass over the batch
     missing = tuple(r for r in trace.ranks if step not in rank_steps[r] and last[r] is not None and last[r] > step)
     sv = StepView(step, recs, prev, missing)
     memo: dict = {}

@@ -14,8 +14,8 @@ from pcpviz.trace.shapes import slot_groups
 
 from .columns import (Block, bulk_rule, none)
 from .context import Ctx, Skip, check, token_rows
-from .step_columns import (accepted_ok, agreeing_views, cursor_ok, is_prefilling_ok, must_sample_ok,
-                           positions_consistent_ok, same_phase, verify_consistent_ok)
+from .step_columns import (accepted_ok, agreeing_views, cursor_ok, drafts_fed_back_ok, is_prefilling_ok,
+                           must_sample_ok, positions_consistent_ok, same_phase, verify_consistent_ok, verify_greedy_ok)
 
 @check("verify_consistent",
         "verify is self-consistent and matches the batch: num_sampled == the non -1 prefix of "
@@ -80,6 +80,9 @@ def verify_consistent(c: Ctx) -> None:
 def _verify_consistent_bulk(b: Block, rank: int) -> np.ndarray:
     """``step_columns.verify_consistent_ok``."""
     return verify_consistent_ok(b, rank)
+
+
+bulk_rule("drafts_fed_back")(drafts_fed_back_ok)  # step_columns.drafts_fed_back_ok
 
 
 @check("drafts_fed_back",
@@ -255,6 +258,9 @@ def positions_consistent(c: Ctx) -> None:
 def _positions_consistent_bulk(b: Block, rank: int) -> np.ndarray:
     """``step_columns.positions_consistent_ok``."""
     return positions_consistent_ok(b, rank)
+
+
+bulk_rule("verify_greedy")(verify_greedy_ok)  # step_columns.verify_greedy_ok
 
 
 @check("verify_greedy",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pcpviz.trace import draft_index
 from pcpviz.trace.schema import GLOBAL, phase_class, view_spec
 from pcpviz.trace.view_specs import DCP_SHARE_VIEWS
 
@@ -236,3 +237,129 @@ def accepted_ok(b: Block, rank: int) -> np.ndarray:
     tok, inside = ids.at(seg, at)
     good = ~rejects | (inside & (sampled.at(seg, i * width + a)[0] != tok))
     return ok & all_per_step(good, seg, len(b))
+
+
+def verify_greedy_ok(b: Block, rank: int) -> np.ndarray:
+    """bool[n]: ``verify_greedy`` passes on (step, ``rank``) for sure: top1_token covers
+    1 + num_draft_tokens rows per request, and each request that sampled accepts the longest
+    prefix of its drafts (the last ``d`` input ids of its rows) equal to the argmax rows before
+    them, and samples those argmaxes. Undecided wherever the per-step code could index outside
+    an array (a negative count, drafts past the request's first row, too narrow a
+    sampled_token_ids). A request of q=3 tokens [5, 7, 8] with drafts [7, 8], top1 [7, 9, 4]:
+    one draft accepted, sampled [7, 9]."""
+    top1, ids, q = b.col(rank, "target", "top1_token"), b.col(rank, "target", "input_ids"), \
+        b.col(rank, "target", "num_scheduled_tokens")
+    nd, nacc, ns = (b.col(rank, "verify", v) for v in ("num_draft_tokens", "num_accepted", "num_sampled"))
+    samp = b.col(rank, "verify", "sampled_token_ids", ndim=2)
+    if any(c is None for c in (top1, ids, q, nd, nacc, ns, samp)):
+        return none(b)
+    n, r = len(b), q.lens
+    ok = top1.present & ids.present & q.present & nd.present & nacc.present & ns.present & samp.present
+    ok &= (nd.lens == r) & (nacc.lens == r) & (ns.lens == r) & (samp.rows == r) & (step_sums(q) == ids.lens)
+    ok &= step_sums(nd) + r == top1.lens
+    width = samp.dims[:, 1]
+    seg, i = ragged(np.where(ok, r, 0))
+    d, qi, si = nd.at(seg, i)[0], q.at(seg, i)[0], ns.at(seg, i)[0]
+    end = starts(q)[q.offsets[seg] + i] + qi if seg.size else seg  # qsl[i + 1]
+    sane = (d >= 0) & (qi >= 0) & ((si == 0) | ((end - d >= 0) & (width[seg] >= d + 1)))
+    ok &= all_per_step(sane, seg, n)
+    seg, i = ragged(np.where(ok, r, 0))  # the requests of the steps still judged
+    d, qi, si, na = nd.at(seg, i)[0], q.at(seg, i)[0], ns.at(seg, i)[0], nacc.at(seg, i)[0]
+    end = starts(q)[q.offsets[seg] + i] + qi if seg.size else seg
+    tstart = starts(nd)[nd.offsets[seg] + i] + i if seg.size else seg  # the request's first top1 row
+    live = si != 0  # the per-step code skips only a request that sampled nothing
+    dseg, j = ragged(np.where(live, d, 0))  # every draft of every request that sampled
+    req = np.repeat(np.arange(d.shape[0]), np.where(live, d, 0))
+    step_of = seg[req] if req.size else req
+    drafts = ids.values[ids.offsets[step_of] + end[req] - d[req] + j] if req.size else req
+    argmax = top1.values[top1.offsets[step_of] + tstart[req] + j] if req.size else req
+    acc = np.where(live, d, 0)
+    miss = drafts != argmax
+    np.minimum.at(acc, req[miss], j[miss])
+    good = ~live | (na == acc)
+    sseg, k = ragged(np.where(live, acc + 1, 0))  # the sampled tokens compared
+    sreq = np.repeat(np.arange(d.shape[0]), np.where(live, acc + 1, 0))
+    sstep = seg[sreq] if sreq.size else sreq
+    got = samp.values[samp.offsets[sstep] + i[sreq] * width[sstep] + k] if sreq.size else sreq
+    want = top1.values[top1.offsets[sstep] + tstart[sreq] + k] if sreq.size else sreq
+    same = np.ones(d.shape[0], dtype=bool)
+    np.logical_and.at(same, sreq, got == want)
+    return ok & all_per_step(good & same, seg, n)
+
+
+def drafts_fed_back_ok(b: Block, rank: int) -> np.ndarray:
+    """bool[n]: ``drafts_fed_back`` passes on (step, ``rank``) for sure. Each request continuing
+    from the previous step (matched by req_ids, as the check matches them) that sampled there
+    starts its scheduled drafts right after the token sampled last for it, and schedules the
+    previous step's draft_k tokens as its drafts. Undecided where the per-step code could index
+    outside an array, where the step records scheduled_draft_ids (the engine's, compared first
+    by the check) and where the previous step's draft phases are not draft_0 .. draft_m. A
+    request [5, 7] scheduled with one draft after sampling 5 and drafting 7: True."""
+    ids, q, nd = b.col(rank, "target", "input_ids"), b.col(rank, "target", "num_scheduled_tokens"), \
+        b.col(rank, "verify", "num_draft_tokens")
+    pb = previous(b, rank)
+    pns, psamp = pb.col(rank, "verify", "num_sampled"), pb.col(rank, "verify", "sampled_token_ids", ndim=2)
+    if None in (ids, q, nd, pns, psamp):
+        return none(b)
+    n, r = len(b), q.lens
+    rids, kept = b.arrays(rank, "target", "req_ids"), b.arrays(rank, "target", "scheduled_draft_ids")
+    has_prev = np.fromiter((bool(sv.recs) for sv in pb.svs), dtype=bool, count=n)
+    ok = has_prev & ids.present & q.present & pns.present & psamp.present & (~nd.present | (nd.lens == r))
+    ok &= np.fromiter((rid is not None and rid.shape == (int(k),) and sc is None
+                       for rid, k, sc in zip(rids, r, kept)), dtype=bool, count=n)
+    rows = np.where(ok, r, 0)
+    cur = matched(b, pb, rank, ok=ok, cont=ok.copy(), rows=rows)
+    seg, i = ragged(np.where(ok, r, 0))
+    cur = cur[np.repeat(ok, rows)] if cur.size else cur
+    qi, start = q.at(seg, i)[0], starts(q)[q.offsets[seg] + i] if seg.size else seg
+    pn, pin = pns.at(seg, cur)
+    live = (cur >= 0) & (qi > 0)
+    fed = live & pin & (pn > 0)
+    ok &= all_per_step(~live | pin, seg, n)
+    d = np.where(nd.present[seg], nd.at(seg, i)[0], 0) if seg.size else seg
+    first = start + qi - 1 - d
+    width = psamp.dims[:, 1]
+    inside = (first >= 0) & (first < ids.lens[seg]) & (cur < psamp.rows[seg]) & (pn - 1 < width[seg])
+    want = psamp.values[psamp.offsets[seg] + np.where(fed & inside, cur * width[seg] + pn - 1, 0)] \
+        if seg.size else seg
+    got = ids.at(seg, np.where(inside, first, 0))[0]
+    ok &= all_per_step(~fed | (inside & (want == got)), seg, n)
+    return ok & _fed_drafts_ok(b, pb, rank, ok=ok, seg=seg, fed=fed, cur=cur, d=d, first=first)
+
+
+def _fed_drafts_ok(b: Block, pb: Block, rank: int, *, ok: np.ndarray, seg: np.ndarray, fed: np.ndarray,
+                   cur: np.ndarray, d: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """bool[n]: the scheduled drafts of each fed request (``fed``, with ``d`` drafts) are the
+    previous step's draft_k tokens (k < d) of its row ``cur``; a step whose previous one records
+    fewer draft phases than its widest request's drafts, or lacks their tokens, compares nothing
+    (as the check). Where it compares, every fed request's row must lie in the tokens (the
+    check gathers them all)."""
+    n = len(b)
+    need = np.zeros(n, dtype=np.int64)
+    np.maximum.at(need, seg[fed], d[fed])
+    good = np.ones(n, dtype=bool)
+    top = int(need.max()) if n else 0
+    phases = [sorted((k, p) for k, p in ((draft_index(p), p) for p in sv.recs.get(rank, {})) if k is not None)
+              for sv in pb.svs]
+    contiguous = np.fromiter((all(k == j for j, (k, _) in enumerate(ps)) for ps in phases), dtype=bool, count=n)
+    tokens = [pb.col(rank, f"draft_{k}", "draft_tokens") for k in range(top)]
+    if any(t is None for t in tokens):
+        return ~(ok & (need > 0))
+    complete = np.ones(n, dtype=bool)  # the check compares: every draft_k (k < width) records tokens
+    for k, t in enumerate(tokens):
+        complete &= t.present & (np.fromiter((len(ps) for ps in phases), dtype=np.int64, count=n) > k) \
+            | (need <= k)
+    ids = b.col(rank, "target", "input_ids")
+    if tokens:
+        gathered = fed & complete[seg] & (need[seg] > 0)
+        good &= all_per_step(~gathered | ((cur >= 0) & (cur < tokens[0].lens[seg])), seg, n)
+    for k, t in enumerate(tokens):
+        use = fed & (d > k) & complete[seg]
+        if not use.any():
+            continue
+        same_len = t.lens[seg] == tokens[0].lens[seg]
+        want, in1 = t.at(seg, np.where(use, cur, -1))
+        src = np.clip(first + 1 + k, 0, np.maximum(ids.lens[seg] - 1, 0))
+        got = ids.at(seg, np.where(use, src, 0))[0]
+        good &= all_per_step(~use | (in1 & same_len & (want == got)), seg, n)
+    return ~(need > 0) | (contiguous & good)
