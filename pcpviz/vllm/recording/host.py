@@ -225,7 +225,7 @@ class StepPack:
         self.memo: dict[int, tuple[list, list]] = {}  # id(Deferred.args) -> (args, their entries), this step
         self.held: list | None = None  # the device tensors of puts held for one copy (``hold``)
         self.plans = PlanCache()  # byte views of the hooks' tensors, kept across steps
-        self.book = PlanBook()  # FULL-replay phases planned once (``replayplan``)
+        self.book = PlanBook()  # hook calls planned once, by key (``replayplan``)
         self.replays: list = []  # this step's plan hits: (phase, entries, offset in the step)
 
     def put(self, phase: dict[str, Any], views: dict[str, Any]) -> None:
@@ -267,6 +267,15 @@ class StepPack:
             flat.append(b)
             places.append((box, key, slot, *meta))
             total += meta[2]
+        at = self._into_ring(flat, total)
+        if at is None:
+            return None
+        self.layout.append((at - self.ring.start, places))
+        return flat, places
+
+    def _into_ring(self, flat: list, total: int) -> int | None:
+        """One copy of the byte views ``flat`` (``total`` bytes) into the ring: its offset there,
+        None when the ring is full (the step is dropped; ``DeviceRing.finish`` counts it)."""
         ring = self.ring
         at = ring.reserve(total)
         if at is None:
@@ -276,15 +285,14 @@ class StepPack:
             out.copy_(flat[0])
         else:
             torch.cat(flat, out=out)
-        self.layout.append((at - ring.start, places))
-        return flat, places
+        return at
 
     @contextmanager
     def planning(self, phase: dict[str, Any], dynamic: list[torch.Tensor]) -> Iterator[list]:
-        """Record a FULL-replayed phase as usual (its puts share one copy, as in ``hold``) and plan
-        it (``replayplan``): ``made[0]`` is the plan after the block, None where the phase cannot be
-        planned (a tensor the hooks computed, a dropped step). ``dynamic``: tensors vLLM allocates
-        anew each step, handed again to every ``replay``."""
+        """Record a hook's views into ``phase`` as usual (the puts inside share one copy, as in
+        ``hold``) and plan them (``replayplan``): ``made[0]`` is the plan after the block, None where
+        they cannot be planned (a tensor the hooks computed, a dropped step). ``dynamic``: tensors
+        vLLM allocates anew each step, handed again to every ``replay``."""
         made: list = [None]
         if self.held is not None:  # inside another hold: its copy is not this phase's alone
             yield made
@@ -301,7 +309,7 @@ class StepPack:
         if copied is None or len(self.fresh) != nfresh:
             self.book.unplannable += 1
             return
-        made[0] = _plan(phase, before, copied, [id(t) for t in dynamic], [item[3] for item in now])
+        made[0] = _plan(phase, before, copied, dynamic_ids=[id(t) for t in dynamic], tensors=[item[3] for item in now])
 
     def replay(self, plan: ReplayPlan, phase: dict[str, Any], dynamic: list[torch.Tensor]) -> bool:
         """A planned phase again: one ``cat`` of the plan's byte views and ``dynamic`` into the
@@ -315,17 +323,11 @@ class StepPack:
                 if meta != plan.metas[i]:
                     return False
                 flat[i] = b
-        ring = self.ring
-        at = ring.reserve(plan.total)
+        at = self._into_ring(flat, plan.total)
         if at is None:
             return True  # the ring is full: the step is dropped (its entries are never read)
-        out = ring.buf[at:at + plan.total]
-        if len(flat) == 1:
-            out.copy_(flat[0])
-        else:
-            torch.cat(flat, out=out)
         phase.update(plan.entries)
-        self.replays.append((phase, plan.entries, at - ring.start))
+        self.replays.append((phase, plan.entries, at - self.ring.start))
         return True
 
     def _entry(self, value: Any, box: Any, key: Any, now: list) -> Any:
@@ -393,7 +395,7 @@ class StepPack:
         self.ring.discard()
 
 
-def _plan(phase: dict[str, Any], before: dict[str, Any], copied: tuple[list, list], dynamic_ids: list[int],
+def _plan(phase: dict[str, Any], before: dict[str, Any], copied: tuple[list, list], *, dynamic_ids: list[int],
           tensors: list) -> ReplayPlan | None:
     """The plan of the views put into ``phase`` since ``before`` (its entries then), copied as
     ``copied`` (byte views, places) from ``tensors``; the ones in ``dynamic_ids`` are handed anew."""

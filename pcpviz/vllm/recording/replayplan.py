@@ -1,4 +1,4 @@
-"""A FULL CUDA-graph replay's views, planned once and replayed with one copy.
+"""A hook call's views planned once and recorded again with one copy: FULL CUDA-graph replays first.
 
 A draft forward that vLLM replays as a FULL graph reads the same buffers, by address, every time
 that graph (one size ``n``) is replayed: the speculator's input ids, positions and sequence
@@ -15,7 +15,9 @@ Every later replay of that shape is, on vLLM's step thread:
   step that uses the plan).
 
 The drain (off the step thread) rewrites the ``"p"`` entries to the step's own offsets
-(``rebase``) before the step is resolved.
+(``rebase``) before the step is resolved. The PCP=1 target hooks and verify go the same way
+(``RankRecorder.planned_put``: their batch's persistent buffers by address, the tensors vLLM makes
+each step handed anew).
 
 When a plan is right: the hook's caller keys it by everything its views depend on besides the
 bytes (the graph's manager and size, the draft step, the batch's request count, the addresses of
