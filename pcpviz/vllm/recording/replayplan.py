@@ -79,31 +79,34 @@ class PlanBook:
                 "unplannable": self.unplannable}
 
 
+def _rewrite(entry: Any, leaf: Any, memo: dict[int, list]) -> Any:
+    """``entry`` with ``leaf`` applied to every entry that is not a ``("d", fn, args, index)``, the
+    args of one computation rewritten once (``memo``: id(args) -> new args) so they stay shared."""
+    if isinstance(entry, tuple) and entry and entry[0] == "d":
+        args = entry[2]
+        new = memo.get(id(args))
+        if new is None:
+            new = memo[id(args)] = [_rewrite(a, leaf, memo) for a in args]
+        return ("d", entry[1], new, entry[3])
+    return leaf(entry)
+
+
 def template_entries(entries: dict[str, Any], places: dict[int, tuple]) -> dict[str, Any] | None:
     """``entries`` with every slot (by id, ``places``: id(slot) -> (offset, dtype, shape)) written
-    as ``("p", offset, dtype, shape)``; None when an entry holds something a plan cannot repeat (a
-    slot not in ``places``: a tensor copied at the step's end) or a place is in none of them (a
-    view put into another phase). Arguments shared by several ``("d", ...)`` entries stay shared
-    (one host computation)."""
+    as ``("p", offset, dtype, shape)``; None when a place is in none of them (a view put into another
+    phase: a plan would copy its bytes and lose its entry). Arguments shared by several
+    ``("d", ...)`` entries stay shared (one host computation)."""
     memo: dict[int, list] = {}
     used: set[int] = set()
 
-    def walk(e: Any) -> Any:
-        if isinstance(e, tuple):
-            if e and e[0] == "d":
-                args = e[2]
-                new = memo.get(id(args))
-                if new is None:
-                    new = memo[id(args)] = [walk(a) for a in args]
-                return ("d", e[1], new, e[3])
-            return e
+    def slot(e: Any) -> Any:
         p = places.get(id(e))
         if p is None:
             return e
         used.add(id(e))
         return ("p", *p)
 
-    out = {k: walk(v) for k, v in entries.items()}
+    out = {k: _rewrite(v, slot, memo) for k, v in entries.items()}
     return out if len(used) == len(places) else None
 
 
@@ -113,18 +116,9 @@ def rebase(phase: dict[str, Any], entries: dict[str, Any], base: int) -> None:
     again after the replay (another entry under that name) is left as it is."""
     memo: dict[int, list] = {}
 
-    def walk(e: Any) -> Any:
-        if isinstance(e, tuple) and e:
-            if e[0] == "p":
-                return ("b", base + e[1], e[2], e[3])
-            if e[0] == "d":
-                args = e[2]
-                new = memo.get(id(args))
-                if new is None:
-                    new = memo[id(args)] = [walk(a) for a in args]
-                return ("d", e[1], new, e[3])
-        return e
+    def placed(e: Any) -> Any:
+        return ("b", base + e[1], e[2], e[3]) if isinstance(e, tuple) and e and e[0] == "p" else e
 
     for key, entry in entries.items():
         if phase.get(key) is entry:
-            phase[key] = walk(entry)
+            phase[key] = _rewrite(entry, placed, memo)

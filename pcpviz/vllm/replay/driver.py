@@ -164,6 +164,36 @@ def replay(
     Raises ValueError for bad arguments.
     """
     fix_names = vllm_fixes.requested(fixes)
+    sc, c = _replay_config(pcp, mtp, scenario, decodes=decodes, block_size=block_size, models=models,
+                           graph_mode=graph_mode, chunked_prefill=chunked_prefill, model_dir=model_dir)
+    recording.install_wrappers()
+    sched = ScriptedScheduler(sc, c)
+    vllm_config = stand_in_vllm_config(c, sc.drafter)
+    run = _Run(sc, c, sched, vllm_config=vllm_config, manager_cls=_manager_class(record, trace_dir), record=record,
+               progress=progress, graph_mode=graph_mode)
+    meta = _meta(sc, c, sched, graph_mode)
+    meta["vllm_fixes"] = list(fix_names)
+    t_start = time.perf_counter()
+    with vllm_fixes.applied(fix_names):
+        trace_path, rec_seconds = _run_recorded(run, trace_dir if record else None, meta=meta, overwrite=overwrite,
+                                                dummy=dummy)
+    states = run.states
+    return ReplayResult(
+        trace_path=trace_path, scenario=sc.name, pcp=pcp, num_speculative_tokens=mtp, shard_decode_requests=c.shard,
+        steps=run.steps, dummy=run.dummy_out,
+        kv_target=[s.kv_target.numpy().copy() for s in states], kv_draft=[s.kv_draft.numpy().copy() for s in states],
+        all_gathers=list(run.group.all_gather_calls), seconds=time.perf_counter() - t_start,
+        step_seconds=run.step_seconds, recording_seconds=rec_seconds, meta=meta,
+        manager_class=PCPManager if states[0].manager is None else type(states[0].manager),
+        indexer_writes=[_indexer_log(s, "writes") for s in states],
+        indexer_selections=[_indexer_log(s, "selections") for s in states])
+
+
+def _replay_config(pcp: int, mtp: int, scenario: str, *, decodes: str, block_size: int, models: str | None,
+                   graph_mode: str, chunked_prefill: bool,
+                   model_dir: str | os.PathLike | None) -> tuple[Scenario, ReplayConfig]:
+    """``replay``'s arguments checked (ValueError for a bad one, before any rank starts) and made its
+    scenario and ``ReplayConfig`` (the checkpoint's sizes where ``models="tiny"``)."""
     if models is None:
         models = "scripted" if SCENARIOS.get(scenario) is not None and SCENARIOS[scenario].drafter == "dspark" \
             else "tiny"
@@ -186,27 +216,7 @@ def replay(
     c = ReplayConfig(pcp=pcp, k=mtp, shard=pcp > 1 and decodes == "sharded", block_size=block_size, max_num_reqs=8,
                      max_num_tokens=96, max_model_len=128, vocab=vocab, hidden=hidden, models=models,
                      model_dir=model_dir, moe_experts=0 if mc is None else mc.n_routed_experts)
-    recording.install_wrappers()
-    sched = ScriptedScheduler(sc, c)
-    vllm_config = stand_in_vllm_config(c, sc.drafter)
-    run = _Run(sc, c, sched, vllm_config=vllm_config, manager_cls=_manager_class(record, trace_dir), record=record,
-               progress=progress, graph_mode=graph_mode)
-    meta = _meta(sc, c, sched, graph_mode)
-    meta["vllm_fixes"] = list(fix_names)
-    t_start = time.perf_counter()
-    with vllm_fixes.applied(fix_names):
-        trace_path, rec_seconds = _run_recorded(run, trace_dir if record else None, meta=meta, overwrite=overwrite,
-                                                dummy=dummy)
-    states = run.states
-    return ReplayResult(
-        trace_path=trace_path, scenario=sc.name, pcp=pcp, num_speculative_tokens=mtp, shard_decode_requests=c.shard,
-        steps=run.steps, dummy=run.dummy_out,
-        kv_target=[s.kv_target.numpy().copy() for s in states], kv_draft=[s.kv_draft.numpy().copy() for s in states],
-        all_gathers=list(run.group.all_gather_calls), seconds=time.perf_counter() - t_start,
-        step_seconds=run.step_seconds, recording_seconds=rec_seconds, meta=meta,
-        manager_class=PCPManager if states[0].manager is None else type(states[0].manager),
-        indexer_writes=[_indexer_log(s, "writes") for s in states],
-        indexer_selections=[_indexer_log(s, "selections") for s in states])
+    return sc, c
 
 
 def _indexer_log(st: RankState, log: str) -> dict[str, list]:
