@@ -19,6 +19,7 @@ from pcpviz.engine.model_v32_config import moe_model_dir  # noqa: E402
 from pcpviz.vllm.replay import replay  # noqa: E402
 from pcpviz.vllm.replay.tiny import tiny_model  # noqa: E402
 from tests.helpers.hostile import rewrite  # noqa: E402
+from replay_tokens import replay_tokens  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -32,15 +33,6 @@ def runs(tmp_path_factory):
             for pcp in (1, 2)}
 
 
-def _tokens(res) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for step in res.steps:
-        o = step[0]
-        for i, rid in enumerate(o.req_ids):
-            out.setdefault(rid, []).extend(int(x) for x in o.sampled[i] if x >= 0)
-    return out
-
-
 def _lines(t, step, rank, phase) -> list[str] | None:
     rec = t.record(step, rank, phase)
     return None if "collectives" not in rec.keys() else [str(x) for x in np.asarray(rec["collectives"])]
@@ -50,7 +42,7 @@ def test_greedy_tokens_are_the_models_own_at_pcp_1_and_2(runs):
     """Each request's sampled tokens are the reference model's greedy continuation (teacher-forced: one
     forward of prompt + output, reference sparse attention over the whole sequence), at PCP=1 and 2."""
     model = tiny_model(MOE)
-    toks = {pcp: _tokens(res) for pcp, res in runs.items()}
+    toks = {pcp: replay_tokens(res) for pcp, res in runs.items()}
     assert toks[1] == toks[2]
     prompts = runs[2].meta["prompt_token_ids"]
     longest = 0
@@ -72,7 +64,7 @@ def test_greedy_tokens_are_the_models_own_at_pcp_1_and_2(runs):
 def test_tokens_equal_the_engines_on_the_same_prompts(runs):
     from pcpviz.engine.launch import run
 
-    toks = _tokens(runs[2])
+    toks = replay_tokens(runs[2])
     prompts = runs[2].meta["prompt_token_ids"]
     rids = sorted(toks)
     res = run([prompts[r] for r in rids], pcp=1, num_speculative_tokens=2, device="cpu", model_dir=MOE,
@@ -192,7 +184,7 @@ def test_a_run_that_recomputes_the_router_logits_instead_of_gathering_them_fails
 
     monkeypatch.setattr(MoE, "forward", forward)
     bad = replay(pcp=2, mtp=2, trace_dir=tmp_path / "bad", scenario="long_context", model_dir=MOE, dummy=False)
-    assert _tokens(bad) == _tokens(runs[2])
+    assert replay_tokens(bad) == replay_tokens(runs[2])
     res = run_checks(pt.open(bad.trace_path)).results["collectives_match_vllm"]
     assert res.verdict == "fail" and res.first_violation.step == 0 and res.first_violation.phase == "target"
     assert "router logits" in res.first_violation.message

@@ -13,17 +13,9 @@ cpu_patches.apply_cpu_patches()
 
 from pcpviz.vllm import fixes  # noqa: E402
 from pcpviz.vllm import replay  # noqa: E402
+from replay_tokens import replay_tokens  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-def _tokens(res) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
-    for step in res.steps:
-        o = step[0]
-        for i, rid in enumerate(o.req_ids):
-            out.setdefault(rid, []).extend(int(x) for x in o.sampled[i] if x >= 0)
-    return out
 
 
 def _accepted(res) -> list[tuple[str, int, int]]:
@@ -39,7 +31,7 @@ def eager():
 def test_tokens_equal_the_engines_on_the_same_prompts(eager):
     from pcpviz.engine.launch import run
 
-    toks = _tokens(eager)
+    toks = replay_tokens(eager)
     prompts = eager.meta["prompt_token_ids"]
     rids = sorted(toks)
     res = run([prompts[r] for r in rids], pcp=1, num_speculative_tokens=2, device="cpu",
@@ -62,11 +54,11 @@ def test_piecewise_keeps_tokens_collapses_acceptance_and_the_fix_restores_it(eag
     pw = replay(pcp=2, mtp=2, scenario="mixed", record=False, dummy=False, graph_mode="PIECEWISE", fixes="")
     fixed = replay(pcp=2, mtp=2, trace_dir=tmp_path / "fixed", scenario="mixed", dummy=False,
                    graph_mode="PIECEWISE", fixes="piecewise_draft_prefill")
-    a, b = _tokens(eager), _tokens(pw)
+    a, b = replay_tokens(eager), replay_tokens(pw)
     assert all(b[r] == a[r][: len(b[r])] for r in a)  # same tokens, fewer of them
     accepted = lambda res: sum(ns - 1 for _, ns, _ in _accepted(res) if ns > 0)  # noqa: E731
     assert accepted(pw) < accepted(eager) / 2
-    assert _accepted(fixed) == _accepted(eager) and _tokens(fixed) == a
+    assert _accepted(fixed) == _accepted(eager) and replay_tokens(fixed) == a
     assert fixed.meta["vllm_fixes"] == ["piecewise_draft_prefill"]
     assert run_checks(fixed.trace).ok
     assert fixes.active() == ()  # put back after the run
