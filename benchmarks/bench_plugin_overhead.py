@@ -19,6 +19,12 @@ bytes and ring bytes per step for each workload, and the same for batch 64 with 
 (64 prompts of 32,000 tokens, 400 new tokens each, so that all 64 decode together once the last
 is prefilled), measured, next to the formula, with this process's resident memory after an
 unrecorded run, a recorded one and a flight-recorded one.
+
+Where the time goes, per workload and mode: ``hook_us_per_step`` (inside the hooks, vLLM's thread),
+``hook_us_per_step_by_hook`` (the same by hook, outermost calls), ``step_thread_cpu_s`` (vLLM's
+thread's CPU time per run: the hooks plus the wrappers around them; the wall time beyond it is
+waiting, for the GPU or for the GIL) and ``sender_us_per_step`` (the sink's sender thread, CPU and
+wall, per step sent: its CPU time holds the GIL that vLLM's thread needs).
 """
 
 from __future__ import annotations
@@ -155,14 +161,28 @@ def main(argv: list[str] | None = None) -> int:
         recording.set_mode("off")
         run(prompts[-1], new)  # warm-up
         times: dict[str, list[float]] = {m: [] for m in MODES}
+        cpu: dict[str, list[float]] = {m: [] for m in MODES}  # vLLM's thread (this one: in-process engine)
         hook_us: dict[str, list[float]] = {m: [] for m in MODES if m != "off"}
+        by_hook: dict[str, dict[str, int]] = {m: {} for m in MODES if m != "off"}
+        sender = {m: [0, 0, 0] for m in MODES if m != "off"}  # CPU ns, wall ns, steps of the sink's sender thread
+        prev, snap = None, _sender(rec)
         for r in range(a.repeats):
             for m in MODES[r % len(MODES):] + MODES[: r % len(MODES)]:  # rotated: no mode always first
-                recording.set_mode(m, flight=flight)
-                secs0, steps0 = rec.seconds, rec.steps_written
+                recording.set_mode(m, flight=flight)  # drains the previous run's steps
+                snap = _attribute(sender, prev, snap, _sender(rec))
+                secs0, steps0, hooks0 = rec.seconds, rec.steps_written, rec.hook_times()
+                c = time.thread_time()
                 times[m].append(run(prompts[r], new))
+                cpu[m].append(time.thread_time() - c)
+                prev = m
                 if m != "off":  # host time inside the hooks on vLLM's thread, per recorded step
-                    hook_us[m].append((rec.seconds - secs0) / max(rec.steps_written - steps0, 1) * 1e6)
+                    steps = max(rec.steps_written - steps0, 1)
+                    hook_us[m].append((rec.seconds - secs0) / steps * 1e6)
+                    for k, v in rec.hook_times().items():
+                        by_hook[m][k] = by_hook[m].get(k, 0) + (v - hooks0.get(k, 0))
+                    by_hook[m]["_steps"] = by_hook[m].get("_steps", 0) + steps
+        recording.set_mode("off")
+        _attribute(sender, prev, snap, _sender(rec))
         med = {m: statistics.median(v) for m, v in times.items()}
         ratios = {m: [t / o for t, o in zip(times[m], times["off"])] for m in MODES if m != "off"}
         entry = {"prompts": n, "prompt_tokens": length, "new_tokens": new,
@@ -173,12 +193,19 @@ def main(argv: list[str] | None = None) -> int:
                  "flight_over_off": round(med["flight"] / med["off"], 4),
                  "ratio_per_repeat_min_max": {m: [round(min(v), 4), round(max(v), 4)] for m, v in ratios.items()},
                  "hook_us_per_step": {m: {"median": round(statistics.median(v), 1), "min": round(min(v), 1),
-                                          "max": round(max(v), 1)} for m, v in hook_us.items()}}
+                                          "max": round(max(v), 1)} for m, v in hook_us.items()},
+                 "step_thread_cpu_s": {m: {"median": round(statistics.median(v), 5), "min": round(min(v), 5),
+                                           "max": round(max(v), 5)} for m, v in cpu.items()},
+                 "hook_us_per_step_by_hook": {m: _per_step(v) for m, v in by_hook.items()},
+                 "sender_us_per_step": {m: {"cpu": round(v[0] / max(v[2], 1) / 1e3, 1),
+                                            "wall": round(v[1] / max(v[2], 1) / 1e3, 1), "steps": v[2]}
+                                        for m, v in sender.items()}}
         entry.update(sizes("record", lambda: run(prompts[0], new)))
         entry.update(sizes("flight", lambda: run(prompts[0], new)))
         res["workloads"][name] = entry
         print(name, json.dumps({k: entry[k] for k in ("median_s", "min_max_s", "record_over_off", "flight_over_off",
-                                                      "hook_us_per_step")}), flush=True)
+                                                      "hook_us_per_step", "step_thread_cpu_s",
+                                                      "sender_us_per_step")}), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(res, indent=1))
     if not a.no_long:
@@ -209,6 +236,26 @@ def main(argv: list[str] | None = None) -> int:
     a.out.write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k not in ("workloads",)})[:2000], flush=True)
     return 0
+
+
+def _sender(rec) -> list[int]:
+    """The sink's sender thread's counters (CPU ns, wall ns, steps; zeros for a sink without one)."""
+    return list(getattr(rec.sink, "sender_ns", (0, 0, 0)))
+
+
+def _attribute(acc: dict, mode: str | None, before: list[int], now: list[int]) -> list[int]:
+    """Add the sender's work since ``before`` to ``mode``'s (the steps of the run just drained)."""
+    if mode in acc:
+        for i in range(3):
+            acc[mode][i] += now[i] - before[i]
+    return now
+
+
+def _per_step(ns_by_hook: dict[str, int]) -> dict[str, float]:
+    """Microseconds per recorded step of each hook, largest first."""
+    steps = max(ns_by_hook.get("_steps", 0), 1)
+    return dict(sorted(((k, round(v / steps / 1e3, 1)) for k, v in ns_by_hook.items() if k != "_steps"),
+                       key=lambda kv: -kv[1]))
 
 
 if __name__ == "__main__":

@@ -18,8 +18,17 @@ entry                                        the view
 ``("s", strings)``                           ``np.array(strings, dtype=str)``
 ``("d", fn, args, index)``                   output ``index`` of ``DERIVED[fn](*args)`` (each
                                              arg an entry; the same ``args`` object is
-                                             computed once per step)
+                                             computed once per step and place)
+``("p", offset, dtype, shape)``              a planned copy's view (``recording.replayplan``):
+                                             ``("b", base + offset, dtype, shape)``, ``base``
+                                             the copy's place in the step (``placed``)
 ===========================================  ==================================================
+
+``placed`` (``resolve``'s third argument) says where each planned copy landed in the step:
+``((phase, (view, ...), base), ...)``; a view it names reads its ``"p"`` entries (also inside
+``"d"`` arguments) at ``base``. The recording process sends it beside the descriptor, so the
+entries shared by every step that replays a plan cross unchanged, and nothing rewrites them on
+the way.
 
 A batch-1 verify phase: ``sampled_token_ids`` ``("d", "verify", (S, N, J), 0)`` with ``S = ("b",
 0, "<i8", (1, 3))``, the raw ``int64[1, 3]`` row, ``N`` / ``J`` the raw ``num_sampled`` /
@@ -129,12 +138,16 @@ def _array(buf: np.ndarray, offset: int, dtype: str, shape: tuple) -> np.ndarray
     return np.frombuffer(buf, dtype=dtype, count=n, offset=offset).reshape(shape).copy()
 
 
-def _value(entry: Any, buf: np.ndarray | None, cache: dict[int, tuple]) -> Any:
+def _value(entry: Any, buf: np.ndarray | None, cache: dict[tuple, tuple], base: int | None = None) -> Any:
     if not isinstance(entry, tuple):
         return entry  # a host value put straight into the phase (an ndarray)
     tag = entry[0]
     if tag == "b":
         return _array(buf, entry[1], entry[2], entry[3])
+    if tag == "p":
+        if base is None:
+            raise ValueError("a planned entry with no place in the step (placed does not name its view)")
+        return _array(buf, base + entry[1], entry[2], entry[3])
     if tag == "a":
         n = int(np.prod(entry[2], dtype=np.int64))
         return np.frombuffer(entry[3], dtype=entry[1], count=n).reshape(entry[2]).copy()
@@ -144,23 +157,25 @@ def _value(entry: Any, buf: np.ndarray | None, cache: dict[int, tuple]) -> Any:
         return np.array(entry[1], dtype=str)
     if tag == "d":
         _, fn, args, index = entry
-        key = id(args)
+        key = (id(args), base)  # one plan replayed twice in a step: the same args at two places
         if key not in cache:
-            cache[key] = (args, DERIVED[fn](*(_value(a, buf, cache) for a in args)))
+            cache[key] = (args, DERIVED[fn](*(_value(a, buf, cache, base) for a in args)))
         return cache[key][1][index]
     raise ValueError(f"unknown entry tag {tag!r}")
 
 
-def resolve(phases: Any, buf: np.ndarray | None) -> dict[str, dict[str, Any]]:
+def resolve(phases: Any, buf: np.ndarray | None, placed: Any = ()) -> dict[str, dict[str, Any]]:
     """``{phase: {view: entry}}`` (or the descriptor's tuple form) and the step's bytes ``buf``
-    (uint8, or None when no entry points into it) -> ``{phase: {view: ndarray}}``."""
-    cache: dict[int, tuple] = {}  # id(args) -> (args, outputs); args kept alive while in use
+    (uint8, or None when no entry points into it) -> ``{phase: {view: ndarray}}``; ``placed``:
+    where the planned copies landed (see the module doc)."""
+    cache: dict[tuple, tuple] = {}  # (id(args), base) -> (args, outputs); args kept alive while in use
+    bases = {(phase, view): base for phase, views, base in placed for view in views}
     items = phases.items() if isinstance(phases, dict) else phases
     out: dict[str, dict[str, Any]] = {}
     for phase, views in items:
         res = out[phase] = {}
         for view, entry in (views.items() if isinstance(views, dict) else views):
-            res[view] = _value(entry, buf, cache)
+            res[view] = _value(entry, buf, cache, bases.get((phase, view)))
     return out
 
 

@@ -11,16 +11,16 @@ of the resolving, encoding and writing holds the recording process's GIL.
 
 The process's protocol (``multiprocessing.connection`` messages over two pipes):
 
-================================================  ==================================================
-parent -> writer                                  what the writer does
-================================================  ==================================================
-``("open", options)``                             first: run_dir, rank, overwrite, max_bytes, flight
-``("meta", run_meta)``                            run.json's keys now (rewrites it once written)
-``("step", step, mode, nbytes, phases)`` + bytes  resolves (``pcpviz.trace.packed``) and writes it
-``("dump", req, trigger)``                        dumps the flight ring, replies ``("reply", req, path)``
-``("stats", req)``                                replies the sizes (bytes written, ring)
-``("close", req, status, reason)``                finalizes, replies, exits
-================================================  ==================================================
+========================================================  ==================================================
+parent -> writer                                          what the writer does
+========================================================  ==================================================
+``("open", options)``                                     first: run_dir, rank, overwrite, max_bytes, flight
+``("meta", run_meta)``                                    run.json's keys now (rewrites it once written)
+``("step", step, mode, nbytes, phases, placed)`` + bytes  resolves (``pcpviz.trace.packed``) and writes it
+``("dump", req, trigger)``                                dumps the flight ring, replies ``("reply", req, path)``
+``("stats", req)``                                        replies the sizes (bytes written, ring)
+``("close", req, status, reason)``                        finalizes, replies, exits
+========================================================  ==================================================
 
 The writer sends ``("log", level, message)`` for each warning and ``("error", reason)`` once when a
 step cannot be written (it writes none after it). After every step it stores ``steps written,
@@ -168,12 +168,12 @@ def _serve(inbox: Any, outbox: Any, state: np.ndarray) -> None:
             raise
         kind = msg[0]
         if kind == "step":
-            _, step, mode, nbytes, phases = msg
+            _, step, mode, nbytes, phases, placed = msg
             buf = np.frombuffer(inbox.recv_bytes(), dtype=np.uint8) if nbytes else None
             if failed:
                 continue
             try:
-                out.write(step, resolve(phases, buf), mode)
+                out.write(step, resolve(phases, buf, placed), mode)
             except Exception as exc:  # noqa: BLE001 - one error ends the recording, never the run
                 failed = True
                 outbox.send(("error", "_write", f"{type(exc).__name__}: {exc}"))

@@ -102,7 +102,7 @@ def test_a_plan_copies_the_bytes_of_each_step_and_its_dynamic_tensors():
         out = pack.stage({"draft_1": ph}).resolve()["draft_1"]
         assert out["v"].tolist() == [step, 10 + step, 20 + step]
         assert out["rows"].tolist() == [10 * step + step, 90 + step]
-        assert ph["v"][0] == "b"  # the drain wrote the step's own offsets (the plan's entries are untouched)
+        assert ph["v"] is plan.entries["v"] and ph["v"][0] == "p"  # shared, never rewritten: placed says where
     assert plan.entries["v"][0] == "p"
 
 

@@ -55,7 +55,7 @@ def test_step_pack_copies_into_the_ring_once_per_dtype_and_reads_back():
     out = staged.resolve()["p"]
     assert out["a"].tolist() == [[1, 2], [4, 5]] and out["b"].tolist() == [0, 1, 2, 3, 4]
     assert out["f"].tolist() == [1, 1] and out["c"].tolist() == [0, 1, 2]
-    assert pack.ring.spans == [] and pack.ring.start == 0  # drained: the span went back
+    assert not pack.ring.spans and pack.ring.start == 0  # drained: the span went back
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ import torch
 from pcpviz.trace.fingerprints import row_fingerprints
 from pcpviz.trace.packed import host_entry, resolve
 from pcpviz.vllm.recording.copyplan import BYTE_DTYPES, PlanCache, fresh_bytes
-from pcpviz.vllm.recording.replayplan import PlanBook, ReplayPlan, rebase, template_entries
+from pcpviz.vllm.recording.replayplan import PlanBook, ReplayPlan, template_entries
 from pcpviz.vllm.recording.ring import DeviceRing
 
 __all__ = ["Deferred", "Fresh", "Strings", "StepPack", "StagedStep", "to_host", "now_us", "block_rows",
@@ -103,21 +103,28 @@ class _HostPool:
     memory costs far more than a copy). A buffer goes back when its step was copied out."""
 
     def __init__(self) -> None:
-        self.free: list[torch.Tensor] = []
+        self.free: list[tuple[torch.Tensor, bool]] = []  # (buffer, pinned): ``is_pinned`` asks the driver
+        self.pinned: dict[int, bool] = {}  # id(buffer) -> pinned, for the buffers handed out
         self.lock = threading.Lock()
 
     def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
         with self.lock:
-            for i, buf in enumerate(self.free):
-                if buf.numel() >= nbytes and buf.is_pinned() == pinned:
-                    return self.free.pop(i)
+            for i, (buf, is_pinned) in enumerate(self.free):
+                if is_pinned == pinned and buf.numel() >= nbytes:
+                    del self.free[i]
+                    self.pinned[id(buf)] = pinned
+                    return buf
         with torch.inference_mode(False):
-            return torch.empty(max(nbytes * 2, 1 << 16), dtype=torch.uint8, pin_memory=pinned)
+            buf = torch.empty(max(nbytes * 2, 1 << 16), dtype=torch.uint8, pin_memory=pinned)
+        with self.lock:
+            self.pinned[id(buf)] = pinned
+        return buf
 
     def give(self, buf: torch.Tensor) -> None:
         with self.lock:
-            if len(self.free) < 8:
-                self.free.append(buf)
+            pinned = self.pinned.pop(id(buf), None)
+            if pinned is not None and len(self.free) < 8:
+                self.free.append((buf, pinned))
 
 
 _POOL = _HostPool()
@@ -141,6 +148,7 @@ class StagedStep:
         self.replays = replays  # [(phase, plan entries, offset in the step)] (``replayplan``)
         self.nbytes = 0 if span is None else span[1] - span[0]
         self.host: torch.Tensor | None = None
+        self.placed: list = []  # where the plan hits landed (``pcpviz.trace.packed.resolve``), set by ``wait``
 
     def wait(self) -> np.ndarray | None:
         """Wait for the copies (the GIL is released while waiting), move the step's bytes to the
@@ -164,8 +172,7 @@ class StagedStep:
             _fill(self.layout)
             self.layout = None
         if self.replays:
-            for phase, entries, base in self.replays:
-                rebase(phase, entries, base)
+            self.placed = _placed(self.phases, self.replays)
             self.replays = None
         return None if self.host is None else self.host[: self.nbytes].numpy()
 
@@ -183,9 +190,22 @@ class StagedStep:
 
     def resolve(self) -> dict[str, dict[str, Any]]:
         """The step as NumPy arrays of its own (``pcpviz.trace.packed.resolve``)."""
-        out = resolve(self.phases, self.wait())
+        buf = self.wait()
+        out = resolve(self.phases, buf, self.placed)
         self.release()
         return out
+
+
+def _placed(phases: dict[str, dict[str, Any]], replays: list) -> list[tuple[str, tuple[str, ...], int]]:
+    """``[(phase, views, base)]``: the views each plan hit still holds (a view put again after the
+    hit has another entry) and the hit's offset in the step (``pcpviz.trace.packed.resolve``)."""
+    names = {id(views): name for name, views in phases.items()}
+    out = []
+    for phase, entries, base in replays:
+        held = tuple(k for k, e in entries.items() if phase.get(k) is e)
+        if held:
+            out.append((names[id(phase)], held, base))
+    return out
 
 
 _SIDE: dict[Any, Any] = {}

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,7 @@ class ProcessSink:
         self._meta_dirty = True
         self._flight_sent: Any = None
         self._state: mmap.mmap | None = None
+        self.sender_ns = [0, 0, 0]  # the sender thread's CPU time, wall time and steps sent (``_send_step``)
         _catch_flight_signal(self)
         self._sender = threading.Thread(target=self._send_loop, name=f"pcpviz-rank{rec.rank}-sender", daemon=True)
         self._sender.start()
@@ -146,6 +148,16 @@ class ProcessSink:
                 self._queue.task_done(nbytes)
 
     def _send_step(self, step: int, staged: StagedStep, mode: str) -> None:
+        c0, t0 = time.thread_time_ns(), time.perf_counter_ns()
+        try:
+            self._send_staged(step, staged, mode)
+        finally:
+            acc = self.sender_ns
+            acc[0] += time.thread_time_ns() - c0
+            acc[1] += time.perf_counter_ns() - t0
+            acc[2] += 1
+
+    def _send_staged(self, step: int, staged: StagedStep, mode: str) -> None:
         buf = staged.wait()
         if self._meta_dirty:
             self._meta_dirty = False
@@ -155,7 +167,7 @@ class ProcessSink:
             self._send(("flight", self._flight_sent))
         self.opened_file = self.opened_file or mode == "record"
         try:
-            self._send(("step", step, mode, 0 if buf is None else buf.nbytes, staged.phases), buf)
+            self._send(("step", step, mode, 0 if buf is None else buf.nbytes, staged.phases, staged.placed), buf)
         finally:
             staged.release()
 

@@ -93,7 +93,9 @@ class RankRecorder:
         self.disabled = False
         self.disabled_reason = ""
         self.closed = False
-        self.seconds = 0.0  # time spent inside recording hooks
+        self.seconds = 0.0  # time spent inside recording hooks (a guard inside another counted in both)
+        self.hook_ns: dict[str, int] = {}  # outermost guard calls' time by hook name (``hook_times``)
+        self._depth = threading.local()
         self.steps_written = 0
         self.overflow_after: list[int] = []  # per step dropped by the device ring: the next step's number
         self.global_batch: Any = None  # the step's global InputBatch (verify rows)
@@ -107,10 +109,14 @@ class RankRecorder:
 
     # -- error policy
     def guard(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Run a recording action; lenient sessions log and disable on error."""
+        """Run a recording action; lenient sessions log and disable on error. Its time counts in
+        ``seconds`` and, for a guard not inside another on its thread, in ``hook_ns``."""
         if self.disabled:
             return None
-        t0 = time.perf_counter()
+        depth = self._depth
+        outer = not getattr(depth, "n", 0)
+        depth.n = getattr(depth, "n", 0) + 1
+        t0 = time.perf_counter_ns()
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
@@ -124,7 +130,16 @@ class RankRecorder:
                            type(exc).__name__, exc)
             return None
         finally:
-            self.seconds += time.perf_counter() - t0
+            dt = time.perf_counter_ns() - t0
+            depth.n -= 1
+            self.seconds += dt * 1e-9
+            if outer:
+                name = getattr(fn, "__qualname__", "?")
+                self.hook_ns[name] = self.hook_ns.get(name, 0) + dt
+
+    def hook_times(self) -> dict[str, int]:
+        """Nanoseconds spent in each hook so far (outermost guard calls, by qualified name), a copy."""
+        return dict(self.hook_ns)
 
     # -- steps and phases
     def begin_step(self) -> None:

@@ -14,10 +14,11 @@ Every later replay of that shape is, on vLLM's step thread:
 * ``phase.update(plan.entries)``: the entries as they are (immutable tuples, shared by every
   step that uses the plan).
 
-The drain (off the step thread) rewrites the ``"p"`` entries to the step's own offsets
-(``rebase``) before the step is resolved. The PCP=1 target hooks and verify go the same way
-(``RankRecorder.planned_put``: their batch's persistent buffers by address, the tensors vLLM makes
-each step handed anew).
+Nothing rewrites the ``"p"`` entries: the drain (off the step thread) lists where each hit landed
+in the step (``host.StagedStep.placed``: phase, views, offset) and the writer reads them there
+(``pcpviz.trace.packed.resolve``), so the shared entries cross to the writer process unchanged.
+The PCP=1 target hooks and verify go the same way (``RankRecorder.planned_put``: their batch's
+persistent buffers by address, the tensors vLLM makes each step handed anew).
 
 When a plan is right: the hook's caller keys it by everything its views depend on besides the
 bytes (the graph's manager and size, the draft step, the batch's request count, the addresses of
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ReplayPlan", "PlanBook", "template_entries", "rebase", "MAX_PLANS"]
+__all__ = ["ReplayPlan", "PlanBook", "template_entries", "MAX_PLANS"]
 
 MAX_PLANS = 256  # shapes kept per recorder (vLLM captures a few dozen graph sizes)
 
@@ -108,17 +109,3 @@ def template_entries(entries: dict[str, Any], places: dict[int, tuple]) -> dict[
 
     out = {k: _rewrite(v, slot, memo) for k, v in entries.items()}
     return out if len(used) == len(places) else None
-
-
-def rebase(phase: dict[str, Any], entries: dict[str, Any], base: int) -> None:
-    """Where ``phase`` still holds a plan's entry, the entry at the step's offset ``base``:
-    ``("p", off, ...)`` -> ``("b", base + off, ...)`` (the drain, off the step thread). A view put
-    again after the replay (another entry under that name) is left as it is."""
-    memo: dict[int, list] = {}
-
-    def placed(e: Any) -> Any:
-        return ("b", base + e[1], e[2], e[3]) if isinstance(e, tuple) and e and e[0] == "p" else e
-
-    for key, entry in entries.items():
-        if phase.get(key) is entry:
-            phase[key] = _rewrite(entry, placed, memo)

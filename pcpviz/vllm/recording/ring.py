@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import deque
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ class DeviceRing:
         self.capacity = ring_bytes() if capacity is None else max(_align(capacity), ALIGN)
         self.buf: torch.Tensor | None = None  # uint8[capacity], allocated on the first put's device
         self.start = self.head = 0  # the step being recorded: bytes [start, head)
-        self.spans: list[tuple[int, int]] = []
+        self.spans: deque[tuple[int, int]] = deque()  # in the order they were handed on
         self.top = 0  # the largest end of the undrained spans (0: none)
         self.dropped = False  # the step being recorded no longer fits: its views are dropped
         self.overflow_steps = 0
@@ -138,11 +139,19 @@ class DeviceRing:
     def release(self, span: tuple[int, int]) -> None:
         """The drain copied ``span`` out: its bytes may be written again."""
         with self._lock:
-            try:
-                self.spans.remove(span)
-            except ValueError:
-                pass
-            self.top = max((e for _, e in self.spans), default=0)
+            spans = self.spans
+            removed = True
+            if spans and spans[0] == span:  # the drain releases in order: the usual case is O(1)
+                spans.popleft()
+            else:
+                try:
+                    spans.remove(span)
+                except ValueError:
+                    removed = False
+            if not spans:
+                self.top = 0
+            elif removed and span[1] >= self.top:  # the span that ended highest went: find the new top
+                self.top = max(e for _, e in spans)
             if not self.spans and self.head == self.start:
                 self.start = self.head = 0  # nothing in flight: start the next step at the ring's start
 
