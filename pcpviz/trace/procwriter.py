@@ -16,7 +16,8 @@ parent -> writer                                          what the writer does
 ========================================================  ==================================================
 ``("open", options)``                                     first: run_dir, rank, overwrite, max_bytes, flight
 ``("meta", run_meta)``                                    run.json's keys now (rewrites it once written)
-``("step", step, mode, nbytes, phases, placed)`` + bytes  resolves (``pcpviz.trace.packed``) and writes it
+``("steps", [(step, mode, nbytes, phases, placed)])``     resolves each (``pcpviz.trace.packed``) and writes it;
++ their bytes, one after the other                        a step's bytes are the next ``nbytes``
 ``("dump", req, trigger)``                                dumps the flight ring, replies ``("reply", req, path)``
 ``("stats", req)``                                        replies the sizes (bytes written, ring)
 ``("close", req, status, reason)``                        finalizes, replies, exits
@@ -167,16 +168,19 @@ def _serve(inbox: Any, outbox: Any, state: np.ndarray) -> None:
             _store(state, out)
             raise
         kind = msg[0]
-        if kind == "step":
-            _, step, mode, nbytes, phases, placed = msg
-            buf = np.frombuffer(inbox.recv_bytes(), dtype=np.uint8) if nbytes else None
-            if failed:
-                continue
-            try:
-                out.write(step, resolve(phases, buf, placed), mode)
-            except Exception as exc:  # noqa: BLE001 - one error ends the recording, never the run
-                failed = True
-                outbox.send(("error", "_write", f"{type(exc).__name__}: {exc}"))
+        if kind == "steps":
+            data = inbox.recv_bytes() if any(n for _, _, n, _, _ in msg[1]) else None
+            off = 0
+            for step, mode, nbytes, phases, placed in msg[1]:
+                buf = np.frombuffer(data, dtype=np.uint8, count=nbytes, offset=off) if nbytes else None
+                off += nbytes
+                if failed:
+                    continue
+                try:
+                    out.write(step, resolve(phases, buf, placed), mode)
+                except Exception as exc:  # noqa: BLE001 - one error ends the recording, never the run
+                    failed = True
+                    outbox.send(("error", "_write", f"{type(exc).__name__}: {exc}"))
             _store(state, out)
         elif kind == "meta":
             meta.clear()

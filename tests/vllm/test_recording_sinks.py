@@ -150,3 +150,32 @@ def test_the_flight_ring_lives_in_the_writer_and_dumps_on_request_signal_and_shu
     last = pt.open(tmp_path / "t" / "flight-002-shutdown")
     assert last.steps == [2, 3] and pt.validate(last).ending == "complete"
     assert last.meta["flight_recorder"]["trigger"] == "shutdown"
+
+
+def test_steps_that_wait_together_go_to_the_writer_in_one_message_and_write_the_same_trace(tmp_path, clock,
+                                                                                          monkeypatch):
+    """The sender takes the steps queued within ``DRAIN_PERIOD_S`` together (one host copy, one
+    message): fewer messages than steps, and the trace the inline writer writes, byte for byte."""
+    from pcpviz.vllm.recording import procsink
+
+    monkeypatch.delenv("PCPVIZ_WRITER", raising=False)
+    monkeypatch.setattr(procsink, "DRAIN_PERIOD_S", 0.3)
+    sent: list[int] = []
+    send = procsink.ProcessSink._send
+
+    def counted(self, msg, data=None):
+        if msg[0] == "steps":
+            sent.append(len(msg[1]))
+        return send(self, msg, data)
+
+    monkeypatch.setattr(procsink.ProcessSink, "_send", counted)
+    with recording.session(tmp_path / "proc", producer="t", meta={"pcp": 1}) as s:
+        rec = s.recorder_for_rank(0, 1)
+        _steps(rec, 6)
+        assert rec.sink.stats()["steps_written"] == 6
+    assert sum(sent) == 6 and len(sent) < 6 and max(sent) > 1, sent
+    assert rec.sink.sender_ns[2] == 6
+    monkeypatch.setattr(recorder_module, "now_us", iter(range(10**6)).__next__)
+    with recording.session(tmp_path / "inline", producer="t", meta={"pcp": 1}, strict=True) as s:
+        _steps(s.recorder_for_rank(0, 1), 6)
+    assert (tmp_path / "proc" / "rank0.arrow").read_bytes() == (tmp_path / "inline" / "rank0.arrow").read_bytes()

@@ -77,6 +77,16 @@ class Backlog:
     def get(self) -> tuple[Any, int]:
         return self._q.get()
 
+    def get_ready(self, most: int) -> list[tuple[Any, int]]:
+        """The items waiting now (at most ``most``), oldest first, without waiting for more."""
+        out: list[tuple[Any, int]] = []
+        while len(out) < most:
+            try:
+                out.append(self._q.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
     def task_done(self, nbytes: int) -> None:
         with self._cv:
             self.steps -= 1

@@ -26,10 +26,10 @@ request with 6 tokens (2 blocks) in a persistent row that held a 3-block request
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,7 @@ from pcpviz.vllm.recording.copyplan import BYTE_DTYPES, PlanCache, fresh_bytes
 from pcpviz.vllm.recording.replayplan import PlanBook, ReplayPlan, template_entries
 from pcpviz.vllm.recording.ring import DeviceRing
 
-__all__ = ["Deferred", "Fresh", "Strings", "StepPack", "StagedStep", "to_host", "now_us", "block_rows",
+__all__ = ["Deferred", "Fresh", "Strings", "StepPack", "StagedStep", "drain_steps", "to_host", "now_us", "block_rows",
            "host_pool", "fingerprint_view", "HOST_FP_MAX_BYTES"]
 
 
@@ -196,6 +196,46 @@ class StagedStep:
         return out
 
 
+def drain_steps(steps: list[StagedStep]) -> tuple[np.ndarray | None, list[int], Any]:
+    """Several staged steps to the host at once (the sink's sender, off the step's thread): their
+    spans copied into one host buffer, one after the other, behind their events on the drain's own
+    stream (``wait_event``: nothing on the host waits per step), then one wait for the copies; the
+    spans go back to the ring and each step's entries and plan places are filled in. Returns the
+    bytes (uint8[sum], None if none), each step's byte count in them, and the host buffer (give it
+    back with ``host_pool().give`` once the bytes are read; None if none)."""
+    sizes = [st.nbytes if st.span is not None and st.host is None else 0 for st in steps]
+    total = sum(sizes)
+    host = None
+    if total:
+        dev0 = next(st for st, n in zip(steps, sizes) if n).ring.buf
+        host = _POOL.take(total, dev0.is_cuda)
+        side = _side_stream(dev0.device) if dev0.is_cuda else None
+        off = 0
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for st, n in zip(steps, sizes):
+                if not n:
+                    continue
+                if st.event is not None and side is not None:
+                    side.wait_event(st.event)  # the device orders the copy after the step's copies
+                host[off:off + n].copy_(st.ring.bytes_of(st.span), non_blocking=side is not None)
+                off += n
+        if side is not None:
+            side.synchronize()  # one wait for the batch (the GIL released while it waits)
+        for st, n in zip(steps, sizes):
+            if n:
+                st.event = None
+                st.ring.release(st.span)
+                st.span = None
+    for st in steps:
+        if st.layout is not None:
+            _fill(st.layout)
+            st.layout = None
+        if st.replays:
+            st.placed = _placed(st.phases, st.replays)
+            st.replays = None
+    return (None if host is None else host[:total].numpy()), sizes, host
+
+
 def _placed(phases: dict[str, dict[str, Any]], replays: list) -> list[tuple[str, tuple[str, ...], int]]:
     """``[(phase, views, base)]``: the views each plan hit still holds (a view put again after the
     hit has another entry) and the hit's offset in the step (``pcpviz.trace.packed.resolve``)."""
@@ -258,7 +298,7 @@ class StepPack:
         if now and held is None:
             self._copy(now)
 
-    @contextmanager
+    @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
         """The puts inside share one copy, made when the block ends: for a hook that puts several
         times while vLLM runs nothing (``_run_model``'s entry: the prepared inputs and
@@ -307,7 +347,7 @@ class StepPack:
             torch.cat(flat, out=out)
         return at
 
-    @contextmanager
+    @contextlib.contextmanager
     def planning(self, phase: dict[str, Any], dynamic: list[torch.Tensor]) -> Iterator[list]:
         """Record a hook's views into ``phase`` as usual (the puts inside share one copy, as in
         ``hold``) and plan them (``replayplan``): ``made[0]`` is the plan after the block, None where
