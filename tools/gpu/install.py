@@ -14,6 +14,10 @@ The install: vLLM's Python tree and its two compiled libraries into ``site/``, t
 ``pip install --no-index --no-deps --target site/``, and a ``pcpviz`` dist-info whose
 ``vllm.general_plugins`` entry point vLLM finds (pcpviz itself is imported from this repository,
 which ``env.sh`` puts on ``PYTHONPATH``).
+
+The extras (``stage.py --extras``, parts ``extraN``, after the main parts): each library at its place in
+vLLM's tree, the wheels with pip (``<wheel>.xz`` decompressed first) into ``site/`` too, ``env.sh`` again
+(the CuTe DSL's package folder on ``PYTHONPATH``), then the manifest's import probe.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ HOME = Path(os.environ.get("PCPVIZ_GPU_HOME", "/root/pcpviz-gpu"))
 SO_TARGETS = {"_C_stable_libtorch.abi3.so.xz": "vllm/_C_stable_libtorch.abi3.so",
               "_vllm_fa3_C.abi3.so.xz": "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"}
 
+# Where the CuTe DSL's wheels put the ``cutlass`` package (``stage.py --extras``).
+CUTE_DSL_PACKAGES = "nvidia_cutlass_dsl/dsl_packages"
 # Every setting below is explained in docs/gpu.md.
 ENV = {
     "VLLM_USE_FLASHINFER_SAMPLER": "0",  # no FlashInfer on the image; use vLLM's own sampler kernels
@@ -46,6 +52,12 @@ ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
 }
+# DeepGEMM (the DSA indexer's kernels) compiles at run time with nvcc >= 12.9, found through
+# DG_JIT_NVCC_COMPILER, CUDA_HOME, CUDA_PATH, PATH or /usr/local/cuda (docs/gpu.md): name the toolkit of
+# the nvcc on PATH where CUDA_HOME is not set, so that DeepGEMM, the CuTe DSL and torch agree on it.
+CUDA_HOME_LINES = ['if [ -z "${CUDA_HOME:-}" ] && command -v nvcc >/dev/null 2>&1; then',
+                   '    export CUDA_HOME="$(dirname "$(dirname "$(command -v nvcc)")")"',
+                   'fi']
 
 
 def _die(msg: str) -> None:
@@ -115,10 +127,16 @@ def _write_dist_info(site: Path) -> None:
     (d / "RECORD").write_text("")
 
 
-def env_lines() -> list[str]:
+def python_path() -> str:
+    """The install, the CuTe DSL's package folder (``cutlass``: its wheel adds it with a ``.pth`` file, which
+    Python reads only in site-packages, not in a ``--target`` folder on PYTHONPATH), the repository."""
     site = HOME / "site"
-    path = f"{site}:{REPO}:{REPO / 'kernels'}"
-    return [f"export PYTHONPATH={path}${{PYTHONPATH:+:$PYTHONPATH}}"] + [f"export {k}={v}" for k, v in ENV.items()]
+    return f"{site}:{site / CUTE_DSL_PACKAGES}:{REPO}:{REPO / 'kernels'}"
+
+
+def env_lines() -> list[str]:
+    return ([f"export PYTHONPATH={python_path()}${{PYTHONPATH:+:$PYTHONPATH}}"]
+            + [f"export {k}={v}" for k, v in ENV.items()] + CUDA_HOME_LINES)
 
 
 def install(manifest: dict) -> None:
@@ -142,10 +160,7 @@ def install(manifest: dict) -> None:
             target.chmod(0o755)
         elif name.endswith(".whl"):
             wheels.append(str(path))
-    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                          "--no-cache-dir", "--target", str(site), *wheels], capture_output=True, text=True)
-    if res.returncode != 0:
-        _die("pip install of the wheels failed: " + (res.stderr.strip().splitlines() or ["?"])[-1])
+    _pip_install(wheels, site)
     _write_dist_info(site)
     (HOME / "env.sh").write_text("\n".join(env_lines()) + "\n")
     shutil.rmtree(build)
@@ -157,22 +172,87 @@ def install(manifest: dict) -> None:
     print(f"installed vLLM {check.stdout.strip()} into {site}; now: source {HOME / 'env.sh'}")
 
 
+def _pip_install(wheels: list[str], site: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                          "--no-cache-dir", "--target", str(site), *wheels], capture_output=True, text=True)
+    if res.returncode != 0:
+        _die("pip install of the wheels failed: " + (res.stderr.strip().splitlines() or ["?"])[-1])
+
+
+def _merge(src: Path, site: Path) -> None:
+    """Move what pip put in ``src`` into ``site``: each top-level entry replaces its namesake (a second run
+    replaces the first's), but ``bin/`` is merged file by file (the main wheels' scripts stay). pip's own
+    ``--target`` into a folder that has them would skip (or, with ``--upgrade``, replace) whole folders."""
+    for entry in src.iterdir():
+        dst = site / entry.name
+        if entry.name == "bin" and entry.is_dir() and dst.is_dir():
+            _merge(entry, dst)
+            continue
+        if dst.is_dir() and not dst.is_symlink():
+            shutil.rmtree(dst)
+        elif dst.exists() or dst.is_symlink():
+            dst.unlink()
+        shutil.move(str(entry), str(dst))
+
+
+def _wheel(path: Path) -> Path:
+    """A wheel as pip takes it: a ``<wheel>.xz`` (``stage.py``'s re-packed large wheel) decompressed beside it."""
+    if path.name.endswith(".whl.xz"):
+        out = path.with_name(path.name[:-3])
+        with lzma.open(path) as fi, out.open("wb") as fo:
+            shutil.copyfileobj(fi, fo, 1 << 22)
+        path.unlink()
+        return out
+    return path
+
+
 def install_extras(manifest: dict) -> None:
-    """The extra libraries (``stage.py --extras``) into an existing install, each at its place in vLLM's tree."""
+    """The extras (``stage.py --extras``) into an existing install: each library at its place in vLLM's
+    tree, the wheels with pip; then ``env.sh`` again (the CuTe DSL's folder on PYTHONPATH) and the probe."""
     site = HOME / "site"
     if not site.is_dir():
         _die("the extras go into an existing install: install the main parts first")
     build = HOME / "extras" / "build"
     build.mkdir(exist_ok=True)
+    wheels = []
     for name, entry in manifest["files"].items():
         path = _assemble(name, entry, build, HOME / "extras")
-        target = site / manifest["targets"][name]
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with lzma.open(path) as fi, target.open("wb") as fo:
-            shutil.copyfileobj(fi, fo, 1 << 22)
-        target.chmod(0o755)
+        if name in manifest["targets"]:
+            target = site / manifest["targets"][name]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with lzma.open(path) as fi, target.open("wb") as fo:
+                shutil.copyfileobj(fi, fo, 1 << 22)
+            target.chmod(0o755)
+        elif name.endswith((".whl", ".whl.xz")):
+            wheels.append(str(_wheel(path)))
+    if wheels:
+        target = build / "target"
+        _pip_install(wheels, target)
+        _merge(target, site)
+    (HOME / "env.sh").write_text("\n".join(env_lines()) + "\n")
     shutil.rmtree(build)
-    print("installed the extras: " + ", ".join(manifest["targets"].values()))
+    installed = list(manifest["targets"].values()) + [Path(w).name.split("-")[0] for w in wheels]
+    if manifest.get("probe"):
+        check = subprocess.run([sys.executable, "-c", manifest["probe"]],
+                               env={**os.environ, "PYTHONPATH": python_path()}, capture_output=True, text=True)
+        if check.returncode != 0:
+            _die("the extras do not import: " + (check.stderr.strip().splitlines() or ["?"])[-1])
+    print("installed the extras: " + ", ".join(installed) + f"; now: source {HOME / 'env.sh'}")
+    nvcc = find_nvcc()
+    print(f"DeepGEMM's JIT compiler: {nvcc}" if nvcc else
+          "install.py: warning: no nvcc found (DG_JIT_NVCC_COMPILER, $CUDA_HOME/bin, $CUDA_PATH/bin, PATH, "
+          "/usr/local/cuda/bin): DeepGEMM cannot compile the indexer's kernels")
+
+
+def find_nvcc() -> str | None:
+    """The nvcc DeepGEMM's JIT would find, looked for in its order (docs/gpu.md), or None."""
+    env = os.environ
+    for cand in (env.get("DG_JIT_NVCC_COMPILER"), env.get("CUDA_HOME") and f"{env['CUDA_HOME']}/bin/nvcc",
+                 env.get("CUDA_PATH") and f"{env['CUDA_PATH']}/bin/nvcc", shutil.which("nvcc"),
+                 "/usr/local/cuda/bin/nvcc"):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    return None
 
 
 def main(argv: list[str]) -> int:

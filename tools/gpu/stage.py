@@ -2,7 +2,7 @@
 
     python tools/gpu/stage.py                  # -> .gpu/part1 .gpu/part2 .gpu/part3 (+ manifest)
     python tools/gpu/stage.py --part-mb 17     # smaller parts (more of them): the repository is 48 MB
-    python tools/gpu/stage.py --extras         # the MoE + DSA model's libraries (.gpu/extraN)
+    python tools/gpu/stage.py --extras         # the MoE + DSA model's libraries and wheels (.gpu/extraN)
 
 Run here (CPU, any Python); then, on the GPU machine, in the repository root, one part per
 command, back to back (a bare machine keeps /root only while it stays warm):
@@ -21,6 +21,10 @@ What goes into the parts (from the vllm 0.33.0 wheel and ``tools/gpu/wheels.txt`
   custom ops (RMSNorm, rotary, cache writes, ...) and FlashAttention 3 for MLA; vLLM 0.33.0 builds
   them against torch's stable ABI, so they load on the GPU image's torch 2.11;
 * the light wheels of ``tools/gpu/wheels.txt`` (CPython 3.12, x86-64, no dependencies: closed list).
+
+``--extras`` (after the main parts, ``install.py .gpu/extraN``): the fused MoE's ops and DeepGEMM from
+the same wheel, and the wheels of ``tools/gpu/wheels-extras.txt`` (the CuTe DSL, ``import cutlass``, and
+QuACK); a wheel over ``REPACK_BYTES`` is re-written uncompressed and xz'd (``<wheel>.xz``).
 
 Large files are cut into chunks so that no part exceeds ``--part-mb`` (the device tool sends at
 most 64 MiB a command, the repository included: stage.py says which part size fits when the
@@ -51,8 +55,16 @@ LEFT_OUT = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libt
             "vllm/third_party/deep_gemm/_C_extension.abi3.so", "vllm/vllm-rs", "vllm/_flashkda_C.abi3.so")
 # ``--extras``: the compiled libraries the MoE + DSA model needs beyond the dense model's (the fused MoE's
 # custom ops; DeepGEMM, which vLLM's sparse-attention indexer requires on CUDA,
-# ``sparse_attn_indexer.py:1060-1064``), sent as parts of their own after the main ones.
+# ``sparse_attn_indexer.py:1060-1064``), sent as parts of their own after the main ones, with the wheels
+# of ``tools/gpu/wheels-extras.txt`` (the CuTe DSL, ``import cutlass``, and QuACK).
 EXTRAS = {"vllm/_moe_C_stable_libtorch.abi3.so": 6, "vllm/third_party/deep_gemm/_C_extension.abi3.so": 6}
+EXTRA_WHEELS = "wheels-extras.txt"
+# An extra wheel larger than this is re-packed (``repack_wheel``): the CuTe DSL's cu13 libraries (92 MB).
+REPACK_BYTES = 20_000_000
+# What install.py imports, after the extras, to check them (the module whose ``import cutlass`` failed on
+# the GPU machine, the router GEMM's QuACK helper, DeepGEMM with its headers); one line and exit 2 if it fails.
+EXTRAS_PROBE = ("import cutlass, cutlass.cute, quack.compile_utils; "
+                "import vllm.models.deepseek_v32.nvidia.ops.fused_q_cutedsl, vllm.third_party.deep_gemm")
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux_2_31_x86_64", "any")
 
@@ -77,9 +89,47 @@ def _pip_download(args: list[str], dest: Path) -> None:
         sys.exit(f"stage.py: pip download {' '.join(args)} failed: {err[0] if err else res.returncode}")
 
 
-def _wheel_pins() -> list[str]:
-    lines = (REPO / "tools" / "gpu" / "wheels.txt").read_text().splitlines()
+def _wheel_pins(listing: str = "wheels.txt") -> list[str]:
+    lines = (REPO / "tools" / "gpu" / listing).read_text().splitlines()
     return [ln.split("#")[0].strip() for ln in lines if ln.split("#")[0].strip()]
+
+
+def _download_pins(listing: str, wheels: Path) -> list[Path]:
+    """The wheels of ``tools/gpu/<listing>`` (downloaded into ``wheels`` once), one per pin."""
+    wheels.mkdir(parents=True, exist_ok=True)
+    out = []
+    for pin in _wheel_pins(listing):
+        name = pin.split("==")[0].lower().replace("-", "_").replace(".", "_")
+        version = pin.split("==")[1]
+        found = [p for p in wheels.glob("*.whl") if p.name.lower().startswith(f"{name}-{version}-")]
+        if not found:
+            _pip_download([pin], wheels)
+            found = [p for p in wheels.glob("*.whl") if p.name.lower().startswith(f"{name}-{version}-")]
+        if len(found) != 1:
+            sys.exit(f"stage.py: {pin}: expected one wheel in {wheels}, found {len(found)}")
+        out.append(found[0])
+    return out
+
+
+def repack_wheel(wheel: Path, dst: Path, preset: int = 6) -> Path:
+    """``wheel`` re-written uncompressed (the same members and bytes: still a valid wheel) and xz'd to
+    ``dst`` (``<wheel>.xz``): a wheel's deflate leaves much that xz finds (92 -> 65 MB for the CuTe DSL's
+    cu13 libraries); ``install.py`` turns it back into the ``.whl`` before ``pip install``."""
+    if dst.exists():
+        return dst
+    print(f"stage.py: repacking {wheel.name} (uncompressed, then xz -{preset})", flush=True)
+    stored = dst.with_name(wheel.name + ".stored")
+    with zipfile.ZipFile(wheel) as zi, zipfile.ZipFile(stored, "w", zipfile.ZIP_STORED) as zo:
+        for info in zi.infolist():
+            out = zipfile.ZipInfo(info.filename, info.date_time)
+            out.external_attr = info.external_attr
+            out.compress_type = zipfile.ZIP_STORED
+            with zi.open(info) as fi, zo.open(out, "w", force_zip64=True) as fo:
+                shutil.copyfileobj(fi, fo, 1 << 22)
+    _xz(stored, dst.with_suffix(".tmp"), preset)
+    dst.with_suffix(".tmp").rename(dst)
+    stored.unlink()
+    return dst
 
 
 def _xz(src: Path, dst: Path, preset: int) -> None:
@@ -129,13 +179,7 @@ def build_files(work: Path, vllm_wheel: Path | None) -> list[Path]:
                 dst.with_suffix(".tmp").rename(dst)
                 raw.unlink()
             out.append(dst)
-    wheels = work / "wheels"
-    wheels.mkdir(exist_ok=True)
-    for pin in _wheel_pins():
-        name = pin.split("==")[0].lower().replace("-", "_")
-        if not any(p.name.lower().startswith(name + "-") for p in wheels.glob("*.whl")):
-            _pip_download([pin], wheels)
-    out.extend(sorted(wheels.glob("*.whl")))
+    out.extend(sorted(_download_pins("wheels.txt", work / "wheels")))
     return out
 
 
@@ -153,7 +197,7 @@ def plan_parts(files: list[Path], part_bytes: int) -> list[list[tuple[Path, int,
                 parts.append([])
                 room = part_bytes
             small = f.suffix == ".whl"
-            if small and size > room:  # wheels are never cut
+            if small and off == 0 and room < size <= part_bytes:  # a wheel that fits in a part is never cut
                 parts.append([])
                 room = part_bytes
             n = min(size - off, room)
@@ -170,6 +214,7 @@ def write_parts(parts: list[list[tuple[Path, int, int]]], out: Path, *, prefix: 
     manifest: dict = {"vllm_version": VLLM_VERSION, "parts": len(parts), "files": {}, "extras": extras}
     if extras:
         manifest["targets"] = {Path(n).name + ".xz": n for n in EXTRAS}
+        manifest["probe"] = EXTRAS_PROBE
     for i, chunks in enumerate(parts, 1):
         d = out / f"{prefix}{i}"
         d.mkdir(parents=True)
@@ -220,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_extras(work: Path, vllm_wheel: Path | None) -> list[Path]:
-    """``EXTRAS`` out of the wheel, each xz-compressed (in ``work/extras``)."""
+    """``EXTRAS`` out of the wheel, each xz-compressed (in ``work/extras``), then the wheels of
+    ``EXTRA_WHEELS`` (those over ``REPACK_BYTES`` re-packed as ``<wheel>.xz``)."""
     wheel = vllm_wheel or sorted((work / "wheel").glob(f"vllm-{VLLM_VERSION}-*.whl"))[0]
     files = work / "extras"
     files.mkdir(parents=True, exist_ok=True)
@@ -234,6 +280,9 @@ def build_extras(work: Path, vllm_wheel: Path | None) -> list[Path]:
                     shutil.copyfileobj(fi, fo, 1 << 22)
                 dst.with_suffix(".tmp").rename(dst)
             out.append(dst)
+    for wheel in _download_pins(EXTRA_WHEELS, work / "extra-wheels"):
+        big = wheel.stat().st_size > REPACK_BYTES
+        out.append(repack_wheel(wheel, files / (wheel.name + ".xz")) if big else wheel)
     return out
 
 
