@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -289,10 +290,32 @@ def _trace_moe_pcp1(_: dict) -> dict:
     """The MoE + DSA model (``pcpviz-tiny-moe-dsa``; ``PCPVIZ_MOE_MODEL`` names another copy) through
     vLLM 0.33.0's own kernels: PCP=1, K=2, eager, three prompts; the byte tokenizer through
     ``tokenizer_mode="hf"`` (vLLM picks "deepseek_v32" for this architecture, ``config/model.py:756``).
-    Needs the extras (``stage.py --extras``: the fused MoE's ops, DeepGEMM for the indexer)."""
-    return _vllm_trace("vllm-h200x1-pcp1-mtp2-moe-dsa", job_name="trace-moe-pcp1", k=2, prompts=TRACE_PROMPTS[:3],
-                       mode="NONE", pcp=1, max_tokens=32, timeout_s=480, model=MOE_MODEL,
-                       extra={"tokenizer_mode": "hf"})
+    Needs the extras (``stage.py --extras``: the fused MoE's ops, DeepGEMM for the indexer, the CuTe
+    DSL). On compute capability 9 the indexer is first widened to 32 heads, the added ones inert
+    (``tools/gpu/pad_indexer.py``: DeepGEMM's MQA logits take 32 or 64 heads there)."""
+    model, note = _deepgemm_ready(MOE_MODEL)
+    res = _vllm_trace("vllm-h200x1-pcp1-mtp2-moe-dsa", job_name="trace-moe-pcp1", k=2, prompts=TRACE_PROMPTS[:3],
+                      mode="NONE", pcp=1, max_tokens=32, timeout_s=480, model=model,
+                      extra={"tokenizer_mode": "hf"})
+    return {**res, "model": model, "model_note": note}
+
+
+def _deepgemm_ready(model: str) -> tuple[str, str]:
+    """``model``, or its copy with 32 indexer heads where DeepGEMM needs it (see ``trace-moe-pcp1``)."""
+    import torch
+
+    heads = json.loads((Path(model) / "config.json").read_text()).get("index_n_heads")
+    major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
+    if heads is None or heads in (32, 64) or major != 9:
+        return model, "as shipped"
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from pad_indexer import pad_indexer_heads
+
+    out = HOME / "models" / f"{Path(model).name}-indexer32"
+    if not (out / "config.json").exists():
+        shutil.rmtree(out, ignore_errors=True)
+        pad_indexer_heads(Path(model), out, heads=32)
+    return str(out), f"indexer widened from {heads} to 32 heads, the added ones inert (tools/gpu/pad_indexer.py)"
 
 
 @job("engine")
