@@ -48,3 +48,13 @@ def test_bad_input_is_one_line_and_nothing_is_overwritten(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("pad_indexer: ") for line in err)
     assert not os.listdir(tmp_path / "taken") and not (tmp_path / "narrow").exists()
+
+
+def test_a_raised_topk_changes_nothing_while_the_context_fits_the_old_one(tmp_path):
+    dst = pad_indexer_heads(SRC, tmp_path / "t128", heads=32, topk=128)
+    assert json.loads((dst / "config.json").read_text())["index_topk"] == 128
+    a, b = load_model(str(SRC)), load_model(str(dst))
+    ids = torch.tensor([256] + list(b"import os\nimport sys\n\ndef main():\n    return 0\n"))
+    assert len(ids) <= a.config.index_topk  # every key is selected with 64 as with 128
+    with torch.no_grad():
+        assert torch.allclose(a(ids), b(ids), rtol=0, atol=1e-5)

@@ -291,8 +291,10 @@ def _trace_moe_pcp1(_: dict) -> dict:
     vLLM 0.33.0's own kernels: PCP=1, K=2, eager, three prompts; the byte tokenizer through
     ``tokenizer_mode="hf"`` (vLLM picks "deepseek_v32" for this architecture, ``config/model.py:756``).
     Needs the extras (``stage.py --extras``: the fused MoE's ops, DeepGEMM for the indexer, the CuTe
-    DSL). On compute capability 9 the indexer is first widened to 32 heads, the added ones inert
-    (``tools/gpu/pad_indexer.py``: DeepGEMM's MQA logits take 32 or 64 heads there)."""
+    DSL). The model is first made one vLLM's CUDA kernels take (``tools/gpu/pad_indexer.py``): on
+    compute capability 9 its indexer widened to 32 heads, the added ones inert (DeepGEMM's MQA
+    logits take 32 or 64 heads there), and ``index_topk`` raised to a multiple of 128 (the sparse
+    MLA's slot mapping, ``sparse_utils.py:549``): 64 -> 128, a change of the model past 64 keys."""
     model, note = _deepgemm_ready(MOE_MODEL)
     res = _vllm_trace("vllm-h200x1-pcp1-mtp2-moe-dsa", job_name="trace-moe-pcp1", k=2, prompts=TRACE_PROMPTS[:3],
                       mode="NONE", pcp=1, max_tokens=32, timeout_s=480, model=model,
@@ -301,21 +303,25 @@ def _trace_moe_pcp1(_: dict) -> dict:
 
 
 def _deepgemm_ready(model: str) -> tuple[str, str]:
-    """``model``, or its copy with 32 indexer heads where DeepGEMM needs it (see ``trace-moe-pcp1``)."""
+    """``model``, or the copy of it vLLM's CUDA kernels take (see ``trace-moe-pcp1``) and what changed."""
     import torch
 
-    heads = json.loads((Path(model) / "config.json").read_text()).get("index_n_heads")
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    heads, topk = cfg.get("index_n_heads"), cfg.get("index_topk")
     major = torch.cuda.get_device_capability()[0] if torch.cuda.is_available() else 0
-    if heads is None or heads in (32, 64) or major != 9:
+    new_heads = 32 if heads is not None and heads not in (32, 64) and major == 9 else heads
+    new_topk = -(-topk // 128) * 128 if topk is not None and topk % 128 else topk
+    if (new_heads, new_topk) == (heads, topk):
         return model, "as shipped"
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from pad_indexer import pad_indexer_heads
 
-    out = HOME / "models" / f"{Path(model).name}-indexer32"
+    out = HOME / "models" / f"{Path(model).name}-h{new_heads}-topk{new_topk}"
     if not (out / "config.json").exists():
         shutil.rmtree(out, ignore_errors=True)
-        pad_indexer_heads(Path(model), out, heads=32)
-    return str(out), f"indexer widened from {heads} to 32 heads, the added ones inert (tools/gpu/pad_indexer.py)"
+        pad_indexer_heads(Path(model), out, heads=new_heads, topk=new_topk)
+    return str(out), (f"indexer heads {heads} -> {new_heads} (added heads inert), index_topk {topk} -> {new_topk} "
+                      "(tools/gpu/pad_indexer.py)")
 
 
 @job("engine")
