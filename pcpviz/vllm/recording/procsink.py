@@ -1,11 +1,12 @@
 """The plugin's sink: a writer process per recording rank (``pcpviz.trace.procwriter``), so that
 resolving, encoding and writing a step never hold this process's GIL.
 
-This process keeps two thin threads per rank: the *sender* takes a staged step from a bounded
-queue (``recording.backlog``: in steps and in host bytes), waits for its CUDA event (the GIL
-released while it waits), and sends the descriptor and the step's bytes down a pipe (one
-``write`` of the host buffer, GIL released); the *listener* relays what the writer says
-(warnings, an error, replies). The step's own thread only puts the
+This process keeps two thin threads per rank: the *sender* takes the staged steps from a bounded
+queue (``recording.backlog``: in steps and in host bytes), ``DRAIN_PERIOD_S`` after the first of
+them arrived all that are queued by then, copies their device spans into one host buffer behind
+their CUDA events (``host.drain_steps``: one wait, the GIL released while it waits), and sends
+their descriptors and bytes down a pipe (one message, one ``write``); the *listener* relays what
+the writer says (warnings, an error, replies). The step's own thread only puts the
 staged step on the queue. The process is started with ``subprocess`` (no fork of a process with
 CUDA and threads, no re-import of the user's ``__main__``), at the first step.
 
