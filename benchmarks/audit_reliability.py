@@ -132,7 +132,7 @@ def audit_empty_live(tmp: Path) -> list[tuple[str, bool]]:
 
     run_dir = Path(tempfile.mkdtemp(dir=tmp)) / "live"
     with pt.claim(run_dir, command="audit") as c:
-        w = pt.TraceWriter(run_dir, 0, meta=dict(clean_run(1, 1).meta), owner=c.token)
+        w = pt.TraceWriter(run_dir, 0, meta=clean_run(1, 1).meta, owner=c.token)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

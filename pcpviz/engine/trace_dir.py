@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from pcpviz.engine.run_config import RunConfig
+from pcpviz.trace.meta_model import RunMeta
 
 __all__ = ["start_trace", "trace_meta"]
 
@@ -37,20 +38,21 @@ def start_trace(cfg: RunConfig, command: str = "pcpviz run"):
     return owner
 
 
-def trace_meta(cfg: RunConfig) -> dict:
-    """run.json's keys for a run of ``cfg`` (the keys and values shipped traces hold)."""
-    return {
-        "producer": "pcpviz-engine",
-        "pcp": cfg.pcp, "dcp": cfg.dcp, "num_speculative_tokens": cfg.num_speculative_tokens,
-        "block_size": cfg.block_size, "shard_decode_requests": cfg.shard_decode_requests
+def trace_meta(cfg: RunConfig) -> RunMeta:
+    """run.json for a run of ``cfg``, encoded from the type (``RunMeta.build``: each key a field,
+    checked as a reader checks it): the keys and values shipped traces hold."""
+    return RunMeta.build(
+        producer="pcpviz-engine",
+        pcp=cfg.pcp, dcp=cfg.dcp, num_speculative_tokens=cfg.num_speculative_tokens,
+        block_size=cfg.block_size, shard_decode_requests=cfg.shard_decode_requests
         if cfg.shard_decode_requests is not None else cfg.pcp > 1 and cfg.dcp == 1,
-        "model": os.path.basename(cfg.model_dir), "device": cfg.device, "inject": list(cfg.inject),
-        "max_num_batched_tokens": cfg.max_num_batched_tokens, "seed": cfg.seed,
-        "num_requests": len(cfg.prompt_token_ids), "max_new_tokens": cfg.max_new_tokens,
-        "prompt_token_ids": [list(p) for p in cfg.prompt_token_ids], "dtype": cfg.dtype,
-        "model_moe": _model_moe(cfg),  # routed experts: the MoE layers gather and reduce-scatter over PCP
+        model=os.path.basename(cfg.model_dir), device=cfg.device, inject=list(cfg.inject),
+        max_num_batched_tokens=cfg.max_num_batched_tokens, seed=cfg.seed,
+        num_requests=len(cfg.prompt_token_ids), max_new_tokens=cfg.max_new_tokens,
+        prompt_token_ids=[list(p) for p in cfg.prompt_token_ids], dtype=cfg.dtype,
+        model_moe=_model_moe(cfg),  # routed experts: the MoE layers gather and reduce-scatter over PCP
         **_dcp_meta(cfg),
-    }
+    )
 
 
 def _model_moe(cfg: RunConfig) -> bool:

@@ -15,6 +15,7 @@ from typing import Iterable
 import numpy as np
 
 from pcpviz.trace import TraceWriter
+from pcpviz.trace.meta_model import RunMeta
 
 __all__ = ["SyntheticRun"]
 
@@ -24,7 +25,7 @@ class SyntheticRun:
     """A generated run held in memory: ``meta`` (run.json) and, per step, per rank,
     ``{phase: {view: array}}``. Mutate views to build faulty traces, then ``write``."""
 
-    meta: dict
+    meta: RunMeta  # run.json, encoded from the type (``RunMeta.build``)
     steps: list[tuple[int, list[dict[str, dict[str, np.ndarray]]]]]
     outputs: dict[str, list[int]]
 
@@ -34,7 +35,7 @@ class SyntheticRun:
 
     @property
     def pcp(self) -> int:
-        return int(self.meta["pcp"])
+        return int(self.meta.pcp)
 
     def views(self, step: int, rank: int, phase: str) -> dict[str, np.ndarray]:
         """The mutable views of one phase (KeyError if absent)."""

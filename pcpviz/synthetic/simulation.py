@@ -15,6 +15,7 @@ from pcpviz.reference.blocks import BlockAllocator, BlockTable
 from pcpviz.synthetic.phases import add_timestamps, rank_phases
 from pcpviz.synthetic.run import SyntheticRun
 from pcpviz.synthetic.settings import Req, RequestSpec, Settings, check_settings
+from pcpviz.trace.meta_model import RunMeta
 from pcpviz.synthetic.step import Drafts, Step, Verify, draft_step, global_step, step_layout, step_slots, verify
 
 __all__ = ["generate", "long_prompt_run"]
@@ -163,12 +164,12 @@ def generate(
             sim.advance(st, v, d)
         step += 1
 
-    meta = {
-        "producer": producer, "pcp": s.pcp, "dcp": dcp, "dcp_rank": 0, "dcp_interleave": s.dcp_interleave,
-        "num_speculative_tokens": s.k, "block_size": s.block_size, "shard_decode_requests": s.shard,
-        "model": "synthetic", "seed": seed, "max_num_batched_tokens": max_num_batched_tokens,
-        "inject": sorted(s.faults), "num_requests": len(requests),
-    }
+    meta = RunMeta.build(
+        producer=producer, pcp=s.pcp, dcp=dcp, dcp_rank=0, dcp_interleave=s.dcp_interleave,
+        num_speculative_tokens=s.k, block_size=s.block_size, shard_decode_requests=s.shard,
+        model="synthetic", seed=seed, max_num_batched_tokens=max_num_batched_tokens,
+        inject=sorted(s.faults), num_requests=len(requests),
+    )
     return SyntheticRun(meta, steps, sim.outputs)
 
 

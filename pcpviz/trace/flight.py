@@ -38,6 +38,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from .meta_model import meta_document
+
 __all__ = ["FlightConfig", "FlightRing", "ENV_VARS", "step_bytes"]
 
 logger = logging.getLogger("pcpviz.flight")
@@ -214,7 +216,7 @@ class FlightRing:
             self.dumps.append(out)
         meta = None
         if self.rank == 0:
-            meta = {**self.meta(), "flight_recorder": {**self.config.to_meta(), "trigger": trigger,
+            meta = {**meta_document(self.meta()), "flight_recorder": {**self.config.to_meta(), "trigger": trigger,
                                                        "steps": [steps[0][0], steps[-1][0]]}}
             meta.pop("num_steps", None)
         try:

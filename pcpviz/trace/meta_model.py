@@ -18,6 +18,13 @@ not record ``dcp`` (``"dcp" in meta.recorded`` is False, ``meta.recorded_value("
 Every key pcpviz's producers write is a field (tests/trace/test_meta_model.py and
 tests/vllm/test_run_meta_producers.py hold them to it), so ``extra`` is empty for their traces; a
 key of one's own, ``"rack": "r7"``, is ``meta.extra["rack"]`` (and ``meta.recorded_value("rack")``).
+
+Producers encode from the same type: ``RunMeta.build(producer=..., pcp=2, ...)`` takes each key as a
+keyword (another name is a TypeError, a malformed value a ValueError naming the key, where the
+producer writes it), and the writers take the value (``write_run_meta``, ``TraceWriter(meta=)``,
+the flight ring). The engine (``engine/trace_dir.trace_meta``), the synthetic generator
+(``SyntheticRun.meta``) and the vLLM plugin's recorders (``RankRecorder.run_meta``, which the CPU
+replay's session feeds) build theirs so.
 """
 
 from __future__ import annotations
@@ -28,11 +35,14 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
 from pcpviz.limits import MAX_BLOCK_SIZE, MAX_COUNT, MAX_SPECULATIVE_TOKENS, MAX_WORLD_SIZE
 
 from . import meta_checks as C
+from .schema import SCHEMA_VERSION
 
-__all__ = ["RunMeta", "LaunchMeta", "META_SCHEMA", "decode_meta", "frozen_json", "thawed_json"]
+__all__ = ["RunMeta", "LaunchMeta", "META_SCHEMA", "decode_meta", "meta_document", "frozen_json", "thawed_json"]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -232,6 +242,56 @@ class RunMeta:
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled as its document (read-only mappings do not pickle): decoded again on loading."""
         return _from_json, (self.to_json(),)
+
+    # ---------------------------------------------------------------- producers
+
+    @classmethod
+    def build(cls, *, extra: Mapping[str, Any] | None = None, **keys: Any) -> "RunMeta":
+        """What a producer writes, encoded from the type: each keyword a field (a name that is not
+        is a TypeError, so a misspelled key fails where it is written, not as an unknown key in
+        every trace), checked as a reader checks it (a malformed value is a ValueError naming the
+        key), None meaning not recorded; ``extra``: keys of one's own, kept as they are. NumPy
+        scalars and arrays are taken as their values. ``RunMeta.build(producer="x", pcp=2,
+        block_size=16).pcp`` is 2; ``RunMeta.build(producer="x", pcp="2")`` raises ``ValueError:
+        run.json key 'pcp': expected an int in 1..4096, got str '2'``."""
+        unknown = sorted(k for k in keys if k not in META_SCHEMA)
+        if unknown:
+            raise TypeError(f"run.json: {', '.join(map(repr, unknown))} is no RunMeta field (pass keys of "
+                            "one's own in extra=)")
+        clash = sorted(set(extra or ()) & set(META_SCHEMA))
+        if clash:
+            raise TypeError(f"run.json: {', '.join(map(repr, clash))} in extra= is a RunMeta field: pass it by name")
+        doc = _plain({**keys, **dict(extra or {})})
+        meta, bad = decode_meta(doc)
+        if bad:
+            raise ValueError("; ".join(f"run.json key {k!r}: {why}" for k, why in bad))
+        return dataclasses.replace(meta, pcpviz_trace_schema=SCHEMA_VERSION)
+
+    def merged(self, **keys: Any) -> "RunMeta":
+        """This run.json with ``keys`` set (checked as ``build`` checks them); keys not named stay."""
+        doc = {k: v for k, v in self.to_json().items() if k != "pcpviz_trace_schema"}
+        extra = {k: doc.pop(k) for k in list(doc) if k not in META_SCHEMA}
+        return RunMeta.build(**{**doc, **keys}, extra=extra)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with NumPy scalars and arrays as Python values, tuples as lists (JSON's own)."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, LaunchMeta):
+        return value.to_json()
+    return value
+
+
+def meta_document(meta: "RunMeta | Mapping[str, Any]") -> dict[str, Any]:
+    """run.json's document of ``meta``: a ``RunMeta``'s own (``to_json``), a mapping as a dict."""
+    return meta.to_json() if isinstance(meta, RunMeta) else dict(meta)
 
 
 _KEY_FIELDS = tuple(f for f in dataclasses.fields(RunMeta) if "check" in f.metadata)

@@ -41,6 +41,7 @@ import numpy as np
 
 from .flight import FlightConfig, FlightRing
 from .packed import resolve, trim_block_tables
+from .meta_model import meta_document
 from .writer import TraceWriter, write_run_meta
 
 __all__ = ["RankOutput", "STATE_BYTES", "read_state", "main"]
@@ -184,7 +185,7 @@ def _serve(inbox: Any, outbox: Any, state: np.ndarray) -> None:
             _store(state, out)
         elif kind == "meta":
             meta.clear()
-            meta.update(msg[1])
+            meta.update(meta_document(msg[1]))
             if not failed:
                 out.meta_changed()
         elif kind == "flight":

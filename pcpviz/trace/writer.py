@@ -44,6 +44,7 @@ import pyarrow as pa
 
 from . import schema as S
 from .completion import COMPLETE, PARTIAL, forget, record_end
+from .meta_model import RunMeta, meta_document
 from .outputs import check_output
 from .owner import check_writer, open_regular
 
@@ -70,9 +71,9 @@ def _json_default(obj: Any) -> Any:
     raise TypeError(f"{type(obj).__name__} is not JSON serializable")
 
 
-def _meta_text(run_dir: Path, meta: Mapping[str, Any]) -> str:
+def _meta_text(run_dir: Path, meta: RunMeta | Mapping[str, Any]) -> str:
     """run.json's text (ValueError naming run.json if ``meta`` is not JSON)."""
-    doc = S.run_meta_with_version(meta)
+    doc = S.run_meta_with_version(meta_document(meta))
     try:
         text = json.dumps(doc, indent=2, sort_keys=False, default=_json_default, allow_nan=False)
     except (TypeError, ValueError, RecursionError) as exc:
@@ -103,9 +104,10 @@ def _install_meta(run_dir: Path, text: str, *, replace: bool) -> Path:
     return final
 
 
-def write_run_meta(run_dir: str | os.PathLike, meta: Mapping[str, Any], *,
+def write_run_meta(run_dir: str | os.PathLike, meta: RunMeta | Mapping[str, Any], *,
                    exclusive: bool = False) -> Path:
     """Write ``run_dir/run.json`` atomically (temp file + ``os.replace``); returns its path.
+    ``meta``: the producer's ``RunMeta`` (``RunMeta.build``), or a mapping of its keys.
 
     ``pcpviz_trace_schema`` is added (first key). NumPy scalars/arrays are converted to JSON.
     ``exclusive``: never replace an existing run.json (FileExistsError naming it).
@@ -175,7 +177,7 @@ class TraceWriter:
     rank 0 gets ``FileExistsError: runs/x/rank0.arrow: already exists``.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, rank: int, meta: Mapping[str, Any] | None = None,
+    def __init__(self, run_dir: str | os.PathLike, rank: int, meta: RunMeta | Mapping[str, Any] | None = None,
                  *, overwrite: bool = False, fsync: bool = False, owner: str | None = None):
         if isinstance(rank, bool) or not isinstance(rank, Integral) or rank < 0:
             raise ValueError(f"rank must be an int >= 0, got {rank!r}")

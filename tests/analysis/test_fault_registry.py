@@ -90,7 +90,7 @@ def test_synthetic_fault_onset():
     """``NAME@S``: the synthetic trace equals the clean one before step S, and differs after."""
     clean = clean_run(2)
     late = clean_run(2, faults=[f"{F.SKIP_DRAFT_BLOCK_TABLE_GATHER}@3"])
-    assert late.meta["inject"] == [f"{F.SKIP_DRAFT_BLOCK_TABLE_GATHER}@3"]
+    assert list(late.meta.inject) == [f"{F.SKIP_DRAFT_BLOCK_TABLE_GATHER}@3"]
     for step in clean.step_ids:
         same = (late.views(step, 0, "draft_1")["block_table_draft"] == clean.views(step, 0, "draft_1")[
             "block_table_draft"]).all()

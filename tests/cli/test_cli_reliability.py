@@ -77,7 +77,7 @@ def test_open_warns_on_a_live_run_before_its_first_step(tmp_path):
 
     run = tmp_path / "live"
     with pt.claim(run, command="test writer") as c:
-        w = pt.TraceWriter(run, 0, meta=dict(clean_run(1, 1).meta), owner=c.token)
+        w = pt.TraceWriter(run, 0, meta=clean_run(1, 1).meta, owner=c.token)
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")

@@ -63,7 +63,8 @@ def test_a_damaged_config_is_one_line_naming_the_file_and_key(tmp_path, edit, me
 def test_run_json_keeps_the_shipped_keys():
     # a shipped engine trace's run.json: the same keys, the same types
     shipped = json.loads((ROOT / "data" / "traces" / "cpu-pcp2-mtp2" / "run.json").read_text())
-    meta = trace_meta(_cfg())
+    meta = trace_meta(_cfg()).to_json()
+    assert meta.pop("pcpviz_trace_schema") == 2  # RunMeta.build stamps the writer's version
     assert set(meta) - set(shipped) == {"dtype", "model_moe"}  # added after this trace was recorded
     assert set(shipped) - set(meta) == {"pcpviz_trace_schema"}  # the writer's
     assert {k: type(v) for k, v in meta.items() if k in shipped} == {k: type(shipped[k]) for k in meta if k in shipped}

@@ -21,6 +21,7 @@ import numpy as np
 
 from pcpviz.synthetic import RequestSpec, SyntheticRun, generate, long_prompt_run
 from pcpviz.trace import SEGMENT_DTYPE
+from pcpviz.trace.meta_model import RunMeta
 
 __all__ = [
     "run_of_trace",
@@ -164,8 +165,8 @@ def worked_example_run() -> SyntheticRun:
             "num_sampled": num_sampled, "num_rejected": num_rejected, "num_accepted": num_accepted,
         }
         per_rank.append(phases)
-    meta = {"producer": "vllm-replay", "pcp": 2, "dcp": 1, "num_speculative_tokens": 3,
-            "block_size": 4, "shard_decode_requests": True, "model": "worked-example"}
+    meta = RunMeta.build(producer="vllm-replay", pcp=2, dcp=1, num_speculative_tokens=3, block_size=4,
+                         shard_decode_requests=True, model="worked-example")
     return SyntheticRun(meta, [(7, per_rank)], {})
 
 
@@ -180,5 +181,5 @@ def run_of_trace(path: Path | str) -> SyntheticRun:
     t = pt.open(path)
     steps = [(s, [{ph: {v: np.array(t.record(s, r, ph)[v], copy=True) for v in t.record(s, r, ph).keys()}
                    for ph in t.phases(s, r)} for r in t.ranks]) for s in t.steps]
-    return SyntheticRun(dict(t.meta), steps, {})
+    return SyntheticRun(t.run_meta, steps, {})
 

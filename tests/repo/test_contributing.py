@@ -149,7 +149,7 @@ def test_add_a_fault(copy):
         run = generate([RequestSpec("a", 20, 12), RequestSpec("b", 9, 10)], pcp=2, num_speculative_tokens=2,
                        faults=["{name}"])
         report = run_checks(run.write(Path(tempfile.mkdtemp()) / "t"))
-        print(json.dumps(dict(caught=F.FAULTS["{name}"].caught_by in report.failed, inject=run.meta["inject"],
+        print(json.dumps(dict(caught=F.FAULTS["{name}"].caught_by in report.failed, inject=list(run.meta.inject),
                               synthetic="{name}" in F.faults_of(F.SYNTHETIC),
                               documented="`{name}`" in checks_and_faults_markdown())))
     """)

@@ -103,11 +103,43 @@ def test_the_engine_writes_run_meta_fields_only(dcp):
     from pcpviz.engine.trace_dir import trace_meta
 
     cfg = build_config(["def add(a, b):", [256, 100, 101]], pcp=2, num_speculative_tokens=2, dcp=dcp)
-    _held_to_the_type(trace_meta(cfg))
+    _held_to_the_type({k: v for k, v in trace_meta(cfg).to_json().items() if k != "pcpviz_trace_schema"})
 
 
 def test_the_synthetic_producer_writes_run_meta_fields_only():
     from pcpviz.synthetic import RequestSpec, generate
 
     run = generate([RequestSpec("a", 9, 4, 0), RequestSpec("b", 5, 3, 1)], pcp=2, num_speculative_tokens=2)
-    _held_to_the_type(run.meta)
+    _held_to_the_type({k: v for k, v in run.meta.to_json().items() if k != "pcpviz_trace_schema"})
+
+
+def test_a_producer_encodes_from_the_type_and_a_wrong_key_fails_where_it_is_written():
+    import numpy as np
+
+    from pcpviz.trace.meta_model import RunMeta
+
+    meta = RunMeta.build(producer="p", pcp=np.int64(2), block_size=16, inject=("a",), extra={"rack": "r7"})
+    assert meta.pcp == 2 and type(meta.pcp) is int and meta.inject == ("a",) and meta.extra["rack"] == "r7"
+    assert meta.to_json()["pcpviz_trace_schema"] == 2 and meta.to_json()["rack"] == "r7"
+    with pytest.raises(TypeError, match="'pcp_size' is no RunMeta field"):
+        RunMeta.build(producer="p", pcp_size=2, block_size=16)
+    with pytest.raises(TypeError, match="'pcp' in extra="):
+        RunMeta.build(producer="p", block_size=16, extra={"pcp": 2})
+    with pytest.raises(ValueError, match="run.json key 'pcp': expected an int"):
+        RunMeta.build(producer="p", pcp="2", block_size=16)
+    with pytest.raises(ValueError, match="run.json key 'producer': required key is missing"):
+        RunMeta.build(pcp=2, block_size=16)
+    assert RunMeta.build(producer="p", pcp=2, block_size=16, tp=None).recorded == {"producer", "pcp", "block_size"}
+    merged = meta.merged(dcp=2, block_size=32)
+    assert (merged.dcp, merged.block_size, merged.pcp, merged.extra["rack"]) == (2, 32, 2, "r7")
+
+
+def test_the_writer_takes_a_run_meta_and_writes_its_document(tmp_path):
+    import json
+
+    import pcpviz.trace as pt
+    from pcpviz.trace.meta_model import RunMeta
+
+    meta = RunMeta.build(producer="p", pcp=1, block_size=16, extra={"rack": "r7"})
+    pt.write_run_meta(tmp_path, meta)
+    assert json.loads((tmp_path / "run.json").read_text()) == meta.to_json()

@@ -179,3 +179,20 @@ def test_steps_that_wait_together_go_to_the_writer_in_one_message_and_write_the_
     with recording.session(tmp_path / "inline", producer="t", meta={"pcp": 1}, strict=True) as s:
         _steps(s.recorder_for_rank(0, 1), 6)
     assert (tmp_path / "proc" / "rank0.arrow").read_bytes() == (tmp_path / "inline" / "rank0.arrow").read_bytes()
+
+
+def test_a_run_meta_key_the_recorder_misnames_switches_recording_off_with_the_key(tmp_path, monkeypatch, caplog):
+    """The recorder's run.json is encoded from ``RunMeta``: a key that is no field is a recorder bug,
+    named in the reason, and the rank file still ends (partial), nothing hangs."""
+    monkeypatch.delenv("PCPVIZ_WRITER", raising=False)
+    with recording.session(tmp_path / "t", producer="t", meta={"pcp": 1, "rack": "r7"}) as s:
+        rec = s.recorder_for_rank(0, 1)
+        _steps(rec, 2)
+        rec.sink.drain()
+        rec.update_meta(blok_size=16)  # misspelled
+        _steps(rec, 2, start=2)
+        rec.sink.drain()
+        assert rec.disabled and "'blok_size' is no RunMeta field" in rec.disabled_reason
+    t = pt.open(tmp_path / "t")
+    ending = pt.validate(t).ending
+    assert t.meta["rack"] == "r7" and ending.startswith("partial") and "'blok_size' is no RunMeta field" in ending

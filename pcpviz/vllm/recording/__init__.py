@@ -61,10 +61,13 @@ circle, function-local imports included: ``tests/repo/test_import_graph.py``):
 ``patching``           wrapper marks, the speculator's instance and model-class patches
 ``consumed``           what each draft forward consumed (``fwd_*``), FULL-graph capture notes
 ``fingerprints``       the hidden-state fingerprint hooks
-``host``               the hooks' copies (``StepPack``), staged to the host off the step thread
+``host``               the hooks' copies (``StepPack``), staged at the step's end
+``staged``             a staged step (``StagedStep``) and the drain that takes steps to the
+                       host together (``drain_steps``), off the step thread
 ``ring``               the preallocated device ring they land in; overflow counted and stated
 ``copyplan``           the hooks' byte views, kept across steps (address, dtype, shape)
-``replayplan``         a FULL-replayed draft phase planned once, then one copy a replay
+``replayplan``         a hook call planned once (FULL draft replays, the PCP=1 target,
+                       verify), then one copy a call
 ``group_calls``        vLLM's PCP / DCP collectives on GPUs, a ledger per process (eager runs)
 ``backlog``            the bounded queue of staged steps a sink drains
 ``meta``               run.json keys learned from the process and the speculator

@@ -4,7 +4,7 @@ resolving, encoding and writing a step never hold this process's GIL.
 This process keeps two thin threads per rank: the *sender* takes the staged steps from a bounded
 queue (``recording.backlog``: in steps and in host bytes), ``DRAIN_PERIOD_S`` after the first of
 them arrived all that are queued by then, copies their device spans into one host buffer behind
-their CUDA events (``host.drain_steps``: one wait, the GIL released while it waits), and sends
+their CUDA events (``staged.drain_steps``: one wait, the GIL released while it waits), and sends
 their descriptors and bytes down a pipe (one message, one ``write``); the *listener* relays what
 the writer says (warnings, an error, replies). The step's own thread only puts the
 staged step on the queue. The process is started with ``subprocess`` (no fork of a process with
@@ -41,7 +41,7 @@ from pcpviz.trace.completion import record_end
 from pcpviz.trace.procwriter import STATE_BYTES, read_state
 from pcpviz.trace.schema import rank_file_name
 from pcpviz.vllm.recording.backlog import Backlog, held_bytes
-from pcpviz.vllm.recording.host import StagedStep, drain_steps, host_pool
+from pcpviz.vllm.recording.staged import StagedStep, drain_steps, host_pool
 from pcpviz.vllm.recording.sink import ENV_WRITER, StepSink, max_bytes
 
 
@@ -55,7 +55,7 @@ one host copy, one wait and one message for all of them. Each wait or pipe write
 and getting it back while vLLM's thread runs Python forces a switch on that thread; per step, that
 cost more than the sender's own work (one H200, 2026-12-04: 479 us of sender CPU per batch-1
 decode step when each step went alone)."""
-MAX_BATCH = 64  # steps a batch takes at most (a batch's bytes are one host buffer)
+BATCH_STEPS = 64  # steps a batch takes at most (a batch's bytes are one host buffer)
 REPLY_TIMEOUT_S = 120.0  # a dump or the close of a live writer process; a dead one is noticed at once
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 _STOP = object()
@@ -146,7 +146,7 @@ class ProcessSink:
             batch = [first]
             if isinstance(first[0], tuple):  # a step: let a few more steps come, then take them together
                 time.sleep(DRAIN_PERIOD_S)
-                batch += self._queue.get_ready(MAX_BATCH - 1)
+                batch += self._queue.get_ready(BATCH_STEPS - 1)
             stop = self._run_batch(batch)
             if stop:
                 return
@@ -175,6 +175,15 @@ class ProcessSink:
                 self._queue.task_done(nbytes)
         return stopped
 
+    def _run_meta(self) -> Any:
+        """The recorder's run.json (``RankRecorder.run_meta``); None, and recording switched off with
+        the reason, when a key it learnt is no field or malformed (a recorder bug, not the writer's)."""
+        try:
+            return self.rec.run_meta()
+        except (TypeError, ValueError) as exc:
+            self._error("run.json", str(exc))
+            return None
+
     def _guarded(self, fn: Any, *args: Any) -> None:
         try:
             fn(*args)
@@ -195,7 +204,10 @@ class ProcessSink:
             buf, sizes, host = drain_steps([staged for _, staged, _ in items])
             if self._meta_dirty:
                 self._meta_dirty = False
-                self._send(("meta", self.rec.run_meta()))
+                meta = self._run_meta()
+                if meta is None:
+                    return
+                self._send(("meta", meta))
             flight = self.rec.session.flight
             if any(mode == "flight" for _, _, mode in items) and self._flight_sent is not flight:
                 self._flight_sent = flight
@@ -300,8 +312,10 @@ class ProcessSink:
         if self.proc is not None and not self.dead:
             if self._meta_dirty:
                 self._meta_dirty = False
+                meta = self._run_meta()
                 try:
-                    self._send(("meta", self.rec.run_meta()))
+                    if meta is not None:
+                        self._send(("meta", meta))
                 except OSError as exc:
                     self._lost(f"{type(exc).__name__}: {exc}")
             status, reason = ending["status"], ending["reason"]

@@ -33,6 +33,7 @@ from pcpviz.trace import TraceWriter
 from pcpviz.vllm.recording.collectives import Ledger
 from pcpviz.vllm.recording.drafts import DraftContext
 from pcpviz.vllm.recording.graphs import ledger_views
+from pcpviz.trace.meta_model import META_SCHEMA, RunMeta
 from pcpviz.trace.packed import host_entry
 from pcpviz.vllm.recording.host import Deferred, Fresh, StepPack, Strings, block_rows, now_us
 from pcpviz.vllm.recording.ring import ENV_RING_MB
@@ -197,12 +198,17 @@ class RankRecorder:
         ring = self.pack.ring
         return {"steps": ring.overflow_steps, "ring_bytes": ring.capacity, "before_step": self.overflow_after[:64]}
 
-    def run_meta(self) -> dict[str, Any]:
-        """run.json's keys as this rank knows them (rank 0 writes it; any thread)."""
+    def run_meta(self) -> RunMeta:
+        """run.json as this rank knows it (rank 0 writes it; any thread), encoded from the type: the
+        recorder's own keys must be ``RunMeta`` fields (``RunMeta.build`` raises on another name or
+        a malformed value); the session's keys that are none go to ``extra`` as given."""
         with self._meta_lock:
             if "torch_version" not in self.meta:
                 self.meta.update(environment_meta())
-            return {**self.session.meta, **self.meta}
+            own = dict(self.meta)
+        given = self.session.meta
+        keys = {"pcp": self.pcp_world_size, **{k: v for k, v in given.items() if k in META_SCHEMA}, **own}
+        return RunMeta.build(**keys, extra={k: v for k, v in given.items() if k not in META_SCHEMA})
 
     def flush_quietly(self) -> None:
         """Write the pending step if it can be (an exception just broke the step: best effort)."""

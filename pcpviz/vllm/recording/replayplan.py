@@ -15,7 +15,7 @@ Every later replay of that shape is, on vLLM's step thread:
   step that uses the plan).
 
 Nothing rewrites the ``"p"`` entries: the drain (off the step thread) lists where each hit landed
-in the step (``host.StagedStep.placed``: phase, views, offset) and the writer reads them there
+in the step (``staged.StagedStep.placed``: phase, views, offset) and the writer reads them there
 (``pcpviz.trace.packed.resolve``), so the shared entries cross to the writer process unchanged.
 The PCP=1 target hooks and verify go the same way (``RankRecorder.planned_put``: their batch's
 persistent buffers by address, the tensors vLLM makes each step handed anew).

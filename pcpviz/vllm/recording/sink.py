@@ -33,7 +33,7 @@ from pcpviz.trace import TraceWriter
 from pcpviz.trace.flight import FlightRing
 from pcpviz.trace.procwriter import RankOutput
 from pcpviz.vllm.recording.backlog import Backlog, held_bytes
-from pcpviz.vllm.recording.host import StagedStep
+from pcpviz.vllm.recording.staged import StagedStep
 
 
 __all__ = ["StepSink", "ENV_MAX_MB", "ENV_WRITER", "DEFAULT_MAX_MB", "max_bytes"]
