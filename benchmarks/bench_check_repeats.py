@@ -28,11 +28,12 @@ COMMANDS = {"check": ["check", "--json"], "explain --no-rerun": ["explain", "--n
 
 def _run(root: Path, args: list[str]) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{root}:{root / 'kernels'}")
+    load = os.getloadavg()[0]  # the machine is shared: how busy it was as the run began
     t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.run([sys.executable, "-m", "pcpviz.cli", *args], env=env, cwd=root, capture_output=True)
     r1, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    return {"wall": round(wall, 2), "cpu": round(cpu, 2), "exit": p.returncode}
+    return {"wall": round(wall, 2), "cpu": round(cpu, 2), "exit": p.returncode, "load_before": round(load, 2)}
 
 
 def _spread(runs: list[dict]) -> dict:
