@@ -313,10 +313,14 @@ def _collect(pid: int, fd: int) -> list:
     return got if isinstance(got, list) else []
 
 
+AGAIN = object()
+"""What ``fork_map``'s ``unpack`` returns for a result to compute again in the parent."""
+
+
 def fork_map(fn, n: int, *, workers: int, pack=lambda x: x, unpack=lambda x: x):
     """``fn(0) ... fn(n - 1)`` in order, the later groups of indices computed in ``workers - 1`` forked
     children while this process computes the first: a child sends ``pack(fn(i))`` (picklable), and
-    ``unpack`` of it (None: compute ``fn(i)`` here) is yielded. An index a child could not compute (an
+    ``unpack`` of it (``AGAIN``: compute ``fn(i)`` here) is yielded. An index a child could not compute (an
     exception, a crash) and every later one of its group are computed here, in order, so what is
     yielded or raised is what ``[fn(i) for i in range(n)]`` would give: ``fn`` must be pure."""
     workers = max(1, min(workers, n)) if hasattr(os, "fork") else 1
@@ -331,8 +335,8 @@ def fork_map(fn, n: int, *, workers: int, pack=lambda x: x, unpack=lambda x: x):
             items, pid, fd = children.pop(0)
             got = _collect(pid, fd)
             for k, i in enumerate(items):
-                value = unpack(got[k]) if k < len(got) else None
-                yield fn(i) if value is None else value
+                value = unpack(got[k]) if k < len(got) else AGAIN
+                yield fn(i) if value is AGAIN else value
     finally:
         for _, pid, fd in children:  # stopped early: the rest are not needed
             try:
@@ -352,14 +356,14 @@ def _packed(result):
 
 
 def _unpacked(sent):
-    """The index a child built, over this process's own map of the file (None: the file is shorter now)."""
+    """The index a child built, over this process's own map of the file (``AGAIN``: the file is shorter now)."""
     if isinstance(sent, BaseException):
         return sent
     path, schema, steps, bounds, layouts, facts, note = sent
     fd = open_for_reading(path)
     try:
         if os.fstat(fd).st_size < facts["size"]:
-            return None
+            return AGAIN
         buffer, mapped = _map(fd, facts["size"])
     finally:
         os.close(fd)

@@ -4,6 +4,7 @@ index, status and report, and on a damaged trace the same error (``index.fork_ma
 from __future__ import annotations
 
 import importlib
+import os
 
 import numpy as np
 import pytest
@@ -63,6 +64,9 @@ def test_forked_validate_raises_the_first_damaged_verify_payload(tmp_path, monke
 
 def test_fork_map_yields_in_order_and_raises_the_first_error():
     assert list(index_mod.fork_map(lambda i: i * i, 7, workers=3)) == [i * i for i in range(7)]
+    parent = os.getpid()  # a child's None is its answer, not computed again here
+    here = list(index_mod.fork_map(lambda i: "here" if i >= 4 and os.getpid() == parent else None, 8, workers=2))
+    assert here == [None] * 8
 
     def fn(i):
         if i in (2, 5):
