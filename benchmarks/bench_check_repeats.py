@@ -49,11 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, required=True, help="the other checkout")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", nargs="+", choices=list(COMMANDS), default=list(COMMANDS), help="these commands only")
     a = ap.parse_args(argv)
     trees = [("base", a.baseline.resolve()), ("new", ROOT)]
     runs: dict[str, list[dict]] = {}
     for rep in range(a.repeats):
-        for name, args in COMMANDS.items():
+        for name, args in ((n, COMMANDS[n]) for n in a.only):
             for which, root in (trees if rep % 2 == 0 else trees[::-1]):
                 r = runs.setdefault(f"{name} | {which}", [])
                 r.append(_run(root, [*args, str(a.trace.resolve())]))
