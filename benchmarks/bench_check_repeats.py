@@ -28,11 +28,12 @@ COMMANDS = {"check": ["check", "--json"], "explain --no-rerun": ["explain", "--n
 
 def _run(root: Path, args: list[str]) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{root}:{root / 'kernels'}")
+    load = os.getloadavg()[0]  # the machine is shared: how busy it was as the run began
     t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     p = subprocess.run([sys.executable, "-m", "pcpviz.cli", *args], env=env, cwd=root, capture_output=True)
     r1, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
     cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    return {"wall": round(wall, 2), "cpu": round(cpu, 2), "exit": p.returncode}
+    return {"wall": round(wall, 2), "cpu": round(cpu, 2), "exit": p.returncode, "load_before": round(load, 2)}
 
 
 def _spread(runs: list[dict]) -> dict:
@@ -48,11 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, required=True, help="the other checkout")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", nargs="+", choices=list(COMMANDS), default=list(COMMANDS), help="these commands only")
     a = ap.parse_args(argv)
     trees = [("base", a.baseline.resolve()), ("new", ROOT)]
     runs: dict[str, list[dict]] = {}
     for rep in range(a.repeats):
-        for name, args in COMMANDS.items():
+        for name, args in ((n, COMMANDS[n]) for n in a.only):
             for which, root in (trees if rep % 2 == 0 else trees[::-1]):
                 r = runs.setdefault(f"{name} | {which}", [])
                 r.append(_run(root, [*args, str(a.trace.resolve())]))

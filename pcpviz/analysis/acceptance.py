@@ -26,9 +26,11 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from pcpviz.analysis.parallel import PARALLEL_FROM
 from pcpviz.limits import MAX_SPECULATIVE_TOKENS
 from pcpviz.trace import TraceError
 from pcpviz.trace.acceptance import Counts, count, json_ratio, ratio, verify_counts
+from pcpviz.trace.index import fork_map, fork_workers
 from pcpviz.trace.schema import rank_file_name
 
 __all__ = ["Counts", "count", "ratio", "json_ratio", "verify_counts", "RequestAcceptance",
@@ -109,6 +111,13 @@ def acceptance_from_records(records: Iterable[tuple[int, Mapping[str, Any]]], *,
                             rank: int | None = None) -> Acceptance:
     """``Acceptance`` from ``(step, verify record)`` pairs (records without the counts are
     skipped). K is ``k``, else the width of ``sampled_token_ids`` minus one."""
+    return _finish(*_sums(records, k), rank=rank)
+
+
+def _sums(records: Iterable[tuple[int, Mapping[str, Any]]],
+          k: int | None) -> tuple[Counts, dict[str, Counts], list[StepAcceptance], int | None]:
+    """(total, per request in order of first appearance, per step, K) of ``records``; the first
+    malformed record raises ValueError naming its step."""
     total = Counts()
     per_req: dict[str, Counts] = {}
     steps = []
@@ -138,6 +147,11 @@ def acceptance_from_records(records: Iterable[tuple[int, Mapping[str, Any]]], *,
         steps.append(StepAcceptance(int(step), c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens))
         for rid, rc in req_counts:
             per_req[rid] = per_req.get(rid, Counts()) + rc
+    return total, per_req, steps, k
+
+
+def _finish(total: Counts, per_req: dict[str, Counts], steps: list[StepAcceptance], k: int | None, *,
+            rank: int | None) -> Acceptance:
     k = int(k or 0)
     total = total.widened(k)
     width = len(total.accepted_per_position)
@@ -167,10 +181,37 @@ def acceptance(trace: Any, *, rank: int | None = None) -> Acceptance:
         rank = trace.ranks[0] if trace.ranks else None
     k = trace.run_meta.num_speculative_tokens
     steps = [] if rank is None else trace.rank_steps(rank)
-    records = ((s, trace.record(s, rank, "verify")) for s in steps if trace.has(s, rank, "verify"))
     try:
-        return acceptance_from_records(records, k=k, rank=rank)
+        if k is None or len(steps) < PARALLEL_FROM or fork_workers() < 2:
+            records = ((s, trace.record(s, rank, "verify")) for s in steps if trace.has(s, rank, "verify"))
+            return acceptance_from_records(records, k=k, rank=rank)
+        return _finish(*_sums_in_runs(trace, rank, steps, k), rank=rank)
     except ValueError as exc:
         if isinstance(exc, TraceError):  # names its file already
             raise
         raise ValueError(f"{Path(str(trace.path)) / rank_file_name(rank)}: {exc}") from None
+
+
+RUNS = 8
+"""Runs of consecutive steps ``acceptance`` cuts a long trace into (``_sums_in_runs``)."""
+
+
+def _sums_in_runs(trace: Any, rank: int, steps: list[int],
+                  k: int) -> tuple[Counts, dict[str, Counts], list[StepAcceptance], int]:
+    """``_sums`` of the verify records of ``steps``, the runs of steps summed in forked processes
+    (``pcpviz.trace.index.fork_map``) and added in step order: integer sums, the requests in order
+    of first appearance, the first malformed record's error, as one pass gives them (K is known:
+    no run needs an earlier one's)."""
+    cuts = [round(i * len(steps) / RUNS) for i in range(RUNS + 1)]
+
+    def run(i: int) -> tuple:
+        part = steps[cuts[i]:cuts[i + 1]]
+        return _sums(((s, trace.record(s, rank, "verify")) for s in part if trace.has(s, rank, "verify")), k)
+
+    total, per_req, out = Counts(), {}, []
+    for t, reqs, part, _ in fork_map(run, RUNS, workers=fork_workers()):
+        total = total + t
+        for rid, rc in reqs.items():
+            per_req[rid] = per_req.get(rid, Counts()) + rc
+        out.extend(part)
+    return total, per_req, out, k

@@ -43,14 +43,16 @@ def default_workers(num_steps: int, setting: str | int | None = None) -> int:
     return n
 
 
-def chunk_bounds(num_steps: int, workers: int) -> list[int]:
-    """Where ``num_steps`` steps are cut into ``2 * workers`` runs of consecutive steps (fewer
-    when there are fewer steps): run ``i`` is ``steps[b[i]:b[i + 1]]``.
+def chunk_bounds(num_steps: int, workers: int, *, per_worker: int = 2) -> list[int]:
+    """Where ``num_steps`` steps are cut into ``per_worker * workers`` runs of consecutive steps
+    (fewer when there are fewer steps): run ``i`` is ``steps[b[i]:b[i + 1]]``. More runs than
+    workers keep them busy to the end when one is slowed (another job on its CPU): a free worker
+    takes the next run.
 
     >>> chunk_bounds(10, 2)
     [0, 2, 5, 8, 10]
     """
-    n = min(num_steps, 2 * workers)
+    n = min(num_steps, per_worker * workers)
     return [round(i * num_steps / n) for i in range(n + 1)] if n else [0]
 
 

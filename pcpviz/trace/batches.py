@@ -53,6 +53,16 @@ class Layout:
     prefixes: tuple[bytes, ...]  # per row: b"phase\0view\0tag\0" (the step_crc32 string's head)
     phase_of: tuple[str, ...]  # per row
 
+    def __reduce__(self):  # a MappingProxyType does not pickle (``index.scan_rank_files`` sends layouts)
+        return _layout, (dict(self.phases), self.views, self.tags, self.itemsizes, self.prefixes, self.phase_of)
+
+
+def _layout(phases: dict, views: tuple, tags: tuple, itemsizes: np.ndarray, prefixes: tuple, phase_of: tuple) -> Layout:
+    """A pickled ``Layout``, its dtypes parsed from its tags again: NumPy's own dtype objects, as a
+    scan makes them (an unpickled dtype is a copy, on which NumPy's calls are slower)."""
+    return Layout(MappingProxyType(phases), views, tags, tuple(S.parse_dtype_tag(t) for t in tags), itemsizes,
+                  prefixes, phase_of)
+
 
 @dataclass(frozen=True)
 class _Names:

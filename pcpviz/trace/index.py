@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,8 @@ from .batches import BatchParsers, Layout, Loaded, TailDamage, check_batch, load
 from .errors import TraceError
 from .runmeta import check_version, open_for_reading
 
-__all__ = ["Layout", "Loaded", "MapBudget", "RankIndex", "TailDamage", "scan_rank_file", "one_line"]
+__all__ = ["Layout", "Loaded", "MapBudget", "RankIndex", "TailDamage", "fork_map", "scan_rank_file", "scan_rank_files",
+           "one_line"]
 
 _CONT = b"\xff\xff\xff\xff"  # Arrow IPC continuation marker: every message starts with it
 EOS = _CONT + b"\x00\x00\x00\x00"
@@ -247,3 +249,143 @@ def scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankIndex, dict
     _trim(mapped)
     index = RankIndex(path, buffer, mapped, schema, steps, bounds, layouts)
     return index, dict(size=size, good_bytes=good, closed=closed, finalizes=finalizes), note
+
+
+# --------------------------------------------------------------------------- many files at once
+
+PARALLEL_SCAN_BYTES = 64 << 20
+"""Bytes of rank files from which ``scan_rank_files`` scans them in forked processes."""
+
+
+def fork_workers() -> int:
+    """Processes the trace layer may fork: ``$PCPVIZ_WORKERS`` as a number (``1``: never fork), else
+    one per CPU, at most 8 (``pcpviz.analysis.parallel.default_workers`` reports a bad setting)."""
+    setting = os.environ.get("PCPVIZ_WORKERS", "auto").strip().lower()
+    if setting == "auto":
+        return min(os.cpu_count() or 1, 8)
+    return int(setting) if setting.isdigit() and 1 <= int(setting) <= 256 else 1
+
+
+def _child(fn, items: range, pack, write_fd: int) -> None:
+    """In a forked child: ``pack(fn(i))`` for ``items`` in order, up to the first exception, pickled to
+    ``write_fd``; never returns. Dies with its parent (Linux)."""
+    try:
+        try:
+            import ctypes
+            import signal
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        except (OSError, AttributeError):
+            pass
+        out = []
+        try:
+            for i in items:
+                out.append(pack(fn(i)))
+        except BaseException:  # noqa: BLE001 - the parent computes it again and raises it
+            pass
+        with os.fdopen(write_fd, "wb") as fh:
+            pickle.dump(out, fh, protocol=pickle.HIGHEST_PROTOCOL)
+    finally:
+        os._exit(0)
+
+
+def _fork(fn, items: range, pack) -> tuple[int, int]:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        _child(fn, items, pack, w)
+    os.close(w)
+    return pid, r
+
+
+def _collect(pid: int, fd: int) -> list:
+    """What a child sent (empty when it died or sent nothing readable); the child reaped."""
+    try:
+        with os.fdopen(fd, "rb") as fh:
+            data = fh.read()
+        got = pickle.loads(data) if data else []
+    except Exception:  # noqa: BLE001 - a child killed mid-write: compute in the parent
+        got = []
+    finally:
+        os.waitpid(pid, 0)
+    return got if isinstance(got, list) else []
+
+
+AGAIN = object()
+"""What ``fork_map``'s ``unpack`` returns for a result to compute again in the parent."""
+
+
+def fork_map(fn, n: int, *, workers: int, pack=lambda x: x, unpack=lambda x: x):
+    """``fn(0) ... fn(n - 1)`` in order, the later groups of indices computed in ``workers - 1`` forked
+    children while this process computes the first: a child sends ``pack(fn(i))`` (picklable), and
+    ``unpack`` of it (``AGAIN``: compute ``fn(i)`` here) is yielded. An index a child could not compute (an
+    exception, a crash) and every later one of its group are computed here, in order, so what is
+    yielded or raised is what ``[fn(i) for i in range(n)]`` would give: ``fn`` must be pure."""
+    workers = max(1, min(workers, n)) if hasattr(os, "fork") else 1
+    cuts = [round(g * n / workers) for g in range(workers + 1)]
+    children = []
+    try:
+        for g in range(1, workers):
+            children.append((range(cuts[g], cuts[g + 1]), *_fork(fn, range(cuts[g], cuts[g + 1]), pack)))
+        for i in range(cuts[0], cuts[1]):
+            yield fn(i)
+        while children:
+            items, pid, fd = children.pop(0)
+            got = _collect(pid, fd)
+            for k, i in enumerate(items):
+                value = unpack(got[k]) if k < len(got) else AGAIN
+                yield fn(i) if value is AGAIN else value
+    finally:
+        for _, pid, fd in children:  # stopped early: the rest are not needed
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass
+            _collect(pid, fd)
+
+
+def _packed(result):
+    """A ``scan_rank_file`` result as a child sends it: the index without its map."""
+    if isinstance(result, BaseException):
+        return result
+    ix, facts, note = result
+    return (ix.path, ix.schema, ix.steps.tolist(), list(zip(ix.starts.tolist(), ix.ends.tolist())), ix.layouts,
+            facts, note)
+
+
+def _unpacked(sent):
+    """The index a child built, over this process's own map of the file (``AGAIN``: the file is shorter now)."""
+    if isinstance(sent, BaseException):
+        return sent
+    path, schema, steps, bounds, layouts, facts, note = sent
+    fd = open_for_reading(path)
+    try:
+        if os.fstat(fd).st_size < facts["size"]:
+            return AGAIN
+        buffer, mapped = _map(fd, facts["size"])
+    finally:
+        os.close(fd)
+    return RankIndex(path, buffer, mapped, schema, steps, bounds, layouts), facts, note
+
+
+def scan_rank_files(paths: list[tuple[int, Path]], version: int):
+    """``scan_rank_file`` of each (rank, path), in order, an ``OSError`` yielded in place of its
+    result; the files scanned in forked processes (``fork_map``) from ``PARALLEL_SCAN_BYTES`` of them.
+    What is yielded or raised is what scanning them one after the other gives."""
+    def scan(k: int):
+        rank, path = paths[k]
+        try:
+            return scan_rank_file(path, rank, version)
+        except OSError as exc:
+            return exc
+
+    total = 0
+    for _, p in paths:
+        try:
+            total += p.stat().st_size
+        except OSError:
+            pass
+    workers = fork_workers() if len(paths) > 1 and total >= PARALLEL_SCAN_BYTES else 1
+    return fork_map(scan, len(paths), workers=workers, pack=_packed, unpack=_unpacked)

@@ -53,7 +53,7 @@ import numpy as np
 from . import schema as S
 from .errors import TraceError, TraceWarning
 from .batches import row_plan
-from .index import MapBudget, RankIndex, scan_rank_file
+from .index import MapBudget, RankIndex, scan_rank_files
 from .owner import rank_file_busy, writer_busy
 from .meta_model import decode_meta
 from .runmeta import check_version, file_kind, read_meta
@@ -458,12 +458,12 @@ def open(path: str | os.PathLike, *, strict: bool = False, cache_size: int = 256
             rank_paths.append((int(m.group(1)), child))
         else:
             unreadable[int(m.group(1))] = f"{child}: cannot read ({kind})"
-    for rank, rank_path in sorted(rank_paths):
-        try:
-            ix, facts, note = scan_rank_file(rank_path, rank, version)
-        except OSError as exc:
-            unreadable[rank] = f"{rank_path}: cannot read ({_one_line(exc)})"
+    rank_paths.sort()
+    for (rank, rank_path), scanned in zip(rank_paths, scan_rank_files(rank_paths, version)):
+        if isinstance(scanned, OSError):
+            unreadable[rank] = f"{rank_path}: cannot read ({_one_line(scanned)})"
             continue
+        ix, facts, note = scanned
         if note is not None:
             if strict:
                 raise TraceError(note)

@@ -82,3 +82,31 @@ def test_a_run_without_drafts_draws_gaps_not_nan(tmp_path):
     assert list(fig.data[0].y) == [None, None]
     assert "mean length -" in fig.layout.title.text
     json.dumps(fig.to_plotly_json()["data"][0]["y"], allow_nan=False)
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_acceptance_in_forked_runs_of_steps_is_one_pass(tmp_path, monkeypatch, bad):
+    """A long trace's acceptance is summed in forked runs of steps (``_sums_in_runs``): the same
+    numbers, requests in the same order, and a malformed record's error the one pass raises."""
+    from tracegen import corrupt
+
+    run = clean_run(pcp=2, k=2)
+    steps = [s for s, _ in run.steps if run.phases(s, 0).get("verify")]
+    if bad:
+        for s in (steps[len(steps) // 2], steps[-2]):
+            corrupt(run, s, "verify", "num_accepted", lambda a: a + 9)
+    t = pt.open(run.write(tmp_path / "t"))
+
+    def result():
+        try:
+            a = A.acceptance(t)
+        except ValueError as exc:
+            return str(exc)
+        return a.to_dict(), a.per_step, list(a.per_request)
+
+    monkeypatch.setenv("PCPVIZ_WORKERS", "1")
+    one = result()
+    monkeypatch.setenv("PCPVIZ_WORKERS", "2")
+    monkeypatch.setattr(A, "PARALLEL_FROM", 0)
+    assert result() == one
+    assert isinstance(one, str) == bad and (not bad or f"step {steps[len(steps) // 2]}:" in one)

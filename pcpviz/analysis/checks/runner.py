@@ -55,6 +55,11 @@ rules pay on many small steps, while a step of a million tokens is checked as fa
 where a rank-independent check is judged once a step."""
 
 
+CHUNKS_PER_WORKER = 8
+"""Runs of steps per worker process (``chunk_bounds``): on a machine shared with other jobs a
+slowed worker leaves at most one short run for the others to wait on, not a quarter of the trace."""
+
+
 def _view_bytes(sv: StepView) -> int:
     """Bytes of the views of one step, every rank."""
     return sum(a.nbytes for phases in sv.recs.values() for rec in phases.values()
@@ -239,10 +244,10 @@ def _merge(parts: Sequence[tuple[dict[str, _Stats], Any]], defs: list) -> tuple[
 
 def _check_in_processes(trace: Trace, defs: list, run_meta: RunMeta, workers: int,
                         probe: Callable[[StepView], Any] | None) -> tuple[dict[str, _Stats], Any]:
-    """The steps cut into ``2 * workers`` consecutive chunks, checked (and probed) in
+    """The steps cut into ``CHUNKS_PER_WORKER * workers`` consecutive chunks, checked (and probed) in
     ``workers`` forked processes (``pcpviz.analysis.parallel``)."""
     steps = list(trace.steps)
-    bounds = chunk_bounds(len(steps), workers)
+    bounds = chunk_bounds(len(steps), workers, per_worker=CHUNKS_PER_WORKER)
     n = len(bounds) - 1
 
     def chunk(i: int) -> tuple[dict[str, _Stats], Any]:
