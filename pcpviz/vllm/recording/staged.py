@@ -79,28 +79,11 @@ class StagedStep:
 
     def wait(self) -> np.ndarray | None:
         """Wait for the copies (the GIL is released while waiting), move the step's bytes to the
-        host and fill in the device tensors' entries; the bytes (uint8[nbytes], None if none)."""
-        if self.span is not None and self.host is None:
-            dev = self.ring.bytes_of(self.span)
-            if self.event is not None:
-                self.event.synchronize()
-                self.event = None
-            host = _POOL.take(self.nbytes, dev.is_cuda)
-            if dev.is_cuda:
-                side = _side_stream(dev.device)
-                with torch.cuda.stream(side):
-                    host[: self.nbytes].copy_(dev, non_blocking=True)
-                side.synchronize()
-            else:
-                host[: self.nbytes].copy_(dev)
+        host and fill in the device tensors' entries; the bytes (uint8[nbytes], None if none).
+        ``drain_steps`` of this step alone."""
+        host = drain_steps([self])[2]
+        if host is not None:
             self.host = host
-            self.ring.release(self.span)
-        if self.layout is not None:
-            _fill(self.layout)
-            self.layout = None
-        if self.replays:
-            self.placed = _placed(self.phases, self.replays)
-            self.replays = None
         return None if self.host is None else self.host[: self.nbytes].numpy()
 
     def release(self) -> None:
