@@ -28,12 +28,13 @@ PARALLEL_FROM = 2000
 saves)."""
 
 
-def default_workers(num_steps: int, setting: str | int | None = None) -> int:
-    """The process count for ``num_steps`` steps: ``setting`` (or ``$PCPVIZ_WORKERS``) as a
-    number from 1 to 256, or ``auto``. ValueError names the setting when it is neither."""
+def default_workers(num_steps: int, setting: str | int | None = None, *, parallel_from: int = PARALLEL_FROM) -> int:
+    """The process count for ``num_steps`` steps (or other units of work): ``setting`` (or
+    ``$PCPVIZ_WORKERS``) as a number from 1 to 256, or ``auto`` (several from ``parallel_from``
+    units). ValueError names the setting when it is neither."""
     setting = os.environ.get(WORKERS_ENV, "auto") if setting is None else setting
     if str(setting).strip().lower() == "auto":
-        return min(os.cpu_count() or 1, 8) if num_steps >= PARALLEL_FROM else 1
+        return min(os.cpu_count() or 1, 8) if num_steps >= parallel_from else 1
     try:
         n = int(setting)
     except (TypeError, ValueError):

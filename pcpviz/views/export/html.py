@@ -22,18 +22,19 @@ from __future__ import annotations
 import html
 import json
 import os
-from json.encoder import encode_basestring_ascii as _quote
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from plotly.offline import get_plotlyjs
 
+from pcpviz.analysis.parallel import chunk_bounds, default_workers, forked_imap
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
 from pcpviz.views.figures.lod import TOKEN_PX, record_strips
 from pcpviz.views.export import tokens as tk
 from pcpviz.trace.outputs import atomic_output, check_output
+from pcpviz.views.export.jsonpack import pack, unpack
 from pcpviz.views.export.plotly_json import figure_json
 from pcpviz.views.panels import PanelInput, panel_marks, run_panels, step_panels
 from pcpviz.views.widgets import status as st
@@ -62,7 +63,7 @@ table.checks{border-collapse:collapse;font-size:12px} table.checks td,table.chec
 _JS = """
 (function(){
   const P = JSON.parse(document.getElementById('pcpviz-data').textContent), S = P.shared;
-  // Shared subtrees: {"$r": i} stands for P.shared[i] (see pcpviz.views.export.html.pack). Each call
+  // Shared subtrees: {"$r": i} stands for P.shared[i] (see pcpviz.views.export.jsonpack.pack). Each call
   // builds fresh objects, so figures never alias each other's arrays.
   function R(o){
     if (Array.isArray(o)) return o.map(R);
@@ -118,93 +119,6 @@ _JS = """
   document.body.dataset.ready = '1';
 })();
 """
-
-
-_SCALARS = frozenset({int, float, bool, type(None)})
-_STR = {str}
-SHARE_MIN_CHARS = 24
-"""Subtrees (and strings) whose JSON is at least this long are stored once when they repeat."""
-
-
-def pack(obj: Any, *, min_chars: int = SHARE_MIN_CHARS) -> tuple[Any, list]:
-    """``(packed, shared)``: ``obj`` (JSON values) with every subtree or string that occurs more
-    than once and is at least ``min_chars`` long as JSON replaced by ``{"$r": i}``, where
-    ``shared[i]`` holds it once (itself packed). ``unpack`` inverts it; the page's script does
-    the same in the browser.
-
-    The figures of consecutive steps repeat most of their JSON: a stepped colorscale per
-    heatmap, the template, axes, the hover texts of requests whose rows did not change; on the
-    shipped PCP=2 traces this takes the embedded data from ~5 MB to under 1 MB.
-
-    ``pack({"a": [1, 2, 3], "b": [1, 2, 3]}, min_chars=5)`` ->
-    ``({"a": {"$r": 0}, "b": {"$r": 0}}, [[1, 2, 3]])``.
-    """
-    key_of: dict[int, str] = {}
-    counts: dict[str, int] = {}
-    keep: list[Any] = []  # holds every keyed object alive so its id() stays unique
-
-    def register(o: Any, k: str) -> None:  # o may be shared: counted under its JSON text
-        if len(k) >= min_chars:
-            counts[k] = counts.get(k, 0) + 1
-            key_of[id(o)] = k
-            keep.append(o)
-
-    def key(o: Any) -> str:  # o's JSON text (json.dumps's, with its separators)
-        t = type(o)
-        if t is str:
-            k = _quote(o)
-        elif t is dict:
-            k = "{" + ",".join([(_quote(n) if type(n) is str else json.dumps(n)) + ":" + key(v)
-                                for n, v in o.items()]) + "}"
-        elif t is list:
-            kinds = set(map(type, o))
-            if kinds <= _SCALARS:  # numbers alone: no part of it is shared on its own
-                k = json.dumps(o, separators=(",", ":"))
-            elif kinds == _STR:
-                quoted = list(map(_quote, o))
-                for s, q in zip(o, quoted):
-                    register(s, q)
-                k = "[" + ",".join(quoted) + "]"
-            else:
-                k = "[" + ",".join([key(v) for v in o]) + "]"
-        else:
-            return json.dumps(o)
-        register(o, k)
-        return k
-
-    key(obj)
-    index: dict[str, int] = {}
-    shared: list[Any] = []
-
-    def rep(o: Any) -> Any:
-        k = key_of.get(id(o))
-        if k is not None and counts[k] > 1:
-            if k not in index:
-                index[k] = len(shared)
-                shared.append(None)
-                shared[index[k]] = inner(o)
-            return {"$r": index[k]}
-        return inner(o)
-
-    def inner(o: Any) -> Any:
-        if isinstance(o, dict):
-            return {n: rep(v) for n, v in o.items()}
-        if isinstance(o, list):
-            return [rep(v) for v in o]
-        return o
-
-    return inner(obj), shared
-
-
-def unpack(packed: Any, shared: Sequence[Any]) -> Any:
-    """``obj`` again from ``pack``'s ``(packed, shared)``."""
-    if isinstance(packed, list):
-        return [unpack(v, shared) for v in packed]
-    if isinstance(packed, dict):
-        if len(packed) == 1 and isinstance(packed.get("$r"), int):
-            return unpack(shared[packed["$r"]], shared)
-        return {n: unpack(v, shared) for n, v in packed.items()}
-    return packed
 
 
 def embedded_data(html_text: str) -> dict:
@@ -298,21 +212,38 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
     return {**{n: figure_json(f) for n, f in figs.items()}, "status": status, "tokens": tokens}
 
 
+PAGES_PARALLEL_FROM = 16
+"""(step, rank) pages from which a report builds them in forked processes (``$PCPVIZ_WORKERS``)."""
+
+
+def _entries(trace: Trace, pages: list[tuple[int, int]], *, colors: dict, violations: list) -> Iterator[dict]:
+    """``_entry`` of each page, in order: in forked processes (runs of consecutive pages) from
+    ``PAGES_PARALLEL_FROM`` pages, each page built as one process alone would build it."""
+    workers = default_workers(len(pages), parallel_from=PAGES_PARALLEL_FROM)
+    runs = chunk_bounds(len(pages), workers, per_worker=4) if workers > 1 else [0, len(pages)]
+
+    def run(i: int) -> list[dict]:
+        return [_entry(trace, step, rank, colors=colors, violations=violations)
+                for step, rank in pages[runs[i]:runs[i + 1]]]
+
+    for built in forked_imap(run, len(runs) - 1, workers=workers):
+        yield from built
+
+
 def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, colors: dict, acceptance: Any,
               violations: list) -> str:
     """The page's data as JSON: every shown (step, rank) page, the per-run panels, their markers."""
     entries: dict[str, dict] = {}
     budget = tk.MAX_REPORT_RUNS
-    for step in shown:
-        for rank in ranks:
-            if trace.has(step, rank, "target"):
-                entries[f"{step},{rank}"] = e = _entry(trace, step, rank, colors=colors, violations=violations)
-                runs = tk.num_runs(e["tokens"])
-                if runs > min(tk.MAX_PAGE_RUNS, budget):  # per-token zoom only within the size caps
-                    e["status"] += tk.not_embedded_note(runs, budget_left=budget)
-                    e["tokens"] = {}
-                else:
-                    budget -= runs
+    pages = [(step, rank) for step in shown for rank in ranks if trace.has(step, rank, "target")]
+    for (step, rank), e in zip(pages, _entries(trace, pages, colors=colors, violations=violations)):
+        entries[f"{step},{rank}"] = e
+        runs = tk.num_runs(e["tokens"])
+        if runs > min(tk.MAX_PAGE_RUNS, budget):  # per-token zoom only within the size caps
+            e["status"] += tk.not_embedded_note(runs, budget_left=budget)
+            e["tokens"] = {}
+        else:
+            budget -= runs
     inp = PanelInput(colors=colors, acceptance=acceptance)
     run = {p.name: figure_json(p.spec(inp)) for p in run_panels()}
     markers = {p.name: p.step_marker(0) for p in run_panels() if p.step_marker is not None}

@@ -35,6 +35,8 @@ _SHORT = {"int8": "i1", "uint8": "u1", "int16": "i2", "uint16": "u2", "int32": "
           "float32": "f4", "float64": "f8"}
 _NARROW = {"int64": ("int8", "int16", "int32"), "uint64": ("uint8", "uint16", "uint32")}
 _PLAIN_KEYS = frozenset({"geojson", "layer", "layers", "range"})
+_AS_IS = frozenset({str, int, bool, type(None)})
+_NUMBERS = frozenset({int, float, bool})
 
 
 def _typed(a: np.ndarray) -> Any:
@@ -65,6 +67,11 @@ def _value(v: Any, key: str | None = None) -> Any:
     if t is dict:
         return {k: _value(x, k) for k, x in v.items()}
     if t is list or t is tuple:
+        kinds = set(map(type, v))
+        if kinds <= _AS_IS:  # strings, integers, booleans and nulls alone (most hover rows): as they are
+            return list(v)
+        if kinds <= _NUMBERS and all(map(math.isfinite, v)):  # finite numbers alone (coordinates)
+            return list(v)
         return [_value(x) for x in v]
     if isinstance(v, np.ndarray):
         if v.dtype.kind in "iuf" and key not in _PLAIN_KEYS:

@@ -203,10 +203,35 @@ def safe_spec(obj: Any) -> Any:
     if t is dict or isinstance(obj, dict):
         return {k: safe_text(v) if type(v) is str else safe_spec(v) for k, v in obj.items()}
     if t is list or t is tuple or isinstance(obj, (list, tuple)):
+        kinds = set(map(type, obj))
+        if kinds <= _PLAIN:  # numbers alone, or strings none of which needs a change (most hover rows)
+            if str not in kinds or _plain_texts(obj if kinds == _STR else [v for v in obj if type(v) is str]):
+                return list(obj)
         return [safe_text(v) if type(v) is str else safe_spec(v) for v in obj]
     if isinstance(obj, np.ndarray) and obj.dtype.kind in "OU":
-        return _safe_array(obj.astype(object)) if obj.size else obj
+        if not obj.size:
+            return obj
+        flat = obj.ravel().tolist()
+        if set(map(type, flat)) <= _PLAIN and _plain_texts([v for v in flat if type(v) is str]):
+            return obj.astype(object)
+        return _safe_array(obj.astype(object))
     return obj
+
+
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+_STR = frozenset({str})
+
+
+def _plain_texts(texts: list) -> bool:
+    """Whether ``safe_text`` leaves every string of ``texts`` as it is: none longer than
+    ``_MAX_TEXT`` and none with ``<``, ``>`` or ``&`` besides the figures' markup (one search over
+    them all)."""
+    if not texts:
+        return True
+    if max(map(len, texts)) > _MAX_TEXT:
+        return False
+    joined = "\x00".join(texts)  # markup never spans a separator: removing it from the whole is per string
+    return _NEEDS_ESCAPE(joined) is None or _NEEDS_ESCAPE(_MARKUP.sub("", joined)) is None
 
 
 def as_figure(spec: dict) -> go.Figure:
