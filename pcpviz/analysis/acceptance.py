@@ -34,7 +34,7 @@ from pcpviz.trace.index import fork_map, fork_workers
 from pcpviz.trace.schema import rank_file_name
 
 __all__ = ["Counts", "count", "ratio", "json_ratio", "verify_counts", "RequestAcceptance",
-           "StepAcceptance", "Acceptance", "acceptance", "acceptance_from_records"]
+           "StepAcceptance", "Acceptance", "AcceptanceFold", "acceptance", "acceptance_from_records"]
 
 
 # --------------------------------------------------------------------------- a run's acceptance
@@ -118,14 +118,29 @@ def _sums(records: Iterable[tuple[int, Mapping[str, Any]]],
           k: int | None) -> tuple[Counts, dict[str, Counts], list[StepAcceptance], int | None]:
     """(total, per request in order of first appearance, per step, K) of ``records``; the first
     malformed record raises ValueError naming its step."""
-    total = Counts()
-    per_req: dict[str, Counts] = {}
-    steps = []
+    sums = _Sums(k)
     for step, rec in records:
+        sums.add(step, rec)
+    return sums.total, sums.per_req, sums.steps, sums.k
+
+
+class _Sums:
+    """The running sums of ``_sums``: verify records added one at a time, in step order."""
+
+    def __init__(self, k: int | None) -> None:
+        self.total = Counts()
+        self.per_req: dict[str, Counts] = {}
+        self.steps: list[StepAcceptance] = []
+        self.k = k
+
+    def add(self, step: int, rec: Mapping[str, Any]) -> None:
+        """Count one verify record (one without the counts is skipped); a malformed one raises
+        ValueError naming ``step``."""
+        k = self.k
         try:
             counts = verify_counts(rec)
             if counts is None:
-                continue
+                return
             nacc, nd = counts
             ids = np.asarray(rec["req_ids"]) if "req_ids" in rec else np.arange(nd.size)
             if nacc.ndim != 1 or nd.shape != nacc.shape or ids.shape != nacc.shape:
@@ -136,18 +151,17 @@ def _sums(records: Iterable[tuple[int, Mapping[str, Any]]],
                 raise ValueError(f"request row {i} accepts {int(nacc[i])} of {int(nd[i])} draft tokens")
             ids = rec["req_ids"].tolist() if "req_ids" in rec else [f"row{i}" for i in range(nd.shape[0])]
             if k is None and "sampled_token_ids" in rec and np.ndim(rec["sampled_token_ids"]) == 2:
-                k = int(np.shape(rec["sampled_token_ids"])[1]) - 1
+                k = self.k = int(np.shape(rec["sampled_token_ids"])[1]) - 1
             _check_draft_width(nd, k)  # keeps count()'s width and the sums bounded
             c = count(nacc, nd)
             req_counts = [(str(ids[i]), count(nacc[i:i + 1], nd[i:i + 1])) for i in np.flatnonzero(nd > 0)]
         except (IndexError, ValueError, TypeError, KeyError) as exc:  # a producer's malformed view
             raise ValueError(f"step {step}: verify: malformed acceptance counts: "
                              f"{' '.join(str(exc).split())}") from None
-        total = total + c
-        steps.append(StepAcceptance(int(step), c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens))
+        self.total = self.total + c
+        self.steps.append(StepAcceptance(int(step), c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens))
         for rid, rc in req_counts:
-            per_req[rid] = per_req.get(rid, Counts()) + rc
-    return total, per_req, steps, k
+            self.per_req[rid] = self.per_req.get(rid, Counts()) + rc
 
 
 def _finish(total: Counts, per_req: dict[str, Counts], steps: list[StepAcceptance], k: int | None, *,
@@ -167,18 +181,25 @@ def _finish(total: Counts, per_req: dict[str, Counts], steps: list[StepAcceptanc
     )
 
 
-def acceptance(trace: Any, *, rank: int | None = None) -> Acceptance:
+def acceptance(trace: Any, *, rank: int | None = None, folded: Mapping[int, Any] | None = None) -> Acceptance:
     """Acceptance statistics from the verify records of ``rank`` (default: the lowest rank;
     verify is identical on every rank unless a fault made them diverge). ``trace`` is a
     ``pcpviz.trace.Trace`` (or anything with its ``ranks``/``rank_steps``/``has``/``record``/
     ``meta``) or a run directory. K is run.json's ``num_speculative_tokens``, else the width of
-    ``sampled_token_ids`` minus one."""
+    ``sampled_token_ids`` minus one. ``folded``: ``AcceptanceFold``'s answer from a pass the
+    checks made over the same trace (``run_checks(folds=...)``): the same statistics, or the
+    same error, without reading the records again."""
     if isinstance(trace, (str, os.PathLike)):
         from pcpviz.trace import open as open_trace
 
         trace = open_trace(trace)
     if rank is None:
         rank = trace.ranks[0] if trace.ranks else None
+    if folded is not None and rank in folded:
+        got = folded[rank]
+        if isinstance(got, str):
+            raise ValueError(f"{Path(str(trace.path)) / rank_file_name(rank)}: {got}")
+        return got
     k = trace.run_meta.num_speculative_tokens
     steps = [] if rank is None else trace.rank_steps(rank)
     try:
@@ -215,3 +236,49 @@ def _sums_in_runs(trace: Any, rank: int, steps: list[int],
             per_req[rid] = per_req.get(rid, Counts()) + rc
         out.extend(part)
     return total, per_req, out, k
+
+
+class AcceptanceFold:
+    """Each rank's ``acceptance`` counted in the pass ``run_checks`` makes over the steps
+    (``pcpviz.analysis.checks.StepFold``), from the verify records it decoded: its answer is
+    ``{rank: Acceptance, or the error acceptance() would raise, without the file}`` for
+    ``acceptance(trace, rank=r, folded=answer)``. Only where K is known (run.json): without it a
+    run's K comes from its first record, which a later run of steps does not see
+    (``AcceptanceFold.of`` is None then)."""
+
+    def __init__(self, ranks: Iterable[int], k: int) -> None:
+        self.ranks, self.k = tuple(ranks), int(k)
+
+    @classmethod
+    def of(cls, trace: Any) -> AcceptanceFold | None:
+        k = trace.run_meta.num_speculative_tokens
+        return None if k is None else cls(trace.ranks, k)
+
+    def start(self) -> dict[int, Any]:
+        return {r: _Sums(self.k) for r in self.ranks}  # a rank's sums, or its first error (str)
+
+    def add(self, state: dict[int, Any], sv: Any) -> dict[int, Any]:
+        for r, sums in state.items():
+            rec = sv.recs.get(r, {}).get("verify") if not isinstance(sums, str) else None
+            if rec is not None:
+                try:
+                    sums.add(sv.step, rec)
+                except ValueError as exc:
+                    state[r] = str(exc)
+        return state
+
+    def merge(self, states: list[dict[int, Any]]) -> dict[int, Any]:
+        out = {}
+        for r in self.ranks:
+            total, per_req, steps, err = Counts(), {}, [], None
+            for state in states:
+                part = state[r]
+                if isinstance(part, str):
+                    err = part
+                    break
+                total = total + part.total
+                for rid, rc in part.per_req.items():
+                    per_req[rid] = per_req.get(rid, Counts()) + rc
+                steps.extend(part.steps)
+            out[r] = err if err is not None else _finish(total, per_req, steps, self.k, rank=r)
+        return out

@@ -41,6 +41,7 @@ surely passes, from the views as columns) or skip rule (``@bulk_skip``), ``colum
 from pcpviz.analysis.compare import first_difference, short_repr
 
 from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
+from .context import StepFold
 from .runner import CHECK_MODULES, CHECKS, run_checks
 
 ENGINE_VIEW_CHECKS = frozenset({"hidden_restored", "hidden_handoffs", "target_outputs_agree", "verify_greedy",
@@ -56,5 +57,5 @@ DCP_CHECKS = frozenset({"dcp_kv_sharding", "dcp_local_lens", "dcp_partial_combin
 
 __all__ = [
     "DCP_CHECKS", "ENGINE_VIEW_CHECKS", "CHECKS", "PASS", "FAIL", "SKIPPED", "Violation", "CheckResult", "CheckReport", "run_checks",
-    "first_difference", "short_repr", "CHECK_MODULES",
+    "first_difference", "short_repr", "CHECK_MODULES", "StepFold",
 ]

@@ -7,7 +7,7 @@ A check raises ``Skip`` when an input view was not recorded."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import numpy as np
 
@@ -48,6 +48,22 @@ class StepView:
         self.prev = prev
         self.missing = missing  # ranks lacking this step although they recorded later steps
         self.cache: dict[Any, Any] = {}
+
+
+class StepFold(Protocol):
+    """A question ``run_checks`` answers over every step in the pass its checks make (``folds=``),
+    from the records it has decoded already: ``start()`` a state, ``add(state, step_view)`` for each
+    step in step order (the records of every rank that has it: ``step_view.recs[rank][phase]``), and
+    ``merge(states)`` of consecutive runs' states, in step order, the answer. The steps may be cut
+    into runs checked in forked processes: ``add`` must be a pure function of the state and the
+    step, a state picklable, and ``merge`` give what one ``add`` after another would. E.g.
+    ``pcpviz.analysis.acceptance.AcceptanceFold`` (each rank's acceptance)."""
+
+    def start(self) -> Any: ...
+
+    def add(self, state: Any, sv: StepView) -> Any: ...
+
+    def merge(self, states: list[Any]) -> Any: ...
 
 
 class Ctx:

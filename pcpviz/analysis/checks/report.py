@@ -4,7 +4,8 @@ the trace's completeness status)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Mapping
 
 from pcpviz.trace.schema import causal_phase_key
@@ -92,6 +93,7 @@ class CheckReport:
     seconds: float
     status: TraceStatus = TraceStatus()  # pcpviz.trace.validate: run.json valid, trace complete
     probe: Any = None  # run_checks' probe: its first answer that is not None (in step order)
+    folds: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))  # run_checks' folds (StepFold)
 
     @property
     def ok(self) -> bool:

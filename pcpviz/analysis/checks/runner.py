@@ -24,7 +24,7 @@ from . import step_checks
 from . import graph_checks
 from . import collective_checks, consumed_checks, dcp_checks
 from .columns import Block, bulk_mode, decide
-from .context import DEFS, Fail, Skip, Ctx, StepView
+from .context import DEFS, Fail, Skip, Ctx, StepFold, StepView
 from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
 
 CHECK_MODULES = (layout_checks, draft_checks, handoff_checks, consumed_checks, graph_checks, collective_checks,
@@ -192,10 +192,11 @@ def _block_sure(block: list[StepView], defs: list, run_meta: RunMeta, ranks: Seq
 
 
 def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: list, run_meta: RunMeta,
-                 probe: Callable[[StepView], Any] | None = None) -> tuple[dict[str, _Stats], Any]:
-    """Every check over ``steps`` (consecutive steps of the trace), and ``probe``'s first
-    non-None answer over them; ``before``: the step before the first, read as its history (None
-    at the start of the trace). Read in blocks of ``BLOCK_STEPS`` steps or ``BLOCK_BYTES`` of
+                 probe: Callable[[StepView], Any] | None = None, *,
+                 folds: Mapping[str, StepFold] | None = None) -> tuple[dict[str, _Stats], Any, dict[str, Any]]:
+    """Every check over ``steps`` (consecutive steps of the trace), ``probe``'s first non-None
+    answer over them and each fold's state after them; ``before``: the step before the first, read
+    as its history (None at the start of the trace). Read in blocks of ``BLOCK_STEPS`` steps or ``BLOCK_BYTES`` of
     views (the bulk rules' columns, ``columns``); the block's last step kept as the next one's
     history."""
     stats = {d.name: _Stats() for d in defs}
@@ -203,6 +204,8 @@ def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: l
     last = {r: max(rank_steps[r], default=None) for r in trace.ranks}
     prev = None if before is None else _step_view(trace, before, None, rank_steps, last)
     found = None
+    folds = folds or {}
+    states = {name: f.start() for name, f in folds.items()}
     mode = bulk_mode()
     verify = mode == "verify"
     i = 0
@@ -219,17 +222,21 @@ def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: l
             _check_step(sv, defs, run_meta, stats, sure, verify)
             if probe is not None and found is None:
                 found = probe(sv)
+            for name, f in folds.items():
+                states[name] = f.add(states[name], sv)
         for sv in block:
             sv.prev = None  # keep only the block's last step (the next one's history)
-    return stats, found
+    return stats, found, states
 
 
-def _merge(parts: Sequence[tuple[dict[str, _Stats], Any]], defs: list) -> tuple[dict[str, _Stats], Any]:
-    """Chunks' statistics in step order, as one sequential pass would have counted them, and the
-    first chunk's probe answer that is not None."""
+def _merge(parts: Sequence[tuple[dict[str, _Stats], Any, dict[str, Any]]], defs: list,
+           folds: Mapping[str, StepFold]) -> tuple[dict[str, _Stats], Any, dict[str, Any]]:
+    """Chunks' statistics in step order, as one sequential pass would have counted them, the
+    first chunk's probe answer that is not None, and each fold's chunk states merged in step order."""
     out = {d.name: _Stats() for d in defs}
     found = None
-    for part, probed in parts:
+    merged = {name: f.merge([p[2][name] for p in parts]) for name, f in folds.items()}
+    for part, probed, _ in parts:
         found = probed if found is None else found
         for name, st in out.items():
             p = part[name]
@@ -239,27 +246,28 @@ def _merge(parts: Sequence[tuple[dict[str, _Stats], Any]], defs: list) -> tuple[
             st.skip_reason = st.skip_reason if st.skip_reason is not None else p.skip_reason
             st.first = st.first if st.first is not None else p.first
             st.where.extend(p.where)
-    return out, found
+    return out, found, merged
 
 
 def _check_in_processes(trace: Trace, defs: list, run_meta: RunMeta, workers: int,
-                        probe: Callable[[StepView], Any] | None) -> tuple[dict[str, _Stats], Any]:
+                        probe: Callable[[StepView], Any] | None,
+                        folds: Mapping[str, StepFold]) -> tuple[dict[str, _Stats], Any, dict[str, Any]]:
     """The steps cut into ``CHUNKS_PER_WORKER * workers`` consecutive chunks, checked (and probed) in
     ``workers`` forked processes (``pcpviz.analysis.parallel``)."""
     steps = list(trace.steps)
     bounds = chunk_bounds(len(steps), workers, per_worker=CHUNKS_PER_WORKER)
     n = len(bounds) - 1
 
-    def chunk(i: int) -> tuple[dict[str, _Stats], Any]:
+    def chunk(i: int) -> tuple[dict[str, _Stats], Any, dict[str, Any]]:
         lo, hi = bounds[i], bounds[i + 1]
-        return _check_steps(trace, steps[lo:hi], steps[lo - 1] if lo else None, defs, run_meta, probe)
+        return _check_steps(trace, steps[lo:hi], steps[lo - 1] if lo else None, defs, run_meta, probe, folds=folds)
 
-    return _merge(list(forked_imap(chunk, n, workers=workers)), defs)
+    return _merge(list(forked_imap(chunk, n, workers=workers)), defs, folds)
 
 
 def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | None = None,
                status: Any = None, probe: Callable[[StepView], Any] | None = None,
-               workers: int | str | None = None) -> CheckReport:
+               workers: int | str | None = None, folds: Mapping[str, StepFold] | None = None) -> CheckReport:
     """Run every check (or the named ones) over every step and rank of ``trace``.
 
     ``trace`` is a ``pcpviz.trace.Trace`` or a run directory (opened with
@@ -275,7 +283,8 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
     picklable). ``workers``: processes to check in (``pcpviz.analysis.parallel``:
     ``$PCPVIZ_WORKERS``, else one per CPU from ``PARALLEL_FROM`` steps); several processes give
     the very report one would, each checking a run of consecutive steps with the step before it
-    as history.
+    as history. ``folds``: other questions over every step the checks read (``StepFold``: the
+    acceptance, the request ids), answered in the same pass: ``report.folds[name]``.
     """
     t0 = time.perf_counter()
     if not isinstance(trace, Trace):
@@ -292,11 +301,14 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
         status = validate_trace(trace)  # run.json schema, run.json vs the data, completeness
     run_meta = trusted_meta(trace.run_meta, status)
     workers = default_workers(len(trace.steps), workers)
+    folds = dict(folds or {})
     if workers > 1 and len(trace.steps) > 1:
-        stats, probed = _check_in_processes(trace, defs, run_meta, workers, probe)
+        stats, probed, folded = _check_in_processes(trace, defs, run_meta, workers, probe, folds)
     else:
-        stats, probed = _check_steps(trace, trace.steps, None, defs, run_meta, probe)
-    return replace(_report(trace, defs, stats, status, time.perf_counter() - t0), probe=probed)
+        stats, probed, states = _check_steps(trace, trace.steps, None, defs, run_meta, probe, folds=folds)
+        folded = {name: f.merge([states[name]]) for name, f in folds.items()}
+    return replace(_report(trace, defs, stats, status, time.perf_counter() - t0), probe=probed,
+                   folds=MappingProxyType(folded))
 
 
 def _report(trace: Trace, defs: list, stats: dict[str, _Stats], status: Any, seconds: float) -> CheckReport:

@@ -39,6 +39,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from pcpviz.analysis.acceptance import AcceptanceFold
 from pcpviz.analysis.checks import run_checks
 from pcpviz.analysis.diff import diff_traces
 from pcpviz.analysis.explain.evidence import KvReplicas, Symptoms, gather_symptoms, guarded
@@ -266,7 +267,9 @@ def explain(bad: Trace | str | os.PathLike, good: Trace | str | os.PathLike | No
     never the verdict. ``status``: ``pcpviz.trace.validate(bad)`` when the caller has it already."""
     tb = bad if isinstance(bad, Trace) else open_trace(bad)
     kv = KvReplicas(tb.ranks[0] if tb.ranks else None)
-    report = run_checks(tb, status=status, probe=kv.probe)  # one pass: the checks and the KV replicas
+    fold = AcceptanceFold.of(tb)
+    report = run_checks(tb, status=status, probe=kv.probe,  # one pass: the checks, the KV replicas, acceptance
+                        folds={"acceptance": fold} if fold is not None else None)
     kv.take(report.probe)
     with tempfile.TemporaryDirectory(prefix="pcpviz-explain-") as tmp:
         note = None

@@ -13,6 +13,8 @@ batch row 2, against a clean run of the same prompts::
 
 from __future__ import annotations
 
+from functools import partial
+
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -244,13 +246,14 @@ def kv_divergence(trace) -> str | None:
     return None
 
 
-def _ranks_agree(trace, ranks: tuple[int, ...], first: Any = None) -> bool:
+def _ranks_agree(trace, ranks: tuple[int, ...], first: Any = None, folded: Any = None) -> bool:
     """Every rank verifies the same acceptance per draft position; ``first``: the first rank's
-    ``Acceptance`` when the caller has it (one pass over the steps fewer)."""
+    ``Acceptance`` when the caller has it (one pass over the steps fewer); ``folded``: every
+    rank's, counted while the checks ran (``AcceptanceFold``: no pass at all)."""
     if first is None or getattr(first, "rank", None) != ranks[0]:
-        first = acceptance(trace, rank=ranks[0])
+        first = acceptance(trace, rank=ranks[0], folded=folded)
     base = first.accepted_per_position
-    return all(acceptance(trace, rank=r).accepted_per_position == base for r in ranks[1:])
+    return all(acceptance(trace, rank=r, folded=folded).accepted_per_position == base for r in ranks[1:])
 
 
 def _outputs_same(ta, tb) -> bool | None:
@@ -276,7 +279,9 @@ def gather_symptoms(trace, report, diff=None, *, reference_trace=None, reference
     (``diff_traces(reference_trace, trace)``, or None without a reference); ``kv``: the KV
     replicas already compared while the checks ran (else compared here, another pass)."""
     notes = [note] if note else []
-    acc = diff.acceptance_b if diff is not None else guarded(acceptance, trace, notes=notes, what="acceptance")
+    folded = report.folds.get("acceptance")  # counted while the checks ran (AcceptanceFold), when asked for
+    acc = diff.acceptance_b if diff is not None else guarded(partial(acceptance, folded=folded), trace, notes=notes,
+                                                              what="acceptance")
     counted = acc is not None
     if not counted:  # a malformed verify record (noted): no acceptance to judge by
         acc = acceptance_from_records((), rank=trace.ranks[0] if trace.ranks else None)
@@ -316,7 +321,7 @@ def gather_symptoms(trace, report, diff=None, *, reference_trace=None, reference
     per_rank = None
     kv_first = None
     if len(ranks) > 1:
-        per_rank = None if not counted else guarded(_ranks_agree, trace, ranks, acc, notes=notes,
+        per_rank = None if not counted else guarded(_ranks_agree, trace, ranks, acc, folded, notes=notes,
                                                     what="acceptance per rank")
         kv_first = kv.result(notes) if kv is not None else guarded(
             kv_divergence, trace, notes=notes, what="KV replicas", default=_NOT_EVALUATED)

@@ -27,6 +27,7 @@ from typing import Any, Iterator, Sequence
 
 from plotly.offline import get_plotlyjs
 
+from pcpviz.analysis.acceptance import AcceptanceFold
 from pcpviz.analysis.parallel import chunk_bounds, default_workers, forked_imap
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
@@ -302,15 +303,18 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
     unknown = [r for r in ranks if r not in trace.ranks]
     if unknown or not ranks:
         raise ValueError(f"rank {unknown[0] if unknown else '(none)'} not in the trace's ranks {trace.ranks}")
-    req_ids = fg.trace_req_ids(trace)
+    fold = AcceptanceFold.of(trace)  # the run's acceptance and request ids, counted while the checks run
+    folds = {"req_ids": fg.ReqIdsFold(trace), **({"acceptance": fold} if fold is not None else {})}
+    report = fg.load_check_report(trace, folds=folds) if checks else None
+    req_ids = fg.trace_req_ids(trace, report)
     colors = fg.request_color_index(req_ids)
-    report = fg.load_check_report(trace) if checks else None
     violations = [r.first_violation for r in report.results.values()
                   if r.first_violation is not None] if report is not None else []
     if asked is None:
         ranks = shown_ranks(ranks, [v.rank for v in violations if v.rank is not None])
     shown = shown_steps(trace.steps, len(ranks), [v.step for v in violations])
-    data = _embedded(trace, shown, ranks, colors=colors, acceptance=fg.trace_acceptance(trace), violations=violations)
+    data = _embedded(trace, shown, ranks, colors=colors, acceptance=fg.trace_acceptance(trace, report=report),
+                      violations=violations)
     doc = _page(trace, title=title or f"pcpviz — {Path(str(trace.path)).name}", data=data, ranks=ranks,
                 shown=shown, req_ids=req_ids, report=report)
     out = Path(out_path)

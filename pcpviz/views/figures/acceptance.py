@@ -69,9 +69,11 @@ def acceptance_stats(verify_records: Iterable[tuple[int, Record]], num_speculati
     return from_diff_acceptance(acceptance_from_records(verify_records, k=int(num_speculative_tokens)))
 
 
-def trace_acceptance(trace: Any, rank: int | None = None) -> AcceptanceStats:
-    """Acceptance of a whole trace from one rank's ``verify`` phases (default: the first rank)."""
-    return from_diff_acceptance(acceptance(trace, rank=rank))
+def trace_acceptance(trace: Any, rank: int | None = None, *, report: Any = None) -> AcceptanceStats:
+    """Acceptance of a whole trace from one rank's ``verify`` phases (default: the first rank);
+    ``report``: a check report whose pass counted it (``AcceptanceFold``), else read here."""
+    folded = None if report is None else getattr(report, "folds", {}).get("acceptance")
+    return from_diff_acceptance(acceptance(trace, rank=rank, folded=folded))
 
 
 def load_acceptance(trace: Any) -> AcceptanceStats:

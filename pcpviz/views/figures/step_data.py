@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from pcpviz.trace.shapes import table_groups, view_text
 
 __all__ = ["view_array", "is_replicated", "StepLayout", "step_layout", "has_layout", "single_rank",
            "LAYOUT_INPUT_VIEWS", "layout_summary", "recorded_phases", "draft_source_phase", "trace_req_ids",
-           "load_check_report"]
+           "load_check_report", "ReqIdsFold"]
 
 
 def view_array(rec: Record | None, name: str, default=None):
@@ -219,23 +219,63 @@ def _pad_cols(a: np.ndarray, w: int) -> np.ndarray:
 
 
 
-def load_check_report(trace: Any) -> Any | None:
-    """``pcpviz.analysis.checks.run_checks(trace)`` (imported on first use: the figures alone do not need it)."""
+def load_check_report(trace: Any, *, folds: Mapping[str, Any] | None = None) -> Any | None:
+    """``pcpviz.analysis.checks.run_checks(trace, folds=folds)`` (imported on first use: the figures
+    alone do not need it)."""
     from pcpviz.analysis.checks import run_checks  # noqa: PLC0415
 
-    return run_checks(trace)
+    return run_checks(trace, folds=folds)
 
 
-def trace_req_ids(trace: Any) -> list[str]:
-    """Every request id of the trace, in order of first appearance (first rank)."""
-    out: dict[str, None] = {}
-    rank = trace.ranks[0]
+def trace_req_ids(trace: Any, report: Any = None) -> list[str]:
+    """Every request id of the trace, in order of first appearance (first rank); ``report``: a
+    check report whose pass counted them (``folds={"req_ids": ReqIdsFold(trace)}``), else one pass
+    over the first rank's steps here."""
+    folded = None if report is None else getattr(report, "folds", {}).get("req_ids")
+    if folded is not None:
+        return list(folded)
+    fold = ReqIdsFold(trace)
+    state = fold.start()
+    rank = fold.rank
     for s in trace.rank_steps(rank):
-        for ph in ("target", "verify"):
+        for ph in _REQ_ID_PHASES:
             if trace.has(s, rank, ph):
-                rec = trace.record(s, rank, ph)
-                if "req_ids" in rec:
-                    for r in np.asarray(rec["req_ids"]).ravel():
-                        out.setdefault(str(r), None)
+                _add_req_ids(state, trace.record(s, rank, ph))
                 break
-    return list(out)
+    return list(state)
+
+
+_REQ_ID_PHASES = ("target", "verify")
+
+
+def _add_req_ids(state: dict[str, None], rec: Any) -> None:
+    if "req_ids" in rec:
+        for r in np.asarray(rec["req_ids"]).ravel():
+            state.setdefault(str(r), None)
+
+
+class ReqIdsFold:
+    """``trace_req_ids`` counted in the pass ``run_checks`` makes (``pcpviz.analysis.checks.StepFold``):
+    each step's first of ``target`` and ``verify`` on the first rank, its ``req_ids`` in order."""
+
+    def __init__(self, trace: Any) -> None:
+        self.rank = trace.ranks[0]
+
+    def start(self) -> dict[str, None]:
+        return {}
+
+    def add(self, state: dict[str, None], sv: Any) -> dict[str, None]:
+        recs = sv.recs.get(self.rank)
+        if recs is not None:
+            for ph in _REQ_ID_PHASES:
+                if ph in recs:
+                    _add_req_ids(state, recs[ph])
+                    break
+        return state
+
+    def merge(self, states: list[dict[str, None]]) -> list[str]:
+        out: dict[str, None] = {}
+        for state in states:
+            for rid in state:
+                out.setdefault(rid, None)
+        return list(out)
