@@ -1,4 +1,4 @@
-"""``check`` and ``explain --no-rerun`` on one trace, this checkout against another, interleaved.
+"""``check``, ``explain --no-rerun`` and the exports on one trace, this checkout against another, interleaved.
 
     python benchmarks/bench_scale.py --scenario steps --steps 10000 --keep /tmp/scale --only check
     python benchmarks/bench_check_repeats.py /tmp/scale/steps --baseline <checkout> --repeats 5 \\
@@ -6,8 +6,9 @@
 
 Each run is ``PYTHONPATH=<tree>:<tree>/kernels python -m pcpviz.cli check --json TRACE`` (or
 ``explain --no-rerun --json TRACE``) in its own process; old and new alternate, the order swapped
-every repeat. Wall seconds and CPU seconds (user + system of the command and its workers) per run,
-and their median and min-max. A benchmark, not a test: it asserts nothing.
+every repeat. Wall seconds, CPU seconds (user + system of the command and its workers) and peak
+RSS (the largest of the command and its workers) per run, and their median and min-max. A
+benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -23,23 +23,29 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = {"check": ["check", "--json"], "explain --no-rerun": ["explain", "--no-rerun", "--json"]}
+COMMANDS = {"check": ["check", "--json"], "explain --no-rerun": ["explain", "--no-rerun", "--json"],
+            "export --html": ["export", "--html", "/tmp/pcpviz-bench-repeats.html"],
+            "export --chrome": ["export", "--chrome", "/tmp/pcpviz-bench-repeats.json"]}
 
 
 def _run(root: Path, args: list[str]) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{root}:{root / 'kernels'}")
     load = os.getloadavg()[0]  # the machine is shared: how busy it was as the run began
-    t0, r0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    p = subprocess.run([sys.executable, "-m", "pcpviz.cli", *args], env=env, cwd=root, capture_output=True)
-    r1, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
-    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
-    return {"wall": round(wall, 2), "cpu": round(cpu, 2), "exit": p.returncode, "load_before": round(load, 2)}
+    t0 = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "pcpviz.cli", *args], env=env, cwd=root,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(p.pid, 0)  # the command's own rusage, its reaped workers' included
+    wall = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    cpu = usage.ru_utime + usage.ru_stime
+    return {"wall": round(wall, 2), "cpu": round(cpu, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024),
+            "exit": p.returncode, "load_before": round(load, 2)}
 
 
 def _spread(runs: list[dict]) -> dict:
-    w, c = [r["wall"] for r in runs], [r["cpu"] for r in runs]
+    w, c, m = [r["wall"] for r in runs], [r["cpu"] for r in runs], [r["peak_rss_mib"] for r in runs]
     return {"wall_median": statistics.median(w), "wall_min_max": [min(w), max(w)],
-            "cpu_median": statistics.median(c), "cpu_min_max": [min(c), max(c)],
+            "cpu_median": statistics.median(c), "cpu_min_max": [min(c), max(c)], "peak_rss_mib_max": max(m),
             "exits": sorted({r["exit"] for r in runs})}
 
 

@@ -39,11 +39,12 @@ from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
 from pcpviz.analysis.timelines import compare_timelines, same_schedule
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.analysis.diffreport import DiffReport, Divergence
-from pcpviz.analysis.parallel import chunk_bounds, default_workers, forked_imap
+from pcpviz.analysis.parallel import PARALLEL_FROM, chunk_bounds, default_workers, forked_imap
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.reference.batch import record_query_start_loc
 from pcpviz.trace.bounds import problems_at, step_problems
+from pcpviz.trace.index import fork_map, fork_workers
 
 __all__ = ["Acceptance", "RequestAcceptance", "StepAcceptance", "acceptance", "Divergence",
            "DiffReport", "diff_traces", "DEFAULT_IGNORE"]
@@ -148,13 +149,41 @@ def request_keys(trace: Trace) -> dict[str, tuple]:
     ``LLM`` names a request ``"{i}-{random}"``, the engine ``"req{i}"``), and the start of a prompt
     may never be fed (a prefix-cache hit), but every run computes a prompt's last token itself.
     Read from rank 0's target records (``is_prefilling`` rows); a request whose prefill the trace
-    did not see gets no key."""
-    last: dict[str, tuple[int, int]] = {}
+    did not see gets no key. A long trace is read in runs of steps in forked processes
+    (``pcpviz.trace.index.fork_map``), their answers taken in step order: the same keys."""
     rank = trace.ranks[0] if trace.ranks else None
-    for step in ([] if rank is None else trace.rank_steps(rank)):
+    steps = [] if rank is None else trace.rank_steps(rank)
+    workers = fork_workers() if len(steps) >= PARALLEL_FROM else 1
+    cuts = [round(i * len(steps) / KEY_RUNS) for i in range(KEY_RUNS + 1)] if workers > 1 else [0, len(steps)]
+    last: dict[str, tuple[int, int]] = {}
+    for part in fork_map(lambda i: _last_prompt_tokens(trace, rank, steps[cuts[i]:cuts[i + 1]]), len(cuts) - 1,
+                         workers=workers):
+        for rid, pair in part.items():  # a later prefill chunk of a request replaces the pair, in place
+            last[rid] = pair
+    keys: dict[str, tuple] = {}
+    seen: dict[tuple[int, int], int] = {}
+    for rid, pair in last.items():  # first appearance order
+        n = seen.get(pair, 0)
+        seen[pair] = n + 1
+        keys[rid] = (*pair, n)
+    return keys
+
+
+KEY_RUNS = 8
+"""Runs of consecutive steps ``request_keys`` cuts a long trace into."""
+
+
+def _last_prompt_tokens(trace: Trace, rank: int, steps: list[int]) -> dict[str, tuple[int, int]]:
+    """Request id -> (position + 1, token) of its last prefilled token in ``steps``, in order of first
+    appearance (a later chunk replacing an earlier one's pair in place)."""
+    last: dict[str, tuple[int, int]] = {}
+    for step in steps:
         if not trace.has(step, rank, "target"):
             continue
         rec = trace.record(step, rank, "target")
+        pf, rids = rec.get("is_prefilling"), rec.get("req_ids")
+        if pf is None or (pf.dtype.kind in "biu" and rids is not None and pf.shape == rids.shape and not pf.any()):
+            continue  # a decode step (well formed): nothing to read
         if step_problems({"target": rec}):  # only the target record is read here: only it is bounded
             continue
         if not all(v in rec for v in ("req_ids", "is_prefilling", "input_ids", "positions")):
@@ -167,13 +196,7 @@ def request_keys(trace: Trace) -> dict[str, tuple]:
             if bool(rec["is_prefilling"][i]) and qsl[i + 1] > qsl[i]:
                 j = int(qsl[i + 1]) - 1
                 last[rid] = (int(pos[j]) + 1, int(ids[j]))
-    keys: dict[str, tuple] = {}
-    seen: dict[tuple[int, int], int] = {}
-    for rid, pair in last.items():  # first appearance order
-        n = seen.get(pair, 0)
-        seen[pair] = n + 1
-        keys[rid] = (*pair, n)
-    return keys
+    return last
 
 
 class _RenamedRequests:
@@ -196,10 +219,11 @@ class _RenamedRequests:
         return out
 
 
-def prompts_note(ta: Trace, tb: Trace) -> str | None:
+def prompts_note(ta: Trace, tb: Trace, keys: tuple[dict, dict] | None = None) -> str | None:
     """One line when the two runs served different prompts (run.json's ``prompt_token_ids``,
-    else the requests' ``request_keys``), so a reader knows up front that divergences follow
-    from the input: ``"the runs served different prompts: 2 of b's 3 are not among a's 3"``."""
+    else the requests' ``request_keys``: ``keys`` when the caller has them), so a reader knows up
+    front that divergences follow from the input: ``"the runs served different prompts: 2 of b's 3
+    are not among a's 3"``."""
     def prompts(t: Trace) -> list[tuple] | None:
         p = t.run_meta.prompt_token_ids
         if p is None:
@@ -208,7 +232,8 @@ def prompts_note(ta: Trace, tb: Trace) -> str | None:
 
     pa_, pb_ = prompts(ta), prompts(tb)
     if pa_ is None or pb_ is None:  # no prompts in run.json: (length, last token) per request
-        pa_, pb_ = sorted(request_keys(ta).values()), sorted(request_keys(tb).values())
+        ka, kb = keys if keys is not None else (request_keys(ta), request_keys(tb))
+        pa_, pb_ = sorted(ka.values()), sorted(kb.values())
         if not pa_ or not pb_:
             return None
     if pa_ == pb_:
@@ -218,10 +243,10 @@ def prompts_note(ta: Trace, tb: Trace) -> str | None:
             "differences follow from the input, not only from the run")
 
 
-def _align_request_ids(ta: Trace, tb: Trace) -> tuple[Any, int]:
+def _align_request_ids(ta: Trace, tb: Trace, keys: tuple[dict, dict]) -> tuple[Any, int]:
     """Run B seen with run A's request ids where the two runs served the same prompts under
-    other names; returns (the trace to compare, requests renamed)."""
-    ka, kb = request_keys(ta), request_keys(tb)
+    other names (``keys``: their ``request_keys``); returns (the trace to compare, requests renamed)."""
+    ka, kb = keys
     by_key = {k: rid for rid, k in ka.items()}
     rename = {rid: by_key[k] for rid, k in kb.items() if k in by_key and by_key[k] != rid}
     if not rename:
@@ -441,9 +466,10 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
     """Compare run B against run A (see the module doc); expected values are A's. Streams over
     the steps: one step of each run is read at a time."""
     ta, tb = _open(a), _open(b)
-    differ = prompts_note(ta, tb)
+    keys = (request_keys(ta), request_keys(tb))
+    differ = prompts_note(ta, tb, keys)
     notes: list[str] = [differ] if differ else []
-    tb, renamed = _align_request_ids(ta, tb)
+    tb, renamed = _align_request_ids(ta, tb, keys)
     if renamed:
         notes.append(f"{renamed} requests of b matched to a's by their prompts (other request ids)")
     one_sided, gap_notes = one_sided_views(ta, tb, ignore=ignore)
