@@ -146,15 +146,16 @@ class _Sums:
             if nacc.ndim != 1 or nd.shape != nacc.shape or ids.shape != nacc.shape:
                 raise ValueError(f"num_accepted {list(nacc.shape)}, num_draft_tokens {list(nd.shape)} and "
                                  f"req_ids {list(ids.shape)} are not one entry per request")
-            if ((nd < 0) | (nacc < 0) | (nacc > nd)).any():
-                i = int(np.flatnonzero((nd < 0) | (nacc < 0) | (nacc > nd))[0])
-                raise ValueError(f"request row {i} accepts {int(nacc[i])} of {int(nd[i])} draft tokens")
+            na, nt = nacc.tolist(), nd.tolist()  # a decode step's few requests: Python integers are cheaper
+            bad = next((i for i, (a, d) in enumerate(zip(na, nt)) if d < 0 or a < 0 or a > d), None)
+            if bad is not None:
+                raise ValueError(f"request row {bad} accepts {na[bad]} of {nt[bad]} draft tokens")
             ids = rec["req_ids"].tolist() if "req_ids" in rec else [f"row{i}" for i in range(nd.shape[0])]
             if k is None and "sampled_token_ids" in rec and np.ndim(rec["sampled_token_ids"]) == 2:
                 k = self.k = int(np.shape(rec["sampled_token_ids"])[1]) - 1
             _check_draft_width(nd, k)  # keeps count()'s width and the sums bounded
             c = count(nacc, nd)
-            req_counts = [(str(ids[i]), count(nacc[i:i + 1], nd[i:i + 1])) for i in np.flatnonzero(nd > 0)]
+            req_counts = [(str(ids[i]), Counts(1, d, a, (1,) * a)) for i, (a, d) in enumerate(zip(na, nt)) if d > 0]
         except (IndexError, ValueError, TypeError, KeyError) as exc:  # a producer's malformed view
             raise ValueError(f"step {step}: verify: malformed acceptance counts: "
                              f"{' '.join(str(exc).split())}") from None
