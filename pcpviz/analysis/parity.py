@@ -15,7 +15,7 @@ The first trace is the reference. For each other run, one row per request and on
   When the two schedulers ran different batches, that is a scheduling view such as ``req_ids`` or
   ``num_scheduled_tokens``.
 
-Requests are matched across runs by their prompts (``pcpviz.analysis.diff.request_keys``), not by id.
+Requests are matched across runs by their prompts (``pcpviz.analysis.request_keys``), not by id.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from pcpviz.analysis.diff import acceptance, diff_traces, request_keys
+from pcpviz.analysis.diff import acceptance, diff_traces
+from pcpviz.analysis.request_keys import request_keys
 from pcpviz.trace import open as open_trace
 from pcpviz.trace.outputs import write_output
 

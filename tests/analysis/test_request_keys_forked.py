@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import pcpviz.trace as pt
-from pcpviz.analysis import diff
+from pcpviz.analysis import request_keys as diff
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,7 +22,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from pcpviz.analysis.acceptance import acceptance_from_records
-from pcpviz.analysis.diff import acceptance, request_keys
+from pcpviz.analysis.diff import acceptance
+from pcpviz.analysis.request_keys import request_keys
 from pcpviz.analysis.parity import generated_tokens
 from pcpviz.trace import TraceError, draft_index
 from pcpviz.trace.errors import MALFORMED
