@@ -24,7 +24,7 @@ import pyarrow as pa
 from . import schema as S
 from .errors import TraceError
 
-__all__ = ["Layout", "Loaded", "BatchParsers", "TailDamage", "check_batch", "load", "one_line"]
+__all__ = ["Layout", "Loaded", "BatchParsers", "TailDamage", "check_batch", "load", "one_line", "phase_rows"]
 
 _CACHE_MAX = 4096  # distinct name / shape columns remembered while scanning
 
@@ -328,13 +328,6 @@ class Loaded:
     def shape(self, j: int) -> tuple[int, ...]:
         return self.shapes[j]
 
-    def row_ok(self, layout: Layout, j: int) -> bool:
-        """Row ``j``'s stored bytes match its crc32 (``schema.row_crc32``, continued from the
-        step's head crc)."""
-        stored = self.mv[self.offsets[j]:self.offsets[j + 1]]
-        return zlib.crc32(stored, zlib.crc32(row_head(layout.prefixes[j], self.shapes[j]), self.step_crc)) \
-            == self.crcs[j]
-
 
 _HEADS: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
 
@@ -371,6 +364,21 @@ def row_plan(layout: Layout, shapes: tuple) -> tuple[list[bytes], list[int]]:
             _PLANS.clear()
         got = _PLANS[key] = (layout, shapes, heads, sizes)
     return got[2], got[3]
+
+
+_ROWS: dict[int, tuple] = {}
+
+
+def phase_rows(layout: Layout, phase: str) -> Mapping[str, int]:
+    """``{view: row}`` of ``phase``'s rows in ``layout``, made once per layout (the steps that
+    record the same views share one): ``{"positions": 0, "seq_lens": 1}`` for ``target``'s."""
+    got = _ROWS.get(id(layout))
+    if got is None or got[0] is not layout:
+        if len(_ROWS) >= _CACHE_MAX:
+            _ROWS.clear()
+        got = _ROWS[id(layout)] = (layout, {ph: MappingProxyType({layout.views[j]: j for j in rows})
+                                            for ph, rows in layout.phases.items()})
+    return got[1][phase]
 
 
 _SHAPES: dict[tuple[bytes, bytes], tuple] = {}

@@ -117,6 +117,7 @@ class RankIndex:
         self.ends = np.array([b[1] for b in bounds], dtype=np.int64)  # int64[n]
         self.layouts = layouts
         self._last: tuple[int, Loaded] | None = None
+        self._found = -1  # the position ``find`` last returned: the next look-up tries the one after
         self.budget = MapBudget([self])  # ``reader.open`` makes every rank of a trace share one
 
     def find(self, step: int) -> int | None:
@@ -127,10 +128,19 @@ class RankIndex:
                 return None
         except (TypeError, ValueError, OverflowError):
             return None
-        if not self.steps.shape[0] or not int(self.steps[0]) <= key <= int(self.steps[-1]):
+        n, i = self.steps.shape[0], self._found
+        if 0 <= i < n and int(self.steps[i]) == key:  # the same step again (its phases, one by one)
+            return i
+        if i + 1 < n and int(self.steps[i + 1]) == key:  # the next: a pass over the steps in order
+            self._found = i + 1
+            return i + 1
+        if not n or not int(self.steps[0]) <= key <= int(self.steps[-1]):
             return None
         i = int(np.searchsorted(self.steps, key))
-        return i if i < self.steps.shape[0] and int(self.steps[i]) == key else None
+        if i < n and int(self.steps[i]) == key:
+            self._found = i
+            return i
+        return None
 
     def batch(self, i: int) -> "Loaded":
         """The record batch of the ``i``-th step, read again from the map (zero-copy)."""

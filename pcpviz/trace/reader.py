@@ -52,7 +52,7 @@ import numpy as np
 
 from . import schema as S
 from .errors import TraceError, TraceWarning
-from .batches import row_plan
+from .batches import one_line as _one_line, phase_rows, row_plan
 from .index import MapBudget, RankIndex, scan_rank_files
 from .owner import rank_file_busy, writer_busy
 from .meta_model import decode_meta
@@ -132,10 +132,6 @@ class RankFile:
     good_bytes: int  # bytes of complete messages (schema, steps, end-of-stream marker)
     closed: bool  # the writer closed it (end-of-stream marker present)
     finalizes: bool = False  # its writer promised a completion record (``completion.COMPLETION_KEY``)
-
-
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def steps_summary(steps: list[int] | tuple[int, ...]) -> str:
@@ -391,22 +387,27 @@ class _LazyViews(Mapping[str, np.ndarray]):
     def __init__(self, ix: RankIndex, i: int, phase: str) -> None:
         self._ix, self._loaded, self._layout = ix, ix.batch(i), ix.layouts[i]
         self._step, self._phase = int(ix.steps[i]), phase
-        self._rows = {self._layout.views[j]: j for j in self._layout.phases[phase]}
+        loaded, layout, rows = self._loaded, self._layout, self._layout.phases[phase]
+        self._rows = phase_rows(layout, phase)
         self._done: dict[str, np.ndarray] = {}
-        loaded, layout = self._loaded, self._layout
-        for view, j in self._rows.items():
-            if not loaded.row_ok(layout, j):
-                raise TraceError(f"{ix.path}: step {self._step}: view {view!r} (phase {phase!r}): corrupt data "
-                                 "(crc32 mismatch)")
+        heads, self._wants = row_plan(layout, loaded.shapes)  # per row: crc32 head, numeric size
+        mv, offsets, crcs, step_crc = loaded.mv, loaded.offsets, loaded.crcs, loaded.step_crc
+        for j in rows:
+            if zlib.crc32(mv[offsets[j]:offsets[j + 1]], zlib.crc32(heads[j], step_crc)) != crcs[j]:
+                raise TraceError(f"{ix.path}: step {self._step}: view {layout.views[j]!r} (phase {phase!r}): "
+                                 "corrupt data (crc32 mismatch)")
 
     def __getitem__(self, name: str) -> np.ndarray:
         value = self._done.get(name)
         if value is None:
-            j = self._rows[name]
-            loaded = self._loaded
-            stored = loaded.u8[loaded.offsets[j]:loaded.offsets[j + 1]]
-            value = self._done[name] = _decode_row(self._ix, self._step, self._phase, name, self._layout, j,
-                                                   loaded.shapes[j], stored)
+            j, loaded = self._rows[name], self._loaded
+            start, stop = loaded.offsets[j], loaded.offsets[j + 1]
+            if stop - start == self._wants[j]:  # a numeric row that fits: a view of the map, as _decode's
+                value = np.ndarray(loaded.shapes[j], self._layout.dtypes[j], loaded.u8, start)
+            else:
+                value = _decode_row(self._ix, self._step, self._phase, name, self._layout, j, loaded.shapes[j],
+                                    loaded.u8[start:stop])
+            self._done[name] = value
         return value
 
     def __iter__(self) -> Iterator[str]:

@@ -502,7 +502,9 @@ def test_lazy_record_checks_every_row_and_decodes_what_is_read(tmp_path, monkeyp
     monkeypatch.setattr(reader_mod, "_decode_row", lambda *a: calls.append(a[3]) or real(*a))
     rec = t.lazy_record(3, 0, "target")
     assert calls == [] and set(rec) == {"positions", "req_ids", "seq_lens"} and "seq_lens" in rec
-    assert rec["seq_lens"].tolist() == [6, 4] and calls == ["seq_lens"]
+    assert rec["seq_lens"].tolist() == [6, 4] and calls == []  # a numeric row that fits: a view of the map
+    assert rec["req_ids"].tolist() == ["a", "b"] and calls == ["req_ids"]  # a string row: parsed when read
+    assert rec["req_ids"].tolist() == ["a", "b"] and calls == ["req_ids"]  # once
     assert rec == t.record(3, 0, "target") == steps[3]["target"]
     assert not rec["positions"].flags.writeable
     with pytest.raises(KeyError, match="not recorded at step 3"):
