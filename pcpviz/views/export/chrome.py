@@ -32,14 +32,17 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 import numpy as np
 
-from pcpviz.analysis.parallel import default_workers, forked_imap
+from pcpviz.analysis.parallel import default_workers
+from pcpviz.trace.index import fork_map
 from pcpviz.trace.schema import causal_phase_key
 from pcpviz.trace.outputs import atomic_output, check_output
 from pcpviz.trace import Trace, TraceError, draft_index
@@ -66,35 +69,97 @@ def _num(x: Any) -> int | float:
 
 
 def _len(rec, view) -> int | None:
-    return int(np.asarray(rec[view]).shape[0]) if view in rec and np.asarray(rec[view]).ndim else None
+    """Length of ``rec[view]`` (None when not recorded or 0-d)."""
+    if view not in rec:
+        return None
+    a = np.asarray(rec[view])
+    return int(a.shape[0]) if a.ndim else None
+
+
+_I64 = 1 << 63
+_SMALL = 64
+"""Arrays up to this long are counted in Python: cheaper than a NumPy call for a step's dozen values."""
+
+
+def _small_ints(a: np.ndarray) -> list | None:
+    """A short 1-d array of booleans or integers (each exact in int64) as a list; else None."""
+    kind = a.dtype.kind
+    if a.ndim == 1 and a.shape[0] <= _SMALL and (kind in "bi" or kind == "u" and a.dtype.itemsize < 8):
+        return a.tolist()
+    return None
+
+
+def _sum(x: Any, *, as_int64: bool = False) -> int:
+    """``int(np.asarray(x).sum())`` (of ``np.asarray(x, dtype=np.int64)`` with ``as_int64``), in
+    Python for a short integer array: NumPy's int64 sum wraps around, so it equals the exact sum
+    whenever that fits int64; otherwise (and for any other array) NumPy's.
+
+    >>> _sum(np.array([3, 4], dtype=np.int32)), _sum(np.array([True, False, True])), _sum(2.5)
+    (7, 2, 2)
+    """
+    a = np.asarray(x)
+    got = _small_ints(a)
+    if got is not None:
+        total = sum(got)
+        if -_I64 <= total < _I64:
+            return total
+    return int((np.asarray(a, dtype=np.int64) if as_int64 else a).sum())
+
+
+def _target_args(args: dict[str, Any], rank: int, rec) -> None:
+    r = _len(rec, "num_scheduled_tokens") or _len(rec, "req_ids")
+    if r is not None:
+        args["num_reqs"] = r
+    if "num_scheduled_tokens" in rec:
+        args["global_tokens"] = _sum(rec["num_scheduled_tokens"])
+    if "per_rank_num_tokens" in rec and rank < np.asarray(rec["per_rank_num_tokens"]).shape[0]:
+        args["local_tokens"] = int(rec["per_rank_num_tokens"][rank])
+    p = _len(rec, "local_positions") or _len(rec, "local_input_ids")
+    if p is not None:
+        args["padded_tokens"] = p
+    if "local_seq_lens" in rec:
+        args["local_segments"] = _len(rec, "local_seq_lens")
+    if "is_prefilling" in rec:
+        a = np.asarray(rec["is_prefilling"])
+        flags = _small_ints(a)
+        if flags is not None:  # booleans or integers: truthy is non-zero
+            args["prefill_reqs"], args["decode_reqs"] = len(flags) - flags.count(0), flags.count(0)
+        else:
+            pf = a.astype(bool)
+            args["prefill_reqs"], args["decode_reqs"] = int(pf.sum()), int((~pf).sum())
+
+
+def _verify_args(args: dict[str, Any], rec) -> None:
+    r = _len(rec, "num_sampled") or _len(rec, "req_ids")
+    if r is not None:
+        args["num_reqs"] = r
+    if "num_draft_tokens" in rec:
+        nd = np.asarray(rec["num_draft_tokens"])
+        small = _small_ints(nd)
+        if small is not None:
+            args["num_drafts"] = sum(1 for v in small if v > 0)
+        else:
+            args["num_drafts"] = int((np.asarray(nd, dtype=np.int64) > 0).sum())
+        args["num_draft_tokens"] = _sum(nd, as_int64=True)
+    if "num_accepted" in rec:
+        args["num_accepted_tokens"] = _sum(rec["num_accepted"], as_int64=True)
+    if "num_sampled" in rec:
+        args["num_sampled_tokens"] = _sum(rec["num_sampled"], as_int64=True)
 
 
 def _args(step: int, rank: int, phase: str, rec, target) -> dict[str, Any]:
     """Token counts of one phase, for the event's ``args``."""
     args: dict[str, Any] = {"step": step, "rank": rank, "phase": phase}
+    k = draft_index(phase)
     if phase == "target":
-        r = _len(rec, "num_scheduled_tokens") or _len(rec, "req_ids")
-        if r is not None:
-            args["num_reqs"] = r
-        if "num_scheduled_tokens" in rec:
-            args["global_tokens"] = int(np.asarray(rec["num_scheduled_tokens"]).sum())
-        if "per_rank_num_tokens" in rec and rank < np.asarray(rec["per_rank_num_tokens"]).shape[0]:
-            args["local_tokens"] = int(rec["per_rank_num_tokens"][rank])
-        p = _len(rec, "local_positions") or _len(rec, "local_input_ids")
-        if p is not None:
-            args["padded_tokens"] = p
-        if "local_seq_lens" in rec:
-            args["local_segments"] = _len(rec, "local_seq_lens")
-        if "is_prefilling" in rec:
-            pf = np.asarray(rec["is_prefilling"]).astype(bool)
-            args["prefill_reqs"], args["decode_reqs"] = int(pf.sum()), int((~pf).sum())
-    elif draft_index(phase) is not None:
+        _target_args(args, rank, rec)
+    elif k is not None:
         if "view" in rec:
             args["view"] = str(np.asarray(rec["view"]).reshape(-1)[0])
         rows = _len(rec, "draft_input_ids") or _len(rec, "draft_positions")
         if rows is not None:
             args["rows"] = rows
-        if draft_index(phase) == 0 and target is not None and "per_rank_num_tokens" in target:
+        if k == 0 and target is not None and "per_rank_num_tokens" in target:
             prn = np.asarray(target["per_rank_num_tokens"])
             if rank < prn.shape[0]:
                 args["local_tokens"] = int(prn[rank])
@@ -102,16 +167,7 @@ def _args(step: int, rank: int, phase: str, rec, target) -> dict[str, Any]:
         if r is not None:
             args["num_reqs"] = r
     elif phase == "verify":
-        r = _len(rec, "num_sampled") or _len(rec, "req_ids")
-        if r is not None:
-            args["num_reqs"] = r
-        if "num_draft_tokens" in rec:
-            nd = np.asarray(rec["num_draft_tokens"], dtype=np.int64)
-            args["num_drafts"], args["num_draft_tokens"] = int((nd > 0).sum()), int(nd.sum())
-        if "num_accepted" in rec:
-            args["num_accepted_tokens"] = int(np.asarray(rec["num_accepted"], dtype=np.int64).sum())
-        if "num_sampled" in rec:
-            args["num_sampled_tokens"] = int(np.asarray(rec["num_sampled"], dtype=np.int64).sum())
+        _verify_args(args, rec)
     if "collectives" in rec:  # the CPU replay's record of vLLM's calls on the PCP group, in order
         calls = [str(x) for x in np.asarray(rec["collectives"]).reshape(-1)]
         args["collectives"], args["collective_calls"] = len(calls), calls
@@ -126,7 +182,7 @@ def _times(rec) -> tuple[float, float] | None:
         t = (_num(rec["t_start_us"]), _num(rec["t_end_us"]))
     except (IndexError, ValueError, TypeError):  # empty, or not a number
         return None
-    return t if all(np.isfinite(t)) else None
+    return t if math.isfinite(t[0]) and math.isfinite(t[1]) else None
 
 
 def _args_or_note(step: int, rank: int, phase: str, rec, target) -> dict[str, Any]:
@@ -173,16 +229,66 @@ def _plan(trace: Trace) -> _Plan:
     return _Plan(lanes, {name: i for i, name in enumerate(lanes)}, start)
 
 
-def _step_events(trace: Trace, step: int, rank: int, plan: _Plan, *, synthetic: bool) -> list[dict[str, Any]]:
-    """One (step, rank)'s events: a span per phase (causal order), the accepted-draft counter at
-    its verify, then the step's span (the phases' extent, with the step's counts). Raises
-    ``_Unrecorded`` when recorded times are wanted and a phase has none."""
-    phases = sorted(trace.phases(step, rank), key=causal_phase_key)
-    target = trace.lazy_record(step, rank, "target") if "target" in phases else None
-    events: list[dict[str, Any]] = []
-    span, extra = None, {}
+@functools.lru_cache(maxsize=1024)
+def _causal(phases: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(sorted(phases, key=causal_phase_key))
+
+
+_CAT = json.dumps(EVENT_CATEGORY)
+
+
+@functools.lru_cache(maxsize=4096)
+def _str_json(s: str) -> str:
+    return json.dumps(s)
+
+
+def _json(v: Any) -> str:
+    """``json.dumps(v, allow_nan=False)``, with no call of the encoder for an int or a finite float
+    (the events' times and counts) and a remembered text for a string: the same text, and the
+    same ValueError for a float that is not finite.
+
+    >>> _json(3), _json(2.5), _json("a"), _json([1, "b"])
+    ('3', '2.5', '"a"', '[1, "b"]')
+    """
+    t = type(v)
+    if t is int:
+        return int.__repr__(v)
+    if t is float and math.isfinite(v):
+        return float.__repr__(v)
+    if t is str:
+        return _str_json(v)
+    return json.dumps(v, allow_nan=False)
+
+
+def _args_json(args: dict[str, Any]) -> str:
+    """``json.dumps(args)`` of an event's ``args`` (``_json`` per value).
+
+    >>> _args_json({"step": 3, "phase": "target", "calls": ["a"]})
+    '{"step": 3, "phase": "target", "calls": ["a"]}'
+    """
+    return "{" + ", ".join([_str_json(k) + (f": {v}" if type(v) is int else ": " + _json(v))
+                            for k, v in args.items()]) + "}"
+
+
+def _span_json(step: int, phase: str | None, rank: int, *, tid: int, t0: Any, dur: Any, args: dict[str, Any]) -> str:
+    """A complete event's JSON, as ``json.dumps`` writes its dict: ``{"ph": "X", "cat": "pcpviz",
+    "name": "step 3 target", "pid": 0, "tid": 1, "ts": 0, "dur": 100, "args": {...}}``
+    (``phase`` None: the step's own span, ``"name": "step 3"``)."""
+    name = f"step {step}" if phase is None else f"step {step} {_str_json(phase)[1:-1]}"
+    return (f'{{"ph": "X", "cat": {_CAT}, "name": "{name}", "pid": {rank}, "tid": {tid}, "ts": {_json(t0)}, '
+            f'"dur": {_json(dur)}, "args": {_args_json(args)}}}')
+
+
+def _step_events(trace: Trace, step: int, rank: int, plan: _Plan, *, synthetic: bool) -> list[str]:
+    """One (step, rank)'s events as JSON texts: a span per phase (causal order), the accepted-draft
+    counter at its verify, then the step's span (the phases' extent, with the step's counts).
+    Raises ``_Unrecorded`` when recorded times are wanted and a phase has none."""
+    phases = _causal(tuple(trace.phases(step, rank)))
+    target = trace.lazy_record(step, rank, "target").views if "target" in phases else None
+    events: list[str] = []
+    span, extra, tid = None, {}, plan.tid
     for i, phase in enumerate(phases):  # only the views counted are decoded
-        rec = target if phase == "target" else trace.lazy_record(step, rank, phase)
+        rec = target if phase == "target" else trace.lazy_record(step, rank, phase).views
         if synthetic:
             t0 = plan.start[step] + i * SYNTHETIC_PHASE_US
             t1 = t0 + SYNTHETIC_PHASE_US
@@ -193,27 +299,27 @@ def _step_events(trace: Trace, step: int, rank: int, plan: _Plan, *, synthetic: 
             t0, t1 = t
         dur = max(t1 - t0, 0)
         a = _args_or_note(step, rank, phase, rec, target)
-        events.append({"ph": "X", "cat": EVENT_CATEGORY, "name": f"step {step} {phase}", "pid": rank,
-                       "tid": plan.tid.get(phase, len(plan.lanes)), "ts": t0, "dur": dur, "args": a})
+        events.append(_span_json(step, phase, rank, tid=tid.get(phase, len(plan.lanes)), t0=t0, dur=dur, args=a))
         span = [t0, t0 + dur] if span is None else [min(span[0], t0), max(span[1], t0 + dur)]
         if phase == "target":
             extra.update({k: a[k] for k in ("num_reqs", "global_tokens", "local_tokens", "padded_tokens") if k in a})
-        if phase == "verify":
+        elif phase == "verify":
             extra.update({k: a[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens") if k in a})
             if "num_accepted_tokens" in a:
-                events.append({"ph": "C", "name": "accepted draft tokens", "pid": rank, "tid": plan.tid["verify"],
-                               "ts": t0 + dur, "args": {"accepted": a["num_accepted_tokens"],
-                                                        "drafted": a.get("num_draft_tokens", 0)}})
+                events.append(f'{{"ph": "C", "name": "accepted draft tokens", "pid": {rank}, "tid": {tid["verify"]}, '
+                              f'"ts": {_json(t0 + dur)}, "args": {{"accepted": {_json(a["num_accepted_tokens"])}, '
+                              f'"drafted": {_json(a.get("num_draft_tokens", 0))}}}}}')
     if span is not None:
-        events.append({"ph": "X", "cat": EVENT_CATEGORY, "name": f"step {step}", "pid": rank,
-                       "tid": plan.tid["step"], "ts": span[0], "dur": span[1] - span[0],
-                       "args": {"step": step, **extra}})
+        events.append(_span_json(step, None, rank, tid=tid["step"], t0=span[0], dur=span[1] - span[0],
+                                 args={"step": step, **extra}))
     return events
 
 
 CHUNK_STEPS = 1000
-"""Steps of one rank whose events are built (and serialized) together: memory is bounded by one
-chunk per worker, whatever the trace's length."""
+"""Steps of one rank whose events are built (and serialized) together."""
+WINDOW_CHUNKS = 8
+"""Chunks a forked worker builds at a time: memory is bounded by this many chunks' text per worker
+(about 10 MB on a PCP=2 K=1 trace), whatever the trace's length."""
 
 
 def _chunks(trace: Trace) -> list[tuple[int, tuple[int, ...]]]:
@@ -223,16 +329,36 @@ def _chunks(trace: Trace) -> list[tuple[int, tuple[int, ...]]]:
 
 def _event_texts(trace: Trace, plan: _Plan, *, synthetic: bool, ranks: list[int]) -> Iterator[str]:
     """Each chunk's events as JSON text, comma-separated, for every chunk of ``ranks``, rank by
-    rank and in step order; built in forked processes on a long trace."""
+    rank and in step order; built in forked processes on a long trace (``windowed_map``)."""
     chunks = [c for c in _chunks(trace) if c[0] in ranks]
 
     def text(i: int) -> str:
         rank, steps = chunks[i]
-        return ", ".join(json.dumps(e, allow_nan=False) for s in steps
-                         for e in _step_events(trace, s, rank, plan, synthetic=synthetic))
+        return ", ".join([e for s in steps for e in _step_events(trace, s, rank, plan, synthetic=synthetic)])
 
     workers = default_workers(sum(len(c[1]) for c in chunks))
-    return forked_imap(text, len(chunks), workers=workers)
+    return windowed_map(text, len(chunks), workers=workers, window=WINDOW_CHUNKS)
+
+
+def windowed_map(fn: Callable[[int], Any], n: int, *, workers: int, window: int) -> Iterator[Any]:
+    """``fn(0) ... fn(n - 1)`` in order, ``workers * window`` indices at a time through ``fork_map``
+    (this process computes the first ``window`` of each batch and yields each as it is made, forked
+    children the others): at most ``workers * window`` results are held, so a caller writing each
+    one as it comes streams. ``fn`` must be pure (``fork_map``); one worker forks nothing.
+
+    >>> list(windowed_map(lambda i: i * i, 5, workers=2, window=2))   # batches [0..3], [4]
+    [0, 1, 4, 9, 16]
+    """
+    if workers <= 1:
+        yield from (fn(i) for i in range(n))
+        return
+    size = workers * window
+    for lo in range(0, n, size):
+        yield from fork_map(functools.partial(_shifted, fn, lo), min(size, n - lo), workers=workers)
+
+
+def _shifted(fn: Callable[[int], Any], lo: int, i: int) -> Any:
+    return fn(lo + i)
 
 
 def _timestamps(trace: Trace) -> bool:
