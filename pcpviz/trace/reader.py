@@ -419,6 +419,9 @@ class _LazyViews(Mapping[str, np.ndarray]):
     def __contains__(self, name: object) -> bool:
         return name in self._rows
 
+    def get(self, name: str, default: Any = None) -> Any:  # Mapping's catches the KeyError of a miss
+        return self[name] if name in self._rows else default
+
 
 def _resolve_run_dir(path: str | os.PathLike) -> Path:
     p = Path(path)

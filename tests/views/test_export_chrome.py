@@ -9,11 +9,13 @@ import subprocess
 import sys
 from collections import Counter
 
+import numpy as np
 import pytest
 
 import pcpviz.cli.commands as cli
 import pcpviz.cli.trace_commands as trace_commands
 import pcpviz.trace as pt
+import pcpviz.views.export.chrome as chrome_mod
 from pcpviz.views.export.chrome import SYNTHETIC_PHASE_US, chrome_trace, export_chrome
 from tracegen import clean_run
 
@@ -160,3 +162,72 @@ def test_cli_export_dispatcher_is_extensible(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(trace_commands, "EXPORT_FORMATS", formats)
     assert cli.main(["export", str(path), "--alias", str(tmp_path / "x.json")]) == 0
     assert (tmp_path / "x.json").is_file()
+
+
+# --------------------------------------------------------------------------- streamed in forked windows
+
+def _export_bytes(path, out, monkeypatch, workers):
+    monkeypatch.setenv("PCPVIZ_WORKERS", str(workers))
+    written = export_chrome(path, out)
+    return [p.read_bytes() for p in written]
+
+
+@pytest.mark.parametrize("timestamps,want", [(False, "synthetic"), (True, "recorded"), ("gap", "synthetic")])
+def test_forked_windows_write_what_one_process_writes(tmp_path, monkeypatch, timestamps, want):
+    run = clean_run(2, k=2, timestamps=bool(timestamps))
+    assert len(run.step_ids) > 8
+    if timestamps == "gap":  # a late phase without times: the export starts again on the synthetic timeline
+        del run.views(run.step_ids[-2], 1, "verify")["t_start_us"]
+    path = run.write(tmp_path / "t")
+    monkeypatch.setattr(chrome_mod, "CHUNK_STEPS", 2)  # many chunks, several windows of fork_map
+    monkeypatch.setattr(chrome_mod, "WINDOW_CHUNKS", 2)
+    for out in ("one.json", "dir"):
+        one = _export_bytes(path, tmp_path / "w1" / out, monkeypatch, 1)
+        for workers in (2, 3):
+            assert _export_bytes(path, tmp_path / f"w{workers}" / out, monkeypatch, workers) == one
+    assert json.loads(one[0])["otherData"]["pcpviz"]["timestamps"] == want
+
+
+def test_windowed_map_is_in_order_and_raises_what_fn_raises():
+    assert list(chrome_mod.windowed_map(lambda i: i * i, 7, workers=3, window=2)) == [i * i for i in range(7)]
+    assert list(chrome_mod.windowed_map(str, 0, workers=2, window=2)) == []
+
+    def fn(i):
+        if i == 5:
+            raise KeyError(i)
+        return i
+
+    got = []
+    with pytest.raises(KeyError):
+        for x in chrome_mod.windowed_map(fn, 9, workers=2, window=2):
+            got.append(x)
+    assert got == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("value", [0, -3, 2**70, 1.5, 1e300, -0.0, "s\u00e9\"\n", [1, "a", 2.5], None, True])
+def test_event_json_is_json_dumps(value):
+    assert chrome_mod._json(value) == json.dumps(value, allow_nan=False)
+    args = {"step": 3, "phase": "draft_0", "x": value}
+    assert chrome_mod._args_json(args) == json.dumps(args, allow_nan=False)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_event_json_refuses_what_json_dumps_refuses(value):
+    with pytest.raises(ValueError) as want:
+        json.dumps(value, allow_nan=False)
+    with pytest.raises(ValueError) as got:
+        chrome_mod._json(value)
+    assert str(got.value) == str(want.value)
+
+
+@pytest.mark.parametrize("array", [
+    np.array([3, 4], dtype=np.int32), np.array([True, False, True]), np.array([], dtype=np.int64),
+    np.array([2**62, 2**62], dtype=np.int64),  # NumPy's sum wraps around: the Python one must not differ
+    np.array([2**63 - 1, 1, -5], dtype=np.int64), np.array([4_000_000_000] * 3, dtype=np.uint32),
+    np.array([2**64 - 1, 1], dtype=np.uint64), np.array([1.5, 2.5]), np.arange(200, dtype=np.int16),
+    np.array([[1, 2], [3, 4]], dtype=np.int32), np.array(7, dtype=np.int8),
+])
+def test_counts_are_numpys(array):
+    with np.errstate(over="ignore"):
+        assert chrome_mod._sum(array) == int(array.sum())
+        assert chrome_mod._sum(array, as_int64=True) == int(np.asarray(array, dtype=np.int64).sum())

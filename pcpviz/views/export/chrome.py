@@ -70,9 +70,13 @@ def _num(x: Any) -> int | float:
 
 def _len(rec, view) -> int | None:
     """Length of ``rec[view]`` (None when not recorded or 0-d)."""
-    if view not in rec:
+    return _length(rec.get(view))
+
+
+def _length(value: np.ndarray | None) -> int | None:
+    if value is None:
         return None
-    a = np.asarray(rec[view])
+    a = np.asarray(value)
     return int(a.shape[0]) if a.ndim else None
 
 
@@ -107,20 +111,25 @@ def _sum(x: Any, *, as_int64: bool = False) -> int:
 
 
 def _target_args(args: dict[str, Any], rank: int, rec) -> None:
-    r = _len(rec, "num_scheduled_tokens") or _len(rec, "req_ids")
+    get = rec.get
+    scheduled = get("num_scheduled_tokens")
+    r = _length(scheduled) or _len(rec, "req_ids")
     if r is not None:
         args["num_reqs"] = r
-    if "num_scheduled_tokens" in rec:
-        args["global_tokens"] = _sum(rec["num_scheduled_tokens"])
-    if "per_rank_num_tokens" in rec and rank < np.asarray(rec["per_rank_num_tokens"]).shape[0]:
-        args["local_tokens"] = int(rec["per_rank_num_tokens"][rank])
+    if scheduled is not None:
+        args["global_tokens"] = _sum(scheduled)
+    prn = get("per_rank_num_tokens")
+    if prn is not None and rank < np.asarray(prn).shape[0]:
+        args["local_tokens"] = int(prn[rank])
     p = _len(rec, "local_positions") or _len(rec, "local_input_ids")
     if p is not None:
         args["padded_tokens"] = p
-    if "local_seq_lens" in rec:
-        args["local_segments"] = _len(rec, "local_seq_lens")
-    if "is_prefilling" in rec:
-        a = np.asarray(rec["is_prefilling"])
+    seq_lens = get("local_seq_lens")
+    if seq_lens is not None:
+        args["local_segments"] = _length(seq_lens)
+    prefilling = get("is_prefilling")
+    if prefilling is not None:
+        a = np.asarray(prefilling)
         flags = _small_ints(a)
         if flags is not None:  # booleans or integers: truthy is non-zero
             args["prefill_reqs"], args["decode_reqs"] = len(flags) - flags.count(0), flags.count(0)
@@ -130,21 +139,25 @@ def _target_args(args: dict[str, Any], rank: int, rec) -> None:
 
 
 def _verify_args(args: dict[str, Any], rec) -> None:
-    r = _len(rec, "num_sampled") or _len(rec, "req_ids")
+    get = rec.get
+    sampled = get("num_sampled")
+    r = _length(sampled) or _len(rec, "req_ids")
     if r is not None:
         args["num_reqs"] = r
-    if "num_draft_tokens" in rec:
-        nd = np.asarray(rec["num_draft_tokens"])
+    drafts = get("num_draft_tokens")
+    if drafts is not None:
+        nd = np.asarray(drafts)
         small = _small_ints(nd)
         if small is not None:
             args["num_drafts"] = sum(1 for v in small if v > 0)
         else:
             args["num_drafts"] = int((np.asarray(nd, dtype=np.int64) > 0).sum())
         args["num_draft_tokens"] = _sum(nd, as_int64=True)
-    if "num_accepted" in rec:
-        args["num_accepted_tokens"] = _sum(rec["num_accepted"], as_int64=True)
-    if "num_sampled" in rec:
-        args["num_sampled_tokens"] = _sum(rec["num_sampled"], as_int64=True)
+    accepted = get("num_accepted")
+    if accepted is not None:
+        args["num_accepted_tokens"] = _sum(accepted, as_int64=True)
+    if sampled is not None:
+        args["num_sampled_tokens"] = _sum(sampled, as_int64=True)
 
 
 def _args(step: int, rank: int, phase: str, rec, target) -> dict[str, Any]:
@@ -154,13 +167,15 @@ def _args(step: int, rank: int, phase: str, rec, target) -> dict[str, Any]:
     if phase == "target":
         _target_args(args, rank, rec)
     elif k is not None:
-        if "view" in rec:
-            args["view"] = str(np.asarray(rec["view"]).reshape(-1)[0])
+        view = rec.get("view")
+        if view is not None:
+            args["view"] = str(np.asarray(view).reshape(-1)[0])
         rows = _len(rec, "draft_input_ids") or _len(rec, "draft_positions")
         if rows is not None:
             args["rows"] = rows
-        if k == 0 and target is not None and "per_rank_num_tokens" in target:
-            prn = np.asarray(target["per_rank_num_tokens"])
+        prn = target.get("per_rank_num_tokens") if k == 0 and target is not None else None
+        if prn is not None:
+            prn = np.asarray(prn)
             if rank < prn.shape[0]:
                 args["local_tokens"] = int(prn[rank])
         r = _len(rec, "draft_tokens")
@@ -168,8 +183,9 @@ def _args(step: int, rank: int, phase: str, rec, target) -> dict[str, Any]:
             args["num_reqs"] = r
     elif phase == "verify":
         _verify_args(args, rec)
-    if "collectives" in rec:  # the CPU replay's record of vLLM's calls on the PCP group, in order
-        calls = [str(x) for x in np.asarray(rec["collectives"]).reshape(-1)]
+    collectives = rec.get("collectives")
+    if collectives is not None:  # the CPU replay's record of vLLM's calls on the PCP group, in order
+        calls = [str(x) for x in np.asarray(collectives).reshape(-1)]
         args["collectives"], args["collective_calls"] = len(calls), calls
     return args
 
@@ -212,15 +228,19 @@ class _Plan:
 def _plan(trace: Trace) -> _Plan:
     """Lanes (``step``, ``dummy`` when recorded, target, verify, draft_0..) and each step's start
     on the synthetic timeline: steps back to back, each as long as its busiest rank's phases."""
-    max_k, has_dummy, per_step = 0, False, {}
+    max_k, has_dummy, per_step, seen = 0, False, {}, set()
     for rank in trace.ranks:
         for step in trace.rank_steps(rank):
-            phases = trace.phases(step, rank)
-            for phase in phases:
-                k = draft_index(phase)
-                max_k = max(max_k, k + 1) if k is not None else max_k
-                has_dummy |= phase == "dummy"
-            per_step[step] = max(per_step.get(step, 0), len(phases))
+            phases = tuple(trace.phases(step, rank))
+            if phases not in seen:  # the steps of a trace repeat a few phase lists
+                seen.add(phases)
+                for phase in phases:
+                    k = draft_index(phase)
+                    max_k = max(max_k, k + 1) if k is not None else max_k
+                    has_dummy |= phase == "dummy"
+            n = len(phases)
+            if per_step.get(step, -1) < n:
+                per_step[step] = n
     start, t = {}, 0
     for s in sorted(per_step):
         start[s] = t
