@@ -1,7 +1,8 @@
 """No orphans (issue 39 item 2): ``pcpviz check|diff|export|explain`` stopped by SIGTERM, SIGINT
-or SIGKILL while its forked workers (``PCPVIZ_WORKERS=2``) are at work leaves none of them
-running: a worker dies with its parent (PR_SET_PDEATHSIG), and a stop in the parent kills the
-pool. A synthetic trace of ~320 steps keeps two workers busy for seconds."""
+or SIGKILL while its forked workers (``PCPVIZ_WORKERS=2``; 3 for export, whose own process builds
+a part) are at work leaves none of them running: a worker dies with its parent
+(PR_SET_PDEATHSIG), and a stop in the parent kills the pool. A synthetic trace of ~320 steps keeps
+two workers busy for seconds."""
 
 from __future__ import annotations
 
@@ -44,17 +45,27 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("argv, sig", [
-    (["check", "{t}"], signal.SIGTERM),
-    (["check", "{t}"], signal.SIGINT),
-    (["export", "{t}", "--chrome", "{o}/c.json"], signal.SIGTERM),
-    (["diff", "{t}", "{t}"], signal.SIGKILL),
+_CLI = ["-m", "pcpviz.cli"]
+# The Chrome export forks ``workers - 1`` children per window of chunks (``fork_map``; this process builds
+# the first part) and builds ~320 steps in a blink: small chunks and a pause per step keep two children
+# of PCPVIZ_WORKERS=3 at work for seconds.
+_SLOW_EXPORT = ["-c", "import sys, time; import pcpviz.views.export.chrome as c; c.CHUNK_STEPS = 40; "
+                "c.WINDOW_CHUNKS = 4; f = c._step_events; "
+                "c._step_events = lambda *a, **k: time.sleep(0.01) or f(*a, **k); "
+                "from pcpviz.cli.commands import main; sys.exit(main(sys.argv[1:]))"]
+
+
+@pytest.mark.parametrize("run, workers, argv, sig", [
+    (_CLI, 2, ["check", "{t}"], signal.SIGTERM),
+    (_CLI, 2, ["check", "{t}"], signal.SIGINT),
+    (_SLOW_EXPORT, 3, ["export", "{t}", "--chrome", "{o}/c.json"], signal.SIGTERM),
+    (_CLI, 2, ["diff", "{t}", "{t}"], signal.SIGKILL),
 ], ids=["check-TERM", "check-INT", "export-TERM", "diff-KILL"])
-def test_stopping_a_command_leaves_no_worker(long_trace, tmp_path, argv, sig):
-    env = dict(os.environ, PCPVIZ_WORKERS="2",
+def test_stopping_a_command_leaves_no_worker(long_trace, tmp_path, run, workers, argv, sig):
+    env = dict(os.environ, PCPVIZ_WORKERS=str(workers),
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     err = open(tmp_path / "stderr", "w+")  # not a pipe: an orphan holding it would hang the test
-    proc = subprocess.Popen([sys.executable, "-m", "pcpviz.cli", *[a.format(t=long_trace, o=tmp_path) for a in argv]],
+    proc = subprocess.Popen([sys.executable, *run, *[a.format(t=long_trace, o=tmp_path) for a in argv]],
                             env=env, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 120
     workers: list[int] = []
