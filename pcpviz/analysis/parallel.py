@@ -6,18 +6,22 @@ and only each chunk's result comes back.
     >>> forked_map(lambda i: i * i, 4, workers=1)        # one worker: in this process
     [0, 1, 4, 9]
 
-``run_checks`` (checks) and ``export_chrome`` (events) use it above ``PARALLEL_FROM`` steps;
+``run_checks`` (checks) uses it above ``PARALLEL_FROM`` steps, ``export_chrome`` (events) uses
+``windowed_map`` (``fork_map`` a window of chunks at a time: results held are bounded);
 ``$PCPVIZ_WORKERS`` sets the count (``1``: never fork).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing
 import os
 import signal
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any, Callable, Iterator
+
+from pcpviz.trace.index import fork_map
 
 WORKERS_ENV = "PCPVIZ_WORKERS"
 """How many processes the trace commands use by default: a number, or ``auto`` (the default:
@@ -127,3 +131,24 @@ def _kill_workers(pool: ProcessPoolExecutor) -> None:
 def forked_map(fn: Callable[[int], Any], n: int, *, workers: int) -> list[Any]:
     """``list(forked_imap(fn, n, workers=workers))``."""
     return list(forked_imap(fn, n, workers=workers))
+
+
+def windowed_map(fn: Callable[[int], Any], n: int, *, workers: int, window: int) -> Iterator[Any]:
+    """``fn(0) ... fn(n - 1)`` in order, ``workers * window`` indices at a time through ``fork_map``
+    (this process computes the first ``window`` of each batch and yields each as it is made, forked
+    children the others): at most ``workers * window`` results are held, so a caller writing each
+    one as it comes streams. ``fn`` must be pure (``fork_map``); one worker forks nothing.
+
+    >>> list(windowed_map(lambda i: i * i, 5, workers=2, window=2))   # batches [0..3], [4]
+    [0, 1, 4, 9, 16]
+    """
+    if workers <= 1:
+        yield from (fn(i) for i in range(n))
+        return
+    size = workers * window
+    for lo in range(0, n, size):
+        yield from fork_map(functools.partial(_shifted, fn, lo), min(size, n - lo), workers=workers)
+
+
+def _shifted(fn: Callable[[int], Any], lo: int, i: int) -> Any:
+    return fn(lo + i)

@@ -16,6 +16,7 @@ import pcpviz.cli.commands as cli
 import pcpviz.cli.trace_commands as trace_commands
 import pcpviz.trace as pt
 import pcpviz.views.export.chrome as chrome_mod
+from pcpviz.analysis.parallel import windowed_map
 from pcpviz.views.export.chrome import SYNTHETIC_PHASE_US, chrome_trace, export_chrome
 from tracegen import clean_run
 
@@ -189,8 +190,8 @@ def test_forked_windows_write_what_one_process_writes(tmp_path, monkeypatch, tim
 
 
 def test_windowed_map_is_in_order_and_raises_what_fn_raises():
-    assert list(chrome_mod.windowed_map(lambda i: i * i, 7, workers=3, window=2)) == [i * i for i in range(7)]
-    assert list(chrome_mod.windowed_map(str, 0, workers=2, window=2)) == []
+    assert list(windowed_map(lambda i: i * i, 7, workers=3, window=2)) == [i * i for i in range(7)]
+    assert list(windowed_map(str, 0, workers=2, window=2)) == []
 
     def fn(i):
         if i == 5:
@@ -199,7 +200,7 @@ def test_windowed_map_is_in_order_and_raises_what_fn_raises():
 
     got = []
     with pytest.raises(KeyError):
-        for x in chrome_mod.windowed_map(fn, 9, workers=2, window=2):
+        for x in windowed_map(fn, 9, workers=2, window=2):
             got.append(x)
     assert got == [0, 1, 2, 3, 4]
 

@@ -41,8 +41,7 @@ from typing import IO, Any, Callable, Iterator
 
 import numpy as np
 
-from pcpviz.analysis.parallel import default_workers
-from pcpviz.trace.index import fork_map
+from pcpviz.analysis.parallel import default_workers, windowed_map
 from pcpviz.trace.schema import causal_phase_key
 from pcpviz.trace.outputs import atomic_output, check_output
 from pcpviz.trace import Trace, TraceError, draft_index
@@ -358,27 +357,6 @@ def _event_texts(trace: Trace, plan: _Plan, *, synthetic: bool, ranks: list[int]
 
     workers = default_workers(sum(len(c[1]) for c in chunks))
     return windowed_map(text, len(chunks), workers=workers, window=WINDOW_CHUNKS)
-
-
-def windowed_map(fn: Callable[[int], Any], n: int, *, workers: int, window: int) -> Iterator[Any]:
-    """``fn(0) ... fn(n - 1)`` in order, ``workers * window`` indices at a time through ``fork_map``
-    (this process computes the first ``window`` of each batch and yields each as it is made, forked
-    children the others): at most ``workers * window`` results are held, so a caller writing each
-    one as it comes streams. ``fn`` must be pure (``fork_map``); one worker forks nothing.
-
-    >>> list(windowed_map(lambda i: i * i, 5, workers=2, window=2))   # batches [0..3], [4]
-    [0, 1, 4, 9, 16]
-    """
-    if workers <= 1:
-        yield from (fn(i) for i in range(n))
-        return
-    size = workers * window
-    for lo in range(0, n, size):
-        yield from fork_map(functools.partial(_shifted, fn, lo), min(size, n - lo), workers=workers)
-
-
-def _shifted(fn: Callable[[int], Any], lo: int, i: int) -> Any:
-    return fn(lo + i)
 
 
 def _timestamps(trace: Trace) -> bool:
