@@ -29,7 +29,7 @@ import numpy as np
 from pcpviz.analysis.parallel import PARALLEL_FROM
 from pcpviz.limits import MAX_SPECULATIVE_TOKENS
 from pcpviz.trace import TraceError
-from pcpviz.trace.acceptance import Counts, count, json_ratio, ratio, verify_counts
+from pcpviz.trace.acceptance import Counts, count, count_rows, json_ratio, ratio, verify_counts
 from pcpviz.trace.index import fork_map, fork_workers
 from pcpviz.trace.schema import rank_file_name
 
@@ -133,6 +133,14 @@ class _Sums:
         self.steps: list[StepAcceptance] = []
         self.k = k
 
+    def extend(self, later: _Sums) -> None:
+        """Add the sums of the run of steps right after this one's (totals, requests in order of
+        first appearance, steps in order)."""
+        self.total = self.total + later.total
+        for rid, rc in later.per_req.items():
+            self.per_req[rid] = self.per_req.get(rid, Counts()) + rc
+        self.steps.extend(later.steps)
+
     def add(self, step: int, rec: Mapping[str, Any]) -> None:
         """Count one verify record (one without the counts is skipped); a malformed one raises
         ValueError naming ``step``."""
@@ -155,7 +163,7 @@ class _Sums:
                 k = self.k = int(np.shape(rec["sampled_token_ids"])[1]) - 1
             _check_draft_width(nd, k)  # keeps count()'s width and the sums bounded
             c = count(nacc, nd)
-            req_counts = [(str(ids[i]), Counts(1, d, a, (1,) * a)) for i, (a, d) in enumerate(zip(na, nt)) if d > 0]
+            req_counts = [(str(ids[i]), count_rows([a], [d])) for i, (a, d) in enumerate(zip(na, nt)) if d > 0]
         except (IndexError, ValueError, TypeError, KeyError) as exc:  # a producer's malformed view
             raise ValueError(f"step {step}: verify: malformed acceptance counts: "
                              f"{' '.join(str(exc).split())}") from None
@@ -226,17 +234,17 @@ def _sums_in_runs(trace: Any, rank: int, steps: list[int],
     no run needs an earlier one's)."""
     cuts = [round(i * len(steps) / RUNS) for i in range(RUNS + 1)]
 
-    def run(i: int) -> tuple:
-        part = steps[cuts[i]:cuts[i + 1]]
-        return _sums(((s, trace.record(s, rank, "verify")) for s in part if trace.has(s, rank, "verify")), k)
+    def run(i: int) -> _Sums:
+        sums = _Sums(k)
+        for s in steps[cuts[i]:cuts[i + 1]]:
+            if trace.has(s, rank, "verify"):
+                sums.add(s, trace.record(s, rank, "verify"))
+        return sums
 
-    total, per_req, out = Counts(), {}, []
-    for t, reqs, part, _ in fork_map(run, RUNS, workers=fork_workers()):
-        total = total + t
-        for rid, rc in reqs.items():
-            per_req[rid] = per_req.get(rid, Counts()) + rc
+    out = _Sums(k)
+    for part in fork_map(run, RUNS, workers=fork_workers()):
         out.extend(part)
-    return total, per_req, out, k
+    return out.total, out.per_req, out.steps, k
 
 
 class AcceptanceFold:
@@ -271,15 +279,11 @@ class AcceptanceFold:
     def merge(self, states: list[dict[int, Any]]) -> dict[int, Any]:
         out = {}
         for r in self.ranks:
-            total, per_req, steps, err = Counts(), {}, [], None
+            sums, err = _Sums(self.k), None
             for state in states:
-                part = state[r]
-                if isinstance(part, str):
-                    err = part
+                if isinstance(state[r], str):
+                    err = state[r]
                     break
-                total = total + part.total
-                for rid, rc in part.per_req.items():
-                    per_req[rid] = per_req.get(rid, Counts()) + rc
-                steps.extend(part.steps)
-            out[r] = err if err is not None else _finish(total, per_req, steps, self.k, rank=r)
+                sums.extend(state[r])
+            out[r] = err if err is not None else _finish(sums.total, sums.per_req, sums.steps, self.k, rank=r)
         return out

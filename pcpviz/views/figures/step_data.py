@@ -234,9 +234,8 @@ def trace_req_ids(trace: Any, report: Any = None) -> list[str]:
     folded = None if report is None else getattr(report, "folds", {}).get("req_ids")
     if folded is not None:
         return list(folded)
-    fold = ReqIdsFold(trace)
-    state = fold.start()
-    rank = fold.rank
+    state: dict[str, None] = {}
+    rank = trace.ranks[0]
     for s in trace.rank_steps(rank):
         for ph in _REQ_ID_PHASES:
             if trace.has(s, rank, ph):
