@@ -30,6 +30,8 @@ wall, per step sent: its CPU time holds the GIL that vLLM's thread needs).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import statistics
@@ -41,6 +43,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = str(ROOT / "data" / "models" / "pcpviz-tiny-dsv3")
 MODES = ("off", "record", "flight")
+HELD = "flight-held"
+"""A diagnostic mode (``--held``): the flight recorder's hooks as in ``flight``, its staged steps held
+back from the sink's sender until the run ends, so the sender does nothing while vLLM runs. Its time
+against ``flight``'s is what the sender thread costs vLLM's steps (its CPU time holds the GIL)."""
 WORKLOADS = {  # name: (prompts, prompt tokens, new tokens)
     "decode_b1": (1, 256, 128),
     "decode_b32": (32, 256, 64),
@@ -104,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="FULL_AND_PIECEWISE", help="cudagraph_mode")
     ap.add_argument("--no-long", action="store_true", help="skip the batch-64 32k-context measurement")
     ap.add_argument("--long-only", action="store_true", help="only the batch-64 32k-context measurement")
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    ap.add_argument("--held", action="store_true", help=f"also time the diagnostic mode {HELD!r} (module doc)")
     a = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="pcpviz-overhead-"))
     trace = work / "trace"
@@ -154,26 +162,32 @@ def main(argv: list[str] | None = None) -> int:
                  "repeats": a.repeats,
                  "env": {k: os.environ[k] for k in sorted(os.environ) if k.startswith(("VLLM_", "PCPVIZ_"))},
                  "flight": flight.to_meta(), "workloads": {}}
-    for name, (n, length, new) in ({} if a.long_only else WORKLOADS).items():
+    modes = MODES + ((HELD,) if a.held else ())
+    for name in ([] if a.long_only else a.workloads):
+        n, length, new = WORKLOADS[name]
         # The same prompts for every mode of a repeat (prefix caching is off: no run reuses
         # another's KV), so each mode does the same steps; another prompt each repeat.
         prompts = [_ids(n, length, salt) for salt in range(a.repeats + 3)]
         recording.set_mode("off")
         run(prompts[-1], new)  # warm-up
-        times: dict[str, list[float]] = {m: [] for m in MODES}
-        cpu: dict[str, list[float]] = {m: [] for m in MODES}  # vLLM's thread (this one: in-process engine)
-        hook_us: dict[str, list[float]] = {m: [] for m in MODES if m != "off"}
-        by_hook: dict[str, dict[str, int]] = {m: {} for m in MODES if m != "off"}
-        sender = {m: [0, 0, 0] for m in MODES if m != "off"}  # CPU ns, wall ns, steps of the sink's sender thread
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        cpu: dict[str, list[float]] = {m: [] for m in modes}  # vLLM's thread (this one: in-process engine)
+        hook_us: dict[str, list[float]] = {m: [] for m in modes if m != "off"}
+        by_hook: dict[str, dict[str, int]] = {m: {} for m in modes if m != "off"}
+        sender = {m: [0, 0, 0] for m in modes if m != "off"}  # CPU ns, wall ns, steps of the sink's sender thread
+        gc_runs: dict[str, list[dict]] = {m: [] for m in modes}  # the collector's pauses in each run (``GcClock``)
         prev, snap = None, _sender(rec)
         for r in range(a.repeats):
-            for m in MODES[r % len(MODES):] + MODES[: r % len(MODES)]:  # rotated: no mode always first
-                recording.set_mode(m, flight=flight)  # drains the previous run's steps
+            for m in modes[r % len(modes):] + modes[: r % len(modes)]:  # rotated: no mode always first
+                recording.set_mode("flight" if m == HELD else m, flight=flight)  # drains the previous run's steps
                 snap = _attribute(sender, prev, snap, _sender(rec))
                 secs0, steps0, hooks0 = rec.seconds, rec.steps_written, rec.hook_times()
                 c = time.thread_time()
-                times[m].append(run(prompts[r], new))
+                gc0 = GC.snapshot()
+                with _held(rec, m == HELD):
+                    times[m].append(run(prompts[r], new))
                 cpu[m].append(time.thread_time() - c)
+                gc_runs[m].append(GC.since(gc0))
                 prev = m
                 if m != "off":  # host time inside the hooks on vLLM's thread, per recorded step
                     steps = max(rec.steps_written - steps0, 1)
@@ -184,19 +198,21 @@ def main(argv: list[str] | None = None) -> int:
         recording.set_mode("off")
         _attribute(sender, prev, snap, _sender(rec))
         med = {m: statistics.median(v) for m, v in times.items()}
-        ratios = {m: [t / o for t, o in zip(times[m], times["off"])] for m in MODES if m != "off"}
+        ratios = {m: [t / o for t, o in zip(times[m], times["off"])] for m in modes if m != "off"}
         entry = {"prompts": n, "prompt_tokens": length, "new_tokens": new,
                  "seconds": {m: [round(x, 5) for x in v] for m, v in times.items()},
                  "median_s": {m: round(v, 5) for m, v in med.items()},
                  "min_max_s": {m: [round(min(v), 5), round(max(v), 5)] for m, v in times.items()},
                  "record_over_off": round(med["record"] / med["off"], 4),
                  "flight_over_off": round(med["flight"] / med["off"], 4),
+                 **({"held_over_off": round(med[HELD] / med["off"], 4)} if a.held else {}),
                  "ratio_per_repeat_min_max": {m: [round(min(v), 4), round(max(v), 4)] for m, v in ratios.items()},
                  "hook_us_per_step": {m: {"median": round(statistics.median(v), 1), "min": round(min(v), 1),
                                           "max": round(max(v), 1)} for m, v in hook_us.items()},
                  "step_thread_cpu_s": {m: {"median": round(statistics.median(v), 5), "min": round(min(v), 5),
                                            "max": round(max(v), 5)} for m, v in cpu.items()},
                  "hook_us_per_step_by_hook": {m: _per_step(v) for m, v in by_hook.items()},
+                 "gc_per_run": {m: GcClock.median(v) for m, v in gc_runs.items()},
                  "sender_us_per_step": {m: {"cpu": round(v[0] / max(v[2], 1) / 1e3, 1),
                                             "wall": round(v[1] / max(v[2], 1) / 1e3, 1), "steps": v[2]}
                                         for m, v in sender.items()}}
@@ -204,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         entry.update(sizes("flight", lambda: run(prompts[0], new)))
         res["workloads"][name] = entry
         print(name, json.dumps({k: entry[k] for k in ("median_s", "min_max_s", "record_over_off", "flight_over_off",
-                                                      "hook_us_per_step", "step_thread_cpu_s",
+                                                      "hook_us_per_step", "step_thread_cpu_s", "gc_per_run",
                                                       "sender_us_per_step")}), flush=True)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(res, indent=1))
@@ -236,6 +252,61 @@ def main(argv: list[str] | None = None) -> int:
     a.out.write_text(json.dumps(res, indent=1))
     print(json.dumps({k: v for k, v in res.items() if k not in ("workloads",)})[:2000], flush=True)
     return 0
+
+
+class GcClock:
+    """The garbage collector's pauses in this process (``gc.callbacks``): collections by generation
+    and the milliseconds they took. The hooks allocate Python objects on vLLM's thread; the young
+    collections those allocations trigger scan every object not frozen (vLLM freezes its start-up
+    heap, ``v1/engine/core.py:243``), and a collection's pause lands on whichever code allocated."""
+
+    def __init__(self) -> None:
+        self.counts = [0, 0, 0]
+        self.ns = [0, 0, 0]
+        self._t0 = 0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+            return
+        g = info.get("generation", 0)
+        self.counts[g] += 1
+        self.ns[g] += time.perf_counter_ns() - self._t0
+
+    def snapshot(self) -> tuple[list[int], list[int]]:
+        return list(self.counts), list(self.ns)
+
+    def since(self, snap: tuple[list[int], list[int]]) -> dict:
+        counts, ns = snap
+        return {"collections": [a - b for a, b in zip(self.counts, counts)],
+                "ms": round(sum(self.ns) / 1e6 - sum(ns) / 1e6, 3)}
+
+    @staticmethod
+    def median(runs: list[dict]) -> dict:
+        return {"collections": [statistics.median(r["collections"][g] for r in runs) for g in range(3)],
+                "ms": {"median": statistics.median(r["ms"] for r in runs), "min": min(r["ms"] for r in runs),
+                       "max": max(r["ms"] for r in runs)}} if runs else {}
+
+
+GC = GcClock()
+
+
+@contextlib.contextmanager
+def _held(rec, on: bool):
+    """``HELD``: the staged steps go to the sink only when the block ends (see ``HELD``)."""
+    if not on:
+        yield
+        return
+    sink, kept = rec.sink, []
+    submit = sink.submit
+    sink.submit = lambda step, staged: kept.append((step, staged))
+    try:
+        yield
+    finally:
+        sink.submit = submit
+        for step, staged in kept:
+            submit(step, staged)
 
 
 def _sender(rec) -> list[int]:

@@ -41,7 +41,7 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, os.environ.get("PCPVIZ_BENCH_TREE", str(ROOT)))  # --against: the tree whose recorder runs
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -225,16 +225,18 @@ def step(rec, st: Stage, x: torch.Tensor, ops: int, *, on: bool) -> torch.Tensor
     return x
 
 
-def bench_case(r: int, pcp: int, *, steps: int, repeats: int, ops: int, ctx: int, full_drafts: bool = True) -> dict:
+def bench_case(r: int, pcp: int, *, steps: int, repeats: int, ops: int, ctx: int, full_drafts: bool = True,
+               device: str = "cpu", profile: Path | None = None) -> dict:
     from pcpviz.trace.flight import FlightConfig
     from pcpviz.vllm import recording
 
     work = Path(tempfile.mkdtemp(prefix="pcpviz-rechost-"))
-    st = Stage(r, ctx, pcp, full_drafts=full_drafts)
+    with torch.device(device):  # the stand-in's buffers on ``device`` (its step's ops follow them)
+        st = Stage(r, ctx, pcp, full_drafts=full_drafts)
+        x = torch.zeros(8)
     flight = FlightConfig(steps=64, signal=None)
     s = recording.TraceSession(work / "trace", producer="bench", meta={"pcp": pcp}, strict=False)
     rec = s.recorder_for_rank(0, pcp)
-    x = torch.zeros(8)
     for _ in range(20):  # warm-up (the sink's first write opens the file / starts its worker)
         s.mode = "record"
         x = step(rec, st, x, ops, on=True)
@@ -244,17 +246,37 @@ def bench_case(r: int, pcp: int, *, steps: int, repeats: int, ops: int, ctx: int
     per_step: dict[str, list[float]] = {m: [] for m in MODES}
     cpu_step: dict[str, list[float]] = {m: [] for m in MODES}
     hook_us: dict[str, list[float]] = {m: [] for m in MODES}
+    by_hook: dict[str, dict[str, int]] = {m: {} for m in MODES if m != "off"}
     for rep in range(repeats):
         for m in MODES[rep % 3:] + MODES[: rep % 3]:
             s.mode, s.flight = ("record", None) if m == "off" else (m, flight if m == "flight" else None)
-            secs0 = rec.seconds
+            secs0, hooks0 = rec.seconds, rec.hook_times()
             t, c = time.perf_counter(), time.thread_time()
             for _ in range(steps):
                 x = step(rec, st, x, ops, on=m != "off")
             per_step[m].append((time.perf_counter() - t) / steps)
             cpu_step[m].append((time.thread_time() - c) / steps)
             hook_us[m].append((rec.seconds - secs0) / steps * 1e6)
+            for k, v in rec.hook_times().items() if m != "off" else ():
+                by_hook[m][k] = by_hook[m].get(k, 0) + v - hooks0.get(k, 0)
             rec.sink.drain()
+    if profile is not None:  # the flight recorder's steps under cProfile: where the hooks' time goes, by function
+        import cProfile
+        import io
+        import pstats
+
+        s.mode, s.flight = "flight", flight
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(steps):
+            x = step(rec, st, x, ops, on=True)
+        pr.disable()
+        rec.sink.drain()
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(r"pcpviz|torch|numpy|built-in|method", 40)
+        with profile.open("a") as f:
+            f.write(f"===== batch {r} x pcp {pcp} on {device}: {steps} flight steps, no vLLM work inside the hooks\n")
+            f.write(out.getvalue())
     assert not rec.disabled, rec.disabled_reason
     bytes_written = rec.sink.stats().get("bytes_written", 0) if hasattr(rec.sink, "stats") else \
         (rec.writer.bytes_written if rec.writer is not None else 0)
@@ -269,7 +291,14 @@ def bench_case(r: int, pcp: int, *, steps: int, repeats: int, ops: int, ctx: int
             "cpu_record_over_off": round(cpu["record"] / cpu["off"], 4),
             "cpu_flight_over_off": round(cpu["flight"] / cpu["off"], 4),
             "hook_us_per_step": {m: round(statistics.median(v), 1) for m, v in hook_us.items() if m != "off"},
+            "hook_us_per_step_by_hook": {m: _by_hook(h, steps * repeats) for m, h in by_hook.items()},
+            "device": device,
             "trace_bytes": bytes_written}
+
+
+def _by_hook(ns: dict[str, int], steps: int) -> dict[str, float]:
+    """Microseconds a step of each hook, largest first."""
+    return dict(sorted(((k, round(v / steps / 1e3, 1)) for k, v in ns.items()), key=lambda kv: -kv[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--against", type=Path, help="another checkout (the old recorder): run this benchmark in "
                     "subprocesses, old and new alternating, --pairs times, and report both")
     ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--profile", type=Path, help="append a cProfile of each case's flight steps to this file")
+    ap.add_argument("--device", default="cpu", help="where the stand-in's buffers live (cuda: the hooks' copies "
+                    "are CUDA ops, as under vLLM)")
     ap.add_argument("--draft-mode", choices=("full", "piecewise"), default="full",
                     help="full (vLLM's default FULL_AND_PIECEWISE on decode batches: both draft forwards replay "
                          "FULL graphs, read by on_full_replay) or piecewise (draft_0 through _run_model)")
@@ -299,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     for case in a.cases.split(","):
         r, pcp = (int(v) for v in case.split("x"))
         entry = bench_case(r, pcp, steps=a.steps, repeats=a.repeats, ops=a.ops, ctx=a.context,
-                           full_drafts=a.draft_mode == "full")
+                           full_drafts=a.draft_mode == "full", device=a.device, profile=a.profile)
         res["cases"].append(entry)
         print(json.dumps(entry), flush=True)
     if a.out:
@@ -327,9 +359,11 @@ def compare(a: argparse.Namespace, args: list[str]) -> int:
         for which in (("old", "new") if i % 2 == 0 else ("new", "old")):
             tree = a.against.resolve() if which == "old" else ROOT
             out = Path(tempfile.mkdtemp(prefix="pcpviz-rh-")) / "r.json"
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            subprocess.run([sys.executable, str(tree / "benchmarks" / "bench_recorder_host.py"), *passed, "--out",
-                            str(out)], env=env, check=True, stdout=subprocess.DEVNULL)
+            # This script in both runs (the stand-in step is the same; it runs older recorders too), the
+            # recorder imported from ``tree``.
+            env = {**os.environ, "PCPVIZ_BENCH_TREE": str(tree)}
+            subprocess.run([sys.executable, __file__, *passed, "--out", str(out)], env=env, check=True,
+                           stdout=subprocess.DEVNULL)
             runs[which].append(json.loads(out.read_text())["cases"])
             print(which, i, json.dumps([(c["batch"], c["pcp"], c["hook_us_per_step"]) for c in runs[which][-1]]),
                   flush=True)

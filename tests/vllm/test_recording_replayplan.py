@@ -136,3 +136,41 @@ def test_the_book_keeps_at_most_its_bound():
     for i in range(3):
         book.add((i,), replayplan.ReplayPlan([], [], [], {}))
     assert list(book.plans) == [(1,), (2,)] and book.get((0,)) is None and book.get((2,)) is not None
+
+
+def test_dynamic_tensors_are_not_kept_past_their_step():
+    """A tensor vLLM makes anew each step (an ``idx_mapping``, a sampler output) is copied through a
+    byte view of that step only: replaying a plan for many steps leaves the kept views as they were
+    after planning (the cache would otherwise hold every step's dead storage until its sweep), and
+    two hooks handed the same tensor in one step share one view of it."""
+    values = torch.arange(10, dtype=torch.int64)
+    pack, phase, plan = _pack_with_plan(values, torch.tensor([2, 0], dtype=torch.int32))
+    pack.stage({"draft_1": phase}).resolve()
+    kept = pack.plans.stats()["views"]
+    for step in range(40):
+        idx = torch.tensor([step % 10, 9], dtype=torch.int32)
+        a: dict = {}
+        b: dict = {}
+        assert pack.replay(plan, a, [idx]) and pack.replay(plan, b, [idx[:2]])
+        assert len(pack.dynamic) == 1  # idx and idx[:2]: the same memory read the same way
+        out = pack.stage({"a": a, "b": b}).resolve()
+        assert out["a"]["rows"].tolist() == out["b"]["rows"].tolist() == [step % 10, 9]
+        assert pack.dynamic == {}
+    assert pack.plans.stats()["views"] <= kept  # never grows (the sweep may drop planning's own idx view)
+
+
+def test_an_event_given_back_is_recorded_again_by_a_later_step():
+    """The staged steps' CUDA events are pooled per device: a drained step's event is the next
+    step's (``staged.take_event``), never another device's."""
+    from pcpviz.vllm.recording import staged
+
+    staged._EVENTS.clear()
+    marker = object()
+    staged._give_event(marker, 0)
+    assert staged._EVENTS == {0: [marker]}
+    assert staged.take_event(0) is marker and staged._EVENTS[0] == []
+    staged._give_event(marker, 1)
+    for _ in range(staged._MAX_EVENTS + 3):
+        staged._give_event(object(), 0)
+    assert len(staged._EVENTS[0]) == staged._MAX_EVENTS and staged._EVENTS[1] == [marker]
+    staged._EVENTS.clear()

@@ -49,7 +49,9 @@ SWEEP_EVERY = 32
 def _bytes(t: torch.Tensor) -> tuple[torch.Tensor, tuple, bool]:
     """``t`` as ``uint8[numel * itemsize]``, its meta ``(dtype name, shape, nbytes)`` and whether
     the bytes are a view of ``t``'s memory (not a copy)."""
-    b = t.reshape(-1)
+    # A 1-D contiguous tensor is its own flat view: ``reshape`` is skipped (on one H200's host a
+    # ``reshape`` of a CUDA tensor costs ~6 us, as much as the ``cat`` that copies it; tools/gpu/op_costs.py).
+    b = t if t.dim() == 1 else t.reshape(-1)
     view = b.is_contiguous()
     if not view:  # a strided column or an expanded view: reshape kept its strides
         b = b.contiguous()

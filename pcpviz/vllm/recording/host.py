@@ -39,7 +39,7 @@ from pcpviz.trace.packed import host_entry
 from pcpviz.vllm.recording.copyplan import BYTE_DTYPES, PlanCache, fresh_bytes
 from pcpviz.vllm.recording.replayplan import PlanBook, ReplayPlan, template_entries
 from pcpviz.vllm.recording.ring import DeviceRing
-from pcpviz.vllm.recording.staged import StagedStep
+from pcpviz.vllm.recording.staged import StagedStep, take_event
 
 __all__ = ["Deferred", "Fresh", "Strings", "StepPack", "to_host", "now_us", "block_rows",
            "fingerprint_view", "HOST_FP_MAX_BYTES"]
@@ -114,6 +114,7 @@ class StepPack:
         self.plans = PlanCache()  # byte views of the hooks' tensors, kept across steps
         self.book = PlanBook()  # hook calls planned once, by key (``replayplan``)
         self.replays: list = []  # this step's plan hits: (phase, entries, offset in the step)
+        self.dynamic: dict[tuple, tuple] = {}  # this step's byte views of tensors made anew (``_dynamic_bytes``)
 
     def put(self, phase: dict[str, Any], views: dict[str, Any]) -> None:
         """Add one hook call's views to ``phase`` as entries; its device tensors copied now (or
@@ -205,8 +206,8 @@ class StepPack:
         flat = plan.sources
         if plan.dynamic_at:
             flat = list(flat)
-            for i, j in plan.dynamic_at:  # a step's idx_mapping is handed to several hooks: one view of it
-                b, meta = self.plans.bytes_of(dynamic[j])
+            for i, j in plan.dynamic_at:
+                b, meta = self._dynamic_bytes(dynamic[j])
                 if meta != plan.metas[i]:
                     return False
                 flat[i] = b
@@ -216,6 +217,17 @@ class StepPack:
         phase.update(plan.entries)
         self.replays.append((phase, plan.entries, at - self.ring.start))
         return True
+
+    def _dynamic_bytes(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+        """A tensor vLLM made anew this step as bytes, for the copies of this step only: a step's
+        ``idx_mapping`` is handed to several hooks (one view of it a step), and none is kept past
+        the step (``copyplan.PlanCache`` would hold a storage that is never read again, and its
+        sweep would walk them)."""
+        sig = (t.data_ptr(), t.dtype, t.shape, t.stride())
+        got = self.dynamic.get(sig)
+        if got is None:
+            got = self.dynamic[sig] = fresh_bytes(t)
+        return got
 
     def _entry(self, value: Any, box: Any, key: Any, now: list) -> Any:
         if isinstance(value, torch.Tensor):
@@ -261,7 +273,7 @@ class StepPack:
         the ring had no room for the step (dropped: ``ring.overflow_steps`` counts it)."""
         if self.fresh:
             self._copy(self.fresh, planned=False)  # computed by the hooks this step: new memory every step
-        layout, self.layout, self.fresh, self.memo = self.layout, [], [], {}
+        layout, self.layout, self.fresh, self.memo, self.dynamic = self.layout, [], [], {}, {}
         replays, self.replays = self.replays, []
         self.plans.staged()
         dropped = self.ring.dropped
@@ -272,13 +284,13 @@ class StepPack:
             return StagedStep(phases)
         event = None
         if self.device is not None and self.device.type == "cuda":
-            event = torch.cuda.Event()
+            event = take_event(self._device_index)
             event.record()
         return StagedStep(phases, self.ring, span, event, layout=layout, replays=replays)
 
     def discard(self) -> None:
         """Forget the step being recorded (it is not written)."""
-        self.layout, self.fresh, self.memo, self.held, self.replays = [], [], {}, None, []
+        self.layout, self.fresh, self.memo, self.held, self.replays, self.dynamic = [], [], {}, None, [], {}
         self.ring.discard()
 
 

@@ -21,7 +21,27 @@ import torch
 from pcpviz.trace.packed import resolve
 from pcpviz.vllm.recording.ring import DeviceRing
 
-__all__ = ["StagedStep", "drain_steps", "host_pool"]
+__all__ = ["StagedStep", "drain_steps", "host_pool", "take_event"]
+
+_EVENTS: dict[int, list] = {}  # device index -> events whose step was drained (``take_event``)
+_MAX_EVENTS = 256  # per device
+
+
+def take_event(device: int) -> Any:
+    """A CUDA event for a staged step on ``device``: one a drained step gave back, else a new one
+    (making an event costs about as much again as recording it, on one H200's host:
+    tools/gpu/op_costs.py). An event is recorded on one device for its life, hence a pool per device."""
+    try:
+        return _EVENTS.setdefault(device, []).pop()
+    except IndexError:
+        return torch.cuda.Event()
+
+
+def _give_event(event: Any, device: int) -> None:
+    """``event`` was waited for (its step's copies are done): a later step on ``device`` may record it again."""
+    pool = _EVENTS.setdefault(device, [])
+    if len(pool) < _MAX_EVENTS:
+        pool.append(event)
 
 
 class _HostPool:
@@ -94,6 +114,7 @@ class StagedStep:
         elif self.span is not None and self.ring is not None:
             if self.event is not None:
                 self.event.synchronize()
+                _give_event(self.event, self.ring.buf.get_device())
                 self.event = None
             self.ring.release(self.span)
         self.host, self.span = None, None
@@ -133,6 +154,8 @@ def drain_steps(steps: list[StagedStep]) -> tuple[np.ndarray | None, list[int], 
             side.synchronize()  # one wait for the batch (the GIL released while it waits)
         for st, n in zip(steps, sizes):
             if n:
+                if st.event is not None:
+                    _give_event(st.event, dev0.get_device())
                 st.event = None
                 st.ring.release(st.span)
                 st.span = None
