@@ -224,12 +224,12 @@ def _script(name: str, cmd: list[str], timeout_s: float = 540) -> dict:
 
 @job("overhead")
 def _overhead(_: dict) -> dict:
-    """benchmarks/bench_plugin_overhead.py: recording off / on / flight recorder, interleaved, 7
+    """benchmarks/bench_plugin_overhead.py: recording off / on / flight recorder, interleaved, 9
     repeats, one process, FULL_AND_PIECEWISE, the four workloads (the batch-64 32k-context memory
     measurement left out: ``overhead-long``); data/bench/plugin_overhead_h200x1.json."""
     out = RESULTS / "bench" / "plugin_overhead_h200x1.json"
     return _script("overhead", [sys.executable, str(REPO / "benchmarks" / "bench_plugin_overhead.py"), "--out",
-                                str(out), "--repeats", "7", "--no-long"])
+                                str(out), "--repeats", "9", "--no-long"])
 
 
 @job("overhead-long")
