@@ -106,6 +106,15 @@ class PlanCache:
                     self.held -= self.views.popitem(last=False)[1][2]
         return b, meta
 
+    def peek(self, sig: tuple) -> tuple[torch.Tensor, tuple] | None:
+        """The kept byte view and meta of the tensor signature ``sig`` (``(data_ptr, dtype, shape,
+        strides)``), None if none is kept; nothing is added on a miss."""
+        kept = self.views.get(sig)
+        if kept is None:
+            return None
+        self.hits += 1
+        return kept[0], kept[1]
+
     def staged(self) -> None:
         """A step was staged: every ``SWEEP_EVERY`` stagings, drop the views that alone hold a storage."""
         self._stagings += 1

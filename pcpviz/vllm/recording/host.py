@@ -219,14 +219,15 @@ class StepPack:
         return True
 
     def _dynamic_bytes(self, t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-        """A tensor vLLM made anew this step as bytes, for the copies of this step only: a step's
-        ``idx_mapping`` is handed to several hooks (one view of it a step), and none is kept past
-        the step (``copyplan.PlanCache`` would hold a storage that is never read again, and its
-        sweep would walk them)."""
+        """A tensor handed to a plan as dynamic (vLLM may make it anew each step) as bytes: a kept
+        view where its memory is one the cache holds (a buffer that is persistent after all), else a
+        view for this step's copies only, never added to the cache (a storage that is never read
+        again would be held until the sweep, and the sweep would walk them). A step's
+        ``idx_mapping`` is handed to several hooks: one view of it a step."""
         sig = (t.data_ptr(), t.dtype, t.shape, t.stride())
         got = self.dynamic.get(sig)
         if got is None:
-            got = self.dynamic[sig] = fresh_bytes(t)
+            got = self.dynamic[sig] = self.plans.peek(sig) or fresh_bytes(t)
         return got
 
     def _entry(self, value: Any, box: Any, key: Any, now: list) -> Any:
