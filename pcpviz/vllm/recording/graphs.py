@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pcpviz.trace.packed import host_entry
 from pcpviz.vllm.recording.consumed import capturing, full_replay, in_full_replay
 from pcpviz.vllm.recording.patching import install_model_wrapper
 from pcpviz.vllm.recording.state import current_draft, current_session, live_recorder
@@ -223,14 +224,28 @@ def install_graph_wrappers() -> None:
             setattr(owner, name, factory(current))
 
 
+_COUNTS: dict[int, tuple] = {}
+
+
+def _count(n: int) -> tuple:
+    """The entry of ``n`` as an int64 scalar (``pcpviz.trace.packed.host_entry``), one per value:
+    entries are immutable, and every step that replayed as many graphs shares it."""
+    e = _COUNTS.get(n)
+    if e is None:
+        e = host_entry(np.array(n, dtype=np.int64))
+        if len(_COUNTS) < 1024:
+            _COUNTS[n] = e
+    return e
+
+
 def ledger_views(notes: dict[str, list]) -> dict[str, dict[str, Any]]:
-    """A step's ledger notes as views per phase: ``graph_replays``, ``graph_full_replays``
-    (int64 scalars) and, when an input moved, ``graph_inputs_moved`` (str[M])."""
+    """A step's ledger notes as view entries per phase (``pcpviz.trace.packed.host_entry``):
+    ``graph_replays``, ``graph_full_replays`` (int64 scalars) and, when an input moved,
+    ``graph_inputs_moved`` (str[M])."""
     out: dict[str, dict[str, Any]] = {}
     for phase, (replays, full, lines) in notes.items():
-        views: dict[str, Any] = {"graph_replays": np.array(replays, dtype=np.int64),
-                                 "graph_full_replays": np.array(full, dtype=np.int64)}
+        views: dict[str, Any] = {"graph_replays": _count(replays), "graph_full_replays": _count(full)}
         if lines:
-            views["graph_inputs_moved"] = np.array(lines, dtype=str)
+            views["graph_inputs_moved"] = host_entry(np.array(lines, dtype=str))
         out[phase] = views
     return out

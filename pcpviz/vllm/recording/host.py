@@ -122,7 +122,8 @@ class StepPack:
         held = self.held
         now: list = [] if held is None else held
         for name, value in views.items():
-            phase[name] = self._entry(value, phase, name, now)
+            # a host array (most of a hook's views by count) straight to its entry
+            phase[name] = host_entry(value) if type(value) is np.ndarray else self._entry(value, phase, name, now)
         if now and held is None:
             self._copy(now)
 

@@ -79,6 +79,12 @@ def _where(*tensors: Any) -> tuple:
     return tuple((t.data_ptr(), t.shape, t.stride()) if isinstance(t, torch.Tensor) else t for t in tensors)
 
 
+class _Depth(threading.local):
+    """How many guards are open on this thread (the outermost one counts a hook's time)."""
+
+    n = 0
+
+
 class RankRecorder:
     """One PCP rank's steps: the phases of the step being recorded, written at its end."""
 
@@ -96,7 +102,7 @@ class RankRecorder:
         self.closed = False
         self.seconds = 0.0  # time spent inside recording hooks (a guard inside another counted in both)
         self.hook_ns: dict[str, int] = {}  # outermost guard calls' time by hook name (``hook_times``)
-        self._depth = threading.local()
+        self._depth = _Depth()
         self.steps_written = 0
         self.overflow_after: list[int] = []  # per step dropped by the device ring: the next step's number
         self.global_batch: Any = None  # the step's global InputBatch (verify rows)
@@ -115,8 +121,8 @@ class RankRecorder:
         if self.disabled:
             return None
         depth = self._depth
-        outer = not getattr(depth, "n", 0)
-        depth.n = getattr(depth, "n", 0) + 1
+        outer = not depth.n
+        depth.n += 1
         t0 = time.perf_counter_ns()
         try:
             return fn(*args, **kwargs)
@@ -169,9 +175,9 @@ class RankRecorder:
             notes, self.graph_notes = self.graph_notes, {}
             if not phases or self.closed:
                 return
-            for ph, views in ledger_views(notes).items():
+            for ph, entries in ledger_views(notes).items():
                 if ph in phases:
-                    phases[ph].update({k: host_entry(v) for k, v in views.items()})
+                    phases[ph].update(entries)
             staged = self.pack.stage(phases)
             if staged is None:  # the device ring had no room: the step is dropped, and the trace says so
                 self._overflowed()
