@@ -22,6 +22,7 @@ from __future__ import annotations
 import html
 import json
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -37,7 +38,7 @@ from pcpviz.views.export import tokens as tk
 from pcpviz.trace.outputs import atomic_output, check_output
 from pcpviz.views.export.jsonpack import pack, unpack
 from pcpviz.views.export.plotly_json import figure_json
-from pcpviz.views.panels import PanelInput, panel_marks, run_panels, step_panels
+from pcpviz.views.panels import Panel, PanelInput, panel_marks, run_panels, step_panels
 from pcpviz.views.widgets import status as st
 
 __all__ = ["export_html", "STEP_VIEWS", "pack", "unpack", "embedded_data", "shown_steps", "shown_ranks", "MAX_ENTRIES",
@@ -190,9 +191,11 @@ def _shown_note(shown: Sequence[int], steps: Sequence[int], ranks: Sequence[int]
     return "<br>" + "; ".join(notes) + "; the Workbench shows every step and rank" if notes else ""
 
 
-def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list) -> dict:
+def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list,
+           shared: dict | None = None) -> dict:
     """The per-step panels (as plain objects) and the status line of one (step, rank) page; the
-    draft panels show the step's first draft phase (``draft_source_phase``)."""
+    draft panels show the step's first draft phase (``draft_source_phase``). ``shared`` keeps the
+    figures of panels with a ``shared_key`` between the pages of a run (``_shared_spec``)."""
     recs = {p: trace.record(step, rank, p) for p in trace.phases(step, rank) if p != "dummy"}
     target = recs["target"]
     dp = fg.draft_source_phase(recs, None)
@@ -202,15 +205,49 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
     flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
     inp = PanelInput(step=step, rank=rank, recs=recs, phase=dp, draft_phase=dp, colors=colors, flags=flags)
     figs, tokens = {}, {}
+    shared = {} if shared is None else shared
     for p in step_panels():  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
+        memo = None
         with record_strips() as calls:
-            spec = fg.drawn(p.name, lambda p=p: p.spec(inp), step=step, rank=rank, recs=recs)
-        tokens[p.name] = tk.strips(spec, calls) if p.zoom_axes else None
+            spec = fg.drawn(p.name, lambda p=p: _shared_spec(p, inp, shared), step=step, rank=rank, recs=recs)
+        if isinstance(spec, _Shared):
+            spec, tokens[p.name], memo = spec.spec, spec.tokens, spec.memo
+        else:
+            tokens[p.name] = tk.strips(spec, calls) if p.zoom_axes else None
         for m in panel_marks(p, violations, inp):
             spec = fg.mark_violation(spec, m)
-        figs[p.name] = spec
+        figs[p.name] = figure_json(spec, memo=memo)
     status = st.status_html((step, rank, None), recs, draft_phase=dp, flags=flags, violations=violations)
-    return {**{n: figure_json(f) for n, f in figs.items()}, "status": status, "tokens": tokens}
+    return {**figs, "status": status, "tokens": tokens}
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """A page's figure of a panel drawn once for several pages (``_shared_spec``), its strips, and
+    the ``figure_json`` memo that gives each page the same JSON for the parts they share."""
+
+    spec: dict
+    tokens: list | None
+    memo: dict
+
+
+def _shared_spec(p: Panel, inp: PanelInput, shared: dict) -> dict | _Shared:
+    """``p.spec(inp)``; for a panel with a ``shared_key``, drawn once per key (with ``rank=None``)
+    among the pages that share ``shared`` and given to this page through ``p.for_rank``, its
+    strips with it. Where the key or that drawing raises, the page draws its own figure (which
+    raises as the panel does, for ``fg.drawn`` to name the view)."""
+    if p.shared_key is None:
+        return p.spec(inp)
+    try:
+        key = (p.name, p.shared_key(inp))
+        hit = shared.get(key)
+        if hit is None:
+            with record_strips() as calls:
+                spec = p.spec(replace(inp, rank=None))
+            hit = shared[key] = _Shared(spec, tk.strips(spec, calls) if p.zoom_axes else None, {})
+    except Exception:  # noqa: BLE001 - not shared: the page's own drawing says what is wrong
+        return p.spec(inp)
+    return _Shared(p.for_rank(hit.spec, inp) if p.for_rank is not None else hit.spec, hit.tokens, hit.memo)
 
 
 PAGES_PARALLEL_FROM = 16
@@ -224,7 +261,8 @@ def _entries(trace: Trace, pages: list[tuple[int, int]], *, colors: dict, violat
     runs = chunk_bounds(len(pages), workers, per_worker=4) if workers > 1 else [0, len(pages)]
 
     def run(i: int) -> list[dict]:
-        return [_entry(trace, step, rank, colors=colors, violations=violations)
+        shared: dict = {}  # the figures the run's pages share (``_shared_spec``)
+        return [_entry(trace, step, rank, colors=colors, violations=violations, shared=shared)
                 for step, rank in pages[runs[i]:runs[i + 1]]]
 
     for built in forked_imap(run, len(runs) - 1, workers=workers):

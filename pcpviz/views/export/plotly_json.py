@@ -86,7 +86,39 @@ def _value(v: Any, key: str | None = None) -> Any:
     raise TypeError(f"figure_json: a {t.__name__} is not a figure value")
 
 
-def figure_json(spec: dict) -> dict:
-    """``spec`` as JSON values (see the module doc); the spec is left as it was."""
-    data = [{k: _value(x, k) for k, x in trace.items() if k != "uid"} for trace in spec.get("data", ())]
-    return {"data": data, "layout": _value(spec.get("layout", {}))}
+def figure_json(spec: dict, *, memo: dict | None = None) -> dict:
+    """``spec`` as JSON values (see the module doc); the spec is left as it was.
+
+    ``memo`` (a dict kept between calls): a container (dict, list, tuple, array) converted before
+    gives the same JSON object again, not a new one, so that figures sharing parts share their JSON
+    (and ``jsonpack.pack`` walks a shared part once). It keeps what it holds alive; the JSON objects
+    must then be left as they are. ``a = figure_json(s, memo=m); figure_json({**s}, memo=m)["layout"]
+    is a["layout"]``."""
+    if memo is None:
+        data = [{k: _value(x, k) for k, x in trace.items() if k != "uid"} for trace in spec.get("data", ())]
+        return {"data": data, "layout": _value(spec.get("layout", {}))}
+    data = [_remembered(trace, None, memo, trace=True) for trace in spec.get("data", ())]
+    return {"data": data, "layout": _remembered(spec.get("layout", {}), None, memo)}
+
+
+_CONTAINERS = (dict, list, tuple, np.ndarray)
+
+
+def _remembered(v: Any, key: str | None, memo: dict, *, trace: bool = False) -> Any:
+    """``_value(v, key)`` (a trace's, without its ``uid``, where ``trace``), or the one made before
+    for this very ``v`` where there is one (``memo``: ``(id, plain, trace) -> (v, json)``, ``plain``
+    whether ``key`` keeps arrays as lists); a dict's values and a list's items are looked up alike."""
+    if not isinstance(v, _CONTAINERS):
+        return _value(v, key)
+    k = (id(v), key in _PLAIN_KEYS, trace)
+    hit = memo.get(k)
+    if hit is not None:
+        return hit[1]
+    if trace or type(v) is dict:
+        out = {n: _remembered(x, n, memo) for n, x in v.items() if not (trace and n == "uid")}
+    elif (type(v) is list or type(v) is tuple) and any(isinstance(x, _CONTAINERS) for x in v):
+        out = [_remembered(x, None, memo) for x in v]
+    else:
+        out = _value(v, key)
+    memo[k] = (v, out)
+    return out
