@@ -31,12 +31,13 @@ from plotly.offline import get_plotlyjs
 from pcpviz.analysis.acceptance import AcceptanceFold
 from pcpviz.analysis.parallel import chunk_bounds, default_workers, forked_imap
 from pcpviz.trace import Trace
+from pcpviz.trace.bounds import step_problems
 from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
 from pcpviz.views.figures.lod import TOKEN_PX, record_strips
 from pcpviz.views.export import tokens as tk
 from pcpviz.trace.outputs import atomic_output, check_output
-from pcpviz.views.export.jsonpack import pack, unpack
+from pcpviz.views.export.jsonpack import Packer, pack, unpack
 from pcpviz.views.export.plotly_json import figure_json
 from pcpviz.views.panels import Panel, PanelInput, panel_marks, run_panels, step_panels
 from pcpviz.views.widgets import status as st
@@ -200,8 +201,9 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
     target = recs["target"]
     dp = fg.draft_source_phase(recs, None)
     draft = recs.get(dp) if dp else None
+    bad = recs if step_problems(recs) else None  # fg.drawn's bounds test, once a page: None when none fails
     flags = fg.drawn("block_tables", lambda: fg.draft_block_table_flags(target, draft), step=step, rank=rank,
-                     recs=recs)
+                     recs=bad)
     flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
     inp = PanelInput(step=step, rank=rank, recs=recs, phase=dp, draft_phase=dp, colors=colors, flags=flags)
     figs, tokens = {}, {}
@@ -209,7 +211,7 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
     for p in step_panels():  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
         memo = None
         with record_strips() as calls:
-            spec = fg.drawn(p.name, lambda p=p: _shared_spec(p, inp, shared), step=step, rank=rank, recs=recs)
+            spec = fg.drawn(p.name, lambda p=p: _shared_spec(p, inp, shared), step=step, rank=rank, recs=bad)
         if isinstance(spec, _Shared):
             spec, tokens[p.name], memo = spec.spec, spec.tokens, spec.memo
         else:
@@ -273,6 +275,7 @@ def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, color
               violations: list) -> str:
     """The page's data as JSON: every shown (step, rank) page, the per-run panels, their markers."""
     entries: dict[str, dict] = {}
+    packer = Packer()  # walks each page as it comes, while the forked processes build the next ones
     budget = tk.MAX_REPORT_RUNS
     pages = [(step, rank) for step in shown for rank in ranks if trace.has(step, rank, "target")]
     for (step, rank), e in zip(pages, _entries(trace, pages, colors=colors, violations=violations)):
@@ -283,10 +286,11 @@ def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, color
             e["tokens"] = {}
         else:
             budget -= runs
+        packer.add(e)
     inp = PanelInput(colors=colors, acceptance=acceptance)
     run = {p.name: figure_json(p.spec(inp)) for p in run_panels()}
     markers = {p.name: p.step_marker(0) for p in run_panels() if p.step_marker is not None}
-    (run_packed, figs_packed), shared = pack([run, entries])
+    (run_packed, figs_packed), shared = packer.pack([run, entries])
     data = json.dumps({"steps": list(shown), "ranks": list(ranks), "views": list(STEP_VIEWS),
                        "run_views": [p.name for p in run_panels()], "markers": markers, "shared": shared,
                        "run": run_packed, "figs": figs_packed}, separators=(",", ":"), allow_nan=False)

@@ -24,7 +24,7 @@ from hashlib import blake2b
 from json.encoder import encode_basestring_ascii as _quote
 from typing import Any, Sequence
 
-__all__ = ["pack", "unpack", "SHARE_MIN_CHARS"]
+__all__ = ["pack", "unpack", "Packer", "SHARE_MIN_CHARS"]
 
 SHARE_MIN_CHARS = 24
 """Subtrees (and strings) whose JSON is at least this long are stored once when they repeat."""
@@ -47,10 +47,37 @@ def pack(obj: Any, *, min_chars: int = SHARE_MIN_CHARS) -> tuple[Any, list]:
     ``pack(["a long hover text", "a long hover text", "x"], min_chars=5)`` ->
     ``([{"$r": 0}, {"$r": 0}, "x"], ["a long hover text"])``.
     """
-    texts = _Texts(min_chars)
-    texts.key(obj)
-    texts.count_again()
-    return _Rebuild(texts).run(obj)
+    return Packer(min_chars=min_chars).pack(obj)
+
+
+class Packer:
+    """``pack`` in two calls, so that its first pass over the parts of an object can run while the
+    rest is still being made: ``add(part)`` walks a part now, ``pack(obj)`` walks the rest and
+    gives what ``pack(obj)`` gives. Each added part must occur in ``obj`` (else ``pack`` raises),
+    unchanged since it was added; ``obj`` may hold it more than once.
+
+    ``p = Packer(min_chars=5); p.add(row); p.pack({"a": row, "b": row})`` is
+    ``pack({"a": row, "b": row}, min_chars=5)``.
+    """
+
+    def __init__(self, *, min_chars: int = SHARE_MIN_CHARS) -> None:
+        self.texts = _Texts(min_chars)
+
+    def add(self, part: dict | list) -> None:
+        """Walk ``part`` (a dict or list of ``obj``) now."""
+        if id(part) in self.texts.seen:
+            raise ValueError("Packer.add: this part was walked already")
+        self.texts.key(part)
+        self.texts.early.add(id(part))
+
+    def pack(self, obj: Any) -> tuple[Any, list]:
+        """``pack(obj)``'s ``(packed, shared)``."""
+        texts = self.texts
+        texts.key(obj)
+        if texts.early:
+            raise ValueError(f"Packer.pack: {len(texts.early)} added part(s) not in the object packed")
+        texts.count_again()
+        return _Rebuild(texts).run(obj)
 
 
 class _Texts:
@@ -79,6 +106,7 @@ class _Texts:
         self.keep: list[Any] = []  # holds every keyed object alive so its id() stays unique
         self.seen: dict[int, tuple[str, int]] = {}  # id of every container walked -> key()'s answer
         self.again: list[Any] = []  # the containers met more than once, each time after the first
+        self.early: set[int] = set()  # parts walked ahead (Packer.add) and not yet met in the object
 
     def count_again(self) -> None:
         """Count once more every container (its token) and string under a container met again,
@@ -122,7 +150,9 @@ class _Texts:
         if t is dict or t is list:
             got = self.seen.get(id(o))
             if got is not None:  # met again: counted, what is under it by count_again
-                if got[1] >= self.min_chars:
+                if id(o) in self.early:  # walked ahead (Packer.add): this is the meeting it counted
+                    self.early.discard(id(o))
+                elif got[1] >= self.min_chars:
                     self.counts[got[0]] += 1
                     self.again.append(o)
                 return got
