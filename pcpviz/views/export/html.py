@@ -347,7 +347,9 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
         raise ValueError(f"rank {unknown[0] if unknown else '(none)'} not in the trace's ranks {trace.ranks}")
     fold = AcceptanceFold.of(trace)  # the run's acceptance and request ids, counted while the checks run
     folds = {"req_ids": fg.ReqIdsFold(trace), **({"acceptance": fold} if fold is not None else {})}
-    report = fg.load_check_report(trace, folds=folds) if checks else None
+    # a wide trace's few steps are many records: checked in forked runs of steps from PARALLEL_FROM records
+    records = len(trace.steps) * len(trace.ranks)
+    report = fg.load_check_report(trace, folds=folds, workers=default_workers(records)) if checks else None
     req_ids = fg.trace_req_ids(trace, report)
     colors = fg.request_color_index(req_ids)
     violations = [r.first_violation for r in report.results.values()
