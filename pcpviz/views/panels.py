@@ -61,6 +61,7 @@ class PanelInput:
     windows: Mapping[str, tuple[float, float]] | None = None
     acceptance: Any = None
     px: int = fg.PLOT_PX  # plot-area width (px) the strips are drawn at (``pcpviz.views.figures.lod``)
+    parts: Any = None  # ``SharedParts``: parts drawn once for several figures (the HTML report's pages)
 
     @property
     def target(self) -> Any:
@@ -182,7 +183,7 @@ def timeline(p: PanelInput) -> dict:
        zoom_links=(("xaxis2", "xaxis"), ("xaxis3", "xaxis")))
 def block_tables(p: PanelInput) -> dict:
     return fg.block_tables_spec(p.target, p.draft, draft_phase=p.draft_phase, rank=p.rank, highlight=p.highlight,
-                                colors=p.colors, flags=p.flags, windows=p.windows, px=p.px)
+                                colors=p.colors, flags=p.flags, windows=p.windows, px=p.px, parts=p.parts)
 
 
 @panel("slot_mappings", "Slot mappings — global, gathered (PAD), write mask, draft",

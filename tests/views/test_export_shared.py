@@ -22,10 +22,12 @@ from pcpviz import trace as pt
 from pcpviz.views import figures as fg
 from pcpviz.views.export import html as H
 from pcpviz.views.export.jsonpack import Packer, pack
+from pcpviz.views.export import tokens as tk
 from pcpviz.views.export.plotly_json import figure_json
-from pcpviz.views.figures.content_key import content_key
+from pcpviz.views.figures.content_key import SharedParts, content_key
+from pcpviz.views.figures.lod import record_strips
 from pcpviz.views.panels import PANELS, step_panels
-from tracegen import clean_run, corrupt
+from tracegen import RequestSpec, clean_run, corrupt
 
 
 def _pages(trace, *, shared: bool) -> dict:
@@ -166,3 +168,33 @@ def test_every_shared_panel_says_how_it_is_keyed():
     shared = {n for n, p in PANELS.items() if p.shared_key is not None}
     assert shared == {"token_order", "slot_mappings"}
     assert PANELS["token_order"].for_rank is not None and PANELS["slot_mappings"].for_rank is None
+
+
+def _block_tables(trace, parts):
+    """Each page's block-table figure (as JSON) and its strips, drawn with ``parts`` (or none)."""
+    out = {}
+    for s in trace.steps:
+        for r in trace.ranks:
+            recs = {p: trace.record(s, r, p) for p in trace.phases(s, r) if p != "dummy"}
+            dp = fg.draft_source_phase(recs, None)
+            with record_strips() as calls:
+                spec = fg.block_tables_spec(recs["target"], recs.get(dp), draft_phase=dp, rank=r, parts=parts)
+            strips = tk.strips(spec, calls, memo=parts.strips if parts else None, only=parts.ids if parts else ())
+            out[(s, r)] = json.dumps([figure_json(spec), strips])
+    return out
+
+
+def test_block_table_rows_drawn_once_are_the_rows_each_page_draws(tmp_path):
+    """The global and draft rows of a step, the same on every rank, are drawn once (``SharedParts``)
+    and every page's figure and strips are what drawing it alone gives, hostile request ids too
+    (escaped once, not twice)."""
+    reqs = [RequestSpec("a<b>&amp;", 30, 6), RequestSpec("x\"'<br>", 9, 5, 1), RequestSpec("c", 17, 4, 2)]
+    trace = pt.open(clean_run(4, k=2, requests=reqs).write(tmp_path / "t"))
+    parts = SharedParts()
+    pages = _block_tables(trace, parts)
+    assert pages == _block_tables(trace, None)
+    assert all("&amp;amp;" in page and "&amp;amp;amp;" not in page for page in pages.values())
+    drawn = len(parts.drawn)
+    assert drawn < 3 * len(trace.steps) * len(trace.ranks)  # global and draft rows shared between ranks
+    again = _block_tables(trace, parts)  # every part drawn already: nothing drawn again
+    assert len(parts.drawn) == drawn and again == _block_tables(trace, None)

@@ -34,6 +34,7 @@ from pcpviz.trace import Trace
 from pcpviz.trace.bounds import step_problems
 from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
+from pcpviz.views.figures.content_key import SharedParts
 from pcpviz.views.figures.lod import TOKEN_PX, record_strips
 from pcpviz.views.export import tokens as tk
 from pcpviz.trace.outputs import atomic_output, check_output
@@ -205,9 +206,11 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
     flags = fg.drawn("block_tables", lambda: fg.draft_block_table_flags(target, draft), step=step, rank=rank,
                      recs=bad)
     flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
-    inp = PanelInput(step=step, rank=rank, recs=recs, phase=dp, draft_phase=dp, colors=colors, flags=flags)
-    figs, tokens = {}, {}
     shared = {} if shared is None else shared
+    parts = shared.setdefault(_PARTS, SharedParts())  # parts of figures drawn once (block-table rows)
+    inp = PanelInput(step=step, rank=rank, recs=recs, phase=dp, draft_phase=dp, colors=colors, flags=flags,
+                     parts=parts)
+    figs, tokens = {}, {}
     for p in step_panels():  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
         memo = None
         with record_strips() as calls:
@@ -215,12 +218,17 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
         if isinstance(spec, _Shared):
             spec, tokens[p.name], memo = spec.spec, spec.tokens, spec.memo
         else:
-            tokens[p.name] = tk.strips(spec, calls) if p.zoom_axes else None
+            tokens[p.name] = tk.strips(spec, calls, memo=parts.strips, only=parts.ids) if p.zoom_axes else None
         for m in panel_marks(p, violations, inp):
             spec = fg.mark_violation(spec, m)
-        figs[p.name] = figure_json(spec, memo=memo)
+        figs[p.name] = figure_json(spec, memo=memo) if memo is not None else \
+            figure_json(spec, memo=parts.json, only=parts.ids)
     status = st.status_html((step, rank, None), recs, draft_phase=dp, flags=flags, violations=violations)
     return {**figs, "status": status, "tokens": tokens}
+
+
+_PARTS = ("parts",)
+"""The key of a run's ``SharedParts`` among its shared figures."""
 
 
 @dataclass(frozen=True)
