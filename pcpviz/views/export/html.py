@@ -212,7 +212,7 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
                      parts=parts)
     figs, tokens = {}, {}
     for p in step_panels():  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
-        memo = None
+        memo, asked = None, parts.asked[0]
         with record_strips() as calls:
             spec = fg.drawn(p.name, lambda p=p: _shared_spec(p, inp, shared), step=step, rank=rank, recs=bad)
         if isinstance(spec, _Shared):
@@ -221,8 +221,11 @@ def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list
             tokens[p.name] = tk.strips(spec, calls, memo=parts.strips, only=parts.ids) if p.zoom_axes else None
         for m in panel_marks(p, violations, inp):
             spec = fg.mark_violation(spec, m)
-        figs[p.name] = figure_json(spec, memo=memo) if memo is not None else \
-            figure_json(spec, memo=parts.json, only=parts.ids)
+        if memo is None and parts.asked[0] != asked:  # the figure holds parts drawn once (SharedParts)
+            memo, only = parts.json, parts.ids
+        else:
+            only = None
+        figs[p.name] = figure_json(spec, memo=memo, only=only)
     status = st.status_html((step, rank, None), recs, draft_phase=dp, flags=flags, violations=violations)
     return {**figs, "status": status, "tokens": tokens}
 

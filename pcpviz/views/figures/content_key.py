@@ -88,14 +88,16 @@ class SharedParts:
 
     ``ids``: the ids of the containers the parts hold (kept alive by ``drawn``): the memos keep
     those alone, not every page's figures. ``parts.get(key)`` is None until ``parts.put(key,
-    part, containers)``."""
+    part, containers)``; ``asked`` counts the ``get`` calls (a figure that asked none holds no part)."""
 
     drawn: dict = field(default_factory=dict)
     ids: set = field(default_factory=set)
     json: dict = field(default_factory=dict)
     strips: dict = field(default_factory=dict)
+    asked: list = field(default_factory=lambda: [0])  # how many parts were asked for (``get``)
 
     def get(self, key: str) -> Any:
+        self.asked[0] += 1
         hit = self.drawn.get(key)
         return None if hit is None else hit[0]
 
