@@ -199,7 +199,7 @@ def slot_mappings(p: PanelInput) -> dict:
        zoom_links=(("xaxis2", "xaxis"),))
 def dcp_shards(p: PanelInput) -> dict:
     return fg.dcp_shards_spec(p.target, p.draft, rank=p.rank, draft_phase=p.draft_phase, highlight=p.highlight,
-                              colors=p.colors, windows=p.windows)
+                              colors=p.colors, windows=p.windows, parts=p.parts)
 
 
 @panel("acceptance", "Acceptance (vLLM's definition)", depends={"highlight"}, per_step=False,

@@ -24,7 +24,8 @@ from pcpviz.views.export import html as H
 from pcpviz.views.export.jsonpack import Packer, pack
 from pcpviz.views.export import tokens as tk
 from pcpviz.views.export.plotly_json import figure_json
-from pcpviz.views.figures.content_key import SharedParts, content_key
+from pcpviz.views.figures.content_key import content_key
+from pcpviz.views.figures.parts import SharedParts
 from pcpviz.views.figures.lod import record_strips
 from pcpviz.views.panels import PANELS, step_panels
 from tracegen import RequestSpec, clean_run, corrupt
@@ -170,18 +171,33 @@ def test_every_shared_panel_says_how_it_is_keyed():
     assert PANELS["token_order"].for_rank is not None and PANELS["slot_mappings"].for_rank is None
 
 
-def _block_tables(trace, parts):
-    """Each page's block-table figure (as JSON) and its strips, drawn with ``parts`` (or none)."""
+def _figures(trace, parts, spec_of=fg.block_tables_spec):
+    """Each page's figure (as JSON, with its strips) that ``spec_of`` draws with ``parts`` (or none)."""
     out = {}
     for s in trace.steps:
         for r in trace.ranks:
             recs = {p: trace.record(s, r, p) for p in trace.phases(s, r) if p != "dummy"}
             dp = fg.draft_source_phase(recs, None)
             with record_strips() as calls:
-                spec = fg.block_tables_spec(recs["target"], recs.get(dp), draft_phase=dp, rank=r, parts=parts)
+                spec = spec_of(recs["target"], recs.get(dp), draft_phase=dp, rank=r, parts=parts)
             strips = tk.strips(spec, calls, memo=parts.strips if parts else None, only=parts.ids if parts else ())
-            out[(s, r)] = json.dumps([figure_json(spec), strips])
+            memo = {} if parts and parts.ids else None
+            out[(s, r)] = json.dumps([figure_json(spec, memo=memo, only=parts.ids if memo is not None else None),
+                                      strips])
     return out
+
+
+_block_tables = _figures
+
+
+def test_dcp_strips_drawn_once_are_the_strips_each_page_draws():
+    """The DCP shards of the shipped PCP=2, DCP=2 trace: each rank's own strips (its share of the
+    slots) and the ones every rank draws alike (the owners), drawn once, equal each page drawn alone."""
+    trace = pt.open("data/traces/cpu-pcp2-dcp2-mtp2")
+    parts = SharedParts()
+    assert _figures(trace, parts, fg.dcp_shards_spec) == _figures(trace, None, fg.dcp_shards_spec)
+    strips = sum(len(json.loads(page)[1] or []) for page in _figures(trace, None, fg.dcp_shards_spec).values())
+    assert 0 < len(parts.drawn) < strips  # some strips were drawn once for both ranks
 
 
 def test_block_table_rows_drawn_once_are_the_rows_each_page_draws(tmp_path):

@@ -34,7 +34,7 @@ from pcpviz.trace import Trace
 from pcpviz.trace.bounds import step_problems
 from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
-from pcpviz.views.figures.content_key import SharedParts
+from pcpviz.views.figures.parts import SharedParts
 from pcpviz.views.figures.lod import TOKEN_PX, record_strips
 from pcpviz.views.export import tokens as tk
 from pcpviz.trace.outputs import atomic_output, check_output

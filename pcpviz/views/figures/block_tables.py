@@ -18,10 +18,10 @@ import numpy as np
 import plotly.graph_objects as go
 
 from pcpviz.views.figures.aggregate import run_edges
-from pcpviz.views.figures.canvas import (FLAG_COLOR, Canvas, L_NULL, range_text, req_levels, safe_spec, strip_heat,
+from pcpviz.views.figures.canvas import (FLAG_COLOR, Canvas, L_NULL, range_text, req_levels, strip_heat,
                                          strip_labels, as_figure, request_color_index)
-from pcpviz.views.figures.content_key import SharedParts, content_key
-from pcpviz.views.figures.lod import FONT_PX, PLOT_PX, Lane, RunText, draw_strip, record_strips, replay_strip
+from pcpviz.views.figures.lod import FONT_PX, PLOT_PX, Lane, RunText, draw_strip
+from pcpviz.views.figures.parts import SharedParts, add_part, drawn_part
 from pcpviz.trace import Record
 from pcpviz.trace.shapes import table_groups
 from pcpviz.views.figures.step_data import is_replicated, view_array
@@ -132,26 +132,14 @@ def _block_heat(table: np.ndarray, row_ids: Sequence[str], row_labels: Sequence[
 def _panel_part(table: np.ndarray, ids: Sequence[str], labels: Sequence[str], w: int, *, colors, highlight,
                 window, px: int, refs: tuple[str, str], parts: SharedParts | None) -> tuple:
     """``(drawn, heatmap trace, its label annotations)`` of one panel on axes ``refs``; with
-    ``parts``, drawn once per ``content_key`` of what it is drawn from (PCP=64: a step's global
-    rows on every rank's page), its containers through ``safe_spec`` and its ``draw_strip`` call
-    recorded again (``replay_strip``) each time it is used."""
+    ``parts``, drawn once per what it is drawn from (``drawn_part``; PCP=64: a step's global rows
+    on every rank's page)."""
     def draw() -> tuple:
         d, fs = _block_heat(table, ids, labels, w, colors, highlight, window, px)
         return d, strip_heat(d, labels or [""], font_size=fs, ygap=2), strip_labels(*refs, d, font_size=fs)
 
-    if parts is None:
-        return draw()
-    key = content_key("block_tables", table, list(ids), list(labels), int(w), colors, highlight, window, px, refs)
-    hit = parts.get(key)
-    if hit is None:
-        with record_strips() as calls:
-            d, heat, annots = draw()
-        heat = {n: v if isinstance(v, str) else safe_spec(v) for n, v in heat.items()}
-        annots = [safe_spec(a) for a in annots]
-        hit = parts.put(key, (d, heat, annots, calls[0]),
-                        [*(v for v in heat.values() if not isinstance(v, str)), *annots, calls[0]])
-    replay_strip(hit[3])
-    return hit[:3]
+    return drawn_part(parts, ("block_tables", table, list(ids), list(labels), int(w), colors, highlight, window, px,
+                              refs), draw)
 
 
 def block_tables_spec(target: Record, draft: Record | None = None, *, draft_phase: str | None = None,
@@ -200,12 +188,9 @@ def block_tables_spec(target: Record, draft: Record | None = None, *, draft_phas
     fig = Canvas([[1]] * len(panels), shared_x=True, vertical_spacing=min(75 / height, 0.2), row_heights=heights,
                   subplot_titles=[p[0] for p in panels])
     for k, (_, table, ids, labels) in enumerate(panels):
-        d, heat, annots = _panel_part(table, ids, labels, w, colors=colors, highlight=highlight, window=window,
-                                      px=px, refs=fig.ref(k + 1, 1), parts=parts)
-        fig.add(heat, k + 1, 1)
-        fig.annotations.extend(annots)
-        if parts is not None:  # through safe_spec once, when drawn
-            fig.add_done(*(v for v in heat.values() if not isinstance(v, str)), *annots)
+        part = _panel_part(table, ids, labels, w, colors=colors, highlight=highlight, window=window, px=px,
+                           refs=fig.ref(k + 1, 1), parts=parts)
+        d = add_part(fig, part, k + 1, 1, parts)
         fig.axis("y", k + 1, 1, autorange="reversed")
         fig.axis("x", k + 1, 1, range=list(d.window), showticklabels=True)
     shapes = fig.shapes

@@ -18,13 +18,12 @@ numbers, ``None``, tuples, lists and mappings (in their order) by value and type
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from hashlib import blake2b
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
-__all__ = ["content_key", "SharedParts"]
+__all__ = ["content_key"]
 
 
 def content_key(*parts: Any) -> str:
@@ -78,30 +77,3 @@ def _feed_array(h: Any, a: np.ndarray) -> None:
     else:
         h.update(np.ascontiguousarray(a).tobytes())
 
-
-@dataclass(frozen=True)
-class SharedParts:
-    """Parts of figures drawn once for the figures of one export that draw them alike (PCP=64: a
-    step's global and draft block-table rows, the same on every rank's page), by ``content_key``
-    of what they are drawn from; and, for them only, the memos of what the export makes of them
-    (``figure_json``'s, ``tokens.strips``'), so that every page holds them as one object.
-
-    ``ids``: the ids of the containers the parts hold (kept alive by ``drawn``): the memos keep
-    those alone, not every page's figures. ``parts.get(key)`` is None until ``parts.put(key,
-    part, containers)``; ``asked`` counts the ``get`` calls (a figure that asked none holds no part)."""
-
-    drawn: dict = field(default_factory=dict)
-    ids: set = field(default_factory=set)
-    json: dict = field(default_factory=dict)
-    strips: dict = field(default_factory=dict)
-    asked: list = field(default_factory=lambda: [0])  # how many parts were asked for (``get``)
-
-    def get(self, key: str) -> Any:
-        self.asked[0] += 1
-        hit = self.drawn.get(key)
-        return None if hit is None else hit[0]
-
-    def put(self, key: str, part: Any, containers: Iterable[Any]) -> Any:
-        self.drawn[key] = (part, list(containers))
-        self.ids.update(map(id, self.drawn[key][1]))
-        return part
