@@ -47,7 +47,8 @@ class PanelInput:
     Workbench's control; the export selects ``draft_phase``); ``draft_phase``: the draft step the
     draft panels show; ``flags``: its zero/stale block-table rows; ``windows``: the zoomed x ranges
     (axis -> (lo, hi)); ``acceptance``: the run's ``AcceptanceStats`` (per-run panels); ``px``: the
-    plot-area width the strips are drawn for.
+    plot-area width the strips are drawn for; ``parts``: a ``figures.parts.SharedParts`` whose strips
+    the panel reuses where another figure drew them alike (the HTML report's pages).
     """
 
     step: int | None = None

@@ -15,6 +15,12 @@ Views: token order (global vs local rows,
 gather/restore maps, write mask), draft-step timeline, block tables (zero/stale draft rows outlined),
 slot mappings, acceptance (the current step shaded), and the ``pcpviz.analysis.checks`` verdicts when that
 module is available (violations are also marked on their views).
+
+What several pages draw alike is drawn once: a panel with a ``shared_key`` (token order, slot
+mappings: a step's global views) once per key, each rank's page marking its rank on it
+(``Panel.for_rank``), and strips that are the same on several pages (a step's global and draft
+block-table rows, DCP strips) once per content (``figures.parts``); ``figure_json`` and the packer
+then meet those parts as one object. At PCP=64 a step's 8 shown ranks draw its token order once.
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ def block_tables_spec(target: Record, draft: Record | None = None, *, draft_phas
     for k, (_, table, ids, labels) in enumerate(panels):
         part = _panel_part(table, ids, labels, w, colors=colors, highlight=highlight, window=window, px=px,
                            refs=fig.ref(k + 1, 1), parts=parts)
-        d = add_part(fig, part, k + 1, 1, parts)
+        d = add_part(fig, part, (k + 1, 1), parts=parts)
         fig.axis("y", k + 1, 1, autorange="reversed")
         fig.axis("x", k + 1, 1, range=list(d.window), showticklabels=True)
     shapes = fig.shapes

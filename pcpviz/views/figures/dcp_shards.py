@@ -124,7 +124,7 @@ def dcp_shards_spec(target: Record, draft: Record | None = None, *, rank: int | 
             d = draw_strip([lane], window=window, px=px, font_size=9)
             return d, strip_heat(d, [""], font_size=9, ygap=0), strip_labels(xr, yr, d, font_size=9)
 
-        d = add_part(fig, drawn_part(parts, ("dcp_shards", lane, window, px, xr, yr), draw), k + 1, 1, parts)
+        d = add_part(fig, drawn_part(parts, ("dcp_shards", lane, window, px, xr, yr), draw), (k + 1, 1), parts=parts)
         fig.axis("y", k + 1, 1, showticklabels=False)
         fig.axis("x", k + 1, 1, title=dict(text=xtitle, standoff=0, font=dict(size=10)), range=list(d.window))
     counts = np.bincount(owner[owner >= 0], minlength=int(owner.max(initial=0)) + 1).tolist()

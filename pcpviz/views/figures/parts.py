@@ -11,7 +11,7 @@ again (``lod.replay_strip``), so each page is what drawing it alone gives. The e
 
     parts = SharedParts()
     d, heat, labels = drawn_part(parts, ("global rows", table, ...), draw)   # draw() -> the same three
-    add_part(fig, (d, heat, labels), 1, 1, parts)
+    add_part(fig, (d, heat, labels), (1, 1), parts=parts)
 """
 
 from __future__ import annotations
@@ -76,11 +76,12 @@ def drawn_part(parts: SharedParts | None, key: tuple, draw: Callable[[], tuple[D
     return hit[:3]
 
 
-def add_part(fig: Canvas, part: tuple, row: int, col: int, parts: SharedParts | None) -> Drawn:
-    """Add ``drawn_part``'s heatmap to cell (row, col) of ``fig`` and its labels to the annotations
-    (telling ``fig`` they went through ``safe_spec`` when ``parts`` drew them); the drawn strip."""
+def add_part(fig: Canvas, part: tuple, cell: tuple[int, int], *, parts: SharedParts | None) -> Drawn:
+    """Add ``drawn_part``'s heatmap to ``cell`` (row, column) of ``fig`` and its labels to the
+    annotations (telling ``fig`` they went through ``safe_spec`` when ``parts`` drew them); the
+    drawn strip."""
     d, heat, annots = part
-    fig.add(heat, row, col)
+    fig.add(heat, *cell)
     fig.annotations.extend(annots)
     if parts is not None:
         fig.add_done(*(v for v in heat.values() if not isinstance(v, str)), *annots)
