@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from pcpviz.views import figures as fg
+from pcpviz.views.figures.content_key import content_key
 
 __all__ = ["CONTROLS", "DEPENDS", "Panel", "PanelInput", "PANELS", "panel", "panel_marks", "affects",
            "step_panels", "run_panels"]
@@ -46,7 +47,8 @@ class PanelInput:
     Workbench's control; the export selects ``draft_phase``); ``draft_phase``: the draft step the
     draft panels show; ``flags``: its zero/stale block-table rows; ``windows``: the zoomed x ranges
     (axis -> (lo, hi)); ``acceptance``: the run's ``AcceptanceStats`` (per-run panels); ``px``: the
-    plot-area width the strips are drawn for.
+    plot-area width the strips are drawn for; ``parts``: a ``figures.parts.SharedParts`` whose strips
+    the panel reuses where another figure drew them alike (the HTML report's pages).
     """
 
     step: int | None = None
@@ -60,6 +62,7 @@ class PanelInput:
     windows: Mapping[str, tuple[float, float]] | None = None
     acceptance: Any = None
     px: int = fg.PLOT_PX  # plot-area width (px) the strips are drawn at (``pcpviz.views.figures.lod``)
+    parts: Any = None  # ``SharedParts``: parts drawn once for several figures (the HTML report's pages)
 
     @property
     def target(self) -> Any:
@@ -79,7 +82,11 @@ class Panel:
     ``zoom_axes``: x axes whose zoom redraws it at its level of detail (each keeps its window);
     ``zoom_links``: ``(axis, zoom axis)`` pairs of further x axes whose zoom sets that axis's
     window (matched axes); ``step_marker``: a per-run panel's overlay marking the current step
-    (shapes), moved by the step control alone.
+    (shapes), moved by the step control alone; ``shared_key``: a digest (``content_key``) of
+    everything its spec reads but the rank (it raises where it cannot say), so that the HTML report
+    draws it once, with ``rank=None``, for all the pages with that key, and ``for_rank(spec, inp)``
+    gives ``inp.rank``'s page from that one (None: the spec does not depend on the rank).
+    PCP=64: a step's token order is drawn once for its 8 shown ranks, each page marking its rank.
     """
 
     name: str
@@ -90,6 +97,8 @@ class Panel:
     zoom_axes: tuple[str, ...] = ()
     zoom_links: tuple[tuple[str, str], ...] = ()
     step_marker: Callable[[int | None], list] | None = None
+    shared_key: Callable[[PanelInput], str] | None = None
+    for_rank: Callable[[dict, PanelInput], dict] | None = None
 
     @property
     def controls(self) -> frozenset[str]:
@@ -107,7 +116,9 @@ PANELS: dict[str, Panel] = {}
 
 def panel(name: str, title: str, *, depends: set[str] | frozenset[str], per_step: bool = True,
           zoom_axes: tuple[str, ...] = (), zoom_links: tuple[tuple[str, str], ...] = (),
-          step_marker: Callable[[int | None], list] | None = None):
+          step_marker: Callable[[int | None], list] | None = None,
+          shared_key: Callable[[PanelInput], str] | None = None,
+          for_rank: Callable[[dict, PanelInput], dict] | None = None):
     """Register the decorated ``spec(PanelInput) -> dict`` as panel ``name`` (shown after the
     panels registered before it). A repeated name or an unknown dependency fails at import."""
     unknown = set(depends) - DEPENDS
@@ -117,7 +128,8 @@ def panel(name: str, title: str, *, depends: set[str] | frozenset[str], per_step
 
     def register(spec: Callable[[PanelInput], dict]) -> Callable[[PanelInput], dict]:
         PANELS[name] = Panel(name, title, spec, frozenset(depends), per_step=per_step, zoom_axes=zoom_axes,
-                             zoom_links=zoom_links, step_marker=step_marker)
+                             zoom_links=zoom_links, step_marker=step_marker, shared_key=shared_key,
+                             for_rank=for_rank)
         return spec
 
     return register
@@ -147,8 +159,15 @@ def panel_marks(p: Panel, violations: Any, inp: PanelInput) -> list[str]:
                               shows_draft_phase=p.shows_draft_phase)
 
 
+def _settings(p: PanelInput) -> tuple:
+    """The drawing settings a step panel reads besides its records and rank (part of its ``shared_key``)."""
+    return p.draft_phase, p.highlight, p.colors, p.windows, p.px
+
+
 @panel("token_order", "Token order — global batch vs each rank's local rows",
-       depends={"step", "rank", "highlight"}, zoom_axes=("xaxis", "xaxis4"))
+       depends={"step", "rank", "highlight"}, zoom_axes=("xaxis", "xaxis4"),
+       shared_key=lambda p: content_key(fg.token_order_inputs(p.target), _settings(p)),
+       for_rank=lambda spec, p: fg.token_order_for_rank(spec, p.target, p.rank))
 def token_order(p: PanelInput) -> dict:
     return fg.token_order_spec(p.target, rank=p.rank, highlight=p.highlight, colors=p.colors, windows=p.windows,
                                px=p.px)
@@ -165,11 +184,12 @@ def timeline(p: PanelInput) -> dict:
        zoom_links=(("xaxis2", "xaxis"), ("xaxis3", "xaxis")))
 def block_tables(p: PanelInput) -> dict:
     return fg.block_tables_spec(p.target, p.draft, draft_phase=p.draft_phase, rank=p.rank, highlight=p.highlight,
-                                colors=p.colors, flags=p.flags, windows=p.windows, px=p.px)
+                                colors=p.colors, flags=p.flags, windows=p.windows, px=p.px, parts=p.parts)
 
 
 @panel("slot_mappings", "Slot mappings — global, gathered (PAD), write mask, draft",
-       depends={"step", "rank", "draft_phase", "highlight"}, zoom_axes=("xaxis", "xaxis2", "xaxis3", "xaxis4"))
+       depends={"step", "rank", "draft_phase", "highlight"}, zoom_axes=("xaxis", "xaxis2", "xaxis3", "xaxis4"),
+       shared_key=lambda p: content_key(fg.slot_mappings_inputs(p.target, p.draft), _settings(p)))
 def slot_mappings(p: PanelInput) -> dict:
     return fg.slot_mappings_spec(p.target, p.draft, draft_phase=p.draft_phase, highlight=p.highlight,
                                  colors=p.colors, windows=p.windows, px=p.px)
@@ -180,7 +200,7 @@ def slot_mappings(p: PanelInput) -> dict:
        zoom_links=(("xaxis2", "xaxis"),))
 def dcp_shards(p: PanelInput) -> dict:
     return fg.dcp_shards_spec(p.target, p.draft, rank=p.rank, draft_phase=p.draft_phase, highlight=p.highlight,
-                              colors=p.colors, windows=p.windows)
+                              colors=p.colors, windows=p.windows, parts=p.parts)
 
 
 @panel("acceptance", "Acceptance (vLLM's definition)", depends={"highlight"}, per_step=False,

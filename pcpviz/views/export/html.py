@@ -15,6 +15,12 @@ Views: token order (global vs local rows,
 gather/restore maps, write mask), draft-step timeline, block tables (zero/stale draft rows outlined),
 slot mappings, acceptance (the current step shaded), and the ``pcpviz.analysis.checks`` verdicts when that
 module is available (violations are also marked on their views).
+
+What several pages draw alike is drawn once: a panel with a ``shared_key`` (token order, slot
+mappings: a step's global views) once per key, each rank's page marking its rank on it
+(``Panel.for_rank``), and strips that are the same on several pages (a step's global and draft
+block-table rows, DCP strips) once per content (``figures.parts``); ``figure_json`` and the packer
+then meet those parts as one object. At PCP=64 a step's 8 shown ranks draw its token order once.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import html
 import json
 import os
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -30,14 +37,16 @@ from plotly.offline import get_plotlyjs
 from pcpviz.analysis.acceptance import AcceptanceFold
 from pcpviz.analysis.parallel import chunk_bounds, default_workers, forked_imap
 from pcpviz.trace import Trace
+from pcpviz.trace.bounds import step_problems
 from pcpviz.trace import open as open_trace
 from pcpviz.views import figures as fg
+from pcpviz.views.figures.parts import SharedParts
 from pcpviz.views.figures.lod import TOKEN_PX, record_strips
 from pcpviz.views.export import tokens as tk
 from pcpviz.trace.outputs import atomic_output, check_output
-from pcpviz.views.export.jsonpack import pack, unpack
+from pcpviz.views.export.jsonpack import Packer, pack, unpack
 from pcpviz.views.export.plotly_json import figure_json
-from pcpviz.views.panels import PanelInput, panel_marks, run_panels, step_panels
+from pcpviz.views.panels import Panel, PanelInput, panel_marks, run_panels, step_panels
 from pcpviz.views.widgets import status as st
 
 __all__ = ["export_html", "STEP_VIEWS", "pack", "unpack", "embedded_data", "shown_steps", "shown_ranks", "MAX_ENTRIES",
@@ -190,27 +199,74 @@ def _shown_note(shown: Sequence[int], steps: Sequence[int], ranks: Sequence[int]
     return "<br>" + "; ".join(notes) + "; the Workbench shows every step and rank" if notes else ""
 
 
-def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list) -> dict:
+def _entry(trace: Trace, step: int, rank: int, *, colors: dict, violations: list,
+           shared: dict | None = None) -> dict:
     """The per-step panels (as plain objects) and the status line of one (step, rank) page; the
-    draft panels show the step's first draft phase (``draft_source_phase``)."""
+    draft panels show the step's first draft phase (``draft_source_phase``). ``shared`` keeps the
+    figures of panels with a ``shared_key`` between the pages of a run (``_shared_spec``)."""
     recs = {p: trace.record(step, rank, p) for p in trace.phases(step, rank) if p != "dummy"}
     target = recs["target"]
     dp = fg.draft_source_phase(recs, None)
     draft = recs.get(dp) if dp else None
+    bad = recs if step_problems(recs) else None  # fg.drawn's bounds test, once a page: None when none fails
     flags = fg.drawn("block_tables", lambda: fg.draft_block_table_flags(target, draft), step=step, rank=rank,
-                     recs=recs)
+                     recs=bad)
     flags = flags if isinstance(flags, list) else []  # malformed block tables: no flags
-    inp = PanelInput(step=step, rank=rank, recs=recs, phase=dp, draft_phase=dp, colors=colors, flags=flags)
+    shared = {} if shared is None else shared
+    parts = shared.setdefault(_PARTS, SharedParts())  # parts of figures drawn once (block-table rows)
+    inp = PanelInput(step=step, rank=rank, recs=recs, phase=dp, draft_phase=dp, colors=colors, flags=flags,
+                     parts=parts)
     figs, tokens = {}, {}
     for p in step_panels():  # a view that is missing or malformed is drawn as a message naming it (fg.drawn)
+        memo, asked = None, parts.asked[0]
         with record_strips() as calls:
-            spec = fg.drawn(p.name, lambda p=p: p.spec(inp), step=step, rank=rank, recs=recs)
-        tokens[p.name] = tk.strips(spec, calls) if p.zoom_axes else None
+            spec = fg.drawn(p.name, lambda p=p: _shared_spec(p, inp, shared), step=step, rank=rank, recs=bad)
+        if isinstance(spec, _Shared):
+            spec, tokens[p.name], memo = spec.spec, spec.tokens, spec.memo
+        else:
+            tokens[p.name] = tk.strips(spec, calls, memo=parts.strips, only=parts.ids) if p.zoom_axes else None
         for m in panel_marks(p, violations, inp):
             spec = fg.mark_violation(spec, m)
-        figs[p.name] = spec
+        if memo is None and parts.asked[0] != asked:  # the figure holds parts drawn once (SharedParts)
+            memo, only = parts.json, parts.ids
+        else:
+            only = None
+        figs[p.name] = figure_json(spec, memo=memo, only=only)
     status = st.status_html((step, rank, None), recs, draft_phase=dp, flags=flags, violations=violations)
-    return {**{n: figure_json(f) for n, f in figs.items()}, "status": status, "tokens": tokens}
+    return {**figs, "status": status, "tokens": tokens}
+
+
+_PARTS = ("parts",)
+"""The key of a run's ``SharedParts`` among its shared figures."""
+
+
+@dataclass(frozen=True)
+class _Shared:
+    """A page's figure of a panel drawn once for several pages (``_shared_spec``), its strips, and
+    the ``figure_json`` memo that gives each page the same JSON for the parts they share."""
+
+    spec: dict
+    tokens: list | None
+    memo: dict
+
+
+def _shared_spec(p: Panel, inp: PanelInput, shared: dict) -> dict | _Shared:
+    """``p.spec(inp)``; for a panel with a ``shared_key``, drawn once per key (with ``rank=None``)
+    among the pages that share ``shared`` and given to this page through ``p.for_rank``, its
+    strips with it. Where the key or that drawing raises, the page draws its own figure (which
+    raises as the panel does, for ``fg.drawn`` to name the view)."""
+    if p.shared_key is None:
+        return p.spec(inp)
+    try:
+        key = (p.name, p.shared_key(inp))
+        hit = shared.get(key)
+        if hit is None:
+            with record_strips() as calls:
+                spec = p.spec(replace(inp, rank=None))
+            hit = shared[key] = _Shared(spec, tk.strips(spec, calls) if p.zoom_axes else None, {})
+    except Exception:  # noqa: BLE001 - not shared: the page's own drawing says what is wrong
+        return p.spec(inp)
+    return _Shared(p.for_rank(hit.spec, inp) if p.for_rank is not None else hit.spec, hit.tokens, hit.memo)
 
 
 PAGES_PARALLEL_FROM = 16
@@ -224,7 +280,8 @@ def _entries(trace: Trace, pages: list[tuple[int, int]], *, colors: dict, violat
     runs = chunk_bounds(len(pages), workers, per_worker=4) if workers > 1 else [0, len(pages)]
 
     def run(i: int) -> list[dict]:
-        return [_entry(trace, step, rank, colors=colors, violations=violations)
+        shared: dict = {}  # the figures the run's pages share (``_shared_spec``)
+        return [_entry(trace, step, rank, colors=colors, violations=violations, shared=shared)
                 for step, rank in pages[runs[i]:runs[i + 1]]]
 
     for built in forked_imap(run, len(runs) - 1, workers=workers):
@@ -235,6 +292,7 @@ def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, color
               violations: list) -> str:
     """The page's data as JSON: every shown (step, rank) page, the per-run panels, their markers."""
     entries: dict[str, dict] = {}
+    packer = Packer()  # walks each page as it comes, while the forked processes build the next ones
     budget = tk.MAX_REPORT_RUNS
     pages = [(step, rank) for step in shown for rank in ranks if trace.has(step, rank, "target")]
     for (step, rank), e in zip(pages, _entries(trace, pages, colors=colors, violations=violations)):
@@ -245,10 +303,11 @@ def _embedded(trace: Trace, shown: Sequence[int], ranks: Sequence[int], *, color
             e["tokens"] = {}
         else:
             budget -= runs
+        packer.add(e)
     inp = PanelInput(colors=colors, acceptance=acceptance)
     run = {p.name: figure_json(p.spec(inp)) for p in run_panels()}
     markers = {p.name: p.step_marker(0) for p in run_panels() if p.step_marker is not None}
-    (run_packed, figs_packed), shared = pack([run, entries])
+    (run_packed, figs_packed), shared = packer.pack([run, entries])
     data = json.dumps({"steps": list(shown), "ranks": list(ranks), "views": list(STEP_VIEWS),
                        "run_views": [p.name for p in run_panels()], "markers": markers, "shared": shared,
                        "run": run_packed, "figs": figs_packed}, separators=(",", ":"), allow_nan=False)
@@ -305,7 +364,9 @@ def export_html(trace_path: str | os.PathLike | Trace, out_path: str | os.PathLi
         raise ValueError(f"rank {unknown[0] if unknown else '(none)'} not in the trace's ranks {trace.ranks}")
     fold = AcceptanceFold.of(trace)  # the run's acceptance and request ids, counted while the checks run
     folds = {"req_ids": fg.ReqIdsFold(trace), **({"acceptance": fold} if fold is not None else {})}
-    report = fg.load_check_report(trace, folds=folds) if checks else None
+    # a wide trace's few steps are many records: checked in forked runs of steps from PARALLEL_FROM records
+    records = len(trace.steps) * len(trace.ranks)
+    report = fg.load_check_report(trace, folds=folds, workers=default_workers(records)) if checks else None
     req_ids = fg.trace_req_ids(trace, report)
     colors = fg.request_color_index(req_ids)
     violations = [r.first_violation for r in report.results.values()

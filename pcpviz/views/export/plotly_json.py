@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import base64
 import math
-from typing import Any
+from typing import Any, Container
 
 import numpy as np
 
@@ -86,7 +86,42 @@ def _value(v: Any, key: str | None = None) -> Any:
     raise TypeError(f"figure_json: a {t.__name__} is not a figure value")
 
 
-def figure_json(spec: dict) -> dict:
-    """``spec`` as JSON values (see the module doc); the spec is left as it was."""
-    data = [{k: _value(x, k) for k, x in trace.items() if k != "uid"} for trace in spec.get("data", ())]
-    return {"data": data, "layout": _value(spec.get("layout", {}))}
+def figure_json(spec: dict, *, memo: dict | None = None, only: Container[int] | None = None) -> dict:
+    """``spec`` as JSON values (see the module doc); the spec is left as it was.
+
+    ``memo`` (a dict kept between calls): a container (dict, list, tuple, array) converted before
+    gives the same JSON object again, not a new one, so that figures sharing parts share their JSON
+    (and ``jsonpack.pack`` walks a shared part once). It keeps what it holds alive; the JSON objects
+    must then be left as they are. ``a = figure_json(s, memo=m); figure_json({**s}, memo=m)["layout"]
+    is a["layout"]``. ``only``: the ids of the containers the memo keeps (the others are converted
+    each time, and not kept alive)."""
+    if memo is None:
+        data = [{k: _value(x, k) for k, x in trace.items() if k != "uid"} for trace in spec.get("data", ())]
+        return {"data": data, "layout": _value(spec.get("layout", {}))}
+    data = [_remembered(trace, None, memo, trace=True, only=only) for trace in spec.get("data", ())]
+    return {"data": data, "layout": _remembered(spec.get("layout", {}), None, memo, only=only)}
+
+
+_CONTAINERS = (dict, list, tuple, np.ndarray)
+
+
+def _remembered(v: Any, key: str | None, memo: dict, *, trace: bool = False, only: Container[int] | None) -> Any:
+    """``_value(v, key)`` (a trace's, without its ``uid``, where ``trace``), or the one made before
+    for this very ``v`` where there is one (``memo``: ``(id, plain, trace) -> (v, json)``, ``plain``
+    whether ``key`` keeps arrays as lists; only ``v``s whose id is in ``only``, when given); a dict's
+    values and a list's items are looked up alike."""
+    if not isinstance(v, _CONTAINERS):
+        return _value(v, key)
+    k = (id(v), key in _PLAIN_KEYS, trace) if only is None or id(v) in only else None
+    hit = None if k is None else memo.get(k)
+    if hit is not None:
+        return hit[1]
+    if trace or type(v) is dict:
+        out = {n: _remembered(x, n, memo, only=only) for n, x in v.items() if not (trace and n == "uid")}
+    elif (type(v) is list or type(v) is tuple) and any(isinstance(x, _CONTAINERS) for x in v):
+        out = [_remembered(x, None, memo, only=only) for x in v]
+    else:
+        out = _value(v, key)
+    if k is not None:
+        memo[k] = (v, out)
+    return out

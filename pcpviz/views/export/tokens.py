@@ -21,7 +21,7 @@ Size: a page embeds at most ``MAX_PAGE_RUNS`` runs, a report ``MAX_REPORT_RUNS``
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Container, Sequence
 
 import numpy as np
 
@@ -55,17 +55,25 @@ def _lane(ln: Lane) -> dict | None:
     return out
 
 
-def strips(spec: dict, calls: Sequence[Strip]) -> list[dict] | None:
+def strips(spec: dict, calls: Sequence[Strip], *, memo: dict | None = None,
+           only: Container[int] = ()) -> list[dict] | None:
     """The strips of figure ``spec``, as the page's script reads them: its k-th heatmap trace
     was drawn by the k-th ``draw_strip`` call (``calls``, from ``lod.record_strips``); None when
-    they do not pair up (a figure drawn as a message) or a value cannot be carried."""
+    they do not pair up (a figure drawn as a message) or a value cannot be carried. ``memo``: the
+    lanes of the calls whose id is in ``only`` (calls drawn once for several figures,
+    ``lod.replay_strip``), made once and given as the same object."""
     heat = [i for i, t in enumerate(spec.get("data", [])) if t.get("type") == "heatmap"]
     if len(heat) != len(calls):
         return None
     out = []
     for i, call in zip(heat, calls):
         trace = spec["data"][i]
-        lanes = [_lane(ln) for ln in call.lanes]
+        if memo is not None and id(call) in only:
+            lanes = memo.get(id(call))
+            if lanes is None:
+                lanes = memo[id(call)] = [_lane(ln) for ln in call.lanes]
+        else:
+            lanes = [_lane(ln) for ln in call.lanes]
         if any(ln is None for ln in lanes):
             return None
         xref, yref = trace.get("xaxis", "x"), trace.get("yaxis", "y")

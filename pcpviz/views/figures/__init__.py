@@ -43,12 +43,13 @@ from pcpviz.views.figures.block_tables import RowFlag, block_tables_figure, bloc
 from pcpviz.views.figures.canvas import (DIM_COLOR, FLAG_COLOR, TEMPLATE, TOKEN_LIMIT,
                                    as_figure, request_color_index, safe_spec, safe_text, shorten, validate_figure)
 from pcpviz.views.figures.lod import PLOT_PX, draw_strip, lod_enabled, pixel_cells
-from pcpviz.views.figures.slot_mappings import slot_mappings_figure, slot_mappings_spec
+from pcpviz.views.figures.slot_mappings import slot_mappings_figure, slot_mappings_inputs, slot_mappings_spec
 from pcpviz.views.figures.dcp_shards import dcp_shards_spec
 from pcpviz.views.figures.step_data import (ReqIdsFold, StepLayout, draft_source_phase, has_layout, layout_summary,
                                             load_check_report, recorded_phases, step_layout, trace_req_ids)
 from pcpviz.views.figures.timeline import draft_timeline_figure, draft_timeline_spec
-from pcpviz.views.figures.token_order import token_order_figure, token_order_spec
+from pcpviz.views.figures.token_order import (token_order_figure, token_order_for_rank, token_order_inputs,
+                                              token_order_spec)
 from pcpviz.views.figures.violations import drawn, mark_violation, message_spec, violation_marks, violation_view
 
 __all__ = [
@@ -62,4 +63,5 @@ __all__ = [
     "load_check_report", "trace_req_ids", "ReqIdsFold", "request_color_index",
     "token_order_spec", "block_tables_spec", "slot_mappings_spec", "dcp_shards_spec", "draft_timeline_spec", "acceptance_spec", "as_figure",
     "drawn", "message_spec", "safe_text", "safe_spec", "shorten",
+    "token_order_inputs", "token_order_for_rank", "slot_mappings_inputs",
 ]

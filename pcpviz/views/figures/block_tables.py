@@ -21,6 +21,7 @@ from pcpviz.views.figures.aggregate import run_edges
 from pcpviz.views.figures.canvas import (FLAG_COLOR, Canvas, L_NULL, range_text, req_levels, strip_heat,
                                          strip_labels, as_figure, request_color_index)
 from pcpviz.views.figures.lod import FONT_PX, PLOT_PX, Lane, RunText, draw_strip
+from pcpviz.views.figures.parts import SharedParts, add_part, drawn_part
 from pcpviz.trace import Record
 from pcpviz.trace.shapes import table_groups
 from pcpviz.views.figures.step_data import is_replicated, view_array
@@ -128,15 +129,29 @@ def _block_heat(table: np.ndarray, row_ids: Sequence[str], row_labels: Sequence[
     return draw_strip(lanes, window=window, px=px, font_size=fs), fs
 
 
+def _panel_part(table: np.ndarray, ids: Sequence[str], labels: Sequence[str], w: int, *, colors, highlight,
+                window, px: int, refs: tuple[str, str], parts: SharedParts | None) -> tuple:
+    """``(drawn, heatmap trace, its label annotations)`` of one panel on axes ``refs``; with
+    ``parts``, drawn once per what it is drawn from (``drawn_part``; PCP=64: a step's global rows
+    on every rank's page)."""
+    def draw() -> tuple:
+        d, fs = _block_heat(table, ids, labels, w, colors, highlight, window, px)
+        return d, strip_heat(d, labels or [""], font_size=fs, ygap=2), strip_labels(*refs, d, font_size=fs)
+
+    return drawn_part(parts, ("block_tables", table, list(ids), list(labels), int(w), colors, highlight, window, px,
+                              refs), draw)
+
+
 def block_tables_spec(target: Record, draft: Record | None = None, *, draft_phase: str | None = None,
                       rank: int | None = None, highlight: str | None = None,
                       colors: Mapping[str, int] | None = None, group: int = 0,
                       flags: list[RowFlag] | None = None, windows: Mapping[str, tuple[float, float]] | None = None,
-                      px: int = PLOT_PX) -> dict:
+                      px: int = PLOT_PX, parts: SharedParts | None = None) -> dict:
     """Three heatmaps (text = block id, white = null block 0): ``block_table_global`` (one row
     per request, global order), this rank's ``block_table_local`` (one row per local segment)
     and the draft step's ``block_table_draft``. Draft rows that are zero or differ from the
-    rows they should equal (``draft_block_table_flags``) are outlined in red."""
+    rows they should equal (``draft_block_table_flags``) are outlined in red. ``parts``: the
+    heatmaps drawn for other figures (the HTML report's pages), each drawn once (``_panel_part``)."""
     glob = table_groups(view_array(target, "block_table_global"))
     loc = table_groups(view_array(target, "block_table_local"))
     dr = table_groups(view_array(draft, "block_table_draft"))
@@ -173,10 +188,9 @@ def block_tables_spec(target: Record, draft: Record | None = None, *, draft_phas
     fig = Canvas([[1]] * len(panels), shared_x=True, vertical_spacing=min(75 / height, 0.2), row_heights=heights,
                   subplot_titles=[p[0] for p in panels])
     for k, (_, table, ids, labels) in enumerate(panels):
-        d, fs = _block_heat(table, ids, labels, w, colors, highlight, window, px)
-        fig.add(strip_heat(d, labels or [""], font_size=fs, ygap=2), k + 1, 1)
-        xr, yr = fig.ref(k + 1, 1)
-        fig.annotations.extend(strip_labels(xr, yr, d, font_size=fs))
+        part = _panel_part(table, ids, labels, w, colors=colors, highlight=highlight, window=window, px=px,
+                           refs=fig.ref(k + 1, 1), parts=parts)
+        d = add_part(fig, part, (k + 1, 1), parts=parts)
         fig.axis("y", k + 1, 1, autorange="reversed")
         fig.axis("x", k + 1, 1, range=list(d.window), showticklabels=True)
     shapes = fig.shapes

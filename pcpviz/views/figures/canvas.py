@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import html
 import re
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Container, Iterable, Mapping, Sequence
 
 import numpy as np
 import plotly.graph_objects as go
@@ -112,6 +112,7 @@ class Canvas:
         self.data: list[dict] = []
         self.shapes: list[dict] = []
         self.annotations: list[dict] = []
+        self.done: set[int] = set()  # ids of parts added already through safe_spec (``add_done``)
         self.cells: dict[tuple[int, int], tuple[str, str]] = {}
         top = 1.0
         k = 0
@@ -150,11 +151,16 @@ class Canvas:
         name = xa if which == "x" else ya
         self.layout[f"{which}axis{name[1:]}"].update(props)
 
+    def add_done(self, *parts: Any) -> None:
+        """Say that ``parts`` (values of a trace or annotations added, alive as long as the canvas)
+        went through ``safe_spec`` already: ``spec`` keeps them as they are (the same objects)."""
+        self.done.update(map(id, parts))
+
     def spec(self, **layout) -> dict:
         """The figure as plain data: ``{"data": [trace dicts], "layout": {...}}``; every string in
         it passed through ``safe_text`` (trace strings are untrusted)."""
         lay = {"autosize": True, **self.layout, **layout, "shapes": self.shapes, "annotations": self.annotations}
-        return safe_spec({"data": self.data, "layout": lay})
+        return safe_spec({"data": self.data, "layout": lay}, done=self.done or None)
 
 
 _MARKUP = re.compile(r"<(?:br|/?b|/?i|/?sub|/?sup|/?extra)>")
@@ -194,20 +200,23 @@ def _safe_item(v: Any) -> Any:
 _safe_array = np.frompyfunc(_safe_item, 1, 1)
 
 
-def safe_spec(obj: Any) -> Any:
+def safe_spec(obj: Any, *, done: Container[int] | None = None) -> Any:
     """A figure spec (or any part of one) with every string through ``safe_text``: dict values,
-    list items and string or object arrays (hover-text matrices). Numbers are left as they are."""
+    list items and string or object arrays (hover-text matrices). Numbers are left as they are.
+    ``done``: ids of parts that went through it already, kept as they are (``Canvas.add_done``)."""
     t = type(obj)
     if t is str or isinstance(obj, str):
         return safe_text(obj)
+    if done is not None and id(obj) in done:
+        return obj
     if t is dict or isinstance(obj, dict):
-        return {k: safe_text(v) if type(v) is str else safe_spec(v) for k, v in obj.items()}
+        return {k: safe_text(v) if type(v) is str else safe_spec(v, done=done) for k, v in obj.items()}
     if t is list or t is tuple or isinstance(obj, (list, tuple)):
         kinds = set(map(type, obj))
         if kinds <= _PLAIN:  # numbers alone, or strings none of which needs a change (most hover rows)
             if str not in kinds or _plain_texts(obj if kinds == _STR else [v for v in obj if type(v) is str]):
                 return list(obj)
-        return [safe_text(v) if type(v) is str else safe_spec(v) for v in obj]
+        return [safe_text(v) if type(v) is str else safe_spec(v, done=done) for v in obj]
     if isinstance(obj, np.ndarray) and obj.dtype.kind in "OU":
         if not obj.size:
             return obj

@@ -23,6 +23,7 @@ from pcpviz.views.figures.aggregate import run_edges
 from pcpviz.views.figures.canvas import (L_NULL, L_PAD, L_REPLICA, L_WRITTEN, Canvas, range_text, req_levels,
                                          strip_heat, strip_labels)
 from pcpviz.views.figures.lod import PLOT_PX, Lane, RunText, draw_strip
+from pcpviz.views.figures.parts import SharedParts, add_part, drawn_part
 from pcpviz.views.figures.slot_mappings import slot_strip
 from pcpviz.views.figures.step_data import is_replicated, step_layout, view_array
 from pcpviz.views.figures.violations import message_spec
@@ -75,9 +76,11 @@ def _draft_strip(draft: Record, levels, num_reqs: int) -> Lane | None:
 def dcp_shards_spec(target: Record, draft: Record | None = None, *, rank: int | None = None,
                     draft_phase: str | None = None, highlight: str | None = None,
                     colors: Mapping[str, int] | None = None,
-                    windows: Mapping[str, tuple[float, float]] | None = None, px: int = PLOT_PX) -> dict:
+                    windows: Mapping[str, tuple[float, float]] | None = None, px: int = PLOT_PX,
+                    parts: SharedParts | None = None) -> dict:
     """The DCP shards of one step on one rank (see the module docstring); a one-line note where
-    the trace has no DCP views (``dcp`` = 1)."""
+    the trace has no DCP views (``dcp`` = 1). ``parts``: strips drawn for other figures (the HTML
+    report's pages), each drawn once per its lane's content (``drawn_part``)."""
     sl = step_layout(target)
     levels = req_levels(sl.req_ids, colors, highlight)
     t = sl.num_tokens
@@ -115,9 +118,13 @@ def dcp_shards_spec(target: Record, draft: Record | None = None, *, rank: int | 
     windows = windows or {}
     for k, (_, lane, xtitle) in enumerate(strips):
         xr, yr = fig.ref(k + 1, 1)
-        d = draw_strip([lane], window=windows.get("xaxis" + xr[1:]), px=px, font_size=9)
-        fig.add(strip_heat(d, [""], font_size=9, ygap=0), k + 1, 1)
-        fig.annotations.extend(strip_labels(xr, yr, d, font_size=9))
+        window = windows.get("xaxis" + xr[1:])
+
+        def draw(lane=lane, window=window, xr=xr, yr=yr) -> tuple:
+            d = draw_strip([lane], window=window, px=px, font_size=9)
+            return d, strip_heat(d, [""], font_size=9, ygap=0), strip_labels(xr, yr, d, font_size=9)
+
+        d = add_part(fig, drawn_part(parts, ("dcp_shards", lane, window, px, xr, yr), draw), (k + 1, 1), parts=parts)
         fig.axis("y", k + 1, 1, showticklabels=False)
         fig.axis("x", k + 1, 1, title=dict(text=xtitle, standoff=0, font=dict(size=10)), range=list(d.window))
     counts = np.bincount(owner[owner >= 0], minlength=int(owner.max(initial=0)) + 1).tolist()

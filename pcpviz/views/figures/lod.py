@@ -140,6 +140,14 @@ def record_strips() -> Iterator[list[Strip]]:
         _RECORDING.reset(token)
 
 
+def replay_strip(strip: Strip) -> None:
+    """Record ``strip`` (a ``draw_strip`` call made before, whose drawing a figure reuses) as if
+    ``draw_strip`` had drawn it now, so that ``record_strips`` pairs it with its heatmap."""
+    calls = _RECORDING.get()
+    if calls is not None:
+        calls.append(strip)
+
+
 @dataclass(frozen=True)
 class Drawn:
     """What ``draw_strip`` gives: heatmap columns and the labels to lay over them."""

@@ -12,6 +12,8 @@ padding.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 PAD_COLOR = "#a6a6a6"
@@ -45,8 +47,10 @@ def delta_e(a: str, b: str) -> float:
     return float(np.linalg.norm(srgb_to_lab(a) - srgb_to_lab(b)))
 
 
+@functools.lru_cache(maxsize=256)
 def text_color(background: str) -> str:
-    """Black or white, whichever reads better on ``background`` (L* above 60: dark text)."""
+    """Black or white, whichever reads better on ``background`` (L* above 60: dark text); kept for
+    the last 256 colours asked (a figure asks for each of its run labels, of a few colours)."""
     return "#111111" if srgb_to_lab(background)[0] > 60 else "#ffffff"
 
 

@@ -22,7 +22,7 @@ from pcpviz.trace import Record
 from pcpviz.trace.shapes import slot_groups
 from pcpviz.views.figures.step_data import is_replicated, step_layout, view_array
 
-__all__ = ["slot_mappings_spec", "slot_mappings_figure", "slot_strip"]
+__all__ = ["slot_mappings_spec", "slot_mappings_figure", "slot_strip", "slot_mappings_inputs"]
 
 
 def _slot_strip(slots: np.ndarray, req: np.ndarray, status: np.ndarray | None, levels: np.ndarray,
@@ -132,6 +132,18 @@ def slot_mappings_spec(target: Record, draft: Record | None = None, *, draft_pha
     return fig.spec(height=150 + 120 * len(strips), margin=dict(l=30, r=20, t=80, b=40),
                       title=dict(text=f"slot mappings (group {group}; text = slot id)<br>PCP={n}, P={p}, T={t}, R={r}",
                                  font=dict(size=13)))
+
+
+def slot_mappings_inputs(target: Record, draft: Record | None) -> tuple:
+    """What ``slot_mappings_spec`` reads from ``target`` and ``draft``, besides its keyword
+    arguments: the step's layout, the three slot-mapping views and whether the draft step ran
+    replicated. Equal inputs (``content_key``) draw equal figures: at PCP > 1 these are the step's
+    global views, so the HTML report draws a step's figure once for all its ranks. Raises where the
+    figure cannot be drawn."""
+    sd = view_array(draft, "slot_mapping_draft")
+    return (step_layout(target), view_array(target, "slot_mapping_global"),
+            view_array(target, "slot_mapping_gathered"), sd,
+            None if slot_groups(sd) is None else is_replicated(draft, target))
 
 
 def slot_mappings_figure(target: Record, draft: Record | None = None, *, draft_phase: str | None = None,

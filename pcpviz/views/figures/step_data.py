@@ -219,12 +219,13 @@ def _pad_cols(a: np.ndarray, w: int) -> np.ndarray:
 
 
 
-def load_check_report(trace: Any, *, folds: Mapping[str, Any] | None = None) -> Any | None:
-    """``pcpviz.analysis.checks.run_checks(trace, folds=folds)`` (imported on first use: the figures
-    alone do not need it)."""
+def load_check_report(trace: Any, *, folds: Mapping[str, Any] | None = None,
+                      workers: int | None = None) -> Any | None:
+    """``pcpviz.analysis.checks.run_checks(trace, folds=folds, workers=workers)`` (imported on first
+    use: the figures alone do not need it)."""
     from pcpviz.analysis.checks import run_checks  # noqa: PLC0415
 
-    return run_checks(trace, folds=folds)
+    return run_checks(trace, folds=folds, workers=workers)
 
 
 def trace_req_ids(trace: Any, report: Any = None) -> list[str]:

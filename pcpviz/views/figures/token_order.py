@@ -20,12 +20,12 @@ import plotly.graph_objects as go
 from pcpviz.views.figures.aggregate import run_lines, run_edges
 from pcpviz.views.figures.canvas import (DIM_COLOR, PAD_COLOR, REPLICA_COLOR, TOKEN_LIMIT, WRITTEN_COLOR, Canvas,
                                          L_PAD, L_REPLICA, L_WRITTEN, hline, range_text, req_levels,
-                                         strip_heat, strip_labels, vline, as_figure)
+                                         safe_spec, safe_text, strip_heat, strip_labels, vline, as_figure)
 from pcpviz.views.figures.lod import PAD_MIN_PX, PLOT_PX, Drawn, Lane, RunText, draw_strip, label_px
 from pcpviz.trace import Record
 from pcpviz.views.figures.step_data import StepLayout, single_rank, step_layout, view_array
 
-__all__ = ["token_order_spec", "token_order_figure"]
+__all__ = ["token_order_spec", "token_order_figure", "token_order_inputs", "token_order_for_rank"]
 
 
 def _lane_rows(sl: StepLayout) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -145,14 +145,51 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
                      colors: Mapping[str, int] | None = None, title: str | None = None,
                      windows: Mapping[str, tuple[float, float]] | None = None, px: int = PLOT_PX) -> dict:
     """Lanes (global batch vs each rank's local rows, colour = request, text = chunk, grey =
-    padding), the gather/restore index maps and the KV write mask of one step's ``target``.
+    padding), the gather/restore index maps and the KV write mask of one step's ``target``;
+    ``rank``'s lane is marked (``token_order_for_rank``).
 
     ``windows`` maps an x axis (``"xaxis"`` the lanes, ``"xaxis4"`` the write mask) to the range
     shown (None: everything), drawn ``px`` pixels wide at its level of detail (``lod``)."""
+    spec = _unmarked_spec(target, highlight=highlight, colors=colors, title=title, windows=windows, px=px)
+    return token_order_for_rank(spec, target, rank)
+
+
+def token_order_inputs(target: Record) -> tuple:
+    """What ``token_order_spec`` reads from ``target``, besides its keyword arguments: the step's
+    layout, its ``positions`` and whether it is a PCP=1 record. Equal inputs (``content_key``)
+    draw equal figures but for the rank's mark, so the HTML report draws a step once for all its
+    ranks. Raises where the figure cannot be drawn."""
+    pos = view_array(target, "positions")
+    return step_layout(target), None if pos is None else np.asarray(pos, dtype=np.int64).ravel(), single_rank(target)
+
+
+def token_order_for_rank(spec: dict, target: Record, rank: int | None) -> dict:
+    """``spec``, drawn by ``token_order_spec(target, rank=None, ...)``, with ``rank`` marked: its
+    lane's label ends in ``◀`` and a frame goes round its lane (the first shape). A new spec that
+    shares every other part with ``spec``; ``spec`` itself when ``rank`` is None or not a rank of
+    the step. PCP=2, rank 1: the lanes read ``global, rank 0, rank 1 ◀``."""
     sl = step_layout(target)
-    n, p, t = sl.pcp, sl.padded, sl.num_tokens
+    n = sl.pcp
+    if rank is None or not 0 <= rank < n:
+        return spec
+    data = list(spec["data"])
+    labels = list(data[0]["y"])
+    labels[rank + 1] = safe_text(labels[rank + 1] + " ◀")
+    data[0] = {**data[0], "y": labels}
+    width = max(sl.num_tokens, sl.padded, 1)
+    (x1r, y1r) = data[0]["xaxis"], data[0]["yaxis"]
+    frame = safe_spec(dict(type="rect", xref=x1r, yref=y1r, x0=0, x1=width, y0=rank + 0.5, y1=rank + 1.5,
+                           line=dict(color="#333", width=2), fillcolor="rgba(0,0,0,0)"))
+    layout = spec["layout"]
+    return {**spec, "data": data, "layout": {**layout, "shapes": [frame, *layout["shapes"]]}}
+
+
+def _unmarked_spec(target: Record, *, highlight: str | None, colors: Mapping[str, int] | None, title: str | None,
+                   windows: Mapping[str, tuple[float, float]] | None, px: int) -> dict:
+    """``token_order_spec`` with no rank marked."""
+    sl = step_layout(target)
+    n, p = sl.pcp, sl.padded
     rows = _lane_rows(sl)
-    width = max(t, p, 1)
     windows = windows or {}
     levels = req_levels(sl.req_ids, colors, highlight)
     pos = view_array(target, "positions")
@@ -160,7 +197,7 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
     lanes = [_lane(sl, li, lane, e, levels, pos) for li, (lane, e) in enumerate(zip(rows, _lane_runs(rows)))]
     drawn = draw_strip(lanes, window=windows.get("xaxis"), px=px)
     drawn = _request_labels(drawn, sl, px)
-    labels = ["global"] + [f"rank {k}" + (" ◀" if rank == k else "") for k in range(n)]
+    labels = ["global"] + [f"rank {k}" for k in range(n)]
     fig = Canvas(
         [[2], [1, 1], [2]], vertical_spacing=0.18, horizontal_spacing=0.1, row_heights=[0.4, 0.44, 0.16],
         subplot_titles=(
@@ -176,11 +213,7 @@ def token_order_spec(target: Record, *, rank: int | None = None, highlight: str 
     fig.axis("y", 1, 1, autorange="reversed")
     fig.axis("x", 1, 1, range=list(drawn.window))
     shapes = fig.shapes
-    (x1r, y1r), (x4r, y4r) = fig.ref(1, 1), fig.ref(3, 1)
-    if rank is not None and 0 <= rank < n:
-        shapes.append(dict(type="rect", xref=x1r, yref=y1r, x0=0, x1=width, y0=rank + 0.5, y1=rank + 1.5,
-                           line=dict(color="#333", width=2), fillcolor="rgba(0,0,0,0)"))
-
+    x4r, y4r = fig.ref(3, 1)
     _index_maps(fig, sl, highlight)
 
     # write mask strip
