@@ -128,15 +128,15 @@ def _step_view(trace: Trace, step: int, prev: StepView | None, rank_steps: Mappi
                last: Mapping[int, int | None]) -> StepView:
     """One step's records on every rank that has it, with each rank's bounds problems cached
     (``views_in_bounds``; a malformed (step, rank) is reported by that check only)."""
-    recs = {}
+    recs, clean = {}, {}
     for r in trace.ranks:
         if step in rank_steps[r]:
-            recs[r] = trace.step_records(step, r)  # every phase, one pass over the batch
+            recs[r], clean[r] = trace.step_records_clean(step, r)  # every phase, one pass over the batch
     missing = tuple(r for r in trace.ranks if step not in rank_steps[r] and last[r] is not None and last[r] > step)
     sv = StepView(step, recs, prev, missing)
     memo: dict = {}
     for r in recs:
-        sv.cache[("bounds", r)] = step_problems(recs[r], memo=memo)
+        sv.cache[("bounds", r)] = step_problems(recs[r], memo=memo, clean=clean[r])
     return sv
 
 
