@@ -54,8 +54,17 @@ def _repeat_first(a, rng):
     return a
 
 
+def _huge(a, rng):
+    if a.size == 0 or a.dtype.kind not in "iu":
+        return a
+    a = a.astype(np.int64)
+    a.reshape(-1)[rng.randrange(a.size)] = rng.choice([2**40, -7])  # out of bounds: a malformed step
+    return a
+
+
 DAMAGE = {
     "repeat_first": _repeat_first,
+    "huge": _huge,
     "plus_one": _plus_one,
     "minus_one": _minus_one,
     "roll": lambda a, rng: np.roll(a, 1),
@@ -145,14 +154,14 @@ def test_default_mode_rules_decide_long_runs(tmp_path, monkeypatch):
     spec.loader.exec_module(bench)
     path = bench.tiny_steps(tmp_path / "steps", 150)
     decided = []
-    real = runner.decide
+    real = runner.decide_arrays
 
     def counting(block, names, ranks):
-        out = real(block, names, ranks)
-        decided.append(sum(len(per_rank) for step in out for per_rank in step.values()))
-        return out
+        sure, skips = real(block, names, ranks)
+        decided.append(sum(int(ok.sum()) for ok in sure.values()) + sum(map(len, skips.values())))
+        return sure, skips
 
-    monkeypatch.setattr(runner, "decide", counting)
+    monkeypatch.setattr(runner, "decide_arrays", counting)
     monkeypatch.setenv(BULK_ENV, "0")
     off = run_checks(path, workers=1)
     monkeypatch.delenv(BULK_ENV)

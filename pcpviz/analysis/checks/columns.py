@@ -255,16 +255,34 @@ def matched_rows(block: Block, prev: Block, rank: int) -> list[np.ndarray | None
 
 def decide(block: Block, names: Sequence[str], ranks: Sequence[int]) -> list[dict[str, dict[int, Any]]]:
     """Per step of the block: check name -> rank -> True (the bulk rule says it passes) or a
-    skip reason (the skip rule's); a rule that raises decides nothing. A ``shared`` rule's answer
-    on a rank whose reads give the very arrays another rank's did is that rank's (the reader
-    shares a byte-equal payload: a global view is judged once, not once a rank)."""
+    skip reason (the skip rule's), ``decide_arrays``' answer step by step."""
+    sure, skips = decide_arrays(block, names, ranks)
     out: list[dict[str, dict[int, Any]]] = [{} for _ in range(len(block))]
+    for (name, r), ok in sure.items():
+        for i in np.flatnonzero(ok).tolist():
+            out[i].setdefault(name, {})[r] = True
+    for (i, r), reasons in skips.items():
+        for name, why in reasons.items():
+            out[i].setdefault(name, {})[r] = why
+    return out
+
+
+def decide_arrays(block: Block, names: Sequence[str],
+                  ranks: Sequence[int]) -> tuple[dict[tuple[str, int], np.ndarray], dict[tuple[int, int], dict]]:
+    """(sure, skips): ``sure[(name, rank)]`` bool[n], True on the steps the rank recorded where
+    check ``name``'s bulk rule says it passes (a rule that raises decides nothing) and its skip
+    rule gives no reason; ``skips[(i, rank)]``: check name -> the skip rule's reason at step
+    ``i`` of the block. A ``shared`` rule's answer on a rank whose reads give the very arrays
+    another rank's did is that rank's (the reader shares a byte-equal payload: a global view is
+    judged once, not once a rank). A rule passing steps 0 and 2 of three on rank 1:
+    ``sure[("ranks_agree", 1)]`` is ``[True, False, True]``."""
+    sure: dict[tuple[str, int], np.ndarray] = {}
+    skips: dict[tuple[int, int], dict] = {}
     for name in names:
         done: list[tuple[int, set, np.ndarray]] = []  # a shared rule's (rank, reads, answer)
         for r in ranks:
             has = block.has_rank(r)
-            if name in BULK_SKIP:
-                _skips(block, name, r, has, out)
+            skipped = _skips(block, name, r, has, skips) if name in BULK_SKIP else None
             if name not in BULK:
                 continue
             ok = next((res for r0, reads, res in done if block.same_reads(reads, r0, r)), None)
@@ -278,19 +296,22 @@ def decide(block: Block, names: Sequence[str], ranks: Sequence[int]) -> list[dic
                     done.append((r, block.reads, ok))
                 block.reads = None
             if ok is not None and ok.shape == (len(block),):
-                for i in np.flatnonzero(ok & has).tolist():
-                    out[i].setdefault(name, {}).setdefault(r, True)
-    return out
+                sure[(name, r)] = ok & has if skipped is None else ok & has & ~skipped
+    return sure, skips
 
 
-def _skips(block: Block, name: str, rank: int, has: np.ndarray, out: list) -> None:
+def _skips(block: Block, name: str, rank: int, has: np.ndarray, skips: dict) -> np.ndarray | None:
+    """bool[n]: where the skip rule gives a reason (put into ``skips``); None if it raises."""
     try:
         reasons = list(BULK_SKIP[name](block, rank))
     except Exception:  # noqa: BLE001 - undecided: the per-step code judges
-        return
+        return None
+    given = np.zeros(len(block), dtype=bool)
     for i, why in enumerate(reasons[:len(block)]):
         if why is not None and has[i]:
-            out[i].setdefault(name, {})[rank] = str(why)
+            skips.setdefault((i, rank), {})[name] = str(why)
+            given[i] = True
+    return given
 
 
 def same_values(x: np.ndarray, y: np.ndarray) -> bool:
