@@ -171,3 +171,39 @@ def test_default_mode_rules_decide_long_runs(tmp_path, monkeypatch):
     decided.clear()
     run_checks(clean_run(pcp=2, k=2).write(tmp_path / "short"), workers=1)
     assert decided == [] or sum(decided) == 0
+
+
+def test_column_of_equals_the_step_by_step_reference():
+    """``Column.of`` (one pass over the arrays' signatures) equals the reference: None unless every
+    present array is an ndarray of one integer or bool dtype (not uint64) and 1 to 3 axes."""
+    rng = random.Random(11)
+    dtypes = [np.int64, np.int32, np.uint8, bool, np.uint64, np.float64]
+    for _ in range(400):
+        dt, ndim = rng.choice(dtypes), rng.choice([0, 1, 2, 3])
+        arrays = []
+        for _ in range(rng.randrange(0, 6)):
+            pick = rng.random()
+            shape = tuple(rng.randrange(0, 3) for _ in range(ndim))
+            if pick < 0.2:
+                arrays.append(None)
+            elif pick < 0.25:
+                arrays.append(np.zeros(shape, dtype=rng.choice(dtypes)))
+            elif pick < 0.27:
+                arrays.append([1, 2])
+            else:
+                arrays.append(np.arange(int(np.prod(shape)), dtype=np.int64).astype(dt).reshape(shape))
+        col = Column.of(arrays)
+        present = [a for a in arrays if a is not None]
+        sigs = {(type(a), getattr(a, "dtype", None), getattr(a, "ndim", None)) for a in present}
+        fits = len(sigs) == 1 and type(present[0]) is np.ndarray and present[0].ndim in (1, 2, 3) \
+            and present[0].dtype.kind in "iub" and present[0].dtype != np.uint64
+        if not present:
+            assert col is not None and not col.present.any() and col.values.size == 0
+            continue
+        assert (col is not None) == fits
+        if col is None:
+            continue
+        assert col.present.tolist() == [a is not None for a in arrays]
+        assert col.values.tolist() == [int(x) for a in present for x in a.ravel()]
+        assert col.lens.tolist() == [0 if a is None else a.size for a in arrays]
+        assert col.dims.tolist() == [[0] * present[0].ndim if a is None else list(a.shape) for a in arrays]

@@ -100,27 +100,32 @@ class Column:
         present array is an integer (or bool) array of one dtype, not uint64, and one number of
         axes, 1 to 3 (the checks then read it as is, and int64 holds its values); a view absent
         on every step gives a column present nowhere."""
-        dtype = ndim = None
-        for a in arrays:
-            if a is None:
-                continue
-            if type(a) is not np.ndarray or a.ndim not in (1, 2, 3) or a.dtype.kind not in "iub" \
-                    or a.dtype == np.uint64:
-                return None
-            if dtype is None:
-                dtype, ndim = a.dtype, a.ndim
-            elif a.dtype != dtype or a.ndim != ndim:
-                return None
-        if dtype is None:  # absent on every step
+        try:  # each present array's (type, dtype, axes), in one pass
+            sig = {(type(a), a.dtype, a.ndim) for a in arrays if a is not None}
+        except AttributeError:  # not an array
+            return None
+        if not sig:  # absent on every step
             zeros = np.zeros(len(arrays), dtype=np.int64)
             return cls(np.zeros(0, dtype=np.int64), zeros, zeros.astype(bool))
-        empty = np.zeros((0,) * ndim, dtype=dtype)
-        parts = [empty if a is None else a for a in arrays]
-        lens = np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts))
-        dims = lens[:, None] if ndim == 1 else \
-            np.array([p.shape for p in parts], dtype=np.int64).reshape(len(parts), ndim)
-        present = np.fromiter((a is not None for a in arrays), dtype=bool, count=len(parts))
-        values = np.concatenate(parts if ndim == 1 else [p.ravel() for p in parts]).astype(np.int64, copy=False)
+        if len(sig) > 1:  # another type, dtype or number of axes somewhere
+            return None
+        ((kind, dtype, ndim),) = sig
+        if kind is not np.ndarray or ndim not in (1, 2, 3) or dtype.kind not in "iub" or dtype == np.uint64:
+            return None
+        present_list = [a is not None for a in arrays]
+        parts = arrays
+        if not all(present_list):
+            empty = np.zeros((0,) * ndim, dtype=dtype)
+            parts = [empty if a is None else a for a in arrays]
+        present = np.array(present_list, dtype=bool)
+        if ndim == 1:
+            lens = np.array(list(map(len, parts)), dtype=np.int64)
+            dims = lens[:, None]
+        else:
+            dims = np.array([p.shape for p in parts], dtype=np.int64).reshape(len(parts), ndim)
+            lens = dims.prod(axis=1)
+            parts = [p.reshape(-1) for p in parts]
+        values = np.concatenate(parts).astype(np.int64, copy=False)
         return cls(values, lens, present, ndim, dims, dtype.kind)
 
     def one_group(self) -> np.ndarray:
