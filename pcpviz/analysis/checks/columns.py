@@ -28,6 +28,7 @@ A column of a PCP=2 block of three steps, ``positions`` on rank 0::
 from __future__ import annotations
 
 import os
+from operator import is_
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -164,6 +165,7 @@ class Block:
         self.svs, self.run_meta = list(svs), run_meta
         self._cols: dict[tuple, Column | None] = {}
         self._maps: dict[tuple, list] = {}  # (rank, phase) -> each step's views (None: not recorded)
+        self._arrays: dict[tuple, list] = {}  # (rank, phase, view) -> ``arrays``' answer
         self.reads: set | None = None  # (rank, phase, view) read while a shared rule runs
         self.memo: dict = {}  # rank-independent results of the rules' helpers (``gathered``)
 
@@ -181,11 +183,15 @@ class Block:
         """The view's array of each step (None where not recorded)."""
         if self.reads is not None:
             self.reads.add((rank, phase, view))
-        maps = self._maps.get((rank, phase))
-        if maps is None:
-            maps = self._maps[(rank, phase)] = [getattr(rec, "views", rec) for rec in
-                                                (sv.recs.get(rank, {}).get(phase) for sv in self.svs)]
-        return [None if m is None else m.get(view) for m in maps]
+        key = (rank, phase, view)
+        got = self._arrays.get(key)
+        if got is None:
+            maps = self._maps.get((rank, phase))
+            if maps is None:
+                maps = self._maps[(rank, phase)] = [getattr(rec, "views", rec) for rec in
+                                                    (sv.recs.get(rank, {}).get(phase) for sv in self.svs)]
+            got = self._arrays[key] = [None if m is None else m.get(view) for m in maps]
+        return list(got)
 
     def same_reads(self, reads: set, rank: int, other: int) -> bool:
         """Every view ``rank`` read (``reads``) is, on every step, the very array ``other``
@@ -193,8 +199,7 @@ class Block:
         for r, phase, view in reads:
             if r != rank:
                 return False
-            mine, theirs = self.arrays(rank, phase, view), self.arrays(other, phase, view)
-            if any(a is not b for a, b in zip(mine, theirs)):
+            if not all(map(is_, self.arrays(rank, phase, view), self.arrays(other, phase, view))):
                 return False
         return True
 
