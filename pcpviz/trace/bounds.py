@@ -347,9 +347,13 @@ def well_formed(trace: Any, step: int, rank: int) -> bool:
     return not problems_at(trace, step, rank)
 
 
-PLAN_ELEMENTS = 1 << 14
+PLAN_ELEMENTS = 1 << 12
 """Index elements of a (step, rank) past which ``rows_clean`` leaves the step to ``_clean`` (a
 long prompt's views are bounded faster as they are than gathered)."""
+
+PLANS_KEPT = 512
+"""``rows_clean``'s plans remembered (by layout and shape column): at most 512 x 2 x 4,096
+int64s (32 MiB) where every step has other shapes."""
 
 _PLANS: dict[tuple[int, int], tuple] = {}
 _BYTES = {n: np.arange(n, dtype=np.int64) for n in (1, 2, 4, 8)}
@@ -386,7 +390,7 @@ def _rows_plan(layout: Any, shapes: Sequence[tuple[int, ...]]) -> Any:
             total += count
     else:
         plan = (tuple(strings), tuple((fd, np.concatenate(r), np.concatenate(o)) for fd, (r, o) in groups.items()))
-    if len(_PLANS) >= _STATIC_MAX:
+    if len(_PLANS) >= PLANS_KEPT:
         _PLANS.clear()
     _PLANS[key] = (layout, shapes, plan)
     return plan
