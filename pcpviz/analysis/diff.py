@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Mapping
 
 import numpy as np
@@ -44,7 +45,8 @@ from pcpviz.analysis.request_keys import request_keys
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.reference.batch import record_query_start_loc
-from pcpviz.trace.bounds import problems_at
+from pcpviz.trace.bounds import step_problems
+from pcpviz.trace.errors import TraceError
 
 __all__ = ["Acceptance", "RequestAcceptance", "StepAcceptance", "acceptance", "Divergence",
            "DiffReport", "diff_traces", "DEFAULT_IGNORE"]
@@ -59,6 +61,7 @@ def _open(trace: Trace | str | os.PathLike) -> Trace:
     return trace if isinstance(trace, (Trace, _RenamedRequests)) else open_trace(trace)
 
 
+@lru_cache(maxsize=4096)
 def _kind(phase: str, view: str) -> tuple | None:
     """How a view aligns across runs (the schema's ``ViewSpec.align``); None for a local
     (rank-dependent) view. Undeclared verify views are per request."""
@@ -126,12 +129,13 @@ def _alignment(a_rec, b_rec) -> tuple[_Align | None, str | None]:
     return _Align(ra, qa, perm, tok_perm.astype(np.int64), inv.astype(np.int64)), None
 
 
-def _mask_stale_rows(trace: Trace, step: int, rank: int, ea: np.ndarray, eb: np.ndarray):
+def _mask_stale_rows(recs: Mapping[str, Any], ea: np.ndarray, eb: np.ndarray):
     """Rows of a request past its ``q - num_rejected`` valid rows keep stale ids in vLLM's
-    draft prefill (never read); blank them (-1) in both runs, using run A's batch."""
-    if not (trace.has(step, rank, "target") and trace.has(step, rank, "verify")):
+    draft prefill (never read); blank them (-1) in both runs, using run A's batch (``recs``: its
+    records of the step on the rank, by phase)."""
+    if "target" not in recs or "verify" not in recs:
         return ea, eb
-    tgt, ver = trace.record(step, rank, "target"), trace.record(step, rank, "verify")
+    tgt, ver = recs["target"], recs["verify"]
     qsl = record_query_start_loc(tgt)
     if qsl is None or "num_rejected" not in ver or ea.shape != (int(qsl[-1]),) or eb.shape != ea.shape:
         return ea, eb
@@ -152,8 +156,14 @@ class _RenamedRequests:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._t, name)
 
+    def step_records_clean(self, step: int, rank: int) -> tuple[dict, bool]:
+        """``Trace.step_records_clean`` with the ids renamed (their bounds then judged again)."""
+        return {ph: self._renamed(rec) for ph, rec in self._t.step_records_clean(step, rank)[0].items()}, False
+
     def record(self, step: int, rank: int, phase: str):
-        rec = self._t.record(step, rank, phase)
+        return self._renamed(self._t.record(step, rank, phase))
+
+    def _renamed(self, rec):
         if not any(v in rec for v in ("req_ids", "local_req_ids")):
             return rec
         out = {k: rec[k] for k in rec.keys()}
@@ -198,13 +208,13 @@ def _align_request_ids(ta: Trace, tb: Trace, keys: tuple[dict, dict]) -> tuple[A
     return _RenamedRequests(tb, rename), len(rename)
 
 
-def _well_formed_pairs(ta: Trace, tb: Trace, step: int, pairs: list, record) -> list:
-    """The rank pairs of ``step`` whose records break no bound (``pcpviz.trace.bounds``); each other
+def _well_formed_pairs(recs: "_StepRecords", pairs: list, record) -> list:
+    """The rank pairs of the step whose records break no bound (``pcpviz.trace.bounds``); each other
     pair is recorded as a divergence naming the run, rank and first problem (sizes from a
     malformed step are never computed with)."""
-    out = []
+    out, step = [], recs.step
     for ra, rb in pairs:
-        bad = [(x, r, p) for x, t, r in (("a", ta, ra), ("b", tb, rb)) for p in problems_at(t, step, r)[:1]]
+        bad = [(x, r, p) for x, r in (("a", ra), ("b", rb)) for p in recs.problems(x, r)[:1]]
         if bad:
             record(Divergence(step, None, None, ra, rb, f"run {bad[0][0]} rank {bad[0][1]}: "
                               f"malformed views ({bad[0][2]})"))
@@ -246,6 +256,34 @@ def _by_request(ta: Trace, tb: Trace, pairs: list, record, notes: list[str], *, 
     return compared, [], len(set(ta.steps) & set(tb.steps))
 
 
+class _StepRecords:
+    """One step's records of both runs, by (run, rank), each read in one pass over its batch
+    (``Trace.step_records_clean``) when first asked for; a batch that fails to decode is read
+    phase by phase again (``Trace.record``), which raises the error a per-phase read raises."""
+
+    def __init__(self, ta: Trace, tb: Trace, step: int) -> None:
+        self.runs, self.step, self.got = {"a": ta, "b": tb}, step, {}
+
+    def get(self, run: str, rank: int) -> tuple[dict, bool]:
+        """(the records by phase, clean: ``bounds.rows_clean`` said so of their batch)."""
+        got = self.got.get((run, rank))
+        if got is None:
+            t = self.runs[run]
+            try:
+                recs, clean = t.step_records_clean(self.step, rank)
+            except TraceError:
+                recs, clean = {ph: t.record(self.step, rank, ph) for ph in t.phases(self.step, rank)}, False
+            got = self.got[(run, rank)] = (recs, clean)
+        return got
+
+    def problems(self, run: str, rank: int) -> list[str]:
+        recs, clean = self.get(run, rank)
+        return step_problems(recs, clean=clean)
+
+    def rec(self, run: str, rank: int, phase: str):
+        return self.get(run, rank)[0][phase]
+
+
 class _Diff:
     """One comparison's running state (what was found, counted and noted), stepped through the
     steps one at a time: memory independent of the number of steps."""
@@ -277,8 +315,9 @@ class _Diff:
                                    f"step recorded only in run {'a' if in_a else 'b'}"))
             return
         self.steps_compared += 1
+        self.recs = _StepRecords(ta, tb, step)
         step_pairs = [(ra, rb) for ra, rb in self.pairs if ra in in_a and rb in in_b]
-        step_pairs = _well_formed_pairs(ta, tb, step, step_pairs, self.record)
+        step_pairs = _well_formed_pairs(self.recs, step_pairs, self.record)
         for ra, rb in [(ra, rb) for ra, rb in self.pairs if (ra in in_a) != (rb in in_b)]:
             self.record(Divergence(step, None, None, ra, rb,
                                    f"step recorded on rank {ra if ra in in_a else rb} of run "
@@ -294,7 +333,7 @@ class _Diff:
         ta, tb = self.ta, self.tb
         base = "target" if ta.has(step, ra, "target") and tb.has(step, rb, "target") else "verify"
         if ta.has(step, ra, base) and tb.has(step, rb, base):
-            ar, br = ta.record(step, ra, base), tb.record(step, rb, base)
+            ar, br = self.recs.rec("a", ra, base), self.recs.rec("b", rb, base)
             if "req_ids" in ar and "req_ids" in br:
                 return _alignment(ar, br)
         return None, None
@@ -307,8 +346,8 @@ class _Diff:
             return
         align, why = aligned
         if align is None and why is not None:
-            ar, br = ta.record(step, ra, "target" if ta.has(step, ra, "target") else "verify"), \
-                tb.record(step, rb, "target" if tb.has(step, rb, "target") else "verify")
+            ar, br = self.recs.rec("a", ra, "target" if ta.has(step, ra, "target") else "verify"), \
+                self.recs.rec("b", rb, "target" if tb.has(step, rb, "target") else "verify")
             if phase in ("target", "verify"):
                 self.record(Divergence(step, phase, "req_ids", ra, rb, why,
                                        expected=short_repr(ar["req_ids"]), actual=short_repr(br["req_ids"])))
@@ -318,7 +357,7 @@ class _Diff:
             self.notes.append(f"step {step}: request order differs; local views not compared "
                               "where the order differs")
             self.order_noted = True
-        va, vb = ta.record(step, ra, phase), tb.record(step, rb, phase)
+        va, vb = self.recs.rec("a", ra, phase), self.recs.rec("b", rb, phase)
         for view in list(va.keys()) + [v for v in vb.keys() if v not in va]:
             if view in self.ignore:
                 continue
@@ -341,7 +380,9 @@ class _Diff:
             except (IndexError, ValueError):
                 pass  # shapes differ: reported below
         if phase == "draft_0" and view == "draft_global_input_ids":
-            ea, eb = _mask_stale_rows(self.ta, step, ranks[0], ea, eb)
+            ea, eb = _mask_stale_rows(self.recs.get("a", ranks[0])[0], ea, eb)
+        if ea.shape == eb.shape and ea.dtype == eb.dtype and _exact(ea.dtype) and ea.tobytes() == eb.tobytes():
+            return  # equal bytes of one dtype: equal values (NaN where NaN), no difference to find
         if ea.dtype.names is not None or eb.dtype.names is not None:
             ea = np.asarray(ea.tolist(), dtype=object)
             eb = np.asarray(eb.tolist(), dtype=object)
@@ -358,6 +399,12 @@ class _Diff:
                 req = align.req_of_token(i)
         self.record(Divergence(step, phase, view, *ranks, reason, req_id=req, index=idx,
                                expected=short_repr(ea, idx), actual=short_repr(eb, idx)))
+
+
+def _exact(dt: np.dtype) -> bool:
+    """Equal bytes of this dtype are values ``first_difference`` finds equal: not a table with
+    float fields (compared as Python tuples there, where NaN differs from NaN)."""
+    return dt.names is None or not any(dt[f].kind in "fcV" or dt[f].subdtype is not None for f in dt.names)
 
 
 def _rank_pairs(ta: Trace, tb: Trace, notes: list[str]) -> tuple[bool, list[tuple[int, int]]]:

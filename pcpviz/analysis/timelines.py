@@ -27,8 +27,10 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from pcpviz.analysis.compare import first_difference, short_repr
+from pcpviz.analysis.parallel import PARALLEL_FROM
 from pcpviz.reference.batch import record_query_start_loc
 from pcpviz.trace.bounds import well_formed
+from pcpviz.trace.index import fork_map, fork_workers
 from pcpviz.trace.schema import causal_phase_key, view_spec
 
 __all__ = ["RequestStep", "request_timelines", "same_schedule", "compare_timelines"]
@@ -117,8 +119,26 @@ def _batch(rec: Any, rename: Callable[[str], str]) -> dict[str, tuple[int, int]]
 def same_schedule(ta: Any, tb: Any, *, rank_a: int, rank_b: int, rename_b: Callable[[str], str] = str) -> int | None:
     """None when both runs scheduled the same requests with the same cursors at every step both
     recorded, else the first step where they differ (a step one run lacks, or one that breaks a
-    bound, is the step-by-step comparison's to report, not a different schedule)."""
+    bound, is the step-by-step comparison's to report, not a different schedule). A long trace is
+    read in ``SCHEDULE_RUNS`` runs of steps in forked processes (``pcpviz.trace.index.fork_map``),
+    the first run's answer that is not None taken: the step one pass would stop at."""
     steps = sorted(set(ta.rank_steps(rank_a)) & set(tb.rank_steps(rank_b)))
+    workers = fork_workers() if len(steps) >= PARALLEL_FROM else 1
+    cuts = [round(i * len(steps) / SCHEDULE_RUNS) for i in range(SCHEDULE_RUNS + 1)] if workers > 1 else [0, len(steps)]
+
+    def first(i: int) -> int | None:
+        return _first_other(ta, tb, steps[cuts[i]:cuts[i + 1]], ranks=(rank_a, rank_b), rename_b=rename_b)
+
+    return next((step for step in fork_map(first, len(cuts) - 1, workers=workers) if step is not None), None)
+
+
+SCHEDULE_RUNS = 8
+"""Runs of consecutive steps ``same_schedule`` cuts a long trace into."""
+
+
+def _first_other(ta: Any, tb: Any, steps: list[int], *, ranks: tuple[int, int],
+                 rename_b: Callable[[str], str]) -> int | None:
+    rank_a, rank_b = ranks
     for step in steps:
         ha, hb = ta.has(step, rank_a, "target"), tb.has(step, rank_b, "target")
         if ha != hb:

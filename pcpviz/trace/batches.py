@@ -24,7 +24,8 @@ import pyarrow as pa
 from . import schema as S
 from .errors import TraceError
 
-__all__ = ["Layout", "Loaded", "BatchParsers", "TailDamage", "check_batch", "load", "one_line", "phase_rows"]
+__all__ = ["Layout", "Loaded", "BatchParsers", "TailDamage", "check_batch", "load", "one_line", "phase_rows",
+           "same_bytes"]
 
 _CACHE_MAX = 4096  # distinct name / shape columns remembered while scanning
 
@@ -324,6 +325,7 @@ class Loaded:
     u8: np.ndarray  # uint8[len(values)], read-only, the same bytes
     step_crc: int
     mv: memoryview  # the same bytes again (a slice of it is the cheapest thing zlib reads)
+    offsets_array: np.ndarray  # int64[n+1]: ``offsets`` as an array (``bounds.rows_clean`` gathers by it)
 
     def shape(self, j: int) -> tuple[int, ...]:
         return self.shapes[j]
@@ -401,5 +403,16 @@ def load(batch: pa.RecordBatch, step: int) -> Loaded:
     values = bufs[_DATA] if bufs[_DATA] is not None else _EMPTY
     u8 = np.frombuffer(values, dtype=np.uint8)
     u8.flags.writeable = False
-    return Loaded(shapes, _array(bufs[_CRC], np.uint32, n).tolist(), _array(bufs[_DATA_OFF], np.int64, n + 1).tolist(),
-                  values, u8, zlib.crc32(f"{step}\0".encode("utf-8")), memoryview(u8))
+    offsets = _array(bufs[_DATA_OFF], np.int64, n + 1)
+    return Loaded(shapes, _array(bufs[_CRC], np.uint32, n).tolist(), offsets.tolist(),
+                  values, u8, zlib.crc32(f"{step}\0".encode("utf-8")), memoryview(u8), offsets)
+
+
+def same_bytes(a: memoryview, b: memoryview) -> bool:
+    """Two payloads hold the same bytes (small ones compared as ``bytes``: a memoryview's own
+    ``==`` compares element by element, in Python)."""
+    if a.nbytes != b.nbytes:
+        return False
+    if a.nbytes <= 4096:
+        return a.tobytes() == b.tobytes()
+    return bool(np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)))

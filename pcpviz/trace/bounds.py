@@ -16,8 +16,9 @@ problems as malformed and never computes sizes from it. A PCP=2 step::
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from pcpviz.limits import MAX_INDEX, MAX_NDIM, MAX_STRING_CHARS, MAX_TOKENS
 
 from . import schema as S
 
-__all__ = ["step_problems", "well_formed", "problems_at"]
+__all__ = ["step_problems", "well_formed", "problems_at", "rows_clean"]
 
 
 _INDEX_VIEWS = frozenset({
@@ -123,7 +124,8 @@ def _head(a: np.ndarray) -> str:
     return "[" + ", ".join(map(str, vals)) + (", ...]" if a.size > 6 else "]")
 
 
-def step_problems(phases: Mapping[str, Mapping[str, Any]], *, memo: dict | None = None) -> list[str]:
+def step_problems(phases: Mapping[str, Mapping[str, Any]], *, memo: dict | None = None,
+                  clean: bool = False) -> list[str]:
     """One line per view of one step on one rank (``{phase: {view: array}}``) that breaks a
     bound: too many axes or entries, a shape or dtype its declaration does not allow, an index
     outside ``-1 .. MAX_INDEX``, a string longer than ``MAX_STRING_CHARS``, or token counts
@@ -135,8 +137,10 @@ def step_problems(phases: Mapping[str, Mapping[str, Any]], *, memo: dict | None 
     dtype, axes), the index bounds as one min and max over all of the step's integer index
     views of a dtype; only when a bound breaks is each view judged alone (``_view_problem``),
     which names it. Both give the same lines, in the same order. A step that breaks no bound is
-    told first by ``_clean``, one pass over its views (the common case, and the one that costs)."""
-    if _clean(phases, memo):
+    told first by ``_clean``, one pass over its views (the common case, and the one that costs).
+    ``clean``: the caller knows ``_clean`` would say True (``rows_clean`` said so of the step's
+    rows): only the token counts are judged."""
+    if clean or _clean(phases, memo):
         target = phases.get(S.PHASE_TARGET)
         why = None if target is None else _token_count_memo(target, memo)
         return [why] if why else []
@@ -341,3 +345,82 @@ def problems_at(trace: Any, step: int, rank: int) -> list[str]:
 def well_formed(trace: Any, step: int, rank: int) -> bool:
     """True if ``step`` on ``rank`` breaks no bound (``step_problems``)."""
     return not problems_at(trace, step, rank)
+
+
+PLAN_ELEMENTS = 1 << 12
+"""Index elements of a (step, rank) past which ``rows_clean`` leaves the step to ``_clean`` (a
+long prompt's views are bounded faster as they are than gathered)."""
+
+PLANS_KEPT = 512
+"""``rows_clean``'s plans remembered (by layout and shape column): at most 512 x 2 x 4,096
+int64s (32 MiB) where every step has other shapes."""
+
+_PLANS: dict[tuple[int, int], tuple] = {}
+_BYTES = {n: np.arange(n, dtype=np.int64) for n in (1, 2, 4, 8)}
+
+
+def _rows_plan(layout: Any, shapes: Sequence[tuple[int, ...]]) -> Any:
+    """What ``rows_clean`` reads of a batch of ``layout`` with ``shapes``, made once per (layout,
+    shape column), both shared by the steps that repeat them: (string rows as (row, phase,
+    name), per dtype (dtype, row of each index element, its byte offset in the row)); None where
+    ``_clean`` must walk the views (a view too long, a kind only the full path judges, too many
+    elements)."""
+    key = (id(layout), id(shapes))
+    got = _PLANS.get(key)
+    if got is not None and got[0] is layout and got[1] is shapes:
+        return got[2]
+    strings, groups, total = [], {}, 0
+    plan: Any = None
+    for j, (phase, name, dt, shape) in enumerate(zip(layout.phase_of, layout.views, layout.dtypes, shapes)):
+        if len(shape) == 1 and shape[0] > MAX_TOKENS:
+            break
+        if dt is None:
+            strings.append((j, phase, name))
+            continue
+        kind, count = _kind(phase, name, np.zeros((0,) * len(shape), dtype=dt)), math.prod(shape)
+        if kind is None:
+            break
+        fields = ((dt, 0),) if kind == "i" else tuple((dt[f], dt.fields[f][1]) for f in kind or ())
+        if any(fd.itemsize not in _BYTES for fd, _ in fields) or total + count * len(fields) > PLAN_ELEMENTS:
+            break
+        for fd, at in fields if count else ():
+            rows, rel = groups.setdefault(fd, ([], []))
+            rows.append(np.full(count, j, dtype=np.int64))
+            rel.append(np.arange(count, dtype=np.int64) * dt.itemsize + at)
+            total += count
+    else:
+        plan = (tuple(strings), tuple((fd, np.concatenate(r), np.concatenate(o)) for fd, (r, o) in groups.items()))
+    if len(_PLANS) >= PLANS_KEPT:
+        _PLANS.clear()
+    _PLANS[key] = (layout, shapes, plan)
+    return plan
+
+
+def rows_clean(layout: Any, shapes: Sequence[tuple[int, ...]], offsets: np.ndarray, *, u8: np.ndarray,
+               strings: Mapping[int, Any]) -> bool:
+    """True only where ``_clean`` says True of a step's records decoded from one batch (``layout``
+    and ``shapes`` as ``batches.Layout`` and ``batches.Loaded`` give them, ``offsets`` int64[n + 1]
+    its rows' payload offsets into ``u8``, every numeric row decoded as a view of its bytes;
+    ``strings``: the decoded array of each string row, by row): the index bounds as one gather,
+    min and max per dtype over the payload bytes, the rest known per (layout, shapes). False:
+    ask ``_clean`` (which may still say True). Two int64 index rows holding [0, 5] and [2**40]:
+    False; holding [0, 5] and [-1]: True."""
+    plan = _rows_plan(layout, shapes)
+    if plan is None:
+        return False
+    texts, groups = plan
+    for j, phase, name in texts:
+        a = strings[j]
+        if type(a) is not np.ndarray:
+            return False
+        kind = _KIND.get((phase, name, a.dtype, a.ndim), _UNSEEN)
+        if kind is _UNSEEN:
+            kind = _kind(phase, name, a)
+        if kind != "":
+            return False
+    for dt, rows, rel in groups:
+        at = offsets[rows] + rel
+        vals = u8[at[:, None] + _BYTES[dt.itemsize]].view(dt)
+        if vals.max() > MAX_INDEX or vals.min() < -1:
+            return False
+    return True

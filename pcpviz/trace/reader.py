@@ -52,7 +52,8 @@ import numpy as np
 
 from . import schema as S
 from .errors import TraceError, TraceWarning
-from .batches import one_line as _one_line, phase_rows, row_plan
+from .batches import one_line as _one_line, phase_rows, row_plan, same_bytes
+from .bounds import rows_clean
 from .index import MapBudget, RankIndex, scan_rank_files
 from .owner import rank_file_busy, writer_busy
 from .meta_model import decode_meta
@@ -280,6 +281,12 @@ class Trace:
         checks' runner holds a step's records while it needs them.
 
         ``t.step_records(3, 0)`` is ``{"target": Record(...), "draft_0": ..., "verify": ...}``."""
+        return self.step_records_clean(step, rank, bounds=False)[0]
+
+    def step_records_clean(self, step: int, rank: int, *, bounds: bool = True) -> tuple[dict[str, Record], bool]:
+        """(``step_records(step, rank)``, clean): clean True only where ``bounds.step_problems``'
+        one-pass test would find no view breaking a bound (``bounds.rows_clean``, read from the
+        batch's bytes; False: judge the records). ``bounds`` False: clean is False."""
         ix, i = self._entry(step, rank)
         layout = ix.layouts[i]
         decoded = self._decode(ix, i, None, share=True)
@@ -289,7 +296,10 @@ class Trace:
             if self.version < 2:
                 views = dict(S.upgrade_views(self.version, phase, views))
             out[phase] = Record(int(step), int(rank), phase, MappingProxyType(views), pcp=self._pcp)
-        return out
+        if not bounds or self.version < 2:
+            return out, False
+        loaded = ix.batch(i)
+        return out, rows_clean(layout, loaded.shapes, loaded.offsets_array, u8=loaded.u8, strings=decoded)
 
     def _decode(self, ix: RankIndex, i: int, phase: str | None, *, share: bool) -> dict:
         """The views of one phase (``phase`` None: every row's array by its row), every payload
@@ -323,7 +333,7 @@ class Trace:
             if shared is not None:
                 key = (prefixes[j], shape, crc)  # the prefix names the row's phase, view and dtype
                 seen = shared.get(key)
-                if seen is not None and _same_bytes(seen[0], stored):
+                if seen is not None and same_bytes(seen[0], stored):
                     out[at] = seen[1]
                     continue
             if zlib.crc32(stored, zlib.crc32(heads[j], step_crc)) != crc:
@@ -337,16 +347,6 @@ class Trace:
             if key is not None:
                 shared[key] = (stored, value)
         return out
-
-
-def _same_bytes(a: memoryview, b: memoryview) -> bool:
-    """Two payloads hold the same bytes (small ones compared as ``bytes``: a memoryview's own
-    ``==`` compares element by element, in Python)."""
-    if a.nbytes != b.nbytes:
-        return False
-    if a.nbytes <= 4096:
-        return a.tobytes() == b.tobytes()
-    return bool(np.array_equal(np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)))
 
 
 _STRINGS: OrderedDict[tuple, np.ndarray] = OrderedDict()

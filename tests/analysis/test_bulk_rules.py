@@ -54,8 +54,17 @@ def _repeat_first(a, rng):
     return a
 
 
+def _huge(a, rng):
+    if a.size == 0 or a.dtype.kind not in "iu":
+        return a
+    a = a.astype(np.int64)
+    a.reshape(-1)[rng.randrange(a.size)] = rng.choice([2**40, -7])  # out of bounds: a malformed step
+    return a
+
+
 DAMAGE = {
     "repeat_first": _repeat_first,
+    "huge": _huge,
     "plus_one": _plus_one,
     "minus_one": _minus_one,
     "roll": lambda a, rng: np.roll(a, 1),
@@ -145,14 +154,14 @@ def test_default_mode_rules_decide_long_runs(tmp_path, monkeypatch):
     spec.loader.exec_module(bench)
     path = bench.tiny_steps(tmp_path / "steps", 150)
     decided = []
-    real = runner.decide
+    real = runner.decide_arrays
 
     def counting(block, names, ranks):
-        out = real(block, names, ranks)
-        decided.append(sum(len(per_rank) for step in out for per_rank in step.values()))
-        return out
+        sure, skips = real(block, names, ranks)
+        decided.append(sum(int(ok.sum()) for ok in sure.values()) + sum(map(len, skips.values())))
+        return sure, skips
 
-    monkeypatch.setattr(runner, "decide", counting)
+    monkeypatch.setattr(runner, "decide_arrays", counting)
     monkeypatch.setenv(BULK_ENV, "0")
     off = run_checks(path, workers=1)
     monkeypatch.delenv(BULK_ENV)
@@ -162,3 +171,39 @@ def test_default_mode_rules_decide_long_runs(tmp_path, monkeypatch):
     decided.clear()
     run_checks(clean_run(pcp=2, k=2).write(tmp_path / "short"), workers=1)
     assert decided == [] or sum(decided) == 0
+
+
+def test_column_of_equals_the_step_by_step_reference():
+    """``Column.of`` (one pass over the arrays' signatures) equals the reference: None unless every
+    present array is an ndarray of one integer or bool dtype (not uint64) and 1 to 3 axes."""
+    rng = random.Random(11)
+    dtypes = [np.int64, np.int32, np.uint8, bool, np.uint64, np.float64]
+    for _ in range(400):
+        dt, ndim = rng.choice(dtypes), rng.choice([0, 1, 2, 3])
+        arrays = []
+        for _ in range(rng.randrange(0, 6)):
+            pick = rng.random()
+            shape = tuple(rng.randrange(0, 3) for _ in range(ndim))
+            if pick < 0.2:
+                arrays.append(None)
+            elif pick < 0.25:
+                arrays.append(np.zeros(shape, dtype=rng.choice(dtypes)))
+            elif pick < 0.27:
+                arrays.append([1, 2])
+            else:
+                arrays.append(np.arange(int(np.prod(shape)), dtype=np.int64).astype(dt).reshape(shape))
+        col = Column.of(arrays)
+        present = [a for a in arrays if a is not None]
+        sigs = {(type(a), getattr(a, "dtype", None), getattr(a, "ndim", None)) for a in present}
+        fits = len(sigs) == 1 and type(present[0]) is np.ndarray and present[0].ndim in (1, 2, 3) \
+            and present[0].dtype.kind in "iub" and present[0].dtype != np.uint64
+        if not present:
+            assert col is not None and not col.present.any() and col.values.size == 0
+            continue
+        assert (col is not None) == fits
+        if col is None:
+            continue
+        assert col.present.tolist() == [a is not None for a in arrays]
+        assert col.values.tolist() == [int(x) for a in present for x in a.ravel()]
+        assert col.lens.tolist() == [0 if a is None else a.size for a in arrays]
+        assert col.dims.tolist() == [[0] * present[0].ndim if a is None else list(a.shape) for a in arrays]

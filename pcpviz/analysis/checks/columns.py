@@ -28,6 +28,7 @@ A column of a PCP=2 block of three steps, ``positions`` on rank 0::
 from __future__ import annotations
 
 import os
+from operator import is_
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -100,27 +101,32 @@ class Column:
         present array is an integer (or bool) array of one dtype, not uint64, and one number of
         axes, 1 to 3 (the checks then read it as is, and int64 holds its values); a view absent
         on every step gives a column present nowhere."""
-        dtype = ndim = None
-        for a in arrays:
-            if a is None:
-                continue
-            if type(a) is not np.ndarray or a.ndim not in (1, 2, 3) or a.dtype.kind not in "iub" \
-                    or a.dtype == np.uint64:
-                return None
-            if dtype is None:
-                dtype, ndim = a.dtype, a.ndim
-            elif a.dtype != dtype or a.ndim != ndim:
-                return None
-        if dtype is None:  # absent on every step
+        try:  # each present array's (type, dtype, axes), in one pass
+            sig = {(type(a), a.dtype, a.ndim) for a in arrays if a is not None}
+        except AttributeError:  # not an array
+            return None
+        if not sig:  # absent on every step
             zeros = np.zeros(len(arrays), dtype=np.int64)
             return cls(np.zeros(0, dtype=np.int64), zeros, zeros.astype(bool))
-        empty = np.zeros((0,) * ndim, dtype=dtype)
-        parts = [empty if a is None else a for a in arrays]
-        lens = np.fromiter((p.size for p in parts), dtype=np.int64, count=len(parts))
-        dims = lens[:, None] if ndim == 1 else \
-            np.array([p.shape for p in parts], dtype=np.int64).reshape(len(parts), ndim)
-        present = np.fromiter((a is not None for a in arrays), dtype=bool, count=len(parts))
-        values = np.concatenate(parts if ndim == 1 else [p.ravel() for p in parts]).astype(np.int64, copy=False)
+        if len(sig) > 1:  # another type, dtype or number of axes somewhere
+            return None
+        ((kind, dtype, ndim),) = sig
+        if kind is not np.ndarray or ndim not in (1, 2, 3) or dtype.kind not in "iub" or dtype == np.uint64:
+            return None
+        present_list = [a is not None for a in arrays]
+        parts = arrays
+        if not all(present_list):
+            empty = np.zeros((0,) * ndim, dtype=dtype)
+            parts = [empty if a is None else a for a in arrays]
+        present = np.array(present_list, dtype=bool)
+        if ndim == 1:
+            lens = np.array(list(map(len, parts)), dtype=np.int64)
+            dims = lens[:, None]
+        else:
+            dims = np.array([p.shape for p in parts], dtype=np.int64).reshape(len(parts), ndim)
+            lens = dims.prod(axis=1)
+            parts = [p.reshape(-1) for p in parts]
+        values = np.concatenate(parts).astype(np.int64, copy=False)
         return cls(values, lens, present, ndim, dims, dtype.kind)
 
     def one_group(self) -> np.ndarray:
@@ -159,6 +165,7 @@ class Block:
         self.svs, self.run_meta = list(svs), run_meta
         self._cols: dict[tuple, Column | None] = {}
         self._maps: dict[tuple, list] = {}  # (rank, phase) -> each step's views (None: not recorded)
+        self._arrays: dict[tuple, list] = {}  # (rank, phase, view) -> ``arrays``' answer
         self.reads: set | None = None  # (rank, phase, view) read while a shared rule runs
         self.memo: dict = {}  # rank-independent results of the rules' helpers (``gathered``)
 
@@ -176,11 +183,15 @@ class Block:
         """The view's array of each step (None where not recorded)."""
         if self.reads is not None:
             self.reads.add((rank, phase, view))
-        maps = self._maps.get((rank, phase))
-        if maps is None:
-            maps = self._maps[(rank, phase)] = [getattr(rec, "views", rec) for rec in
-                                                (sv.recs.get(rank, {}).get(phase) for sv in self.svs)]
-        return [None if m is None else m.get(view) for m in maps]
+        key = (rank, phase, view)
+        got = self._arrays.get(key)
+        if got is None:
+            maps = self._maps.get((rank, phase))
+            if maps is None:
+                maps = self._maps[(rank, phase)] = [getattr(rec, "views", rec) for rec in
+                                                    (sv.recs.get(rank, {}).get(phase) for sv in self.svs)]
+            got = self._arrays[key] = [None if m is None else m.get(view) for m in maps]
+        return list(got)
 
     def same_reads(self, reads: set, rank: int, other: int) -> bool:
         """Every view ``rank`` read (``reads``) is, on every step, the very array ``other``
@@ -188,8 +199,7 @@ class Block:
         for r, phase, view in reads:
             if r != rank:
                 return False
-            mine, theirs = self.arrays(rank, phase, view), self.arrays(other, phase, view)
-            if any(a is not b for a, b in zip(mine, theirs)):
+            if not all(map(is_, self.arrays(rank, phase, view), self.arrays(other, phase, view))):
                 return False
         return True
 
@@ -255,16 +265,34 @@ def matched_rows(block: Block, prev: Block, rank: int) -> list[np.ndarray | None
 
 def decide(block: Block, names: Sequence[str], ranks: Sequence[int]) -> list[dict[str, dict[int, Any]]]:
     """Per step of the block: check name -> rank -> True (the bulk rule says it passes) or a
-    skip reason (the skip rule's); a rule that raises decides nothing. A ``shared`` rule's answer
-    on a rank whose reads give the very arrays another rank's did is that rank's (the reader
-    shares a byte-equal payload: a global view is judged once, not once a rank)."""
+    skip reason (the skip rule's), ``decide_arrays``' answer step by step."""
+    sure, skips = decide_arrays(block, names, ranks)
     out: list[dict[str, dict[int, Any]]] = [{} for _ in range(len(block))]
+    for (name, r), ok in sure.items():
+        for i in np.flatnonzero(ok).tolist():
+            out[i].setdefault(name, {})[r] = True
+    for (i, r), reasons in skips.items():
+        for name, why in reasons.items():
+            out[i].setdefault(name, {})[r] = why
+    return out
+
+
+def decide_arrays(block: Block, names: Sequence[str],
+                  ranks: Sequence[int]) -> tuple[dict[tuple[str, int], np.ndarray], dict[tuple[int, int], dict]]:
+    """(sure, skips): ``sure[(name, rank)]`` bool[n], True on the steps the rank recorded where
+    check ``name``'s bulk rule says it passes (a rule that raises decides nothing) and its skip
+    rule gives no reason; ``skips[(i, rank)]``: check name -> the skip rule's reason at step
+    ``i`` of the block. A ``shared`` rule's answer on a rank whose reads give the very arrays
+    another rank's did is that rank's (the reader shares a byte-equal payload: a global view is
+    judged once, not once a rank). A rule passing steps 0 and 2 of three on rank 1:
+    ``sure[("ranks_agree", 1)]`` is ``[True, False, True]``."""
+    sure: dict[tuple[str, int], np.ndarray] = {}
+    skips: dict[tuple[int, int], dict] = {}
     for name in names:
         done: list[tuple[int, set, np.ndarray]] = []  # a shared rule's (rank, reads, answer)
         for r in ranks:
             has = block.has_rank(r)
-            if name in BULK_SKIP:
-                _skips(block, name, r, has, out)
+            skipped = _skips(block, name, r, has, skips) if name in BULK_SKIP else None
             if name not in BULK:
                 continue
             ok = next((res for r0, reads, res in done if block.same_reads(reads, r0, r)), None)
@@ -278,19 +306,22 @@ def decide(block: Block, names: Sequence[str], ranks: Sequence[int]) -> list[dic
                     done.append((r, block.reads, ok))
                 block.reads = None
             if ok is not None and ok.shape == (len(block),):
-                for i in np.flatnonzero(ok & has).tolist():
-                    out[i].setdefault(name, {}).setdefault(r, True)
-    return out
+                sure[(name, r)] = ok & has if skipped is None else ok & has & ~skipped
+    return sure, skips
 
 
-def _skips(block: Block, name: str, rank: int, has: np.ndarray, out: list) -> None:
+def _skips(block: Block, name: str, rank: int, has: np.ndarray, skips: dict) -> np.ndarray | None:
+    """bool[n]: where the skip rule gives a reason (put into ``skips``); None if it raises."""
     try:
         reasons = list(BULK_SKIP[name](block, rank))
     except Exception:  # noqa: BLE001 - undecided: the per-step code judges
-        return
+        return None
+    given = np.zeros(len(block), dtype=bool)
     for i, why in enumerate(reasons[:len(block)]):
         if why is not None and has[i]:
-            out[i].setdefault(name, {})[rank] = str(why)
+            skips.setdefault((i, rank), {})[name] = str(why)
+            given[i] = True
+    return given
 
 
 def same_values(x: np.ndarray, y: np.ndarray) -> bool:

@@ -16,7 +16,8 @@ from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
 from .columns import Block, all_per_step, bulk_rule, none, ragged, rank_rows, step_sums
 from .context import Ctx, Skip, check, local_segments, segment_rows, segments_of
-from .layout_columns import expected_layout, global_slots_ok, kv_written_once_ok, local_batch_ok, matches_plan
+from .layout_columns import (expected_layout, global_slots_ok, kv_write_mask_ok, kv_written_once_ok, local_batch_ok,
+                             matches_plan)
 
 
 @check("views_in_bounds",
@@ -296,6 +297,9 @@ def kv_write_mask_canonical(c: Ctx) -> None:
             owners = dec["rank"][dec["global_req_idx"] == r].tolist()
             c.fail("target", "segments", f"sharded decode (request row {r}) is placed on ranks "
                    f"{owners}; it must have one owner", expected="1 owner", actual=str(owners))
+
+
+bulk_rule("kv_write_mask_canonical", shared=True)(kv_write_mask_ok)  # layout_columns.kv_write_mask_ok
 
 
 @check("local_batch_matches_layout",

@@ -202,3 +202,69 @@ def global_slots_ok(b: Block, rank: int) -> np.ndarray:
     want = np.where(past, p % bs, entry * bs + p % bs)
     good = (p >= 0) & (past | inside) & (glob.at(step, tok)[0] == want) & ((want < 0) | (want >= bs))
     return ok & all_per_step(good, step, len(b))
+
+
+_SEG_FIELDS = ("global_req_idx", "rank", "local_start", "local_stop")
+
+
+def _segment_columns(b: Block, rank: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
+    """(ok bool[n], [step, global_req_idx, rank, local_start, local_stop] int64, one entry per
+    segment of every step), ``ok`` where the step's segments are a table with SEGMENT_DTYPE's
+    fields, all integers; None where no step has one."""
+    tables = b.arrays(rank, "target", "segments")
+    ok = np.zeros(len(b), dtype=bool)
+    parts: list[list[np.ndarray]] = [[] for _ in range(5)]
+    for i, segs in enumerate(tables):
+        names = None if segs is None or type(segs) is not np.ndarray or segs.ndim != 1 else segs.dtype.names
+        if names is None or not set(SEGMENT_DTYPE.names) <= set(names) \
+                or any(segs.dtype[f].kind not in "iu" or segs.dtype[f].subdtype is not None for f in _SEG_FIELDS):
+            continue
+        ok[i] = True
+        parts[0].append(np.full(segs.shape[0], i, dtype=np.int64))
+        for k, f in enumerate(_SEG_FIELDS, 1):
+            parts[k].append(segs[f].astype(np.int64))
+    if not ok.any():
+        return None
+    return ok, [np.concatenate(p) for p in parts]
+
+
+def kv_write_mask_ok(b: Block, rank: int) -> np.ndarray:
+    """``kv_write_mask_canonical`` passes: run.json's pcp, dcp set; padded_gather_idx a multiple
+    of pcp long (P each); every segment on a rank below pcp, within ``0 .. P`` and naming a
+    request row of the step; the mask at every gathered row a segment covers is what the check
+    expects (a replicated row not sharded as a decode kept on rank 0 only); with sharded decodes,
+    each decode request in one segment. Conservative: anything else runs the check."""
+    world, dcp, meta = b.run_meta.pcp, b.run_meta.dcp, b.run_meta
+    if not world or world < 1 or not isinstance(dcp, int):
+        return none(b)
+    shard = meta.shard_decode_requests if meta.shard_decode_requests is not None else (world > 1 and dcp == 1)
+    mask = b.col(rank, "target", "kv_write_mask", bools=True)
+    q, pf = b.col(rank, "target", "num_scheduled_tokens"), b.col(rank, "target", "is_prefilling", bools=True)
+    pgi, segs = b.col(rank, "target", "padded_gather_idx"), _segment_columns(b, rank)
+    if mask is None or q is None or pf is None or pgi is None or segs is None:
+        return none(b)
+    ok, (step, req, seg_rank, lo, hi) = segs
+    ok = ok & mask.present & q.present & pf.present & pgi.present & (q.lens == pf.lens) & (pgi.lens % world == 0)
+    p = pgi.lens // world
+    good = (seg_rank >= 0) & (seg_rank < world) & (lo >= 0) & (lo <= hi) & (hi <= p[step]) \
+        & (req >= 0) & (req < q.lens[step])
+    ok &= all_per_step(good, step, len(b))
+    sel = ok[step]
+    step, req, seg_rank, lo, hi = step[sel], req[sel], seg_rank[sel], lo[sel], hi[sel]
+    decode = pf.values[pf.offsets[step] + req] == 0
+    qs = q.values[q.offsets[step] + req]
+    replicated = decode
+    if dcp > 1:
+        chunk = (qs + 2 * world - 1) // (2 * world)
+        replicated = replicated | ((2 * world - 1) * chunk >= qs)
+    keep_all = ~(replicated & ~(shard & decode)) | (seg_rank == 0)  # the check's expected, per segment
+    seg, k = ragged(hi - lo)
+    row = seg_rank[seg] * p[step[seg]] + lo[seg] + k
+    inside = row < mask.lens[step[seg]]
+    got = mask.values[mask.offsets[step[seg]] + np.where(inside, row, 0)] != 0
+    ok &= all_per_step(inside & (got == keep_all[seg]), step[seg], len(b))
+    if shard and decode.any():
+        key = np.stack([step[decode], req[decode]], axis=1)
+        dup = np.unique(key, axis=0, return_counts=True)
+        ok[dup[0][dup[1] > 1, 0]] = False
+    return ok

@@ -9,6 +9,8 @@ from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Sequence
 
+import numpy as np
+
 from pcpviz.analysis.parallel import chunk_bounds, default_workers, forked_imap
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
@@ -23,7 +25,7 @@ from . import handoff_checks
 from . import step_checks
 from . import graph_checks
 from . import collective_checks, consumed_checks, dcp_checks
-from .columns import Block, bulk_mode, decide
+from .columns import Block, bulk_mode, decide, decide_arrays
 from .context import DEFS, Fail, Skip, Ctx, StepFold, StepView
 from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
 
@@ -128,15 +130,15 @@ def _step_view(trace: Trace, step: int, prev: StepView | None, rank_steps: Mappi
                last: Mapping[int, int | None]) -> StepView:
     """One step's records on every rank that has it, with each rank's bounds problems cached
     (``views_in_bounds``; a malformed (step, rank) is reported by that check only)."""
-    recs = {}
+    recs, clean = {}, {}
     for r in trace.ranks:
         if step in rank_steps[r]:
-            recs[r] = trace.step_records(step, r)  # every phase, one pass over the batch
+            recs[r], clean[r] = trace.step_records_clean(step, r)  # every phase, one pass over the batch
     missing = tuple(r for r in trace.ranks if step not in rank_steps[r] and last[r] is not None and last[r] > step)
     sv = StepView(step, recs, prev, missing)
     memo: dict = {}
     for r in recs:
-        sv.cache[("bounds", r)] = step_problems(recs[r], memo=memo)
+        sv.cache[("bounds", r)] = step_problems(recs[r], memo=memo, clean=clean[r])
     return sv
 
 
@@ -191,6 +193,44 @@ def _block_sure(block: list[StepView], defs: list, run_meta: RunMeta, ranks: Seq
     return decide(Block(block, run_meta), [d.name for d in defs], ranks)
 
 
+def _check_block(block: list[StepView], defs: list, run_meta: RunMeta, stats: dict[str, _Stats], *,
+                 ranks: Sequence[int]) -> None:
+    """``_check_step`` on every step of ``block`` with the bulk rules' word (``decide_arrays``),
+    counted in bulk: a (step, rank) runs only the checks no rule decided, in order; the passes
+    the rules give are added per check at the end (counts do not depend on order; skip reasons,
+    first violations and failing places are met in ``_check_step``'s order)."""
+    sure, skips = decide_arrays(Block(block, run_meta), [d.name for d in defs], ranks)
+    n = len(block)
+    decided, todo = {}, {}
+    for r in ranks:
+        malformed = np.fromiter((bool(sv.cache.get(("bounds", r))) for sv in block), dtype=bool, count=n)
+        dec = decided[r] = np.zeros((n, len(defs)), dtype=bool)
+        for k, d in enumerate(defs):
+            ok = sure.get((d.name, r))
+            if ok is not None:
+                dec[:, k] = ok
+                stats[d.name].evaluated += int(np.count_nonzero(ok & ~malformed))
+        todo[r] = [np.flatnonzero(~row).tolist() for row in dec]  # per step: the checks left to run
+    for i, sv in enumerate(block):
+        memos: dict[str, list] = {}
+        for r in sv.recs:
+            reasons = skips.get((i, r), {})
+            malformed = sv.cache[("bounds", r)]
+            for k in range(len(defs)) if malformed else todo[r][i]:
+                d = defs[k]
+                st = stats[d.name]
+                why = "malformed views (views_in_bounds)" if malformed and d.name != "views_in_bounds" \
+                    else reasons.get(d.name)
+                if malformed and why is None and decided[r][i, k]:
+                    st.evaluated += 1
+                elif why is not None:
+                    st.skipped += 1
+                    if st.skip_reason is None:
+                        st.skip_reason = f"step {sv.step} rank {r}: {why}"
+                else:
+                    _run_one(d, Ctx(run_meta, sv, r, d.name), st, memos.setdefault(d.name, []))
+
+
 def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: list, run_meta: RunMeta,
                  probe: Callable[[StepView], Any] | None = None, *,
                  folds: Mapping[str, StepFold] | None = None) -> tuple[dict[str, _Stats], Any, dict[str, Any]]:
@@ -218,8 +258,14 @@ def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: l
             i += 1
         big = mode == "on" and (held > BULK_RANK_STEP_BYTES * len(block) * max(1, len(trace.ranks))
                                 or len(block) < BULK_MIN_STEPS)
-        for sv, sure in zip(block, _block_sure(block, defs, run_meta, [] if big else trace.ranks)):
-            _check_step(sv, defs, run_meta, stats, sure, verify)
+        if mode in ("on", "always") and not big and trace.ranks:
+            _check_block(block, defs, run_meta, stats, ranks=trace.ranks)
+            sures: list = [None] * len(block)
+        else:
+            sures = _block_sure(block, defs, run_meta, [] if big else trace.ranks)
+        for sv, sure in zip(block, sures):
+            if sure is not None:
+                _check_step(sv, defs, run_meta, stats, sure, verify)
             if probe is not None and found is None:
                 found = probe(sv)
             for name, f in folds.items():
