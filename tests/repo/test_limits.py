@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 NOT_INPUT_BOUNDS = {"MAX_ENTRIES", "MAX_DRAWN_RANKS", "MAX_PAGE_RUNS", "MAX_REPORT_RUNS", "MAX_TITLE_REQS",
                     "MAX_LABELS", "MAX_REPLACEMENTS", "MAX_STEPS", "DEFAULT_MAX_MB", "MAX_TEXT", "MAX_LINES",
                     # the recorder's cache of byte views (vllm/recording/copyplan.py): memory it holds, not input
-                    "MAX_VIEWS", "MAX_HELD_BYTES", "MAX_ENTRY_BYTES", "MAX_PLANS", "MAX_UNREAD"}
+                    "MAX_VIEWS", "MAX_HELD_BYTES", "MAX_ENTRY_BYTES", "MAX_PLANS", "MAX_UNREAD",
+                    "MAX_POOLED_EVENTS"}  # vllm/recording/staged.py: CUDA events kept for reuse
 
 
 def _module_assignments():

@@ -170,7 +170,7 @@ def test_an_event_given_back_is_recorded_again_by_a_later_step():
     assert staged._EVENTS == {0: [marker]}
     assert staged.take_event(0) is marker and staged._EVENTS[0] == []
     staged._give_event(marker, 1)
-    for _ in range(staged._MAX_EVENTS + 3):
+    for _ in range(staged.MAX_POOLED_EVENTS + 3):
         staged._give_event(object(), 0)
-    assert len(staged._EVENTS[0]) == staged._MAX_EVENTS and staged._EVENTS[1] == [marker]
+    assert len(staged._EVENTS[0]) == staged.MAX_POOLED_EVENTS and staged._EVENTS[1] == [marker]
     staged._EVENTS.clear()

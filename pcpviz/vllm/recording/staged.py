@@ -24,7 +24,7 @@ from pcpviz.vllm.recording.ring import DeviceRing
 __all__ = ["StagedStep", "drain_steps", "host_pool", "take_event"]
 
 _EVENTS: dict[int, list] = {}  # device index -> events whose step was drained (``take_event``)
-_MAX_EVENTS = 256  # per device
+MAX_POOLED_EVENTS = 256  # per device
 
 
 def take_event(device: int) -> Any:
@@ -40,7 +40,7 @@ def take_event(device: int) -> Any:
 def _give_event(event: Any, device: int) -> None:
     """``event`` was waited for (its step's copies are done): a later step on ``device`` may record it again."""
     pool = _EVENTS.setdefault(device, [])
-    if len(pool) < _MAX_EVENTS:
+    if len(pool) < MAX_POOLED_EVENTS:
         pool.append(event)
 
 
