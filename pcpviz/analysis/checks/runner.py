@@ -153,9 +153,7 @@ def _check_step(sv: StepView, defs: list, run_meta: RunMeta, stats: dict[str, _S
         for d in defs:
             st = stats[d.name]
             if malformed and d.name != "views_in_bounds":
-                st.skipped += 1
-                if st.skip_reason is None:
-                    st.skip_reason = f"step {sv.step} rank {r}: malformed views (views_in_bounds)"
+                _skip(st, sv.step, r, "malformed views (views_in_bounds)")
                 continue
             said = None if sure is None else sure.get(d.name, {}).get(r)
             if verify and said is not None:
@@ -163,11 +161,16 @@ def _check_step(sv: StepView, defs: list, run_meta: RunMeta, stats: dict[str, _S
             if said is True:
                 st.evaluated += 1
             elif said is not None:
-                st.skipped += 1
-                if st.skip_reason is None:
-                    st.skip_reason = f"step {sv.step} rank {r}: {said}"
+                _skip(st, sv.step, r, said)
             else:
                 _run_one(d, Ctx(run_meta, sv, r, d.name), st, memos[d.name])
+
+
+def _skip(st: Any, step: int, rank: int, why: str) -> None:
+    """Count a skip of a check on (``step``, ``rank``); the first one's reason is the check's."""
+    st.skipped += 1
+    if st.skip_reason is None:
+        st.skip_reason = f"step {step} rank {rank}: {why}"
 
 
 def _verify_rule(d, ctx: Ctx, said: Any) -> None:
@@ -224,9 +227,7 @@ def _check_block(block: list[StepView], defs: list, run_meta: RunMeta, stats: di
                 if malformed and why is None and decided[r][i, k]:
                     st.evaluated += 1
                 elif why is not None:
-                    st.skipped += 1
-                    if st.skip_reason is None:
-                        st.skip_reason = f"step {sv.step} rank {r}: {why}"
+                    _skip(st, sv.step, r, why)
                 else:
                     _run_one(d, Ctx(run_meta, sv, r, d.name), st, memos.setdefault(d.name, []))
 
