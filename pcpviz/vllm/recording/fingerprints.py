@@ -44,10 +44,7 @@ def on_target_hidden(ctx: Any, last_hidden_states: Any) -> None:
     copied with the step's last copy (``host.Fresh``), not now: nothing writes the target's output
     before the next target forward (the drafter copies it into its own ``hidden_states``), and the
     step's end copies the draft tokens anyway (one copy fewer a step on vLLM's thread)."""
-    t = last_hidden_states
-    small = isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point() \
-        and t.numel() * t.element_size() <= HOST_FP_MAX_BYTES
-    fp = Deferred("row_fp", [Fresh(t)]) if small else _fp(t)
+    fp = fingerprint_view(last_hidden_states, at_step_end=True)
     if fp is not None and not ctx.dummy:
         ctx.target_rows = int(last_hidden_states.shape[0])
         ctx.rec.put("target", hidden_local_fp=fp)

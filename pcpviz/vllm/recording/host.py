@@ -321,16 +321,17 @@ larger ones are fingerprinted on the device, 8 bytes a row. 64 kB keeps a batch-
 undrained steps still fits the 64 MiB ring; batch 32 (96 rows, 1.4 MB) stays on the device."""
 
 
-def fingerprint_view(t: Any) -> Deferred | Fresh | None:
+def fingerprint_view(t: Any, *, at_step_end: bool = False) -> Deferred | Fresh | None:
     """The ``*_fp`` view of the rows ``t`` (float ``[rows, H]``; None for anything else):
     ``row_fingerprints`` of them, equal wherever it is computed. Small rows (a decode batch's)
     are copied with the hook's other views and fingerprinted by the drain (``packed`` ``row_fp``):
     no kernel and no torch work on the step's thread beyond the copy; larger ones on the device.
-    PCP=1, batch 1, K=2, H=7168 bf16: 3 rows, 43 kB, copied."""
+    PCP=1, batch 1, K=2, H=7168 bf16: 3 rows, 43 kB, copied. ``at_step_end``: small rows nothing
+    writes before the step ends are copied with the step's last copy (``Fresh``), not now."""
     if not (isinstance(t, torch.Tensor) and t.ndim == 2 and t.is_floating_point()):
         return None
     if t.numel() * t.element_size() <= HOST_FP_MAX_BYTES:
-        return Deferred("row_fp", [t])
+        return Deferred("row_fp", [Fresh(t) if at_step_end else t])
     return Fresh(row_fingerprints(t))
 
 
