@@ -1,6 +1,7 @@
 """Every view name a check reads is declared in the schema (``VIEW_SPECS``): a misspelled name
-fails at import (``@check`` validates the function) and here (every function of the check
-modules, helpers included), instead of making the check skip on every step."""
+fails here for pcpviz's own checks (every function of the check modules, helpers included) and at
+registration for a check registered elsewhere (``@check`` validates the function), instead of
+making the check skip on every step."""
 
 from __future__ import annotations
 
@@ -27,6 +28,20 @@ def test_every_view_a_check_module_reads_is_declared():
     assert sum(map(len, read.values())) > 100  # the scan sees the checks' reads
     bad = [f"{name}: {line}" for name, fn in _functions() for line in undeclared_views_read(fn)]
     assert not bad, "\n".join(bad)
+
+
+def test_pcpviz_own_checks_are_not_parsed_at_import(monkeypatch):
+    import pcpviz.analysis.checks.context as context
+
+    parsed = []
+    monkeypatch.setattr(context, "validate_check", lambda name, fn: parsed.append(name))
+
+    def own(c):
+        c.need("verify", "num_acceptd")
+    own.__module__ = "pcpviz.analysis.checks.step_checks"
+    context.check("own", "held by the test above, not at import")(own)
+    context.DEFS.pop()
+    assert parsed == []
 
 
 def test_a_misspelled_view_fails_at_registration():

@@ -1,6 +1,8 @@
-"""View names a check reads, held to the schema: a misspelled view fails at import.
+"""View names a check reads, held to the schema: a misspelled view fails at registration.
 
-``check`` (``pcpviz.analysis.checks.context``) passes each decorated function here; every
+``check`` (``pcpviz.analysis.checks.context``) passes each decorated function defined outside
+pcpviz's check modules here (pcpviz's own are held to it by
+``tests/analysis/test_check_views_declared.py``, not at every command's start); every
 string literal it hands to its context as a view (``c.t(view)``, ``c.need(phase, view)``,
 ``c.get``, ``c.expect``, ``c.no_null_block``, ``c.fail``, also on ``c.prev()``) must be a view of
 ``pcpviz.trace.schema.VIEW_SPECS`` — declared for that phase when the phase is a literal too.
