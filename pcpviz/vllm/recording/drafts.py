@@ -205,7 +205,7 @@ class DraftContext:
             return
         opened = self._open_phase()
         phase = self.rec.phase(opened[0])
-        dynamic = [self.input_batch.idx_mapping[: self.num_reqs]]
+        dynamic = [pack.head(self.input_batch.idx_mapping, self.num_reqs)]
         plan = pack.book.get(key)
         if plan is not None and pack.replay(plan, phase, dynamic):
             phase["t_start_us"] = host_entry(np.array(opened[2], dtype=np.int64))
@@ -327,7 +327,7 @@ class DraftContext:
             rec.put("draft_0", block_table_gathers=np.array(self.block_table_gathers, dtype=np.int64))
         if draft_tokens is None:
             return
-        dt = draft_tokens.detach()
+        dt = draft_tokens.detach() if draft_tokens.requires_grad else draft_tokens
         # propose's return value, copied at the end of the step (now) with the other fresh
         # tensors; each phase's column is cut on the host.
         columns = Deferred("columns", [Fresh(dt)])

@@ -115,6 +115,16 @@ class StepPack:
         self.book = PlanBook()  # hook calls planned once, by key (``replayplan``)
         self.replays: list = []  # this step's plan hits: (phase, entries, offset in the step)
         self.dynamic: dict[tuple, tuple] = {}  # this step's byte views of tensors made anew (``_dynamic_bytes``)
+        self.heads: dict[Any, tuple] = {}  # this step's ``t[:n]`` slices (``head``) and dynamic tensors by id
+
+    def head(self, t: torch.Tensor, n: int) -> torch.Tensor:
+        """``t[:n]``, sliced once a step: the batch's ``idx_mapping[:R]`` is read by the target's
+        hooks and by every draft phase (a CUDA slice costs ~5 us on one H200's host)."""
+        key = (id(t), n)
+        got = self.heads.get(key)
+        if got is None or got[0] is not t:
+            got = self.heads[key] = (t, t[:n])  # t held: its id is not reused before the step is staged
+        return got[1]
 
     def put(self, phase: dict[str, Any], views: dict[str, Any]) -> None:
         """Add one hook call's views to ``phase`` as entries; its device tensors copied now (or
@@ -225,10 +235,14 @@ class StepPack:
         view for this step's copies only, never added to the cache (a storage that is never read
         again would be held until the sweep, and the sweep would walk them). A step's
         ``idx_mapping`` is handed to several hooks: one view of it a step."""
+        known = self.heads.get(id(t))  # the same tensor object again this step (``head``): no signature
+        if known is not None and known[0] is t:
+            return known[1]
         sig = (t.data_ptr(), t.dtype, t.shape, t.stride())
         got = self.dynamic.get(sig)
         if got is None:
             got = self.dynamic[sig] = self.plans.peek(sig) or fresh_bytes(t)
+        self.heads[id(t)] = (t, got)  # t held until the step is staged: its id is not reused before
         return got
 
     def _entry(self, value: Any, box: Any, key: Any, now: list) -> Any:
@@ -252,7 +266,7 @@ class StepPack:
             t = value.t
             if self._packable(t):
                 slot = _Slot()
-                self.fresh.append((box, key, slot, t.detach()))
+                self.fresh.append((box, key, slot, t.detach() if t.requires_grad else t))
                 return slot
             return host_entry(np.array(to_host(t)))
         if isinstance(value, Strings):
@@ -275,7 +289,7 @@ class StepPack:
         the ring had no room for the step (dropped: ``ring.overflow_steps`` counts it)."""
         if self.fresh:
             self._copy(self.fresh, planned=False)  # computed by the hooks this step: new memory every step
-        layout, self.layout, self.fresh, self.memo, self.dynamic = self.layout, [], [], {}, {}
+        layout, self.layout, self.fresh, self.memo, self.dynamic, self.heads = self.layout, [], [], {}, {}, {}
         replays, self.replays = self.replays, []
         self.plans.staged()
         dropped = self.ring.dropped
@@ -292,7 +306,8 @@ class StepPack:
 
     def discard(self) -> None:
         """Forget the step being recorded (it is not written)."""
-        self.layout, self.fresh, self.memo, self.held, self.replays, self.dynamic = [], [], {}, None, [], {}
+        self.layout, self.fresh, self.memo, self.held, self.replays = [], [], {}, None, []
+        self.dynamic, self.heads = {}, {}
         self.ring.discard()
 
 

@@ -322,7 +322,7 @@ class RankRecorder:
         g = batch
         key = ("global_batch", g.num_reqs, g.num_tokens,
                *_where(g.query_start_loc, g.positions, g.input_ids, g.seq_lens))
-        self.planned_put("target", key, [g.idx_mapping[: g.num_reqs], g.logits_indices],
+        self.planned_put("target", key, [self.pack.head(g.idx_mapping, g.num_reqs), g.logits_indices],
                          views=lambda idx, logits: {**_batch_device_views(g), "idx_mapping": idx,
                                                     "logits_indices": logits, "sampled_logits_rows": logits})
         views: dict[str, Any] = dict(**_batch_host_views(g), sampled_from=np.array("global"),
@@ -343,7 +343,7 @@ class RankRecorder:
             return {"block_table_global": rows, "block_table_global_stale_tail": stale,
                     "slot_mapping_global": slot_mappings[:, :t]}
 
-        self.planned_put("target", key, [batch.idx_mapping[:r]], views=views)
+        self.planned_put("target", key, [self.pack.head(batch.idx_mapping, r)], views=views)
         meta = (id(bt), getattr(runner, "dcp_rank", 0), getattr(runner, "cp_interleave", 1))
         if meta != self._attn_meta:  # the block sizes and DCP settings are the runner's for the run
             self._attn_meta = meta
