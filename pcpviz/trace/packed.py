@@ -123,11 +123,31 @@ DERIVED: dict[str, Callable[..., tuple]] = {"block_rows": block_rows, "verify": 
 """The host-side computations a ``("d", ...)`` entry may name (``columns``: output k is column k)."""
 
 
+_DTYPE_STR: dict[np.dtype, str | None] = {}
+"""A dtype's ``str`` where its arrays are kept by their bytes, None where not (``host_entry``)."""
+
+
 def host_entry(value: Any) -> tuple:
     """The entry of a host value: numbers and strings by their bytes, anything else as it is."""
-    if isinstance(value, np.ndarray) and value.dtype.fields is None and value.dtype.kind in "biufcUS":
-        return ("a", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, np.ndarray):
+        dt = value.dtype
+        ds = _DTYPE_STR.get(dt, False)
+        if ds is False:
+            ds = dt.str if dt.fields is None and dt.kind in "biufcUS" else None
+            if len(_DTYPE_STR) < 256:
+                _DTYPE_STR[dt] = ds
+        if ds is not None:
+            return ("a", ds, value.shape, value.tobytes())
     return ("v", value)
+
+
+def int64_entry(value: int) -> tuple:
+    """``host_entry(np.array(value, dtype=np.int64))`` without the array (a hook's timestamps).
+
+    >>> int64_entry(5) == host_entry(np.array(5, dtype=np.int64))
+    True
+    """
+    return ("a", "<i8", (), int(value).to_bytes(8, "little", signed=True))
 
 
 def _array(buf: np.ndarray, offset: int, dtype: str, shape: tuple) -> np.ndarray:

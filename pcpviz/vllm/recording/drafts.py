@@ -28,7 +28,7 @@ import torch
 
 from vllm.forward_context import get_forward_context, is_forward_context_available
 
-from pcpviz.trace.packed import host_entry
+from pcpviz.trace.packed import host_entry, int64_entry
 from pcpviz.vllm.fake_group import current_fake_group
 from pcpviz.vllm.recording import fingerprints
 from pcpviz.vllm.recording.consumed import captured_inputs, model_call_views, model_inputs
@@ -113,7 +113,7 @@ class DraftContext:
         """A draft forward begins: the phase before it ends now; its name, draft step and start."""
         rec, now = self.rec, now_us()
         if self.phases and not self.dummy:
-            rec.phase(self.phases[-1])["t_end_us"] = host_entry(np.array(now, dtype=np.int64))
+            rec.phase(self.phases[-1])["t_end_us"] = int64_entry(now)
         # propose runs one forward per draft step, in order: _prefill (step 0) then one
         # _generate_draft per decode step (counted here rather than read from the device
         # tensor current_draft_step, which would synchronize).
@@ -208,7 +208,7 @@ class DraftContext:
         dynamic = [pack.head(self.input_batch.idx_mapping, self.num_reqs)]
         plan = pack.book.get(key)
         if plan is not None and pack.replay(plan, phase, dynamic):
-            phase["t_start_us"] = host_entry(np.array(opened[2], dtype=np.int64))
+            phase["t_start_us"] = int64_entry(opened[2])
             return
         with pack.planning(phase, dynamic) as made:
             self._full_replay_views(manager, n, opened, idx=dynamic[0])

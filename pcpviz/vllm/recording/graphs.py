@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pcpviz.trace.packed import host_entry
+from pcpviz.trace.packed import host_entry, int64_entry
 from pcpviz.vllm.recording.consumed import capturing, full_replay, in_full_replay
 from pcpviz.vllm.recording.patching import install_model_wrapper
 from pcpviz.vllm.recording.state import current_draft, current_session, live_recorder
@@ -232,7 +232,7 @@ def _count(n: int) -> tuple:
     entries are immutable, and every step that replayed as many graphs shares it."""
     e = _COUNTS.get(n)
     if e is None:
-        e = host_entry(np.array(n, dtype=np.int64))
+        e = int64_entry(n)
         if len(_COUNTS) < 1024:
             _COUNTS[n] = e
     return e

@@ -34,7 +34,7 @@ from pcpviz.vllm.recording.collectives import Ledger
 from pcpviz.vllm.recording.drafts import DraftContext
 from pcpviz.vllm.recording.graphs import ledger_views
 from pcpviz.trace.meta_model import META_SCHEMA, RunMeta
-from pcpviz.trace.packed import host_entry
+from pcpviz.trace.packed import host_entry, int64_entry
 from pcpviz.vllm.recording.host import Deferred, Fresh, StepPack, Strings, block_rows, now_us
 from pcpviz.vllm.recording.ring import ENV_RING_MB
 from pcpviz.vllm.recording.meta import environment_meta, speculator_meta
@@ -77,6 +77,9 @@ def _batch_host_views(g: Any) -> dict[str, Any]:
 def _where(*tensors: Any) -> tuple:
     """Address, shape and strides of each tensor (a plan key's part: the same memory read the same way)."""
     return tuple((t.data_ptr(), t.shape, t.stride()) if isinstance(t, torch.Tensor) else t for t in tensors)
+
+
+_GLOBAL = host_entry(np.array("global"))  # ``sampled_from`` of a PCP=1 step
 
 
 class _Depth(threading.local):
@@ -325,11 +328,11 @@ class RankRecorder:
         self.planned_put("target", key, [self.pack.head(g.idx_mapping, g.num_reqs), g.logits_indices],
                          views=lambda idx, logits: {**_batch_device_views(g), "idx_mapping": idx,
                                                     "logits_indices": logits, "sampled_logits_rows": logits})
-        views: dict[str, Any] = dict(**_batch_host_views(g), sampled_from=np.array("global"),
-                                     t_start_us=np.array(t0, dtype=np.int64))
+        self.put("target", **_batch_host_views(g))
+        box = self.phase("target")
+        box["sampled_from"], box["t_start_us"] = _GLOBAL, int64_entry(t0)
         if warming_up():
-            views["warmup"] = np.array(True)
-        self.put("target", **views)
+            self.put("target", warmup=np.array(True))
         self.update_meta(pcp=1, dcp=int(getattr(runner, "dcp_size", 1) or 1))
 
     def on_runner_attn(self, runner: Any, batch: Any, *, block_tables: Any, slot_mappings: torch.Tensor) -> None:
@@ -408,7 +411,7 @@ class RankRecorder:
         with_cursor = isinstance(cursor, torch.Tensor) and cursor.ndim == 1
         target = (self.phases or {}).get("target")
         if target is not None and "t_end_us" not in target:
-            target["t_end_us"] = host_entry(np.array(t0, dtype=np.int64))  # PCP=1: no restore_for_sampling
+            target["t_end_us"] = int64_entry(t0)  # PCP=1: no restore_for_sampling
 
         def device_views(idx: torch.Tensor, sampled: torch.Tensor, ns: torch.Tensor, nr: torch.Tensor) -> dict:
             # vLLM writes sampled_tokens[i, :num_sampled[i]] only: on a GPU the rest of the row is
@@ -423,8 +426,9 @@ class RankRecorder:
 
         key = ("verify", r, _where(cursor) if with_cursor else None)
         self.planned_put("verify", key, [idx_mapping, sampled, num_sampled, num_rejected], views=device_views)
-        self.put("verify", **views, t_start_us=np.array(t0, dtype=np.int64),
-                 t_end_us=np.array(now_us(), dtype=np.int64))
+        self.put("verify", **views)
+        box = self.phase("verify")
+        box["t_start_us"], box["t_end_us"] = int64_entry(t0), int64_entry(now_us())
 
     # -- drafts
     def begin_propose(self, spec: Any, input_batch: Any, dummy: bool) -> DraftContext:
