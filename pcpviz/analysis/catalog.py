@@ -17,14 +17,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pcpviz.analysis.diff import acceptance
+from pcpviz.trace import open as open_trace
+from pcpviz.trace.acceptance import vllm_acceptance_metric
+
 __all__ = ["catalog", "catalog_markdown"]
 
 
 def _row(path: Path) -> dict[str, Any]:
-    from pcpviz.analysis.diff import acceptance
-    from pcpviz.teaching.examples.traces import vllm_acceptance_metric
-    from pcpviz.trace import open as open_trace
-
     row: dict[str, Any] = {"name": path.name}
     try:
         trace = open_trace(path)

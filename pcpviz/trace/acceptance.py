@@ -38,7 +38,8 @@ import numpy as np
 
 from pcpviz.trace.schema import int_view
 
-__all__ = ["Counts", "count", "count_rows", "ratio", "json_ratio", "verify_counts", "SMALL_BATCH"]
+__all__ = ["Counts", "count", "count_rows", "ratio", "json_ratio", "verify_counts", "SMALL_BATCH", "METRIC_PER_POS",
+           "vllm_acceptance_metric"]
 
 
 def ratio(num: float, den: float) -> float:
@@ -130,4 +131,25 @@ def verify_counts(rec: Mapping[str, Any]) -> tuple[np.ndarray, np.ndarray] | Non
         return nacc, int_view(rec["num_draft_tokens"], "num_draft_tokens")
     if "num_rejected" in rec:
         return nacc, nacc + int_view(rec["num_rejected"], "num_rejected")
+    return None
+
+
+METRIC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def vllm_acceptance_metric(meta: Any) -> list[int] | None:
+    """vLLM's own per-position accepted-token counter (``vllm:spec_decode_num_accepted_tokens_per_pos``,
+    from ``LLM.get_metrics()``) if a recording stored it anywhere in its ``run.json``, else None."""
+    if isinstance(meta, Mapping):  # run.json as read (Trace.meta is a read-only mapping), or a part of it
+        for key, value in meta.items():
+            if key in (METRIC_PER_POS, "num_accepted_tokens_per_pos") and isinstance(value, list):
+                return [int(v) for v in value]
+            found = vllm_acceptance_metric(value)
+            if found is not None:
+                return found
+    elif isinstance(meta, list):
+        for value in meta:
+            found = vllm_acceptance_metric(value)
+            if found is not None:
+                return found
     return None

@@ -162,6 +162,17 @@ def test_producers_and_the_trace_do_not_reach_the_analysis():
     assert not bad, "a producer or the trace reaches a layer above it:\n" + "\n".join(bad)
 
 
+def test_the_analysis_does_not_reach_the_teaching_the_views_or_the_command_line():
+    edges = import_graph()
+    above = ("pcpviz.teaching", "pcpviz.views", "pcpviz.cli")
+    bad = []
+    for mod in edges:
+        if mod.startswith("pcpviz.analysis"):
+            came = _reach(edges, mod)
+            bad += [_chain(came, m) for m in came if m.startswith(above)][:1]
+    assert not bad, "the analysis reaches a layer above it:\n" + "\n".join(bad)
+
+
 def test_the_cost_model_does_not_reach_the_command_line():
     edges = import_graph()
     for mod in edges:

@@ -10,9 +10,9 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Mapping
-from typing import Any, Sequence
+from typing import Sequence
 
+from pcpviz.trace.acceptance import METRIC_PER_POS, vllm_acceptance_metric  # re-exported for the notebooks
 from pcpviz.trace.meta_model import RunMeta, decode_meta
 
 __all__ = ["describe_acceptance_change", "TracePick", "pick_trace", "trace_pairs", "vllm_acceptance_metric",
@@ -113,24 +113,3 @@ def trace_pairs(root: str | Path) -> list[tuple[TracePick, TracePick]]:
         pairs += [(a, b) for i, a in enumerate(picks) for b in picks[i + 1:]]
     rank = lambda t: _PRODUCER_RANK.get(t.producer, 3)  # noqa: E731
     return sorted(pairs, key=lambda ab: (rank(ab[0]), rank(ab[1]), ab[0].path.name, ab[1].path.name))
-
-
-METRIC_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
-
-
-def vllm_acceptance_metric(meta: Any) -> list[int] | None:
-    """vLLM's own per-position accepted-token counter (``vllm:spec_decode_num_accepted_tokens_per_pos``,
-    from ``LLM.get_metrics()``) if a recording stored it anywhere in its ``run.json``, else None."""
-    if isinstance(meta, Mapping):  # run.json as read (Trace.meta is a read-only mapping), or a part of it
-        for key, value in meta.items():
-            if key in (METRIC_PER_POS, "num_accepted_tokens_per_pos") and isinstance(value, list):
-                return [int(v) for v in value]
-            found = vllm_acceptance_metric(value)
-            if found is not None:
-                return found
-    elif isinstance(meta, list):
-        for value in meta:
-            found = vllm_acceptance_metric(value)
-            if found is not None:
-                return found
-    return None
