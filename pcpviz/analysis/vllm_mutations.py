@@ -76,6 +76,29 @@ def _no_advance(real: Callable) -> Callable:
     return buggy
 
 
+def _attr_during(attr: str, fn: Callable[[Any], Any]) -> Callable[[Callable], Callable]:
+    """A method wrapper that runs ``real`` with ``self.<attr>`` replaced by ``fn(value)`` (restored
+    after): the method reads one of its object's own tensors wrong. Each PCP rank of the replay has
+    its own manager, so the swap is that rank's alone."""
+    def wrap(real: Callable) -> Callable:
+        def buggy(self: Any, *args: Any, **kwargs: Any) -> Any:
+            saved = getattr(self, attr)
+            setattr(self, attr, fn(saved))
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                setattr(self, attr, saved)
+        return buggy
+    return wrap
+
+
+def _mirrored_rank(real: Callable) -> Callable:
+    """``_iter_rank_chunks`` for rank ``P-1-r``: each rank takes its mirror's DualChunkSwap chunks."""
+    def buggy(self: Any, rank: int, *args: Any, **kwargs: Any) -> Any:
+        return real(self, self.pcp_world_size - 1 - rank, *args, **kwargs)
+    return buggy
+
+
 def _keywords(real: Callable) -> Callable:
     """The same call with ``out`` passed by keyword (what a refactor of the call site might do)."""
     def same(self: Any, idx_mapping: Any, query_start_loc: Any, positions: Any, *args: Any, **kwargs: Any) -> Any:
@@ -86,6 +109,7 @@ def _keywords(real: Callable) -> Callable:
 
 _AR = "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator"
 _BT = "vllm.v1.worker.gpu.block_table"
+_PM = "vllm.v1.worker.gpu.pcp_manager"
 _M = VllmMutation
 VLLM_MUTATIONS: tuple[VllmMutation, ...] = (
     _M("decode_ignores_rejections", _AR, "prepare_decode_inputs", "prepare_decode_inputs", "draft_1",
@@ -112,6 +136,19 @@ VLLM_MUTATIONS: tuple[VllmMutation, ...] = (
     _M("cursor_keeps_a_rejected_draft", "vllm.v1.worker.gpu.model_runner", "post_update", "post_update", "verify",
        "num_computed_after", "cursor: post_update rolls back one draft fewer than were rejected",
        _replace(6, "num_rejected", lambda t: (t - 1).clamp(min=0))),
+    # -- the PCP manager: the rank-local batch, the gathered slots, the hidden rows' restore
+    _M("chunks_mirrored", _PM, "PCPManager._iter_rank_chunks", "PCPManager.partition_batch", "target", "segments",
+       "partition: rank r takes rank P-1-r's DualChunkSwap chunks", _mirrored_rank),
+    _M("gathered_slots_unmasked", _PM, "PCPManager._convert_to_gathered_slot_mappings",
+       "PCPManager._convert_to_gathered_slot_mappings", "target", "slot_mapping_gathered",
+       "gathered slots: the KV write mask ignored (every rank writes every replica)",
+       _attr_during("_gathered_kv_write_mask", lambda m: m | True)),
+    _M("hidden_restore_one_row_off", _PM, "PCPManager.restore_for_sampling", "PCPManager.restore_hidden_states",
+       "target", "hidden_fp", "restore: the all-gathered hidden rows put back one row off",
+       _attr_during("_hidden_restore_idx", lambda i: i.roll(1))),
+    _M("draft_prefill_ids_shifted", _PM, "PCPManager.prepare_draft_prefill", "PCPManager.prepare_draft_prefill",
+       "draft_0", "draft_input_ids", "draft prefill: the rank-local ids gathered from the global ids shifted by one",
+       _replace(2, "input_ids", lambda t: t.roll(1))),
     # -- harmless refactors: the replay must equal the clean one
     _M("refactor_decode_inputs_passthrough", _AR, "prepare_decode_inputs", "prepare_decode_inputs", None, None,
        "refactor: prepare_decode_inputs behind a pass-through wrapper", _identity, harmless=True),
