@@ -91,6 +91,12 @@ VLLM: tuple[Producer, ...] = (
     Producer("PCPManager.restore_hidden_states", _P, 833, ("hidden_states", "_hidden_restore_idx"),
              _t("hidden_fp"), _t("hidden_restore_idx"),
              unrecorded=("the target forward's rank-local hidden rows (all-gathered here)",)),
+    Producer("PCPManager.restore_draft_prefill", _P, 865,
+             ("last_hidden_states", "hidden_states", "restore_hidden_states"),
+             ("draft_0.hidden_last_fp", "draft_0.hidden_out_fp"),
+             ("draft_0.mtp_local_fp", "draft_0.draft_last_token_indices") + _t("hidden_restore_idx"),
+             unrecorded=("the other ranks' MTP rows (all-gathered here); at PCP = 1 nothing is restored and these "
+                         "are the MTP forward's own rows",)),
     Producer("PCPManager.restore_for_sampling", _P, 882, ("hidden_states", "aux_hidden_states"),
              _t("sampled_logits_rows", "sampled_from", "num_aux_hidden_states_restored"),
              _t("hidden_restore_idx", "logits_indices")),

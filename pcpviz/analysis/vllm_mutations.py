@@ -99,6 +99,14 @@ def _mirrored_rank(real: Callable) -> Callable:
     return buggy
 
 
+def _prefills_first(real: Callable) -> Callable:
+    """``_reorder_segments`` (a staticmethod) told every request is the other kind: a rank's rows
+    ordered prefills first."""
+    def buggy(segments: Any, is_prefilling: Any) -> Any:
+        return real(segments, ~is_prefilling)
+    return buggy
+
+
 def _keywords(real: Callable) -> Callable:
     """The same call with ``out`` passed by keyword (what a refactor of the call site might do)."""
     def same(self: Any, idx_mapping: Any, query_start_loc: Any, positions: Any, *args: Any, **kwargs: Any) -> Any:
@@ -146,6 +154,11 @@ VLLM_MUTATIONS: tuple[VllmMutation, ...] = (
     _M("hidden_restore_one_row_off", _PM, "PCPManager.restore_for_sampling", "PCPManager.restore_hidden_states",
        "target", "hidden_fp", "restore: the all-gathered hidden rows put back one row off",
        _attr_during("_hidden_restore_idx", lambda i: i.roll(1))),
+    _M("segments_prefills_first", _PM, "PCPManager._reorder_segments", "PCPManager.partition_batch", "target",
+       "segments", "partition: a rank's rows ordered prefills first", _prefills_first),
+    _M("draft_restore_one_row_off", _PM, "PCPManager.restore_draft_prefill", "PCPManager.restore_draft_prefill",
+       "draft_0", "hidden_last_fp|hidden_out_fp", "draft prefill: the all-gathered MTP rows put back one row off",
+       _attr_during("_hidden_restore_idx", lambda i: i.roll(1))),
     _M("draft_prefill_ids_shifted", _PM, "PCPManager.prepare_draft_prefill", "PCPManager.prepare_draft_prefill",
        "draft_0", "draft_input_ids", "draft prefill: the rank-local ids gathered from the global ids shifted by one",
        _replace(2, "input_ids", lambda t: t.roll(1))),
@@ -164,9 +177,12 @@ def planted(m: VllmMutation) -> Iterator[None]:
     mod = importlib.import_module(m.module)
     owner_name, _, name = m.attr.rpartition(".")
     owner = getattr(mod, owner_name) if owner_name else mod
-    real = getattr(owner, name)
-    setattr(owner, name, m.wrap(real))
+    raw = vars(owner).get(name, getattr(owner, name))  # a class's staticmethod as declared, not unwrapped
+    if isinstance(raw, staticmethod):
+        setattr(owner, name, staticmethod(m.wrap(raw.__func__)))
+    else:
+        setattr(owner, name, m.wrap(raw))
     try:
         yield
     finally:
-        setattr(owner, name, real)
+        setattr(owner, name, raw)
