@@ -118,6 +118,7 @@ def _keywords(real: Callable) -> Callable:
 _AR = "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator"
 _BT = "vllm.v1.worker.gpu.block_table"
 _PM = "vllm.v1.worker.gpu.pcp_manager"
+_MR = "vllm.v1.worker.gpu.model_runner"
 _M = VllmMutation
 VLLM_MUTATIONS: tuple[VllmMutation, ...] = (
     _M("decode_ignores_rejections", _AR, "prepare_decode_inputs", "prepare_decode_inputs", "draft_1",
@@ -144,6 +145,12 @@ VLLM_MUTATIONS: tuple[VllmMutation, ...] = (
     _M("cursor_keeps_a_rejected_draft", "vllm.v1.worker.gpu.model_runner", "post_update", "post_update", "verify",
        "num_computed_after", "cursor: post_update rolls back one draft fewer than were rejected",
        _replace(6, "num_rejected", lambda t: (t - 1).clamp(min=0))),
+    _M("positions_one_ahead", _MR, "prepare_pos_seq_lens", "prepare_pos_seq_lens", "target", "positions|seq_lens",
+       "target inputs: positions and seq_lens from a cursor one token ahead",
+       _replace(2, "num_computed_tokens", lambda t: t + 1)),
+    _M("drafts_of_the_next_request", _MR, "combine_sampled_and_draft_tokens", "combine_sampled_and_draft_tokens",
+       "target", "input_ids", "target inputs: each request's draft tokens taken from the next request's",
+       _replace(6, "draft_tokens", lambda t: t.roll(1, 0))),
     # -- the PCP manager: the rank-local batch, the gathered slots, the hidden rows' restore
     _M("chunks_mirrored", _PM, "PCPManager._iter_rank_chunks", "PCPManager.partition_batch", "target", "segments",
        "partition: rank r takes rank P-1-r's DualChunkSwap chunks", _mirrored_rank),
