@@ -146,6 +146,10 @@ def bench(settings, names=None, work: Path | None = None) -> list[Row]:
 
 VLLM_SETTINGS = {  # the CPU replay of vLLM's own classes (pcpviz.vllm.replay): scripted scenario, ranks as threads
     "replay-pcp2-k3-mixed": dict(pcp=2, mtp=3, scenario="mixed"),
+    # vLLM's default CUDA-graph mode: the draft forwards dispatched PIECEWISE / FULL (stand-in graphs that read
+    # their capture buffers), with pcpviz.vllm.fixes on: without them the clean run already fails
+    # forward_consumed_prepared (docs/findings/piecewise-draft-prefill.md, full-draft-prefill-state.md)
+    "replay-pcp4-k2-full-fixed": dict(pcp=4, mtp=2, scenario="mixed", graph_mode="FULL_AND_PIECEWISE", fixes="all"),
 }
 
 

@@ -58,6 +58,8 @@ _LOCAL = ("local_req_ids", "local_idx_mapping", "local_input_ids", "local_positi
 _LAYOUT = ("segments", "per_rank_num_tokens", "padded_gather_idx", "hidden_restore_idx", "kv_write_mask")
 _t = lambda *v: tuple(f"target.{x}" for x in v)  # noqa: E731
 
+_CAPTURED = ("the buffers the forward's CUDA graph was captured with: a PIECEWISE or FULL replay reads those, not "
+             "the ones it is handed (docs/findings/piecewise-draft-prefill.md)")
 VLLM: tuple[Producer, ...] = (
     Producer("GPUModelRunner.prepare_inputs", _G + "model_runner.py", 1388, ("scheduler_output",),
              _t("req_ids", "idx_mapping", "num_scheduled_tokens", "num_computed_tokens", "query_start_loc",
@@ -120,6 +122,14 @@ VLLM: tuple[Producer, ...] = (
              ("draft_0.draft_input_ids", "draft_0.draft_positions", "draft_0.draft_seq_lens", "draft_0.view",
               "draft_0.draft_prefill_restored"),
              ("draft_0.draft_global_input_ids",) + _t("local_positions", "local_seq_lens", "padded_gather_idx")),
+    Producer("TargetDependentARSpeculator._run_model", _AR, 374,
+             ("input_buffers", "get_draft_input_buffers", "cudagraph_runtime_mode"),
+             ("draft_0.fwd_input_ids", "draft_0.fwd_positions"), ("draft_0.draft_input_ids", "draft_0.draft_positions"),
+             unrecorded=(_CAPTURED,)),
+    Producer("TargetDependentARSpeculator._run_model", _AR, 374,
+             ("input_buffers", "get_draft_input_buffers", "cudagraph_runtime_mode"),
+             ("draft_k.fwd_input_ids", "draft_k.fwd_positions"), ("draft_k.draft_input_ids", "draft_k.draft_positions"),
+             unrecorded=(_CAPTURED,)),
     Producer("TargetDependentARSpeculator._generate_draft", _AR, 634, ("num_reqs", "attn_metadata", "slot_mappings"),
              ("draft_0.draft_tokens", "draft_k.draft_tokens"),
              ("draft_0.draft_input_ids", "draft_0.draft_positions", "draft_k.draft_input_ids",

@@ -86,13 +86,22 @@ def _tokens(sym) -> str:
             f"{_rate(sym.reference_acceptance_rate)}")
 
 
+def _check_passes(report, name: str) -> bool:
+    res = report.results.get(name)
+    return res is not None and res.verdict == "pass"
+
+
 def mechanism(report, sym, hyps) -> str:
     """The mechanism text (see the module doc); ``hyps`` are ``explain``'s ranked hypotheses."""
     parts = [_first_view(report) or _diverged(sym), _tokens(sym)]
-    fits = [h.fault for h in hyps if h.status == "consistent"]
+    fits = [h for h in hyps if h.status == "consistent"]
+    hidden = [h for h in fits if _check_passes(report, h.caught_by)]  # the recording hides them from it
     out = [h for h in hyps if h.status == "ruled out" and h.evidence_for]
     parts.append("merely consistent (their check fails, nothing specific to them is seen): "
-                 + (", ".join(fits) if fits else "none"))
+                 + (", ".join(h.fault for h in fits if h not in hidden) or "none"))
+    if hidden:
+        parts.append("consistent, though this recording hides them from their own check: "
+                     + "; ".join(f"{h.fault} ({h.evidence_for[0]})" if h.evidence_for else h.fault for h in hidden))
     if out:
         parts.append("ruled out although their check fails: "
                      + "; ".join(f"{h.fault} ({h.evidence_against[0]})" for h in out[:4]))

@@ -192,8 +192,10 @@ def _rank_divergent(f: Findings) -> Signature:
                       f"fewer than rank {f.rank} in rows {less[:6]}")
 
 
-def _captured_buffers(f: Findings) -> Signature:
-    """draft_0's local ids equal the first rows of the global shifted ids, not the rank's rows."""
+def _global_rows_read(f: Findings, view: str) -> tuple[int, int]:
+    """(wrong, seen): the (step, rank) where draft_0's ``view`` (``draft_input_ids``, the ids the
+    engine's drafter consumed; ``fwd_input_ids``, what vLLM's draft forward consumed) is not the
+    rank's rows of the global shifted ids, and of those, the ones where it is their first rows."""
     t = f.trace
     seen = wrong = 0
     for r in t.ranks:
@@ -201,18 +203,24 @@ def _captured_buffers(f: Findings) -> Signature:
             if not (t.has(step, r, "draft_0") and t.has(step, r, "target")):
                 continue
             d0, tgt = t.record(step, r, "draft_0"), t.record(step, r, "target")
-            if not all(v in d0 for v in ("draft_input_ids", "draft_global_input_ids")) or \
+            if not all(v in d0 for v in (view, "draft_global_input_ids")) or \
                     not all(v in tgt for v in ("padded_gather_idx", "per_rank_num_tokens")):
                 continue
-            dii, dgi = np.asarray(d0["draft_input_ids"]), np.asarray(d0["draft_global_input_ids"])
+            dii, dgi = np.asarray(d0[view]), np.asarray(d0["draft_global_input_ids"])
             p = dii.shape[0]
-            n = int(np.asarray(tgt["per_rank_num_tokens"])[r])
+            n = min(int(np.asarray(tgt["per_rank_num_tokens"])[r]), p)
             rows = np.asarray(tgt["padded_gather_idx"])[r * p: r * p + n]
             if rows.size and rows.max() < dgi.shape[0] and np.array_equal(dii[:n], dgi[rows]):
                 continue
             wrong += 1
             m = min(p, dgi.shape[0])
             seen += bool(np.array_equal(dii[:m], dgi[:m]))
+    return wrong, seen
+
+
+def _captured_buffers(f: Findings) -> Signature:
+    """draft_0's local ids equal the first rows of the global shifted ids, not the rank's rows."""
+    wrong, seen = _global_rows_read(f, "draft_input_ids")
     if not wrong:
         return NOTHING
     if seen == wrong:
@@ -222,11 +230,23 @@ def _captured_buffers(f: Findings) -> Signature:
 
 
 def _captured_buffers_unseen(f: Findings, sym) -> Signature:
-    """The recording cannot show this fault when the recorder logs the ids the drafter was handed
-    (vLLM's plugin): then the symptoms alone say whether it fits (never more than consistent)."""
+    """The recording cannot show this fault to its check when the recorder logs the ids the drafter
+    was handed (vLLM's plugin and replay). Where it also recorded what the draft forward consumed
+    (``fwd_input_ids``, ``recording.consumed``), those say it directly: the first rows of the global
+    shifted ids instead of the rank's rows. Else the symptoms alone say whether it fits. Either way
+    never more than consistent."""
     meta = f.trace.run_meta
     if meta.producer == "pcpviz-engine" or not (meta.pcp or 1) > 1:
         return NOTHING
+    wrong, seen = _global_rows_read(f, "fwd_input_ids")
+    if wrong:
+        if seen < wrong:
+            return _no(f"{wrong - seen} of {wrong} draft-prefill forwards consumed ids that are neither the rank's "
+                       "rows nor the global buffer's first rows")
+        return Signature(confirms=(
+            f"on {wrong} (step, rank) the draft prefill's forward consumed the first rows of the global shifted "
+            "ids (fwd_input_ids), not the rank's rows it was handed (draft_input_ids): the buffers its captured "
+            "graph reads" + (f" (cudagraph_mode {meta.cudagraph_mode})" if meta.cudagraph_mode else ""),))
     if not (sym.acceptance_dropped and 0 in sym.dropped_positions and sym.outputs_same
             and sym.only_layout_before_drafts):
         return NOTHING
