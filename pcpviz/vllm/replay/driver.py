@@ -16,6 +16,7 @@ reduce-scatters its experts' rows over PCP, vLLM's ``moe_runner.py:824-829, 853-
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -45,6 +46,8 @@ from pcpviz.vllm.replay.step import StepOut, dummy_step, rank_step
 from pcpviz.vllm.replay.tiny import TINY_MODELS_DECLARATION, TINY_STAND_INS, tiny_model
 from pcpviz.vllm.replay.tiny_moe import MOE_MODELS_DECLARATION, MOE_STAND_INS
 
+logger = logging.getLogger("pcpviz.vllm")
+
 __all__ = ["PRODUCER", "ReplayResult", "replay"]
 
 PRODUCER = "vllm-replay"
@@ -73,6 +76,9 @@ class ReplayResult:
     indexer_writes: list[dict[str, list]] = dataclasses.field(default_factory=list)
     # per rank, each attention call's top-k per batch row (int64[q, topk]), the same keys
     indexer_selections: list[dict[str, list]] = dataclasses.field(default_factory=list)
+    # where a rank's verify outcome or drafts first differed from rank 0's, one line each ("step 4: rank 2
+    # drafted other tokens than rank 0"); the run went on with rank 0's, as vLLM's scheduler does
+    rank_divergences: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def trace(self):
@@ -186,7 +192,7 @@ def replay(
         step_seconds=run.step_seconds, recording_seconds=rec_seconds, meta=meta,
         manager_class=PCPManager if states[0].manager is None else type(states[0].manager),
         indexer_writes=[_indexer_log(s, "writes") for s in states],
-        indexer_selections=[_indexer_log(s, "selections") for s in states])
+        indexer_selections=[_indexer_log(s, "selections") for s in states], rank_divergences=run.divergences)
 
 
 def _replay_config(pcp: int, mtp: int, scenario: str, *, decodes: str, block_size: int, models: str | None,
@@ -253,6 +259,7 @@ class _Run:
         self.group = FakePCPGroup(c.pcp, timeout=120.0)
         self.states: list[RankState | None] = [None] * c.pcp
         self.steps: list[list[StepOut]] = []
+        self.divergences: list[str] = []  # ReplayResult.rank_divergences
         self.step_seconds: list[float] = []
         self.dummy_out: list[dict[str, Any]] | None = None
 
@@ -280,17 +287,29 @@ class _Run:
                                                             eager_drafts=eager))
         self.step_seconds.append(time.perf_counter() - t0)
         ref = outs[0]
-        for rank, o in enumerate(outs[1:], start=1):
-            for name in ("num_sampled", "num_rejected", "sampled"):
-                if not np.array_equal(getattr(ref, name), getattr(o, name)):
-                    raise RuntimeError(f"step {step}: rank {rank} {name} differs from rank 0's")
-            if not np.array_equal(ref.draft_tokens, o.draft_tokens):
-                raise RuntimeError(f"step {step}: rank {rank} drafted other tokens than rank 0")
+        self._compare_ranks(step, outs)
         sched.update(out, ref.req_ids, num_sampled=ref.num_sampled, num_rejected=ref.num_rejected)
         self.steps.append(outs)
         if self.progress is not None:
             self.progress(f"step {step}: {len(ref.req_ids)} requests, local tokens "
                           f"{[o.local_num_tokens for o in outs]}, drafts {ref.draft_tokens.tolist()}")
+
+    def _compare_ranks(self, step: int, outs: list[StepOut]) -> None:
+        """Note where a rank's verify outcome or drafts differ from rank 0's. The run goes on with rank
+        0's, as vLLM's scheduler takes one rank's output: the ranks have forked (a KV write or a
+        restore went wrong on one of them), and the trace holds every rank's views for ``ranks_agree``
+        and ``target_outputs_agree`` to report, rather than the replay stopping before it is written."""
+        ref = outs[0]
+        for rank, o in enumerate(outs[1:], start=1):
+            what = next((f"{name} differs from rank 0's" for name in ("num_sampled", "num_rejected", "sampled")
+                         if not np.array_equal(getattr(ref, name), getattr(o, name))), None)
+            if what is None and not np.array_equal(ref.draft_tokens, o.draft_tokens):
+                what = "drafted other tokens than rank 0"
+            if what is not None:
+                if not self.divergences:
+                    logger.warning("pcpviz replay: step %d: rank %d %s; going on with rank 0's outputs, as vLLM "
+                                   "does (pcpviz check reports the ranks' disagreement)", step, rank, what)
+                self.divergences.append(f"step {step}: rank {rank} {what}")
 
     def profile_run(self) -> None:
         """The dummy (profile) run: no block-table gather, no collective but the MoE layers', idx_mapping
