@@ -1,5 +1,6 @@
 """Deterministic per-step counts of the recorder's work on the step thread: the stand-in step of
-``bench_recorder_host.py`` with no vLLM work, recording on, 20 steps counted after 5 warm ones: aten
+``bench_recorder_host.py`` with no vLLM work (batch 1 and 32, PCP=1 and rank 0 of PCP=2), recording on,
+20 steps counted after 5 warm ones: aten
 ops dispatched on the step thread (``TorchDispatchMode``, thread-local: the writer's are not counted)
 and Python calls into pcpviz (``sys.setprofile``). Unlike wall time, robust to a loaded machine.
 
@@ -41,11 +42,11 @@ def main() -> int:
     from pcpviz.vllm import recording
 
     out = {}
-    for r in (1, 32):
-        st = b.Stage(r, 256, 1)
-        s = recording.TraceSession(pathlib.Path(tempfile.mkdtemp()) / "t", producer="bench", meta={"pcp": 1},
+    for r, pcp in ((1, 1), (32, 1), (1, 2), (32, 2)):
+        st = b.Stage(r, 256, pcp)
+        s = recording.TraceSession(pathlib.Path(tempfile.mkdtemp()) / "t", producer="bench", meta={"pcp": pcp},
                                    strict=False)
-        rec = s.recorder_for_rank(0, 1)
+        rec = s.recorder_for_rank(0, pcp)
         x = torch.zeros(8)
         for _ in range(5):
             x = b.step(rec, st, x, 0, on=True)
@@ -64,7 +65,7 @@ def main() -> int:
             sys.setprofile(None)
         rec.sink.drain()
         s.close()
-        out[f"batch{r}"] = {"aten_ops_per_step": round(sum(cm.c.values()) / n, 1),
+        out[f"batch{r}" + (f"_pcp{pcp}" if pcp > 1 else "")] = {"aten_ops_per_step": round(sum(cm.c.values()) / n, 1),
                             "pcpviz_python_calls_per_step": round(calls[0] / n, 1),
                             "top_ops": {k: round(v / n, 1) for k, v in cm.c.most_common(8)}}
     print(json.dumps(out))

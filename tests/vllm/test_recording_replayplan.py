@@ -35,12 +35,14 @@ def _views(trace, skip: set = TIMES) -> dict:
 
 
 def _counting(monkeypatch) -> dict:
-    seen = {"hits": 0, "plans": 0}
+    seen = {"hits": 0, "plans": 0, "hit": set()}
     get, add = replayplan.PlanBook.get, replayplan.PlanBook.add
 
     def counted_get(self, key):
         plan = get(self, key)
         seen["hits"] += plan is not None
+        if plan is not None and isinstance(key[0], str):
+            seen["hit"].add(key[0])  # the hook's plans that were hit ("partition", "verify", ...)
         return plan
 
     def counted_add(self, key, plan):
@@ -53,16 +55,22 @@ def _counting(monkeypatch) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pcp, scenario, min_hits", [(1, "decode_only", 4), (1, "mixed", 0), (2, "mixed", 0)])
-def test_planned_full_replays_record_the_same_views_as_the_per_view_path(tmp_path, monkeypatch, pcp, scenario,
+@pytest.mark.parametrize("pcp, scenario, mode, min_hits", [(1, "decode_only", "FULL_DECODE_ONLY", 4),
+                                                           (1, "mixed", "FULL_DECODE_ONLY", 0),
+                                                           (2, "mixed", "FULL_DECODE_ONLY", 0),
+                                                           (2, "decode_only", "NONE", 4)])
+def test_planned_full_replays_record_the_same_views_as_the_per_view_path(tmp_path, monkeypatch, pcp, scenario, mode,
                                                                           min_hits):
     """Every view of every step equal, timestamps aside. decode_only repeats its shapes (plans are
-    hit); mixed changes shape every step (plans are made, the per-view path records). The PCP=2
-    decode_only replay under FULL graphs stops at a rank barrier with or without recording (not run)."""
-    kw = dict(pcp=pcp, mtp=3, scenario=scenario, graph_mode="FULL_DECODE_ONLY")
+    hit: at PCP=2, eager, the PCP manager's partition and attention views); mixed changes shape every
+    step (plans are made, the per-view path records). The PCP=2 decode_only replay under FULL graphs
+    stops at a rank barrier with or without recording (not run)."""
+    kw = dict(pcp=pcp, mtp=3, scenario=scenario, graph_mode=mode)
     seen = _counting(monkeypatch)
     planned = replay(trace_dir=tmp_path / "planned", **kw)
     assert seen["plans"] >= 1 and seen["hits"] >= min_hits, seen  # later replays of a shape came from its plan
+    if pcp > 1 and min_hits:
+        assert {"partition", "prepare_attn"} <= seen["hit"], seen  # the PCP manager's target views, planned
     with monkeypatch.context() as m:  # every hook view by view: no plan is ever found
         m.setattr(replayplan.PlanBook, "get", lambda self, key: None)
         plain = replay(trace_dir=tmp_path / "plain", **kw)
@@ -75,7 +83,7 @@ def test_planned_full_replays_record_the_same_views_as_the_per_view_path(tmp_pat
         for v, x in views.items():
             assert x.dtype == b[where][v].dtype and np.array_equal(x, b[where][v]), (where, v)
         full += str(views.get("graph_mode", "")) == "FULL"
-    assert full >= 4
+    assert full >= 4 or mode == "NONE"
 
 
 def _pack_with_plan(values: torch.Tensor, idx: torch.Tensor):

@@ -140,12 +140,12 @@ class DraftContext:
             nr = local.num_reqs
             rows, stale = block_rows(spec.block_tables,
                                      [t[: local.num_reqs_after_padding] for t in manager._local_block_tables],
-                                     local.idx_mapping[:nr])
+                                     rec.pack.head(local.idx_mapping, nr))  # the plan's dynamic tensor (on_full_replay)
             views.update(view=np.array("rank_local"), draft_input_ids=local.input_ids[:num_tokens],
                          draft_positions=local.positions[:num_tokens], draft_seq_lens=local.seq_lens[:nr],
                          block_table_draft=rows, block_table_draft_stale_tail=stale)
-            if self.global_draft_ids is not None:
-                views["draft_global_input_ids"] = Fresh(self.global_draft_ids)
+            if self.global_draft_ids is not None:  # the hook's own clone: copied with the phase, a dynamic tensor
+                views["draft_global_input_ids"] = self.global_draft_ids
         elif k == 0 and manager is None:
             # PCP = 1: the draft prefill runs on the global batch with the target's attention
             # metadata, block tables and slot mapping (its ids are the global shifted ids).
@@ -205,7 +205,13 @@ class DraftContext:
             return
         opened = self._open_phase()
         phase = self.rec.phase(opened[0])
-        dynamic = [pack.head(self.input_batch.idx_mapping, self.num_reqs)]
+        local = getattr(self.spec.pcp_manager, "draft_prefill_batch", None)
+        if local is not None:  # PCP's draft_0: the rank-local batch's idx_mapping and the global ids' clone
+            dynamic = [pack.head(local.idx_mapping, local.num_reqs)]
+            if self.global_draft_ids is not None:
+                dynamic.append(self.global_draft_ids)
+        else:
+            dynamic = [pack.head(self.input_batch.idx_mapping, self.num_reqs)]
         plan = pack.book.get(key)
         if plan is not None and pack.replay(plan, phase, dynamic):
             phase["t_start_us"] = int64_entry(opened[2])
@@ -219,11 +225,14 @@ class DraftContext:
         """What a FULL-replayed phase's views depend on besides the bytes of vLLM's buffers: the
         graph's manager and size, the draft step, the request count and the address of every
         buffer the views read (a buffer vLLM rotates, e.g. ``num_blocks``' UVA pool of
-        ``buffer_utils.py:64-110``, gets a plan per address). None: not planned (PCP's rank-local
-        draft_0, whose batch is a new object every step)."""
+        ``buffer_utils.py:64-110``, gets a plan per address). PCP's rank-local draft_0 reads the
+        local batch, a new object every step over the manager's persistent buffers: keyed by those
+        (``_local_plan_key``). None: not planned (a dummy run)."""
         spec = self.spec
-        if self.dummy or getattr(spec.pcp_manager, "draft_prefill_batch", None) is not None:
+        if self.dummy:
             return None
+        if getattr(spec.pcp_manager, "draft_prefill_batch", None) is not None:
+            return self._local_plan_key(manager, n)
         k, g, buf, bt = len(self.phases), self.input_batch, spec.input_buffers, spec.block_tables
         slots = self.last_slots if k > 0 and self.last_slots is not None else None
         ptrs = [_ptr(buf.input_ids), _ptr(buf.positions), _ptr(buf.seq_lens), _ptr(bt.num_blocks.gpu),
@@ -234,6 +243,20 @@ class DraftContext:
             ptrs += [_ptr(slots), slots.shape, slots.stride()]
         return (id(manager), n, k, self.num_reqs, id(captured_inputs(manager, n)), id(spec), spec.pcp_manager is None,
                 *ptrs)
+
+    def _local_plan_key(self, manager: Any, n: int) -> tuple | None:
+        """``_plan_key`` of PCP's draft_0: the local batch's sizes and buffers, the manager's local block
+        tables, and the global ids' clone's shape (its bytes are a dynamic tensor)."""
+        spec, k = self.spec, len(self.phases)
+        m = spec.pcp_manager
+        local, bt, ids = m.draft_prefill_batch, spec.block_tables, self.global_draft_ids
+        if k != 0:
+            return None
+        ptrs = [_ptr(local.input_ids), _ptr(local.positions), _ptr(local.seq_lens), _ptr(bt.num_blocks.gpu),
+                _ptr(spec.hidden_states), _ptr(spec.last_token_indices), *(_ptr(t) for t in m._local_block_tables)]
+        return ("rank_local", id(manager), n, self.num_reqs, local.num_reqs, local.num_reqs_after_padding,
+                self.target_rows, None if ids is None else (ids.dtype, tuple(ids.shape)),
+                id(captured_inputs(manager, n)), id(spec), *ptrs)
 
     def _full_replay_views(self, manager: Any, n: int, opened: tuple[str, int, int], *,
                            idx: torch.Tensor | None = None) -> None:

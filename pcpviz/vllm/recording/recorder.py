@@ -35,48 +35,21 @@ from pcpviz.vllm.recording.drafts import DraftContext
 from pcpviz.vllm.recording.graphs import ledger_views
 from pcpviz.trace.meta_model import META_SCHEMA, RunMeta
 from pcpviz.trace.packed import host_entry, int64_entry
-from pcpviz.vllm.recording.host import Deferred, Fresh, StepPack, Strings, block_rows, now_us
+from pcpviz.vllm.recording.host import Deferred, StepPack, Strings, block_rows, now_us
 from pcpviz.vllm.recording.ring import ENV_RING_MB
 from pcpviz.vllm.recording.meta import environment_meta, speculator_meta
 from pcpviz.vllm.recording.procsink import make_sink
 from pcpviz.vllm.recording.patching import install_instance_wrappers
 from pcpviz.vllm.recording.state import warming_up
+from pcpviz.vllm.recording import target_views
+from pcpviz.vllm.recording.target_views import batch_device_views as _batch_device_views
+from pcpviz.vllm.recording.target_views import batch_host_views as _batch_host_views
+from pcpviz.vllm.recording.target_views import global_batch_views
+from pcpviz.vllm.recording.target_views import where as _where
 
 __all__ = ["RankRecorder", "global_batch_views"]
 
 logger = logging.getLogger("vllm.pcpviz")
-
-
-def global_batch_views(g: Any) -> dict[str, Any]:
-    """The global batch of a step (``InputBatch``: PCP manager's argument, or PCP=1's batch)."""
-    return {**_batch_device_views(g), **_batch_host_views(g)}
-
-
-def _batch_device_views(g: Any) -> dict[str, Any]:
-    """The global batch's device tensors: slices of vLLM's persistent input buffers, and
-    ``idx_mapping`` / ``logits_indices`` (made anew each step)."""
-    r, t = g.num_reqs, g.num_tokens
-    return dict(idx_mapping=g.idx_mapping[:r], query_start_loc=g.query_start_loc[: r + 1], positions=g.positions[:t],
-                input_ids=g.input_ids[:t], seq_lens=g.seq_lens[:r], logits_indices=g.logits_indices)
-
-
-def _batch_host_views(g: Any) -> dict[str, Any]:
-    """The global batch's host values (the scheduler's NumPy arrays and request ids)."""
-    r = g.num_reqs
-    return dict(
-        req_ids=Strings(g.req_ids),
-        num_scheduled_tokens=np.asarray(g.num_scheduled_tokens[:r], dtype=np.int64),
-        num_computed_tokens=np.asarray(g.num_computed_tokens_np[:r], dtype=np.int64),
-        is_prefilling=np.asarray(g.is_prefilling_np[:r], dtype=bool),
-        prefill_len=np.asarray(g.prefill_len_np[:r], dtype=np.int64),
-        num_draft_tokens=(np.zeros(r, dtype=np.int64) if g.num_draft_tokens_per_req is None
-                          else np.asarray(g.num_draft_tokens_per_req[:r], dtype=np.int64)),
-    )
-
-
-def _where(*tensors: Any) -> tuple:
-    """Address, shape and strides of each tensor (a plan key's part: the same memory read the same way)."""
-    return tuple((t.data_ptr(), t.shape, t.stride()) if isinstance(t, torch.Tensor) else t for t in tensors)
 
 
 _GLOBAL = host_entry(np.array("global"))  # ``sampled_from`` of a PCP=1 step
@@ -275,45 +248,11 @@ class RankRecorder:
         self._layout = (segments_by_rank, list(per_rank_num_tokens))
 
     def on_partition(self, manager: Any, global_batch: Any, local: Any, *, t0: int) -> None:
+        """``partition_batch``'s views (``recording.target_views``: planned)."""
         self.global_batch = global_batch
-        nr = local.num_reqs
-        p = local.num_tokens_after_padding
         segs, per_rank = self._layout or ([], [])
         self._layout = None
-        is_padding = local.is_padding
-        views: dict[str, Any] = dict(
-            **global_batch_views(global_batch),
-            # layout
-            segments=Deferred("segments", [
-                [[(s.global_batch_req_idx, s.global_batch_slice.start, s.global_batch_slice.stop,
-                   s.rank_local_batch_slice.start, s.rank_local_batch_slice.stop) for s in rank_segs]
-                 for rank_segs in segs]]),
-            per_rank_num_tokens=np.asarray(per_rank, dtype=np.int64),
-            padded_gather_idx=manager._padded_gather_idx,
-            hidden_restore_idx=manager._hidden_restore_idx,
-            kv_write_mask=manager._gathered_kv_write_mask,
-            # rank-local batch (input_ids cloned now: the draft prefill overwrites them in place)
-            local_req_ids=Strings(local.req_ids),
-            local_idx_mapping=local.idx_mapping[:nr],
-            local_input_ids=local.input_ids[:p],
-            local_positions=local.positions[:p],
-            local_query_start_loc=local.query_start_loc[: nr + 1],
-            local_seq_lens=local.seq_lens[:nr],
-            local_logits_indices=local.logits_indices[:nr],
-            local_is_prefilling=np.asarray(local.is_prefilling_np[:nr], dtype=bool),
-            local_num_computed_tokens=np.asarray(local.num_computed_tokens_np[:nr], dtype=np.int64),
-            t_start_us=np.array(t0, dtype=np.int64),
-        )
-        if warming_up():
-            views["warmup"] = np.array(True)  # a synthetic warm-up step (PCPVIZ_RECORD_DUMMY=1)
-        if is_padding.shape[0] == p:
-            views["local_is_padding"] = is_padding[:p]
-        else:
-            # moe_gathers_tokens (EP off): vLLM hands the rank-major [N*P] gathered MoE mask;
-            # this rank's own rows are its block of it.
-            views["local_is_padding"] = is_padding[self.rank * p:(self.rank + 1) * p]
-            views["moe_is_padding"] = is_padding
-        self.put("target", **views)
+        target_views.on_partition(self, manager, global_batch, local, segments=segs, per_rank=per_rank, t0=t0)
         self.update_meta(pcp=manager.pcp_world_size, dcp=manager.dcp_world_size,
                          shard_decode_requests=bool(manager.shard_decode_requests))
 
@@ -369,14 +308,9 @@ class RankRecorder:
             pack.book.add(key, made[0])
 
     def on_prepare_attn(self, manager: Any, local: Any, block_tables: Any) -> None:
+        """``prepare_attn``'s block-table rows (``recording.target_views``: planned)."""
         bt = manager._block_tables
-        g = manager._global_batch
-        idx = g.idx_mapping[: g.num_reqs]
-        local_rows, local_stale = block_rows(bt, [t[: local.num_reqs_after_padding] for t in block_tables],
-                                              local.idx_mapping[: local.num_reqs])
-        global_rows, global_stale = block_rows(bt, [Fresh(b.gpu[idx]) for b in bt.block_tables], idx)
-        self.put("target", block_table_local=local_rows, block_table_global=global_rows,
-                 block_table_local_stale_tail=local_stale, block_table_global_stale_tail=global_stale)
+        target_views.on_prepare_attn(self, manager, local, block_tables)
         self.update_meta(block_size=int(bt.block_sizes[0]), block_sizes=[int(b) for b in bt.block_sizes],
                          dcp_rank=int(manager.dcp_rank), dcp_interleave=int(manager.cp_interleave))
 
