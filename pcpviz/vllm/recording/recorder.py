@@ -252,7 +252,7 @@ class RankRecorder:
         self.global_batch = global_batch
         segs, per_rank = self._layout or ([], [])
         self._layout = None
-        target_views.on_partition(self, manager, global_batch, local, segments=segs, per_rank=per_rank, t0=t0)
+        target_views.on_partition(self, manager, global_batch, local=local, segments=segs, per_rank=per_rank, t0=t0)
         self.update_meta(pcp=manager.pcp_world_size, dcp=manager.dcp_world_size,
                          shard_decode_requests=bool(manager.shard_decode_requests))
 
@@ -310,7 +310,7 @@ class RankRecorder:
     def on_prepare_attn(self, manager: Any, local: Any, block_tables: Any) -> None:
         """``prepare_attn``'s block-table rows (``recording.target_views``: planned)."""
         bt = manager._block_tables
-        target_views.on_prepare_attn(self, manager, local, block_tables)
+        target_views.on_prepare_attn(self, manager, local, block_tables=block_tables)
         self.update_meta(block_size=int(bt.block_sizes[0]), block_sizes=[int(b) for b in bt.block_sizes],
                          dcp_rank=int(manager.dcp_rank), dcp_interleave=int(manager.cp_interleave))
 

@@ -64,7 +64,7 @@ def where(*tensors: Any) -> tuple:
     return tuple((t.data_ptr(), t.shape, t.stride()) if isinstance(t, torch.Tensor) else t for t in tensors)
 
 
-def on_partition(rec: Any, manager: Any, g: Any, local: Any, *, segments: list, per_rank: list[int],
+def on_partition(rec: Any, manager: Any, g: Any, *, local: Any, segments: list, per_rank: list[int],
                  t0: int) -> None:
     """``partition_batch``'s views: the global batch, the layout and this rank's local batch (one
     planned copy of the device views; the local ``input_ids`` are copied now, before the draft
@@ -105,7 +105,7 @@ def on_partition(rec: Any, manager: Any, g: Any, local: Any, *, segments: list, 
         rec.put("target", warmup=np.array(True))  # a synthetic warm-up step (PCPVIZ_RECORD_DUMMY=1)
 
 
-def on_prepare_attn(rec: Any, manager: Any, local: Any, block_tables: Any) -> None:
+def on_prepare_attn(rec: Any, manager: Any, local: Any, *, block_tables: Any) -> None:
     """``prepare_attn``'s block-table rows, local (the tables it gathered, batch order) and global (the
     request-indexed tables gathered here by the global ``idx_mapping``: new tensors every step, handed
     to the plan as dynamic), each with its stale tail; one planned copy."""
