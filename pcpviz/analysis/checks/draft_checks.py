@@ -225,9 +225,24 @@ def draft_input_ids(c: Ctx) -> None:
 
 def _no_draft_decode(b: Block, rank: int) -> list:
     """"no draft_1 phase" where the rank recorded no draft_k with k >= 1 (the draft-decode
-    checks' first test)."""
-    return [None if any((draft_index(p) or 0) >= 1 for p in sv.recs.get(rank, ())) else "no draft_1 phase"
-            for sv in b.svs]
+    checks' first test); made once per block and rank (three checks ask), each step's answer
+    once per distinct tuple of phases."""
+    key = ("no_draft_decode", rank)
+    if key not in b.memo:
+        by_phases: dict[tuple, str | None] = {}
+        out = []
+        for sv in b.svs:
+            phases = tuple(sv.recs.get(rank, ()))
+            why = by_phases.get(phases, _NOT_ASKED)
+            if why is _NOT_ASKED:
+                why = by_phases[phases] = None if any((draft_index(p) or 0) >= 1 for p in phases) \
+                    else "no draft_1 phase"
+            out.append(why)
+        b.memo[key] = out
+    return list(b.memo[key])
+
+
+_NOT_ASKED = object()
 
 
 for _name in ("draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance"):

@@ -62,6 +62,11 @@ CHUNKS_PER_WORKER = 8
 slowed worker leaves at most one short run for the others to wait on, not a quarter of the trace."""
 
 
+CHUNK_MIN_STEPS = 8
+"""Steps a run of steps has at least, where the trace has few (a PCP=64 trace of 40 steps: two
+runs per worker): each run reads the step before it again, as its history."""
+
+
 def _view_bytes(sv: StepView) -> int:
     """Bytes of the views of one step, every rank."""
     return sum(a.nbytes for phases in sv.recs.values() for rec in phases.values()
@@ -302,7 +307,8 @@ def _check_in_processes(trace: Trace, defs: list, run_meta: RunMeta, workers: in
     """The steps cut into ``CHUNKS_PER_WORKER * workers`` consecutive chunks, checked (and probed) in
     ``workers`` forked processes (``pcpviz.analysis.parallel``)."""
     steps = list(trace.steps)
-    bounds = chunk_bounds(len(steps), workers, per_worker=CHUNKS_PER_WORKER)
+    per_worker = max(1, min(CHUNKS_PER_WORKER, len(steps) // (CHUNK_MIN_STEPS * workers)))
+    bounds = chunk_bounds(len(steps), workers, per_worker=per_worker)
     n = len(bounds) - 1
 
     def chunk(i: int) -> tuple[dict[str, _Stats], Any, dict[str, Any]]:
@@ -328,7 +334,8 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
     answers something other than None: that first answer is ``report.probe`` (another question
     over the same steps, read once; it must be a pure function of the step, and its answer
     picklable). ``workers``: processes to check in (``pcpviz.analysis.parallel``:
-    ``$PCPVIZ_WORKERS``, else one per CPU from ``PARALLEL_FROM`` steps); several processes give
+    ``$PCPVIZ_WORKERS``, else one per CPU from ``PARALLEL_FROM`` (step, rank) records: 40 steps
+    of PCP=64 are 2,560); several processes give
     the very report one would, each checking a run of consecutive steps with the step before it
     as history. ``folds``: other questions over every step the checks read (``StepFold``: the
     acceptance, the request ids), answered in the same pass: ``report.folds[name]``.
@@ -347,7 +354,7 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
     if status is None:
         status = validate_trace(trace)  # run.json schema, run.json vs the data, completeness
     run_meta = trusted_meta(trace.run_meta, status)
-    workers = default_workers(len(trace.steps), workers)
+    workers = default_workers(len(trace.steps) * max(1, len(trace.ranks)), workers)  # (step, rank) records
     folds = dict(folds or {})
     if workers > 1 and len(trace.steps) > 1:
         stats, probed, folded = _check_in_processes(trace, defs, run_meta, workers, probe, folds)
