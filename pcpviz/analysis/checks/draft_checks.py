@@ -14,6 +14,7 @@ from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 from .columns import Block, all_per_step, bulk_rule, bulk_skip, none, ragged, same_values, starts
 from .context import Ctx, Skip, check, token_rows
 from .draft_columns import draft_input_ids_ok
+from .draft_local_columns import rank_local_cols
 
 
 def _partial_chunk_last_rows(c: Ctx) -> None:
@@ -102,6 +103,9 @@ def _draft_prefill_rank_local_bulk(b: Block, rank: int) -> np.ndarray:
     out = none(b)
     if not b.run_meta.pcp or b.run_meta.pcp <= 1 or b.run_meta.method == "dspark":
         return out
+    got = rank_local_cols(b, rank)  # the block as columns; None: a view has none
+    if got is not None:
+        return got
     for i, sv in enumerate(b.svs):
         phases = sv.recs.get(rank, {})
         draft, target = phases.get("draft_0"), phases.get("target", {})
