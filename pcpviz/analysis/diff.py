@@ -475,7 +475,7 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
                              ignore=ignore)
     if by_request is not None:  # other batches: per request
         run.views_compared, steps, run.steps_compared = by_request
-    workers = default_workers(len(steps) * max(1, len(ta.ranks), len(tb.ranks)))  # (step, rank) records
+    workers = default_workers(len(steps))
     if workers > 1 and len(steps) > 1:
         _steps_in_processes(run, list(steps), workers)
     else:

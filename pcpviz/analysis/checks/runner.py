@@ -63,8 +63,9 @@ slowed worker leaves at most one short run for the others to wait on, not a quar
 
 
 CHUNK_MIN_STEPS = 8
-"""Steps a run of steps has at least, where the trace has few (a PCP=64 trace of 40 steps: two
-runs per worker): each run reads the step before it again, as its history."""
+"""Steps a run of steps has at least, where the trace has few (a PCP=64 trace of 40 steps checked
+by the HTML export in two processes: two runs per worker, not eight): each run reads the step
+before it again, as its history."""
 
 
 def _view_bytes(sv: StepView) -> int:
@@ -334,8 +335,7 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
     answers something other than None: that first answer is ``report.probe`` (another question
     over the same steps, read once; it must be a pure function of the step, and its answer
     picklable). ``workers``: processes to check in (``pcpviz.analysis.parallel``:
-    ``$PCPVIZ_WORKERS``, else one per CPU from ``PARALLEL_FROM`` (step, rank) records: 40 steps
-    of PCP=64 are 2,560); several processes give
+    ``$PCPVIZ_WORKERS``, else one per CPU from ``PARALLEL_FROM`` steps); several processes give
     the very report one would, each checking a run of consecutive steps with the step before it
     as history. ``folds``: other questions over every step the checks read (``StepFold``: the
     acceptance, the request ids), answered in the same pass: ``report.folds[name]``.
@@ -354,7 +354,7 @@ def run_checks(trace: Trace | str | os.PathLike, *, checks: list[str] | str | No
     if status is None:
         status = validate_trace(trace)  # run.json schema, run.json vs the data, completeness
     run_meta = trusted_meta(trace.run_meta, status)
-    workers = default_workers(len(trace.steps) * max(1, len(trace.ranks)), workers)  # (step, rank) records
+    workers = default_workers(len(trace.steps), workers)
     folds = dict(folds or {})
     if workers > 1 and len(trace.steps) > 1:
         stats, probed, folded = _check_in_processes(trace, defs, run_meta, workers, probe, folds)
