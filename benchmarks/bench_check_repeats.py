@@ -5,7 +5,8 @@
         --out data/bench/scale_cpu_bulk_rules_10k_x5.json
 
 Each run is ``PYTHONPATH=<tree>:<tree>/kernels python -m pcpviz.cli check --json TRACE`` (or
-``explain --no-rerun --json TRACE``) in its own process; old and new alternate, the order swapped
+``explain --no-rerun --json TRACE``; ``diff --json TRACE OTHER`` with ``--only diff --diff-with
+OTHER``) in its own process; old and new alternate, the order swapped
 every repeat. Wall seconds, CPU seconds (user + system of the command and its workers) and peak
 RSS (the largest of the command and its workers) per run, and their median and min-max. A
 benchmark, not a test: it asserts nothing.
@@ -25,7 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = {"check": ["check", "--json"], "explain --no-rerun": ["explain", "--no-rerun", "--json"],
             "export --html": ["export", "--html", "/tmp/pcpviz-bench-repeats.html"],
-            "export --chrome": ["export", "--chrome", "/tmp/pcpviz-bench-repeats.json"]}
+            "export --chrome": ["export", "--chrome", "/tmp/pcpviz-bench-repeats.json"],
+            "diff": ["diff", "--json"]}
+"""``diff`` compares the trace with ``--diff-with`` (a copy of it, or another run)."""
 
 
 def _run(root: Path, args: list[str]) -> dict:
@@ -55,15 +58,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=Path, required=True, help="the other checkout")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--only", nargs="+", choices=list(COMMANDS), default=list(COMMANDS), help="these commands only")
+    ap.add_argument("--only", nargs="+", choices=list(COMMANDS), default=[c for c in COMMANDS if c != "diff"],
+                    help="these commands only")
+    ap.add_argument("--diff-with", type=Path, help="the run ``diff`` compares the trace with (``--only diff``)")
     a = ap.parse_args(argv)
+    if "diff" in a.only and a.diff_with is None:
+        ap.error("--only diff needs --diff-with")
+    other = [] if a.diff_with is None else [str(a.diff_with.resolve())]
     trees = [("base", a.baseline.resolve()), ("new", ROOT)]
     runs: dict[str, list[dict]] = {}
     for rep in range(a.repeats):
         for name, args in ((n, COMMANDS[n]) for n in a.only):
             for which, root in (trees if rep % 2 == 0 else trees[::-1]):
                 r = runs.setdefault(f"{name} | {which}", [])
-                r.append(_run(root, [*args, str(a.trace.resolve())]))
+                r.append(_run(root, [*args, str(a.trace.resolve()), *(other if name == "diff" else [])]))
                 print(rep, name, which, r[-1], flush=True)
     out = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "trace": str(a.trace),
            "runs": runs, "summary": {k: _spread(v) for k, v in runs.items()}}

@@ -144,11 +144,18 @@ class _Sums:
     def add(self, step: int, rec: Mapping[str, Any]) -> None:
         """Count one verify record (one without the counts is skipped); a malformed one raises
         ValueError naming ``step``."""
+        self.apply(step, self.measure(step, rec))
+
+    def measure(self, step: int, rec: Mapping[str, Any]) -> tuple | None:
+        """(the step's counts, its requests' counts) of one verify record, not yet added (None:
+        a record without the counts); a malformed one raises ValueError naming ``step``. A pure
+        function of the record's arrays once K is known: ranks whose verify records are the
+        same arrays share it (``AcceptanceFold.add``)."""
         k = self.k
         try:
             counts = verify_counts(rec)
             if counts is None:
-                return
+                return None
             nacc, nd = counts
             ids = np.asarray(rec["req_ids"]) if "req_ids" in rec else np.arange(nd.size)
             if nacc.ndim != 1 or nd.shape != nacc.shape or ids.shape != nacc.shape:
@@ -167,8 +174,15 @@ class _Sums:
         except (IndexError, ValueError, TypeError, KeyError) as exc:  # a producer's malformed view
             raise ValueError(f"step {step}: verify: malformed acceptance counts: "
                              f"{' '.join(str(exc).split())}") from None
+        return c, StepAcceptance(int(step), c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens), req_counts
+
+    def apply(self, step: int, measured: tuple | None) -> None:
+        """Add ``measure``'s answer for ``step`` (None: nothing)."""
+        if measured is None:
+            return
+        c, at_step, req_counts = measured
         self.total = self.total + c
-        self.steps.append(StepAcceptance(int(step), c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens))
+        self.steps.append(at_step)
         for rid, rc in req_counts:
             self.per_req[rid] = self.per_req.get(rid, Counts()) + rc
 
@@ -247,6 +261,15 @@ def _sums_in_runs(trace: Any, rank: int, steps: list[int],
     return out.total, out.per_req, out.steps, k
 
 
+_NOT_MEASURED = object()
+
+
+def _same_arrays(a: Mapping, b: Mapping) -> bool:
+    """Two records' views are the very same arrays, name by name:
+    ``_same_arrays({"x": arr}, {"x": arr})`` is True, with a copy of ``arr`` False."""
+    return a is b or (len(a) == len(b) and all(b.get(name) is arr for name, arr in a.items()))
+
+
 class AcceptanceFold:
     """Each rank's ``acceptance`` counted in the pass ``run_checks`` makes over the steps
     (``pcpviz.analysis.checks.StepFold``), from the verify records it decoded: its answer is
@@ -267,13 +290,26 @@ class AcceptanceFold:
         return {r: _Sums(self.k) for r in self.ranks}  # a rank's sums, or its first error (str)
 
     def add(self, state: dict[int, Any], sv: Any) -> dict[int, Any]:
+        """Count each rank's verify record of step ``sv``; a record whose views are the very
+        arrays of a rank counted before in this step (the reader shares byte-equal payloads) is
+        measured once: K is known, so the measure is a function of those arrays alone."""
+        done: list[tuple[Mapping, Any]] = []  # (views, measure's answer or its ValueError)
         for r, sums in state.items():
             rec = sv.recs.get(r, {}).get("verify") if not isinstance(sums, str) else None
-            if rec is not None:
+            if rec is None:
+                continue
+            views = getattr(rec, "views", rec)
+            got = next((m for v, m in done if _same_arrays(v, views)), _NOT_MEASURED)
+            if got is _NOT_MEASURED:
                 try:
-                    sums.add(sv.step, rec)
+                    got = sums.measure(sv.step, rec)
                 except ValueError as exc:
-                    state[r] = str(exc)
+                    got = exc
+                done.append((views, got))
+            if isinstance(got, ValueError):
+                state[r] = str(got)
+            else:
+                sums.apply(sv.step, got)
         return state
 
     def merge(self, states: list[dict[int, Any]]) -> dict[int, Any]:

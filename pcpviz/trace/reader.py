@@ -54,6 +54,7 @@ from . import schema as S
 from .errors import TraceError, TraceWarning
 from .batches import one_line as _one_line, phase_rows, row_plan, same_bytes
 from .bounds import rows_clean
+from .step_rows import decode_step_rows
 from .index import MapBudget, RankIndex, scan_rank_files
 from .owner import rank_file_busy, writer_busy
 from .meta_model import decode_meta
@@ -289,7 +290,10 @@ class Trace:
         batch's bytes; False: judge the records). ``bounds`` False: clean is False."""
         ix, i = self._entry(step, rank)
         layout = ix.layouts[i]
-        decoded = self._decode(ix, i, None, share=True)
+        at_step = int(ix.steps[i])
+        if at_step != self._shared_step:
+            self._shared, self._shared_step = {}, at_step
+        decoded = decode_step_rows(ix, i, self._shared, slow_row=_decode_row)  # ``_decode(ix, i, None, share=True)``
         out = {}
         for phase, rows in layout.phases.items():
             views = {layout.views[j]: decoded[j] for j in rows}

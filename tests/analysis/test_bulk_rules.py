@@ -26,7 +26,8 @@ VIEWS = [("target", v) for v in (
         "num_sampled", "sampled_token_ids", "num_rejected", "num_accepted", "num_draft_tokens",
         "req_ids", "num_computed_after", "idx_mapping")] + [("draft_0", v) for v in (
             "draft_tokens", "draft_last_token_indices", "hidden_in_fp", "hidden_out_fp", "hidden_last_fp",
-            "mtp_local_fp", "draft_global_input_ids", "draft_input_ids")] + [("draft_1", "hidden_in_fp"),
+            "mtp_local_fp", "draft_global_input_ids", "draft_input_ids", "slot_mapping_draft", "draft_positions",
+            "draft_seq_lens", "block_table_draft", "view")] + [("draft_1", "hidden_in_fp"),
                                                                 ("draft_1", "draft_input_ids")]
 
 

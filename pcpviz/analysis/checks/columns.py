@@ -158,6 +158,9 @@ def all_per_step(good: np.ndarray, seg: np.ndarray, n: int) -> np.ndarray:
     return np.bincount(seg[~good], minlength=n)[:n] == 0
 
 
+_NO_VIEWS: dict = {}  # read only: the views of a phase a step lacks
+
+
 class Block:
     """A run of consecutive steps' records (``StepView``) and their columns, per rank."""
 
@@ -187,10 +190,10 @@ class Block:
         got = self._arrays.get(key)
         if got is None:
             maps = self._maps.get((rank, phase))
-            if maps is None:
-                maps = self._maps[(rank, phase)] = [getattr(rec, "views", rec) for rec in
+            if maps is None:  # a step without the phase reads as no views
+                maps = self._maps[(rank, phase)] = [_NO_VIEWS if rec is None else getattr(rec, "views", rec) for rec in
                                                     (sv.recs.get(rank, {}).get(phase) for sv in self.svs)]
-            got = self._arrays[key] = [None if m is None else m.get(view) for m in maps]
+            got = self._arrays[key] = [m.get(view) for m in maps]
         return list(got)
 
     def same_reads(self, reads: set, rank: int, other: int) -> bool:
@@ -317,9 +320,9 @@ def _skips(block: Block, name: str, rank: int, has: np.ndarray, skips: dict) -> 
     except Exception:  # noqa: BLE001 - undecided: the per-step code judges
         return None
     given = np.zeros(len(block), dtype=bool)
-    for i, why in enumerate(reasons[:len(block)]):
-        if why is not None and has[i]:
-            skips.setdefault((i, rank), {})[name] = str(why)
+    for i in [i for i, why in enumerate(reasons[:len(block)]) if why is not None]:  # most steps give none
+        if has[i]:
+            skips.setdefault((i, rank), {})[name] = str(reasons[i])
             given[i] = True
     return given
 

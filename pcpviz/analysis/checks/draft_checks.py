@@ -14,6 +14,7 @@ from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 from .columns import Block, all_per_step, bulk_rule, bulk_skip, none, ragged, same_values, starts
 from .context import Ctx, Skip, check, token_rows
 from .draft_columns import draft_input_ids_ok
+from .draft_local_columns import rank_local_cols
 
 
 def _partial_chunk_last_rows(c: Ctx) -> None:
@@ -102,6 +103,9 @@ def _draft_prefill_rank_local_bulk(b: Block, rank: int) -> np.ndarray:
     out = none(b)
     if not b.run_meta.pcp or b.run_meta.pcp <= 1 or b.run_meta.method == "dspark":
         return out
+    got = rank_local_cols(b, rank)  # the block as columns; None: a view has none
+    if got is not None:
+        return got
     for i, sv in enumerate(b.svs):
         phases = sv.recs.get(rank, {})
         draft, target = phases.get("draft_0"), phases.get("target", {})
@@ -225,9 +229,24 @@ def draft_input_ids(c: Ctx) -> None:
 
 def _no_draft_decode(b: Block, rank: int) -> list:
     """"no draft_1 phase" where the rank recorded no draft_k with k >= 1 (the draft-decode
-    checks' first test)."""
-    return [None if any((draft_index(p) or 0) >= 1 for p in sv.recs.get(rank, ())) else "no draft_1 phase"
-            for sv in b.svs]
+    checks' first test); made once per block and rank (three checks ask), each step's answer
+    once per distinct tuple of phases."""
+    key = ("no_draft_decode", rank)
+    if key not in b.memo:
+        by_phases: dict[tuple, str | None] = {}
+        out = []
+        for sv in b.svs:
+            phases = tuple(sv.recs.get(rank, ()))
+            why = by_phases.get(phases, _NOT_ASKED)
+            if why is _NOT_ASKED:
+                why = by_phases[phases] = None if any((draft_index(p) or 0) >= 1 for p in phases) \
+                    else "no draft_1 phase"
+            out.append(why)
+        b.memo[key] = out
+    return list(b.memo[key])
+
+
+_NOT_ASKED = object()
 
 
 for _name in ("draft_decode_replicated", "draft_block_tables_global", "draft_positions_advance"):

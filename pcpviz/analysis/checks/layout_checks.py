@@ -16,6 +16,7 @@ from pcpviz.trace.shapes import slot_groups, table_groups, view_text
 
 from .columns import Block, all_per_step, bulk_rule, none, ragged, rank_rows, step_sums
 from .context import Ctx, Skip, check, local_segments, segment_rows, segments_of
+from .local_batch_columns import local_batch_cols
 from .layout_columns import (expected_layout, global_slots_ok, kv_write_mask_ok, kv_written_once_ok, local_batch_ok,
                              matches_plan)
 
@@ -362,6 +363,9 @@ def _local_batch_matches_layout_bulk(b: Block, rank: int) -> np.ndarray:
     world = b.run_meta.pcp
     if not world or world < 1:
         return none(b)
+    got = local_batch_cols(b, rank, world)  # the block as columns; None: a view has none
+    if got is not None:
+        return got
     return np.fromiter((sv.recs.get(rank, {}).get("target") is not None
                         and local_batch_ok(sv.recs[rank]["target"], rank, world) for sv in b.svs),
                        dtype=bool, count=len(b))

@@ -207,10 +207,21 @@ def global_slots_ok(b: Block, rank: int) -> np.ndarray:
 _SEG_FIELDS = ("global_req_idx", "rank", "local_start", "local_stop")
 
 
-def _segment_columns(b: Block, rank: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
+def segment_columns(b: Block, rank: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
     """(ok bool[n], [step, global_req_idx, rank, local_start, local_stop] int64, one entry per
     segment of every step), ``ok`` where the step's segments are a table with SEGMENT_DTYPE's
-    fields, all integers; None where no step has one."""
+    fields, all integers; None where no step has one. Made once per block and rank (two rules
+    read it); each call counts as a read of the segments (``Block.reads``)."""
+    key = ("segment_columns", rank)
+    if key in b.memo:
+        if b.reads is not None:
+            b.reads.add((rank, "target", "segments"))
+        return b.memo[key]
+    got = b.memo[key] = _segment_columns(b, rank)
+    return got
+
+
+def _segment_columns(b: Block, rank: int) -> tuple[np.ndarray, list[np.ndarray]] | None:
     tables = b.arrays(rank, "target", "segments")
     ok = np.zeros(len(b), dtype=bool)
     parts: list[list[np.ndarray]] = [[] for _ in range(5)]
@@ -240,7 +251,7 @@ def kv_write_mask_ok(b: Block, rank: int) -> np.ndarray:
     shard = meta.shard_decode_requests if meta.shard_decode_requests is not None else (world > 1 and dcp == 1)
     mask = b.col(rank, "target", "kv_write_mask", bools=True)
     q, pf = b.col(rank, "target", "num_scheduled_tokens"), b.col(rank, "target", "is_prefilling", bools=True)
-    pgi, segs = b.col(rank, "target", "padded_gather_idx"), _segment_columns(b, rank)
+    pgi, segs = b.col(rank, "target", "padded_gather_idx"), segment_columns(b, rank)
     if mask is None or q is None or pf is None or pgi is None or segs is None:
         return none(b)
     ok, (step, req, seg_rank, lo, hi) = segs

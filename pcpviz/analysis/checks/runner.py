@@ -62,6 +62,12 @@ CHUNKS_PER_WORKER = 8
 slowed worker leaves at most one short run for the others to wait on, not a quarter of the trace."""
 
 
+CHUNK_MIN_STEPS = 8
+"""Steps a run of steps has at least, where the trace has few (a PCP=64 trace of 40 steps checked
+by the HTML export in two processes: two runs per worker, not eight): each run reads the step
+before it again, as its history."""
+
+
 def _view_bytes(sv: StepView) -> int:
     """Bytes of the views of one step, every rank."""
     return sum(a.nbytes for phases in sv.recs.values() for rec in phases.values()
@@ -302,7 +308,8 @@ def _check_in_processes(trace: Trace, defs: list, run_meta: RunMeta, workers: in
     """The steps cut into ``CHUNKS_PER_WORKER * workers`` consecutive chunks, checked (and probed) in
     ``workers`` forked processes (``pcpviz.analysis.parallel``)."""
     steps = list(trace.steps)
-    bounds = chunk_bounds(len(steps), workers, per_worker=CHUNKS_PER_WORKER)
+    per_worker = max(1, min(CHUNKS_PER_WORKER, len(steps) // (CHUNK_MIN_STEPS * workers)))
+    bounds = chunk_bounds(len(steps), workers, per_worker=per_worker)
     n = len(bounds) - 1
 
     def chunk(i: int) -> tuple[dict[str, _Stats], Any, dict[str, Any]]:

@@ -19,14 +19,27 @@ from .columns import Block, all_per_step, matched_rows, none, previous, ragged, 
 
 def agreeing_views(phase: str, names) -> list[str]:
     """The views of ``phase`` every rank must record identically: those the schema declares
-    with scope ``GLOBAL``; in the replicated phases (verify, draft_k) also undeclared ones."""
-    replicated = phase_class(phase) in ("verify", "draft_k")
-    out = []
-    for v in names:
-        spec = view_spec(phase, v)
-        if (spec.scope == GLOBAL) if spec is not None else replicated:
-            out.append(v)
-    return out
+    with scope ``GLOBAL``; in the replicated phases (verify, draft_k) also undeclared ones.
+    Remembered by (phase, names): ``ranks_agree`` asks it for every rank of every step (64 a
+    step at PCP=64) about the same few lists of names."""
+    names = tuple(names)
+    key = (phase, names)
+    got = _AGREEING_NAMES.get(key)
+    if got is None:
+        replicated = phase_class(phase) in ("verify", "draft_k")
+        got = []
+        for v in names:
+            spec = view_spec(phase, v)
+            if (spec.scope == GLOBAL) if spec is not None else replicated:
+                got.append(v)
+        got = tuple(got)
+        if len(_AGREEING_NAMES) >= 4096:
+            _AGREEING_NAMES.clear()
+        _AGREEING_NAMES[key] = got
+    return list(got)
+
+
+_AGREEING_NAMES: dict[tuple, tuple[str, ...]] = {}  # (phase, view names) -> agreeing_views' answer
 
 
 _AGREEING: dict[tuple, tuple[str, ...]] = {}  # (phase, its view names, dcp > 1) -> the views ranks_agree compares
