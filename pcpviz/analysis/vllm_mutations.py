@@ -154,7 +154,7 @@ VLLM_MUTATIONS: tuple[VllmMutation, ...] = (
     # -- the PCP manager: the rank-local batch, the gathered slots, the hidden rows' restore
     _M("chunks_mirrored", _PM, "PCPManager._iter_rank_chunks", "PCPManager.partition_batch", "target", "segments",
        "partition: rank r takes rank P-1-r's DualChunkSwap chunks", _mirrored_rank),
-    _M("gathered_slots_unmasked", _PM, "PCPManager._convert_to_gathered_slot_mappings",
+    _M("gathered_write_mask_ignored", _PM, "PCPManager._convert_to_gathered_slot_mappings",
        "PCPManager._convert_to_gathered_slot_mappings", "target", "slot_mapping_gathered",
        "gathered slots: the KV write mask ignored (every rank writes every replica)",
        _attr_during("_gathered_kv_write_mask", lambda m: m | True)),

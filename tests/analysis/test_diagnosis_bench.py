@@ -112,3 +112,10 @@ def test_the_vllm_mutations_name_mapped_functions_of_the_installed_source():
             imported = any(isinstance(n, ast.ImportFrom) and m.attr in {a.name for a in n.names}
                            for n in ast.walk(ast.parse(src)))
             assert find_def(ast.parse(src), m.attr) is not None or imported, f"{m.module} has no {m.attr}"
+
+
+def test_a_mutation_name_means_one_bug():
+    """The benchmark's summary tells the engine's rows from vLLM's by name: no name in both."""
+    engine, vllm = [m.name for m in MUTATIONS], [m.name for m in VLLM_MUTATIONS]
+    assert len(set(engine)) == len(engine) and len(set(vllm)) == len(vllm)
+    assert not set(engine) & set(vllm), sorted(set(engine) & set(vllm))
