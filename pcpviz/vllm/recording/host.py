@@ -115,7 +115,8 @@ class StepPack:
         self.book = PlanBook()  # hook calls planned once, by key (``replayplan``)
         self.replays: list = []  # this step's plan hits: (phase, entries, offset in the step)
         self.dynamic: dict[tuple, tuple] = {}  # this step's byte views of tensors made anew (``_dynamic_bytes``)
-        self.heads: dict[Any, tuple] = {}  # this step's ``t[:n]`` slices (``head``) and dynamic tensors by id
+        self.heads: dict[tuple, tuple] = {}  # this step's ``t[:n]`` slices by (id(t), n) (``head``)
+        self.seen: dict[int, tuple] = {}  # this step's dynamic tensors by id: (tensor, its bytes and meta)
 
     def head(self, t: torch.Tensor, n: int) -> torch.Tensor:
         """``t[:n]``, sliced once a step: the batch's ``idx_mapping[:R]`` is read by the target's
@@ -235,14 +236,14 @@ class StepPack:
         view for this step's copies only, never added to the cache (a storage that is never read
         again would be held until the sweep, and the sweep would walk them). A step's
         ``idx_mapping`` is handed to several hooks: one view of it a step."""
-        known = self.heads.get(id(t))  # the same tensor object again this step (``head``): no signature
+        known = self.seen.get(id(t))  # the same tensor object again this step (``head``): no signature
         if known is not None and known[0] is t:
             return known[1]
         sig = (t.data_ptr(), t.dtype, t.shape, t.stride())
         got = self.dynamic.get(sig)
         if got is None:
             got = self.dynamic[sig] = self.plans.peek(sig) or fresh_bytes(t)
-        self.heads[id(t)] = (t, got)  # t held until the step is staged: its id is not reused before
+        self.seen[id(t)] = (t, got)  # t held until the step is staged: its id is not reused before
         return got
 
     def _entry(self, value: Any, box: Any, key: Any, now: list) -> Any:
@@ -289,7 +290,8 @@ class StepPack:
         the ring had no room for the step (dropped: ``ring.overflow_steps`` counts it)."""
         if self.fresh:
             self._copy(self.fresh, planned=False)  # computed by the hooks this step: new memory every step
-        layout, self.layout, self.fresh, self.memo, self.dynamic, self.heads = self.layout, [], [], {}, {}, {}
+        layout, self.layout, self.fresh, self.memo, self.dynamic = self.layout, [], [], {}, {}
+        self.heads, self.seen = {}, {}
         replays, self.replays = self.replays, []
         self.plans.staged()
         dropped = self.ring.dropped
@@ -307,7 +309,7 @@ class StepPack:
     def discard(self) -> None:
         """Forget the step being recorded (it is not written)."""
         self.layout, self.fresh, self.memo, self.held, self.replays = [], [], {}, None, []
-        self.dynamic, self.heads = {}, {}
+        self.dynamic, self.heads, self.seen = {}, {}, {}
         self.ring.discard()
 
 
