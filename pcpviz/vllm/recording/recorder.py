@@ -34,25 +34,18 @@ from pcpviz.vllm.recording.collectives import Ledger
 from pcpviz.vllm.recording.drafts import DraftContext
 from pcpviz.vllm.recording.graphs import ledger_views
 from pcpviz.trace.meta_model import META_SCHEMA, RunMeta
-from pcpviz.trace.packed import host_entry, int64_entry
-from pcpviz.vllm.recording.host import Deferred, StepPack, Strings, block_rows, now_us
+from pcpviz.trace.packed import int64_entry
+from pcpviz.vllm.recording.host import Deferred, StepPack, Strings, now_us
 from pcpviz.vllm.recording.ring import ENV_RING_MB
 from pcpviz.vllm.recording.meta import environment_meta, speculator_meta
 from pcpviz.vllm.recording.procsink import make_sink
 from pcpviz.vllm.recording.patching import install_instance_wrappers
-from pcpviz.vllm.recording.state import warming_up
 from pcpviz.vllm.recording import target_views
-from pcpviz.vllm.recording.target_views import batch_device_views as _batch_device_views
-from pcpviz.vllm.recording.target_views import batch_host_views as _batch_host_views
-from pcpviz.vllm.recording.target_views import global_batch_views
 from pcpviz.vllm.recording.target_views import where as _where
 
-__all__ = ["RankRecorder", "global_batch_views"]
+__all__ = ["RankRecorder"]
 
 logger = logging.getLogger("vllm.pcpviz")
-
-
-_GLOBAL = host_entry(np.array("global"))  # ``sampled_from`` of a PCP=1 step
 
 
 class _Depth(threading.local):
@@ -257,35 +250,15 @@ class RankRecorder:
                          shard_decode_requests=bool(manager.shard_decode_requests))
 
     def on_global_batch(self, runner: Any, batch: Any, t0: int) -> None:
-        """PCP=1 (no PCP manager): the batch ``GPUModelRunner.prepare_inputs`` returns is the
-        global batch, and the sampler reads its ``logits_indices`` rows. Planned (``replayplan``):
-        a batch of the same size over the same buffers is one copy."""
+        """PCP=1's global batch (``recording.target_views``: planned)."""
         self.global_batch = batch
-        g = batch
-        key = ("global_batch", g.num_reqs, g.num_tokens,
-               *_where(g.query_start_loc, g.positions, g.input_ids, g.seq_lens))
-        self.planned_put("target", key, [self.pack.head(g.idx_mapping, g.num_reqs), g.logits_indices],
-                         views=lambda idx, logits: {**_batch_device_views(g), "idx_mapping": idx,
-                                                    "logits_indices": logits, "sampled_logits_rows": logits})
-        self.put("target", **_batch_host_views(g))
-        box = self.phase("target")
-        box["sampled_from"], box["t_start_us"] = _GLOBAL, int64_entry(t0)
-        if warming_up():
-            self.put("target", warmup=np.array(True))
+        target_views.on_global_batch(self, batch, t0)
         self.update_meta(pcp=1, dcp=int(getattr(runner, "dcp_size", 1) or 1))
 
     def on_runner_attn(self, runner: Any, batch: Any, *, block_tables: Any, slot_mappings: torch.Tensor) -> None:
-        """PCP=1: ``GPUModelRunner.prepare_attn``'s block-table rows (batch order) and slots (planned)."""
+        """PCP=1: ``GPUModelRunner.prepare_attn``'s block-table rows and slots (``recording.target_views``)."""
         bt = runner.block_tables
-        r, t = batch.num_reqs, batch.num_tokens
-        key = ("runner_attn", r, t, *_where(bt.num_blocks.gpu, slot_mappings, *block_tables))
-
-        def views(idx: torch.Tensor) -> dict[str, Any]:
-            rows, stale = block_rows(bt, [b[:r] for b in block_tables], idx)
-            return {"block_table_global": rows, "block_table_global_stale_tail": stale,
-                    "slot_mapping_global": slot_mappings[:, :t]}
-
-        self.planned_put("target", key, [self.pack.head(batch.idx_mapping, r)], views=views)
+        target_views.on_runner_attn(self, bt, batch, block_tables=block_tables, slot_mappings=slot_mappings)
         meta = (id(bt), getattr(runner, "dcp_rank", 0), getattr(runner, "cp_interleave", 1))
         if meta != self._attn_meta:  # the block sizes and DCP settings are the runner's for the run
             self._attn_meta = meta

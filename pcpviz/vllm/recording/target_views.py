@@ -1,6 +1,7 @@
 """The target phase's views, taken where vLLM prepares the batch: the global batch (PCP=1's
 ``prepare_inputs``, or the PCP manager's argument), the layout and rank-local batch
-(``PCPManager.partition_batch``) and the block-table rows (``PCPManager.prepare_attn``).
+(``PCPManager.partition_batch``) and the block-table rows and slots (``PCPManager.prepare_attn``, or
+PCP=1's ``GPUModelRunner.prepare_attn``).
 
 The device views are planned (``recording.replayplan``): a step whose batch has the sizes of an
 earlier one, over the same persistent buffers, is one copy. A plan's key names every buffer it reads
@@ -24,17 +25,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from pcpviz.trace.packed import int64_entry
+from pcpviz.trace.packed import host_entry, int64_entry
 from pcpviz.vllm.recording.host import Deferred, Strings, block_rows
 from pcpviz.vllm.recording.state import warming_up
 
-__all__ = ["global_batch_views", "batch_device_views", "batch_host_views", "where", "on_partition",
+__all__ = ["batch_device_views", "batch_host_views", "where", "on_global_batch", "on_runner_attn", "on_partition",
            "on_prepare_attn"]
 
-
-def global_batch_views(g: Any) -> dict[str, Any]:
-    """The global batch of a step (``InputBatch``: PCP manager's argument, or PCP=1's batch)."""
-    return {**batch_device_views(g), **batch_host_views(g)}
+_GLOBAL = host_entry(np.array("global"))  # ``sampled_from`` of a PCP=1 step
 
 
 def batch_device_views(g: Any) -> dict[str, Any]:
@@ -62,6 +60,34 @@ def batch_host_views(g: Any) -> dict[str, Any]:
 def where(*tensors: Any) -> tuple:
     """Address, shape and strides of each tensor (a plan key's part: the same memory read the same way)."""
     return tuple((t.data_ptr(), t.shape, t.stride()) if isinstance(t, torch.Tensor) else t for t in tensors)
+
+
+def on_global_batch(rec: Any, g: Any, t0: int) -> None:
+    """PCP=1 (no PCP manager): the batch ``GPUModelRunner.prepare_inputs`` returns is the global
+    batch, and the sampler reads its ``logits_indices`` rows. A batch of the same size over the same
+    buffers is one copy (``idx_mapping`` and ``logits_indices`` are new every step: dynamic)."""
+    key = ("global_batch", g.num_reqs, g.num_tokens, *where(g.query_start_loc, g.positions, g.input_ids, g.seq_lens))
+    rec.planned_put("target", key, [rec.pack.head(g.idx_mapping, g.num_reqs), g.logits_indices],
+                    views=lambda idx, logits: {**batch_device_views(g), "idx_mapping": idx,
+                                               "logits_indices": logits, "sampled_logits_rows": logits})
+    rec.put("target", **batch_host_views(g))
+    box = rec.phase("target")
+    box["sampled_from"], box["t_start_us"] = _GLOBAL, int64_entry(t0)
+    if warming_up():
+        rec.put("target", warmup=np.array(True))
+
+
+def on_runner_attn(rec: Any, bt: Any, batch: Any, *, block_tables: Any, slot_mappings: torch.Tensor) -> None:
+    """PCP=1: ``GPUModelRunner.prepare_attn``'s block-table rows (batch order) and slots (planned)."""
+    r, t = batch.num_reqs, batch.num_tokens
+    key = ("runner_attn", r, t, *where(bt.num_blocks.gpu, slot_mappings, *block_tables))
+
+    def views(idx: torch.Tensor) -> dict[str, Any]:
+        rows, stale = block_rows(bt, [b[:r] for b in block_tables], idx)
+        return {"block_table_global": rows, "block_table_global_stale_tail": stale,
+                "slot_mapping_global": slot_mappings[:, :t]}
+
+    rec.planned_put("target", key, [rec.pack.head(batch.idx_mapping, r)], views=views)
 
 
 def on_partition(rec: Any, manager: Any, g: Any, *, local: Any, segments: list, per_rank: list[int],
