@@ -214,6 +214,19 @@ class Trace:
         i = None if ix is None else ix.find(step)
         return i is not None and phase in ix.layouts[i].phases
 
+    def view_names(self, step: int, rank: int, phase: str) -> frozenset[str]:
+        """The names of the views ``phase`` recorded at ``step`` on ``rank``, read from the step's
+        index (no payload read, no crc32 checked): a pass that wants a view few steps record asks
+        this before it decodes a record. ``KeyError`` as ``record()``'s."""
+        if self.version < 2:  # schema.upgrade_views renames an old trace's views: decode to know
+            return frozenset(self.record(step, rank, phase))
+        ix, i = self._entry(step, rank)
+        layout = ix.layouts[i]
+        if phase not in layout.phases:
+            raise KeyError(f"phase {phase!r} not recorded at step {step} on rank {rank} "
+                           f"(phases: {', '.join(layout.phases)})")
+        return _view_names(layout, phase)
+
     def record(self, step: int, rank: int, phase: str) -> Record:
         """The views of ``phase`` at ``step`` on ``rank``, decoded on first use (then cached)."""
         key = (step, rank, phase)
@@ -351,6 +364,20 @@ class Trace:
             if key is not None:
                 shared[key] = (stored, value)
         return out
+
+
+_NAMES: dict[tuple[int, str], tuple[Any, frozenset[str]]] = {}
+
+
+def _view_names(layout, phase: str) -> frozenset[str]:
+    """``phase``'s view names in ``layout``, made once per layout (steps recording the same views
+    share one ``Layout``; the layout is held beside its entry, so an id is not reused under it)."""
+    got = _NAMES.get((id(layout), phase))
+    if got is None or got[0] is not layout:
+        if len(_NAMES) >= 4096:
+            _NAMES.clear()
+        got = _NAMES[(id(layout), phase)] = (layout, frozenset(phase_rows(layout, phase)))
+    return got[1]
 
 
 _STRINGS: OrderedDict[tuple, np.ndarray] = OrderedDict()

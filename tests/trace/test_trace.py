@@ -519,6 +519,27 @@ def test_lazy_record_checks_every_row_and_decodes_what_is_read(tmp_path, monkeyp
         t.lazy_record(2, 0, "verify")
 
 
+def test_view_names_come_from_the_index_without_reading_a_payload(tmp_path, monkeypatch):
+    steps = {s: {"target": {"positions": np.arange(4 + s), "req_ids": ["a"]},
+                 **({"draft_0": {"fwd_input_ids": np.arange(2)}} if s == 2 else {})} for s in range(4)}
+    _write(tmp_path, steps)
+    rank0 = tmp_path / "rank0.arrow"
+    raw = bytearray(rank0.read_bytes())  # step 1's positions damaged: its names still read, its record not
+    raw[raw.index(np.arange(5).tobytes()) + 9] ^= 0x40
+    rank0.write_bytes(bytes(raw))
+    t = pt.open(tmp_path)
+    monkeypatch.setattr(reader_mod.zlib, "crc32", lambda *a: pytest.fail("a payload was read"))
+    assert t.view_names(1, 0, "target") == {"positions", "req_ids"}
+    assert t.view_names(2, 0, "draft_0") == {"fwd_input_ids"}
+    with pytest.raises(KeyError, match="phase 'draft_0' not recorded at step 3 on rank 0"):
+        t.view_names(3, 0, "draft_0")
+    with pytest.raises(KeyError, match="step 9 not recorded on rank 0"):
+        t.view_names(9, 0, "target")
+    monkeypatch.undo()
+    with pytest.raises(pt.TraceError, match="step 1: view 'positions'.*crc32 mismatch"):
+        t.record(1, 0, "target")
+
+
 def test_damage_in_the_middle_keeps_the_steps_before_it(tmp_path):
     sizes = _write(tmp_path, {s: _small_step(s) for s in range(5)})
     rank0 = tmp_path / "rank0.arrow"

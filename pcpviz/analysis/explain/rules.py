@@ -192,6 +192,10 @@ def _rank_divergent(f: Findings) -> Signature:
                       f"fewer than rank {f.rank} in rows {less[:6]}")
 
 
+_TARGET_READS = frozenset(("padded_gather_idx", "per_rank_num_tokens"))
+_DRAFT_READS = {v: frozenset((v, "draft_global_input_ids")) for v in ("draft_input_ids", "fwd_input_ids")}
+
+
 def _global_rows_read(f: Findings, view: str) -> tuple[int, int]:
     """(wrong, seen): the (step, rank) where draft_0's ``view`` (``draft_input_ids``, the ids the
     engine's drafter consumed; ``fwd_input_ids``, what vLLM's draft forward consumed) is not the
@@ -202,10 +206,10 @@ def _global_rows_read(f: Findings, view: str) -> tuple[int, int]:
         for step in t.rank_steps(r):
             if not (t.has(step, r, "draft_0") and t.has(step, r, "target")):
                 continue
-            d0, tgt = t.record(step, r, "draft_0"), t.record(step, r, "target")
-            if not all(v in d0 for v in (view, "draft_global_input_ids")) or \
-                    not all(v in tgt for v in ("padded_gather_idx", "per_rank_num_tokens")):
-                continue
+            if not (_DRAFT_READS[view] <= t.view_names(step, r, "draft_0")
+                    and _TARGET_READS <= t.view_names(step, r, "target")):
+                continue  # (most steps, where no draft forward's consumed ids were recorded)
+            d0, tgt = t.lazy_record(step, r, "draft_0"), t.lazy_record(step, r, "target")
             dii, dgi = np.asarray(d0[view]), np.asarray(d0["draft_global_input_ids"])
             p = dii.shape[0]
             n = min(int(np.asarray(tgt["per_rank_num_tokens"])[r]), p)
