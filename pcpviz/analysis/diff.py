@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from pcpviz.analysis.view_gap import one_sided_views
-from pcpviz.analysis.acceptance import Acceptance, RequestAcceptance, StepAcceptance, acceptance
+from pcpviz.analysis.acceptance import Acceptance, AcceptanceFold, RequestAcceptance, StepAcceptance, acceptance
 from pcpviz.trace.schema import RUN_SPECIFIC_VIEWS, causal_phase_key, view_spec
 from pcpviz.analysis.timelines import compare_timelines, same_schedule
 from pcpviz.analysis.compare import first_difference, short_repr
@@ -156,12 +156,15 @@ class _RenamedRequests:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._t, name)
 
-    def step_records_clean(self, step: int, rank: int) -> tuple[dict, bool]:
+    def step_records_clean(self, step: int, rank: int, *, shared: dict | None = None) -> tuple[dict, bool]:
         """``Trace.step_records_clean`` with the ids renamed (their bounds then judged again)."""
-        return {ph: self._renamed(rec) for ph, rec in self._t.step_records_clean(step, rank)[0].items()}, False
+        recs = self._t.step_records_clean(step, rank, shared=shared)[0]
+        return {ph: self._renamed(rec) for ph, rec in recs.items()}, False
 
     def record(self, step: int, rank: int, phase: str):
         return self._renamed(self._t.record(step, rank, phase))
+
+    lazy_record = record  # the ids renamed: never the trace's own lazy_record, which would not rename them
 
     def _renamed(self, rec):
         if not any(v in rec for v in ("req_ids", "local_req_ids")):
@@ -259,10 +262,13 @@ def _by_request(ta: Trace, tb: Trace, pairs: list, record, notes: list[str], *, 
 class _StepRecords:
     """One step's records of both runs, by (run, rank), each read in one pass over its batch
     (``Trace.step_records_clean``) when first asked for; a batch that fails to decode is read
-    phase by phase again (``Trace.record``), which raises the error a per-phase read raises."""
+    phase by phase again (``Trace.record``), which raises the error a per-phase read raises.
+    Rows byte-equal in both runs (or on two ranks) are one array (``shared``): such a view is
+    equal without comparing it, and run B's copy costs a memcmp, not a crc32."""
 
     def __init__(self, ta: Trace, tb: Trace, step: int) -> None:
         self.runs, self.step, self.got = {"a": ta, "b": tb}, step, {}
+        self.shared: dict = {}
 
     def get(self, run: str, rank: int) -> tuple[dict, bool]:
         """(the records by phase, clean: ``bounds.rows_clean`` said so of their batch)."""
@@ -270,7 +276,7 @@ class _StepRecords:
         if got is None:
             t = self.runs[run]
             try:
-                recs, clean = t.step_records_clean(self.step, rank)
+                recs, clean = t.step_records_clean(self.step, rank, shared=self.shared)
             except TraceError:
                 recs, clean = {ph: t.record(self.step, rank, ph) for ph in t.phases(self.step, rank)}, False
             got = self.got[(run, rank)] = (recs, clean)
@@ -298,6 +304,10 @@ class _Diff:
         self.order_noted = self.local_compared_any = False
         self.steps_a = {r: set(ta.rank_steps(r)) for r in ta.ranks}
         self.steps_b = {r: set(tb.rank_steps(r)) for r in tb.ranks}
+        # each run's acceptance (its lowest rank's, as ``acceptance`` reads it), counted from the
+        # verify records the steps read: None where K is not in run.json (``AcceptanceFold``)
+        self.folds = {x: _lowest_rank_fold(t) for x, t in (("a", ta), ("b", tb))}
+        self.fold_states = {x: None if f is None else f.start() for x, f in self.folds.items()}
 
     def record(self, d: Divergence) -> None:
         self.total += 1
@@ -310,12 +320,13 @@ class _Diff:
         ta, tb = self.ta, self.tb
         in_a = [r for r in ta.ranks if step in self.steps_a[r]]
         in_b = [r for r in tb.ranks if step in self.steps_b[r]]
+        self.recs = _StepRecords(ta, tb, step)
+        self._count_acceptance(step)
         if not in_a or not in_b:
             self.record(Divergence(step, None, None, None, None,
                                    f"step recorded only in run {'a' if in_a else 'b'}"))
             return
         self.steps_compared += 1
-        self.recs = _StepRecords(ta, tb, step)
         step_pairs = [(ra, rb) for ra, rb in self.pairs if ra in in_a and rb in in_b]
         step_pairs = _well_formed_pairs(self.recs, step_pairs, self.record)
         for ra, rb in [(ra, rb) for ra, rb in self.pairs if (ra in in_a) != (rb in in_b)]:
@@ -328,6 +339,24 @@ class _Diff:
         for phase in phases:
             for ra, rb in step_pairs:
                 self._phase(step, phase, ra, rb, aligns[(ra, rb)])
+
+    def _count_acceptance(self, step: int) -> None:
+        """Add each run's verify record of ``step`` on its lowest rank to its acceptance count."""
+        for x, t in (("a", self.ta), ("b", self.tb)):
+            fold, state = self.folds[x], self.fold_states[x]
+            if fold is None:
+                continue
+            r = fold.ranks[0]
+            if step in (self.steps_a if x == "a" else self.steps_b)[r] and t.has(step, r, "verify"):
+                fold.add(state, _FoldStep(step, {r: {"verify": self.recs.rec(x, r, "verify")}}))
+
+    def acceptance(self, x: str, folded: list | None = None) -> Acceptance:
+        """Run ``x``'s acceptance: from the counts of the steps compared in this process and, in
+        step order, ``folded`` (each other process's state), else read again (``acceptance``)."""
+        t, fold = (self.ta if x == "a" else self.tb), self.folds[x]
+        if fold is None:
+            return acceptance(t)
+        return acceptance(t, folded=fold.merge([self.fold_states[x], *(folded or [])]))
 
     def _alignment(self, step: int, ra: int, rb: int) -> tuple[_Align | None, str | None]:
         ta, tb = self.ta, self.tb
@@ -379,6 +408,8 @@ class _Diff:
                 eb = align.apply(kind, eb)
             except (IndexError, ValueError):
                 pass  # shapes differ: reported below
+        if ea is eb and _exact(ea.dtype):
+            return  # one array (the runs recorded the same bytes, ``_StepRecords``), aligned alike
         if phase == "draft_0" and view == "draft_global_input_ids":
             ea, eb = _mask_stale_rows(self.recs.get("a", ranks[0])[0], ea, eb)
         if ea.shape == eb.shape and ea.dtype == eb.dtype and _exact(ea.dtype) and ea.tobytes() == eb.tobytes():
@@ -399,6 +430,19 @@ class _Diff:
                 req = align.req_of_token(i)
         self.record(Divergence(step, phase, view, *ranks, reason, req_id=req, index=idx,
                                expected=short_repr(ea, idx), actual=short_repr(eb, idx)))
+
+
+@dataclass(frozen=True)
+class _FoldStep:
+    """A step's records as ``AcceptanceFold.add`` reads them (``StepView``'s ``step`` and ``recs``)."""
+
+    step: int
+    recs: Mapping[int, Mapping[str, Any]]
+
+
+def _lowest_rank_fold(t: Any) -> AcceptanceFold | None:
+    k = t.run_meta.num_speculative_tokens
+    return None if k is None or not t.ranks else AcceptanceFold(t.ranks[:1], k)
 
 
 def _exact(dt: np.dtype) -> bool:
@@ -424,10 +468,11 @@ def _rank_pairs(ta: Trace, tb: Trace, notes: list[str]) -> tuple[bool, list[tupl
     return True, [(r, r) for r in ta.ranks]
 
 
-def _steps_in_processes(run: _Diff, steps: list[int], workers: int) -> None:
+def _steps_in_processes(run: _Diff, steps: list[int], workers: int) -> list[dict]:
     """``run.step`` over ``steps``, cut into ``2 * workers`` consecutive chunks compared in forked
     processes (``pcpviz.analysis.parallel``), merged into ``run`` as one pass in step order would
-    have left it: the first ``max_divergences`` found, the counts summed, the first order note."""
+    have left it: the first ``max_divergences`` found, the counts summed, the first order note.
+    Returns each chunk's acceptance counts (``_Diff.fold_states``), in step order."""
     bounds = chunk_bounds(len(steps), workers)
     n = len(bounds) - 1
 
@@ -437,9 +482,11 @@ def _steps_in_processes(run: _Diff, steps: list[int], workers: int) -> None:
         for step in steps[bounds[i]:bounds[i + 1]]:
             part.step(step)
         return (part.found, part.total, part.views_compared, part.steps_compared, part.notes,
-                part.local_compared_any)
+                part.local_compared_any, part.fold_states)
 
-    for found, total, views, compared, notes, local_any in forked_imap(chunk, n, workers=workers):
+    folded: list = []
+    for found, total, views, compared, notes, local_any, states in forked_imap(chunk, n, workers=workers):
+        folded.append(states)
         for d in found:
             run.record(d)
         run.total += total - len(found)  # record() counted each of these once
@@ -449,6 +496,7 @@ def _steps_in_processes(run: _Diff, steps: list[int], workers: int) -> None:
         if notes and not run.order_noted:
             run.notes.extend(notes)
             run.order_noted = True
+    return folded
 
 
 def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
@@ -476,14 +524,18 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
     if by_request is not None:  # other batches: per request
         run.views_compared, steps, run.steps_compared = by_request
     workers = default_workers(len(steps))
+    folded: list[dict] = []
     if workers > 1 and len(steps) > 1:
-        _steps_in_processes(run, list(steps), workers)
+        folded = _steps_in_processes(run, list(steps), workers)
     else:
         for step in steps:
             run.step(step)
     if not ta.steps and not tb.steps:
         notes.append("no steps in either run")
-    acc_a, acc_b = acceptance(ta), acceptance(tb)
+    if by_request is None:  # every step went through run.step: acceptance was counted there
+        acc_a, acc_b = (run.acceptance(x, [f[x] for f in folded]) for x in ("a", "b"))
+    else:
+        acc_a, acc_b = acceptance(ta), acceptance(tb)
     found = run.found
     return DiffReport(str(ta.path), str(tb.path), run.total == 0, found[0] if found else None, tuple(found),
                       run.total, run.steps_compared, run.views_compared, same_layout and run.local_compared_any,

@@ -55,13 +55,15 @@ def _last_prompt_tokens(trace: Trace, rank: int, steps: list[int]) -> dict[str, 
     """Request id -> (position + 1, token) of its last prefilled token in ``steps``, in order of first
     appearance (a later chunk replacing an earlier one's pair in place)."""
     last: dict[str, tuple[int, int]] = {}
+    peek = getattr(trace, "lazy_record", trace.record)  # two views of a step, its rows' crc32s checked
     for step in steps:
         if not trace.has(step, rank, "target"):
             continue
-        rec = trace.record(step, rank, "target")
+        rec = peek(step, rank, "target")
         pf, rids = rec.get("is_prefilling"), rec.get("req_ids")
         if pf is None or (pf.dtype.kind in "biu" and rids is not None and pf.shape == rids.shape and not pf.any()):
             continue  # a decode step (well formed): nothing to read
+        rec = trace.record(step, rank, "target")
         if step_problems({"target": rec}):  # only the target record is read here: only it is bounded
             continue
         if not all(v in rec for v in ("req_ids", "is_prefilling", "input_ids", "positions")):

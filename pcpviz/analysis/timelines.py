@@ -139,12 +139,12 @@ SCHEDULE_RUNS = 8
 def _first_other(ta: Any, tb: Any, steps: list[int], *, ranks: tuple[int, int],
                  rename_b: Callable[[str], str]) -> int | None:
     rank_a, rank_b = ranks
+    read_a, read_b = (getattr(t, "lazy_record", t.record) for t in (ta, tb))  # three views a step
     for step in steps:
         ha, hb = ta.has(step, rank_a, "target"), tb.has(step, rank_b, "target")
         if ha != hb:
             return step
-        if ha and _batch(ta.record(step, rank_a, "target"), str) != _batch(tb.record(step, rank_b, "target"),
-                                                                           rename_b) \
+        if ha and _batch(read_a(step, rank_a, "target"), str) != _batch(read_b(step, rank_b, "target"), rename_b) \
                 and well_formed(ta, step, rank_a) and well_formed(tb, step, rank_b):
             return step  # (a malformed step schedules nothing readable: step by step reports it)
     return None

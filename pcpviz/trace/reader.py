@@ -297,16 +297,21 @@ class Trace:
         ``t.step_records(3, 0)`` is ``{"target": Record(...), "draft_0": ..., "verify": ...}``."""
         return self.step_records_clean(step, rank, bounds=False)[0]
 
-    def step_records_clean(self, step: int, rank: int, *, bounds: bool = True) -> tuple[dict[str, Record], bool]:
+    def step_records_clean(self, step: int, rank: int, *, bounds: bool = True,
+                           shared: dict | None = None) -> tuple[dict[str, Record], bool]:
         """(``step_records(step, rank)``, clean): clean True only where ``bounds.step_problems``'
         one-pass test would find no view breaking a bound (``bounds.rows_clean``, read from the
-        batch's bytes; False: judge the records). ``bounds`` False: clean is False."""
+        batch's bytes; False: judge the records). ``bounds`` False: clean is False. ``shared``:
+        the caller's dict of the rows read of this step (empty at first; else the trace's own),
+        so that two traces of one step share their byte-equal rows as two ranks do (``diff``)."""
         ix, i = self._entry(step, rank)
         layout = ix.layouts[i]
         at_step = int(ix.steps[i])
-        if at_step != self._shared_step:
-            self._shared, self._shared_step = {}, at_step
-        decoded = decode_step_rows(ix, i, self._shared, slow_row=_decode_row)  # ``_decode(ix, i, None, share=True)``
+        if shared is None:
+            if at_step != self._shared_step:
+                self._shared, self._shared_step = {}, at_step
+            shared = self._shared
+        decoded = decode_step_rows(ix, i, shared, slow_row=_decode_row)  # ``_decode(ix, i, None, share=True)``
         out = {}
         for phase, rows in layout.phases.items():
             views = {layout.views[j]: decoded[j] for j in rows}

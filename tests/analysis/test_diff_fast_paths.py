@@ -103,3 +103,51 @@ def test_a_damaged_payload_raises_the_per_phase_error(tmp_path):
                 for ph in tb.phases(s, r):
                     tb.record(s, r, ph)
     assert str(fast.value) == str(slow.value) and "crc32 mismatch" in str(fast.value)
+
+
+def _rename_requests(run, prefix: str) -> None:
+    for _, per_rank in run.steps:
+        for phases in per_rank:
+            for views in phases.values():
+                for v in ("req_ids", "local_req_ids"):
+                    if v in views:
+                        views[v] = np.array([prefix + str(x) for x in np.asarray(views[v]).tolist()])
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_acceptance_counted_in_the_comparison_is_acceptance_of_each_run(tmp_path, monkeypatch, workers):
+    """The acceptance side by side is what ``acceptance`` reads from each run, counted while the
+    steps are compared, in one process or in several; run B with other request ids keeps run A's
+    names (its requests matched by prompt), and a run that lost drafts counts them lost."""
+    monkeypatch.setenv("PCPVIZ_WORKERS", workers)
+    a = clean_run(2, 2).write(tmp_path / "a")
+    run = clean_run(2, 2)
+    _rename_requests(run, "other-")
+    step = next(s for s in run.step_ids if run.views(s, 0, "verify")["num_accepted"].any())
+    hit = run.views(step, 0, "verify")["num_accepted"] > 0  # one draft fewer accepted there
+    for view, d in (("num_accepted", -1), ("num_sampled", -1), ("num_rejected", 1)):
+        corrupt(run, step, "verify", view, lambda x, d=d: x + d * hit)
+    b = run.write(tmp_path / "b")
+    report = D.diff_traces(a, b)
+    assert any("matched to a's by their prompts" in n for n in report.notes)
+    assert not any("batched the requests differently" in n for n in report.notes)  # read renamed: one schedule
+    tb = D._RenamedRequests(pt.open(b), {f"other-{r}": r for r in D.request_keys(pt.open(a))})
+    for got, want in ((report.acceptance_a, D.acceptance(pt.open(a))), (report.acceptance_b, D.acceptance(tb))):
+        assert got.to_dict() == want.to_dict()
+    assert set(report.acceptance_b.per_request) == set(report.acceptance_a.per_request)
+    assert report.acceptance_b.num_accepted_tokens < report.acceptance_a.num_accepted_tokens
+    assert report.first is not None and report.first.step <= step
+
+
+def test_equal_rows_of_the_two_runs_are_one_array_and_a_difference_is_still_found(tmp_path):
+    a = clean_run(2, 2).write(tmp_path / "a")
+    run = clean_run(2, 2)
+    step = run.step_ids[3]
+    corrupt(run, step, "target", "positions", lambda x: x + 1, ranks=[1])
+    b = run.write(tmp_path / "b")
+    recs = D._StepRecords(pt.open(a), pt.open(b), step)
+    ra, rb = recs.rec("a", 0, "target"), recs.rec("b", 0, "target")
+    assert all(ra[v] is rb[v] for v in ra)  # rank 0 recorded the same bytes in both runs
+    assert recs.rec("a", 1, "target")["positions"] is not recs.rec("b", 1, "target")["positions"]
+    first = D.diff_traces(a, b).first
+    assert (first.step, first.phase, first.view, first.rank_a) == (step, "target", "positions", 1)
