@@ -307,11 +307,12 @@ class Trace:
         ix, i = self._entry(step, rank)
         layout = ix.layouts[i]
         at_step = int(ix.steps[i])
+        whole = shared is not None  # another trace's batches too: look for one of the same bytes
         if shared is None:
             if at_step != self._shared_step:
                 self._shared, self._shared_step = {}, at_step
             shared = self._shared
-        decoded = decode_step_rows(ix, i, shared, slow_row=_decode_row)  # ``_decode(ix, i, None, share=True)``
+        decoded = decode_step_rows(ix, i, shared, slow_row=_decode_row, whole=whole)
         out = {}
         for phase, rows in layout.phases.items():
             views = {layout.views[j]: decoded[j] for j in rows}

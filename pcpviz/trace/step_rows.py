@@ -7,7 +7,9 @@ step, 7 million rows on a 100,000-step PCP=2 trace.
 A PCP=2 step whose ``target`` records ``positions`` int64[3] and ``req_ids`` str[1] on both
 ranks: rank 0 gives ``[array([0, 1, 2]), array(['a'])]``, each row checked against its crc32;
 rank 1, asked next with the same ``shared`` dict, gets rank 0's very arrays where its payload
-bytes are the same (a memcmp instead of a crc32), so a check of a global view runs once.
+bytes are the same (a memcmp instead of a crc32), so a check of a global view runs once. A batch
+whose index and payload bytes are those of a batch decoded before in the step (``diff``'s run B
+where it recorded what run A did) is that batch's arrays at once (``_WHOLE``).
 """
 
 from __future__ import annotations
@@ -22,13 +24,22 @@ from .errors import TraceError
 from .index import RankIndex
 
 
-def decode_step_rows(ix: RankIndex, i: int, shared: dict, *, slow_row: Callable) -> list:
+def decode_step_rows(ix: RankIndex, i: int, shared: dict, *, slow_row: Callable, whole: bool = False) -> list:
     """The arrays of every row of step ``ix.steps[i]``, in row order. ``shared``: (row prefix,
     shape, crc32) -> (payload bytes, array) of the rows other ranks decoded in this step (added
     to); ``slow_row(ix, step, phase, view, layout, j, shape, stored)``: a string row, or a
-    numeric one that does not fit its dtype and shape (``reader``'s ``_decode_row``)."""
+    numeric one that does not fit its dtype and shape (``reader``'s ``_decode_row``); ``whole``:
+    first look for a batch of the same bytes (``_WHOLE``: two runs of one step, not two ranks,
+    whose rank-local rows differ)."""
     loaded = ix.batch(i)
     layout, step = ix.layouts[i], int(ix.steps[i])
+    crcs, batch_key = loaded.crcs, None
+    if whole:
+        batch_key = (_WHOLE, loaded.values.size, crcs[0] if crcs else None)
+        for prefixes, shapes, seen_crcs, values, arrays in shared.get(batch_key, ()):
+            if seen_crcs == crcs and shapes == loaded.shapes and prefixes == layout.prefixes \
+                    and values.equals(loaded.values):
+                return list(arrays)  # every row as another run recorded it: its arrays
     u8, mv, offsets, step_crc = loaded.u8, loaded.mv, loaded.offsets, loaded.step_crc
     heads, wants = row_plan(layout, loaded.shapes)  # per row: its crc32 head, a numeric row's size
     out: list = []
@@ -50,4 +61,13 @@ def decode_step_rows(ix: RankIndex, i: int, shared: dict, *, slow_row: Callable)
             value = slow_row(ix, step, layout.phase_of[j], layout.views[j], layout, j, shape, u8[start:stop])
         out.append(value)
         shared[key] = (stored, value)
+    if batch_key is not None:
+        shared.setdefault(batch_key, []).append((layout.prefixes, loaded.shapes, crcs, loaded.values, out))
     return out
+
+
+_WHOLE = "whole batch"
+"""The first item of a ``shared`` key naming whole batches: (``_WHOLE``, payload size, first
+crc32) -> [(row prefixes, shapes, crc32s, payload bytes, arrays by row)] of the batches decoded
+in the step. A batch of the same index and bytes as one of them (another run's, in ``diff``) is
+that batch's arrays, in one comparison of the payload buffers instead of one per row."""
