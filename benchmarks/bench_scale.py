@@ -9,7 +9,8 @@
 Scenarios (synthetic traces, every view built by the pcpviz reference):
 
 * ``steps``: 100,000 tiny steps (PCP=2, K=1, two decoding requests: the steps of one short
-  synthetic run repeated with new step numbers);
+  synthetic run repeated with new step numbers); ``diff`` against a copy (no difference: its best
+  case) and against the same steps with other draft tokens at every step (``diff, diverged``);
 * ``pcp64``: PCP=64 x 40 steps;
 * ``long``: one 1M-token prompt under PCP=8, K=3 (``long_prompt_run``), for ``check`` and
   ``explain --no-rerun``.
@@ -44,8 +45,11 @@ import pcpviz.trace as pt  # noqa: E402
 from pcpviz.synthetic import RequestSpec, generate, long_prompt_run  # noqa: E402
 
 
-def tiny_steps(out: Path, steps: int) -> Path:
-    """``steps`` tiny steps: one short run's steps, repeated with new step numbers."""
+def tiny_steps(out: Path, steps: int, *, diverged: bool = False) -> Path:
+    """``steps`` tiny steps: one short run's steps, repeated with new step numbers. ``diverged``: the
+    same run with a drafter that proposes other tokens at every step (``draft_tokens`` and the
+    draft's output hidden fingerprint one more on every rank): ``diff`` against it finds a
+    difference at every step, where against a copy it finds none."""
     template = generate([RequestSpec("a", 6, 40), RequestSpec("b", 5, 40)], pcp=2, num_speculative_tokens=1,
                         block_size=16, seed=1)
     src = template.write(out.parent / (out.name + "-template"))
@@ -53,6 +57,11 @@ def tiny_steps(out: Path, steps: int) -> Path:
     meta = {k: v for k, v in t.meta.items() if k not in (pt.schema.META_SCHEMA_KEY, "num_steps")}
     recs = {r: [{ph: dict(t.record(s, r, ph)) for ph in t.phases(s, r)} for s in t.rank_steps(r)]
             for r in t.ranks}
+    if diverged:
+        for phases in (p for per_rank in recs.values() for p in per_rank):
+            for view in ("draft_tokens", "hidden_out_fp"):
+                if view in phases.get("draft_0", {}):
+                    phases["draft_0"][view] = np.asarray(phases["draft_0"][view]) + 1
     for r in t.ranks:
         with pt.TraceWriter(out, r, meta=meta if r == 0 else None) as w:
             for i in range(steps):
@@ -108,8 +117,10 @@ def measure(argv: list[str], timeout: float, root: Path = ROOT) -> tuple[float, 
 def commands(trace: Path, other: Path, work: Path, which: str) -> list[tuple[str, list[str]]]:
     out = [("check", ["check", str(trace)]), ("explain --no-rerun", ["explain", str(trace), "--no-rerun"])]
     if which != "long":
-        out += [("diff", ["diff", str(other), str(trace)]),
-                ("export --chrome", ["export", str(trace), "--chrome", str(work / "c.json")]),
+        out += [("diff", ["diff", str(other), str(trace)])]
+        if which == "steps":  # a copy is diff's best case: also a run that differs at every step
+            out += [("diff, diverged", ["diff", str(trace), str(work / "steps-diverged")])]
+        out += [("export --chrome", ["export", str(trace), "--chrome", str(work / "c.json")]),
                 ("export --html", ["export", str(trace), "--html", str(work / "r.html")])]
     return out
 
@@ -141,6 +152,8 @@ def main(argv=None) -> int:
         other = work / f"{sc}-copy"
         if not other.exists():
             shutil.copytree(trace, other)
+        if sc == "steps" and not (work / "steps-diverged").exists():
+            tiny_steps(work / "steps-diverged", args.steps, diverged=True)
         t = pt.open(trace)
         size = sum(f.stat().st_size for f in trace.iterdir()) / 2**20
         tokens = sum(int(np.asarray(t.record(s, t.ranks[0], "target")["positions"]).shape[0])

@@ -164,7 +164,9 @@ class _RenamedRequests:
     def record(self, step: int, rank: int, phase: str):
         return self._renamed(self._t.record(step, rank, phase))
 
-    lazy_record = record  # the ids renamed: never the trace's own lazy_record, which would not rename them
+    def lazy_record(self, step: int, rank: int, phase: str, **_) -> Any:
+        """``record``: the ids renamed (never the trace's own lazy_record, which would not rename them)."""
+        return self.record(step, rank, phase)
 
     def _renamed(self, rec):
         if not any(v in rec for v in ("req_ids", "local_req_ids")):

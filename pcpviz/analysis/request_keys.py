@@ -10,6 +10,9 @@ gives ``{"req0": (23, 871, 0), "req1": (25, 871, 0)}``; a second 23-token prompt
 
 from __future__ import annotations
 
+import functools
+from typing import Callable
+
 import numpy as np
 
 from pcpviz.analysis.parallel import PARALLEL_FROM
@@ -18,7 +21,7 @@ from pcpviz.trace import Trace
 from pcpviz.trace.bounds import step_problems
 from pcpviz.trace.index import fork_map, fork_workers
 
-__all__ = ["request_keys", "KEY_RUNS"]
+__all__ = ["request_keys", "peek_reader", "KEY_RUNS"]
 
 
 def request_keys(trace: Trace) -> dict[str, tuple]:
@@ -51,11 +54,18 @@ KEY_RUNS = 8
 """Runs of consecutive steps ``request_keys`` cuts a long trace into."""
 
 
+def peek_reader(trace) -> Callable:
+    """``trace``'s record reader for a look at a few views, each row's crc32 checked as it is read
+    (``Trace.lazy_record(check_unread=False)``; else ``record``)."""
+    lazy = getattr(trace, "lazy_record", None)
+    return trace.record if lazy is None else functools.partial(lazy, check_unread=False)
+
+
 def _last_prompt_tokens(trace: Trace, rank: int, steps: list[int]) -> dict[str, tuple[int, int]]:
     """Request id -> (position + 1, token) of its last prefilled token in ``steps``, in order of first
     appearance (a later chunk replacing an earlier one's pair in place)."""
     last: dict[str, tuple[int, int]] = {}
-    peek = getattr(trace, "lazy_record", trace.record)  # two views of a step, its rows' crc32s checked
+    peek = peek_reader(trace)
     for step in steps:
         if not trace.has(step, rank, "target"):
             continue

@@ -28,6 +28,7 @@ import numpy as np
 
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.analysis.parallel import PARALLEL_FROM
+from pcpviz.analysis.request_keys import peek_reader
 from pcpviz.reference.batch import record_query_start_loc
 from pcpviz.trace.bounds import well_formed
 from pcpviz.trace.index import fork_map, fork_workers
@@ -139,7 +140,7 @@ SCHEDULE_RUNS = 8
 def _first_other(ta: Any, tb: Any, steps: list[int], *, ranks: tuple[int, int],
                  rename_b: Callable[[str], str]) -> int | None:
     rank_a, rank_b = ranks
-    read_a, read_b = (getattr(t, "lazy_record", t.record) for t in (ta, tb))  # three views a step
+    read_a, read_b = peek_reader(ta), peek_reader(tb)  # three views a step, each row checked as it is read
     for step in steps:
         ha, hb = ta.has(step, rank_a, "target"), tb.has(step, rank_b, "target")
         if ha != hb:

@@ -309,7 +309,7 @@ def _check_rows(where: str, batch: pa.RecordBatch, names: _Names, shapes: _Shape
                                  f"{want} for {tag} {list(shape)} (phase {phase!r})")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Loaded:
     """One step's batch as decoding reads it: per row its shape and crc32, and the payloads.
 
@@ -404,6 +404,8 @@ def load(batch: pa.RecordBatch, step: int) -> Loaded:
     u8 = np.frombuffer(values, dtype=np.uint8)
     u8.flags.writeable = False
     offsets = _array(bufs[_DATA_OFF], np.int64, n + 1)
+    if n and int(_array(bufs[_STEP], np.int64, 1)[0]) != step:
+        raise ValueError(f"its rows say step {int(_array(bufs[_STEP], np.int64, 1)[0])}")
     return Loaded(shapes, _array(bufs[_CRC], np.uint32, n).tolist(), offsets.tolist(),
                   values, u8, zlib.crc32(f"{step}\0".encode("utf-8")), memoryview(u8), offsets)
 

@@ -153,16 +153,17 @@ class RankIndex:
         try:
             batch = pa.ipc.read_record_batch(self.buffer.slice(start, end - start), self.schema)
             batch.validate(full=True)
-            ok = batch.num_rows == len(self.layouts[i].views) and batch.column(0)[0].as_py() == step
+            ok = batch.num_rows == len(self.layouts[i].views)
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise TraceError(f"{self.path}: step {step}: its record batch changed since the trace "
                              f"was opened ({one_line(exc)})") from None
         if not ok:
             raise TraceError(f"{self.path}: step {step}: its record batch changed since the trace was opened")
         try:
-            loaded = load(batch, step)
+            loaded = load(batch, step)  # (checks the batch's step column names ``step``)
         except (ValueError, IndexError) as exc:
-            raise TraceError(f"{self.path}: step {step}: corrupt index ({one_line(exc)})") from None
+            raise TraceError(f"{self.path}: step {step}: its record batch changed since the trace "
+                             f"was opened ({one_line(exc)})") from None
         self._last = (i, loaded)
         return loaded
 

@@ -247,17 +247,21 @@ class Trace:
                 self._cache.popitem(last=False)
         return rec
 
-    def lazy_record(self, step: int, rank: int, phase: str) -> Record:
+    def lazy_record(self, step: int, rank: int, phase: str, *, check_unread: bool = True) -> Record:
         """``record()`` for a reader that needs a few of the views (the Chrome export's counts):
         every row's crc32 is checked now, as ``record()`` does, but a view is decoded only when
         read (``_LazyViews``). Not cached; arrays are not shared between ranks. A version 1
-        verify record (``schema.upgrade_views`` rewrites it whole) is ``record()``."""
+        verify record (``schema.upgrade_views`` rewrites it whole) is ``record()``.
+        ``check_unread`` False: a row's crc32 is checked when the row is read, the others' not at
+        all, for a pass whose caller reads every row later anyway (``diff``'s look at the
+        schedules before it compares the steps): what it reads is never damaged data."""
         if self.version < 2 and phase == S.PHASE_VERIFY:
             return self.record(step, rank, phase)
         ix, i = self._entry(step, rank)
         if phase not in ix.layouts[i].phases:
             return self.record(step, rank, phase)  # raises the KeyError record() raises
-        return Record(int(step), int(rank), phase, _LazyViews(ix, i, phase), pcp=self._pcp)
+        return Record(int(step), int(rank), phase, _LazyViews(ix, i, phase, check_unread=check_unread),
+                      pcp=self._pcp)
 
     def verify(self) -> int:
         """Decode every record (checking every crc32); returns how many. Raises TraceError."""
@@ -421,23 +425,31 @@ class _LazyViews(Mapping[str, np.ndarray]):
     """The views of one phase of one step, each decoded on first read; every row's crc32 is
     checked when made (a damaged payload raises ``TraceError`` whether or not it is read)."""
 
-    def __init__(self, ix: RankIndex, i: int, phase: str) -> None:
+    def __init__(self, ix: RankIndex, i: int, phase: str, *, check_unread: bool = True) -> None:
         self._ix, self._loaded, self._layout = ix, ix.batch(i), ix.layouts[i]
         self._step, self._phase = int(ix.steps[i]), phase
-        loaded, layout, rows = self._loaded, self._layout, self._layout.phases[phase]
+        loaded, layout = self._loaded, self._layout
         self._rows = phase_rows(layout, phase)
         self._done: dict[str, np.ndarray] = {}
-        heads, self._wants = row_plan(layout, loaded.shapes)  # per row: crc32 head, numeric size
-        mv, offsets, crcs, step_crc = loaded.mv, loaded.offsets, loaded.crcs, loaded.step_crc
-        for j in rows:
-            if zlib.crc32(mv[offsets[j]:offsets[j + 1]], zlib.crc32(heads[j], step_crc)) != crcs[j]:
-                raise TraceError(f"{ix.path}: step {self._step}: view {layout.views[j]!r} (phase {phase!r}): "
-                                 "corrupt data (crc32 mismatch)")
+        self._heads, self._wants = row_plan(layout, loaded.shapes)  # per row: crc32 head, numeric size
+        self._checked = check_unread
+        if check_unread:
+            for j in layout.phases[phase]:
+                self._check(j)
+
+    def _check(self, j: int) -> None:
+        loaded = self._loaded
+        if zlib.crc32(loaded.mv[loaded.offsets[j]:loaded.offsets[j + 1]],
+                      zlib.crc32(self._heads[j], loaded.step_crc)) != loaded.crcs[j]:
+            raise TraceError(f"{self._ix.path}: step {self._step}: view {self._layout.views[j]!r} "
+                             f"(phase {self._phase!r}): corrupt data (crc32 mismatch)")
 
     def __getitem__(self, name: str) -> np.ndarray:
         value = self._done.get(name)
         if value is None:
             j, loaded = self._rows[name], self._loaded
+            if not self._checked:
+                self._check(j)
             start, stop = loaded.offsets[j], loaded.offsets[j + 1]
             if stop - start == self._wants[j]:  # a numeric row that fits: a view of the map, as _decode's
                 value = np.ndarray(loaded.shapes[j], self._layout.dtypes[j], loaded.u8, start)

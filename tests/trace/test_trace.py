@@ -517,6 +517,10 @@ def test_lazy_record_checks_every_row_and_decodes_what_is_read(tmp_path, monkeyp
         t.lazy_record(2, 0, "target")
     with pytest.raises(KeyError, match="phase 'verify' not recorded at step 2"):
         t.lazy_record(2, 0, "verify")
+    peek = t.lazy_record(2, 0, "target", check_unread=False)  # a row checked when it is read, only then
+    assert peek["seq_lens"].tolist() == [5, 4] and peek["req_ids"].tolist() == ["a", "b"]
+    with pytest.raises(pt.TraceError, match="step 2: view 'positions' \\(phase 'target'\\): corrupt data"):
+        peek["positions"]
 
 
 def test_view_names_come_from_the_index_without_reading_a_payload(tmp_path, monkeypatch):
