@@ -230,8 +230,9 @@ def _index_crc(step: int, fmt: bytes, sizes: np.ndarray, crcs: np.ndarray) -> in
 
 
 def check_batch(path: Path, batch: pa.RecordBatch, *, steps_so_far: list[int],
-                parsers: "BatchParsers") -> tuple[int, Layout]:
-    """Check a parsed batch (the file's ``len(steps_so_far)``-th); returns (step, layout).
+                parsers: "BatchParsers") -> tuple[int, Layout, tuple]:
+    """Check a parsed batch (the file's ``len(steps_so_far)``-th); returns (step, layout, each row's
+    shape: one tuple shared by the batches of the same shape column).
 
     Raises ``TailDamage`` when the step's index fails its checksum (the bytes were damaged) and
     ``TraceError`` when an intact step says something wrong (the producer wrote it so)."""
@@ -272,9 +273,9 @@ def check_batch(path: Path, batch: pa.RecordBatch, *, steps_so_far: list[int],
     if names.layout is not None and shapes.error is None:
         rows, want = parsers.sizes_of(names, shapes, memo=memo)
         if np.array_equal(sizes[rows], want):
-            return step, names.layout
+            return step, names.layout, shapes.shapes
     _check_rows(f"{path}: step {step}", batch, names, shapes, sizes)
-    return step, names.layout
+    return step, names.layout, shapes.shapes
 
 
 def _check_rows(where: str, batch: pa.RecordBatch, names: _Names, shapes: _Shapes, sizes: np.ndarray) -> None:

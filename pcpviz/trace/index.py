@@ -103,11 +103,11 @@ class MapBudget:
 
 class RankIndex:
     """Where each step of one rank file lies: ``steps`` int64[n] (increasing), ``starts`` and
-    ``ends`` int64[n] (its message's bytes in the mapped file) and ``layouts`` (one per step,
-    shared)."""
+    ``ends`` int64[n] (its message's bytes in the mapped file), ``layouts`` (one per step,
+    shared) and ``shapes`` (each step's row shapes, shared by the steps of one shape column)."""
 
     def __init__(self, path: Path, buffer: pa.Buffer, mapped: mmap.mmap | None, schema: pa.Schema | None,
-                 steps: list[int], bounds: list[tuple[int, int]], layouts: list[Layout]):
+                 steps: list[int], bounds: list[tuple[int, int]], layouts: list[Layout], shapes: list[tuple]):
         self.path = path
         self.buffer = buffer  # the whole mapped file
         self.mapped = mapped
@@ -116,6 +116,7 @@ class RankIndex:
         self.starts = np.array([b[0] for b in bounds], dtype=np.int64)  # int64[n]
         self.ends = np.array([b[1] for b in bounds], dtype=np.int64)  # int64[n]
         self.layouts = layouts
+        self.shapes = shapes
         self._last: tuple[int, Loaded] | None = None
         self._found = -1  # the position ``find`` last returned: the next look-up tries the one after
         self.budget = MapBudget([self])  # ``reader.open`` makes every rank of a trace share one
@@ -193,7 +194,7 @@ def _map(fd: int, size: int) -> tuple[pa.Buffer, mmap.mmap | None]:
 
 
 def _walk(path: Path, source: pa.BufferReader, reader, good: int, steps: list[int],
-          bounds: list[tuple[int, int]], layouts: list[Layout], mapped: mmap.mmap | None) -> int:
+          bounds: list[tuple[int, int]], layouts: list[Layout], shapes: list[tuple], mapped: mmap.mmap | None) -> int:
     """Index every batch after the schema; returns the bytes of complete messages."""
     parsers = BatchParsers()
     trimmed = good
@@ -209,7 +210,7 @@ def _walk(path: Path, source: pa.BufferReader, reader, good: int, steps: list[in
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise TailDamage(f"unreadable data at byte {good} ({one_line(exc)})") from None
         try:
-            step, layout = check_batch(path, batch, steps_so_far=steps, parsers=parsers)
+            step, layout, step_shapes = check_batch(path, batch, steps_so_far=steps, parsers=parsers)
         except TraceError:
             raise
         except Exception as exc:  # parsed by Arrow, yet damaged
@@ -218,6 +219,7 @@ def _walk(path: Path, source: pa.BufferReader, reader, good: int, steps: list[in
         steps.append(step)
         bounds.append((good, end))
         layouts.append(layout)
+        shapes.append(step_shapes)
         good = end
 
 
@@ -236,6 +238,7 @@ def scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankIndex, dict
     steps: list[int] = []
     bounds: list[tuple[int, int]] = []
     layouts: list[Layout] = []
+    shapes: list[tuple] = []
     good, closed, finalizes, note, schema = 0, False, False, None, None
     try:
         _check_header_bytes(path, size, head)
@@ -246,7 +249,7 @@ def scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankIndex, dict
         schema = reader.schema
         finalizes = _check_schema(path, rank, schema, version)
         good = source.tell()
-        good = _walk(path, source, reader, good, steps, bounds, layouts, mapped)
+        good = _walk(path, source, reader, good, steps, bounds, layouts, shapes, mapped)
         end = source.tell()
         closed = end - good == len(EOS)
         good = end
@@ -258,7 +261,7 @@ def scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankIndex, dict
         note = (f"{path}: {damage}; last complete step: {last}; "
                 f"{size - good} trailing bytes not read")
     _trim(mapped)
-    index = RankIndex(path, buffer, mapped, schema, steps, bounds, layouts)
+    index = RankIndex(path, buffer, mapped, schema, steps, bounds, layouts, shapes)
     return index, dict(size=size, good_bytes=good, closed=closed, finalizes=finalizes), note
 
 
@@ -363,14 +366,14 @@ def _packed(result):
         return result
     ix, facts, note = result
     return (ix.path, ix.schema, ix.steps.tolist(), list(zip(ix.starts.tolist(), ix.ends.tolist())), ix.layouts,
-            facts, note)
+            ix.shapes, facts, note)
 
 
 def _unpacked(sent):
     """The index a child built, over this process's own map of the file (``AGAIN``: the file is shorter now)."""
     if isinstance(sent, BaseException):
         return sent
-    path, schema, steps, bounds, layouts, facts, note = sent
+    path, schema, steps, bounds, layouts, shapes, facts, note = sent
     fd = open_for_reading(path)
     try:
         if os.fstat(fd).st_size < facts["size"]:
@@ -378,7 +381,7 @@ def _unpacked(sent):
         buffer, mapped = _map(fd, facts["size"])
     finally:
         os.close(fd)
-    return RankIndex(path, buffer, mapped, schema, steps, bounds, layouts), facts, note
+    return RankIndex(path, buffer, mapped, schema, steps, bounds, layouts, shapes), facts, note
 
 
 def scan_rank_files(paths: list[tuple[int, Path]], version: int):

@@ -227,6 +227,21 @@ class Trace:
                            f"(phases: {', '.join(layout.phases)})")
         return _view_names(layout, phase)
 
+    def view_shape(self, step: int, rank: int, phase: str, view: str) -> tuple[int, ...] | None:
+        """The shape ``view`` of ``phase`` has at ``step`` on ``rank`` as the step's index says (no
+        payload read; the array ``record()`` decodes has it), None where the phase lacks the view.
+        ``KeyError`` as ``record()``'s."""
+        if self.version < 2:  # schema.upgrade_views may reshape an old trace's views: decode to know
+            rec = self.record(step, rank, phase)
+            return tuple(np.asarray(rec[view]).shape) if view in rec else None
+        ix, i = self._entry(step, rank)
+        layout = ix.layouts[i]
+        if phase not in layout.phases:
+            raise KeyError(f"phase {phase!r} not recorded at step {step} on rank {rank} "
+                           f"(phases: {', '.join(layout.phases)})")
+        j = phase_rows(layout, phase).get(view)
+        return None if j is None else ix.shapes[i][j]
+
     def record(self, step: int, rank: int, phase: str) -> Record:
         """The views of ``phase`` at ``step`` on ``rank``, decoded on first use (then cached)."""
         key = (step, rank, phase)

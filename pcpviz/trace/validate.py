@@ -41,7 +41,6 @@ import numpy as np
 from . import schema as S
 from .completion import judge
 from .errors import TraceError
-from .index import fork_map, fork_workers
 from .meta_model import META_SCHEMA, RunMeta, decode_meta
 from .values import report_malformed
 
@@ -236,37 +235,30 @@ def _check_drafts(trace: Any, meta: RunMeta, malformed: set[str], invalid: Calla
     # vLLM sizes sampled_token_ids to 1 + the most drafts any request of the step verifies (a
     # step of prefills only is 1 wide); the engine pads to K + 1. Either way never wider.
     for r in trace.ranks[:1]:
-        steps = trace.rank_steps(r)
-        parts = WIDTH_PARTS if len(steps) >= PARALLEL_WIDTH_FROM else 1
-        cuts = [round(i * len(steps) / parts) for i in range(parts + 1)]
-        for found in fork_map(lambda i: _too_wide(trace, r, steps[cuts[i]:cuts[i + 1]], k), parts,
-                              workers=fork_workers() if parts > 1 else 1):
-            if found is not None:
-                step, width = found
-                invalid("num_speculative_tokens", f"{k}, but step {step} rank {r} samples "
-                        f"{width[1]} tokens per request (verify sampled_token_ids "
-                        f"{list(width)}), i.e. K={width[1] - 1}")
-                return
-
-
-PARALLEL_WIDTH_FROM = 2000
-"""Steps from which ``_check_drafts`` reads the verify records in forked processes (``fork_map``)."""
-
-WIDTH_PARTS = 8
-"""Runs of consecutive steps ``_check_drafts`` cuts the steps into, then (``fork_map``)."""
+        found = _too_wide(trace, r, trace.rank_steps(r), k)
+        if found is not None:
+            step, width = found
+            invalid("num_speculative_tokens", f"{k}, but step {step} rank {r} samples "
+                    f"{width[1]} tokens per request (verify sampled_token_ids "
+                    f"{list(width)}), i.e. K={width[1] - 1}")
+            return
 
 
 def _too_wide(trace: Any, r: int, steps: list[int], k: int) -> tuple[int, tuple[int, ...]] | None:
     """The first of ``steps`` whose verify ``sampled_token_ids`` on rank ``r`` is wider than
-    ``k + 1``, and that shape; None if none is. A damaged verify payload raises ``TraceError``."""
+    ``k + 1``, and that shape; None if none is. Read from the steps' index (``Trace.view_shape``:
+    no payload), or, for a trace without one, from its records."""
+    shape_of = getattr(trace, "view_shape", None)
     for step in steps:
-        # lazy_record: every row's crc32 checked as record() checks it, one array made
-        read = getattr(trace, "lazy_record", trace.record)
-        rec = read(step, r, S.PHASE_VERIFY) if trace.has(step, r, S.PHASE_VERIFY) else None
-        if rec is not None and "sampled_token_ids" in rec:
-            width = np.asarray(rec["sampled_token_ids"]).shape
-            if len(width) == 2 and width[0] > 0 and width[1] > k + 1:
-                return step, width
+        if not trace.has(step, r, S.PHASE_VERIFY):
+            continue
+        if shape_of is not None:
+            width = shape_of(step, r, S.PHASE_VERIFY, "sampled_token_ids")
+        else:
+            rec = trace.record(step, r, S.PHASE_VERIFY)
+            width = np.asarray(rec["sampled_token_ids"]).shape if "sampled_token_ids" in rec else None
+        if width is not None and len(width) == 2 and width[0] > 0 and width[1] > k + 1:
+            return step, tuple(width)
     return None
 
 

@@ -12,7 +12,7 @@ import pytest
 import pcpviz.trace as pt
 from pcpviz.analysis.checks import run_checks
 from pcpviz.trace import index as index_mod
-from tests.helpers.tracegen import clean_run, write
+from tests.helpers.tracegen import clean_run, corrupt, write
 
 validate_mod = importlib.import_module("pcpviz.trace.validate")  # the package exports a function of that name
 
@@ -20,7 +20,6 @@ validate_mod = importlib.import_module("pcpviz.trace.validate")  # the package e
 def _forked(monkeypatch, on: bool) -> None:
     monkeypatch.setenv("PCPVIZ_WORKERS", "2" if on else "1")
     monkeypatch.setattr(index_mod, "PARALLEL_SCAN_BYTES", 0 if on else 1 << 60)
-    monkeypatch.setattr(validate_mod, "PARALLEL_WIDTH_FROM", 0 if on else 1 << 60)
 
 
 def _summary(path):
@@ -46,7 +45,9 @@ def test_forked_open_and_validate_equal_one_process(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("on", [False, True])
-def test_forked_validate_raises_the_first_damaged_verify_payload(tmp_path, monkeypatch, on):
+def test_validate_reads_the_index_and_check_the_damaged_verify_payload(tmp_path, monkeypatch, on):
+    """validate judges K by the width its index gives ``sampled_token_ids`` (no payload read); the
+    check that reads the payload names the damage in one line, forked or not."""
     run = clean_run(pcp=2, k=2)
     path = write(run, tmp_path)
     rank0 = path / "rank0.arrow"
@@ -58,8 +59,12 @@ def test_forked_validate_raises_the_first_damaged_verify_payload(tmp_path, monke
     rank0.write_bytes(bytes(raw))
     _forked(monkeypatch, on)
     t = pt.open(path)
+    monkeypatch.setattr(pt.Trace, "lazy_record", lambda *a, **k: pytest.fail("a payload was read"))
+    assert pt.validate(t).ok
+    monkeypatch.undo()
+    _forked(monkeypatch, on)
     with pytest.raises(pt.TraceError, match=f"step {late}: view 'sampled_token_ids' \\(phase 'verify'\\)"):
-        pt.validate(t)
+        run_checks(pt.open(path), workers=2 if on else 1)
 
 
 def test_fork_map_yields_in_order_and_raises_the_first_error():
@@ -78,3 +83,16 @@ def test_fork_map_yields_in_order_and_raises_the_first_error():
         for v in index_mod.fork_map(fn, 7, workers=3):
             got.append(v)
     assert got == [0, 1]
+
+
+def test_validate_finds_a_verify_wider_than_k_plus_one_from_the_index(tmp_path):
+    run = clean_run(pcp=2, k=2)
+    step = run.step_ids[5]
+    corrupt(run, step, "verify", "sampled_token_ids", lambda x: np.concatenate([x, x[:, :1]], axis=1))
+    t = pt.open(write(run, tmp_path))
+    problems = [p.message for p in pt.validate(t).problems]
+    width = list(np.asarray(t.record(step, 0, "verify")["sampled_token_ids"]).shape)
+    assert any(f"step {step} rank 0 samples 4 tokens per request (verify sampled_token_ids {width}), i.e. K=3" in m
+               for m in problems), problems
+    assert t.view_shape(step, 0, "verify", "sampled_token_ids") == tuple(width)
+    assert t.view_shape(step, 0, "verify", "no_such_view") is None
