@@ -186,6 +186,7 @@ class Trace:
         self._shared: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}  # this step's big rows, verified
         self._shared_step: int | None = None
         self._pcp = self.run_meta.pcp
+        self._anywhere: dict[str, frozenset[str]] = {}  # phase -> ``views_anywhere``
 
     @property
     def steps(self) -> list[int]:
@@ -226,6 +227,25 @@ class Trace:
             raise KeyError(f"phase {phase!r} not recorded at step {step} on rank {rank} "
                            f"(phases: {', '.join(layout.phases)})")
         return _view_names(layout, phase)
+
+    def views_anywhere(self, phase: str) -> frozenset[str]:
+        """The names of the views ``phase`` records at some step on some rank, read from the steps'
+        index (each distinct layout once): a pass after a view no step records need not start."""
+        got = self._anywhere.get(phase)
+        if got is None:  # (an old trace's names as schema.upgrade_views renames them: one record a layout)
+            got = self._anywhere[phase] = frozenset().union(
+                *(self.view_names(step, rank, phase) for layout, rank, step in self._distinct_layouts()
+                  if phase in layout.phases))
+        return got
+
+    def _distinct_layouts(self) -> list[tuple[Any, int, int]]:
+        """(layout, a rank and step recording it) of each distinct step layout."""
+        seen: dict[int, tuple[Any, int, int]] = {}
+        for rank, ix in self._index.items():
+            for i, layout in enumerate(ix.layouts):
+                if id(layout) not in seen:
+                    seen[id(layout)] = (layout, rank, int(ix.steps[i]))
+        return list(seen.values())
 
     def view_shape(self, step: int, rank: int, phase: str, view: str) -> tuple[int, ...] | None:
         """The shape ``view`` of ``phase`` has at ``step`` on ``rank`` as the step's index says (no

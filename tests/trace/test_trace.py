@@ -535,6 +535,8 @@ def test_view_names_come_from_the_index_without_reading_a_payload(tmp_path, monk
     monkeypatch.setattr(reader_mod.zlib, "crc32", lambda *a: pytest.fail("a payload was read"))
     assert t.view_names(1, 0, "target") == {"positions", "req_ids"}
     assert t.view_names(2, 0, "draft_0") == {"fwd_input_ids"}
+    assert t.views_anywhere("draft_0") == {"fwd_input_ids"} and t.views_anywhere("verify") == frozenset()
+    assert t.views_anywhere("target") == {"positions", "req_ids"}
     with pytest.raises(KeyError, match="phase 'draft_0' not recorded at step 3 on rank 0"):
         t.view_names(3, 0, "draft_0")
     with pytest.raises(KeyError, match="step 9 not recorded on rank 0"):

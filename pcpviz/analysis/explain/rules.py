@@ -202,6 +202,8 @@ def _global_rows_read(f: Findings, view: str) -> tuple[int, int]:
     rank's rows of the global shifted ids, and of those, the ones where it is their first rows."""
     t = f.trace
     seen = wrong = 0
+    if not _DRAFT_READS[view] <= t.views_anywhere("draft_0"):
+        return 0, 0  # no step recorded what this rule compares
     for r in t.ranks:
         for step in t.rank_steps(r):
             if not (t.has(step, r, "draft_0") and t.has(step, r, "target")):
