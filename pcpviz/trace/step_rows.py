@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from .batches import row_plan, same_bytes
+from .batches import Loaded, row_plan, same_bytes
 from .errors import TraceError
 from .index import RankIndex
 
@@ -33,19 +33,23 @@ def decode_step_rows(ix: RankIndex, i: int, shared: dict, *, slow_row: Callable,
     whose rank-local rows differ)."""
     loaded = ix.batch(i)
     layout, step = ix.layouts[i], int(ix.steps[i])
-    crcs, batch_key = loaded.crcs, None
+    crcs, batch_key, before = loaded.crcs, None, None
     if whole:
         batch_key = (_WHOLE, loaded.values.size, crcs[0] if crcs else None)
-        for prefixes, shapes, seen_crcs, values, arrays in shared.get(batch_key, ()):
-            if seen_crcs == crcs and shapes == loaded.shapes and prefixes == layout.prefixes \
-                    and values.equals(loaded.values):
-                return list(arrays)  # every row as another run recorded it: its arrays
+        for prefixes, seen, arrays in shared.get(batch_key, ()):
+            if prefixes == layout.prefixes and seen.shapes == loaded.shapes and seen.offsets == loaded.offsets:
+                if seen.crcs == crcs and seen.values.equals(loaded.values):
+                    return list(arrays)  # every row as another run recorded it: its arrays
+                before = before or _same_runs(seen, loaded, arrays)
     u8, mv, offsets, step_crc = loaded.u8, loaded.mv, loaded.offsets, loaded.step_crc
     heads, wants = row_plan(layout, loaded.shapes)  # per row: its crc32 head, a numeric row's size
     out: list = []
     crc32, ndarray, get = zlib.crc32, np.ndarray, shared.get
     rows = zip(layout.prefixes, loaded.shapes, loaded.crcs, offsets, offsets[1:], heads, wants, layout.dtypes)
     for j, (prefix, shape, crc, start, stop, head, want, dt) in enumerate(rows):
+        if before is not None and before[j] is not None:
+            out.append(before[j])
+            continue
         stored = mv[start:stop]  # the row's bytes, read-only, no copy
         key = (prefix, shape, crc)  # the prefix names the row's phase, view and dtype
         seen = get(key)
@@ -62,12 +66,33 @@ def decode_step_rows(ix: RankIndex, i: int, shared: dict, *, slow_row: Callable,
         out.append(value)
         shared[key] = (stored, value)
     if batch_key is not None:
-        shared.setdefault(batch_key, []).append((layout.prefixes, loaded.shapes, crcs, loaded.values, out))
+        shared.setdefault(batch_key, []).append((layout.prefixes, loaded, out))
+    return out
+
+
+def _same_runs(seen: Loaded, loaded: Loaded, arrays: list) -> list:
+    """Per row of ``loaded``, ``seen``'s array where the row lies in a run of consecutive rows whose
+    crc32s are the same in both batches and whose bytes are (one comparison per run; the batches
+    have the same rows, shapes and offsets), else None: run B's step where a few views differ
+    from run A's."""
+    out: list = [None] * len(arrays)
+    same = [a == b for a, b in zip(seen.crcs, loaded.crcs)] + [False]
+    offsets, j = loaded.offsets, 0
+    while j < len(arrays):
+        if not same[j]:
+            j += 1
+            continue
+        k = same.index(False, j)  # rows j .. k-1: one run
+        if seen.mv[offsets[j]:offsets[k]] == loaded.mv[offsets[j]:offsets[k]]:
+            out[j:k] = arrays[j:k]
+        j = k
     return out
 
 
 _WHOLE = "whole batch"
 """The first item of a ``shared`` key naming whole batches: (``_WHOLE``, payload size, first
-crc32) -> [(row prefixes, shapes, crc32s, payload bytes, arrays by row)] of the batches decoded
-in the step. A batch of the same index and bytes as one of them (another run's, in ``diff``) is
-that batch's arrays, in one comparison of the payload buffers instead of one per row."""
+crc32) -> [(row prefixes, the loaded batch, its arrays by row)] of the batches decoded in the
+step. A batch of the same index and bytes as one of them (another run's, in ``diff``) is that
+batch's arrays, in one comparison of the payload buffers instead of one per row; one of the same
+rows and offsets whose bytes differ somewhere takes that batch's arrays for each run of rows
+whose crc32s and bytes are the same (``_same_runs``)."""
