@@ -41,7 +41,7 @@ from pcpviz.analysis.timelines import compare_timelines, same_schedule
 from pcpviz.analysis.compare import first_difference, short_repr
 from pcpviz.analysis.diffreport import DiffReport, Divergence
 from pcpviz.analysis.parallel import chunk_bounds, default_workers, forked_imap
-from pcpviz.analysis.request_keys import request_keys
+from pcpviz.analysis.request_keys import RenamedRequests, align_request_ids, prompts_note, request_keys
 from pcpviz.trace import Trace
 from pcpviz.trace import open as open_trace
 from pcpviz.reference.batch import record_query_start_loc
@@ -58,7 +58,7 @@ allocated per run; the block-table rows and slot mappings it selects are compare
 
 
 def _open(trace: Trace | str | os.PathLike) -> Trace:
-    return trace if isinstance(trace, (Trace, _RenamedRequests)) else open_trace(trace)
+    return trace if isinstance(trace, (Trace, RenamedRequests)) else open_trace(trace)
 
 
 @lru_cache(maxsize=4096)
@@ -145,72 +145,6 @@ def _mask_stale_rows(recs: Mapping[str, Any], ea: np.ndarray, eb: np.ndarray):
     row = np.repeat(np.arange(qsl.shape[0] - 1), np.diff(qsl))
     stale = (np.arange(qsl[-1]) - qsl[row]) >= (np.diff(qsl) - rej)[row]
     return np.where(stale, -1, ea), np.where(stale, -1, eb)
-
-
-class _RenamedRequests:
-    """Run B with its request ids replaced by run A's for the same requests (``request_keys``)."""
-
-    def __init__(self, trace: Trace, rename: Mapping[str, str]) -> None:
-        self._t, self._rename = trace, dict(rename)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._t, name)
-
-    def step_records_clean(self, step: int, rank: int, *, shared: dict | None = None) -> tuple[dict, bool]:
-        """``Trace.step_records_clean`` with the ids renamed (their bounds then judged again)."""
-        recs = self._t.step_records_clean(step, rank, shared=shared)[0]
-        return {ph: self._renamed(rec) for ph, rec in recs.items()}, False
-
-    def record(self, step: int, rank: int, phase: str):
-        return self._renamed(self._t.record(step, rank, phase))
-
-    def lazy_record(self, step: int, rank: int, phase: str, **_) -> Any:
-        """``record``: the ids renamed (never the trace's own lazy_record, which would not rename them)."""
-        return self.record(step, rank, phase)
-
-    def _renamed(self, rec):
-        if not any(v in rec for v in ("req_ids", "local_req_ids")):
-            return rec
-        out = {k: rec[k] for k in rec.keys()}
-        for v in ("req_ids", "local_req_ids"):
-            if v in out:
-                out[v] = np.array([self._rename.get(x, x) for x in np.asarray(out[v]).astype(str).tolist()])
-        return out
-
-
-def prompts_note(ta: Trace, tb: Trace, keys: tuple[dict, dict] | None = None) -> str | None:
-    """One line when the two runs served different prompts (run.json's ``prompt_token_ids``,
-    else the requests' ``request_keys``: ``keys`` when the caller has them), so a reader knows up
-    front that divergences follow from the input: ``"the runs served different prompts: 2 of b's 3
-    are not among a's 3"``."""
-    def prompts(t: Trace) -> list[tuple] | None:
-        p = t.run_meta.prompt_token_ids
-        if p is None:
-            return None
-        return sorted(p.values() if isinstance(p, Mapping) else p)
-
-    pa_, pb_ = prompts(ta), prompts(tb)
-    if pa_ is None or pb_ is None:  # no prompts in run.json: (length, last token) per request
-        ka, kb = keys if keys is not None else (request_keys(ta), request_keys(tb))
-        pa_, pb_ = sorted(ka.values()), sorted(kb.values())
-        if not pa_ or not pb_:
-            return None
-    if pa_ == pb_:
-        return None
-    missing = sum(1 for x in pb_ if x not in set(pa_))
-    return (f"the runs served different prompts: {missing} of b's {len(pb_)} are not among a's {len(pa_)}; "
-            "differences follow from the input, not only from the run")
-
-
-def _align_request_ids(ta: Trace, tb: Trace, keys: tuple[dict, dict]) -> tuple[Any, int]:
-    """Run B seen with run A's request ids where the two runs served the same prompts under
-    other names (``keys``: their ``request_keys``); returns (the trace to compare, requests renamed)."""
-    ka, kb = keys
-    by_key = {k: rid for rid, k in ka.items()}
-    rename = {rid: by_key[k] for rid, k in kb.items() if k in by_key and by_key[k] != rid}
-    if not rename:
-        return tb, 0
-    return _RenamedRequests(tb, rename), len(rename)
 
 
 def _well_formed_pairs(recs: "_StepRecords", pairs: list, record) -> list:
@@ -510,7 +444,7 @@ def diff_traces(a: Trace | str | os.PathLike, b: Trace | str | os.PathLike, *,
     keys = (request_keys(ta), request_keys(tb))
     differ = prompts_note(ta, tb, keys)
     notes: list[str] = [differ] if differ else []
-    tb, renamed = _align_request_ids(ta, tb, keys)
+    tb, renamed = align_request_ids(ta, tb, keys)
     if renamed:
         notes.append(f"{renamed} requests of b matched to a's by their prompts (other request ids)")
     one_sided, gap_notes = one_sided_views(ta, tb, ignore=ignore)

@@ -5,13 +5,14 @@ engine ``"req{i}"``), so ``diff``, ``explain`` and the parity report match a req
 another by ``(prompt length, last prompt token, n)``, read from rank 0's target records. A PCP=2 run
 that prefilled ``req0`` (23 tokens, the last one 871) and ``req1`` (25 tokens, the last one 871 too)
 gives ``{"req0": (23, 871, 0), "req1": (25, 871, 0)}``; a second 23-token prompt ending in 871 would be
-``(23, 871, 1)``.
+``(23, 871, 1)``. ``align_request_ids`` then shows run B under run A's ids (``RenamedRequests``),
+and ``prompts_note`` says when the runs served different prompts.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -21,7 +22,7 @@ from pcpviz.trace import Trace
 from pcpviz.trace.bounds import step_problems
 from pcpviz.trace.index import fork_map, fork_workers
 
-__all__ = ["request_keys", "peek_reader", "KEY_RUNS"]
+__all__ = ["request_keys", "peek_reader", "KEY_RUNS", "RenamedRequests", "prompts_note", "align_request_ids"]
 
 
 def request_keys(trace: Trace) -> dict[str, tuple]:
@@ -87,3 +88,71 @@ def _last_prompt_tokens(trace: Trace, rank: int, steps: list[int]) -> dict[str, 
                 j = int(qsl[i + 1]) - 1
                 last[rid] = (int(pos[j]) + 1, int(ids[j]))
     return last
+
+
+# --------------------------------------------------------------------------- one run seen with another's ids
+
+class RenamedRequests:
+    """Run B with its request ids replaced by run A's for the same requests (``request_keys``)."""
+
+    def __init__(self, trace: Trace, rename: Mapping[str, str]) -> None:
+        self._t, self._rename = trace, dict(rename)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._t, name)
+
+    def step_records_clean(self, step: int, rank: int, *, shared: dict | None = None) -> tuple[dict, bool]:
+        """``Trace.step_records_clean`` with the ids renamed (their bounds then judged again)."""
+        recs = self._t.step_records_clean(step, rank, shared=shared)[0]
+        return {ph: self._renamed(rec) for ph, rec in recs.items()}, False
+
+    def record(self, step: int, rank: int, phase: str):
+        return self._renamed(self._t.record(step, rank, phase))
+
+    def lazy_record(self, step: int, rank: int, phase: str, **_) -> Any:
+        """``record``: the ids renamed (never the trace's own lazy_record, which would not rename them)."""
+        return self.record(step, rank, phase)
+
+    def _renamed(self, rec):
+        if not any(v in rec for v in ("req_ids", "local_req_ids")):
+            return rec
+        out = {k: rec[k] for k in rec.keys()}
+        for v in ("req_ids", "local_req_ids"):
+            if v in out:
+                out[v] = np.array([self._rename.get(x, x) for x in np.asarray(out[v]).astype(str).tolist()])
+        return out
+
+
+def prompts_note(ta: Trace, tb: Trace, keys: tuple[dict, dict] | None = None) -> str | None:
+    """One line when the two runs served different prompts (run.json's ``prompt_token_ids``,
+    else the requests' ``request_keys``: ``keys`` when the caller has them), so a reader knows up
+    front that divergences follow from the input: ``"the runs served different prompts: 2 of b's 3
+    are not among a's 3"``."""
+    def prompts(t: Trace) -> list[tuple] | None:
+        p = t.run_meta.prompt_token_ids
+        if p is None:
+            return None
+        return sorted(p.values() if isinstance(p, Mapping) else p)
+
+    pa_, pb_ = prompts(ta), prompts(tb)
+    if pa_ is None or pb_ is None:  # no prompts in run.json: (length, last token) per request
+        ka, kb = keys if keys is not None else (request_keys(ta), request_keys(tb))
+        pa_, pb_ = sorted(ka.values()), sorted(kb.values())
+        if not pa_ or not pb_:
+            return None
+    if pa_ == pb_:
+        return None
+    missing = sum(1 for x in pb_ if x not in set(pa_))
+    return (f"the runs served different prompts: {missing} of b's {len(pb_)} are not among a's {len(pa_)}; "
+            "differences follow from the input, not only from the run")
+
+
+def align_request_ids(ta: Trace, tb: Trace, keys: tuple[dict, dict]) -> tuple[Any, int]:
+    """Run B seen with run A's request ids where the two runs served the same prompts under
+    other names (``keys``: their ``request_keys``); returns (the trace to compare, requests renamed)."""
+    ka, kb = keys
+    by_key = {k: rid for rid, k in ka.items()}
+    rename = {rid: by_key[k] for rid, k in kb.items() if k in by_key and by_key[k] != rid}
+    if not rename:
+        return tb, 0
+    return RenamedRequests(tb, rename), len(rename)

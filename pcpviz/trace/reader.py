@@ -37,7 +37,6 @@ Policy on damage (the design's "loses nothing"):
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 import warnings
@@ -54,6 +53,7 @@ from . import schema as S
 from .errors import TraceError, TraceWarning
 from .batches import one_line as _one_line, phase_rows, row_plan, same_bytes
 from .bounds import rows_clean
+from .row_views import LazyViews, decode_row, view_names_of
 from .step_rows import decode_step_rows
 from .index import MapBudget, RankIndex, scan_rank_files
 from .owner import rank_file_busy, writer_busy
@@ -226,7 +226,7 @@ class Trace:
         if phase not in layout.phases:
             raise KeyError(f"phase {phase!r} not recorded at step {step} on rank {rank} "
                            f"(phases: {', '.join(layout.phases)})")
-        return _view_names(layout, phase)
+        return view_names_of(layout, phase)
 
     def views_anywhere(self, phase: str) -> frozenset[str]:
         """The names of the views ``phase`` records at some step on some rank, read from the steps'
@@ -247,7 +247,7 @@ class Trace:
                     seen[id(layout)] = (layout, rank, int(ix.steps[i]))
         return list(seen.values())
 
-    def view_shape(self, step: int, rank: int, phase: str, view: str) -> tuple[int, ...] | None:
+    def view_shape(self, step: int, rank: int, phase: str, *, view: str) -> tuple[int, ...] | None:
         """The shape ``view`` of ``phase`` has at ``step`` on ``rank`` as the step's index says (no
         payload read; the array ``record()`` decodes has it), None where the phase lacks the view.
         ``KeyError`` as ``record()``'s."""
@@ -285,7 +285,7 @@ class Trace:
     def lazy_record(self, step: int, rank: int, phase: str, *, check_unread: bool = True) -> Record:
         """``record()`` for a reader that needs a few of the views (the Chrome export's counts):
         every row's crc32 is checked now, as ``record()`` does, but a view is decoded only when
-        read (``_LazyViews``). Not cached; arrays are not shared between ranks. A version 1
+        read (``LazyViews``). Not cached; arrays are not shared between ranks. A version 1
         verify record (``schema.upgrade_views`` rewrites it whole) is ``record()``.
         ``check_unread`` False: a row's crc32 is checked when the row is read, the others' not at
         all, for a pass whose caller reads every row later anyway (``diff``'s look at the
@@ -295,7 +295,7 @@ class Trace:
         ix, i = self._entry(step, rank)
         if phase not in ix.layouts[i].phases:
             return self.record(step, rank, phase)  # raises the KeyError record() raises
-        return Record(int(step), int(rank), phase, _LazyViews(ix, i, phase, check_unread=check_unread),
+        return Record(int(step), int(rank), phase, LazyViews(ix, i, phase, check_unread=check_unread),
                       pcp=self._pcp)
 
     def verify(self) -> int:
@@ -351,7 +351,7 @@ class Trace:
             if at_step != self._shared_step:
                 self._shared, self._shared_step = {}, at_step
             shared = self._shared
-        decoded = decode_step_rows(ix, i, shared, slow_row=_decode_row, whole=whole)
+        decoded = decode_step_rows(ix, i, shared, slow_row=decode_row, whole=whole)
         out = {}
         for phase, rows in layout.phases.items():
             views = {layout.views[j]: decoded[j] for j in rows}
@@ -404,107 +404,11 @@ class Trace:
             if stop - start == wants[j]:  # a numeric row that fits its dtype and shape
                 value = np.ndarray(shape, dtypes[j], u8, start)  # read-only: u8 is
             else:
-                value = _decode_row(ix, step, layout.phase_of[j], view, layout, j, shape, u8[start:stop])
+                value = decode_row(ix, layout, j, step=step, shape=shape, stored=u8[start:stop])
             out[at] = value
             if key is not None:
                 shared[key] = (stored, value)
         return out
-
-
-_NAMES: dict[tuple[int, str], tuple[Any, frozenset[str]]] = {}
-
-
-def _view_names(layout, phase: str) -> frozenset[str]:
-    """``phase``'s view names in ``layout``, made once per layout (steps recording the same views
-    share one ``Layout``; the layout is held beside its entry, so an id is not reused under it)."""
-    got = _NAMES.get((id(layout), phase))
-    if got is None or got[0] is not layout:
-        if len(_NAMES) >= 4096:
-            _NAMES.clear()
-        got = _NAMES[(id(layout), phase)] = (layout, frozenset(phase_rows(layout, phase)))
-    return got[1]
-
-
-_STRINGS: OrderedDict[tuple, np.ndarray] = OrderedDict()
-_STRINGS_MAX = 4096
-"""Decoded string rows by (tag, shape, bytes): request ids repeat step after step, and parsing
-their JSON is the costliest part of a small row; a verified payload's bytes give one array."""
-
-
-def _decode_row(ix: RankIndex, step: int, phase: str, view: str, layout, j: int, shape: tuple[int, ...],
-                stored: np.ndarray) -> np.ndarray:
-    """Row ``j``'s array: a numeric row whose bytes fit its dtype and shape is ``stored`` viewed
-    as them (zero-copy, read-only); a string row, or one that does not fit, goes through
-    ``schema.decode_payload`` (which says what is wrong; a string row's array is remembered by
-    its bytes, ``_STRINGS``)."""
-    dt = layout.dtypes[j]
-    if dt is not None:
-        nbytes = math.prod(shape) * dt.itemsize
-        if stored.shape[0] == S.padded_size(nbytes):
-            return stored[:nbytes].view(dt).reshape(shape)
-    key = (layout.tags[j], shape, stored.tobytes()) if dt is None and stored.shape[0] <= 4096 else None
-    if key is not None and key in _STRINGS:
-        return _STRINGS[key]
-    try:
-        value = S.decode_payload(layout.tags[j], shape, stored)
-    except ValueError as exc:
-        raise TraceError(f"{ix.path}: step {step}: view {view!r} (phase {phase!r}): {exc}") from None
-    if key is not None:
-        _STRINGS[key] = value
-        if len(_STRINGS) > _STRINGS_MAX:
-            _STRINGS.popitem(last=False)
-    return value
-
-
-class _LazyViews(Mapping[str, np.ndarray]):
-    """The views of one phase of one step, each decoded on first read; every row's crc32 is
-    checked when made (a damaged payload raises ``TraceError`` whether or not it is read)."""
-
-    def __init__(self, ix: RankIndex, i: int, phase: str, *, check_unread: bool = True) -> None:
-        self._ix, self._loaded, self._layout = ix, ix.batch(i), ix.layouts[i]
-        self._step, self._phase = int(ix.steps[i]), phase
-        loaded, layout = self._loaded, self._layout
-        self._rows = phase_rows(layout, phase)
-        self._done: dict[str, np.ndarray] = {}
-        self._heads, self._wants = row_plan(layout, loaded.shapes)  # per row: crc32 head, numeric size
-        self._checked = check_unread
-        if check_unread:
-            for j in layout.phases[phase]:
-                self._check(j)
-
-    def _check(self, j: int) -> None:
-        loaded = self._loaded
-        if zlib.crc32(loaded.mv[loaded.offsets[j]:loaded.offsets[j + 1]],
-                      zlib.crc32(self._heads[j], loaded.step_crc)) != loaded.crcs[j]:
-            raise TraceError(f"{self._ix.path}: step {self._step}: view {self._layout.views[j]!r} "
-                             f"(phase {self._phase!r}): corrupt data (crc32 mismatch)")
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        value = self._done.get(name)
-        if value is None:
-            j, loaded = self._rows[name], self._loaded
-            if not self._checked:
-                self._check(j)
-            start, stop = loaded.offsets[j], loaded.offsets[j + 1]
-            if stop - start == self._wants[j]:  # a numeric row that fits: a view of the map, as _decode's
-                value = np.ndarray(loaded.shapes[j], self._layout.dtypes[j], loaded.u8, start)
-            else:
-                value = _decode_row(self._ix, self._step, self._phase, name, self._layout, j, loaded.shapes[j],
-                                    loaded.u8[start:stop])
-            self._done[name] = value
-        return value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._rows)
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._rows
-
-    def get(self, name: str, default: Any = None) -> Any:  # Mapping's catches the KeyError of a miss
-        return self[name] if name in self._rows else default
 
 
 def _resolve_run_dir(path: str | os.PathLike) -> Path:

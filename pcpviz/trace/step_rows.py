@@ -27,8 +27,8 @@ from .index import RankIndex
 def decode_step_rows(ix: RankIndex, i: int, shared: dict, *, slow_row: Callable, whole: bool = False) -> list:
     """The arrays of every row of step ``ix.steps[i]``, in row order. ``shared``: (row prefix,
     shape, crc32) -> (payload bytes, array) of the rows other ranks decoded in this step (added
-    to); ``slow_row(ix, step, phase, view, layout, j, shape, stored)``: a string row, or a
-    numeric one that does not fit its dtype and shape (``reader``'s ``_decode_row``); ``whole``:
+    to); ``slow_row(ix, layout, j, step=, shape=, stored=)``: a string row, or a
+    numeric one that does not fit its dtype and shape (``row_views.decode_row``); ``whole``:
     first look for a batch of the same bytes (``_WHOLE``: two runs of one step, not two ranks,
     whose rank-local rows differ)."""
     loaded = ix.batch(i)
@@ -62,7 +62,7 @@ def decode_step_rows(ix: RankIndex, i: int, shared: dict, *, slow_row: Callable,
         if stop - start == want:  # a numeric row that fits its dtype and shape
             value = ndarray(shape, dt, u8, start)  # read-only: u8 is
         else:
-            value = slow_row(ix, step, layout.phase_of[j], layout.views[j], layout, j, shape, u8[start:stop])
+            value = slow_row(ix, layout, j, step=step, shape=shape, stored=u8[start:stop])
         out.append(value)
         shared[key] = (stored, value)
     if batch_key is not None:

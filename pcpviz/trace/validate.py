@@ -253,7 +253,7 @@ def _too_wide(trace: Any, r: int, steps: list[int], k: int) -> tuple[int, tuple[
         if not trace.has(step, r, S.PHASE_VERIFY):
             continue
         if shape_of is not None:
-            width = shape_of(step, r, S.PHASE_VERIFY, "sampled_token_ids")
+            width = shape_of(step, r, S.PHASE_VERIFY, view="sampled_token_ids")
         else:
             rec = trace.record(step, r, S.PHASE_VERIFY)
             width = np.asarray(rec["sampled_token_ids"]).shape if "sampled_token_ids" in rec else None

@@ -131,7 +131,7 @@ def test_acceptance_counted_in_the_comparison_is_acceptance_of_each_run(tmp_path
     report = D.diff_traces(a, b)
     assert any("matched to a's by their prompts" in n for n in report.notes)
     assert not any("batched the requests differently" in n for n in report.notes)  # read renamed: one schedule
-    tb = D._RenamedRequests(pt.open(b), {f"other-{r}": r for r in D.request_keys(pt.open(a))})
+    tb = D.RenamedRequests(pt.open(b), {f"other-{r}": r for r in D.request_keys(pt.open(a))})
     for got, want in ((report.acceptance_a, D.acceptance(pt.open(a))), (report.acceptance_b, D.acceptance(tb))):
         assert got.to_dict() == want.to_dict()
     assert set(report.acceptance_b.per_request) == set(report.acceptance_a.per_request)

@@ -94,5 +94,5 @@ def test_validate_finds_a_verify_wider_than_k_plus_one_from_the_index(tmp_path):
     width = list(np.asarray(t.record(step, 0, "verify")["sampled_token_ids"]).shape)
     assert any(f"step {step} rank 0 samples 4 tokens per request (verify sampled_token_ids {width}), i.e. K=3" in m
                for m in problems), problems
-    assert t.view_shape(step, 0, "verify", "sampled_token_ids") == tuple(width)
-    assert t.view_shape(step, 0, "verify", "no_such_view") is None
+    assert t.view_shape(step, 0, "verify", view="sampled_token_ids") == tuple(width)
+    assert t.view_shape(step, 0, "verify", view="no_such_view") is None

@@ -17,6 +17,7 @@ from hypothesis.extra import numpy as hnp
 
 import pcpviz.trace as pt
 from pcpviz.trace import reader as reader_mod
+from pcpviz.trace import row_views as row_views_mod
 from pcpviz.trace import schema as S
 from pcpviz.trace import writer as W
 
@@ -498,8 +499,9 @@ def test_lazy_record_checks_every_row_and_decodes_what_is_read(tmp_path, monkeyp
     rank0 = tmp_path / "rank0.arrow"
     t = pt.open(tmp_path)
     calls = []
-    real = reader_mod._decode_row
-    monkeypatch.setattr(reader_mod, "_decode_row", lambda *a: calls.append(a[3]) or real(*a))
+    real = row_views_mod.decode_row
+    monkeypatch.setattr(row_views_mod, "decode_row", lambda ix, layout, j, **kw: calls.append(layout.views[j])
+                        or real(ix, layout, j, **kw))
     rec = t.lazy_record(3, 0, "target")
     assert calls == [] and set(rec) == {"positions", "req_ids", "seq_lens"} and "seq_lens" in rec
     assert rec["seq_lens"].tolist() == [6, 4] and calls == []  # a numeric row that fits: a view of the map
