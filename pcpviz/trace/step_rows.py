@@ -33,14 +33,16 @@ def decode_step_rows(ix: RankIndex, i: int, shared: dict, *, slow_row: Callable,
     whose rank-local rows differ)."""
     loaded = ix.batch(i)
     layout, step = ix.layouts[i], int(ix.steps[i])
-    crcs, batch_key, before = loaded.crcs, None, None
+    crcs, keys, before = loaded.crcs, (), None
     if whole:
-        batch_key = (_WHOLE, loaded.values.size, crcs[0] if crcs else None)
-        for prefixes, seen, arrays in shared.get(batch_key, ()):
+        keys = ((_WHOLE, loaded.values.size, tuple(crcs)), (_WHOLE, loaded.values.size))
+        for prefixes, seen, arrays in shared.get(keys[0], ()):  # the same crc32s: the same bytes?
+            if prefixes == layout.prefixes and seen.shapes == loaded.shapes and seen.values.equals(loaded.values):
+                return list(arrays)  # every row as another run recorded it: its arrays
+        for prefixes, seen, arrays in shared.get(keys[1], ())[:_RUNS_TRIED]:  # the same size: rows alike?
             if prefixes == layout.prefixes and seen.shapes == loaded.shapes and seen.offsets == loaded.offsets:
-                if seen.crcs == crcs and seen.values.equals(loaded.values):
-                    return list(arrays)  # every row as another run recorded it: its arrays
-                before = before or _same_runs(seen, loaded, arrays)
+                before = _same_runs(seen, loaded, arrays)
+                break
     u8, mv, offsets, step_crc = loaded.u8, loaded.mv, loaded.offsets, loaded.step_crc
     heads, wants = row_plan(layout, loaded.shapes)  # per row: its crc32 head, a numeric row's size
     out: list = []
@@ -65,8 +67,8 @@ def decode_step_rows(ix: RankIndex, i: int, shared: dict, *, slow_row: Callable,
             value = slow_row(ix, layout, j, step=step, shape=shape, stored=u8[start:stop])
         out.append(value)
         shared[key] = (stored, value)
-    if batch_key is not None:
-        shared.setdefault(batch_key, []).append((layout.prefixes, loaded, out))
+    for key in keys:
+        shared.setdefault(key, []).append((layout.prefixes, loaded, out))
     return out
 
 
@@ -90,9 +92,13 @@ def _same_runs(seen: Loaded, loaded: Loaded, arrays: list) -> list:
 
 
 _WHOLE = "whole batch"
-"""The first item of a ``shared`` key naming whole batches: (``_WHOLE``, payload size, first
-crc32) -> [(row prefixes, the loaded batch, its arrays by row)] of the batches decoded in the
-step. A batch of the same index and bytes as one of them (another run's, in ``diff``) is that
-batch's arrays, in one comparison of the payload buffers instead of one per row; one of the same
-rows and offsets whose bytes differ somewhere takes that batch's arrays for each run of rows
-whose crc32s and bytes are the same (``_same_runs``)."""
+"""The first item of the ``shared`` keys naming whole batches: (``_WHOLE``, payload size, crc32s)
+and (``_WHOLE``, payload size) -> [(row prefixes, the loaded batch, its arrays by row)] of the
+batches decoded in the step. A batch of the same index and bytes as one of them (another run's,
+in ``diff``) is that batch's arrays, in one comparison of the payload buffers instead of one per
+row; one of the same rows and offsets whose bytes differ somewhere takes the arrays of one such
+batch for each run of rows whose crc32s and bytes are the same (``_same_runs``)."""
+
+_RUNS_TRIED = 2
+"""Batches of the same size tried for ``_same_runs``, at most: at PCP=64 a step has 128 batches of
+one size (both runs' ranks), and trying each would cost more than decoding the rows."""
