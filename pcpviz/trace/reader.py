@@ -221,12 +221,8 @@ class Trace:
         this before it decodes a record. ``KeyError`` as ``record()``'s."""
         if self.version < 2:  # schema.upgrade_views renames an old trace's views: decode to know
             return frozenset(self.record(step, rank, phase))
-        ix, i = self._entry(step, rank)
-        layout = ix.layouts[i]
-        if phase not in layout.phases:
-            raise KeyError(f"phase {phase!r} not recorded at step {step} on rank {rank} "
-                           f"(phases: {', '.join(layout.phases)})")
-        return view_names_of(layout, phase)
+        ix, i = self._phase_entry(step, rank, phase)
+        return view_names_of(ix.layouts[i], phase)
 
     def views_anywhere(self, phase: str) -> frozenset[str]:
         """The names of the views ``phase`` records at some step on some rank, read from the steps'
@@ -254,12 +250,8 @@ class Trace:
         if self.version < 2:  # schema.upgrade_views may reshape an old trace's views: decode to know
             rec = self.record(step, rank, phase)
             return tuple(np.asarray(rec[view]).shape) if view in rec else None
-        ix, i = self._entry(step, rank)
-        layout = ix.layouts[i]
-        if phase not in layout.phases:
-            raise KeyError(f"phase {phase!r} not recorded at step {step} on rank {rank} "
-                           f"(phases: {', '.join(layout.phases)})")
-        j = phase_rows(layout, phase).get(view)
+        ix, i = self._phase_entry(step, rank, phase)
+        j = phase_rows(ix.layouts[i], phase).get(view)
         return None if j is None else ix.shapes[i][j]
 
     def record(self, step: int, rank: int, phase: str) -> Record:
@@ -270,10 +262,7 @@ class Trace:
             if rec is not None:
                 self._cache.move_to_end(key)
                 return rec
-        ix, i = self._entry(step, rank)
-        if phase not in ix.layouts[i].phases:
-            raise KeyError(f"phase {phase!r} not recorded at step {step} on rank {rank} "
-                           f"(phases: {', '.join(ix.layouts[i].phases)})")
+        ix, i = self._phase_entry(step, rank, phase)
         views = S.upgrade_views(self.version, phase, self._decode(ix, i, phase, share=True))
         rec = Record(int(step), int(rank), phase, MappingProxyType(dict(views)), pcp=self._pcp)
         with self._lock:
@@ -325,6 +314,14 @@ class Trace:
         if i is None:
             raise KeyError(f"step {step!r} not recorded on rank {rank} "
                            f"(rank {rank} has steps {steps_summary(info.steps)})")
+        return ix, i
+
+    def _phase_entry(self, step: int, rank: int, phase: str) -> tuple[RankIndex, int]:
+        """``_entry``, and ``KeyError`` naming the step's phases where it lacks ``phase``."""
+        ix, i = self._entry(step, rank)
+        if phase not in ix.layouts[i].phases:
+            raise KeyError(f"phase {phase!r} not recorded at step {step} on rank {rank} "
+                           f"(phases: {', '.join(ix.layouts[i].phases)})")
         return ix, i
 
     def step_records(self, step: int, rank: int) -> dict[str, Record]:

@@ -37,7 +37,8 @@ def decode_step_rows(ix: RankIndex, i: int, shared: dict, *, slow_row: Callable,
     if whole:
         keys = ((_WHOLE, loaded.values.size, tuple(crcs)), (_WHOLE, loaded.values.size))
         for prefixes, seen, arrays in shared.get(keys[0], ()):  # the same crc32s: the same bytes?
-            if prefixes == layout.prefixes and seen.shapes == loaded.shapes and seen.values.equals(loaded.values):
+            if prefixes == layout.prefixes and seen.shapes == loaded.shapes and seen.offsets == loaded.offsets \
+                    and seen.values.equals(loaded.values):
                 return list(arrays)  # every row as another run recorded it: its arrays
         for prefixes, seen, arrays in shared.get(keys[1], ())[:_RUNS_TRIED]:  # the same size: rows alike?
             if prefixes == layout.prefixes and seen.shapes == loaded.shapes and seen.offsets == loaded.offsets:
