@@ -24,7 +24,7 @@ import pyarrow as pa
 from . import schema as S
 from .errors import TraceError
 
-__all__ = ["Layout", "Loaded", "BatchParsers", "TailDamage", "check_batch", "load", "one_line", "phase_rows",
+__all__ = ["Layout", "Loaded", "BatchParsers", "TailDamage", "check_batch", "load", "load_at", "one_line", "phase_rows",
            "same_bytes"]
 
 _CACHE_MAX = 4096  # distinct name / shape columns remembered while scanning
@@ -230,9 +230,10 @@ def _index_crc(step: int, fmt: bytes, sizes: np.ndarray, crcs: np.ndarray) -> in
 
 
 def check_batch(path: Path, batch: pa.RecordBatch, *, steps_so_far: list[int],
-                parsers: "BatchParsers") -> tuple[int, Layout, tuple]:
+                parsers: "BatchParsers", base: int = 0) -> tuple[int, Layout, tuple, tuple[int, int, int, int]]:
     """Check a parsed batch (the file's ``len(steps_so_far)``-th); returns (step, layout, each row's
-    shape: one tuple shared by the batches of the same shape column).
+    shape: one tuple shared by the batches of the same shape column, where its buffers lie:
+    ``_where``'s four positions, relative to the address ``base`` of the mapped file).
 
     Raises ``TailDamage`` when the step's index fails its checksum (the bytes were damaged) and
     ``TraceError`` when an intact step says something wrong (the producer wrote it so)."""
@@ -273,9 +274,17 @@ def check_batch(path: Path, batch: pa.RecordBatch, *, steps_so_far: list[int],
     if names.layout is not None and shapes.error is None:
         rows, want = parsers.sizes_of(names, shapes, memo=memo)
         if np.array_equal(sizes[rows], want):
-            return step, names.layout, shapes.shapes
+            return step, names.layout, shapes.shapes, _where(bufs, base)
     _check_rows(f"{path}: step {step}", batch, names, shapes, sizes)
-    return step, names.layout, shapes.shapes
+    return step, names.layout, shapes.shapes, _where(bufs, base)
+
+
+def _where(bufs: list, base: int) -> tuple[int, int, int, int]:
+    """(payload offsets at, payloads at, payload bytes, crc32s at): byte positions in the mapped
+    file (``base``: its address) of what ``load_at`` reads; payloads at -1 when there are none."""
+    data = bufs[_DATA]
+    return (bufs[_DATA_OFF].address - base, -1 if data is None else data.address - base,
+            0 if data is None else data.size, bufs[_CRC].address - base)
 
 
 def _check_rows(where: str, batch: pa.RecordBatch, names: _Names, shapes: _Shapes, sizes: np.ndarray) -> None:
@@ -402,13 +411,31 @@ def load(batch: pa.RecordBatch, step: int) -> Loaded:
             _SHAPES.clear()
         _SHAPES[key] = shapes
     values = bufs[_DATA] if bufs[_DATA] is not None else _EMPTY
-    u8 = np.frombuffer(values, dtype=np.uint8)
-    u8.flags.writeable = False
     offsets = _array(bufs[_DATA_OFF], np.int64, n + 1)
     if n and int(_array(bufs[_STEP], np.int64, 1)[0]) != step:
         raise ValueError(f"its rows say step {int(_array(bufs[_STEP], np.int64, 1)[0])}")
-    return Loaded(shapes, _array(bufs[_CRC], np.uint32, n).tolist(), offsets.tolist(),
-                  values, u8, zlib.crc32(f"{step}\0".encode("utf-8")), memoryview(u8), offsets)
+    return _loaded(shapes, _array(bufs[_CRC], np.uint32, n), offsets, values, step)
+
+
+def load_at(buffer: pa.Buffer, where: tuple[int, int, int, int], shapes: tuple, step: int) -> Loaded:
+    """``load`` of a batch that the open walk checked (``check_batch``), read from the mapped file
+    ``buffer`` at the positions the walk kept (``where``), without parsing the message again. A
+    payload offset outside the payloads raises ValueError (the file changed since it was opened;
+    changed payload bytes fail their crc32 when read)."""
+    offs_at, data_at, size, crc_at = where
+    n = len(shapes)
+    offsets = np.frombuffer(buffer, np.int64, n + 1, offs_at)  # int64[n+1]
+    if n and (int(offsets[0]) < 0 or int(offsets[-1]) > size or (offsets[1:] < offsets[:-1]).any()):
+        raise ValueError("payload offsets outside the payloads")
+    values = _EMPTY if data_at < 0 else buffer.slice(data_at, size)
+    return _loaded(shapes, np.frombuffer(buffer, np.uint32, n, crc_at), offsets, values, step)
+
+
+def _loaded(shapes: tuple, crcs: np.ndarray, offsets: np.ndarray, values: pa.Buffer, step: int) -> Loaded:
+    u8 = np.frombuffer(values, dtype=np.uint8)
+    u8.flags.writeable = False
+    return Loaded(shapes, crcs.tolist(), offsets.tolist(), values, u8, zlib.crc32(f"{step}\0".encode("utf-8")),
+                  memoryview(u8), offsets)
 
 
 def same_bytes(a: memoryview, b: memoryview) -> bool:

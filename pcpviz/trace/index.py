@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import schema as S
-from .batches import BatchParsers, Layout, Loaded, TailDamage, check_batch, load, one_line
+from .batches import BatchParsers, Layout, Loaded, TailDamage, check_batch, load, load_at, one_line
 from .errors import TraceError
 from .runmeta import check_version, open_for_reading
 
@@ -104,10 +104,13 @@ class MapBudget:
 class RankIndex:
     """Where each step of one rank file lies: ``steps`` int64[n] (increasing), ``starts`` and
     ``ends`` int64[n] (its message's bytes in the mapped file), ``layouts`` (one per step,
-    shared) and ``shapes`` (each step's row shapes, shared by the steps of one shape column)."""
+    shared), ``shapes`` (each step's row shapes, shared by the steps of one shape column) and
+    ``where`` int64[n, 4] (where its batch's payload offsets, payloads and crc32s lie in the
+    mapped file, ``batches.load_at``; None: parse the message again when it is read)."""
 
     def __init__(self, path: Path, buffer: pa.Buffer, mapped: mmap.mmap | None, schema: pa.Schema | None,
-                 steps: list[int], bounds: list[tuple[int, int]], layouts: list[Layout], shapes: list[tuple]):
+                 steps: list[int], bounds: list[tuple[int, int]], layouts: list[Layout], shapes: list[tuple], *,
+                 where: np.ndarray | None = None):
         self.path = path
         self.buffer = buffer  # the whole mapped file
         self.mapped = mapped
@@ -117,6 +120,7 @@ class RankIndex:
         self.ends = np.array([b[1] for b in bounds], dtype=np.int64)  # int64[n]
         self.layouts = layouts
         self.shapes = shapes
+        self.where = where
         self._last: tuple[int, Loaded] | None = None
         self._found = -1  # the position ``find`` last returned: the next look-up tries the one after
         self.budget = MapBudget([self])  # ``reader.open`` makes every rank of a trace share one
@@ -151,6 +155,14 @@ class RankIndex:
         start, end = int(self.starts[i]), int(self.ends[i])
         step = int(self.steps[i])
         self.budget.spend(end - start)
+        if self.where is not None and self.where[i, 0] >= 0:  # the walk kept where its buffers lie: no parse
+            try:
+                loaded = load_at(self.buffer, self.where[i].tolist(), self.shapes[i], step)
+            except ValueError as exc:
+                raise TraceError(f"{self.path}: step {step}: its record batch changed since the trace "
+                                 f"was opened ({one_line(exc)})") from None
+            self._last = (i, loaded)
+            return loaded
         try:
             batch = pa.ipc.read_record_batch(self.buffer.slice(start, end - start), self.schema)
             batch.validate(full=True)
@@ -193,8 +205,20 @@ def _map(fd: int, size: int) -> tuple[pa.Buffer, mmap.mmap | None]:
     return pa.py_buffer(mm), mm
 
 
+_UNKNOWN = (-1, -1, -1, -1)
+"""``RankIndex.where`` of a batch whose buffers do not lie in its message's bytes (Arrow copied
+them): read by parsing its message again."""
+
+
+def _inside(at: tuple[int, int, int, int], start: int, end: int) -> bool:
+    """The buffers ``at`` (``batches.check_batch``'s positions) lie in the message's bytes."""
+    offs, data, size, crcs = at
+    return start <= offs < end and start <= crcs < end and (data == -1 or start <= data <= data + size <= end)
+
+
 def _walk(path: Path, source: pa.BufferReader, reader, good: int, steps: list[int],
-          bounds: list[tuple[int, int]], layouts: list[Layout], shapes: list[tuple], mapped: mmap.mmap | None) -> int:
+          bounds: list[tuple[int, int]], layouts: list[Layout], shapes: list[tuple], mapped: mmap.mmap | None, *,
+          where: list[tuple[int, int, int, int]], base: int) -> int:
     """Index every batch after the schema; returns the bytes of complete messages."""
     parsers = BatchParsers()
     trimmed = good
@@ -210,7 +234,7 @@ def _walk(path: Path, source: pa.BufferReader, reader, good: int, steps: list[in
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise TailDamage(f"unreadable data at byte {good} ({one_line(exc)})") from None
         try:
-            step, layout, step_shapes = check_batch(path, batch, steps_so_far=steps, parsers=parsers)
+            step, layout, step_shapes, at = check_batch(path, batch, steps_so_far=steps, parsers=parsers, base=base)
         except TraceError:
             raise
         except Exception as exc:  # parsed by Arrow, yet damaged
@@ -220,6 +244,7 @@ def _walk(path: Path, source: pa.BufferReader, reader, good: int, steps: list[in
         bounds.append((good, end))
         layouts.append(layout)
         shapes.append(step_shapes)
+        where.append(at if _inside(at, good, end) else _UNKNOWN)
         good = end
 
 
@@ -239,6 +264,7 @@ def scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankIndex, dict
     bounds: list[tuple[int, int]] = []
     layouts: list[Layout] = []
     shapes: list[tuple] = []
+    places: list[tuple[int, int, int, int]] = []
     good, closed, finalizes, note, schema = 0, False, False, None, None
     try:
         _check_header_bytes(path, size, head)
@@ -249,7 +275,8 @@ def scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankIndex, dict
         schema = reader.schema
         finalizes = _check_schema(path, rank, schema, version)
         good = source.tell()
-        good = _walk(path, source, reader, good, steps, bounds, layouts, shapes, mapped)
+        good = _walk(path, source, reader, good, steps, bounds, layouts, shapes, mapped, where=places,
+                     base=buffer.address)
         end = source.tell()
         closed = end - good == len(EOS)
         good = end
@@ -261,7 +288,8 @@ def scan_rank_file(path: Path, rank: int, version: int) -> tuple[RankIndex, dict
         note = (f"{path}: {damage}; last complete step: {last}; "
                 f"{size - good} trailing bytes not read")
     _trim(mapped)
-    index = RankIndex(path, buffer, mapped, schema, steps, bounds, layouts, shapes)
+    index = RankIndex(path, buffer, mapped, schema, steps, bounds, layouts, shapes,
+                      where=np.array(places, dtype=np.int64).reshape(len(places), 4))
     return index, dict(size=size, good_bytes=good, closed=closed, finalizes=finalizes), note
 
 
@@ -366,14 +394,14 @@ def _packed(result):
         return result
     ix, facts, note = result
     return (ix.path, ix.schema, ix.steps.tolist(), list(zip(ix.starts.tolist(), ix.ends.tolist())), ix.layouts,
-            ix.shapes, facts, note)
+            ix.shapes, ix.where, facts, note)
 
 
 def _unpacked(sent):
     """The index a child built, over this process's own map of the file (``AGAIN``: the file is shorter now)."""
     if isinstance(sent, BaseException):
         return sent
-    path, schema, steps, bounds, layouts, shapes, facts, note = sent
+    path, schema, steps, bounds, layouts, shapes, where, facts, note = sent
     fd = open_for_reading(path)
     try:
         if os.fstat(fd).st_size < facts["size"]:
@@ -381,7 +409,7 @@ def _unpacked(sent):
         buffer, mapped = _map(fd, facts["size"])
     finally:
         os.close(fd)
-    return RankIndex(path, buffer, mapped, schema, steps, bounds, layouts, shapes), facts, note
+    return RankIndex(path, buffer, mapped, schema, steps, bounds, layouts, shapes, where=where), facts, note
 
 
 def scan_rank_files(paths: list[tuple[int, Path]], version: int):

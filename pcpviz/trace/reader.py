@@ -215,6 +215,12 @@ class Trace:
         i = None if ix is None else ix.find(step)
         return i is not None and phase in ix.layouts[i].phases
 
+    def step_bytes(self, step: int, rank: int) -> int:
+        """Bytes of the record batch of ``step`` on ``rank`` in its file, as the index says (its
+        payloads and their index): what reading the step costs, known without reading it."""
+        ix, i = self._entry(step, rank)
+        return int(ix.ends[i]) - int(ix.starts[i])
+
     def view_names(self, step: int, rank: int, phase: str) -> frozenset[str]:
         """The names of the views ``phase`` recorded at ``step`` on ``rank``, read from the step's
         index (no payload read, no crc32 checked): a pass that wants a view few steps record asks

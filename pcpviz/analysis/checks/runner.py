@@ -43,8 +43,8 @@ BLOCK_STEPS = 256
 """Steps read at once, at most: the bulk rules' columns span them (memory: their records)."""
 
 BLOCK_BYTES = 16 << 20
-"""Bytes of views a block holds, at most (past them the block ends after its step): a block of
-large steps (a long prompt, PCP=64) is a few steps, or one."""
+"""Bytes of record batches a block holds, at most (``Trace.step_bytes``; past them the block ends
+after its step): a block of large steps (a long prompt, PCP=64) is a few steps, or one."""
 
 
 BULK_MIN_STEPS = 64
@@ -52,7 +52,7 @@ BULK_MIN_STEPS = 64
 pays over many steps (a PCP=64 trace of 40 steps is checked as fast per step)."""
 
 BULK_RANK_STEP_BYTES = 1 << 20
-"""Bytes of views per (step, rank) past which a block is checked per step (no bulk rules): the
+"""Bytes of record batch per (step, rank) past which a block is checked per step (no bulk rules): the
 rules pay on many small steps, while a step of a million tokens is checked as fast per step,
 where a rank-independent check is judged once a step."""
 
@@ -66,12 +66,6 @@ CHUNK_MIN_STEPS = 8
 """Steps a run of steps has at least, where the trace has few (a PCP=64 trace of 40 steps checked
 by the HTML export in two processes: two runs per worker, not eight): each run reads the step
 before it again, as its history."""
-
-
-def _view_bytes(sv: StepView) -> int:
-    """Bytes of the views of one step, every rank."""
-    return sum(a.nbytes for phases in sv.recs.values() for rec in phases.values()
-               for a in getattr(rec, "views", rec).values())
 
 
 class _Stats:
@@ -261,7 +255,7 @@ def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: l
         while i < len(steps) and len(block) < BLOCK_STEPS and held < BLOCK_BYTES:
             prev = _step_view(trace, steps[i], prev, rank_steps, last)
             block.append(prev)
-            held += _view_bytes(prev)
+            held += sum(trace.step_bytes(prev.step, r) for r in prev.recs)
             i += 1
         big = mode == "on" and (held > BULK_RANK_STEP_BYTES * len(block) * max(1, len(trace.ranks))
                                 or len(block) < BULK_MIN_STEPS)
