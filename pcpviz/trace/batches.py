@@ -417,7 +417,7 @@ def load(batch: pa.RecordBatch, step: int) -> Loaded:
     return _loaded(shapes, _array(bufs[_CRC], np.uint32, n), offsets, values, step)
 
 
-def load_at(buffer: pa.Buffer, where: tuple[int, int, int, int], shapes: tuple, step: int) -> Loaded:
+def load_at(buffer: pa.Buffer, where: tuple[int, int, int, int], shapes: tuple, *, step: int) -> Loaded:
     """``load`` of a batch that the open walk checked (``check_batch``), read from the mapped file
     ``buffer`` at the positions the walk kept (``where``), without parsing the message again. A
     payload offset outside the payloads raises ValueError (the file changed since it was opened;

@@ -6,8 +6,9 @@ checks what the reader's policy says open checks (``reader``'s module doc): fram
 column, the index checksum ``step_crc32`` and the rows' names, dtypes, shapes and sizes. What it
 keeps is small and independent of the payloads: per step its number, the byte range of its
 message and its ``Layout`` (the names part of the index, shared by every step with the same
-rows), so a 100,000-step trace indexes in a few MB. A step's batch is read again (zero-copy)
-when its payloads are decoded (``RankIndex.batch``).
+rows) and where its batch's payload offsets, payloads and crc32s lie, so a 100,000-step trace
+indexes in a few MB. A step's batch is read from there (zero-copy, no second parse of its Arrow
+message: ``RankIndex.batch``, ``batches.load_at``) when its payloads are decoded.
 
 What one batch is checked for, and how cheaply, is ``batches``.
 """
@@ -157,7 +158,7 @@ class RankIndex:
         self.budget.spend(end - start)
         if self.where is not None and self.where[i, 0] >= 0:  # the walk kept where its buffers lie: no parse
             try:
-                loaded = load_at(self.buffer, self.where[i].tolist(), self.shapes[i], step)
+                loaded = load_at(self.buffer, self.where[i].tolist(), self.shapes[i], step=step)
             except ValueError as exc:
                 raise TraceError(f"{self.path}: step {step}: its record batch changed since the trace "
                                  f"was opened ({one_line(exc)})") from None

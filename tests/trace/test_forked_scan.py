@@ -25,7 +25,8 @@ def _forked(monkeypatch, on: bool) -> None:
 def _summary(path):
     t = pt.open(path)
     ix = {r: (t._index[r].steps.tolist(), t._index[r].starts.tolist(), t._index[r].ends.tolist(),
-              [(dict(L.phases), L.views, L.tags, L.dtypes, L.prefixes) for L in t._index[r].layouts])
+              [(dict(L.phases), L.views, L.tags, L.dtypes, L.prefixes) for L in t._index[r].layouts],
+              t._index[r].where.tolist())
           for r in t.ranks}
     report = run_checks(t, workers=1).to_dict()
     report.pop("seconds")
