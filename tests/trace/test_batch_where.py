@@ -62,7 +62,7 @@ def test_offsets_changed_after_open_are_a_one_line_error(tmp_path):
     n = len(ix.shapes[2])
     rank_file = Path(ix.path)
     data = bytearray(rank_file.read_bytes())
-    data[offs_at + 8 * n: offs_at + 8 * (n + 1)] = (size + 64).to_bytes(8, "little")  # the last offset past the payloads
+    data[offs_at + 8 * n: offs_at + 8 * (n + 1)] = (size + 64).to_bytes(8, "little")  # last offset: past the payloads
     with open(rank_file, "r+b") as fh:  # in place: the open trace's map sees it
         fh.write(data)
     ix._last = None

@@ -28,6 +28,7 @@ from . import collective_checks, consumed_checks, dcp_checks
 from .columns import Block, bulk_mode, decide, decide_arrays
 from .context import DEFS, Fail, Skip, Ctx, StepFold, StepView
 from .report import FAIL, PASS, SKIPPED, CheckReport, CheckResult, Violation
+from .token_columns import token_counts_ok
 
 CHECK_MODULES = (layout_checks, draft_checks, handoff_checks, consumed_checks, graph_checks, collective_checks,
                  dcp_checks, step_checks)
@@ -127,9 +128,11 @@ def _run_one(d, ctx: Ctx, st: _Stats, memo: list) -> None:
 
 
 def _step_view(trace: Trace, step: int, prev: StepView | None, rank_steps: Mapping[int, set],
-               last: Mapping[int, int | None]) -> StepView:
+               last: Mapping[int, int | None], *, defer: bool = False) -> StepView:
     """One step's records on every rank that has it, with each rank's bounds problems cached
-    (``views_in_bounds``; a malformed (step, rank) is reported by that check only)."""
+    (``views_in_bounds``; a malformed (step, rank) is reported by that check only). ``defer``:
+    where the rows are within bounds (``rows_clean``) the token counts are left to judge
+    (``_PENDING``, ``_settle_token_counts``)."""
     recs, clean = {}, {}
     for r in trace.ranks:
         if step in rank_steps[r]:
@@ -138,8 +141,38 @@ def _step_view(trace: Trace, step: int, prev: StepView | None, rank_steps: Mappi
     sv = StepView(step, recs, prev, missing)
     memo: dict = {}
     for r in recs:
-        sv.cache[("bounds", r)] = step_problems(recs[r], memo=memo, clean=clean[r])
+        sv.cache[("bounds", r)] = _PENDING if defer and clean[r] else step_problems(recs[r], memo=memo, clean=clean[r])
     return sv
+
+
+_PENDING = ("the token counts are left to judge",)
+"""A step's bounds problems while only its token counts are left to judge (``_step_view``'s
+``defer``): ``_settle_token_counts`` replaces it before any check reads it."""
+
+
+def _settle_token_counts(b: Block, ranks: Sequence[int], *, bulk: bool) -> None:
+    """Replace each ``_PENDING`` of the block: no problem where ``token_counts_ok`` says the
+    token counts agree (``bulk``), else ``step_problems``' word (the rows are clean). With
+    ``PCPVIZ_BULK=verify``, AssertionError where the two disagree."""
+    ok = {}
+    verify = bulk_mode() == "verify"
+    if bulk:
+        for r in ranks:
+            try:
+                ok[r] = token_counts_ok(b, r)
+            except Exception:  # noqa: BLE001 - undecided: judged step by step
+                pass
+    for i, sv in enumerate(b.svs):
+        memo: dict = {}
+        for r, rec in sv.recs.items():
+            if sv.cache[("bounds", r)] is _PENDING:
+                sure = r in ok and bool(ok[r][i])
+                if sure and verify:
+                    said = step_problems(rec, memo=memo, clean=True)
+                    if said:
+                        raise AssertionError(f"token_counts_ok says step {sv.step} rank {r} agrees; "
+                                             f"step_problems gives {said!r}")
+                sv.cache[("bounds", r)] = [] if sure else step_problems(rec, memo=memo, clean=True)
 
 
 def _check_step(sv: StepView, defs: list, run_meta: RunMeta, stats: dict[str, _Stats],
@@ -188,21 +221,21 @@ def _verify_rule(d, ctx: Ctx, said: Any) -> None:
                              f"the check gives {got!r}")
 
 
-def _block_sure(block: list[StepView], defs: list, run_meta: RunMeta, ranks: Sequence[int]) -> list[dict]:
-    """Per step of ``block``: check name -> rank -> True or a skip reason (``columns.decide``);
+def _block_sure(b: Block, defs: list, ranks: Sequence[int]) -> list[dict]:
+    """Per step of block ``b``: check name -> rank -> True or a skip reason (``columns.decide``);
     empty dicts when the rules are off or no ranks are given."""
     if bulk_mode() == "off":
-        return [{} for _ in block]
-    return decide(Block(block, run_meta), [d.name for d in defs], ranks)
+        return [{} for _ in range(len(b))]
+    return decide(b, [d.name for d in defs], ranks)
 
 
-def _check_block(block: list[StepView], defs: list, run_meta: RunMeta, stats: dict[str, _Stats], *,
-                 ranks: Sequence[int]) -> None:
+def _check_block(b: Block, defs: list, stats: dict[str, _Stats], *, ranks: Sequence[int]) -> None:
     """``_check_step`` on every step of ``block`` with the bulk rules' word (``decide_arrays``),
     counted in bulk: a (step, rank) runs only the checks no rule decided, in order; the passes
     the rules give are added per check at the end (counts do not depend on order; skip reasons,
     first violations and failing places are met in ``_check_step``'s order)."""
-    sure, skips = decide_arrays(Block(block, run_meta), [d.name for d in defs], ranks)
+    sure, skips = decide_arrays(b, [d.name for d in defs], ranks)
+    block, run_meta = b.svs, b.run_meta
     n = len(block)
     decided, todo = {}, {}
     for r in ranks:
@@ -253,17 +286,19 @@ def _check_steps(trace: Trace, steps: Sequence[int], before: int | None, defs: l
     while i < len(steps):
         block, held = [], 0
         while i < len(steps) and len(block) < BLOCK_STEPS and held < BLOCK_BYTES:
-            prev = _step_view(trace, steps[i], prev, rank_steps, last)
+            prev = _step_view(trace, steps[i], prev, rank_steps, last, defer=True)
             block.append(prev)
             held += sum(trace.step_bytes(prev.step, r) for r in prev.recs)
             i += 1
         big = mode == "on" and (held > BULK_RANK_STEP_BYTES * len(block) * max(1, len(trace.ranks))
                                 or len(block) < BULK_MIN_STEPS)
+        b = Block(block, run_meta)
+        _settle_token_counts(b, trace.ranks, bulk=mode != "off" and not big)
         if mode in ("on", "always") and not big and trace.ranks:
-            _check_block(block, defs, run_meta, stats, ranks=trace.ranks)
+            _check_block(b, defs, stats, ranks=trace.ranks)
             sures: list = [None] * len(block)
         else:
-            sures = _block_sure(block, defs, run_meta, [] if big else trace.ranks)
+            sures = _block_sure(b, defs, [] if big else trace.ranks)
         for sv, sure in zip(block, sures):
             if sure is not None:
                 _check_step(sv, defs, run_meta, stats, sure, verify)
