@@ -29,7 +29,7 @@ import numpy as np
 from pcpviz.analysis.parallel import PARALLEL_FROM
 from pcpviz.limits import MAX_SPECULATIVE_TOKENS
 from pcpviz.trace import TraceError
-from pcpviz.trace.acceptance import Counts, count, count_rows, json_ratio, ratio, verify_counts
+from pcpviz.trace.acceptance import Counts, count, json_ratio, ratio, verify_counts
 from pcpviz.trace.index import fork_map, fork_workers
 from pcpviz.trace.schema import rank_file_name
 
@@ -125,20 +125,33 @@ def _sums(records: Iterable[tuple[int, Mapping[str, Any]]],
 
 
 class _Sums:
-    """The running sums of ``_sums``: verify records added one at a time, in step order."""
+    """The running sums of ``_sums``: verify records added one at a time, in step order. Kept as
+    Python integers and lists (a 100,000-step trace adds 200,000 request rows; a ``Counts`` per
+    row and per addition was most of the fold), read back as ``Counts`` (``total``, ``per_req``)."""
 
     def __init__(self, k: int | None) -> None:
-        self.total = Counts()
-        self.per_req: dict[str, Counts] = {}
+        self._total: list = [0, 0, 0, []]  # drafts, draft tokens, accepted tokens, accepted per position
+        self._req: dict[str, list] = {}  # request id -> the same four, in order of first appearance
         self.steps: list[StepAcceptance] = []
         self.k = k
+
+    @property
+    def total(self) -> Counts:
+        return _counts(self._total)
+
+    @property
+    def per_req(self) -> dict[str, Counts]:
+        return {rid: _counts(sums) for rid, sums in self._req.items()}
 
     def extend(self, later: _Sums) -> None:
         """Add the sums of the run of steps right after this one's (totals, requests in order of
         first appearance, steps in order)."""
-        self.total = self.total + later.total
-        for rid, rc in later.per_req.items():
-            self.per_req[rid] = self.per_req.get(rid, Counts()) + rc
+        _add_sums(self._total, later._total)
+        for rid, sums in later._req.items():
+            mine = self._req.get(rid)
+            if mine is None:
+                mine = self._req[rid] = [0, 0, 0, []]
+            _add_sums(mine, sums)
         self.steps.extend(later.steps)
 
     def add(self, step: int, rec: Mapping[str, Any]) -> None:
@@ -147,10 +160,10 @@ class _Sums:
         self.apply(step, self.measure(step, rec))
 
     def measure(self, step: int, rec: Mapping[str, Any]) -> tuple | None:
-        """(the step's counts, its requests' counts) of one verify record, not yet added (None:
-        a record without the counts); a malformed one raises ValueError naming ``step``. A pure
-        function of the record's arrays once K is known: ranks whose verify records are the
-        same arrays share it (``AcceptanceFold.add``)."""
+        """(the step's ``StepAcceptance``, its drafting requests' (id, accepted, draft tokens)) of
+        one verify record, not yet added (None: a record without the counts); a malformed one
+        raises ValueError naming ``step``. A pure function of the record's arrays once K is known:
+        ranks whose verify records are the same arrays share it (``AcceptanceFold.add``)."""
         k = self.k
         try:
             counts = verify_counts(rec)
@@ -168,23 +181,49 @@ class _Sums:
             ids = rec["req_ids"].tolist() if "req_ids" in rec else [f"row{i}" for i in range(nd.shape[0])]
             if k is None and "sampled_token_ids" in rec and np.ndim(rec["sampled_token_ids"]) == 2:
                 k = self.k = int(np.shape(rec["sampled_token_ids"])[1]) - 1
-            _check_draft_width(nd, k)  # keeps count()'s width and the sums bounded
-            c = count(nacc, nd)
-            req_counts = [(str(ids[i]), count_rows([a], [d])) for i, (a, d) in enumerate(zip(na, nt)) if d > 0]
+            _check_draft_width(nd, k)  # keeps the widths and the sums bounded
+            rows = [(str(ids[i]), a, d) for i, (a, d) in enumerate(zip(na, nt)) if d > 0]
         except (IndexError, ValueError, TypeError, KeyError) as exc:  # a producer's malformed view
             raise ValueError(f"step {step}: verify: malformed acceptance counts: "
                              f"{' '.join(str(exc).split())}") from None
-        return c, StepAcceptance(int(step), c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens), req_counts
+        return StepAcceptance(int(step), len(rows), sum(d for _, _, d in rows), sum(a for _, a, _ in rows)), rows
 
     def apply(self, step: int, measured: tuple | None) -> None:
         """Add ``measure``'s answer for ``step`` (None: nothing)."""
         if measured is None:
             return
-        c, at_step, req_counts = measured
-        self.total = self.total + c
+        at_step, rows = measured
         self.steps.append(at_step)
-        for rid, rc in req_counts:
-            self.per_req[rid] = self.per_req.get(rid, Counts()) + rc
+        total, req = self._total, self._req
+        for rid, a, d in rows:
+            mine = req.get(rid)
+            if mine is None:
+                mine = req[rid] = [0, 0, 0, []]
+            for sums in (total, mine):
+                sums[0] += 1
+                sums[1] += d
+                sums[2] += a
+                per = sums[3]
+                if a > len(per):
+                    per.extend([0] * (a - len(per)))
+                for j in range(a):
+                    per[j] += 1
+
+
+def _counts(sums: list) -> Counts:
+    return Counts(sums[0], sums[1], sums[2], tuple(sums[3]))
+
+
+def _add_sums(into: list, other: list) -> None:
+    """``into`` += ``other`` (``_Sums``' four running sums; the per-position lists widened)."""
+    into[0] += other[0]
+    into[1] += other[1]
+    into[2] += other[2]
+    per, more = into[3], other[3]
+    if len(more) > len(per):
+        per.extend([0] * (len(more) - len(per)))
+    for j, x in enumerate(more):
+        per[j] += x
 
 
 def _finish(total: Counts, per_req: dict[str, Counts], steps: list[StepAcceptance], k: int | None, *,

@@ -110,3 +110,51 @@ def test_acceptance_in_forked_runs_of_steps_is_one_pass(tmp_path, monkeypatch, b
     monkeypatch.setattr(A, "PARALLEL_FROM", 0)
     assert result() == one
     assert isinstance(one, str) == bad and (not bad or f"step {steps[len(steps) // 2]}:" in one)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_running_sums_are_the_sum_of_each_steps_counts(seed):
+    """``acceptance_from_records`` (``_Sums``, integers kept as lists) equals adding up ``count``
+    of every step and of every request row, by ``Counts.__add__``: totals, the per-position counts
+    and their widths, the requests in order of first appearance, whether split into runs or not."""
+    from pcpviz.trace.acceptance import count
+
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 5))
+    records, total, per_req = [], A.Counts(), {}
+    for step in range(int(rng.integers(1, 40))):
+        n = int(rng.integers(0, 5))
+        nd = rng.integers(0, k + 1, n)
+        nacc = np.array([int(rng.integers(0, d + 1)) for d in nd], dtype=np.int64)
+        ids = np.array([f"r{int(x)}" for x in rng.integers(0, 6, n)])
+        _, first = np.unique(ids, return_index=True)
+        keep = np.sort(first)  # one row per request a step
+        nd, nacc, ids = nd[keep], nacc[keep], ids[keep]
+        records.append((step, {"num_accepted": nacc, "num_draft_tokens": nd, "req_ids": ids}))
+        total = total + count(nacc, nd)
+        for rid, a, d in zip(ids.tolist(), nacc.tolist(), nd.tolist()):
+            if d > 0:
+                per_req[rid] = per_req.get(rid, A.Counts()) + count([a], [d])
+    got = A.acceptance_from_records(records, k=k)
+    want = total.widened(k)
+    assert (got.num_drafts, got.num_draft_tokens, got.num_accepted_tokens) == \
+        (want.num_drafts, want.num_draft_tokens, want.num_accepted_tokens)
+    assert got.accepted_per_position == want.accepted_per_position
+    assert list(got.per_request) == list(per_req)
+    width = len(want.accepted_per_position)
+    for rid, c in per_req.items():
+        r = got.per_request[rid]
+        assert (r.num_drafts, r.num_draft_tokens, r.num_accepted_tokens) == \
+            (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens)
+        assert r.accepted_per_position == c.widened(width).accepted_per_position
+    cut = len(records) // 2  # two runs of steps added in order: the same sums
+    a, b = A._Sums(k), A._Sums(k)
+    for step, rec in records[:cut]:
+        a.add(step, rec)
+    for step, rec in records[cut:]:
+        b.add(step, rec)
+    a.extend(b)
+    whole = A._Sums(k)
+    for step, rec in records:
+        whole.add(step, rec)
+    assert (a.total, a.per_req, a.steps) == (whole.total, whole.per_req, whole.steps)
