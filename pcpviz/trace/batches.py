@@ -1,5 +1,7 @@
-"""One record batch of a rank file (one step): checked when a trace is opened (``check_batch``)
-and read for decoding (``load``).
+"""One record batch of a rank file (one step): checked when a trace is opened (``check_batch``,
+which also says where its payload offsets, payloads and crc32s lie in the mapped file) and read
+for decoding from there (``load_at``; ``load`` parses the message again where the walk could not
+place it).
 
 The work per batch is small: the names and shapes of a batch are parsed and checked once per
 distinct content of their columns (``BatchParsers``: steps with the same views and shapes share
