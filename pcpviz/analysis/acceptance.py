@@ -199,15 +199,9 @@ class _Sums:
             mine = req.get(rid)
             if mine is None:
                 mine = req[rid] = [0, 0, 0, []]
-            for sums in (total, mine):
-                sums[0] += 1
-                sums[1] += d
-                sums[2] += a
-                per = sums[3]
-                if a > len(per):
-                    per.extend([0] * (a - len(per)))
-                for j in range(a):
-                    per[j] += 1
+            one = [1, d, a, [1] * a]  # the row's own sums: one draft, accepted at positions 0 .. a-1
+            _add_sums(total, one)
+            _add_sums(mine, one)
 
 
 def _counts(sums: list) -> Counts:
